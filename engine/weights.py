@@ -1,0 +1,82 @@
+"""Loading a Hugging Face safetensors checkpoint into an already-built model.
+
+Owns: finding the checkpoint's files (`model.safetensors`, the shards of `model.safetensors.index.json`, or any
+`*.safetensors`), and copying each stored tensor into the model parameter or buffer of the same Hugging Face name,
+one tensor at a time (never the whole checkpoint in memory), converting dtype and device on the copy.
+The model owns its parameters (dtype, device, names); this module only fills them.
+Names the model must match: `model.state_dict()` keys are exactly the checkpoint's tensor names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TIED_HEAD = "lm_head.weight"
+
+
+class WeightsError(ValueError):
+    """The checkpoint's tensors do not match the model: names the folder, file or tensor at fault."""
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, in load order; every shard the index names must exist."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise WeightsError(f"{index}: shard {shard!r} is listed but {folder / shard} does not exist")
+        return [folder / shard for shard in shards]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{folder}: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
+    return files
+
+
+def _ignored(name: str, targets: dict[str, torch.Tensor]) -> bool:
+    """Tensors a checkpoint may carry that a model legitimately lacks."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == TIED_HEAD and name not in targets  # a tied model reuses the embedding
+
+
+def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Copy every checkpoint tensor into `model` in place; every model entry must be filled exactly.
+
+    Entries that share storage with a filled entry (tied embeddings in a model that keeps `lm_head.weight`
+    as an alias) count as filled. Raises `WeightsError` on an unexpected or missing tensor or a shape mismatch.
+    """
+    targets = model.state_dict()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for path in checkpoint_files(folder):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if _ignored(name, targets):
+                        continue
+                    target = targets.get(name)
+                    if target is None:
+                        raise WeightsError(f"{path}: unexpected tensor {name!r} (the model has no such entry)")
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(target.shape):
+                        raise WeightsError(f"{path}: tensor {name!r} has shape {shape} in the checkpoint "
+                                           f"but {tuple(target.shape)} in the model")
+                    target.copy_(f.get_tensor(name))
+                    loaded.add(name)
+    filled = {targets[name].data_ptr() for name in loaded}
+    missing = [n for n in targets if n not in loaded and targets[n].data_ptr() not in filled]
+    if missing:
+        raise WeightsError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) the model needs: {missing}")
