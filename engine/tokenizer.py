@@ -1,0 +1,175 @@
+"""Text <-> token ids and chat formatting for one checkpoint, without transformers.
+
+Owns: loading `tokenizer.json` with the `tokenizers` library, applying `tokenizer_config.json` the way
+transformers' fast tokenizer does (named special tokens registered as special; an explicit `add_bos_token` /
+`add_eos_token`, or a missing post-processor, rebuilds the BOS/EOS template; otherwise the post-processor of
+`tokenizer.json` decides, as in Llama 3), and rendering the chat template in a sandboxed jinja2 environment
+that mirrors transformers' (trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, `tojson`,
+`strftime_now`, `{% generation %}`, the special tokens as variables).
+Note: a Llama-3-style template already writes `bos_token`; encode its output with `add_special_tokens=False`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as Backend
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer has no chat template, or the template refused the messages."""
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers in some templates): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
+    """`chat_template.jinja` wins over the config's `chat_template` (a string, or a list of named templates)."""
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    """One checkpoint's tokenizer; immutable after construction, safe to share between requests."""
+
+    def __init__(self, backend: Backend, config: dict[str, Any], chat_template: str | None, source: str) -> None:
+        self._backend = backend
+        self._source = source
+        self.special_tokens_map: dict[str, str] = {}
+        for key in NAMED_SPECIAL_TOKENS:
+            content = _token_content(config.get(key))
+            if content is not None:
+                self.special_tokens_map[key] = content
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        extra_contents = [c for c in map(_token_content, extra) if c is not None] if isinstance(extra, list) else []
+        self._register_specials([*self.special_tokens_map.values(), *extra_contents])
+        self.bos_token_id = self._id_of(self.special_tokens_map.get("bos_token"))
+        self.eos_token_id = self._id_of(self.special_tokens_map.get("eos_token"))
+        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+            self._rebuild_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self._chat_template = _compile_template(chat_template) if chat_template is not None else None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        folder = Path(folder)
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: file not found (the engine reads tokenizers' tokenizer.json)")
+        backend = Backend.from_file(str(path))
+        config_path = folder / TOKENIZER_CONFIG_FILE
+        config: dict[str, Any] = {}
+        if config_path.is_file():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            if not isinstance(config, dict):
+                raise ValueError(f"{config_path}: expected a JSON object at top level")
+        return cls(backend, config, _chat_template_source(folder, config), str(folder))
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def _register_specials(self, contents: Sequence[str]) -> None:
+        """Named special tokens not already added as special become special added tokens (as transformers)."""
+        known = {tok.content for tok in self._backend.get_added_tokens_decoder().values() if tok.special}
+        new = [AddedToken(c, special=True, normalized=False) for c in dict.fromkeys(contents) if c not in known]
+        if new:
+            self._backend.add_special_tokens(new)
+
+    def _rebuild_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        """transformers' `update_post_processor`: `[bos] $A [eos]` from the config flags."""
+        bos, eos = self.special_tokens_map.get("bos_token"), self.special_tokens_map.get("eos_token")
+        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+        single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
+        pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+        specials = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
+        self._backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                                     special_tokens=specials)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids including added tokens (transformers' `len(tokenizer)`)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """The rendered prompt text (transformers' `apply_chat_template(..., tokenize=False)`)."""
+        if self._chat_template is None:
+            raise ChatTemplateError(f"{self._source}: the tokenizer has no chat template (neither "
+                                    f"{CHAT_TEMPLATE_FILE} nor 'chat_template' in {TOKENIZER_CONFIG_FILE})")
+        if not messages:
+            raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {**self.special_tokens_map, "tools": None, "documents": None, **template_kwargs}
+        try:
+            return self._chat_template.render(messages=chat, add_generation_prompt=add_generation_prompt,
+                                              **variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"{self._source}: chat template failed: {e}") from e
