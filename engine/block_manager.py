@@ -1,0 +1,197 @@
+"""BlockManager: owns the KV block pool's bookkeeping: block tables, reference counts and the prefix cache.
+
+Every block is in exactly one state:
+- free:   no owner, no cached content (a min-heap: low ids first, so a new request gets contiguous runs);
+- cached: no owner, but holds the KV of a full block identified by its hash chain; reusable by a later request
+          with the same prefix, evictable least-recently-used first;
+- used:   referenced by one or more block tables (ref_count = number of tables holding it).
+A full block's hash chains over its parent's hash and its own token ids, so equal hashes mean equal prefixes.
+Block tables are keyed by request id; the manager never knows what a request is doing with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block given its parent's hash: stable across processes (routing can use it too)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Hashes of every full block of `token_ids`, in order."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
+
+
+@dataclass
+class _Block:
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks))  # heap
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evict first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # per table: how many leading blocks are registered in the cache
+
+    # ---- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable cached)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def table(self, owner: str) -> list[int]:
+        return self._tables.get(owner, [])
+
+    def has_table(self, owner: str) -> bool:
+        return owner in self._tables
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `token_ids`, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in prefix_block_hashes(token_ids[:-1], self.block_size):
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ---- changes
+    def allocate(self, owner: str, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
+        """Grow `owner`'s table to hold `num_tokens` tokens; on a new table, start it with `prefix_blocks`
+        (from cached_prefix). Returns False, changing nothing, when there are not enough blocks."""
+        table = self._tables.get(owner)
+        reused = [] if table is not None else list(prefix_blocks)
+        have = len(table) if table is not None else len(reused)
+        need = self.blocks_needed(num_tokens) - have
+        reused_from_cache = sum(1 for b in reused if self._blocks[b].ref_count == 0)
+        if need > self.num_free_blocks - reused_from_cache:
+            return False
+        if table is None:
+            table = self._tables[owner] = []
+            self._num_hashed[owner] = len(reused)
+            for b in reused:
+                self._take(b)
+                table.append(b)
+        for _ in range(max(need, 0)):
+            table.append(self._pop_free())
+        return True
+
+    def cache_full_blocks(self, owner: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register `owner`'s blocks that are now full of computed KV under their prefix hashes."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[owner]
+        start = self._num_hashed[owner]
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= start:
+            return
+        parent = self._blocks[table[start - 1]].hash if start > 0 else None
+        for i in range(start, num_full):
+            h = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block = self._blocks[table[i]]
+            if block.hash is None and h not in self._hash_to_block:
+                block.hash = h
+                self._hash_to_block[h] = table[i]
+            parent = h
+        self._num_hashed[owner] = num_full
+
+    def free(self, owner: str) -> None:
+        """Drop `owner`'s table. Blocks left unreferenced become cached (if hashed) or free. Tail blocks are
+        marked least recently used, since a shared prefix outlives its continuations."""
+        table = self._tables.pop(owner, None)
+        self._num_hashed.pop(owner, None)
+        for b in reversed(table or []):
+            block = self._blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self._cached[b] = None
+                else:
+                    heapq.heappush(self._free, b)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached content (e.g. after new weights); used blocks keep their data but lose their hash."""
+        for b in list(self._cached):
+            self._evict(b, to_free_heap=True)
+        for block in self._blocks:
+            block.hash = None
+        self._hash_to_block.clear()
+
+    def check_integrity(self) -> dict[str, int]:
+        """Assert the invariants; return {"free", "cached", "used", "total"}."""
+        refs = [0] * self.num_blocks
+        for owner, table in self._tables.items():
+            assert len(set(table)) == len(table), f"table {owner} repeats a block"
+            for b in table:
+                refs[b] += 1
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free), "free heap holds a block twice"
+        assert not free & cached, "a block is both free and cached"
+        for b, block in enumerate(self._blocks):
+            assert block.ref_count == refs[b], f"block {b}: ref_count {block.ref_count} but {refs[b]} tables"
+            if b in free:
+                assert block.ref_count == 0 and block.hash is None, f"free block {b} is referenced or hashed"
+            elif b in cached:
+                assert block.ref_count == 0 and block.hash is not None, f"cached block {b} is referenced or bare"
+            else:
+                assert block.ref_count > 0, f"block {b} is lost: not free, cached or used"
+        for h, b in self._hash_to_block.items():
+            assert self._blocks[b].hash == h, f"hash index points block {b} at a stale hash"
+        used = self.num_blocks - len(free) - len(cached)
+        return {"free": len(free), "cached": len(cached), "used": used, "total": self.num_blocks}
+
+    # ---- internals
+    def _take(self, b: int) -> None:
+        if self._blocks[b].ref_count == 0:
+            del self._cached[b]
+        self._blocks[b].ref_count += 1
+
+    def _pop_free(self) -> int:
+        if self._free:
+            b = heapq.heappop(self._free)
+        else:
+            b = next(iter(self._cached))
+            self._evict(b, to_free_heap=False)
+        self._blocks[b].ref_count = 1
+        return b
+
+    def _evict(self, b: int, to_free_heap: bool) -> None:
+        del self._cached[b]
+        block = self._blocks[b]
+        if block.hash is not None and self._hash_to_block.get(block.hash) == b:
+            del self._hash_to_block[block.hash]
+        block.hash = None
+        if to_free_heap:
+            heapq.heappush(self._free, b)

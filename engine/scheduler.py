@@ -1,0 +1,187 @@
+"""Scheduler: decides, every step, which requests run and how many of their tokens (continuous batching).
+
+Owns the requests' life cycle (waiting -> running -> finished, or pinned for prefill-only requests) and, through
+the BlockManager, every block they hold. One rule covers prefill, chunked prefill, decode and recompute: a running
+request computes its pending tokens, as many as the step's token budget allows; when it reaches its last token the
+runner samples the next one. When blocks run out, the most recently admitted running request is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed (its sampled tokens are kept).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's work in one step: compute KV for `token_ids` at positions start_pos.. and maybe sample."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    output_index: int  # index of the token to sample among the request's outputs (for seeded sampling)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did to one request: the tokens it gained and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    pinned_block_ids: list[int] | None = None  # set once a prefill-only request is done and pinned
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- intake and exits
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests or self.bm.has_table(req.request_id):
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_prefilled(self, req: Request) -> None:
+        """Start decoding a request whose prompt KV already sits in the blocks reserved under its id."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        table = self.bm.table(req.request_id)
+        if self.bm.blocks_needed(len(req.prompt_token_ids)) > len(table):
+            raise ValueError(f"request {req.request_id!r}: {len(table)} reserved blocks cannot hold "
+                             f"{len(req.prompt_token_ids)} prompt tokens")
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.status = RequestStatus.RUNNING
+        self.bm.cache_full_blocks(req.request_id, req.prompt_token_ids, req.num_computed_tokens)
+        self.requests[req.request_id] = req
+        self.running.append(req)
+
+    def finish(self, request_id: str, reason: str) -> bool:
+        """End a request in any state (abort, release of a pinned one), freeing its blocks. False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        self.bm.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        return True
+
+    def expired_pins(self) -> list[str]:
+        now = self.clock()
+        return [r.request_id for r in self.requests.values()
+                if r.status == RequestStatus.PINNED and r.pin_deadline is not None and r.pin_deadline <= now]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []  # (request, tokens granted this step)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending_tokens, budget)
+            while not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit_waiting(scheduled, budget)
+        out.chunks = [self._chunk(r, n) for r, n in scheduled]
+        return out
+
+    def update(self, sched: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]],
+               pin_lease_s: float) -> list[StepOutput]:
+        """Advance progress after the runner computed `sched`; `sampled` maps request id -> (token, logprob)."""
+        outputs = []
+        for chunk in sched.chunks:
+            req = self.requests[chunk.request_id]
+            req.num_computed_tokens += len(chunk.token_ids)
+            self.bm.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token, logprob = sampled[req.request_id]
+            req.append_token(token, logprob)
+            pinned = None
+            if req.finish_reason is None and req.prefill_only:
+                self.running.remove(req)
+                req.status = RequestStatus.PINNED
+                req.pin_deadline = self.clock() + pin_lease_s
+                pinned = list(self.bm.table(req.request_id))
+            outputs.append(StepOutput(req.request_id, [token], [logprob] if logprob else [],
+                                      req.finish_reason, pinned))
+            if req.finish_reason is not None:
+                self.finish(req.request_id, req.finish_reason)
+        return outputs
+
+    # ---- internals
+    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.bm.cached_prefix(req.all_token_ids) if req.num_computed_tokens == 0 else []
+            cached_tokens = len(prefix) * self.bm.block_size
+            n = min(req.num_tokens - cached_tokens, budget)
+            if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = cached_tokens
+            req.num_computed_tokens = cached_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start:start + n]
+        return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
+                              sample=start + n == req.num_tokens, output_index=len(req.output_token_ids))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)

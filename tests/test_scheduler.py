@@ -1,0 +1,132 @@
+"""Scheduler with faked model output: continuous batching, chunked prefill, preemption, abort, pinning."""
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+EOS = 0
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, prefix=True, clock=None):
+    bm = BlockManager(num_blocks, block_size, prefix)
+    kwargs = {"clock": clock} if clock else {}
+    return Scheduler(bm, max_seqs, budget, **kwargs)
+
+
+def req(rid, n_prompt, max_tokens=4, prefill_only=False, first=1):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   (EOS,), max_model_len=1024, prefill_only=prefill_only)
+
+
+def run_step(s, token=7, lease=60.0):
+    """One step with a fake model that always samples `token`."""
+    out = s.schedule()
+    sampled = {c.request_id: (token, None) for c in out.chunks if c.sample}
+    return out, s.update(out, sampled, lease)
+
+
+def drain(s, max_steps=1000):
+    finished = {}
+    for _ in range(max_steps):
+        if not s.has_work:
+            return finished
+        _, outs = run_step(s)
+        for o in outs:
+            if o.finish_reason:
+                finished[o.request_id] = o.finish_reason
+        s.bm.check_integrity()
+    raise AssertionError("scheduler did not finish: livelock")
+
+
+def test_prefill_then_decode_one_token_per_step_batched():
+    s = make()
+    s.add(req("a", 5))
+    s.add(req("b", 3))
+    out, outs = run_step(s)
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 5, True), ("b", 3, True)]
+    assert len(outs) == 2
+    out, _ = run_step(s)
+    assert [len(c.token_ids) for c in out.chunks] == [1, 1]
+    assert out.chunks[0].start_pos == 5 and out.chunks[0].token_ids == [7]
+    assert drain(s) == {"a": "length", "b": "length"}
+    assert s.bm.check_integrity()["used"] == 0
+
+
+def test_long_prompt_is_chunked_under_the_token_budget_and_decodes_share_the_step():
+    s = make(budget=8)
+    s.add(req("short", 2))
+    s.add(req("long", 20))
+    out, _ = run_step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 2), ("long", 6)]
+    assert not out.chunks[1].sample
+    out, _ = run_step(s)  # the decode goes first, the long prompt fills the rest of the budget
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 1), ("long", 7)]
+    out, _ = run_step(s)
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [("short", 1, True), ("long", 7, True)]
+    assert drain(s) == {"short": "length", "long": "length"}
+
+
+def test_preemption_by_recompute_when_blocks_run_out_never_deadlocks():
+    s = make(num_blocks=6, block_size=4, budget=64)
+    for i in range(4):
+        s.add(req(f"r{i}", 6, max_tokens=8, first=10 * i + 1))
+    finished = drain(s)
+    assert finished == {f"r{i}": "length" for i in range(4)}
+    assert s.bm.check_integrity()["used"] == 0
+
+
+def test_preempted_request_is_recomputed_with_its_generated_tokens():
+    s = make(num_blocks=4, block_size=4)
+    s.add(req("a", 4, max_tokens=8))
+    s.add(req("b", 4, max_tokens=8, first=50))
+    preempted = []
+    for _ in range(50):
+        if not s.has_work:
+            break
+        out, _ = run_step(s)
+        preempted += out.preempted
+        for c in out.chunks:
+            if c.request_id in preempted and c.start_pos == 0:
+                r = s.requests[c.request_id]
+                assert c.token_ids == r.all_token_ids[:len(c.token_ids)]  # prompt + outputs, from the start
+    assert preempted, "the pool is too small for both: one must have been preempted"
+    assert not s.has_work and s.bm.check_integrity()["used"] == 0
+
+
+def test_abort_in_every_state_frees_everything():
+    s = make(budget=4)
+    s.add(req("waiting", 3))
+    s.add(req("running", 10))
+    s.schedule()  # not updated: "running" is mid-prefill
+    assert s.requests["running"].status == RequestStatus.RUNNING
+    assert s.finish("running", "abort") and s.finish("waiting", "abort")
+    assert not s.finish("unknown", "abort")
+    assert s.bm.check_integrity()["used"] == 0 and not s.has_work
+
+
+def test_prefill_only_request_is_pinned_until_released_or_its_lease_expires():
+    now = [0.0]
+    s = make(clock=lambda: now[0])
+    s.add(req("p", 9, prefill_only=True))
+    s.add(req("q", 5, prefill_only=True, first=40))
+    _, outs = run_step(s, lease=10.0)
+    pinned = {o.request_id: o.pinned_block_ids for o in outs}
+    assert pinned["p"] == s.bm.table("p") and len(pinned["p"]) == 3
+    assert not s.has_work and s.requests["p"].status == RequestStatus.PINNED
+    assert s.expired_pins() == []
+    assert s.finish("p", "stop")
+    now[0] = 11.0
+    assert s.expired_pins() == ["q"]
+    s.finish("q", "expired")
+    assert s.bm.check_integrity()["used"] == 0
+
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    s = make(block_size=4)
+    s.add(req("a", 10))
+    drain(s)
+    s.add(req("b", 10))
+    out, _ = run_step(s)
+    assert out.chunks[0].start_pos == 8 and len(out.chunks[0].token_ids) == 2
+    assert s.requests["b"].num_cached_tokens == 8
