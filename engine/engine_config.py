@@ -1,0 +1,41 @@
+"""EngineConfig: the engine's own settings (not the model's), validated once and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"                 # "tiny" or a local Hugging Face checkpoint folder
+    dtype: str = "auto"                 # "auto" = the checkpoint's torch_dtype
+    device: str = "cpu"                 # "cpu", "cuda", "cuda:1", ...
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None    # None (or larger) = the model's max_position_embeddings
+    num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    pin_lease_s: float = 60.0           # prefill-only blocks are freed if not released within this time
+    seed: int = 0                       # for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("dtype", self.dtype in DTYPES, f"must be one of {DTYPES}"),
+            ("block_size", self.block_size > 0, "must be positive"),
+            ("max_num_seqs", self.max_num_seqs > 0, "must be positive"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens > 0, "must be positive"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len > 0, "must be positive"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks > 0, "must be positive"),
+            ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             "must be positive"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            ("pin_lease_s", self.pin_lease_s > 0, "must be positive"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")

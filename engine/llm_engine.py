@@ -1,0 +1,184 @@
+"""LLMEngine: one model on one device, stepped by its owner. The API the prefill and decode workers build on.
+
+step() = schedule, run, update. Besides plain requests it offers the two disaggregation entry points:
+- prefill side: add_request(..., prefill_only=True) computes the prompt, samples the first token, then keeps the
+  request's blocks pinned (reported in StepOutput.pinned_block_ids) until release() or the pin lease expires;
+- decode side: reserve_blocks() hands out blocks for a prompt's KV to be written into by the transfer layer, and
+  add_prefilled_request() starts decoding from the first token without recomputing the prompt.
+Ownership: every block belongs to exactly one of: the free pool, the prefix cache, a running request, a pinned
+request or a reservation; check_integrity() asserts it. The engine is not thread-safe: one loop owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.kv_cache import TORCH_DTYPES, allocate_kv_cache
+from engine.kv_layout import KVCacheSpec
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus, TokenLogprob
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepOutput
+from engine.tiny import resolve_model_path
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights
+
+CPU_KV_CACHE_BYTES = 1 << 30
+GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_folder(path)
+        self.tokenizer = Tokenizer.from_folder(path)
+        mc = self.model_config
+        dtype = mc.torch_dtype if config.dtype == "auto" else config.dtype
+        max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.config = replace(config, dtype=dtype, max_model_len=max_model_len)
+        self.device = torch.device(config.device)
+        self.model = self._load_model(path, TORCH_DTYPES[dtype])
+        self.kv_spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                                   head_dim=mc.head_dim, block_size=config.block_size, dtype=dtype)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_cache = allocate_kv_cache(self.kv_spec, self.num_kv_blocks, self.device)  # [NB, L, 2, bs, KVH, D]
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, Sampler(self.device, config.seed))
+        self._reserved: set[str] = set()
+
+    # ---- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> None:
+        self._validate(request_id, prompt_token_ids, params)
+        self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only))
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
+        if request_id in self._reserved:
+            self._reserved.discard(request_id)
+            self.block_manager.free(request_id)
+            return True
+        return self.scheduler.finish(request_id, "abort")
+
+    def release(self, request_id: str) -> bool:
+        """Free a pinned prefill-only request's blocks (its KV has been moved). False if it is not pinned."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status != RequestStatus.PINNED:
+            return False
+        return self.scheduler.finish(request_id, "stop")
+
+    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: take blocks for `num_tokens` tokens of prompt KV to be written in from outside.
+        None when the cache has no room now (try later). Abort the id to give them back."""
+        if request_id in self.scheduler.requests or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not self.block_manager.allocate(request_id, num_tokens):
+            return None
+        self._reserved.add(request_id)
+        return list(self.block_manager.table(request_id))
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                              params: SamplingParams, first_logprob: TokenLogprob | None = None) -> StepOutput | None:
+        """Decode side: start a request whose prompt KV is in the blocks reserved under its id. Returns a
+        StepOutput if the first token already ends it (then its blocks are freed at once)."""
+        if request_id not in self._reserved:
+            raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
+        self._validate(request_id, prompt_token_ids, params, reserved=True)
+        req = self._request(request_id, prompt_token_ids, params, prefill_only=False)
+        self.scheduler.add_prefilled(req)
+        self._reserved.discard(request_id)
+        req.append_token(first_token_id, first_logprob)
+        if req.finish_reason is not None:
+            self.scheduler.finish(request_id, req.finish_reason)
+            return StepOutput(request_id, [], [], req.finish_reason)
+        return None
+
+    # ---- stepping
+    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[StepOutput]:
+        outputs = [StepOutput(rid, [], [], "expired") for rid in self.scheduler.expired_pins()
+                   if self.scheduler.finish(rid, "expired")]
+        sched = self.scheduler.schedule()
+        params = {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}
+        sampled = self.runner.run(sched, params, on_layer_done)
+        return outputs + self.scheduler.update(sched, sampled, self.config.pin_lease_s)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def check_integrity(self) -> dict[str, int]:
+        """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"}."""
+        counts = self.block_manager.check_integrity()
+        known = set(self.scheduler.requests) | self._reserved
+        tables = self.block_manager._tables
+        assert set(tables) <= known, f"blocks held by unknown owners: {sorted(set(tables) - known)}"
+        pinned_owners = self._reserved | {r.request_id for r in self.scheduler.requests.values()
+                                          if r.status == RequestStatus.PINNED}
+        active = {b for owner, t in tables.items() if owner not in pinned_owners for b in t}
+        pinned = {b for owner in pinned_owners for b in tables.get(owner, [])} - active
+        for r in self.scheduler.requests.values():
+            holds = r.request_id in tables
+            assert holds == (r.status != RequestStatus.WAITING), f"request {r.request_id} ({r.status}) blocks"
+        result = {"free": counts["free"], "cached": counts["cached"], "pinned": len(pinned),
+                  "in_use": len(active), "total": counts["total"]}
+        assert result["free"] + result["cached"] + result["pinned"] + result["in_use"] == result["total"]
+        return result
+
+    # ---- internals
+    def _request(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Request:
+        return Request(request_id, list(prompt), params, self.model_config.eos_token_ids,
+                       self.config.max_model_len, prefill_only=prefill_only)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, reserved: bool = False) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+                             f"within max_model_len {self.config.max_model_len}")
+        longest = min(len(prompt) + params.max_tokens, self.config.max_model_len)
+        if self.block_manager.blocks_needed(longest) > self.num_kv_blocks:
+            raise ValueError(f"request {request_id!r}: {longest} tokens need more than the "
+                             f"{self.num_kv_blocks} KV blocks of this engine")
+
+    def _load_model(self, path, dtype: torch.dtype) -> CausalLM:
+        with torch.device("meta"):
+            model = CausalLM(self.model_config, self.config.max_model_len)
+        model = model.to_empty(device=self.device).to(dtype)
+        model.rope.build(self.device)  # float32 tables, not converted
+        load_weights(model, path)
+        return model.eval()
+
+    def _num_kv_blocks(self) -> int:
+        cfg, block_bytes = self.config, self.kv_spec.block_bytes
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cfg.gpu_memory_utilization) - used - GPU_ACTIVATION_HEADROOM_BYTES
+        else:
+            enough = cfg.max_num_seqs * self.block_manager_blocks(cfg.max_model_len) * block_bytes
+            budget = min(CPU_KV_CACHE_BYTES, enough)
+        blocks = budget // block_bytes
+        if blocks < self.block_manager_blocks(min(cfg.max_model_len, 2 * cfg.block_size)):
+            raise ValueError(f"KV cache budget of {budget} bytes holds only {blocks} blocks of {block_bytes} bytes")
+        return blocks
+
+    def block_manager_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
