@@ -61,6 +61,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0        # totals since start, for metrics and tests
+        self.num_prefix_hit_tokens = 0
 
     # ---- intake and exits
     def add(self, req: Request) -> None:
@@ -166,6 +168,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached_tokens
+            self.num_prefix_hit_tokens += cached_tokens
             req.num_computed_tokens = cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -184,4 +187,5 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)

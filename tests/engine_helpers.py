@@ -1,0 +1,43 @@
+"""Test helpers: transformers references and a logits recorder around the engine's real sampler."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.sampling_params import SamplingParams
+
+
+def hf_greedy(folder, prompts: list[list[int]], max_new_tokens: int,
+              dtype=torch.float32) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy tokens and per-step logits [steps, V] for each prompt (run one by one, no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    results = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        results.append((tokens, torch.stack([step[0].float() for step in out.logits])))
+    return results
+
+
+class LogitsRecorder:
+    """Wraps an engine's sampler; records each request's logits rows by the identity of its SamplingParams."""
+
+    def __init__(self, engine) -> None:
+        self.sampler = engine.runner.sampler
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        engine.runner.sampler = self
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]):
+        for row, p in zip(logits, params, strict=True):
+            self.rows.setdefault(id(p), []).append(row.clone())
+        return self.sampler(logits, params, output_indices)
+
+    def logits_of(self, params: SamplingParams) -> torch.Tensor:
+        return torch.stack(self.rows[id(params)])  # [steps, V]
+
+
+def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]

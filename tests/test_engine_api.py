@@ -1,0 +1,197 @@
+"""The engine's request API on the tiny model: disaggregation entry points, sampling, logprobs, stops, aborts."""
+
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler
+from tests.engine_helpers import LogitsRecorder, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(str(checkpoints.tiny()))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "llm" in request.fixturenames:
+        engine = request.getfixturevalue("llm").engine
+        counts = engine.check_integrity()
+        assert counts["in_use"] == 0 and counts["pinned"] == 0 and not engine.has_unfinished()
+
+
+def run(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_prefill_on_one_engine_then_decode_on_another_equals_one_engine(checkpoints):
+    folder = str(checkpoints.tiny())
+    prompts = random_prompts((7, 31, 50), 2000, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=20, ignore_eos=True)]
+    whole = LLM(folder).generate(prompts, params)
+
+    prefill, decode = LLM(folder).engine, LLM(folder).engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        prefill.add_request(f"r{i}", prompt, p, prefill_only=True)
+    firsts = {o.request_id: o for outs in run(prefill).values() for o in outs}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        first = firsts[f"r{i}"]
+        assert first.finish_reason is None and len(first.pinned_block_ids) == -(-len(prompt) // 16)
+        assert prefill.check_integrity()["pinned"] >= len(first.pinned_block_ids)
+        dst = decode.reserve_blocks(f"r{i}", len(prompt))
+        decode.kv_cache[dst] = prefill.kv_cache[first.pinned_block_ids]  # what kvtransfer will do
+        assert prefill.release(f"r{i}")
+        decode.add_prefilled_request(f"r{i}", prompt, first.new_token_ids[0], p)
+    computed_before = decode.scheduler.num_prefix_hit_tokens
+    recorder = LogitsRecorder(decode)
+    outs = run(decode)
+    assert decode.scheduler.num_prefix_hit_tokens == computed_before
+    for i, ref in enumerate(whole):
+        tokens = firsts[f"r{i}"].new_token_ids + [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        assert tokens == ref.token_ids
+        assert len(recorder.rows[id(params[i])]) == 19  # decode never re-ran the prompt: one sample per step
+    for e in (prefill, decode):
+        counts = e.check_integrity()
+        assert counts["in_use"] == counts["pinned"] == 0
+
+
+def test_pinned_blocks_expire_after_their_lease(checkpoints):
+    llm = LLM(str(checkpoints.tiny()), pin_lease_s=0.05)
+    engine = llm.engine
+    engine.add_request("p", list(range(5, 40)), SamplingParams(max_tokens=4), prefill_only=True)
+    run(engine)
+    assert engine.check_integrity()["pinned"] == 3
+    time.sleep(0.06)
+    assert [o.finish_reason for o in engine.step()] == ["expired"]
+    assert engine.check_integrity()["pinned"] == 0 and not engine.release("p")
+
+
+def test_reservation_can_be_given_back(llm):
+    blocks = llm.engine.reserve_blocks("res", 40)
+    assert len(blocks) == 3 and llm.engine.check_integrity()["pinned"] == 3
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.reserve_blocks("res", 5)
+    assert llm.engine.abort("res")
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    prompt = random_prompts((12,), 2000, seed=5)[0]
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([prompt], p)[0].token_ids
+    others = random_prompts((3, 30, 50, 8), 2000, seed=6)
+    mixed = llm.generate(others[:2] + [prompt] + others[2:],
+                         [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 2 + [p] +
+                         [SamplingParams(temperature=0.5, seed=9, max_tokens=5, ignore_eos=True)] * 2)
+    assert mixed[2].token_ids == alone
+    assert llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=24,
+                                                 ignore_eos=True))[0].token_ids != alone
+
+
+def test_filters_that_leave_one_token_equal_greedy(llm):
+    prompts = random_prompts((10, 20), 2000, seed=7)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                        ignore_eos=True))]
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        p = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, **kw)
+        assert [o.token_ids for o in llm.generate(prompts, p)] == greedy, kw
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.06, 0.04]]))
+    n = 20000
+
+    def freqs(p):
+        tokens, _ = sampler(logits.expand(n, 5), [p] * n, list(range(n)))
+        return torch.bincount(torch.tensor(tokens), minlength=5).float() / n
+
+    full = freqs(SamplingParams(temperature=1.0))
+    assert torch.allclose(full, torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04]), atol=0.015)
+    top2 = freqs(SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]), atol=0.015)
+    nucleus = freqs(SamplingParams(temperature=1.0, top_p=0.8))  # keeps 0.5, 0.25, 0.15 (cumulative before < 0.8)
+    assert torch.allclose(nucleus, torch.tensor([0.5, 0.25, 0.15, 0, 0]) / 0.9, atol=0.015)
+    minp = freqs(SamplingParams(temperature=1.0, min_p=0.2))  # keeps p >= 0.1
+    assert torch.allclose(minp, torch.tensor([0.5, 0.25, 0.15, 0, 0]) / 0.9, atol=0.015)
+    hot = freqs(SamplingParams(temperature=2.0))
+    expected = torch.softmax(logits[0] / 2.0, dim=0)
+    assert torch.allclose(hot, expected, atol=0.015)
+
+
+def test_logprobs_are_the_model_distribution(llm):
+    prompt = random_prompts((15,), 2000, seed=8)[0]
+    recorder = LogitsRecorder(llm.engine)
+    p = SamplingParams(temperature=0.7, seed=3, max_tokens=6, ignore_eos=True, logprobs=5)
+    out = llm.generate([prompt], p)[0]
+    assert len(out.logprobs) == 6
+    for token, lp, logits in zip(out.token_ids, out.logprobs, recorder.logits_of(p), strict=True):
+        ref = logits.log_softmax(-1)
+        assert lp.token_id == token and abs(lp.logprob - ref[token].item()) < 1e-5
+        top_vals, top_ids = ref.topk(5)
+        assert list(lp.top_logprobs) == top_ids.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs.values(), top_vals.tolist(), strict=True)) < 1e-5
+    assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].logprobs is None
+
+
+def test_stop_tokens_eos_and_max_tokens(llm):
+    prompt = random_prompts((9,), 2000, seed=9)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                    stop_token_ids=[stop_at]))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:first + 1]
+    eos = llm.engine.model_config.eos_token_ids
+    engine = llm.engine
+    engine.add_request("e", prompt, SamplingParams(temperature=0, max_tokens=3))
+    engine.scheduler.requests["e"].eos_token_ids = (free.token_ids[0],)  # make the greedy first token an eos
+    assert run(engine)["e"][-1].finish_reason == "stop"
+    assert eos == engine.model_config.eos_token_ids
+
+
+def test_abort_at_every_point_frees_all_blocks(llm):
+    engine = llm.engine
+    prompts = random_prompts((40, 70, 5), 2000, seed=10)
+    for when in range(6):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"a{when}-{i}", prompt, SamplingParams(max_tokens=8))
+        for _ in range(when):
+            engine.step()
+        for i in range(len(prompts)):
+            engine.abort(f"a{when}-{i}")
+        assert not engine.abort(f"a{when}-0") and not engine.has_unfinished()
+        counts = engine.check_integrity()
+        assert counts["in_use"] == 0
+
+
+def test_bad_requests_are_refused_with_the_field_named(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 10**7]])
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * 5000])
+    with pytest.raises(ValueError, match="SamplingParams.top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="SamplingParams.temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(TypeError, match="unknown keyword"):
+        LLM("tiny", max_num_seq=3)
+
+
+def test_text_prompts_are_tokenized_and_outputs_detokenized(llm):
+    out = llm.generate(["Hello, world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.prompt == "Hello, world"
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hello, world")
+    assert out.text == llm.tokenizer.decode(out.token_ids)
