@@ -1,11 +1,15 @@
 """Text <-> token ids and chat formatting for one checkpoint, without transformers.
 
 Owns: loading `tokenizer.json` with the `tokenizers` library, applying `tokenizer_config.json` the way
-transformers' fast tokenizer does (named special tokens registered as special; an explicit `add_bos_token` /
-`add_eos_token`, or a missing post-processor, rebuilds the BOS/EOS template; otherwise the post-processor of
-`tokenizer.json` decides, as in Llama 3), and rendering the chat template in a sandboxed jinja2 environment
+transformers' fast tokenizer does, and rendering the chat template in a sandboxed jinja2 environment
 that mirrors transformers' (trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, `tojson`,
 `strftime_now`, `{% generation %}`, the special tokens as variables).
+
+BOS/EOS: named special tokens become special added tokens, as in transformers. The post-processor of
+`tokenizer.json` decides what `encode(add_special_tokens=True)` adds (Llama 3's TemplateProcessing, and Llama 2's
+`<s> $A`), and `add_bos_token`/`add_eos_token` are then ignored, as transformers 5 does. Only when tokenizer.json
+has no post-processor do those flags build one (`[bos] $A [eos]`, as transformers 4's `update_post_processor`);
+transformers 5 would add nothing there, silently dropping the BOS the checkpoint asks for.
 Note: a Llama-3-style template already writes `bos_token`; encode its output with `add_special_tokens=False`.
 """
 
@@ -99,7 +103,7 @@ class Tokenizer:
         self._register_specials([*self.special_tokens_map.values(), *extra_contents])
         self.bos_token_id = self._id_of(self.special_tokens_map.get("bos_token"))
         self.eos_token_id = self._id_of(self.special_tokens_map.get("eos_token"))
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+        if backend.post_processor is None:
             self._rebuild_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
@@ -131,7 +135,7 @@ class Tokenizer:
             self._backend.add_special_tokens(new)
 
     def _rebuild_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        """transformers' `update_post_processor`: `[bos] $A [eos]` from the config flags."""
+        """transformers 4's `update_post_processor`: `[bos] $A [eos]` from the config flags."""
         bos, eos = self.special_tokens_map.get("bos_token"), self.special_tokens_map.get("eos_token")
         add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
         single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"

@@ -1,0 +1,246 @@
+"""engine.Tokenizer against transformers' AutoTokenizer (tiny checkpoint and variants); IncrementalDetokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tiny import ensure_tiny_model
+from engine.tokenizer import ChatTemplateError, Tokenizer
+
+TEXTS = [
+    "", " ", "Hello world!", "The old lighthouse stood at the edge of the harbor.",
+    "  leading and trailing spaces  ", "tabs\tand\nnew\n\nlines\r\n", "I'm sure you've seen it; we'll go.",
+    "numbers 1234567 and 3.14159, 1,000,000", "日本語のテキスト", "emoji 😀👍🏽 family 👨‍👩‍👧", "Ünïcödé ßtraße café",
+    "مرحبا بالعالم", "<|eot_id|> inside text <|begin_of_text|>", "<|start_header_id|>user<|end_header_id|>\n\nhi",
+    "mixed 中文 and English, with punctuation!!! ???", "code: def f(x): return x**2  # comment",
+]
+CHATS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": " You are helpful. "}, {"role": "user", "content": "日本語で答えて 😀"},
+     {"role": "assistant", "content": "はい。"}, {"role": "user", "content": "Thanks\n"}],
+    [{"role": "user", "content": "hi", "name": None}],
+]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "tokenizer-cache")
+
+
+def variant(tiny: Path, folder: Path, *, post_processor: bool = True, **config: object) -> Path:
+    """The tiny tokenizer with tokenizer_config.json overrides (None deletes) and optionally no post-processor."""
+    folder.mkdir(parents=True)
+    tok = json.loads((tiny / "tokenizer.json").read_text())
+    if not post_processor:
+        tok["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((tiny / "tokenizer_config.json").read_text())
+    for key, value in config.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def random_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = "abc xyz THE the. ,!?\n\t'0123456789éß日本語😀👍中文<|>"
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(n)]
+
+
+def assert_matches_transformers(folder: Path, texts: list[str]) -> None:
+    ours, theirs = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(folder)
+    for text in texts:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == theirs(text, add_special_tokens=special)["input_ids"], (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert ours.bos_token_id == theirs.bos_token_id and ours.eos_token_id == theirs.eos_token_id
+    assert ours.vocab_size == len(theirs)
+
+
+def test_tiny_matches_transformers(tiny: Path) -> None:
+    assert_matches_transformers(tiny, TEXTS + random_texts(200, seed=0))
+    ours = Tokenizer.from_folder(tiny)
+    assert ours.encode("hi")[0] == ours.bos_token_id == 2043  # Llama-3 style: BOS from the post-processor
+    assert ours.eos_token_id == 2045 and ours.vocab_size == 2048
+
+
+def test_tiny_special_tokens(tiny: Path) -> None:
+    ours, theirs = Tokenizer.from_folder(tiny), AutoTokenizer.from_pretrained(tiny)
+    assert ours.special_token_ids == {i for i, t in theirs.added_tokens_decoder.items() if t.special}
+    assert ours.special_token_ids == set(range(2043, 2048))
+    assert ours.id_to_token(2045) == "<|eot_id|>" == theirs.convert_ids_to_tokens(2045)
+    assert ours.id_to_token(100) == theirs.convert_ids_to_tokens(100)
+    assert ours.id_to_token(99999) is None
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tiny: Path, messages: list[dict], add_generation_prompt: bool) -> None:
+    ours, theirs = Tokenizer.from_folder(tiny), AutoTokenizer.from_pretrained(tiny)
+    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    assert expected.startswith("<|begin_of_text|><|start_header_id|>")
+
+
+@pytest.mark.parametrize("config", [
+    {"add_bos_token": True, "add_eos_token": False},   # Llama 2's flags, consistent with its post-processor
+    {"add_bos_token": False},                          # flags never override tokenizer.json's post-processor
+    {"add_bos_token": True, "add_eos_token": True},
+    {"add_eos_token": True, "eos_token": {"__type": "AddedToken", "content": "<|end_of_text|>", "special": True}},
+])
+def test_post_processor_wins_over_flags_as_transformers(tiny: Path, tmp_path: Path, config: dict) -> None:
+    folder = variant(tiny, tmp_path / "v", **config)
+    assert_matches_transformers(folder, TEXTS)
+    assert Tokenizer.from_folder(folder).encode("x") == [2043, 87]
+
+
+def test_no_post_processor(tiny: Path, tmp_path: Path) -> None:
+    bare = variant(tiny, tmp_path / "bare", post_processor=False)
+    assert_matches_transformers(bare, TEXTS)
+    assert Tokenizer.from_folder(bare).encode("x") == [87]
+    # Llama-2 style flags with no post-processor: BOS (and EOS) as transformers 4 added them; transformers 5
+    # ignores the flags here and adds nothing, which we deliberately do not copy.
+    flags = variant(tiny, tmp_path / "flags", post_processor=False, add_bos_token=True, add_eos_token=True)
+    ours = Tokenizer.from_folder(flags)
+    assert ours.encode("x") == [2043, 87, 2045]
+    assert ours.encode("x", add_special_tokens=False) == [87]
+    assert ours.decode(ours.encode("x")) == "x"
+
+
+def test_named_special_token_not_in_added_tokens_becomes_special(tiny: Path, tmp_path: Path) -> None:
+    folder = variant(tiny, tmp_path / "v", pad_token="<pad>")
+    assert_matches_transformers(folder, ["a <pad> b"])
+    ours = Tokenizer.from_folder(folder)
+    assert ours.decode(ours.encode("a <pad> b")) == "a  b"
+
+
+def test_chat_template_file_wins_and_named_list(tiny: Path, tmp_path: Path) -> None:
+    folder = variant(tiny, tmp_path / "v", chat_template=[
+        {"name": "default", "template": "{% for m in messages %}[{{ m.role }}]{{ m.content | tojson }}{% endfor %}"},
+        {"name": "tool_use", "template": "unused"},
+    ])
+    msgs = [{"role": "user", "content": 'say "hé"'}]
+    assert Tokenizer.from_folder(folder).apply_chat_template(msgs) == '[user]"say \\"hé\\""'
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}")
+    assert Tokenizer.from_folder(folder).apply_chat_template(msgs) == '<|begin_of_text|>say "hé"<|eot_id|>'
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert theirs.apply_chat_template(msgs, tokenize=False) == '<|begin_of_text|>say "hé"<|eot_id|>'
+
+
+def test_chat_template_helpers(tiny: Path, tmp_path: Path) -> None:
+    template = ("{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('bad role ' + m.role) }}"
+                "{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+                "{% if strftime_now('%Y') | length == 4 %}!{% endif %}")
+    ours = Tokenizer.from_folder(variant(tiny, tmp_path / "v", chat_template=template))
+    assert ours.apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
+    with pytest.raises(ChatTemplateError, match="bad role system"):
+        ours.apply_chat_template([{"role": "system", "content": "a"}])
+
+
+def test_template_is_sandboxed(tiny: Path, tmp_path: Path) -> None:
+    ours = Tokenizer.from_folder(variant(tiny, tmp_path / "v", chat_template="{{ messages.__class__.__mro__ }}"))
+    with pytest.raises(ChatTemplateError):
+        ours.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+def test_no_chat_template(tiny: Path, tmp_path: Path) -> None:
+    ours = Tokenizer.from_folder(variant(tiny, tmp_path / "v", chat_template=None))
+    assert not ours.has_chat_template
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ours.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+def test_missing_tokenizer_json(tiny: Path, tmp_path: Path) -> None:
+    shutil.copy(tiny / "tokenizer_config.json", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_tokenizer_config_optional(tiny: Path, tmp_path: Path) -> None:
+    shutil.copy(tiny / "tokenizer.json", tmp_path)
+    ours = Tokenizer.from_folder(tmp_path)
+    assert ours.eos_token_id is None and not ours.has_chat_template
+    assert ours.encode("hi")[0] == 2043  # the post-processor still adds BOS
+
+
+# ---- IncrementalDetokenizer ----------------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """Records how many ids each decode call is given."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner, self.sizes = inner, []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.sizes.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def detokenize(tok: Tokenizer, prompt: list[int], output: list[int], seed: int, skip: bool = True) -> list[str]:
+    """Deltas of feeding `output` one to three ids per step, then the flush; checks `text` on the way."""
+    rng = random.Random(seed)
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas, i = [], 0
+    while i < len(output):
+        n = rng.randint(1, 3)
+        deltas.append(detok.step(output[i:i + n]))
+        i += n
+        assert detok.text == "".join(deltas)
+    deltas.append(detok.flush())
+    assert detok.num_output_ids == len(output)
+    assert not any(d.endswith("\ufffd") for d in deltas[:-1])  # a step never ends in half a character
+    return deltas
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_detokenizer_random_ids_concatenate_to_decode(tiny: Path, skip: bool) -> None:
+    tok, rng = Tokenizer.from_folder(tiny), random.Random(0)
+    prompt = tok.encode("The keeper said:")
+    for seed in range(300):
+        output = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 30))]
+        assert "".join(detokenize(tok, prompt, output, seed, skip)) == tok.decode(output, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("text", ["日本語のテキスト 😀👍🏽 👨‍👩‍👧 café ßtraße 中文 مرحبا <|eot_id|> end", "😀" * 20,
+                                  "a日b本c語" * 5])
+def test_detokenizer_multibyte_never_split(tiny: Path, text: str) -> None:
+    tok = Tokenizer.from_folder(tiny)
+    output = tok.encode(text, add_special_tokens=False)
+    assert len(output) > len(text) // 2  # many characters span several byte-level tokens
+    deltas = detokenize(tok, tok.encode("Say:"), output, seed=1)
+    assert "".join(deltas) == tok.decode(output)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_detokenizer_holds_back_partial_emoji(tiny: Path) -> None:
+    tok = Tokenizer.from_folder(tiny)
+    output = tok.encode("😀!", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("日本", add_special_tokens=False))
+    assert [detok.step([i]) for i in output] == [""] * (len(output) - 2) + ["😀", "!"]
+    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(kept.step([i]) for i in tok.encode("Hi<|eot_id|>", add_special_tokens=False)) == "Hi<|eot_id|>"
+
+
+def test_detokenizer_decode_window_stays_small(tiny: Path) -> None:
+    tok = Tokenizer.from_folder(tiny)
+    counting = CountingTokenizer(tok)
+    output = tok.encode(" and a long answer that keeps going" * 30, add_special_tokens=False)
+    detok = IncrementalDetokenizer(counting, tok.encode("A long prompt " * 50))
+    for i in output:
+        detok.step([i])
+    assert detok.text == tok.decode(output)
+    assert max(counting.sizes) <= 8  # context tokens + the pending ones, never the whole sequence
