@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -25,6 +25,15 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def chat(self, conversations: list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate a reply to each conversation (a list of {"role", "content"} messages) via the chat template.
+        The template writes the special tokens itself, so the text is encoded without adding more."""
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(ids, sampling_params)
+        return [replace(o, prompt=t) for o, t in zip(outputs, texts, strict=True)]
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -195,3 +195,18 @@ def test_text_prompts_are_tokenized_and_outputs_detokenized(llm):
     assert out.prompt == "Hello, world"
     assert out.prompt_token_ids == llm.tokenizer.encode("Hello, world")
     assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_chat_uses_the_template_without_a_second_bos(llm):
+    out = llm.chat([[{"role": "user", "content": "Hi there"}]], SamplingParams(temperature=0, max_tokens=4))[0]
+    bos = llm.tokenizer.bos_token_id
+    assert out.prompt_token_ids[0] == bos and out.prompt_token_ids.count(bos) == 1
+    assert out.prompt.endswith("assistant<|end_header_id|>\n\n")
+
+
+def test_cli_generate_prints_a_completion(checkpoints, capsys):
+    from engine.cli import main
+    assert main(["generate", "--model", str(checkpoints.tiny()), "--max-tokens", "5", "Hello"]) == 0
+    assert capsys.readouterr().out.startswith("'Hello' -> ")
+    assert main(["generate", "--model", "/no/such/folder", "Hello"]) == 2
+    assert "no such checkpoint folder" in capsys.readouterr().err

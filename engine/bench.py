@@ -1,0 +1,119 @@
+"""Engine throughput benchmark: `python -m engine.bench --model tiny --batch 8 --prompt-len 256 --output-len 64`.
+
+Prints one JSON line per phase with its figure next to the ceiling measured in the same run:
+- prefill: tokens/s and achieved FLOP/s (2 x parameters per token) against a dense matmul's FLOP/s;
+- decode: tokens/s and achieved bytes/s (weights + KV context read per step) against a large copy's bytes/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.kv_cache import TORCH_DTYPES
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    _sync(device)
+    reps, start = 5, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes read plus written per second by one large device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    reps, start = 5, time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - start)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len,
+                                    enable_prefix_caching=False))
+    device, dtype = engine.device, TORCH_DTYPES[engine.config.dtype]
+    n_params = sum(p.numel() for p in engine.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len + 1, ignore_eos=True)
+
+    def add_batch(tag: str) -> None:
+        for i in range(args.batch):
+            engine.add_request(f"{tag}{i}", torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
+                               params)
+
+    add_batch("warm")  # first calls allocate and warm up kernels
+    while engine.has_unfinished():
+        engine.step()
+    add_batch("r")
+    _sync(device)
+    start = time.perf_counter()
+    engine.step()  # the whole batch's prompts fit one step's budget
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    _sync(device)
+    decode_s = time.perf_counter() - start
+    prefill_tokens = args.batch * args.prompt_len
+    decode_tokens = args.batch * steps
+    mean_context = args.prompt_len + args.output_len / 2
+    kv_bytes_per_step = args.batch * mean_context * engine.kv_spec.layer_bytes * engine.kv_spec.num_layers \
+        / engine.kv_spec.block_size
+    flops_ceiling = matmul_flops(device, dtype, args.matmul_n)
+    bw_ceiling = copy_bandwidth(device, args.copy_mib << 20)
+    prefill_flops = 2 * n_params * prefill_tokens / prefill_s
+    decode_bw = (weight_bytes + kv_bytes_per_step) * steps / decode_s
+    common = {"model": args.model, "device": str(device), "dtype": engine.config.dtype, "batch": args.batch,
+              "prompt_len": args.prompt_len, "output_len": args.output_len}
+    return [
+        {**common, "phase": "prefill", "tokens": prefill_tokens, "seconds": round(prefill_s, 4),
+         "tokens_per_s": round(prefill_tokens / prefill_s, 1), "achieved_tflops": round(prefill_flops / 1e12, 4),
+         "matmul_tflops_ceiling": round(flops_ceiling / 1e12, 4), "ratio": round(prefill_flops / flops_ceiling, 3)},
+        {**common, "phase": "decode", "tokens": decode_tokens, "seconds": round(decode_s, 4),
+         "tokens_per_s": round(decode_tokens / decode_s, 1), "achieved_gb_per_s": round(decode_bw / 1e9, 2),
+         "copy_gb_per_s_ceiling": round(bw_ceiling / 1e9, 2), "ratio": round(decode_bw / bw_ceiling, 3)},
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--matmul-n", type=int, default=2048)
+    parser.add_argument("--copy-mib", type=int, default=256)
+    for line in run(parser.parse_args()):
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
