@@ -137,3 +137,35 @@ class CheckpointCache:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return target
+
+
+def make_sentencepiece_style_tokenizer(folder: Path, *, tokenizer_class: str = "LlamaTokenizer") -> Path:
+    """A Llama-2-shaped tokenizer.json (Metaspace-style normalizer, byte fallback, `<s> $A` post-processor,
+    `add_bos_token: true`) trained on the tiny corpus, next to a tokenizer_config.json; returns `folder`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from engine.tiny import CORPUS
+
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    learner.train_from_iterator(CORPUS.splitlines(), trainers.BpeTrainer(vocab_size=1200, show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
+                                                       special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "legacy": False, "tokenizer_class": tokenizer_class,
+              "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
