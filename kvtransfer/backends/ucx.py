@@ -1,0 +1,216 @@
+"""The `ucx` backend: connections between agents over ucxx (UCX: shared memory, TCP, RDMA, CUDA IPC).
+
+ucxx 0.52's Python API exposes no one-sided RMA (no memory handles / remote keys), so a read or write is a
+request/response exchange over tagged messages (see `kvtransfer.wire`), one large message per chunk.
+Everything here runs on the owning agent's event-loop thread.
+
+`UcxConnection` is the client side of one agent -> agent connection; `UcxServer` owns the listener and the
+endpoints peers opened to us, and hands each request to a `RequestHandler` (the agent).
+Every wait is bounded by a deadline: when one passes, the connection is aborted (which cancels the posted
+UCX requests, so no late message lands in a reused buffer) and TransferTimeout is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+import torch
+import ucxx
+
+from .. import wire
+from ..errors import PeerLost, TransferTimeout
+
+
+class BufferMayBeInUse(TransferTimeout):
+    """A timeout after which a cancelled receive could not be confirmed finished: quarantine its buffer."""
+
+
+def as_ucx_buffer(t: torch.Tensor) -> Any:
+    """[n] u8 contiguous tensor -> an object ucxx can send/receive without a copy."""
+    return t if t.is_cuda else t.numpy()
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+async def bounded(aw: Awaitable[Any], deadline: float, what: str, on_timeout: Any) -> Any:
+    """Await `aw` until `deadline`; map UCX failures to PeerLost; on timeout call `on_timeout()`
+    (aborting the endpoint), give the cancelled operation a moment to finish, and raise TransferTimeout
+    (BufferMayBeInUse if it did not finish)."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
+    if not done:
+        on_timeout(f"{what}: timed out")
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        if task.done() and not task.cancelled():
+            task.exception()  # consumed: the timeout is the error we report
+        if not done:
+            task.cancel()
+            raise BufferMayBeInUse(f"{what}: no progress before the deadline")
+        raise TransferTimeout(f"{what}: no progress before the deadline")
+    try:
+        return task.result()
+    except ucxx.exceptions.UCXError as e:
+        raise PeerLost(f"{what}: connection failed ({type(e).__name__}: {e})") from e
+    except asyncio.CancelledError as e:
+        raise PeerLost(f"{what}: connection closed") from e
+
+
+class UcxConnection:
+    """Our endpoint to one remote agent's listener (we are the client: we send requests on it)."""
+
+    def __init__(self, ep: Any, peer: str) -> None:
+        self.ep = ep
+        self.peer = peer
+        self.broken: str | None = None
+
+    @classmethod
+    async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(address, port), _remaining(deadline))
+        except asyncio.TimeoutError as e:
+            raise TransferTimeout(f"connect to {peer!r} at {address}:{port} timed out") from e
+        except ucxx.exceptions.UCXError as e:
+            raise PeerLost(f"cannot connect to {peer!r} at {address}:{port}: {e}") from e
+        conn = cls(ep, peer)
+        await conn.request(hello, 0, deadline)
+        return conn
+
+    def abort(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+        try:
+            self.ep.abort()
+        except Exception:  # noqa: BLE001 - already closed/failed endpoints may raise; aborting is best effort
+            pass
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise PeerLost(f"connection to {self.peer!r} is broken: {self.broken}")
+
+    async def send_request(self, msg: dict, deadline: float) -> None:
+        self._check()
+        await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.REQUEST_TAG), deadline,
+                      f"request to {self.peer!r}", self.abort)
+
+    async def response(self, xid: int, deadline: float) -> dict:
+        """The next response for operation `xid`; raises the error the server reported."""
+        self._check()
+        raw = await bounded(self.ep.recv_obj(tag=wire.response_tag(xid)), deadline,
+                            f"response from {self.peer!r}", self.abort)
+        resp = wire.decode(raw)
+        if not resp.get("ok"):
+            from ..errors import error_from_wire
+
+            raise error_from_wire(resp.get("kind", ""), f"{self.peer!r}: {resp.get('error')}")
+        return resp
+
+    async def request(self, msg: dict, xid: int, deadline: float) -> dict:
+        await self.send_request(msg, deadline)
+        return await self.response(xid, deadline)
+
+    async def send_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
+        self._check()
+        await bounded(self.ep.send(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
+                      f"data to {self.peer!r}", self.abort)
+
+    async def recv_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
+        self._check()
+        await bounded(self.ep.recv(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
+                      f"data from {self.peer!r}", self.abort)
+
+    async def close(self) -> None:
+        if self.broken is None:
+            self.broken = "closed"
+            try:
+                await asyncio.wait_for(self.ep.close(), 2.0)
+            except Exception:  # noqa: BLE001 - a dead peer cannot be closed cleanly
+                self.ep.abort()
+
+
+class PeerEndpoint:
+    """The server side of a connection a peer opened to us: replies and data go back on it."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.peer = "?"  # set by the hello
+        self.broken: str | None = None
+
+    def abort(self, reason: str) -> None:
+        self.broken = self.broken or reason
+        try:
+            self.ep.abort()
+        except Exception:  # noqa: BLE001
+            pass
+
+    async def reply(self, xid: int, msg: dict, deadline: float) -> None:
+        await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.response_tag(xid)), deadline,
+                      f"reply to {self.peer!r}", self.abort)
+
+    async def send_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
+        await bounded(self.ep.send(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
+                      f"data to {self.peer!r}", self.abort)
+
+    async def recv_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
+        await bounded(self.ep.recv(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
+                      f"data from {self.peer!r}", self.abort)
+
+
+class RequestHandler(Protocol):
+    async def on_hello(self, peer: PeerEndpoint, msg: dict) -> dict: ...
+
+    async def on_request(self, peer: PeerEndpoint, msg: dict) -> None: ...
+
+
+class UcxServer:
+    """Our listener and the endpoints peers opened to it; one task per peer reads its requests."""
+
+    def __init__(self, handler: RequestHandler) -> None:
+        self._handler = handler
+        self._listener: Any = None
+        self._peers: set[PeerEndpoint] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, port: int = 0) -> int:
+        self._listener = ucxx.create_listener(self._accept, port=port)
+        return int(self._listener.port)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, ep: Any) -> None:
+        peer = PeerEndpoint(ep)
+        self._peers.add(peer)
+        try:
+            while peer.broken is None:
+                try:
+                    msg = wire.decode(await ep.recv_obj(tag=wire.REQUEST_TAG))
+                except (ucxx.exceptions.UCXError, asyncio.CancelledError):
+                    peer.broken = "peer closed"
+                    return
+                if msg.get("op") == "hello":
+                    resp = await self._handler.on_hello(peer, msg)
+                    await peer.reply(0, resp, time.monotonic() + 10.0)
+                    if not resp.get("ok"):
+                        return
+                else:
+                    self._spawn(self._handler.on_request(peer, msg))
+        finally:
+            self._peers.discard(peer)
+
+    async def close(self) -> None:
+        for p in list(self._peers):
+            p.abort("agent closing")
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=2.0)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

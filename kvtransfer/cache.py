@@ -1,0 +1,120 @@
+"""A registered KV cache: the engine's tensor plus the byte-level views and gather/scatter the wire needs.
+
+The engine owns the tensor; the agent only borrows it between `register_cache` and `deregister_cache`.
+All reshaping follows `engine.kv_layout`: kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+is viewed as u8[num_blocks, num_layers, layer_bytes] (a view, no copy). On CUDA every gather/scatter runs on
+the cache's own transfer stream, after the caller's stream (see `caller_event`), never on the engine's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_layout import KVCacheSpec
+
+from .descriptors import contiguous_start
+from .metadata import CacheInfo
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RegisteredCache:
+    def __init__(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
+        # kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        if kv.dtype != _TORCH_DTYPES[spec.dtype]:
+            raise ValueError(f"cache dtype {kv.dtype} does not match spec dtype {spec.dtype}")
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != spec.shape(1)[1:]:
+            raise ValueError(f"cache shape {tuple(kv.shape)} does not match spec shape {spec.shape(-1)}")
+        if not kv.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous")
+        self.kv = kv
+        self.spec = spec
+        self.num_blocks = kv.shape[0]
+        # u8: [num_blocks, num_layers, layer_bytes], a view of kv
+        self.u8 = kv.view(torch.uint8).view(self.num_blocks, spec.num_layers, spec.layer_bytes)
+        self.device = kv.device
+        self.stream = torch.cuda.Stream(device=kv.device) if kv.is_cuda else None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kv.is_cuda
+
+    def info(self, ipc_handle: bytes | None = None) -> CacheInfo:
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid) if self.is_cuda else None
+        return CacheInfo(self.spec, self.num_blocks, "cuda" if self.is_cuda else "cpu", uuid, ipc_handle)
+
+    def caller_event(self) -> torch.cuda.Event | None:
+        """Record, on the calling thread's current stream, the point after which blocks may be read/written."""
+        if not self.is_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def region(self, ids: Sequence[int], layers: tuple[int, int]) -> torch.Tensor | None:
+        """[nbytes] u8 view of the cache if (ids, layers) is one contiguous region, else None (zero-copy)."""
+        first = contiguous_start(ids, layers, self.spec)
+        if first is None:
+            return None
+        return self.u8[first : first + len(ids), layers[0] : layers[1]].reshape(-1)
+
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
+
+    def gather(self, ids: Sequence[int], layers: tuple[int, int], out: torch.Tensor) -> None:
+        """out[nbytes] u8 <- blocks `ids` x `layers`, block after block (in `ids` order)."""
+        l0, l1 = layers
+        dst = out.view(len(ids), l1 - l0, self.spec.layer_bytes)
+        with self._on_stream():
+            torch.index_select(self.u8[:, l0:l1], 0, self._index(ids), out=dst)  # index built on this stream
+
+    def scatter(self, ids: Sequence[int], layers: tuple[int, int], src: torch.Tensor) -> None:
+        """blocks `ids` x `layers` <- src[nbytes] u8 (the layout `gather` writes)."""
+        l0, l1 = layers
+        s = src.view(len(ids), l1 - l0, self.spec.layer_bytes)
+        with self._on_stream():
+            self.u8[:, l0:l1].index_copy_(0, self._index(ids), s)
+
+    def _on_stream(self):
+        if self.stream is None:
+            return _Null()
+        return torch.cuda.stream(self.stream)
+
+    def wait_event(self, ev: torch.cuda.Event | None) -> None:
+        """Make the transfer stream wait (on the device, not the CPU) for a caller's event."""
+        if ev is not None and self.stream is not None:
+            self.stream.wait_event(ev)
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event after all work queued so far on the transfer stream (None on the CPU: work is done)."""
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+async def event_done(ev: torch.cuda.Event | None, deadline: float) -> None:
+    """Wait (without blocking the event loop) until a CUDA event has completed, at most until `deadline`."""
+    if ev is None:
+        return
+    spins = 0
+    while not ev.query():
+        if time.monotonic() > deadline:
+            from .errors import TransferTimeout
+
+            raise TransferTimeout("GPU copy did not finish before the deadline")
+        spins += 1
+        await asyncio.sleep(0 if spins < 50 else 1e-4)

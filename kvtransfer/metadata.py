@@ -1,0 +1,128 @@
+"""What one agent tells another so that they can connect and move blocks: `AgentMetadata`.
+
+Torch-free and small, so the coordinator and the pools can pass it around (bytes over Ray) without CUDA.
+`to_bytes()` / `from_bytes()` are the wire format (JSON; the optional CUDA IPC blob is base64).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from engine.kv_layout import KVCacheSpec
+
+from .errors import IncompatibleLayout
+
+PROTOCOL_VERSION = 1
+
+
+def host_identity() -> str:
+    """A string equal for two processes exactly when they run on the same host (hostname + boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The registered KV cache: `spec` plus how many blocks it has and where it lives."""
+
+    spec: KVCacheSpec
+    num_blocks: int
+    device: str  # "cpu" | "cuda"
+    device_uuid: str | None = None  # CUDA device UUID (None on the CPU)
+    ipc_handle: bytes | None = None  # opaque CUDA IPC export of the cache (intra-host path), or None
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec.to_dict(),
+            "num_blocks": self.num_blocks,
+            "device": self.device,
+            "device_uuid": self.device_uuid,
+            "ipc_handle": base64.b64encode(self.ipc_handle).decode() if self.ipc_handle else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheInfo:
+        ipc = d.get("ipc_handle")
+        return cls(
+            spec=KVCacheSpec.from_dict(d["spec"]),
+            num_blocks=int(d["num_blocks"]),
+            device=str(d["device"]),
+            device_uuid=d.get("device_uuid"),
+            ipc_handle=base64.b64decode(ipc) if ipc else None,
+        )
+
+
+@dataclass(frozen=True)
+class AgentMetadata:
+    """Everything needed to reach an agent and address its registered cache."""
+
+    name: str
+    address: str  # host name or IP the agent's UCX listener is reachable at
+    port: int
+    host_id: str  # host_identity() of the agent's process
+    pid: int
+    cache: CacheInfo | None
+    protocol_version: int = PROTOCOL_VERSION
+
+    def to_bytes(self) -> bytes:
+        d = {
+            "name": self.name,
+            "address": self.address,
+            "port": self.port,
+            "host_id": self.host_id,
+            "pid": self.pid,
+            "cache": self.cache.to_dict() if self.cache else None,
+            "protocol_version": self.protocol_version,
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> AgentMetadata:
+        try:
+            d = json.loads(data)
+            return cls(
+                name=str(d["name"]),
+                address=str(d["address"]),
+                port=int(d["port"]),
+                host_id=str(d["host_id"]),
+                pid=int(d["pid"]),
+                cache=CacheInfo.from_dict(d["cache"]) if d.get("cache") else None,
+                protocol_version=int(d.get("protocol_version", -1)),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise IncompatibleLayout(f"unreadable agent metadata: {e}") from e
+
+    def same_host_as(self, other: AgentMetadata) -> bool:
+        return self.host_id == other.host_id
+
+
+def check_compatible(local: CacheInfo | None, remote: AgentMetadata) -> None:
+    """Raise IncompatibleLayout unless blocks can move between `local` and `remote`'s cache."""
+    if remote.protocol_version != PROTOCOL_VERSION:
+        raise IncompatibleLayout(
+            f"agent {remote.name!r} speaks protocol {remote.protocol_version}, we speak {PROTOCOL_VERSION}"
+        )
+    if local is None or remote.cache is None:
+        return  # nothing registered yet on one side: notifications only; transfers check again
+    reason = local.spec.incompatibility(remote.cache.spec)
+    if reason:
+        raise IncompatibleLayout(f"agent {remote.name!r} has an incompatible KV cache layout: {reason}")
+
+
+def default_address() -> str:
+    """The address to advertise: $KVTRANSFER_ADDRESS, else this host's primary IP, else loopback."""
+    env = os.environ.get("KVTRANSFER_ADDRESS")
+    if env:
+        return env
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
