@@ -1,0 +1,209 @@
+"""Transfer benchmark: `python -m kvtransfer.bench` prints one JSON line per case.
+
+Two workers (`BenchWorker`: a KVAgent and a random bf16 cache each) in two processes (`--mode process`,
+the CPU default) or two Ray actors with one GPU each (`--mode ray`, the GPU default). The reader pulls
+(or the writer pushes) N blocks with the Llama-3-8B KV shape; each case reports the median of `--repeat`
+transfers, whether the destination blocks equal the source bit for bit (sha256 on both sides, the
+destination poisoned before each read), and the raw copy ceiling measured in the same run (GPU0 -> GPU1
+`copy_` of the same bytes; on the CPU an in-process memcpy) with the ratio.
+
+  python -m kvtransfer.bench                                    # CPU, two processes, small sizes
+  python -m kvtransfer.bench --mode ray --device cuda --configs ucx-one,ucx-all,ipc-all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import time
+from typing import Any
+
+from engine.kv_layout import KVCacheSpec
+
+from .bench_worker import BenchWorker
+
+LLAMA3_8B = KVCacheSpec("llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                        dtype="bfloat16")
+CONFIGS = {  # name -> (agent backends, GPU visibility per worker)
+    "ucx-one": (["ucx"], "one"),
+    "ucx-all": (["ucx"], "all"),
+    "ipc-all": (["cuda_ipc", "ucx"], "all"),
+}
+
+
+class _ProcessHost:
+    """A BenchWorker in a spawned process, called over a pipe (same interface as a Ray actor handle)."""
+
+    def __init__(self, *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, args), daemon=True)
+        self._proc.start()
+
+    def call(self, method: str, *args: Any, timeout: float = 600.0) -> Any:
+        self._conn.send((method, args))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"{method} did not answer in {timeout} s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def stop(self) -> None:
+        try:
+            self.call("close", timeout=30)
+        finally:
+            self._proc.kill()
+            self._proc.join(10)
+
+
+def _serve(conn: Any, args: tuple) -> None:
+    w = BenchWorker(*args)
+    while True:
+        method, a = conn.recv()
+        try:
+            conn.send((True, getattr(w, method)(*a)))
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            conn.send((False, repr(e)))
+        if method == "close":
+            return
+
+
+class _RayHost:
+    def __init__(self, *args: Any) -> None:
+        import ray
+
+        self._ray = ray
+        cls = ray.remote(num_gpus=1 if args[1] == "cuda" else 0, num_cpus=0)(BenchWorker)
+        self._actor = cls.remote(*args)
+
+    def call(self, method: str, *args: Any, timeout: float = 600.0) -> Any:
+        return self._ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call("close", timeout=30)
+        finally:
+            self._ray.kill(self._actor)
+
+
+def raw_copy_gbps(nbytes: int, device: str, repeat: int) -> float:
+    """The ceiling in this run: GPU0 -> GPU1 copy_ of nbytes (CPU: one in-process memcpy)."""
+    import torch
+
+    if device == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    else:
+        src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeat + 2):
+        if device == "cuda":
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:]) / 1e9
+
+
+def block_ids(n: int, total: int, pattern: str, rng: random.Random) -> list[int]:
+    if pattern == "contiguous":
+        start = rng.randrange(0, total - n + 1)
+        return list(range(start, start + n))
+    return rng.sample(range(total), n)
+
+
+def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_gpus: int) -> list[dict]:
+    backends, visible = CONFIGS[config] if args.device == "cuda" else (["ucx"], "all")
+    host = _RayHost if args.mode == "ray" else _ProcessHost
+    max_blocks = max(args.tokens) // spec.block_size
+    num_blocks = max_blocks * 2  # room for scattered ids
+    agent_cfg = {"backends": backends, "max_chunk_bytes": args.chunk_mib << 20,
+                 "staging_bytes": max(args.chunk_mib << 22, max_blocks * spec.block_bytes)}
+    src = host("prefill", args.device, 0, total_gpus, visible)
+    dst = host("decode", args.device, 1 % max(total_gpus, 1), total_gpus, visible)
+    rows = []
+    try:
+        meta_src = src.call("setup", spec.to_dict(), num_blocks, 1, agent_cfg)
+        meta_dst = dst.call("setup", spec.to_dict(), num_blocks, 2, agent_cfg)
+        used = dst.call("add_remote", meta_src)
+        src.call("add_remote", meta_dst)
+        info = {"src": src.call("info"), "dst": dst.call("info"), "backend": used["prefill"]}
+        print(json.dumps({"config": config, **info}), flush=True)
+        rng = random.Random(0)
+        for tokens in args.tokens:
+            n = tokens // spec.block_size
+            nbytes = n * spec.block_bytes
+            ceiling = raw_copy_gbps(nbytes, args.device, args.repeat) if args.device == "cuda" or \
+                args.mode != "ray" else float("nan")
+            for pattern in args.patterns:
+                for op in args.ops:
+                    s_ids = block_ids(n, num_blocks, pattern, rng)
+                    d_ids = block_ids(n, num_blocks, pattern, rng)
+                    if op == "read":
+                        secs = dst.call("timed", "read", "prefill", d_ids, s_ids, args.repeat + args.warmup)
+                    else:
+                        dst.call("poison", d_ids)
+                        secs = src.call("timed", "write", "decode", s_ids, d_ids, args.repeat + args.warmup)
+                    sec = statistics.median(secs[args.warmup:])
+                    correct = src.call("digest", s_ids) == dst.call("digest", d_ids)
+                    gbps = nbytes / sec / 1e9
+                    row = {"config": config, "backend": info["backend"], "mode": args.mode,
+                           "device": args.device, "op": op, "pattern": pattern, "tokens": tokens, "blocks": n,
+                           "bytes": nbytes, "seconds": round(sec, 6), "gbps": round(gbps, 2),
+                           "correct": correct, "peer_copy_gbps": round(ceiling, 2),
+                           "ratio": round(gbps / ceiling, 3) if ceiling == ceiling else None}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        leaks = {"src": src.call("metrics")["staging_in_use"], "dst": dst.call("metrics")["staging_in_use"]}
+        print(json.dumps({"config": config, "staging_in_use_after": leaks}), flush=True)
+    finally:
+        src.stop()
+        dst.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["process", "ray"], default="process")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--configs", default="ipc-all", help=f"GPU only, comma list of {sorted(CONFIGS)}")
+    p.add_argument("--tokens", default=None, help="comma list (default: 256,1024 on cpu; 1024,8192 on cuda)")
+    p.add_argument("--patterns", default="scattered,contiguous")
+    p.add_argument("--ops", default="read,write")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--chunk-mib", type=int, default=256)
+    args = p.parse_args(argv)
+    args.tokens = [int(t) for t in (args.tokens or ("1024,8192" if args.device == "cuda" else "256,1024"))
+                   .split(",")]
+    args.patterns = args.patterns.split(",")
+    args.ops = args.ops.split(",")
+    total_gpus = 0
+    if args.device == "cuda":
+        import torch
+
+        total_gpus = torch.cuda.device_count()
+    if args.mode == "ray":
+        import os
+
+        import ray
+
+        os.environ.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")  # we set it per worker
+        ray.init(include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    configs = args.configs.split(",") if args.device == "cuda" else ["cpu"]
+    for config in configs:
+        run_config(args, config, LLAMA3_8B, total_gpus)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""`BenchWorker`: one side of the transfer benchmark (a KVAgent plus a cache), hosted in a process or a
+Ray actor. Used by `kvtransfer.bench` and by the Ray tests.
+
+GPU visibility is set before CUDA starts in the hosting process: `visible="one"` shows only this worker's
+GPU (what Ray does per actor by default), `visible="all"` shows every GPU of the host with this worker's
+own first, so it is cuda:0 (also for ucxx's progress thread, which makes its CUDA context on device 0)
+and its peers are reachable for CUDA IPC / NVLink peer access.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+
+def set_visible_gpus(own: int, total: int, visible: str) -> None:
+    order = [own] + [i for i in range(total) if i != own] if visible == "all" else [own]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in order)
+
+
+class BenchWorker:
+    def __init__(self, name: str, device: str, gpu: int = 0, total_gpus: int = 1, visible: str = "all") -> None:
+        if device == "cuda":
+            set_visible_gpus(gpu, total_gpus, visible)
+        import torch
+
+        self.torch = torch
+        self.name = name
+        self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
+        self.agent: Any = None
+        self.kv: Any = None
+
+    def setup(self, spec_dict: dict, num_blocks: int, seed: int, config: dict) -> bytes:
+        from engine.kv_layout import KVCacheSpec
+
+        from .agent import AgentConfig, KVAgent
+
+        torch = self.torch
+        spec = KVCacheSpec.from_dict(spec_dict)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        bits = torch.randint(-(2**15), 2**15, spec.shape(num_blocks), generator=g, dtype=torch.int16,
+                             device=self.device)
+        self.kv = bits.view(torch.bfloat16)  # [num_blocks, L, 2, block, heads, dim]
+        if config.get("backends"):
+            config = {**config, "backends": tuple(config["backends"])}
+        self.agent = KVAgent(self.name, AgentConfig(**config), address="127.0.0.1")
+        self.agent.register_cache(self.kv, spec)
+        return self.agent.metadata().to_bytes()
+
+    def info(self) -> dict:
+        torch = self.torch
+        d: dict = {"pid": os.getpid(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        if self.device.type == "cuda":
+            n = torch.cuda.device_count()
+            d["device_count"] = n
+            d["peer_access"] = [torch.cuda.can_device_access_peer(0, i) for i in range(1, n)]
+        return d
+
+    def add_remote(self, meta: bytes) -> dict:
+        self.agent.add_remote(meta)
+        return self.agent.remotes()
+
+    def poison(self, ids: list[int]) -> None:
+        self.kv[ids] = float("nan")
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def timed(self, op: str, remote: str, local_ids: list[int], remote_ids: list[int], repeat: int,
+              timeout: float = 60.0) -> list[float]:
+        """Seconds of each of `repeat` transfers (destination poisoned before each, outside the timing)."""
+        times = []
+        for _ in range(repeat):
+            if op == "read":
+                self.poison(local_ids)
+            self._sync()
+            t0 = time.perf_counter()
+            if op == "read":
+                self.agent.read(remote, remote_ids, local_ids).wait(timeout)
+            else:
+                self.agent.write(remote, local_ids, remote_ids).wait(timeout)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def digest(self, ids: list[int]) -> str:
+        """sha256 of blocks `ids` (in this order), to compare the two sides bit for bit."""
+        data = self.kv[ids].contiguous().view(self.torch.uint8).cpu().numpy()
+        return hashlib.sha256(data.tobytes()).hexdigest()
+
+    def metrics(self) -> dict:
+        return self.agent.metrics()
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
