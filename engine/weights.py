@@ -18,6 +18,7 @@ from safetensors import safe_open
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
+TIED_EMBED = "model.embed_tokens.weight"
 
 
 class WeightsError(ValueError):
@@ -46,26 +47,34 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def _ignored(name: str, targets: dict[str, torch.Tensor]) -> bool:
-    """Tensors a checkpoint may carry that a model legitimately lacks."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return True
-    return name == TIED_HEAD and name not in targets  # a tied model reuses the embedding
+def _check_tied_head(path: Path, targets: dict[str, torch.Tensor]) -> None:
+    """A tied model may ignore a stored lm_head.weight only if it is the embedding (else the config is wrong)."""
+    embed = targets.get(TIED_EMBED)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        head = f.get_tensor(TIED_HEAD)
+    if embed is None or head.shape != embed.shape or not torch.equal(head.to(embed.dtype).to(embed.device), embed):
+        raise WeightsError(f"{path}: tensor {TIED_HEAD!r} differs from {TIED_EMBED!r}, but the model ties them "
+                           "(tie_word_embeddings); the checkpoint's config and weights disagree")
 
 
 def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
     """Copy every checkpoint tensor into `model` in place; every model entry must be filled exactly.
 
     Entries that share storage with a filled entry (tied embeddings in a model that keeps `lm_head.weight`
-    as an alias) count as filled. Raises `WeightsError` on an unexpected or missing tensor or a shape mismatch.
+    as an alias) count as filled. A stored `lm_head.weight` that a tied model lacks is skipped if it equals the
+    embedding. Raises `WeightsError` on an unexpected or missing tensor or a shape mismatch.
     """
     targets = model.state_dict()
     loaded: set[str] = set()
+    tied_head_file: Path | None = None
     with torch.no_grad():
         for path in checkpoint_files(folder):
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if _ignored(name, targets):
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    if name == TIED_HEAD and name not in targets:
+                        tied_head_file = path
                         continue
                     target = targets.get(name)
                     if target is None:
@@ -80,3 +89,5 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
     missing = [n for n in targets if n not in loaded and targets[n].data_ptr() not in filled]
     if missing:
         raise WeightsError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) the model needs: {missing}")
+    if tied_head_file is not None:
+        _check_tied_head(tied_head_file, targets)

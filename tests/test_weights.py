@@ -100,8 +100,14 @@ def test_dtype_conversion(ckpts: CheckpointCache, saved: str, target: str) -> No
 
 
 def test_engine_style_tied_model_ignores_stored_head(tmp_path: Path, ckpts: CheckpointCache) -> None:
-    """A tied model has no lm_head.weight; a checkpoint that stores one anyway still loads."""
+    """A tied model has no lm_head.weight; a tied checkpoint that stores one anyway still loads."""
     tensors = saved_tensors(ckpts.get("LlamaForCausalLM"))
+    save_file(tensors, str(tmp_path / "untied.safetensors"))
+    shapes = {n: tuple(t.shape) for n, t in tensors.items() if n != "lm_head.weight"}
+    with pytest.raises(WeightsError, match=r"untied\.safetensors: tensor 'lm_head\.weight' differs"):
+        load_weights(Named(shapes), tmp_path)  # untied weights into a tied model: refuse, never drop the head
+    (tmp_path / "untied.safetensors").unlink()
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     shapes = {n: tuple(t.shape) for n, t in tensors.items() if n != "lm_head.weight"}
     model = Named(shapes)
