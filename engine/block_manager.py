@@ -69,6 +69,10 @@ class BlockManager:
     def table(self, owner: str) -> list[int]:
         return self._tables.get(owner, [])
 
+    def owners(self) -> dict[str, list[int]]:
+        """Every owner's block table (a read-only view: do not modify)."""
+        return self._tables
+
     def has_table(self, owner: str) -> bool:
         return owner in self._tables
 

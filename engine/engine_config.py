@@ -16,7 +16,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
     enable_prefix_caching: bool = True
-    max_model_len: int | None = None    # None (or larger) = the model's max_position_embeddings
+    max_model_len: int | None = None    # None = the model's max_position_embeddings
     num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9

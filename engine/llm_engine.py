@@ -42,7 +42,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(path)
         mc = self.model_config
         dtype = mc.torch_dtype if config.dtype == "auto" else config.dtype
-        max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings} ({path}/config.json)")
         self.config = replace(config, dtype=dtype, max_model_len=max_model_len)
         self.device = torch.device(config.device)
         self.model = self._load_model(path, TORCH_DTYPES[dtype])
@@ -118,7 +121,7 @@ class LLMEngine:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"}."""
         counts = self.block_manager.check_integrity()
         known = set(self.scheduler.requests) | self._reserved
-        tables = self.block_manager._tables
+        tables = self.block_manager.owners()
         assert set(tables) <= known, f"blocks held by unknown owners: {sorted(set(tables) - known)}"
         pinned_owners = self._reserved | {r.request_id for r in self.scheduler.requests.values()
                                           if r.status == RequestStatus.PINNED}

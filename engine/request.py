@@ -38,7 +38,7 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     prefill_only: bool = False
-    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)  # prompt then outputs, appended in place (no copy per step)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -47,13 +47,20 @@ class Request:
     pin_deadline: float | None = None
     num_preemptions: int = 0
 
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -61,7 +68,7 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
-        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
         self.finish_reason = self._stop_reason(token_id)
@@ -70,6 +77,6 @@ class Request:
         p = self.params
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
-        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -179,7 +179,7 @@ class Scheduler:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
-                              sample=start + n == req.num_tokens, output_index=len(req.output_token_ids))
+                              sample=start + n == req.num_tokens, output_index=req.num_output_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
