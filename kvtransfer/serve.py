@@ -108,7 +108,9 @@ class Server:
         except BufferMayBeInUse as e:
             unsafe = True
             self._metrics.record_failure(f"serve_{op}", e)
-        except TransferError as e:
+        except Exception as e:  # noqa: BLE001 - every failure is replied, none kills the server
+            if not isinstance(e, TransferError):
+                e = TransferError(f"{op} failed on the serving side: {e!r}")
             self._metrics.record_failure(f"serve_{op}", e)
             if (op == "write" or not replied) and peer.broken is None:
                 try:

@@ -68,10 +68,9 @@ class StagingPool:
                     pass
 
     def _try_take(self, nbytes: int) -> Slot | None:
-        fits = [b for b in self._free if b.numel() >= nbytes]
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
         if fits:
-            buf = min(fits, key=lambda b: b.numel())
-            self._free.remove(buf)
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
             # evict cached buffers (smallest first) until a new one fits under the capacity
             self._free.sort(key=lambda b: b.numel())

@@ -69,7 +69,7 @@ class PeerError(Exception):
 
 class PeerProcess:
     def __init__(self, name: str, num_blocks: int = 64, seed: int = 0, config: dict | None = None,
-                 spec: KVCacheSpec = SPEC, start_timeout: float = 60.0) -> None:
+                 spec: KVCacheSpec = SPEC, wait: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.name = name
@@ -78,10 +78,18 @@ class PeerProcess:
         self.proc = ctx.Process(target=_peer_main, args=(child, name, num_blocks, seed, config or {}, spec),
                                 daemon=True)
         self.proc.start()
-        if not self._conn.poll(start_timeout):
-            self.kill()
-            raise TimeoutError(f"peer {name} did not start within {start_timeout} s")
-        self.meta: bytes = self._conn.recv()
+        self.meta = b""
+        if wait:
+            self.ready()
+
+    def ready(self, timeout: float = 90.0) -> PeerProcess:
+        """Wait until the peer's agent is up and its metadata arrived (start several, then wait)."""
+        if not self.meta:
+            if not self._conn.poll(timeout):
+                self.kill()
+                raise TimeoutError(f"peer {self.name} did not start within {timeout} s")
+            self.meta = self._conn.recv()
+        return self
 
     def call(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         self._conn.send((method, args))

@@ -67,6 +67,7 @@ class UcxConnection:
         self.ep = ep
         self.peer = peer
         self.broken: str | None = None
+        self._send_lock = asyncio.Lock()  # send_obj is two messages: never interleave two requests
 
     @classmethod
     async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
@@ -94,8 +95,9 @@ class UcxConnection:
 
     async def send_request(self, msg: dict, deadline: float) -> None:
         self._check()
-        await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.REQUEST_TAG), deadline,
-                      f"request to {self.peer!r}", self.abort)
+        async with self._send_lock:
+            await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.REQUEST_TAG), deadline,
+                          f"request to {self.peer!r}", self.abort)
 
     async def response(self, xid: int, deadline: float) -> dict:
         """The next response for operation `xid`; raises the error the server reported."""
@@ -193,6 +195,9 @@ class UcxServer:
                     msg = wire.decode(await ep.recv_obj(tag=wire.REQUEST_TAG))
                 except (ucxx.exceptions.UCXError, asyncio.CancelledError):
                     peer.broken = "peer closed"
+                    return
+                except ValueError as e:  # not our protocol: drop the peer rather than guess
+                    peer.abort(f"unreadable request: {e}")
                     return
                 if msg.get("op") == "hello":
                     resp = await self._handler.on_hello(peer, msg)
