@@ -124,9 +124,9 @@ def test_many_concurrent_transfers_same_pair(local, peers) -> None:
         jobs.append((agent.read("p1", rids, lids), lids, rids))
     for h, _, _ in jobs:
         h.wait(60)
-    remote = {b: blk for b, blk in zip(range(64), p1.call("blocks", list(range(64))))}
+    remote = dict(enumerate(p1.call("blocks", list(range(64)))))
     for _, lids, rids in jobs:
-        for lb, rb in zip(lids, rids):
+        for lb, rb in zip(lids, rids, strict=True):
             assert torch.equal(bits(kv[lb]), bits(remote[rb]))
     _no_leaks(agent, p1)
 
@@ -137,13 +137,13 @@ def test_three_agents_concurrently(local, peers) -> None:
     h1 = agent.read("p1", [1, 3, 5, 7, 9], [0, 1, 2, 3, 4])
     h2 = agent.read("p2", [2, 4, 6, 8], [10, 11, 12, 13])
     h3 = agent.write("p2", [20, 21, 22], [30, 31, 32])
-    p1.call("write", "p2", [60, 61, 62, 63], [0, 1, 2, 3], None, None, None, 30.0)  # p1 -> p2 meanwhile
+    p1.call("write", "p2", [60, 61, 62, 63], [33, 34, 35, 36], None, None, None, 30.0)  # p1 -> p2 meanwhile
     for h in (h1, h2, h3):
         h.wait(60)
     assert torch.equal(bits(kv[0:5]), bits(p1.call("blocks", [1, 3, 5, 7, 9])))
     assert torch.equal(bits(kv[10:14]), bits(p2.call("blocks", [2, 4, 6, 8])))
     assert torch.equal(bits(p2.call("blocks", [30, 31, 32])), bits(kv[20:23]))
-    assert torch.equal(bits(p2.call("blocks", [0, 1, 2, 3])), bits(p1.call("blocks", [60, 61, 62, 63])))
+    assert torch.equal(bits(p2.call("blocks", [33, 34, 35, 36])), bits(p1.call("blocks", [60, 61, 62, 63])))
     _no_leaks(agent, p1, p2)
 
 
