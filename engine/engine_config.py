@@ -15,6 +15,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
+    max_prefill_chunk: int | None = None  # most prompt tokens of one request per step (None = the budget)
     enable_prefix_caching: bool = True
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
@@ -29,6 +30,7 @@ class EngineConfig:
             ("block_size", self.block_size > 0, "must be positive"),
             ("max_num_seqs", self.max_num_seqs > 0, "must be positive"),
             ("max_num_batched_tokens", self.max_num_batched_tokens > 0, "must be positive"),
+            ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("max_model_len", self.max_model_len is None or self.max_model_len > 0, "must be positive"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks > 0, "must be positive"),
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

@@ -54,7 +54,8 @@ class LLMEngine:
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(self.kv_spec, self.num_kv_blocks, self.device)  # [NB, L, 2, bs, KVH, D]
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_prefill_chunk=config.max_prefill_chunk)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, Sampler(self.device, config.seed))
         self._reserved: set[str] = set()
 

@@ -53,8 +53,9 @@ class StepOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None) -> None:
         self.bm = block_manager
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
@@ -116,7 +117,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending_tokens, budget)
+            n = min(req.num_pending_tokens, budget, self.max_prefill_chunk)
             while not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -162,7 +163,7 @@ class Scheduler:
             req = self.waiting[0]
             prefix = self.bm.cached_prefix(req.all_token_ids) if req.num_computed_tokens == 0 else []
             cached_tokens = len(prefix) * self.bm.block_size
-            n = min(req.num_tokens - cached_tokens, budget)
+            n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
             if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
                 break
             self.waiting.popleft()

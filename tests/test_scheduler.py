@@ -8,10 +8,10 @@ from engine.scheduler import Scheduler
 EOS = 0
 
 
-def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, prefix=True, clock=None):
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, prefix=True, clock=None, chunk=None):
     bm = BlockManager(num_blocks, block_size, prefix)
     kwargs = {"clock": clock} if clock else {}
-    return Scheduler(bm, max_seqs, budget, **kwargs)
+    return Scheduler(bm, max_seqs, budget, max_prefill_chunk=chunk, **kwargs)
 
 
 def req(rid, n_prompt, max_tokens=4, prefill_only=False, first=1):
@@ -130,3 +130,14 @@ def test_prefix_cache_hit_skips_cached_tokens():
     out, _ = run_step(s)
     assert out.chunks[0].start_pos == 8 and len(out.chunks[0].token_ids) == 2
     assert s.requests["b"].num_cached_tokens == 8
+
+
+def test_prefill_chunk_size_caps_one_request_per_step_but_not_the_batch():
+    s = make(budget=64, chunk=5)
+    s.add(req("a", 12))
+    s.add(req("b", 3))
+    out, _ = run_step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 5), ("b", 3)]
+    out, _ = run_step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 5), ("b", 1)]
+    assert drain(s) == {"a": "length", "b": "length"}

@@ -1,0 +1,66 @@
+"""ServingBackend: the contract between the HTTP coordinator and whatever runs the model.
+
+The coordinator owns HTTP, tokenization, detokenization, stop strings and metrics of the request as the client
+sees it; the backend owns workers, routing, KV transfer and every block. Implementations: the Ray prefill/decode
+pools (`coordinator.ray_backend`, disaggregated or collocated) and, in tests, an in-process engine.
+Everything here is torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # stop_token_ids already merged in; stop strings stay with the coordinator
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request. The last delta of a stream has finish_reason set ("stop" | "length")."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class BackendError(Exception):
+    """The backend could not serve the request (a worker died, a transfer failed...): a 5xx, or an in-band error."""
+
+
+class Overloaded(BackendError):
+    """No capacity now and the admission queue is full: 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServingBackend(Protocol):
+    model_name: str        # the id served at /v1/models
+    model_path: str        # checkpoint folder (the coordinator loads the tokenizer from it)
+    max_model_len: int
+    vocab_size: int
+
+    async def start(self) -> None:
+        """Create the workers and wait until every one has loaded its model."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's tokens. Raises Overloaded (before the first delta) or BackendError.
+        Closing the iterator early (aclose, or the consumer being cancelled) aborts the request everywhere and
+        frees its blocks; the backend guarantees the stream ends, with a delta or an error, in bounded time."""
+
+    def stats(self) -> dict:
+        """Load and transfer figures for /metrics: {"workers": [{"name", "role", "queued_prompt_tokens",
+        "running", "free_blocks", "total_blocks"}, ...], "transfer": {...}, "queue_length": int}."""
+
+    async def shutdown(self) -> None:
+        """Stop the workers; in-flight streams end with BackendError."""

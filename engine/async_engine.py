@@ -1,0 +1,90 @@
+"""AsyncEngine: the one loop that owns an LLMEngine inside an asyncio program (a Ray actor, a test server).
+
+Rule: only the loop touches the engine. Callers `call(fn)` to run `fn(engine)` between two steps and await its
+result; steps run in a worker thread (so the event loop keeps serving RPCs while the model computes). Every
+step's outputs go to `on_outputs`, on the event loop. A failing step fails the loop: `run()` raises and every
+pending call gets the error, so owners notice instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.scheduler import StepOutput
+
+T = TypeVar("T")
+
+IDLE_WAKEUP_S = 0.05  # an idle loop still wakes up to expire pinned blocks' leases
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None]) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self.steps = 0
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the loop between steps; returns its result or raises its exception."""
+        if self._closed:
+            raise RuntimeError("the engine loop has stopped")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, future))
+        self._wakeup.set()
+        return await future
+
+    async def run(self) -> None:
+        try:
+            while not self._closed:
+                self._apply_calls()
+                if self.engine.has_unfinished() or self._has_pins():
+                    outputs = await asyncio.to_thread(self.engine.step)
+                    self.steps += 1
+                    if outputs:
+                        self._on_outputs(outputs)
+                    if not self.engine.has_unfinished():
+                        await self._idle()
+                else:
+                    await self._idle()
+        except BaseException as e:
+            self._fail_pending(e)
+            raise
+        finally:
+            self._closed = True
+            self._fail_pending(RuntimeError("the engine loop has stopped"))
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    # ---- internals
+    async def _idle(self) -> None:
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), IDLE_WAKEUP_S)
+        except TimeoutError:
+            pass
+        self._wakeup.clear()
+
+    def _has_pins(self) -> bool:
+        return bool(self.engine.scheduler.expired_pins())
+
+    def _apply_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if future.done():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # the caller gets its own error; the loop goes on
+                future.set_exception(e)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        calls, self._calls = self._calls, []
+        for _, future in calls:
+            if not future.done():
+                future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
