@@ -27,7 +27,8 @@ from .bench_worker import BenchWorker
 
 LLAMA3_8B = KVCacheSpec("llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
                         dtype="bfloat16")
-CONFIGS = {  # name -> (agent backends, GPU visibility per worker)
+CONFIGS = {  # name -> (agent backends, GPU visibility per worker; see bench_worker)
+    "ucx-ray": (["ucx"], "ray"),
     "ucx-one": (["ucx"], "one"),
     "ucx-all": (["ucx"], "all"),
     "ipc-all": (["cuda_ipc", "ucx"], "all"),
@@ -122,12 +123,14 @@ def block_ids(n: int, total: int, pattern: str, rng: random.Random) -> list[int]
 
 
 def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_gpus: int) -> list[dict]:
-    backends, visible = CONFIGS[config] if args.device == "cuda" else (["ucx"], "all")
+    name, _, chunk = config.partition("@")
+    chunk_mib = int(chunk) if chunk else args.chunk_mib
+    backends, visible = CONFIGS[name] if args.device == "cuda" else (["ucx"], "all")
     host = _RayHost if args.mode == "ray" else _ProcessHost
     max_blocks = max(args.tokens) // spec.block_size
     num_blocks = max_blocks * 2  # room for scattered ids
-    agent_cfg = {"backends": backends, "max_chunk_bytes": args.chunk_mib << 20,
-                 "staging_bytes": max(args.chunk_mib << 22, max_blocks * spec.block_bytes)}
+    agent_cfg = {"backends": backends, "max_chunk_bytes": chunk_mib << 20,
+                 "staging_bytes": max(chunk_mib << 22, max_blocks * spec.block_bytes)}
     src = host("prefill", args.device, 0, total_gpus, visible)
     dst = host("decode", args.device, 1 % max(total_gpus, 1), total_gpus, visible)
     rows = []
@@ -142,8 +145,7 @@ def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_g
         for tokens in args.tokens:
             n = tokens // spec.block_size
             nbytes = n * spec.block_bytes
-            ceiling = raw_copy_gbps(nbytes, args.device, args.repeat) if args.device == "cuda" or \
-                args.mode != "ray" else float("nan")
+            ceiling = raw_copy_gbps(nbytes, args.device, args.repeat)
             for pattern in args.patterns:
                 for op in args.ops:
                     s_ids = block_ids(n, num_blocks, pattern, rng)
@@ -160,7 +162,7 @@ def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_g
                            "device": args.device, "op": op, "pattern": pattern, "tokens": tokens, "blocks": n,
                            "bytes": nbytes, "seconds": round(sec, 6), "gbps": round(gbps, 2),
                            "correct": correct, "peer_copy_gbps": round(ceiling, 2),
-                           "ratio": round(gbps / ceiling, 3) if ceiling == ceiling else None}
+                           "ratio": round(gbps / ceiling, 3)}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
         leaks = {"src": src.call("metrics")["staging_in_use"], "dst": dst.call("metrics")["staging_in_use"]}
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["process", "ray"], default="process")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--configs", default="ipc-all", help=f"GPU only, comma list of {sorted(CONFIGS)}")
+    p.add_argument("--configs", default="ipc-all", help=f"GPU only, comma list of {sorted(CONFIGS)}, "
+                   "each optionally with @CHUNK_MIB, e.g. ipc-all@64")
     p.add_argument("--tokens", default=None, help="comma list (default: 256,1024 on cpu; 1024,8192 on cuda)")
     p.add_argument("--patterns", default="scattered,contiguous")
     p.add_argument("--ops", default="read,write")
@@ -197,12 +200,15 @@ def main(argv: list[str] | None = None) -> None:
 
         import ray
 
-        os.environ.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")  # we set it per worker
-        ray.init(include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        # workers inherit the driver's environment: make this repository importable there
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+        ray.init(include_dashboard=False, log_to_driver=True)
     configs = args.configs.split(",") if args.device == "cuda" else ["cpu"]
     for config in configs:
-        run_config(args, config, LLAMA3_8B, total_gpus)
+        try:
+            run_config(args, config, LLAMA3_8B, total_gpus)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next configuration
+            print(json.dumps({"config": config, "error": repr(e)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """`BenchWorker`: one side of the transfer benchmark (a KVAgent plus a cache), hosted in a process or a
 Ray actor. Used by `kvtransfer.bench` and by the Ray tests.
 
-GPU visibility is set before CUDA starts in the hosting process: `visible="one"` shows only this worker's
-GPU (what Ray does per actor by default), `visible="all"` shows every GPU of the host with this worker's
-own first, so it is cuda:0 (also for ucxx's progress thread, which makes its CUDA context on device 0)
-and its peers are reachable for CUDA IPC / NVLink peer access.
+GPU visibility is set before CUDA starts in the hosting process: `visible="ray"` leaves what Ray set
+(CUDA_VISIBLE_DEVICES = this actor's GPU only), `visible="one"` does the same by hand, `visible="all"`
+shows every GPU of the host with this worker's own first, so it is cuda:0 (also for ucxx's progress
+thread, which makes its CUDA context on device 0) and its peers are visible, so that CUDA IPC mappings
+of a peer's memory get NVLink peer access instead of going through the host.
 """
 
 from __future__ import annotations
@@ -15,7 +16,21 @@ import time
 from typing import Any
 
 
+def own_gpu(default: int) -> int:
+    """This Ray actor's GPU (physical id) if Ray assigned one, else `default`."""
+    try:
+        import ray
+
+        ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    except ImportError:
+        ids = []
+    return int(ids[0]) if ids else default
+
+
 def set_visible_gpus(own: int, total: int, visible: str) -> None:
+    """Before CUDA initializes: show only `own` ("one"), or all `total` GPUs with `own` first ("all")."""
+    if visible == "ray":
+        return
     order = [own] + [i for i in range(total) if i != own] if visible == "all" else [own]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in order)
 
@@ -23,7 +38,7 @@ def set_visible_gpus(own: int, total: int, visible: str) -> None:
 class BenchWorker:
     def __init__(self, name: str, device: str, gpu: int = 0, total_gpus: int = 1, visible: str = "all") -> None:
         if device == "cuda":
-            set_visible_gpus(gpu, total_gpus, visible)
+            set_visible_gpus(own_gpu(gpu), total_gpus, visible)
         import torch
 
         self.torch = torch
@@ -52,6 +67,12 @@ class BenchWorker:
     def info(self) -> dict:
         torch = self.torch
         d: dict = {"pid": os.getpid(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        try:
+            import ucxx
+
+            d["ucx_transports"] = sorted(ucxx.get_active_transports())
+        except Exception as e:  # noqa: BLE001 - informational only
+            d["ucx_transports"] = repr(e)
         if self.device.type == "cuda":
             n = torch.cuda.device_count()
             d["device_count"] = n

@@ -36,6 +36,17 @@ def export(cache: RegisteredCache) -> bytes | None:
     return pickle.dumps(args)
 
 
+def _device_arg() -> int:
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+
+
+_DEVICE_ARG = _device_arg()
+
+
 def _local_index(uuid: str | None) -> int | None:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
@@ -65,7 +76,7 @@ class CudaIpcPeer:
         idx = _local_index(remote.device_uuid)
         assert idx is not None and remote.ipc_handle is not None
         args = list(pickle.loads(remote.ipc_handle))  # trusted: same host, same cluster
-        args[6] = idx  # storage_device, in this process's numbering
+        args[_DEVICE_ARG] = idx  # the exporter's device index, renumbered for this process
         kv = rebuild_cuda_tensor(*args)  # [num_blocks, num_layers, 2, block_size, heads, head_dim]
         self.remote = RegisteredCache(kv, remote.spec)
         self.local = local
