@@ -21,6 +21,7 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.kv_cache import TORCH_DTYPES, allocate_kv_cache
 from engine.kv_layout import KVCacheSpec
+from engine.load import EngineLoad
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, TokenLogprob
@@ -117,6 +118,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
+
+    def load(self, steps: int = 0) -> EngineLoad:
+        s = self.scheduler
+        pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
+            r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1)
+        pinned = sum(1 for r in s.requests.values() if r.status == RequestStatus.PINNED)
+        return EngineLoad(pending, len(s.waiting), len(s.running), pinned, self.block_manager.num_free_blocks,
+                          self.num_kv_blocks, steps)
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"}."""

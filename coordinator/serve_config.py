@@ -1,0 +1,140 @@
+"""ServeConfig: one validated, frozen config tree loaded once from `configs/<name>.yaml`.
+
+Each part goes only where it belongs: EngineConfig to each worker of a pool, AgentConfig to the transfer
+agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load with the file, key and reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.settings import ServerSettings
+from engine.engine_config import EngineConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    workers: int = 1
+    num_gpus: float = 0       # per worker; > 0 puts its engine on CUDA
+    num_cpus: float = 1       # per worker
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int | None = None          # most prompt tokens of one request per step
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backends: tuple[str, ...] = ("cuda_ipc", "ucx")
+    timeout_s: float = 30.0
+    pin_lease_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_queue: int = 1024          # requests in flight beyond which new ones get 503
+    timeout_s: float = 30.0        # how long a request may wait for KV room on a decode worker
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    mode: str = "disaggregated"    # "disaggregated" | "collocated"
+    placement: str = "pack"        # "pack" | "spread"
+    ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig(max_num_seqs=256)
+    transfer: TransferConfig = TransferConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    server: ServerSettings = ServerSettings()
+
+    def engine_config(self, pool: PoolConfig, seed: int = 0) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device="cuda" if pool.num_gpus > 0 else "cpu",
+            block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
+            enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
+            num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+            gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed)
+
+
+_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
+             "admission": AdmissionConfig, "server": ServerSettings}
+_CHOICES = {"mode": ("disaggregated", "collocated"), "placement": ("pack", "spread")}
+
+
+def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """Read and validate a YAML file; `overrides` ({"server.port": 8001, ...}) win over the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return _build(ServeConfig, raw, path, "")
+
+
+def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {prefix}{unknown[0]!r}; known keys here: {sorted(known)}")
+    values = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if name in _SECTIONS and cls is ServeConfig:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {key!r} must be a mapping, got {value!r}")
+            value = _build(_SECTIONS[name], value, path, f"{key}.")
+        elif name in _CHOICES and value not in _CHOICES[name]:
+            raise ConfigError(f"{path}: {key!r} must be one of {_CHOICES[name]}, got {value!r}")
+        elif name == "backends":
+            value = tuple([value] if isinstance(value, str) else value)
+        values[name] = _check_type(value, known[name], path, key)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {prefix.rstrip('.') or 'top level'}: {e}") from None
+
+
+def _check_type(value: Any, field: Any, path: Path, key: str) -> Any:
+    expected = str(field.type)
+    if value is None:
+        if "None" in expected:
+            return None
+        raise ConfigError(f"{path}: {key!r} may not be null")
+    if isinstance(value, bool) and "bool" not in expected:
+        raise ConfigError(f"{path}: {key!r} must be {expected}, got {value!r}")
+    checks = [("bool", (bool,)), ("int", (int,)), ("float", (int, float)), ("str", (str,)), ("tuple", (tuple,))]
+    for name, types in checks:
+        if expected.startswith(name) or f"{name} |" in expected or f"| {name}" in expected:
+            if isinstance(value, types):
+                if name in ("int", "float") and value < 0:
+                    raise ConfigError(f"{path}: {key!r} must not be negative, got {value!r}")
+                return value
+    if not any(name in expected for name, _ in checks):  # nested section objects were built already
+        return value
+    raise ConfigError(f"{path}: {key!r} must be {expected}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,141 @@
+"""DecodeWorker: a Ray actor (one GPU, or CPUs) that pulls prefilled KV and generates, or (collocated mode)
+runs whole requests.
+
+Owns one engine stepped by one AsyncEngine loop and one KVAgent that pulls from prefill workers. Tokens leave in
+batches: every step's deltas go to an outbox that the coordinator drains with one long-poll per worker, never
+one call per token. Block ownership: reserve -> (transfer in flight: nobody else may touch them) -> running
+request -> freed on finish or abort; an abort during a transfer is applied once the transfer has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.load import EngineLoad, WorkerInfo
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import StepOutput
+from kvtransfer import AgentConfig, KVAgent
+
+RESERVE_RETRY_S = 0.01
+
+
+class NoCapacity(RuntimeError):
+    """The worker's KV cache stayed full for the whole admission timeout."""
+
+
+class DecodeWorker:
+    def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
+                 admission_timeout_s: float) -> None:
+        self.name = name
+        self._engine_config = engine_config
+        self._agent_config = agent_config  # None in collocated mode: no transfers
+        self._num_threads = num_threads
+        self._admission_timeout_s = admission_timeout_s
+        self._outbox: list[StepOutput] = []
+        self._outbox_ready = asyncio.Event()
+        self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
+        self.loop: AsyncEngine | None = None
+        self.agent: KVAgent | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> WorkerInfo:
+        torch.set_num_threads(self._num_threads)
+        engine = LLMEngine(self._engine_config)
+        self.loop = AsyncEngine(engine, self._on_outputs)
+        self._task = asyncio.get_running_loop().create_task(self.loop.run())
+        meta = None
+        if self._agent_config is not None:
+            self.agent = KVAgent(self.name, self._agent_config)
+            self.agent.register_cache(engine.kv_cache, engine.kv_spec)
+            meta = self.agent.metadata().to_bytes()
+        role = "decode" if self.agent else "collocated"
+        return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
+                          engine.config.max_model_len, engine.model_config.vocab_size, meta)
+
+    async def add_peer(self, agent_metadata: bytes) -> str:
+        return await asyncio.to_thread(self.agent.add_remote, agent_metadata)
+
+    async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
+                     first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int]) -> EngineLoad:
+        """Pull the prompt's KV from `peer`'s blocks into reserved blocks, then decode from the first token."""
+        blocks = await self._reserve(request_id, len(prompt_token_ids))
+        self._transferring[request_id] = False
+        try:
+            n = len(blocks)
+            handle = self.agent.read(peer, peer_block_ids[:n], blocks)
+            await asyncio.wrap_future(handle.future)
+        except BaseException:
+            self._transferring.pop(request_id, None)
+            await self.loop.call(lambda e: e.abort(request_id))
+            raise
+        if self._transferring.pop(request_id):
+            await self.loop.call(lambda e: e.abort(request_id))
+            raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
+        done = await self.loop.call(lambda e: e.add_prefilled_request(
+            request_id, prompt_token_ids, first_token_id, params, first_logprob))
+        if done is not None:
+            self._push([done])
+        return await self.load()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineLoad:
+        """Collocated mode: run the whole request here; its tokens come out of poll()."""
+        await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params))
+        return await self.load()
+
+    async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad]:
+        """Every delta since the last poll (waits up to timeout_s for one), and the current load."""
+        if not self._outbox:
+            try:
+                await asyncio.wait_for(self._outbox_ready.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        out, self._outbox = self._outbox, []
+        self._outbox_ready.clear()
+        return out, await self.load()
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id in self._transferring:
+            self._transferring[request_id] = True  # decode() frees the blocks once the transfer has ended
+            return True
+        return await self.loop.call(lambda e: e.abort(request_id))
+
+    async def load(self) -> EngineLoad:
+        return await self.loop.call(lambda e: e.load(self.loop.steps))
+
+    async def check_integrity(self) -> dict[str, int]:
+        return await self.loop.call(lambda e: e.check_integrity())
+
+    async def transfer_metrics(self) -> dict:
+        return self.agent.metrics() if self.agent else {}
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+        if self.agent is not None:
+            self.agent.close()
+
+    # ---- internals
+    async def _reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        deadline = time.monotonic() + self._admission_timeout_s
+        while True:
+            blocks = await self.loop.call(lambda e: e.reserve_blocks(request_id, num_tokens))
+            if blocks is not None:
+                return blocks
+            if time.monotonic() > deadline:
+                raise NoCapacity(f"decode worker {self.name}: no room for {num_tokens} tokens of KV within "
+                                 f"{self._admission_timeout_s} s")
+            await asyncio.sleep(RESERVE_RETRY_S)
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        self._push(outputs)
+
+    def _push(self, outputs: list[StepOutput]) -> None:
+        self._outbox.extend(outputs)
+        self._outbox_ready.set()

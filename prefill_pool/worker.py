@@ -1,0 +1,103 @@
+"""PrefillWorker: a Ray actor (one GPU, or CPUs) that runs prompts and keeps their KV pinned for decode to pull.
+
+Owns one engine, stepped by one AsyncEngine loop, and one KVAgent that serves reads of its cache. RPCs only
+enqueue work and await results. Block ownership: after `prefill()` returns, the request's blocks are pinned
+here until `release()` (decode has pulled them), `abort()`, or the pin lease expires; never silently kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.load import EngineLoad, WorkerInfo
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import StepOutput
+from kvtransfer import AgentConfig, KVAgent
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    finish_reason: str | None   # set if the first token already ends the request (then nothing is pinned)
+    block_ids: list[int]        # pinned blocks holding the prompt's KV, in order
+    load: EngineLoad
+
+
+class PrefillWorker:
+    def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig, num_threads: int) -> None:
+        self.name = name
+        self._engine_config = engine_config
+        self._agent_config = agent_config
+        self._num_threads = num_threads
+        self._waiting: dict[str, asyncio.Future] = {}
+        self.loop: AsyncEngine | None = None
+        self.agent: KVAgent | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> WorkerInfo:
+        torch.set_num_threads(self._num_threads)
+        engine = LLMEngine(self._engine_config)
+        self.loop = AsyncEngine(engine, self._on_outputs)
+        self._task = asyncio.get_running_loop().create_task(self.loop.run())
+        self.agent = KVAgent(self.name, self._agent_config)
+        self.agent.register_cache(engine.kv_cache, engine.kv_spec)
+        return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
+                          engine.config.max_model_len, engine.model_config.vocab_size,
+                          self.agent.metadata().to_bytes())
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        try:
+            await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=True))
+            return await future
+        except BaseException:
+            self._waiting.pop(request_id, None)
+            await self._abort(request_id)
+            raise
+
+    async def release(self, request_id: str) -> bool:
+        """Decode has the KV: free the pinned blocks."""
+        return await self.loop.call(lambda e: e.release(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(asyncio.CancelledError(f"request {request_id} aborted"))
+        return await self._abort(request_id)
+
+    async def load(self) -> EngineLoad:
+        return await self.loop.call(lambda e: e.load(self.loop.steps))
+
+    async def check_integrity(self) -> dict[str, int]:
+        return await self.loop.call(lambda e: e.check_integrity())
+
+    async def transfer_metrics(self) -> dict:
+        return self.agent.metrics()
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+        if self.agent is not None:
+            self.agent.close()
+
+    # ---- internals
+    async def _abort(self, request_id: str) -> bool:
+        return await self.loop.call(lambda e: e.abort(request_id))
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        load = self.loop.engine.load(self.loop.steps)
+        for out in outputs:
+            future = self._waiting.pop(out.request_id, None)
+            if future is None or future.done():
+                continue  # an expired pin, or an aborted request
+            future.set_result(PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
+                                            out.finish_reason, out.pinned_block_ids or [], load))
