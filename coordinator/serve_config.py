@@ -94,14 +94,20 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    return _build(ServeConfig, raw, path, "")
+    config = _build(ServeConfig, raw, path, "")
+    for pool in ("prefill", "decode"):  # the engine's own checks, now rather than inside a worker
+        try:
+            config.engine_config(getattr(config, pool))
+        except ValueError as e:
+            raise ConfigError(f"{path}: {pool} workers' engine: {e}") from None
+    return config
 
 
 def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ConfigError(f"{path}: unknown key {prefix}{unknown[0]!r}; known keys here: {sorted(known)}")
+        raise ConfigError(f"{path}: unknown key {prefix + unknown[0]!r}; known keys here: {sorted(known)}")
     values = {}
     for name, value in raw.items():
         key = f"{prefix}{name}"

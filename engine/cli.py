@@ -1,4 +1,4 @@
-"""The `pdserve` command line. `pdserve generate` runs offline generation on one engine."""
+"""`pdserve generate`: offline generation on one engine (the `pdserve` entry point is coordinator.cli)."""
 
 from __future__ import annotations
 

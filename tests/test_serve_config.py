@@ -1,0 +1,61 @@
+"""YAML serving configs: the shipped ones load; every bad key or value fails naming the file, key and reason."""
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.serve_config import ConfigError, load_serve_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if "cluster" not in p.name))
+def test_shipped_configs_load(name):
+    cfg = load_serve_config(ROOT / "configs" / name)
+    assert cfg.prefill.workers >= 1 and cfg.decode.workers >= 1
+
+
+def test_default_config_is_cpu_tiny_one_prefill_one_decode():
+    cfg = load_serve_config(ROOT / "configs" / "default.yaml")
+    assert (cfg.model, cfg.mode, cfg.prefill.workers, cfg.decode.workers) == ("tiny", "disaggregated", 1, 1)
+    engine = cfg.engine_config(cfg.prefill)
+    assert engine.device == "cpu" and engine.max_prefill_chunk == 512
+
+
+def test_gpu_config_puts_engines_on_cuda():
+    cfg = load_serve_config(ROOT / "configs" / "gpu-1p1d-llama3-8b.yaml")
+    assert cfg.engine_config(cfg.decode).device == "cuda" and cfg.decode.num_gpus == 1
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, message", [
+    ("modle: tiny\n", "unknown key 'modle'"),
+    ("prefill:\n  wrokers: 2\n", "unknown key 'prefill.wrokers'"),
+    ("mode: split\n", "'mode' must be one of"),
+    ("prefill:\n  workers: two\n", "'prefill.workers' must be int"),
+    ("decode:\n  max_num_seqs: -3\n", "'decode.max_num_seqs' must not be negative"),
+    ("server:\n  port: 70000\n", "ServerSettings.port"),
+    ("server: 8000\n", "'server' must be a mapping"),
+    ("dtype: float8\n", "EngineConfig.dtype"),
+    ("block_size: true\n", "'block_size' must be int"),
+    ("[1, 2]\n", "top level must be a mapping"),
+    ("model: [unclosed\n", "not valid YAML"),
+])
+def test_bad_values_name_file_key_and_reason(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match="c.yaml") as err:
+        cfg = load_serve_config(path)
+        cfg.engine_config(cfg.prefill)  # engine-level checks run when a worker's part is built
+    assert message in str(err.value)
+
+
+def test_missing_file_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_serve_config(tmp_path / "absent.yaml")
+    cfg = load_serve_config(write(tmp_path, "server:\n  port: 8000\n"), {"server.port": 8123, "mode": "collocated"})
+    assert cfg.server.port == 8123 and cfg.mode == "collocated"
