@@ -24,6 +24,7 @@ from kvtransfer import AgentConfig
 from prefill_pool.worker import PrefillWorker
 
 START_TIMEOUT_S = 600.0
+PLACEMENT_TIMEOUT_S = 60.0
 
 
 class Pools:
@@ -49,12 +50,16 @@ class Pools:
             self._started_ray = cfg.ray_address is None
         cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
-        decode_actors = self._actors(DecodeWorker, cfg.decode, "decode", lambda i: (
+        roles = [("decode", cfg.decode)] + ([("prefill", cfg.prefill)] if cfg.mode == "disaggregated" else [])
+        for role, pool in roles:
+            self._groups.append(self._group(pool, role))
+        await self._placed()
+        decode_actors = self._actors(DecodeWorker, cfg.decode, self._groups[0], lambda i: (
             f"decode-{i}", cfg.engine_config(cfg.decode, seed=1000 + i),
             agent if cfg.mode == "disaggregated" else None, _threads(cfg.decode), cfg.admission.timeout_s))
         prefill_actors = []
         if cfg.mode == "disaggregated":
-            prefill_actors = self._actors(PrefillWorker, cfg.prefill, "prefill", lambda i: (
+            prefill_actors = self._actors(PrefillWorker, cfg.prefill, self._groups[1], lambda i: (
                 f"prefill-{i}", cfg.engine_config(cfg.prefill, seed=i), agent, _threads(cfg.prefill)))
         infos = await asyncio.wait_for(
             asyncio.gather(*[a.start.remote() for a in prefill_actors + decode_actors]), START_TIMEOUT_S)
@@ -75,13 +80,22 @@ class Pools:
         if self._started_ray:
             ray.shutdown()
 
-    def _actors(self, cls: type, pool: PoolConfig, role: str, args) -> list:
-        if pool.workers == 0:
-            return []
+    async def _placed(self) -> None:
+        """Wait until the placement groups have their resources; fail clearly when the cluster lacks them."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*[g.ready() for g in self._groups]), PLACEMENT_TIMEOUT_S)
+        except TimeoutError:
+            wanted = [g.bundle_specs for g in self._groups]
+            raise RuntimeError(f"the Ray cluster cannot place the pools within {PLACEMENT_TIMEOUT_S:.0f} s: they need "
+                               f"{wanted}, the cluster has {ray.available_resources()}; lower num_cpus / num_gpus "
+                               "or workers in the config") from None
+
+    def _group(self, pool: PoolConfig, role: str):
         bundle = {"CPU": pool.num_cpus} | ({"GPU": pool.num_gpus} if pool.num_gpus else {})
         strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
-        group = placement_group([bundle] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
-        self._groups.append(group)
+        return placement_group([bundle] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
+
+    def _actors(self, cls: type, pool: PoolConfig, group, args) -> list:
         remote_cls = ray.remote(cls)
         return [remote_cls.options(
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_concurrency=10_000,

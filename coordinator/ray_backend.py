@@ -22,7 +22,7 @@ from coordinator.serve_config import ServeConfig
 from engine.scheduler import StepOutput
 
 POLL_TIMEOUT_S = 0.5
-STATS_PERIOD_S = 2.0
+STATS_PERIOD_S = 1.0
 ADMISSION_RETRY_S = 0.01
 
 
@@ -199,6 +199,8 @@ class RayBackend:
                     continue
                 try:
                     metrics = await w.handle.transfer_metrics.remote()
+                    if w.info.role == "prefill":  # decode loads arrive with every poll already
+                        w.load = await w.handle.load.remote()
                 except (RayActorError, RayTaskError):
                     continue
                 for key, value in metrics.items():

@@ -32,6 +32,10 @@ class PoolConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
 
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+
 
 @dataclass(frozen=True)
 class TransferConfig:

@@ -41,6 +41,7 @@ def write(tmp_path, text):
     ("decode:\n  max_num_seqs: -3\n", "'decode.max_num_seqs' must not be negative"),
     ("server:\n  port: 70000\n", "ServerSettings.port"),
     ("server: 8000\n", "'server' must be a mapping"),
+    ("decode:\n  workers: 0\n", "decode: workers must be at least 1"),
     ("dtype: float8\n", "EngineConfig.dtype"),
     ("block_size: true\n", "'block_size' must be int"),
     ("[1, 2]\n", "top level must be a mapping"),
