@@ -42,7 +42,7 @@ from .staging import StagingPool
 
 @dataclass(frozen=True)
 class AgentConfig:
-    max_chunk_bytes: int = 256 << 20  # one message / one copy carries at most this much
+    max_chunk_bytes: int = 64 << 20  # one message / one copy carries at most this much (64 MiB: best on H200)
     staging_bytes: int = 1 << 30  # per staging pool (client side, serving side, and per IPC peer GPU)
     timeout_s: float = 30.0  # default deadline of a transfer
     connect_timeout_s: float = 10.0

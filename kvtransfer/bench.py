@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default="read,write")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--chunk-mib", type=int, default=256)
+    p.add_argument("--chunk-mib", type=int, default=64)
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in (args.tokens or ("1024,8192" if args.device == "cuda" else "256,1024"))
                    .split(",")]

@@ -36,6 +36,11 @@ class RegisteredCache:
         self.num_blocks = kv.shape[0]
         # u8: [num_blocks, num_layers, layer_bytes], a view of kv
         self.u8 = kv.view(torch.uint8).view(self.num_blocks, spec.num_layers, spec.layer_bytes)
+        # words: [num_blocks, num_layers, layer_bytes / word], the same bytes in the widest integer type
+        # that divides a layer: gather/scatter kernels move 8 bytes per element instead of 1
+        self.word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                         if spec.layer_bytes % w.itemsize == 0)
+        self.words = self.u8.view(self.word)
         self.device = kv.device
         self.stream = torch.cuda.Stream(device=kv.device) if kv.is_cuda else None
 
@@ -68,16 +73,18 @@ class RegisteredCache:
     def gather(self, ids: Sequence[int], layers: tuple[int, int], out: torch.Tensor) -> None:
         """out[nbytes] u8 <- blocks `ids` x `layers`, block after block (in `ids` order)."""
         l0, l1 = layers
-        dst = out.view(len(ids), l1 - l0, self.spec.layer_bytes)
         with self._on_stream():
-            torch.index_select(self.u8[:, l0:l1], 0, self._index(ids), out=dst)  # index built on this stream
+            torch.index_select(self.words[:, l0:l1], 0, self._index(ids), out=self.as_words(out, len(ids), layers))
 
     def scatter(self, ids: Sequence[int], layers: tuple[int, int], src: torch.Tensor) -> None:
         """blocks `ids` x `layers` <- src[nbytes] u8 (the layout `gather` writes)."""
         l0, l1 = layers
-        s = src.view(len(ids), l1 - l0, self.spec.layer_bytes)
         with self._on_stream():
-            self.u8[:, l0:l1].index_copy_(0, self._index(ids), s)
+            self.words[:, l0:l1].index_copy_(0, self._index(ids), self.as_words(src, len(ids), layers))
+
+    def as_words(self, buf: torch.Tensor, n: int, layers: tuple[int, int]) -> torch.Tensor:
+        """[nbytes] u8 staging buffer -> [n, l1 - l0, layer_bytes / word] view in the word type."""
+        return buf.view(self.word).view(n, layers[1] - layers[0], -1)
 
     def _on_stream(self):
         if self.stream is None:
