@@ -1,0 +1,246 @@
+"""create_app: the coordinator's OpenAI-compatible HTTP API over a ServingBackend.
+
+Owns the HTTP edge: auth, body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never
+reaches the backend), tokenization (once, here; chat template for chat requests), the context-length check, and
+turning a Generation into a JSON response or an SSE stream. Routes: POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models, GET /health (503 while draining), GET /metrics. State lives on app.state: backend, settings,
+tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics. The caller owns the backend: it awaits
+`backend.start()` before serving and `backend.shutdown()` after; the app's lifespan only drains at shutdown
+(begin_drain, then up to drain_timeout_s for in-flight requests).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from coordinator import errors, protocol
+from coordinator.backend import GenerateRequest, ServingBackend
+from coordinator.lifecycle import Generation, Lifecycle, Ticket
+from coordinator.metrics import Metrics
+from coordinator.settings import ServerSettings
+from coordinator.sse import DONE, Formatter, SSEResponse, event
+from coordinator.text_output import TextOutput
+from engine.tokenizer import ChatTemplateError, Tokenizer
+
+T = TypeVar("T")
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    if model_path == "tiny":  # the embedded model: resolving it imports torch, so only then
+        from engine.tiny import resolve_model_path
+        model_path = str(resolve_model_path(model_path))
+    return Tokenizer.from_folder(model_path)
+
+
+def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        app.state.lifecycle.begin_drain()
+        await app.state.lifecycle.wait_idle(settings.drain_timeout_s)
+
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend = backend
+    app.state.settings = settings
+    app.state.model_name = settings.served_model_name or backend.model_name
+    app.state.tokenizer = load_tokenizer(backend.model_path)
+    app.state.lifecycle = Lifecycle()
+    app.state.metrics = Metrics()
+    errors.install_handlers(app, app.state.metrics.errors.inc)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if app.state.lifecycle.draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = backend.stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the backend's figures did
+            stats = None
+            app.state.metrics.stats_errors += 1
+        text = app.state.metrics.render(stats, app.state.lifecycle.in_flight, app.state.lifecycle.draining)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _check_auth(request, settings)
+        return JSONResponse({"object": "list", "data": [{
+            "id": app.state.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "root": app.state.model_name, "max_model_len": backend.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(app, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(app, request, chat=True)
+
+    return app
+
+
+def _check_auth(request: Request, settings: ServerSettings) -> None:
+    if settings.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        raise errors.unauthorized()
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if not declared.isdigit():
+            raise errors.invalid_request("Invalid Content-Length header")
+        raise errors.too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise errors.too_large(limit)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise errors.invalid_request(f"The request body is not valid JSON: {e}") from None
+
+
+def _prompt_ids(app: FastAPI, req: Any, chat: bool) -> list[int]:
+    tokenizer: Tokenizer = app.state.tokenizer
+    if chat:
+        try:
+            text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 **(req.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise errors.invalid_request(str(e), "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+    prompt = req.single_prompt
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise errors.invalid_request("prompt: must not be empty", "prompt")
+    vocab = app.state.backend.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise errors.invalid_request(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                     "prompt")
+    return ids
+
+
+def _max_tokens(app: FastAPI, req: Any, chat: bool, prompt_len: int) -> int:
+    limit = app.state.backend.max_model_len
+    if prompt_len >= limit:
+        raise errors.invalid_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                                     f"{prompt_len} tokens and leaves no room to generate", "messages" if chat
+                                     else "prompt", "context_length_exceeded")
+    wanted = req.requested_max_tokens if chat else req.max_tokens
+    if wanted is None:
+        return limit - prompt_len
+    if isinstance(wanted, int) and wanted >= 1 and prompt_len + wanted > limit:
+        raise errors.invalid_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                                     f"{prompt_len} tokens and max_tokens is {wanted}", "max_tokens",
+                                     "context_length_exceeded")
+    return wanted
+
+
+async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run `work`, cancelling it if the client disconnects first (then None)."""
+    result: list[T] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        result.append(await work())
+        tg.cancel_scope.cancel()
+    return result[0] if result else None
+
+
+def _outcome(exc: BaseException) -> str:
+    if isinstance(exc, errors.APIError):
+        return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
+    return "aborted"  # cancelled
+
+
+async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Generation, Formatter, Ticket]:
+    """Everything before the backend: a rejected request raises an APIError here and never reaches it."""
+    settings: ServerSettings = app.state.settings
+    arrival = time.monotonic()
+    _check_auth(request, settings)
+    if app.state.lifecycle.draining:
+        app.state.lifecycle.admit()  # raises the draining 503
+    model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    req = protocol.parse(model, await _read_json(request, settings.max_body_bytes))
+    if req.model != app.state.model_name:
+        raise errors.model_not_found(req.model, app.state.model_name)
+    prompt = _prompt_ids(app, req, chat)
+    max_tokens = _max_tokens(app, req, chat, len(prompt))
+    num_logprobs = req.num_logprobs if chat else req.logprobs
+    params = protocol.sampling_params(req, max_tokens, num_logprobs)
+    fmt = Formatter(chat, app.state.model_name, req.include_usage)
+    text = TextOutput(app.state.tokenizer, prompt, req.stop_strings)
+    gen = Generation(app.state.backend, GenerateRequest(fmt.id, prompt, params), text, app.state.metrics,
+                     settings.request_timeout_s, num_logprobs is not None, arrival)
+    return req, gen, fmt, app.state.lifecycle.admit()
+
+
+async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
+    try:
+        req, gen, fmt, ticket = await _admit(app, request, chat)
+    except errors.APIError:
+        app.state.metrics.requests.inc("rejected")
+        raise
+    want_lp = gen.request.params.logprobs is not None
+    try:
+        result = await _until_disconnect(request, gen.next_piece if req.stream else gen.collect)
+    except BaseException as e:
+        await gen.close(_outcome(e))
+        ticket.release()
+        raise
+    if result is None or not req.stream:
+        await gen.close("aborted" if result is None else "finished")
+        ticket.release()
+        if result is None:
+            return Response(status_code=499)  # nobody is listening
+        tokens = [t for p in result for t in p.tokens]
+        return JSONResponse(fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop",
+                                         gen.prompt_tokens, gen.completion_tokens))
+    return SSEResponse(_events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc))
+
+
+async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ticket: Ticket,
+                  on_error: Callable[[str], None]) -> AsyncIterator[bytes]:
+    outcome = "aborted"  # unless the stream gets to its end
+    try:
+        piece = first
+        yield event(fmt.chunk(piece, want_lp, first=True))
+        while piece.finish_reason is None:
+            piece = await gen.next_piece()
+            if piece.text or piece.tokens or piece.finish_reason:
+                yield event(fmt.chunk(piece, want_lp))
+        if fmt.include_usage:
+            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
+        outcome = "finished"
+        yield DONE
+    except errors.APIError as e:
+        outcome = _outcome(e)
+        on_error(e.kind)
+        yield event(e.body())
+        yield DONE
+    finally:
+        await gen.close(outcome)
+        ticket.release()

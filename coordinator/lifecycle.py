@@ -1,0 +1,183 @@
+"""The request life cycle in the coordinator: admission and drain, and one request's bounded backend stream.
+
+Owns:
+- `Lifecycle` (app.state.lifecycle): counts in-flight requests; `begin_drain()` makes new requests get 503 and
+  /health report 503; `await wait_idle(timeout)` returns once every in-flight request has ended.
+  Shutdown sequence for `pdserve serve` on SIGTERM: `lc.begin_drain(); await lc.wait_idle(drain_timeout_s)`,
+  then stop uvicorn (`server.should_exit = True`); the app's lifespan then shuts the backend down.
+- `Generation`: one admitted request from the first backend call to its end. Every `next_piece()` is bounded by
+  the request's deadline; `close()` always closes the backend iterator (which aborts the request on the workers
+  and frees its blocks unless it already finished), shielded from cancellation, and records the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from coordinator import errors
+from coordinator.backend import BackendError, GenerateRequest, Overloaded, ServingBackend, TokenDelta
+from coordinator.metrics import Metrics
+from coordinator.text_output import TextOutput, TokenInfo
+
+CLOSE_TIMEOUT_S = 10.0  # the backend promises a bounded close; never wait on it forever
+
+
+class Ticket:
+    """One admitted request's place in the in-flight count; release() is idempotent."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lifecycle = lifecycle
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._lifecycle._release()
+
+
+class Lifecycle:
+    def __init__(self) -> None:
+        self._draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (503 + Retry-After); in-flight ones continue. Idempotent."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if some still are after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return self._in_flight == 0
+        return True
+
+    def admit(self) -> Ticket:
+        """Count a new request in, or raise the 503 of a draining server."""
+        if self._draining:
+            raise errors.unavailable("The server is shutting down; retry on another replica", 1.0, "draining")
+        self._in_flight += 1
+        self._idle.clear()
+        return Ticket(self)
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+
+@dataclass
+class Piece:
+    """What one backend delta adds to the client's view: text (may be ""), logprob entries, maybe the end."""
+
+    text: str
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One request against the backend: deltas in, Pieces out, always closed, outcome and timings recorded."""
+
+    def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
+                 timeout_s: float, want_logprobs: bool, arrival: float) -> None:
+        self._backend = backend
+        self.request = request
+        self.text = text
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._deadline = arrival + timeout_s
+        self._want_logprobs = want_logprobs
+        self._arrival = arrival
+        self._last_token_at: float | None = None
+        self._stream = None
+        self._closed = False
+        self.finish_reason: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.text.num_tokens
+
+    async def next_piece(self) -> Piece:
+        """The next piece of output; raises APIError (503 overloaded, 502 backend failure, 504 timeout)."""
+        if self.finish_reason is not None:
+            raise RuntimeError("Generation.next_piece after the end")
+        delta = await self._next_delta()
+        now = time.monotonic()
+        if delta.token_ids:
+            if self._last_token_at is None:
+                self._metrics.ttft.observe(now - self._arrival)
+            else:
+                self._metrics.itl.observe(now - self._last_token_at)
+            self._last_token_at = now
+        parts, infos = [], []
+        for i, token_id in enumerate(delta.token_ids):
+            parts.append(self.text.add_token(token_id))
+            if self._want_logprobs and i < len(delta.logprobs):
+                infos.append(self.text.token_info(delta.logprobs[i]))
+            if self.text.stopped:
+                break
+        finish = "stop" if self.text.stopped else delta.finish_reason
+        if finish is not None and not self.text.stopped:
+            parts.append(self.text.finish())
+        self.finish_reason = finish
+        return Piece("".join(parts), infos, finish)
+
+    async def collect(self) -> list[Piece]:
+        pieces = [await self.next_piece()]
+        while pieces[-1].finish_reason is None:
+            pieces.append(await self.next_piece())
+        return pieces
+
+    async def _next_delta(self) -> TokenDelta:
+        remaining = self._deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            with anyio.fail_after(remaining):
+                if self._stream is None:
+                    self._stream = self._backend.generate(self.request)
+                return await self._stream.__anext__()
+        except TimeoutError:
+            raise errors.timeout(self._timeout_s) from None
+        except Overloaded as e:
+            raise errors.unavailable(f"The server is overloaded: {e}", e.retry_after_s, "overloaded") from None
+        except BackendError as e:
+            raise errors.backend_failure(str(e) or type(e).__name__) from None
+        except StopAsyncIteration:
+            raise errors.backend_failure("the token stream ended without a finish reason") from None
+
+    async def close(self, outcome: str) -> None:
+        """End the request: close the backend stream (an abort unless it finished) and record `outcome`
+        (finished, aborted, failed, timeout). Safe to call from a cancelled task, and more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + CLOSE_TIMEOUT_S
+            if self._stream is not None:
+                try:
+                    await self._stream.aclose()
+                except Exception:  # noqa: BLE001 - the stream is gone either way; the outcome is what matters
+                    outcome = "failed" if outcome == "finished" else outcome
+        self._metrics.requests.inc(outcome)
+        self._metrics.prompt_tokens.inc(value=self.prompt_tokens)
+        self._metrics.generation_tokens.inc(value=self.completion_tokens)
+        self._metrics.e2e.observe(time.monotonic() - self._arrival)

@@ -1,0 +1,186 @@
+"""The OpenAI request bodies (pydantic, strict types) and their translation into SamplingParams.
+
+Owns: what a valid /v1/completions or /v1/chat/completions body is (types, ranges, unsupported options), the
+OpenAI `param` name of a validation error, and `sampling_params()`, which relies on SamplingParams' own checks
+for ranges and reports them as 400s naming the parameter. Unknown extra fields are ignored (clients send `user`,
+`metadata`, ...); options this server does not implement are rejected rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from coordinator.errors import invalid_request
+from engine.sampling_params import SamplingParams
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> _Common:
+        if self.n not in (None, 1):
+            raise ValueError("n: only n=1 is supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(f"{name}: penalties are not supported (use 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop: stop strings must not be empty")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _single_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: only a single prompt per request is supported")
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return self
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def param_of(loc: tuple) -> str | None:
+    """OpenAI's `param` for a pydantic error location: messages[0].content, stop, ..."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+def parse(model: type[_Common], body: Any) -> Any:
+    """Validate a decoded JSON body; every problem is a 400 naming the parameter."""
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        param = param_of(tuple(err.get("loc", ())))
+        named = re.match(r"^([a-z_]+): (.*)$", msg)
+        if err.get("type") == "value_error" and named:
+            param, msg = named.group(1), named.group(2)
+        elif err.get("type") == "missing":
+            msg = "is required"
+        raise invalid_request(f"{param or 'body'}: {msg}" if param else msg, param) from None
+
+
+def sampling_params(req: _Common, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """SamplingParams for the request; its own validation errors become 400s naming the parameter."""
+    kwargs: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), seed=req.seed)
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        named = re.match(r"^SamplingParams\.(\w+) (.*)$", str(e))
+        param = named.group(1) if named else None
+        if isinstance(req, ChatCompletionRequest) and param == "logprobs":
+            param = "top_logprobs"
+        raise invalid_request(f"{param}: {named.group(2)}" if named else str(e), param) from None
+

@@ -1,0 +1,48 @@
+"""ServerSettings: the HTTP coordinator's own settings (address, auth, limits, timeouts), validated once and frozen.
+
+Owns only what the HTTP layer needs; the backend's settings (pools, workers, KV transfer) live with the backend.
+Errors name the field, as `ServerSettings.<field> <why>, got <value>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000                     # 0 = any free port (tests)
+    api_key: str | None = None           # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    max_body_bytes: int = 4 << 20        # larger request bodies get 413
+    request_timeout_s: float = 600.0     # a request still running after this ends (504, or an in-band error)
+    drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
+    served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("host", isinstance(self.host, str) and bool(self.host), "must be a non-empty string"),
+            ("port", _is_int(self.port) and 0 <= self.port <= 65535, "must be an integer in [0, 65535]"),
+            ("api_key", _optional_str(self.api_key), "must be None or a non-empty string"),
+            ("max_body_bytes", _is_int(self.max_body_bytes) and self.max_body_bytes > 0, "must be a positive integer"),
+            ("request_timeout_s", _is_number(self.request_timeout_s) and self.request_timeout_s > 0,
+             "must be a positive number"),
+            ("drain_timeout_s", _is_number(self.drain_timeout_s) and self.drain_timeout_s >= 0,
+             "must be a number >= 0"),
+            ("served_model_name", _optional_str(self.served_model_name), "must be None or a non-empty string"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"ServerSettings.{name} {why}, got {getattr(self, name)!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _optional_str(x: object) -> bool:
+    return x is None or (isinstance(x, str) and bool(x))

@@ -1,0 +1,111 @@
+"""Server-sent events and the OpenAI response shapes (completions and chat, whole and streamed).
+
+Owns: `SSEResponse`, a streaming response that watches for the client going away and then cancels the event
+producer (whose cleanup closes the backend stream: an abort), whatever the server's ASGI spec version; `event()`
+and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`, which builds every JSON body
+of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk, and non-streamed responses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from coordinator.lifecycle import Piece
+from coordinator.text_output import TokenInfo
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEResponse(Response):
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.disconnected = False
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg, aclosing(self.events) as events:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.disconnected = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tg.cancel_scope.cancel()
+
+
+class Formatter:
+    """The JSON bodies of one request; `chat` picks chat.completion(.chunk) over text_completion."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
+        self.chat = chat
+        self.model = model
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def chunk(self, piece: Piece, logprobs: bool, first: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": piece.text} if first else (
+                {"content": piece.text} if piece.text else {})
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": piece.text}
+        choice["logprobs"] = self.logprobs(piece.tokens) if logprobs else None
+        choice["finish_reason"] = piece.finish_reason
+        body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage(prompt_tokens, completion_tokens)}
+
+    def response(self, text: str, tokens: list[TokenInfo], logprobs: bool, finish_reason: str,
+                 prompt_tokens: int, completion_tokens: int) -> dict:
+        lp = self.logprobs(tokens) if logprobs else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": self.usage(prompt_tokens, completion_tokens)}
+
+    def logprobs(self, tokens: list[TokenInfo]) -> dict:
+        if self.chat:
+            return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
+                                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                                  for s, v in t.top]} for t in tokens]}
+        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": [t.offset for t in tokens]}

@@ -1,0 +1,125 @@
+"""TextOutput: one request's output text as the client sees it, built token by token.
+
+Owns: incremental detokenization (engine.detokenizer.IncrementalDetokenizer, which never emits half a UTF-8
+character) and stop strings. The output ends right before the earliest stop string, which may span several tokens
+or deltas. While streaming, text that could be the beginning of a stop string is held back until it is known not
+to be one; `finish()` releases it when the backend ends the request. Also the per-token text that logprobs report.
+One instance per request, used by one task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import TokenLogprob
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """One generated token for logprobs: its text, where it starts in the output text, and its alternatives."""
+
+    token_id: int
+    text: str
+    offset: int
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+class TextOutput:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = [s for s in stop if s]
+        self._held = ""          # decoded but not emitted: may be the start of a stop string
+        self._emitted: list[str] = []
+        self._emitted_len = 0
+        self.num_tokens = 0      # tokens consumed (up to and including the one that completed a stop string)
+        self.stopped = False     # a stop string matched: the request must end with "stop"
+        self._last_offset = 0    # where the last consumed token's text starts in the output
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (the concatenation of the returned deltas)."""
+        return "".join(self._emitted)
+
+    def add_token(self, token_id: int) -> str:
+        """Consume one generated token; return the text that is now safe to send (may be "")."""
+        if self.stopped:
+            raise RuntimeError("TextOutput: token after a stop string matched")
+        self.num_tokens += 1
+        self._last_offset = self._emitted_len + len(self._held)
+        return self._push(self._detok.step([token_id]), final=False)
+
+    def finish(self) -> str:
+        """The request ended: release the held-back text (a dangling partial character decodes to U+FFFD)."""
+        if self.stopped:
+            return ""
+        return self._push(self._detok.flush(), final=True)
+
+    def token_info(self, lp: TokenLogprob) -> TokenInfo:
+        """Logprobs entry for a token just consumed; offset = where the token's text starts in the output."""
+        top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])
+        return TokenInfo(lp.token_id, self.token_text(lp.token_id), self._last_offset,
+                         lp.logprob, [(self.token_text(t), v) for t, v in top])
+
+    def token_text(self, token_id: int) -> str:
+        """A single token's text; bytes of an incomplete UTF-8 character are shown as `bytes:\\xNN` (as vLLM)."""
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            piece = self._tokenizer.id_to_token(token_id) or ""
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in _byte_level_bytes(piece)) if piece else text
+        return text
+
+    def _push(self, new_text: str, final: bool) -> str:
+        buf = self._held + new_text
+        if self._stops:
+            hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+            if hit >= 0:
+                self.stopped = True
+                self._held = ""
+                return self._emit(buf[:hit])
+        keep = 0 if final else self._partial_stop_len(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return self._emit(buf[:len(buf) - keep])
+
+    def _partial_stop_len(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(buf)), longest, -1):
+                if s.startswith(buf[len(buf) - n:]):
+                    longest = n
+                    break
+        return longest
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._emitted.append(text)
+            self._emitted_len += len(text)
+        return text
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    """The bytes a GPT-2 byte-level token string stands for (its printable-character alphabet reversed)."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        return bytes([int(piece[3:5], 16)])
+    table = _byte_decoder()
+    if all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
+    return piece.encode("utf-8", errors="replace")
+
+
+def _byte_decoder() -> dict[str, int]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
