@@ -42,7 +42,8 @@ from .staging import StagingPool
 
 @dataclass(frozen=True)
 class AgentConfig:
-    max_chunk_bytes: int = 64 << 20  # one message / one copy carries at most this much (64 MiB: best on H200)
+    max_chunk_bytes: int = 64 << 20  # one copy carries at most this much (cuda_ipc; 64 MiB best on H200)
+    ucx_chunk_bytes: int = 512 << 20  # one UCX message carries at most this much (fewer round trips)
     staging_bytes: int = 1 << 30  # per staging pool (client side, serving side, and per IPC peer GPU)
     timeout_s: float = 30.0  # default deadline of a transfer
     connect_timeout_s: float = 10.0
@@ -211,8 +212,9 @@ class KVAgent:
         cache = self._cache
         if cache is None or r.meta.cache is None:
             raise BadDescriptor(f"{op}: both {self.name!r} and {remote!r} need a registered cache")
+        chunk = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
         chunks = plan(local_ids, remote_ids, layers, cache.spec, cache.num_blocks, r.meta.cache.num_blocks,
-                      self.config.max_chunk_bytes)
+                      min(chunk, self.config.staging_bytes))
         nbytes = sum(c.nbytes(cache.spec) for c in chunks)
         ready = cache.caller_event()
         deadline = time.monotonic() + (timeout or self.config.timeout_s)

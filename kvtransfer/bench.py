@@ -124,13 +124,14 @@ def block_ids(n: int, total: int, pattern: str, rng: random.Random) -> list[int]
 
 def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_gpus: int) -> list[dict]:
     name, _, chunk = config.partition("@")
-    chunk_mib = int(chunk) if chunk else args.chunk_mib
+    chunk_mib = int(chunk) if chunk else args.chunk_mib  # 0: the agent's defaults
     backends, visible = CONFIGS[name] if args.device == "cuda" else (["ucx"], "all")
     host = _RayHost if args.mode == "ray" else _ProcessHost
     max_blocks = max(args.tokens) // spec.block_size
     num_blocks = max_blocks * 2  # room for scattered ids
-    agent_cfg = {"backends": backends, "max_chunk_bytes": chunk_mib << 20,
-                 "staging_bytes": max(chunk_mib << 22, max_blocks * spec.block_bytes)}
+    agent_cfg = {"backends": backends, "staging_bytes": max(chunk_mib << 22, max_blocks * spec.block_bytes)}
+    if chunk_mib:
+        agent_cfg.update(max_chunk_bytes=chunk_mib << 20, ucx_chunk_bytes=chunk_mib << 20)
     src = host("prefill", args.device, 0, total_gpus, visible)
     dst = host("decode", args.device, 1 % max(total_gpus, 1), total_gpus, visible)
     rows = []
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default="read,write")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--chunk-mib", type=int, default=64)
+    p.add_argument("--chunk-mib", type=int, default=0, help="0: AgentConfig defaults")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in (args.tokens or ("1024,8192" if args.device == "cuda" else "256,1024"))
                    .split(",")]

@@ -68,7 +68,7 @@ class RegisteredCache:
         return self.u8[first : first + len(ids), layers[0] : layers[1]].reshape(-1)
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
+        return device_index(ids, self.device)
 
     def gather(self, ids: Sequence[int], layers: tuple[int, int], out: torch.Tensor) -> None:
         """out[nbytes] u8 <- blocks `ids` x `layers`, block after block (in `ids` order)."""
@@ -103,6 +103,18 @@ class RegisteredCache:
         ev = torch.cuda.Event()
         ev.record(self.stream)
         return ev
+
+
+def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[n] int64 block ids on `device`, copied on the current stream without blocking the host.
+
+    From pageable memory a host-to-device copy first waits for the stream to drain, which would stall
+    the caller until earlier copies finish and serialize the chunks; pinned memory avoids that.
+    """
+    host = torch.tensor(list(ids), dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class _Null:

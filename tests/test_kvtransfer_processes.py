@@ -16,7 +16,8 @@ from tests.kvtransfer_helpers import SPEC, PeerProcess, bits, random_cache, wait
 pytestmark = pytest.mark.timeout(120)
 
 # small chunks (3 blocks) so that transfers split into several messages
-CONFIG = {"max_chunk_bytes": 3 * SPEC.block_bytes, "staging_bytes": 64 * SPEC.block_bytes, "timeout_s": 30.0}
+CONFIG = {"max_chunk_bytes": 3 * SPEC.block_bytes, "ucx_chunk_bytes": 3 * SPEC.block_bytes,
+          "staging_bytes": 64 * SPEC.block_bytes, "timeout_s": 30.0}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..cache import RegisteredCache, event_done
+from ..cache import RegisteredCache, device_index, event_done
 from ..descriptors import Chunk
 from ..metadata import CacheInfo
 from ..staging import Slot, StagingPool
@@ -150,10 +150,10 @@ class CudaIpcPeer:
 
 def _gather(cache: RegisteredCache, ids: tuple[int, ...], layers: tuple[int, int], out: torch.Tensor) -> None:
     """Gather on the current stream of the cache's device (not the cache's own stream)."""
-    idx = torch.tensor(ids, dtype=torch.long).to(cache.device, non_blocking=True)
+    idx = device_index(ids, cache.device)
     torch.index_select(cache.words[:, layers[0] : layers[1]], 0, idx, out=cache.as_words(out, len(ids), layers))
 
 
 def _scatter(cache: RegisteredCache, ids: tuple[int, ...], layers: tuple[int, int], src: torch.Tensor) -> None:
-    idx = torch.tensor(ids, dtype=torch.long).to(cache.device, non_blocking=True)
+    idx = device_index(ids, cache.device)
     cache.words[:, layers[0] : layers[1]].index_copy_(0, idx, cache.as_words(src, len(ids), layers))
