@@ -125,7 +125,7 @@ def _backend_lines(stats: dict) -> list[str]:
         lines += _gauge("pdserve_queue_length", "Requests waiting for admission in the backend", [({}, queue)])
     workers = [w for w in stats.get("workers") or [] if isinstance(w, dict)]
     per_worker = {"kv_usage_ratio": [], "running": [], "queued_prompt_tokens": [], "free_blocks": [],
-                  "total_blocks": []}
+                  "total_blocks": [], "requests_routed": []}
     for w in workers:
         labels = {"worker": w.get("name", "?"), "role": w.get("role", "?")}
         free, total = _number(w.get("free_blocks")), _number(w.get("total_blocks"))
@@ -134,12 +134,18 @@ def _backend_lines(stats: dict) -> list[str]:
         for key in ("running", "queued_prompt_tokens", "free_blocks", "total_blocks"):
             if _number(w.get(key)) is not None:
                 per_worker[key].append((labels, _number(w.get(key))))
+        if _number(w.get("served")) is not None:
+            per_worker["requests_routed"].append((labels, _number(w.get("served"))))
     helps = {"kv_usage_ratio": "Fraction of the worker's KV blocks in use", "running": "Requests running",
              "queued_prompt_tokens": "Prompt tokens queued", "free_blocks": "Free KV blocks",
-             "total_blocks": "KV blocks"}
+             "total_blocks": "KV blocks", "requests_routed": "Requests the router sent to the worker"}
     for key, samples in per_worker.items():
         if samples:
             lines += _gauge(f"pdserve_worker_{key}", helps[key], samples)
+    hits = _number(stats.get("prefix_affinity_hits"))
+    if hits is not None:
+        lines += _gauge("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
+                        [({}, hits)], "counter")
     transfer = stats.get("transfer")
     if isinstance(transfer, dict):
         for key, value in sorted(transfer.items()):

@@ -1,0 +1,82 @@
+"""Runs the real `pdserve serve` in a subprocess on a free loopback port for end-to-end tests.
+
+The server starts its own local Ray cluster; stopping it with SIGTERM exercises the drain path, and the test
+fails if it does not exit in time (then it is killed, so nothing is left running).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import yaml
+
+START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(tmp_path: Path, config: dict):
+    port = free_port()
+    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": port}}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, tmp_path / "server.log")
+        yield url
+    finally:
+        exited = _stop(proc)
+        log.close()
+    assert exited, f"the server did not exit within {STOP_TIMEOUT_S} s of SIGTERM; log: {tmp_path / 'server.log'}"
+
+
+def metric_values(url: str, name: str) -> dict[str, float]:
+    """{labels text: value} of one metric family from /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> bool:
+    if proc.poll() is not None:
+        return True
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
