@@ -46,7 +46,10 @@ class RayBackend:
         await self.pools.start()
         infos = [w.info for w in self.pools.all_workers]
         self.model_path = self.pools.model_path
-        self.max_model_len = min(i.max_model_len for i in infos)
+        # a request must fit one worker's whole KV cache (decode also books one block ahead): larger ones are
+        # refused at the HTTP edge as not fitting the context, instead of waiting for room that never comes
+        capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
+        self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
         self.router = Router(infos[0].block_size)
         for w in self.pools.decode:

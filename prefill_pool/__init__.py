@@ -1,2 +1,3 @@
-"""Prefill pool (to come): Ray actors, one GPU each, that run prompts on an engine in prefill-only mode,
-keep the prompt's KV blocks pinned until the decode side has them, and a pool that starts, watches and picks them."""
+"""Prefill pool: `PrefillWorker`, the Ray actor (one GPU, or CPUs) that runs prompts on an engine in prefill-only
+mode and keeps each prompt's KV blocks pinned until the decode worker has pulled them. The coordinator's
+`Pools` creates, starts and stops these actors; its router picks one per request."""
