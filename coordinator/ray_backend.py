@@ -206,9 +206,7 @@ class RayBackend:
                         w.load = await w.handle.load.remote()
                 except (RayActorError, RayTaskError):
                     continue
-                for key, value in metrics.items():
-                    if isinstance(value, int | float):
-                        totals[key] = totals.get(key, 0) + value
+                _accumulate(totals, metrics)
             self._transfer = totals
 
     def _count_error(self, kind: str) -> None:
@@ -218,6 +216,16 @@ class RayBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _accumulate(totals: dict[str, float], metrics: dict) -> None:
+    """Add one agent's snapshot into pool-wide figures: top-level numbers, and per operation
+    `<op>_<count|bytes|seconds_sum|failures>` (summed) and `<op>_seconds_max` (max)."""
+    flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+    for op, fields in (metrics.get("ops") or {}).items():
+        flat |= {f"{op}_{k}": v for k, v in fields.items() if isinstance(v, int | float)}
+    for key, value in flat.items():
+        totals[key] = max(totals.get(key, 0), value) if key.endswith("_max") else totals.get(key, 0) + value
 
 
 async def _quietly(ref: Any) -> None:
