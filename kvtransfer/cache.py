@@ -106,15 +106,12 @@ class RegisteredCache:
 
 
 def device_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """[n] int64 block ids on `device`, copied on the current stream without blocking the host.
+    """[n] int64 block ids on `device`, copied on the current stream.
 
-    From pageable memory a host-to-device copy first waits for the stream to drain, which would stall
-    the caller until earlier copies finish and serialize the chunks; pinned memory avoids that.
+    From pageable memory (measured faster here than pinning a small tensor per call on H200).
     """
     host = torch.tensor(list(ids), dtype=torch.long)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host if device.type != "cuda" else host.to(device, non_blocking=True)
 
 
 class _Null:
@@ -126,14 +123,22 @@ class _Null:
 
 
 async def event_done(ev: torch.cuda.Event | None, deadline: float) -> None:
-    """Wait (without blocking the event loop) until a CUDA event has completed, at most until `deadline`."""
+    """Wait until a CUDA event has completed, at most until `deadline`, without blocking the event loop.
+
+    A few cheap polls first (short copies); then one thread blocks in cudaEventSynchronize (GIL released)
+    and wakes the loop the moment the GPU is done. Polling with asyncio.sleep(1e-4) instead rounds every
+    sleep up to epoll's 1 ms, which cost a 128 MiB transfer half its speed.
+    """
     if ev is None:
         return
-    spins = 0
-    while not ev.query():
-        if time.monotonic() > deadline:
-            from .errors import TransferTimeout
+    for _ in range(10):
+        if ev.query():
+            return
+        await asyncio.sleep(0)
+    fut = asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError as e:
+        from .errors import TransferTimeout
 
-            raise TransferTimeout("GPU copy did not finish before the deadline")
-        spins += 1
-        await asyncio.sleep(0 if spins < 50 else 1e-4)
+        raise TransferTimeout("GPU copy did not finish before the deadline") from e
