@@ -11,6 +11,7 @@ tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics. The caller
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -18,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -29,7 +29,7 @@ from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
 from coordinator.sse import DONE, Formatter, SSEResponse, event
 from coordinator.text_output import TextOutput
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -116,58 +116,26 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise errors.invalid_request(f"The request body is not valid JSON: {e}") from None
 
 
-def _prompt_ids(app: FastAPI, req: Any, chat: bool) -> list[int]:
-    tokenizer: Tokenizer = app.state.tokenizer
-    if chat:
-        try:
-            text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt,
-                                                 **(req.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
-            raise errors.invalid_request(str(e), "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
-    prompt = req.single_prompt
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise errors.invalid_request("prompt: must not be empty", "prompt")
-    vocab = app.state.backend.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise errors.invalid_request(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                     "prompt")
-    return ids
-
-
-def _max_tokens(app: FastAPI, req: Any, chat: bool, prompt_len: int) -> int:
-    limit = app.state.backend.max_model_len
-    if prompt_len >= limit:
-        raise errors.invalid_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                                     f"{prompt_len} tokens and leaves no room to generate", "messages" if chat
-                                     else "prompt", "context_length_exceeded")
-    wanted = req.requested_max_tokens if chat else req.max_tokens
-    if wanted is None:
-        return limit - prompt_len
-    if isinstance(wanted, int) and wanted >= 1 and prompt_len + wanted > limit:
-        raise errors.invalid_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                                     f"{prompt_len} tokens and max_tokens is {wanted}", "max_tokens",
-                                     "context_length_exceeded")
-    return wanted
-
-
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
-    """Run `work`, cancelling it if the client disconnects first (then None)."""
-    result: list[T] = []
-    async with anyio.create_task_group() as tg:
+    """Run `work`, cancelling it if the client disconnects first (then None). Its exceptions propagate as they are."""
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tg.cancel_scope.cancel()
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-        tg.start_soon(watch)
-        result.append(await work())
-        tg.cancel_scope.cancel()
-    return result[0] if result else None
+    task, watcher = asyncio.ensure_future(work()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: so is the work (its cancellation closes the stream)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # its cleanup (closing the backend stream) has run when this returns
+    return None
 
 
 def _outcome(exc: BaseException) -> str:
@@ -179,6 +147,7 @@ def _outcome(exc: BaseException) -> str:
 async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Generation, Formatter, Ticket]:
     """Everything before the backend: a rejected request raises an APIError here and never reaches it."""
     settings: ServerSettings = app.state.settings
+    backend: ServingBackend = app.state.backend
     arrival = time.monotonic()
     _check_auth(request, settings)
     if app.state.lifecycle.draining:
@@ -187,8 +156,8 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     req = protocol.parse(model, await _read_json(request, settings.max_body_bytes))
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
-    prompt = _prompt_ids(app, req, chat)
-    max_tokens = _max_tokens(app, req, chat, len(prompt))
+    prompt = protocol.prompt_token_ids(req, app.state.tokenizer, backend.vocab_size)
+    max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs)
     fmt = Formatter(chat, app.state.model_name, req.include_usage)

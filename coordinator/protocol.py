@@ -1,9 +1,11 @@
-"""The OpenAI request bodies (pydantic, strict types) and their translation into SamplingParams.
+"""The OpenAI request bodies (pydantic, strict types) and their translation into engine inputs.
 
 Owns: what a valid /v1/completions or /v1/chat/completions body is (types, ranges, unsupported options), the
-OpenAI `param` name of a validation error, and `sampling_params()`, which relies on SamplingParams' own checks
-for ranges and reports them as 400s naming the parameter. Unknown extra fields are ignored (clients send `user`,
-`metadata`, ...); options this server does not implement are rejected rather than silently ignored.
+OpenAI `param` name of a validation error, the prompt's token ids (chat template, then encoding without added
+special tokens; token ids checked against the vocabulary), the context-length check and max_tokens default, and
+`sampling_params()`, which relies on SamplingParams' own range checks and reports them as 400s naming the
+parameter. Unknown extra fields are ignored (clients send `user`, `metadata`, ...); options this server does not
+implement are rejected rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from coordinator.errors import invalid_request
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import ChatTemplateError, Tokenizer
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
@@ -184,3 +187,42 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None) -> Samp
             param = "top_logprobs"
         raise invalid_request(f"{param}: {named.group(2)}" if named else str(e), param) from None
 
+
+
+def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """The prompt as token ids: chat template then encode (the template writes the special tokens), or the
+    completion prompt encoded (with BOS) or taken as given; every id, and every stop token id, in the vocabulary."""
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 **(req.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise invalid_request(str(e), "messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt = req.single_prompt
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise invalid_request("prompt: must not be empty", "prompt")
+    for name, values in (("prompt", ids), ("stop_token_ids", req.stop_token_ids or [])):
+        bad = [t for t in values if not 0 <= t < vocab_size]
+        if bad:
+            raise invalid_request(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", name)
+    return ids
+
+
+def max_tokens(req: _Common, prompt_len: int, max_model_len: int) -> int:
+    """The request's max_tokens: its own (checked against the context) or, for chat, all the context left."""
+    where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if prompt_len >= max_model_len:
+        raise invalid_request(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                              f"{prompt_len} tokens and leaves no room to generate", where, "context_length_exceeded")
+    wanted = req.requested_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    if wanted is None:
+        return max_model_len - prompt_len
+    if wanted >= 1 and prompt_len + wanted > max_model_len:
+        raise invalid_request(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                              f"{prompt_len} tokens and max_tokens is {wanted}", "max_tokens",
+                              "context_length_exceeded")
+    return wanted

@@ -4,7 +4,9 @@ InProcessBackend: one asyncio task owns the engine and steps it (`await asyncio.
 generate() only queues an "add" for that loop, and closing a stream queues an "abort", so the engine is touched by
 the loop alone, between steps. Step outputs go to per-request asyncio queues. It counts generate() calls and aborts,
 and after every step and every batch of commands records `engine.check_integrity()` (`self.integrity`), so tests
-can assert that nothing is left in use. `fail_with` makes generate() raise (Overloaded, BackendError) for tests.
+can assert that nothing is left in use. Knobs for tests: `fail_with` makes generate() raise (Overloaded,
+BackendError); `fail_stream_after = n` ends streams with BackendError after n deltas; `pause()` stops stepping
+(commands, such as aborts, are still applied) until `resume()`; both are safe to call from any thread.
 Not product code: the product backend is the Ray pools.
 """
 
@@ -17,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from coordinator.backend import BackendError, GenerateRequest, TokenDelta
@@ -34,7 +37,8 @@ class InProcessBackend:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.fail_with: BaseException | None = None
-        self.step_delay_s = 0.0  # slows each step (disconnect and drain tests want long streams)
+        self.fail_stream_after: int | None = None
+        self._paused = threading.Event()
         self.integrity: dict[str, int] = engine.check_integrity()
         self._commands: list[tuple] = []
         self._streams: dict[str, asyncio.Queue] = {}
@@ -43,6 +47,7 @@ class InProcessBackend:
         self._stopping = False
 
     async def start(self) -> None:
+        self._stopping = False
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop())
 
@@ -65,6 +70,12 @@ class InProcessBackend:
                              "queued_prompt_tokens": sum(len(r.prompt_token_ids) for r in sched.waiting),
                              "free_blocks": counts["free"] + counts["cached"], "total_blocks": counts["total"]}]}
 
+    def pause(self) -> None:
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
     @property
     def idle(self) -> bool:
         """No request left anywhere and no block in use (as of the loop's last look)."""
@@ -83,13 +94,17 @@ class InProcessBackend:
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenDelta]:
         done = False
+        delivered = 0
         try:
             while True:
+                if self.fail_stream_after is not None and delivered >= self.fail_stream_after:
+                    raise BackendError("injected failure: the decode worker died")
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
                 done = item.finish_reason is not None
+                delivered += 1
                 yield item
                 if done:
                     return
@@ -102,14 +117,15 @@ class InProcessBackend:
     async def _loop(self) -> None:
         while not self._stopping:
             self._apply_commands()
+            if self._paused.is_set():
+                await asyncio.sleep(0.005)
+                continue
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 if not self._commands:
                     await self._wake.wait()
                 continue
             outputs = await asyncio.to_thread(self.engine.step)
-            if self.step_delay_s:
-                await asyncio.sleep(self.step_delay_s)
             for out in outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is None:
@@ -181,6 +197,22 @@ class ServerThread:
         self._thread.join(30)
         self.sock.close()
         assert not self._thread.is_alive(), "uvicorn did not stop"
+
+
+async def _with_backend(app, backend: InProcessBackend, fn, timeout: float):
+    await backend.start()
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            return await asyncio.wait_for(fn(client), timeout)
+    finally:
+        await backend.shutdown()
+
+
+def run_asgi(app, backend: InProcessBackend, fn, timeout: float = 30.0):
+    """Start the backend on a fresh loop, run `await fn(client)` with an httpx client on the app (in-process ASGI,
+    no streaming), shut the backend down, return fn's result."""
+    return asyncio.run(_with_backend(app, backend, fn, timeout))
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:

@@ -1,0 +1,217 @@
+"""Generation through HTTP against a real uvicorn server and a real engine: the output equals engine.LLM's for the
+same prompts and parameters, streamed or not, alone or concurrent; chat template, stop strings, stop_token_ids,
+logprobs, usage, seeds."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from coordinator.app import create_app
+from coordinator.settings import ServerSettings
+from engine import LLM, SamplingParams
+from tests.inprocess_backend import InProcessBackend, ServerThread
+
+pytestmark = pytest.mark.timeout(60)
+MAX_LEN = 64
+PROMPTS = ["Hello, world", "The old lighthouse stood at the edge", "Two plus two is", [5, 17, 300, 1200, 44]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoints):
+    return LLM(str(checkpoints.tiny()), max_model_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    folder = checkpoints.tiny()
+    backend = InProcessBackend(LLM(str(folder), max_model_len=MAX_LEN).engine, folder)
+    with ServerThread(create_app(backend, ServerSettings()), backend) as srv:
+        yield srv
+    assert backend.integrity["in_use"] == 0
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+    assert server.backend.idle or _settles(server.backend)
+
+
+def _settles(backend):
+    from tests.inprocess_backend import wait_until
+    return wait_until(lambda: backend.idle, 10)
+
+
+def completion(client, prompt, **body):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(client, path, body):
+    """The parsed SSE events of a streamed request, up to and including [DONE] (as None)."""
+    events = []
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                events.append(None if line == "data: [DONE]" else json.loads(line[6:]))
+    assert events[-1] is None and None not in events[:-1]
+    return events[:-1]
+
+
+def greedy_body(prompt, **extra):
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def test_greedy_completions_equal_the_engine_streamed_and_not(client, ref):
+    expected = ref.generate(PROMPTS, GREEDY)
+    for prompt, exp in zip(PROMPTS, expected, strict=True):
+        body = completion(client, prompt, max_tokens=16, temperature=0, ignore_eos=True)
+        choice = body["choices"][0]
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
+        assert choice["text"] == exp.text and choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(exp.prompt_token_ids), "completion_tokens": 16,
+                                 "total_tokens": len(exp.prompt_token_ids) + 16}
+        events = stream(client, "/v1/completions", greedy_body(prompt))
+        assert "".join(e["choices"][0]["text"] for e in events) == exp.text
+        assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+        assert len({e["id"] for e in events}) == 1 and all("usage" not in e for e in events)
+
+
+def test_a_list_of_one_string_is_one_prompt(client, ref):
+    [exp] = ref.generate([PROMPTS[0]], GREEDY)
+    assert completion(client, [PROMPTS[0]], max_tokens=16, temperature=0, ignore_eos=True)["choices"][0]["text"] \
+        == exp.text
+
+
+def test_concurrent_streams_each_equal_the_engine(server, ref):
+    expected = ref.generate(PROMPTS, GREEDY)
+
+    async def one(client, prompt):
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=greedy_body(prompt, stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS * 2))
+
+    assert asyncio.run(main()) == [e.text for e in expected * 2]
+
+
+def test_seeded_sampling_is_reproducible_and_equals_the_engine(client, ref):
+    params = dict(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=1234, max_tokens=20, ignore_eos=True)
+    [exp] = ref.generate([PROMPTS[1]], SamplingParams(**params))
+    texts = [completion(client, PROMPTS[1], **params)["choices"][0]["text"] for _ in range(2)]
+    streamed = "".join(e["choices"][0]["text"] for e in stream(client, "/v1/completions",
+                                                                {"model": "tiny", "prompt": PROMPTS[1], **params}))
+    assert texts == [exp.text, exp.text] and streamed == exp.text
+    other = completion(client, PROMPTS[1], **{**params, "seed": 99})["choices"][0]["text"]
+    assert other != exp.text
+
+
+def test_chat_applies_the_template_streamed_and_not(client, ref):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    templated = ref.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt_ids = ref.tokenizer.encode(templated, add_special_tokens=False)
+    [exp] = ref.chat([messages], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    body = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/chat/completions", json=body).json()
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": exp.text}
+    assert r["usage"]["prompt_tokens"] == len(prompt_ids) == len(exp.prompt_token_ids)
+    events = stream(client, "/v1/chat/completions", body)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == exp.text
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_without_max_tokens_may_use_the_whole_context(client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/chat/completions", json=body).json()
+    assert r["usage"]["total_tokens"] == MAX_LEN and r["choices"][0]["finish_reason"] == "length"
+
+
+def _token_texts(tokenizer, ids):
+    """(start, end) of each token's text in decode(ids), for tokens whose text grows the decode."""
+    spans, prev = [], 0
+    for k in range(1, len(ids) + 1):
+        n = len(tokenizer.decode(ids[:k]))
+        spans.append((prev, n))
+        prev = n
+    return spans
+
+
+def test_stop_string_spanning_tokens_ends_output_before_it(client, ref):
+    [exp] = ref.generate([PROMPTS[1]], GREEDY)
+    spans = _token_texts(ref.tokenizer, exp.token_ids)
+    # a stop string that starts inside one token's text and ends inside the next one's
+    i = next(i for i in range(1, len(spans) - 1)
+             if spans[i][1] - spans[i][0] >= 2 and spans[i + 1][1] - spans[i + 1][0] >= 2)
+    stop = exp.text[spans[i][0] + 1:spans[i + 1][1] - 1]
+    want = exp.text[:exp.text.index(stop)]
+    body = completion(client, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "zzzz"])
+    assert body["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop"}
+    assert body["usage"]["completion_tokens"] < 16
+    events = stream(client, "/v1/completions", greedy_body(PROMPTS[1], stop=stop))
+    assert "".join(e["choices"][0]["text"] for e in events) == want
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # a stop string that only ever matches partially is held back, then sent in full
+    tail = exp.text[-3:] + "\u2603"
+    events = stream(client, "/v1/completions", greedy_body(PROMPTS[1], stop=tail))
+    assert "".join(e["choices"][0]["text"] for e in events) == exp.text
+
+
+def test_stop_token_ids_stop_like_the_engine(client, ref):
+    [exp] = ref.generate([PROMPTS[0]], GREEDY)
+    stop_id = exp.token_ids[5]
+    [want] = ref.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                        stop_token_ids=[stop_id]))
+    body = completion(client, PROMPTS[0], max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    assert body["choices"][0]["text"] == want.text and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(want.token_ids) <= 6
+
+
+def test_completion_logprobs_have_the_openai_shape(client, ref):
+    [exp] = ref.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
+    body = completion(client, PROMPTS[2], max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    lp = body["choices"][0]["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    assert lp["token_logprobs"] == pytest.approx([t.logprob for t in exp.logprobs], abs=1e-4)
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    events = stream(client, "/v1/completions", {**greedy_body(PROMPTS[2]), "max_tokens": 8, "logprobs": 3})
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events) == 8
+
+
+def test_chat_logprobs_have_the_openai_shape(client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
+    plain = client.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_include_usage_adds_a_usage_chunk_before_done(client):
+    events = stream(client, "/v1/chat/completions",
+                    {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                     "ignore_eos": True, "stream_options": {"include_usage": True}})
+    *chunks, last = events
+    assert all(c["usage"] is None for c in chunks) and last["choices"] == []
+    assert last["usage"]["completion_tokens"] == 5
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 5

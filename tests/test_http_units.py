@@ -1,0 +1,127 @@
+"""Units of the HTTP layer without a server: stop strings and hold-back in TextOutput, ServerSettings validation,
+Lifecycle drain, and the Prometheus text that Metrics renders."""
+
+import asyncio
+import re
+
+import pytest
+
+from coordinator.lifecycle import Lifecycle
+from coordinator.metrics import Metrics
+from coordinator.settings import ServerSettings
+from coordinator.text_output import TextOutput
+from engine.tokenizer import Tokenizer
+
+TEXT = "The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed"
+
+
+@pytest.fixture(scope="module")
+def tok(checkpoints):
+    return Tokenizer.from_folder(checkpoints.tiny())
+
+
+def feed(out: TextOutput, ids):
+    deltas = []
+    for i in ids:
+        deltas.append(out.add_token(i))
+        if out.stopped:
+            break
+    if not out.stopped:
+        deltas.append(out.finish())
+    return deltas
+
+
+def test_without_stop_strings_the_text_is_the_full_decode(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    out = TextOutput(tok, [], [])
+    assert "".join(feed(out, ids)) == tok.decode(ids) == out.text
+    assert out.num_tokens == len(ids) and not out.stopped
+
+
+@pytest.mark.parametrize("stop", ["lighthouse stood", "e edge of", "harbor, and", "d", "keeper climbed"])
+def test_stop_string_ends_the_text_right_before_it_even_across_tokens(tok, stop):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    out = TextOutput(tok, [], ["never-there", stop])
+    deltas = feed(out, ids)
+    assert out.stopped and out.text == "".join(deltas) == TEXT[:TEXT.index(stop)]
+    # it stopped at the first token whose text completes the stop string
+    assert stop in tok.decode(ids[:out.num_tokens]) and stop not in tok.decode(ids[:out.num_tokens - 1])
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    out = TextOutput(tok, [], ["harbor", "old"])
+    feed(out, ids)
+    assert out.text == "The "
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_then_released(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    out = TextOutput(tok, [], ["lighthouse keeper"])  # "lighthouse" matches a prefix, then it diverges
+    emitted = ""
+    for i in ids:
+        emitted += out.add_token(i)
+        assert not emitted.endswith("lighthouse"), "a possible stop-string start was sent"
+    assert not out.stopped
+    emitted += out.finish()
+    assert emitted == TEXT
+
+
+def test_a_partial_utf8_character_is_never_emitted(tok):
+    text = "naïve café → 東京 🙂 end"
+    ids = tok.encode(text, add_special_tokens=False)
+    out = TextOutput(tok, [], [])
+    deltas = feed(out, ids)
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
+
+
+def test_settings_validation_names_the_field():
+    assert ServerSettings().port == 8000
+    for kwargs, field in [({"port": 70000}, "port"), ({"port": True}, "port"), ({"api_key": ""}, "api_key"),
+                          ({"max_body_bytes": 0}, "max_body_bytes"), ({"request_timeout_s": 0}, "request_timeout_s"),
+                          ({"request_timeout_s": float("nan")}, "request_timeout_s"),
+                          ({"drain_timeout_s": -1}, "drain_timeout_s"), ({"host": ""}, "host"),
+                          ({"served_model_name": ""}, "served_model_name")]:
+        with pytest.raises(ValueError, match=rf"^ServerSettings\.{field} "):
+            ServerSettings(**kwargs)
+
+
+def test_lifecycle_drain_refuses_new_requests_and_waits_for_in_flight_ones():
+    async def main():
+        lc = Lifecycle()
+        ticket = lc.admit()
+        lc.begin_drain()
+        with pytest.raises(Exception) as e:
+            lc.admit()
+        assert e.value.status == 503 and "Retry-After" in e.value.headers
+        assert lc.in_flight == 1 and not await lc.wait_idle(0.01)
+        asyncio.get_running_loop().call_soon(ticket.release)
+        assert await lc.wait_idle(5)
+        ticket.release()  # idempotent
+        assert lc.in_flight == 0
+    asyncio.run(main())
+
+
+def test_metrics_text_is_valid_prometheus_exposition():
+    m = Metrics()
+    for v in (0.002, 0.3, 100.0):
+        m.ttft.observe(v)
+    m.requests.inc("finished")
+    m.errors.inc("invalid_request")
+    stats = {"queue_length": 2, "transfer": {"bytes_total": 4096, "last latency s": 0.01, "peer": "x"},
+             "workers": [{"name": "p0", "role": "prefill", "running": 1, "queued_prompt_tokens": 7,
+                          "free_blocks": 25, "total_blocks": 100}]}
+    text = m.render(stats, in_flight=3, draining=False)
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="[^"]*",?)*\})? [-+0-9.eEInfa]+$')
+    for line in text.splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
+    assert 'pdserve_time_to_first_token_seconds_bucket{le="0.0025"} 1' in text
+    assert 'pdserve_time_to_first_token_seconds_bucket{le="+Inf"} 3' in text
+    assert "pdserve_time_to_first_token_seconds_count 3" in text
+    assert 'pdserve_requests_total{outcome="finished"} 1' in text
+    assert 'pdserve_requests_total{outcome="aborted"} 0' in text
+    assert 'pdserve_errors_total{kind="invalid_request"} 1' in text
+    assert "pdserve_queue_length 2" in text and "pdserve_requests_in_flight 3" in text
+    assert 'pdserve_worker_kv_usage_ratio{worker="p0",role="prefill"} 0.75' in text
+    assert "# TYPE pdserve_transfer_bytes_total counter" in text and "pdserve_transfer_bytes_total 4096" in text
+    assert "pdserve_transfer_last_latency_s 0.01" in text and "peer" not in text
