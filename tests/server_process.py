@@ -6,6 +6,7 @@ fails if it does not exit in time (then it is killed, so nothing is left running
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import yaml
 
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
+HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}  # two workers share one of CI's 2 cores
 
 
 def free_port() -> int:
@@ -80,3 +82,40 @@ def _stop(proc: subprocess.Popen) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return False
+
+
+async def complete(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """POST a completion; for streams, reassemble text, token count and finish reason from the SSE chunks."""
+    if not body.get("stream"):
+        r = await client.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return {"text": data["choices"][0]["text"], "finish_reason": data["choices"][0]["finish_reason"],
+                "completion_tokens": data["usage"]["completion_tokens"]}
+    body = {**body, "stream_options": {"include_usage": True}}
+    text, finish, usage = [], None, None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+    return {"text": "".join(text), "finish_reason": finish, "completion_tokens": usage["completion_tokens"]}
+
+
+def wait_for_idle_workers(url: str, timeout_s: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = metric_values(url, "pdserve_worker_free_blocks")
+        total = metric_values(url, "pdserve_worker_total_blocks")
+        if free == total and len(free) > 0:
+            return free
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers hold blocks after {timeout_s} s: free {free}, total {total}")
+        time.sleep(0.25)

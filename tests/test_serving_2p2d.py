@@ -1,0 +1,120 @@
+"""End to end on the real server (`pdserve serve`: local Ray, 2 prefill + 2 decode actors, UCX KV transfer,
+uvicorn) over HTTP: outputs equal the single engine's, load spreads, prefix affinity, cancellation, worker death."""
+
+import asyncio
+import os
+import signal
+import subprocess
+
+import httpx
+import pytest
+
+from engine import SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.server_process import HALF_CPU, complete, metric_values, running_server, wait_for_idle_workers
+
+
+@pytest.fixture(scope="module")
+def server_2p2d(llama, tmp_path_factory):
+    config = {"model": str(llama), "prefill": {**HALF_CPU, "workers": 2, "chunk_size": 32},
+              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}}
+    with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as url:
+        yield url
+
+
+def test_32_concurrent_greedy_requests_equal_the_single_engine(server_2p2d, reference, llama):
+    prompts = random_prompts([3 + 7 * i for i in range(32)], 2000, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = reference.generate(prompts, params)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[
+                complete(client, server_2p2d, {"model": str(llama), "prompt": p, "max_tokens": 24, "temperature": 0,
+                                               "ignore_eos": True, "stream": i % 2 == 0})
+                for i, p in enumerate(prompts)])
+    results = asyncio.run(run())
+    for got, want in zip(results, expected, strict=True):
+        assert got["text"] == want.text and got["completion_tokens"] == 24 and got["finish_reason"] == "length"
+    routed = metric_values(server_2p2d, "pdserve_worker_requests_routed")
+    assert len(routed) == 4 and all(v > 0 for v in routed.values()), routed  # both pools spread the load
+    wait_for_idle_workers(server_2p2d)
+
+
+def test_seeded_sampling_equals_the_engine_and_repeats(server_2p2d, reference, llama):
+    prompt = random_prompts([30], 2000, seed=22)[0]
+    body = {"model": str(llama), "prompt": prompt, "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": 77,
+            "ignore_eos": True}
+    want = reference.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=20,
+                                                       ignore_eos=True))[0].text
+    first = httpx.post(f"{server_2p2d}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    second = httpx.post(f"{server_2p2d}/v1/completions", json={**body, "stream": False},
+                        timeout=60).json()["choices"][0]["text"]
+    assert first == second == want
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_the_same_prefill_worker(server_2p2d, llama):
+    prefix = random_prompts([96], 2000, seed=23)[0]
+    before = sum(metric_values(server_2p2d, "pdserve_prefix_affinity_hits_total").values())
+    for i in range(4):
+        r = httpx.post(f"{server_2p2d}/v1/completions", timeout=60,
+                       json={"model": str(llama), "prompt": prefix + [100 + i], "max_tokens": 2})
+        assert r.status_code == 200
+    after = sum(metric_values(server_2p2d, "pdserve_prefix_affinity_hits_total").values())
+    assert after - before >= 3
+
+
+def test_cancelled_streams_free_every_block(server_2p2d, llama):
+    prompts = random_prompts([40] * 8, 2000, seed=24)
+
+    async def read_a_little(client, prompt):
+        body = {"model": str(llama), "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", f"{server_2p2d}/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    return seen  # leaving the block closes the connection mid-stream
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[read_a_little(client, p) for p in prompts])
+    assert asyncio.run(run()) == [3] * 8
+    wait_for_idle_workers(server_2p2d)
+
+
+def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server_2p2d, llama):
+    """Runs last on this server (before the other servers start): it leaves one decode worker dead."""
+    prompts = random_prompts([20] * 6, 2000, seed=27)
+    started = asyncio.Event()
+
+    async def stream(client, prompt):
+        body = {"model": str(llama), "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        async with client.stream("POST", f"{server_2p2d}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        started.set()
+        return events
+
+    async def kill_one_decode_worker():
+        await started.wait()
+        await asyncio.sleep(0.5)
+        pids = subprocess.run(["pgrep", "-f", "ray::DecodeWorker"], capture_output=True, text=True).stdout.split()
+        assert len(pids) == 2, pids
+        os.kill(int(pids[0]), signal.SIGKILL)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(kill_one_decode_worker(),
+                                                         *[stream(client, p) for p in prompts]), 120)
+    _, *results = asyncio.run(run())
+    failed = [events for events in results if any('"error"' in e for e in events)]
+    assert failed, "the killed worker's streams must end with an in-band error"
+    assert all(events[-1] == "[DONE]" for events in results)
+    assert len(failed) < len(results), "streams on the surviving worker are not affected"
+    r = httpx.post(f"{server_2p2d}/v1/completions", json={"model": str(llama), "prompt": [5, 6, 7], "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
