@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("--model", help="overrides the config's model")
     parser.add_argument("--mode", help="overrides the config's mode")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. decode.workers=2 (YAML value syntax)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -75,6 +77,13 @@ def main() -> None:
     config = yaml.safe_load(Path(args.config).read_text())
     config.pop("ray_address", None)
     config |= {k: v for k, v in (("model", args.model), ("mode", args.mode)) if v}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as url:
         figures = asyncio.run(drive(url, config["model"], args))
         figures["mode"] = config.get("mode", "disaggregated")
