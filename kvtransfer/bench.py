@@ -166,6 +166,14 @@ def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_g
                            "ratio": round(gbps / ceiling, 3)}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
+        for mib in args.raw_ucx_mib:
+            for fresh in (False, True):
+                port = dst.call("raw_listen", mib << 20, args.repeat + 1, fresh)
+                secs = src.call("raw_send", port, mib << 20, args.repeat + 1)
+                sec = statistics.median(secs[1:])
+                print(json.dumps({"config": config, "case": "raw-ucxx-tag-send", "fresh_recv_buffers": fresh,
+                                  "bytes": mib << 20, "seconds": round(sec, 6),
+                                  "gbps": round((mib << 20) / sec / 1e9, 2)}), flush=True)
         leaks = {"src": src.call("metrics")["staging_in_use"], "dst": dst.call("metrics")["staging_in_use"]}
         print(json.dumps({"config": config, "staging_in_use_after": leaks}), flush=True)
     finally:
@@ -186,7 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk-mib", type=int, default=0, help="0: AgentConfig defaults")
+    p.add_argument("--raw-ucx-mib", default="", help="also time plain ucxx sends of these sizes (MiB)")
     args = p.parse_args(argv)
+    args.raw_ucx_mib = [int(x) for x in args.raw_ucx_mib.split(",") if x]
     args.tokens = [int(t) for t in (args.tokens or ("1024,8192" if args.device == "cuda" else "256,1024"))
                    .split(",")]
     args.patterns = args.patterns.split(",")

@@ -115,7 +115,64 @@ class BenchWorker:
     def metrics(self) -> dict:
         return self.agent.metrics()
 
+    # ---- plain ucxx, no kvtransfer protocol: the reference for "UCX between Ray actors is slow" --------
+    def _on_loop(self, coro: Any, timeout: float = 300.0) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.agent._loop.loop).result(timeout)
+
+    def raw_listen(self, nbytes: int, iters: int, fresh: bool) -> int:
+        """Receive `iters` messages of nbytes; fresh=True: each into a new allocation kept alive (a new
+        address, so UCX must open a new CUDA IPC mapping every time), else into one reused buffer."""
+        import ucxx
+
+        from .backends.ucx import as_ucx_buffer
+
+        torch, dev = self.torch, self.device
+
+        async def handler(ep: Any) -> None:
+            keep = []
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            ack = torch.zeros(1, dtype=torch.uint8).numpy()
+            for _ in range(iters):
+                if fresh:
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                    keep.append(buf)
+                await ep.recv(as_ucx_buffer(buf), tag=7)
+                await ep.send(ack, tag=8)
+
+        async def start() -> int:
+            self._raw_listener = ucxx.create_listener(handler)
+            return int(self._raw_listener.port)
+
+        return self._on_loop(start())
+
+    def raw_send(self, port: int, nbytes: int, iters: int) -> list[float]:
+        """Seconds of each send (until the receiver's ack) of one nbytes buffer to `raw_listen`."""
+        import ucxx
+
+        from .backends.ucx import as_ucx_buffer
+
+        torch, dev = self.torch, self.device
+
+        async def go() -> list[float]:
+            ep = await ucxx.create_endpoint("127.0.0.1", port)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
+            ack = torch.zeros(1, dtype=torch.uint8).numpy()
+            self._sync()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                await ep.send(as_ucx_buffer(buf), tag=7)
+                await ep.recv(ack, tag=8)
+                times.append(time.perf_counter() - t0)
+            await ep.close()
+            return times
+
+        return self._on_loop(go())
+
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()
             self.agent = None
+
