@@ -1,0 +1,128 @@
+"""Request life cycle against a real uvicorn server: a client that goes away mid-stream or mid-request gets its
+request aborted in the engine (blocks freed), timeouts end requests, draining refuses new work but lets running
+streams finish, and /metrics counts all of it."""
+
+import json
+
+import httpx
+import pytest
+
+from coordinator.app import create_app
+from coordinator.settings import ServerSettings
+from engine import LLM
+from tests.inprocess_backend import InProcessBackend, ServerThread, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+LONG = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    return LLM(str(checkpoints.tiny()), max_model_len=64).engine
+
+
+@pytest.fixture
+def server(engine, checkpoints, request):
+    settings = getattr(request, "param", {})
+    backend = InProcessBackend(engine, checkpoints.tiny())
+    with ServerThread(create_app(backend, ServerSettings(**settings)), backend) as srv:
+        yield srv
+    assert backend.idle and backend.integrity["in_use"] == 0
+
+
+def metric(server, line_start: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start + " ")]
+    assert len(values) == 1, line_start
+    return values[0]
+
+
+def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server):
+    backend = server.backend
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            chunks = [json.loads(next(line for line in lines if line)[6:]) for _ in range(3)]
+            backend.pause()  # the request cannot finish on its own now
+            assert backend.integrity["in_use"] > 0
+    # the response is closed: the server must notice and abort the request
+    request_id = chunks[0]["id"]
+    assert wait_until(lambda: request_id in backend.aborted and backend.idle), (backend.aborted, backend.integrity)
+    backend.resume()
+    assert request_id not in backend.finished and backend.generate_calls == 1
+    assert backend.engine.check_integrity()["in_use"] == 0 and not backend.engine.has_unfinished()
+    assert wait_until(lambda: metric(server, 'pdserve_requests_total{outcome="aborted"}') == 1)
+    assert metric(server, "pdserve_requests_in_flight") == 0
+
+
+def test_client_disconnect_during_a_non_streamed_request_aborts_it(server):
+    backend = server.backend
+    backend.pause()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(10, read=0.3))
+    assert wait_until(lambda: len(backend.aborted) == 1 and backend.idle), backend.aborted
+    backend.resume()
+    assert not backend.finished
+
+
+@pytest.mark.parametrize("server", [{"request_timeout_s": 0.3}], indirect=True)
+def test_requests_end_at_their_timeout(server):
+    backend = server.backend
+    backend.pause()
+    r = httpx.post(server.url + "/v1/completions", json=LONG, timeout=10)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    r = httpx.post(server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=10)
+    assert r.status_code == 504  # nothing was sent yet: a plain error response
+    backend.resume()
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            first = next(lines)
+            backend.pause()
+            rest = list(lines)
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["code"] == "timeout"
+    assert wait_until(lambda: len(backend.aborted) == 3 and backend.idle), backend.aborted
+    backend.resume()
+    assert metric(server, 'pdserve_requests_total{outcome="timeout"}') == 3
+
+
+def test_draining_refuses_new_requests_and_lets_running_streams_finish(server):
+    backend, lifecycle = server.backend, server.app.state.lifecycle
+    assert httpx.get(server.url + "/health").status_code == 200
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            first = next(lines)
+            backend.pause()
+            lifecycle.begin_drain()
+            health = client.get("/health")
+            assert health.status_code == 503 and health.headers["retry-after"]
+            refused = client.post("/v1/chat/completions",
+                                  json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            assert refused.json()["error"]["type"] == "server_error"
+            assert not server.call(lifecycle.wait_idle(0.05))  # the stream is still running
+            backend.resume()
+            rest = list(lines)
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert server.call(lifecycle.wait_idle(10)) and lifecycle.in_flight == 0
+    assert backend.generate_calls == 1 and first.startswith("data: {")
+    assert metric(server, 'pdserve_errors_total{kind="draining"}') == 1
+
+
+def test_metrics_report_latencies_outcomes_and_backend_load(server):
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for stream in (False, True):
+            assert client.post("/v1/completions", json={**LONG, "max_tokens": 5, "stream": stream}).status_code == 200
+        assert client.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+        text = client.get("/metrics").text
+    assert "pdserve_time_to_first_token_seconds_count 2" in text
+    assert "pdserve_e2e_request_latency_seconds_count 2" in text
+    assert "pdserve_inter_token_latency_seconds_count 8" in text  # 4 gaps per 5-token request, one token a step
+    assert 'pdserve_requests_total{outcome="finished"} 2' in text
+    assert 'pdserve_requests_total{outcome="rejected"} 1' in text
+    assert 'pdserve_errors_total{kind="not_found"} 1' in text
+    assert "pdserve_generation_tokens_total 10" in text
+    assert 'pdserve_worker_total_blocks{worker="inprocess-0",role="both"}' in text
+    assert "pdserve_queue_length 0" in text and "pdserve_transfer_bytes_total 0" in text
