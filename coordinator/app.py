@@ -5,8 +5,8 @@ reaches the backend), tokenization (once, here; chat template for chat requests)
 turning a Generation into a JSON response or an SSE stream. Routes: POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, GET /health (503 while draining), GET /metrics. State lives on app.state: backend, settings,
 tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics. The caller owns the backend: it awaits
-`backend.start()` before serving and `backend.shutdown()` after; the app's lifespan only drains at shutdown
-(begin_drain, then up to drain_timeout_s for in-flight requests).
+`backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.lifecycle); the
+app's lifespan only marks the server draining when uvicorn shuts down.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         app.state.lifecycle.begin_drain()
-        await app.state.lifecycle.wait_idle(settings.drain_timeout_s)
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
@@ -156,7 +155,7 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     req = protocol.parse(model, await _read_json(request, settings.max_body_bytes))
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
-    prompt = protocol.prompt_token_ids(req, app.state.tokenizer, backend.vocab_size)
+    prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs)

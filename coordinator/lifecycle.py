@@ -172,9 +172,10 @@ class Generation:
         self._closed = True
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + CLOSE_TIMEOUT_S
-            if self._stream is not None:
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
                 try:
-                    await self._stream.aclose()
+                    await aclose()
                 except Exception:  # noqa: BLE001 - the stream is gone either way; the outcome is what matters
                     outcome = "failed" if outcome == "finished" else outcome
         self._metrics.requests.inc(outcome)

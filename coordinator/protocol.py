@@ -19,6 +19,8 @@ from coordinator.errors import invalid_request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
@@ -38,7 +40,7 @@ class _Common(_Strict):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
@@ -61,6 +63,8 @@ class _Common(_Strict):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop: stop strings must not be empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
         return self
 
     @property
@@ -199,6 +203,9 @@ def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int) -> lis
                                                  **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise invalid_request(str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template choking on the messages' shape is the client's mistake
+            raise invalid_request(f"The chat template failed on these messages: {type(e).__name__}: {e}",
+                                  "messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         prompt = req.single_prompt

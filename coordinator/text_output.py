@@ -89,10 +89,12 @@ class TextOutput:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""
         longest = 0
         for s in self._stops:
-            for n in range(min(len(s) - 1, len(buf)), longest, -1):
-                if s.startswith(buf[len(buf) - n:]):
-                    longest = n
+            i = buf.find(s[0], max(0, len(buf) - len(s) + 1))
+            while i >= 0 and len(buf) - i > longest:
+                if s.startswith(buf[i:]):
+                    longest = len(buf) - i
                     break
+                i = buf.find(s[0], i + 1)
         return longest
 
     def _emit(self, text: str) -> str:

@@ -61,6 +61,7 @@ BAD = [
     (COMP, {"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
     (COMP, {"model": "tiny", "prompt": "x", "stop": 7}, "stop"),
     (COMP, {"model": "tiny", "prompt": "x", "stop": [""]}, "stop"),
+    (COMP, {"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, "stop"),
     (COMP, {"model": "tiny", "prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids[0]"),
     (COMP, {"model": "tiny", "prompt": "x", "stop_token_ids": [2048]}, "stop_token_ids"),
     (COMP, {"model": "tiny", "prompt": "x", "temperature": -0.5}, "temperature"),

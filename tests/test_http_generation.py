@@ -134,6 +134,9 @@ def test_chat_applies_the_template_streamed_and_not(client, ref):
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == exp.text
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]  # content as a list of text parts
+    body["messages"] = [messages[0], {"role": "user", "content": parts}]
+    assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == exp.text
 
 
 def test_chat_without_max_tokens_may_use_the_whole_context(client):
@@ -152,7 +155,7 @@ def _token_texts(tokenizer, ids):
     return spans
 
 
-def test_stop_string_spanning_tokens_ends_output_before_it(client, ref):
+def test_stop_string_spanning_tokens_ends_output_before_it(server, client, ref):
     [exp] = ref.generate([PROMPTS[1]], GREEDY)
     spans = _token_texts(ref.tokenizer, exp.token_ids)
     # a stop string that starts inside one token's text and ends inside the next one's
@@ -163,6 +166,7 @@ def test_stop_string_spanning_tokens_ends_output_before_it(client, ref):
     body = completion(client, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "zzzz"])
     assert body["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop"}
     assert body["usage"]["completion_tokens"] < 16
+    assert body["id"] in server.backend.aborted  # the coordinator closed the stream: the engine stopped too
     events = stream(client, "/v1/completions", greedy_body(PROMPTS[1], stop=stop))
     assert "".join(e["choices"][0]["text"] for e in events) == want
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
