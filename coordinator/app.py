@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 
 from coordinator import errors, protocol
 from coordinator.backend import GenerateRequest, ServingBackend
@@ -105,10 +106,13 @@ async def _read_json(request: Request, limit: int) -> Any:
             raise errors.invalid_request("Invalid Content-Length header")
         raise errors.too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise errors.too_large(limit)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise errors.too_large(limit)
+    except ClientDisconnect:
+        raise errors.invalid_request("The client disconnected while sending the request body") from None
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -140,7 +144,7 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) 
 def _outcome(exc: BaseException) -> str:
     if isinstance(exc, errors.APIError):
         return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
-    return "aborted"  # cancelled
+    return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
 
 
 async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Generation, Formatter, Ticket]:
@@ -208,6 +212,12 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         outcome = _outcome(e)
         on_error(e.kind)
         yield event(e.body())
+        yield DONE
+    except Exception as e:  # a bug, not the client's or the backend's doing: still end the stream properly
+        errors.logger.exception("stream %s failed", fmt.id)
+        outcome = "failed"
+        on_error("internal")
+        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
         yield DONE
     finally:
         await gen.close(outcome)
