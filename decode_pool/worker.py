@@ -10,6 +10,7 @@ request -> freed on finish or abort; an abort during a transfer is applied once 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import torch
@@ -52,6 +53,9 @@ class DecodeWorker:
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         meta = None
         if self._agent_config is not None:
+            # without Python futures, every pending ucxx receive busy-polls with asyncio.sleep(0): a whole core per
+            # idle agent (measured 0.45 CPU-s/s vs 0.01 with them)
+            os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
             self.agent = KVAgent(self.name, self._agent_config)
             self.agent.register_cache(engine.kv_cache, engine.kv_spec)
             meta = self.agent.metadata().to_bytes()
