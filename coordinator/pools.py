@@ -44,9 +44,7 @@ class Pools:
         cfg = self.config
         self.model_path = str(resolve_model_path(cfg.model))  # builds `tiny` once, before the workers race to
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address, include_dashboard=False, logging_level="WARNING",
-                     runtime_env={"env_vars": {"PDSERVE_CACHE": os.environ.get("PDSERVE_CACHE", "")}}
-                     if os.environ.get("PDSERVE_CACHE") else None)
+            _init_ray(cfg.ray_address)
             self._started_ray = cfg.ray_address is None
         cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
@@ -101,6 +99,21 @@ class Pools:
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_concurrency=10_000,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
         ).remote(*args(i)) for i in range(pool.workers)]
+
+
+def _init_ray(address: str | None) -> None:
+    """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
+    for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
+    env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
+    for attempt in (1, 2):
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING",
+                     runtime_env={"env_vars": env} if env else None)
+            return
+        except Exception as e:  # Ray raises a bare Exception for this
+            if address is not None or attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
 
 
 def _threads(pool: PoolConfig) -> int:
