@@ -186,12 +186,12 @@ class LLMEngine:
             used = total - free
             budget = int(total * cfg.gpu_memory_utilization) - used - GPU_ACTIVATION_HEADROOM_BYTES
         else:
-            enough = cfg.max_num_seqs * self.block_manager_blocks(cfg.max_model_len) * block_bytes
+            enough = cfg.max_num_seqs * self._blocks_for(cfg.max_model_len) * block_bytes
             budget = min(CPU_KV_CACHE_BYTES, enough)
         blocks = budget // block_bytes
-        if blocks < self.block_manager_blocks(min(cfg.max_model_len, 2 * cfg.block_size)):
+        if blocks < self._blocks_for(min(cfg.max_model_len, 2 * cfg.block_size)):
             raise ValueError(f"KV cache budget of {budget} bytes holds only {blocks} blocks of {block_bytes} bytes")
         return blocks
 
-    def block_manager_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)  # the block manager does not exist yet when sizing
