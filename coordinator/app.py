@@ -114,9 +114,13 @@ async def _read_json(request: Request, limit: int) -> Any:
     except ClientDisconnect:
         raise errors.invalid_request("The client disconnected while sending the request body") from None
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise errors.invalid_request(f"The request body is not valid JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:

@@ -36,7 +36,7 @@ class _Common(_Strict):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=2**31 - 1)
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -196,20 +196,22 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None) -> Samp
 def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     """The prompt as token ids: chat template then encode (the template writes the special tokens), or the
     completion prompt encoded (with BOS) or taken as given; every id, and every stop token id, in the vocabulary."""
-    if isinstance(req, ChatCompletionRequest):
-        try:
+    chat = isinstance(req, ChatCompletionRequest)
+    where = "messages" if chat else "prompt"
+    try:
+        if chat:
             text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
                                                  add_generation_prompt=req.add_generation_prompt,
                                                  **(req.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
-            raise invalid_request(str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - a template choking on the messages' shape is the client's mistake
-            raise invalid_request(f"The chat template failed on these messages: {type(e).__name__}: {e}",
-                                  "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        prompt = req.single_prompt
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt = req.single_prompt
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    except ChatTemplateError as e:
+        raise invalid_request(str(e), where) from None
+    except Exception as e:  # noqa: BLE001 - a template choking on the messages, a lone surrogate (valid JSON, not
+        # UTF-8): the client's input, not a server fault
+        raise invalid_request(f"{where}: cannot be tokenized: {type(e).__name__}: {e}", where) from None
     if not ids:
         raise invalid_request("prompt: must not be empty", "prompt")
     for name, values in (("prompt", ids), ("stop_token_ids", req.stop_token_ids or [])):

@@ -68,6 +68,10 @@ BAD = [
     (COMP, {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
     (COMP, {"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p"),
     (COMP, {"model": "tiny", "prompt": "x", "top_k": -2}, "top_k"),
+    (COMP, {"model": "tiny", "prompt": "x", "top_k": 2**70}, "top_k"),
+    (COMP, b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate: valid JSON, not UTF-8
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    (CHAT, {"model": "tiny", "messages": MSGS, "chat_template_kwargs": {"messages": []}}, "messages"),
     (COMP, {"model": "tiny", "prompt": "x", "min_p": 2}, "min_p"),
     (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     (COMP, {"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
@@ -99,12 +103,15 @@ BAD = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[f"{p[-11:]}-{param}-{i}" for i, (p, _, param)
                                                              in enumerate(BAD)])
 def test_bad_request_is_a_400_naming_the_parameter_without_a_backend_call(backend, path, body, param):
-    err = assert_openai_error(send(make_app(backend), backend, "POST", path, json=body), 400, param)
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    err = assert_openai_error(send(make_app(backend), backend, "POST", path, **kwargs), 400, param)
     assert err["type"] == "invalid_request_error"
     assert backend.generate_calls == 0
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+                                 b'{"model": "tiny", "prompt": "x", "top_p": Infinity}'])
 def test_malformed_body_is_a_400(backend, raw):
     r = send(make_app(backend), backend, "POST", COMP, content=raw, headers={"content-type": "application/json"})
     assert_openai_error(r, 400)
