@@ -33,6 +33,7 @@ from coordinator.text_output import TextOutput
 from engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
+STREAM_DEADLINE_GRACE_S = 1.0  # past the request's deadline, a stream blocked on a slow reader is cut
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
@@ -195,7 +196,8 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
         tokens = [t for p in result for t in p.tokens]
         return JSONResponse(fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop",
                                          gen.prompt_tokens, gen.completion_tokens))
-    return SSEResponse(_events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc))
+    events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc)
+    return SSEResponse(events, deadline=gen.deadline + STREAM_DEADLINE_GRACE_S)
 
 
 async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ticket: Ticket,

@@ -99,7 +99,7 @@ class Generation:
         self.text = text
         self._metrics = metrics
         self._timeout_s = timeout_s
-        self._deadline = arrival + timeout_s
+        self.deadline = arrival + timeout_s  # time.monotonic()
         self._want_logprobs = want_logprobs
         self._arrival = arrival
         self._last_token_at: float | None = None
@@ -147,7 +147,7 @@ class Generation:
         return pieces
 
     async def _next_delta(self) -> TokenDelta:
-        remaining = self._deadline - time.monotonic()
+        remaining = self.deadline - time.monotonic()
         try:
             if remaining <= 0:
                 raise TimeoutError
@@ -170,6 +170,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if outcome == "aborted" and time.monotonic() >= self.deadline:
+            outcome = "timeout"  # cut by the response's deadline (a client that stopped reading)
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + CLOSE_TIMEOUT_S
             aclose = getattr(self._stream, "aclose", None)

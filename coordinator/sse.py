@@ -1,7 +1,8 @@
 """Server-sent events and the OpenAI response shapes (completions and chat, whole and streamed).
 
-Owns: `SSEResponse`, a streaming response that watches for the client going away and then cancels the event
-producer (whose cleanup closes the backend stream: an abort), whatever the server's ASGI spec version; `event()`
+Owns: `SSEResponse`, a streaming response that cancels the event producer (whose cleanup closes the backend
+stream: an abort) when the client goes away, whatever the server's ASGI spec version, or when its deadline passes
+(a client that stops reading blocks `send`, and must not hold the request forever); `event()`
 and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`, which builds every JSON body
 of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk, and non-streamed responses.
 """
@@ -31,8 +32,10 @@ def event(obj: dict) -> bytes:
 class SSEResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[bytes], deadline: float | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.events = events
+        self.deadline = deadline  # time.monotonic() after which the stream is cut, even if blocked on a slow reader
         self.status_code = 200
         self.background = None
         self.disconnected = False
@@ -47,6 +50,8 @@ class SSEResponse(Response):
                 self.disconnected = True
                 tg.cancel_scope.cancel()
 
+            if self.deadline is not None:
+                tg.cancel_scope.deadline = anyio.current_time() + self.deadline - time.monotonic()
             tg.start_soon(watch)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in events:

@@ -3,12 +3,14 @@ Lifecycle drain, and the Prometheus text that Metrics renders."""
 
 import asyncio
 import re
+import time
 
 import pytest
 
 from coordinator.lifecycle import Lifecycle
 from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
+from coordinator.sse import SSEResponse
 from coordinator.text_output import TextOutput
 from engine.tokenizer import Tokenizer
 
@@ -125,3 +127,34 @@ def test_metrics_text_is_valid_prometheus_exposition():
     assert 'pdserve_worker_kv_usage_ratio{worker="p0",role="prefill"} 0.75' in text
     assert "# TYPE pdserve_transfer_bytes_total counter" in text and "pdserve_transfer_bytes_total 4096" in text
     assert "pdserve_transfer_last_latency_s 0.01" in text and "peer" not in text
+
+
+def test_a_stream_blocked_on_a_reader_that_never_reads_is_cut_at_its_deadline():
+    """SSEResponse under an ASGI server whose send() never returns (flow control: the client stopped reading)."""
+    closed = []
+
+    async def events():
+        try:
+            while True:
+                yield b"data: {}\n\n"
+        finally:
+            closed.append(True)  # where the app closes the backend stream (abort)
+
+    async def main():
+        sent = []
+        never = asyncio.Event()
+
+        async def receive():
+            await never.wait()
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body":
+                await never.wait()
+
+        response = SSEResponse(events(), deadline=time.monotonic() + 0.2)
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 10)
+        return sent
+
+    sent = asyncio.run(main())
+    assert closed == [True] and sent[0]["status"] == 200 and len(sent) == 2
