@@ -37,14 +37,23 @@ def _remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-async def bounded(aw: Awaitable[Any], deadline: float, what: str, on_timeout: Any) -> Any:
-    """Await `aw` until `deadline`; map UCX failures to PeerLost; on timeout call `on_timeout()`
-    (aborting the endpoint), give the cancelled operation a moment to finish, and raise TransferTimeout
-    (BufferMayBeInUse if it did not finish)."""
+class _Link(Protocol):
+    broken: str | None
+    timed_out: bool
+
+    def abort(self, reason: str) -> None: ...
+
+
+async def bounded(aw: Awaitable[Any], deadline: float, what: str, link: _Link) -> Any:
+    """Await `aw` until `deadline`; map UCX failures to PeerLost (or TransferTimeout when the connection
+    was aborted because an operation on it timed out); on timeout abort the link, give the cancelled
+    operation a moment to finish, and raise TransferTimeout (BufferMayBeInUse if it did not finish)."""
     task = asyncio.ensure_future(aw)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
     done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
     if not done:
-        on_timeout(f"{what}: timed out")
+        link.timed_out = True
+        link.abort(f"{what}: timed out")
         done, _ = await asyncio.wait({task}, timeout=2.0)
         if task.done() and not task.cancelled():
             task.exception()  # consumed: the timeout is the error we report
@@ -54,10 +63,10 @@ async def bounded(aw: Awaitable[Any], deadline: float, what: str, on_timeout: An
         raise TransferTimeout(f"{what}: no progress before the deadline")
     try:
         return task.result()
-    except ucxx.exceptions.UCXError as e:
+    except (ucxx.exceptions.UCXError, asyncio.CancelledError) as e:
+        if link.timed_out:
+            raise TransferTimeout(f"{what}: connection aborted after a timeout ({link.broken})") from e
         raise PeerLost(f"{what}: connection failed ({type(e).__name__}: {e})") from e
-    except asyncio.CancelledError as e:
-        raise PeerLost(f"{what}: connection closed") from e
 
 
 class UcxConnection:
@@ -67,6 +76,7 @@ class UcxConnection:
         self.ep = ep
         self.peer = peer
         self.broken: str | None = None
+        self.timed_out = False
         self._send_lock = asyncio.Lock()  # send_obj is two messages: never interleave two requests
 
     @classmethod
@@ -97,13 +107,13 @@ class UcxConnection:
         self._check()
         async with self._send_lock:
             await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.REQUEST_TAG), deadline,
-                          f"request to {self.peer!r}", self.abort)
+                          f"request to {self.peer!r}", self)
 
     async def response(self, xid: int, deadline: float) -> dict:
         """The next response for operation `xid`; raises the error the server reported."""
         self._check()
         raw = await bounded(self.ep.recv_obj(tag=wire.response_tag(xid)), deadline,
-                            f"response from {self.peer!r}", self.abort)
+                            f"response from {self.peer!r}", self)
         resp = wire.decode(raw)
         if not resp.get("ok"):
             from ..errors import error_from_wire
@@ -118,12 +128,12 @@ class UcxConnection:
     async def send_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
         self._check()
         await bounded(self.ep.send(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
-                      f"data to {self.peer!r}", self.abort)
+                      f"data to {self.peer!r}", self)
 
     async def recv_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
         self._check()
         await bounded(self.ep.recv(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
-                      f"data from {self.peer!r}", self.abort)
+                      f"data from {self.peer!r}", self)
 
     async def close(self) -> None:
         if self.broken is None:
@@ -141,6 +151,7 @@ class PeerEndpoint:
         self.ep = ep
         self.peer = "?"  # set by the hello
         self.broken: str | None = None
+        self.timed_out = False
 
     def abort(self, reason: str) -> None:
         self.broken = self.broken or reason
@@ -151,15 +162,15 @@ class PeerEndpoint:
 
     async def reply(self, xid: int, msg: dict, deadline: float) -> None:
         await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.response_tag(xid)), deadline,
-                      f"reply to {self.peer!r}", self.abort)
+                      f"reply to {self.peer!r}", self)
 
     async def send_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
         await bounded(self.ep.send(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
-                      f"data to {self.peer!r}", self.abort)
+                      f"data to {self.peer!r}", self)
 
     async def recv_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
         await bounded(self.ep.recv(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
-                      f"data from {self.peer!r}", self.abort)
+                      f"data from {self.peer!r}", self)
 
 
 class RequestHandler(Protocol):
