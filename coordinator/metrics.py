@@ -2,9 +2,10 @@
 
 Owns the request-side figures as the client sees them: time to first token, inter-token latency (one observation
 per backend delta after the first), end-to-end latency, requests by outcome, errors by kind, tokens; and, at each
-scrape, the backend's load from `backend.stats()`: queue length, per-worker KV usage, running and queued prompt
-tokens, and every numeric entry of stats["transfer"] as `pdserve_transfer_<key>` (keys ending in `_total` are
-counters, others gauges). One instance per app (app.state.metrics), used from the event loop only.
+scrape, the backend's load from `backend.stats()`: queue length, per-worker KV usage, running, queued prompt
+tokens and liveness, stats["errors"] ({kind: count}) as a counter, stats["prefix_affinity_hits"], and every numeric
+entry of stats["transfer"] as `pdserve_transfer_<key>` (keys ending in `_total` are counters, others gauges).
+One instance per app (app.state.metrics), used from the event loop only.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _backend_lines(stats: dict) -> list[str]:
         lines += _gauge("pdserve_queue_length", "Requests waiting for admission in the backend", [({}, queue)])
     workers = [w for w in stats.get("workers") or [] if isinstance(w, dict)]
     per_worker = {"kv_usage_ratio": [], "running": [], "queued_prompt_tokens": [], "free_blocks": [],
-                  "total_blocks": [], "requests_routed": []}
+                  "total_blocks": [], "requests_routed": [], "alive": []}
     for w in workers:
         labels = {"worker": w.get("name", "?"), "role": w.get("role", "?")}
         free, total = _number(w.get("free_blocks")), _number(w.get("total_blocks"))
@@ -134,11 +135,14 @@ def _backend_lines(stats: dict) -> list[str]:
         for key in ("running", "queued_prompt_tokens", "free_blocks", "total_blocks"):
             if _number(w.get(key)) is not None:
                 per_worker[key].append((labels, _number(w.get(key))))
+        if isinstance(w.get("alive"), bool):
+            per_worker["alive"].append((labels, float(w["alive"])))
         if _number(w.get("served")) is not None:
             per_worker["requests_routed"].append((labels, _number(w.get("served"))))
     helps = {"kv_usage_ratio": "Fraction of the worker's KV blocks in use", "running": "Requests running",
              "queued_prompt_tokens": "Prompt tokens queued", "free_blocks": "Free KV blocks",
-             "total_blocks": "KV blocks", "requests_routed": "Requests the router sent to the worker"}
+             "total_blocks": "KV blocks", "requests_routed": "Requests the router sent to the worker",
+             "alive": "1 while the worker is alive"}
     for key, samples in per_worker.items():
         if samples:
             lines += _gauge(f"pdserve_worker_{key}", helps[key], samples)
@@ -146,12 +150,20 @@ def _backend_lines(stats: dict) -> list[str]:
     if hits is not None:
         lines += _gauge("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
                         [({}, hits)], "counter")
+    backend_errors = stats.get("errors")
+    if isinstance(backend_errors, dict):
+        samples = [({"kind": k}, v) for k, v in sorted(backend_errors.items()) if _number(v) is not None]
+        lines += _gauge("pdserve_backend_errors_total", "Backend failures by kind", samples, "counter")
     transfer = stats.get("transfer")
     if isinstance(transfer, dict):
         for key, value in sorted(transfer.items()):
             v = _number(value)
             if v is not None:
-                name = "pdserve_transfer_" + re.sub(r"[^a-zA-Z0-9_]", "_", str(key))
+                name = _name("pdserve_transfer_", key)
                 lines += _gauge(name, f"KV transfer: {key}", [({}, v)],
                                 "counter" if name.endswith("_total") else "gauge")
     return lines
+
+
+def _name(prefix: str, key: object) -> str:
+    return prefix + re.sub(r"[^a-zA-Z0-9_]", "_", str(key))

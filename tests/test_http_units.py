@@ -112,7 +112,8 @@ def test_metrics_text_is_valid_prometheus_exposition():
     m.errors.inc("invalid_request")
     stats = {"queue_length": 2, "transfer": {"bytes_total": 4096, "last latency s": 0.01, "peer": "x"},
              "workers": [{"name": "p0", "role": "prefill", "running": 1, "queued_prompt_tokens": 7,
-                          "free_blocks": 25, "total_blocks": 100}]}
+                          "free_blocks": 25, "total_blocks": 100, "alive": True}],
+             "errors": {"transfer": 2}, "prefix_affinity_hits": 5, "mode": "disaggregated"}
     text = m.render(stats, in_flight=3, draining=False)
     sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="[^"]*",?)*\})? [-+0-9.eEInfa]+$')
     for line in text.splitlines():
@@ -127,6 +128,9 @@ def test_metrics_text_is_valid_prometheus_exposition():
     assert 'pdserve_worker_kv_usage_ratio{worker="p0",role="prefill"} 0.75' in text
     assert "# TYPE pdserve_transfer_bytes_total counter" in text and "pdserve_transfer_bytes_total 4096" in text
     assert "pdserve_transfer_last_latency_s 0.01" in text and "peer" not in text
+    assert 'pdserve_worker_alive{worker="p0",role="prefill"} 1' in text
+    assert 'pdserve_backend_errors_total{kind="transfer"} 2' in text
+    assert "pdserve_prefix_affinity_hits_total 5" in text and "disaggregated" not in text
 
 
 def test_a_stream_blocked_on_a_reader_that_never_reads_is_cut_at_its_deadline():
