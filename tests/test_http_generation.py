@@ -11,7 +11,7 @@ import pytest
 from coordinator.app import create_app
 from coordinator.settings import ServerSettings
 from engine import LLM, SamplingParams
-from tests.inprocess_backend import InProcessBackend, ServerThread
+from tests.inprocess_backend import InProcessBackend, ServerThread, run_asgi, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 MAX_LEN = 64
@@ -37,12 +37,7 @@ def server(checkpoints):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
-    assert server.backend.idle or _settles(server.backend)
-
-
-def _settles(backend):
-    from tests.inprocess_backend import wait_until
-    return wait_until(lambda: backend.idle, 10)
+    assert wait_until(lambda: server.backend.idle, 10)
 
 
 def completion(client, prompt, **body):
@@ -219,3 +214,22 @@ def test_include_usage_adds_a_usage_chunk_before_done(client):
     assert all(c["usage"] is None for c in chunks) and last["choices"] == []
     assert last["usage"]["completion_tokens"] == 5
     assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 5
+
+
+def test_a_transformers_written_checkpoint_serves_its_own_greedy_output(checkpoints):
+    """Another model folder (written by transformers' save_pretrained), in-process ASGI: text and chunks match."""
+    folder = checkpoints.get("LlamaForCausalLM")
+    llm = LLM(str(folder), max_model_len=MAX_LEN)
+    [exp] = llm.generate([PROMPTS[1]], GREEDY)
+    backend = InProcessBackend(llm.engine, folder, model_name="hf-llama")
+    app = create_app(backend, ServerSettings())
+    body = {**greedy_body(PROMPTS[1]), "model": "hf-llama"}
+
+    async def fn(client):
+        return [await client.post("/v1/completions", json={**body, "stream": s}) for s in (False, True)]
+
+    whole, streamed = run_asgi(app, backend, fn)
+    assert whole.json()["choices"][0]["text"] == exp.text and whole.json()["model"] == "hf-llama"
+    events = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == exp.text
+    assert streamed.text.endswith("data: [DONE]\n\n") and backend.idle

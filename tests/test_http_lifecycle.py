@@ -55,11 +55,14 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(se
     assert metric(server, "pdserve_requests_in_flight") == 0
 
 
-def test_client_disconnect_during_a_non_streamed_request_aborts_it(server):
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_before_any_output_aborts_the_request(server, stream):
+    """Non-streamed, or streamed before the first token (no response started yet)."""
     backend = server.backend
     backend.pause()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(10, read=0.3))
+        httpx.post(server.url + "/v1/completions", json={**LONG, "stream": stream},
+                   timeout=httpx.Timeout(10, read=0.3))
     assert wait_until(lambda: len(backend.aborted) == 1 and backend.idle), backend.aborted
     backend.resume()
     assert not backend.finished
