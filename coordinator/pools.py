@@ -1,9 +1,11 @@
 """Pools: creates, starts, wires and stops the worker actors of both pools on the Ray cluster.
 
 Each pool's workers go into one placement group (PACK keeps them on as few nodes as possible, SPREAD across
-nodes), each worker in its own bundle with its CPUs/GPUs. start() returns once every worker has loaded its
-model and reported its KV capacity; in disaggregated mode every decode worker then connects to every prefill
-worker's transfer agent. The actor classes live in prefill_pool/ and decode_pool/.
+nodes), each worker in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so a
+pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
+start() returns once every worker has loaded its model and reported its KV capacity; in disaggregated mode every
+decode worker then connects to every prefill worker's transfer agent. The actor classes live in prefill_pool/
+and decode_pool/.
 """
 
 from __future__ import annotations
@@ -89,16 +91,20 @@ class Pools:
                                "or workers in the config") from None
 
     def _group(self, pool: PoolConfig, role: str):
-        bundle = {"CPU": pool.num_cpus} | ({"GPU": pool.num_gpus} if pool.num_gpus else {})
         strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
-        return placement_group([bundle] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
+        return placement_group([worker_bundle(pool)] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
 
     def _actors(self, cls: type, pool: PoolConfig, group, args) -> list:
         remote_cls = ray.remote(cls)
         return [remote_cls.options(
-            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_concurrency=10_000,
+            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=dict(pool.resources), max_concurrency=10_000,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
         ).remote(*args(i)) for i in range(pool.workers)]
+
+
+def worker_bundle(pool: PoolConfig) -> dict[str, float]:
+    """What one worker of `pool` reserves on its node: CPUs, GPUs and the pool's custom resources."""
+    return {"CPU": pool.num_cpus} | ({"GPU": pool.num_gpus} if pool.num_gpus else {}) | pool.resources
 
 
 def _init_ray(address: str | None) -> None:

@@ -6,7 +6,7 @@ agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ class PoolConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
+    resources: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -123,6 +125,8 @@ def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
             raise ConfigError(f"{path}: {key!r} must be one of {_CHOICES[name]}, got {value!r}")
         elif name == "backends":
             value = tuple([value] if isinstance(value, str) else value)
+        elif name == "resources" and cls is PoolConfig:
+            _check_resources(value, path, key)
         values[name] = _check_type(value, known[name], path, key)
     try:
         return cls(**values)
@@ -138,7 +142,8 @@ def _check_type(value: Any, field: Any, path: Path, key: str) -> Any:
         raise ConfigError(f"{path}: {key!r} may not be null")
     if isinstance(value, bool) and "bool" not in expected:
         raise ConfigError(f"{path}: {key!r} must be {expected}, got {value!r}")
-    checks = [("bool", (bool,)), ("int", (int,)), ("float", (int, float)), ("str", (str,)), ("tuple", (tuple,))]
+    checks = [("dict", (dict,)), ("bool", (bool,)), ("int", (int,)), ("float", (int, float)), ("str", (str,)),
+              ("tuple", (tuple,))]
     for name, types in checks:
         if expected.startswith(name) or f"{name} |" in expected or f"| {name}" in expected:
             if isinstance(value, types):
@@ -148,3 +153,21 @@ def _check_type(value: Any, field: Any, path: Path, key: str) -> Any:
     if not any(name in expected for name, _ in checks):  # nested section objects were built already
         return value
     raise ConfigError(f"{path}: {key!r} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _check_resources(value: Any, path: Path, key: str) -> None:
+    """A pool's custom Ray resources: {name: amount per worker}, amounts Ray can place (a fraction or whole)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key!r} must be a mapping of resource name to amount, got {value!r}")
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{path}: {key!r}: resource names must be non-empty strings, got {name!r}")
+        if name in _BUILTIN_RESOURCES:
+            raise ConfigError(f"{path}: {key}.{name}: set CPUs and GPUs with num_cpus / num_gpus, not resources")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            raise ConfigError(f"{path}: {key}.{name} must be a positive number, got {amount!r}")
+        if amount > 1 and amount != int(amount):
+            raise ConfigError(f"{path}: {key}.{name}: Ray takes amounts above 1 only whole, got {amount!r}")
