@@ -2,6 +2,7 @@
 Lifecycle drain, and the Prometheus text that Metrics renders."""
 
 import asyncio
+import random
 import re
 import time
 
@@ -48,6 +49,27 @@ def test_stop_string_ends_the_text_right_before_it_even_across_tokens(tok, stop)
     assert out.stopped and out.text == "".join(deltas) == TEXT[:TEXT.index(stop)]
     # it stopped at the first token whose text completes the stop string
     assert stop in tok.decode(ids[:out.num_tokens]) and stop not in tok.decode(ids[:out.num_tokens - 1])
+
+
+def test_stop_strings_against_a_brute_force_reference(tok):
+    """Seeded random texts and stop strings (pieces of the text, or near misses): the output is always the text up
+    to the earliest occurrence of any stop string, or all of it."""
+    from engine.tiny import CORPUS
+    rng = random.Random(7)
+    for _ in range(60):
+        start = rng.randrange(len(CORPUS) - 200)
+        text = CORPUS[start:start + rng.randrange(20, 200)]
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            a = rng.randrange(len(text))
+            piece = text[a:a + rng.randrange(1, 12)]
+            stops.append(piece if rng.random() < 0.6 else piece + "\u2603")  # a near miss never matches
+        ids = tok.encode(text, add_special_tokens=False)
+        out = TextOutput(tok, [], stops)
+        got = "".join(feed(out, ids))
+        hits = [text.find(s) for s in stops if s in text]
+        want = text[:min(hits)] if hits else text
+        assert got == want == out.text and out.stopped == bool(hits), (text, stops)
 
 
 def test_earliest_of_several_stop_strings_wins(tok):
