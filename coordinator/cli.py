@@ -1,4 +1,5 @@
-"""The `pdserve` command line: `serve` (the disaggregated server) and `generate` (offline, one engine)."""
+"""The `pdserve` command line: `serve` (the disaggregated server), `generate` (offline, one engine), `bench`
+(load-test an OpenAI-compatible endpoint) and `sweep` (pool-sizing experiments; both in benchclient/)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def _serve_parser(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["bench"], ["sweep"]):
+        return _bench_main(argv)
     if argv[:1] != ["serve"]:
         return engine_cli.main(argv)
     parser = argparse.ArgumentParser(prog="pdserve")
@@ -37,6 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.serve import serve  # after validation: imports Ray and FastAPI
     asyncio.run(serve(config))
     return 0
+
+
+def _bench_main(argv: list[str]) -> int:
+    from benchclient import cli as bench_cli  # lazy: only the benchmark needs httpx (and matplotlib for sweeps)
+    parser = argparse.ArgumentParser(prog="pdserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_cli.add_bench_parser(sub)
+    bench_cli.add_sweep_parser(sub)
+    args = parser.parse_args(argv)
+    return bench_cli.bench_main(args) if args.command == "bench" else bench_cli.sweep_main(args)
 
 
 if __name__ == "__main__":

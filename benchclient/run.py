@@ -1,0 +1,149 @@
+"""One load run: send a workload at an arrival process, collect every result, summarize, save.
+
+Owns `RunConfig` and `run_load`. Requests sent in the first `warmup_s` seconds are marked warm-up and left
+out of the figures; measured requests are those sent in the next `duration_s` seconds (or exactly
+`num_requests` of them). Sending stops then, and the run waits for every request in flight to finish or hit
+`timeout_s` (a timeout is a failed request). `pdserve bench` is `main` in benchclient/cli.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchclient.arrivals import ArrivalSpec, send_times
+from benchclient.client import RequestResult, Target, stream_request
+from benchclient.progress import Progress
+from benchclient.stats import SLO, summarize
+from benchclient.workload import BenchRequest, WorkloadSpec, iter_requests
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: Target
+    workload: WorkloadSpec = WorkloadSpec()
+    arrival: ArrivalSpec = ArrivalSpec(rate=1.0)
+    slo: SLO = SLO()
+    duration_s: float = 60.0
+    warmup_s: float = 5.0
+    num_requests: int | None = None   # measured requests; when set, the run sends this many instead of a duration
+    timeout_s: float = 600.0          # per request, from send to [DONE]
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0 or self.warmup_s < 0 or not self.timeout_s > 0:
+            raise ValueError("duration_s and timeout_s must be positive and warmup_s not negative")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"num_requests must be positive, got {self.num_requests}")
+
+
+async def run_load(cfg: RunConfig, progress: bool = False) -> list[RequestResult]:
+    """Every request's result, warm-up ones included (marked)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s))
+    horizon = cfg.warmup_s + (math.inf if cfg.num_requests else cfg.duration_s)
+    bar = Progress(horizon if math.isfinite(horizon) else None, cfg.num_requests, enabled=progress)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        send = _Sender(client, cfg, bar, time.perf_counter())
+        ticker = asyncio.create_task(bar.tick_forever())
+        try:
+            if cfg.arrival.open_loop:
+                await send.open_loop()
+            else:
+                await asyncio.gather(*[send.closed_loop_worker() for _ in range(cfg.arrival.concurrency)])
+            bar.draining = True
+            return list(await asyncio.gather(*send.tasks))
+        finally:
+            ticker.cancel()
+            bar.close()
+
+
+class _Sender:
+    def __init__(self, client: httpx.AsyncClient, cfg: RunConfig, bar: Progress, t0: float) -> None:
+        self.client, self.cfg, self.bar, self.t0 = client, cfg, bar, t0
+        self.requests = iter_requests(cfg.workload)
+        self.tasks: list[asyncio.Task] = []
+        self.measured_sent = 0
+
+    def _more(self, now: float) -> bool:
+        if self.cfg.num_requests is not None:
+            return self.measured_sent < self.cfg.num_requests
+        return now - self.t0 < self.cfg.warmup_s + self.cfg.duration_s
+
+    def _start(self, req: BenchRequest, now: float) -> asyncio.Task:
+        warmup = now - self.t0 < self.cfg.warmup_s
+        self.measured_sent += not warmup
+        task = asyncio.create_task(self._one(req, warmup))
+        self.tasks.append(task)
+        return task
+
+    async def _one(self, req: BenchRequest, warmup: bool) -> RequestResult:
+        start = time.perf_counter()
+        self.bar.sent += 1
+        try:
+            result = await asyncio.wait_for(stream_request(self.client, self.cfg.target, req, warmup),
+                                            self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            result = RequestResult(start=start, input_len=req.input_len, max_tokens=req.max_tokens, warmup=warmup,
+                                   end=time.perf_counter(), error=f"timeout after {self.cfg.timeout_s:g} s")
+        self.bar.done += 1
+        self.bar.failed += not result.ok
+        return result
+
+    async def open_loop(self) -> None:
+        cfg = self.cfg
+        warm = len(send_times(cfg.arrival, cfg.warmup_s)) if cfg.warmup_s > 0 else 0
+        if cfg.num_requests is not None:
+            times = send_times(cfg.arrival, math.inf, limit=warm + cfg.num_requests)
+        else:
+            times = send_times(cfg.arrival, cfg.warmup_s + cfg.duration_s)
+        for offset, req in zip(times, self.requests, strict=False):
+            delay = self.t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._start(req, self.t0 + offset)  # warm-up or not by schedule, not by a late wake-up
+
+    async def closed_loop_worker(self) -> None:
+        while self._more(time.perf_counter()):
+            await self._start(next(self.requests), time.perf_counter())
+
+
+def result_record(r: RequestResult, t0: float) -> dict[str, Any]:
+    """One request for the saved JSON: times in seconds from the run's first send."""
+    return {"start_s": r.start - t0, "warmup": r.warmup, "ok": r.ok, "error": r.error, "ttft_s": r.ttft,
+            "e2e_s": r.e2e, "tpot_s": r.tpot, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens, "max_tokens": r.max_tokens, "input_len": r.input_len,
+            "chunks": len(r.chunk_times), "finish_reason": r.finish_reason}
+
+
+def run_report(cfg: RunConfig, results: list[RequestResult]) -> dict[str, Any]:
+    """The saved document: the run's settings (no API key), the summary, and every request."""
+    settings = dataclasses.asdict(cfg)
+    settings["target"].pop("api_key", None)
+    t0 = min((r.start for r in results), default=0.0)
+    return {"settings": settings, "summary": summarize(results, cfg.slo),
+            "requests": [result_record(r, t0) for r in results]}
+
+
+def save_json(doc: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
+
+
+def json_safe(x: Any) -> Any:
+    """NaN (a figure with no samples) becomes null, so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x

@@ -1,0 +1,160 @@
+"""The benchmark client against a tiny local HTTP server that streams scripted SSE events at known delays.
+
+Timing checks are causal lower bounds only (a measured time can never be earlier than the server's sleep),
+never upper bounds on a loaded machine.
+"""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from benchclient.arrivals import ArrivalSpec, send_times
+from benchclient.client import Target, stream_request
+from benchclient.run import RunConfig, run_load, run_report
+from benchclient.stats import SLO
+from benchclient.workload import BenchRequest, WorkloadSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _chunk(text, finish=None):
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
+# Each script: (delay before the write in s, bytes). "ok": 7 tokens in 4 text chunks and a finish-only chunk.
+SCRIPTS = {
+    "ok": [(0.2, _chunk("a")), (0.05, _chunk("bc")), (0.05, _chunk("de")), (0.05, _chunk("fg")),
+           (0.0, _chunk("", "length")), (0.0, USAGE), (0.0, "[DONE]")],
+    "split": [(0.0, b'data: {"choices": [{"index": 0, "te'), (0.3, b'xt": "a", "finish_reason": "length"}]}\n\n'),
+              (0.0, {**USAGE, "usage": {"prompt_tokens": 4, "completion_tokens": 1}}), (0.0, "[DONE]")],
+    "inband": [(0.0, _chunk("a")), (0.0, {"error": {"message": "worker died", "type": "internal"}}),
+               (0.0, "[DONE]")],
+    "cut": [(0.0, _chunk("a")), (0.0, _chunk("b"))],
+    "nousage": [(0.0, _chunk("a")), (0.01, _chunk("b")), (0.01, _chunk("c", "stop")), (0.0, "[DONE]")],
+    "fast": [(0.0, _chunk("a")), (0.0, _chunk("b", "length")), (0.0, USAGE), (0.0, "[DONE]")],
+    "slow": [(5.0, _chunk("a")), (0.0, "[DONE]")],
+}
+
+
+class ScriptedServer:
+    """HTTP/1.1 on a free loopback port; request i gets `plan[i % len(plan)]` ("500" answers HTTP 500)."""
+
+    def __init__(self, plan):
+        self.plan, self.bodies = plan, []
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _handle(self, reader, writer):
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            length = int(next(ln.split(":")[1] for ln in head.split("\r\n") if ln.lower().startswith("content-length")))
+            self.bodies.append(json.loads(await reader.readexactly(length)))
+            name = self.plan[(len(self.bodies) - 1) % len(self.plan)]
+            if name == "500":
+                body = b'{"error": {"message": "boom"}}'
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+                for delay, item in SCRIPTS[name]:
+                    await asyncio.sleep(delay)
+                    writer.write(item if isinstance(item, bytes) else
+                                 b"data: " + (item if isinstance(item, str) else json.dumps(item)).encode() + b"\n\n")
+                    await writer.drain()
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+HELLO = BenchRequest("hello world", 2, 7)
+
+
+def _stream(plan, req=HELLO, **target):
+    async def go():
+        async with ScriptedServer(plan) as server, httpx.AsyncClient(timeout=30) as client:
+            result = await stream_request(client, Target(url=server.url, model="m", **target), req)
+            return result, (server.bodies or [None])[0]
+    return asyncio.run(go())
+
+
+def test_a_known_stream_is_measured_from_its_bytes_and_usage():
+    r, body = _stream(["ok"], ignore_eos=True)
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    assert body["prompt"] == "hello world" and body["max_tokens"] == 7 and body["stream"] is True
+    assert r.ok and r.finish_reason == "length" and r.prompt_tokens == 4
+    assert r.completion_tokens == 7 and r.tokens_from_usage  # from usage, not the 4 text chunks
+    assert len(r.chunk_times) == 4 and len(r.itl) == 3        # the finish-only chunk carries no token
+    assert r.ttft >= 0.2
+    assert r.tpot == pytest.approx((r.e2e - r.ttft) / 6)
+    assert r.end >= r.chunk_times[-1]
+
+
+def test_an_event_counts_when_its_last_byte_arrives():
+    r, _ = _stream(["split"])
+    assert r.ok and r.completion_tokens == 1 and r.ttft >= 0.3
+
+
+@pytest.mark.parametrize("plan, error", [("500", "HTTP 500"), ("inband", "in-band error: worker died"),
+                                         ("cut", "stream ended without [DONE]")])
+def test_failures_are_results_with_errors(plan, error):
+    r, _ = _stream([plan])
+    assert not r.ok and r.error.startswith(error)
+
+
+def test_without_usage_tokens_are_counted_from_chunks_and_flagged():
+    r, _ = _stream(["nousage"])
+    assert r.ok and not r.tokens_from_usage and r.completion_tokens == 3
+
+
+def test_chat_endpoint_sends_messages_and_id_prompts_need_completions():
+    r, body = _stream(["fast"], endpoint="chat")
+    assert body["messages"] == [{"role": "user", "content": "hello world"}] and r.ok
+    r, _ = _stream(["fast"], req=BenchRequest([5, 6, 7], 3, 2), endpoint="chat")
+    assert not r.ok and "completions endpoint" in r.error
+
+
+def _run(plan, **cfg):
+    async def go():
+        async with ScriptedServer(plan) as server:
+            config = RunConfig(target=Target(url=server.url, model="m"), slo=SLO(ttft_ms=10_000, tpot_ms=10_000),
+                               **cfg)
+            return await run_load(config), config
+    results, config = asyncio.run(go())
+    return results, run_report(config, results)
+
+
+def test_a_run_counts_every_failure_and_goodput_only_successes():
+    results, doc = _run(["fast", "500", "inband", "cut"], arrival=ArrivalSpec(kind="concurrency", concurrency=1),
+                        warmup_s=0, num_requests=8)
+    s = doc["summary"]
+    assert len(results) == 8 and (s["requests"], s["completed"], s["failed"]) == (8, 2, 6)
+    assert s["errors"] == {"HTTP 500": 2, "in-band error": 2, "stream ended without [DONE]": 2}
+    assert s["goodput"] * s["duration_s"] == pytest.approx(2)
+    assert s["output_token_throughput"] * s["duration_s"] == pytest.approx(14)
+    assert len(doc["requests"]) == 8 and doc["settings"]["target"]["model"] == "m"
+
+
+def test_open_loop_marks_warmup_by_schedule_and_waits_for_stragglers():
+    arrival = ArrivalSpec(kind="poisson", rate=40.0, seed=5)
+    results, doc = _run(["fast"], arrival=arrival, warmup_s=0.1, duration_s=0.3,
+                        workload=WorkloadSpec(input_len=3, output_len=2))
+    assert len(results) == len(send_times(arrival, 0.4))
+    assert doc["summary"]["warmup_requests"] == len(send_times(arrival, 0.1))
+    assert all(r.ok and r.end is not None for r in results)
+
+
+def test_a_request_past_its_timeout_is_a_failure():
+    results, doc = _run(["slow", "fast"], arrival=ArrivalSpec(kind="concurrency", concurrency=2),
+                        warmup_s=0, num_requests=2, timeout_s=0.5)
+    assert doc["summary"]["errors"] == {"timeout after 0.5 s": 1} and doc["summary"]["completed"] == 1
