@@ -6,7 +6,8 @@ the loop alone, between steps. Step outputs go to per-request asyncio queues. It
 and after every step and every batch of commands records `engine.check_integrity()` (`self.integrity`), so tests
 can assert that nothing is left in use. Knobs for tests: `fail_with` makes generate() raise (Overloaded,
 BackendError); `fail_stream_after = n` ends streams with BackendError after n deltas; `pause()` stops stepping
-(commands, such as aborts, are still applied) until `resume()`; both are safe to call from any thread.
+(commands, such as aborts, are still applied) until `resume()`, and `pause_after(n)` pauses once n more steps
+have run (so a test knows exactly how far a request got, however slow the machine); all safe from any thread.
 Not product code: the product backend is the Ray pools.
 """
 
@@ -39,6 +40,7 @@ class InProcessBackend:
         self.fail_with: BaseException | None = None
         self.fail_stream_after: int | None = None
         self._paused = threading.Event()
+        self._steps_left: int | None = None  # pause once this many more steps have run
         self.integrity: dict[str, int] = engine.check_integrity()
         self._commands: list[tuple] = []
         self._streams: dict[str, asyncio.Queue] = {}
@@ -73,7 +75,11 @@ class InProcessBackend:
     def pause(self) -> None:
         self._paused.set()
 
+    def pause_after(self, steps: int) -> None:
+        self._steps_left = steps
+
     def resume(self) -> None:
+        self._steps_left = None
         self._paused.clear()
 
     @property
@@ -126,6 +132,11 @@ class InProcessBackend:
                     await self._wake.wait()
                 continue
             outputs = await asyncio.to_thread(self.engine.step)
+            if self._steps_left is not None:
+                self._steps_left -= 1
+                if self._steps_left <= 0:
+                    self._steps_left = None
+                    self._paused.set()
             for out in outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is None:

@@ -39,14 +39,14 @@ def metric(server, line_start: str) -> float:
 
 def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server):
     backend = server.backend
+    backend.pause_after(3)  # three tokens, then the request cannot finish on its own
     with httpx.Client(base_url=server.url, timeout=10) as client:
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
-            lines = r.iter_lines()
-            chunks = [json.loads(next(line for line in lines if line)[6:]) for _ in range(3)]
-            backend.pause()  # the request cannot finish on its own now
-            assert backend.integrity["in_use"] > 0
+            lines = r.iter_lines()  # keep it referenced: dropping it closes the response
+            first = json.loads(next(line for line in lines if line)[6:])  # the stream has begun
+            assert wait_until(lambda: backend.integrity["in_use"] > 0 and backend._paused.is_set())
     # the response is closed: the server must notice and abort the request
-    request_id = chunks[0]["id"]
+    request_id = first["id"]
     assert wait_until(lambda: request_id in backend.aborted and backend.idle), (backend.aborted, backend.integrity)
     backend.resume()
     assert request_id not in backend.finished and backend.generate_calls == 1
@@ -77,11 +77,11 @@ def test_requests_end_at_their_timeout(server):
     r = httpx.post(server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=10)
     assert r.status_code == 504  # nothing was sent yet: a plain error response
     backend.resume()
+    backend.pause_after(1)  # the first token, then nothing until the deadline
     with httpx.Client(base_url=server.url, timeout=10) as client:
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             lines = (line for line in r.iter_lines() if line)
             first = next(lines)
-            backend.pause()
             rest = list(lines)
     assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][6:])["error"]["code"] == "timeout"
@@ -93,11 +93,11 @@ def test_requests_end_at_their_timeout(server):
 def test_draining_refuses_new_requests_and_lets_running_streams_finish(server):
     backend, lifecycle = server.backend, server.app.state.lifecycle
     assert httpx.get(server.url + "/health").status_code == 200
+    backend.pause_after(1)
     with httpx.Client(base_url=server.url, timeout=10) as client:
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             lines = (line for line in r.iter_lines() if line)
             first = next(lines)
-            backend.pause()
             lifecycle.begin_drain()
             health = client.get("/health")
             assert health.status_code == 503 and health.headers["retry-after"]
