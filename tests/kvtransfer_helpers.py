@@ -139,3 +139,51 @@ def wait_local(agent: Any, pred: Any, timeout: float = 30.0) -> dict:
         if pred(m) or time.monotonic() > end:
             return m
         time.sleep(0.05)
+
+
+class AgentActor:
+    """A KVAgent with a random cache, to host in a Ray actor (`ray.remote(AgentActor)`)."""
+
+    def __init__(self, name: str, num_blocks: int, seed: int, config: dict | None = None) -> None:
+        from kvtransfer import AgentConfig, KVAgent
+
+        self.cache = random_cache(SPEC, num_blocks, seed)
+        self.agent = KVAgent(name, AgentConfig(**(config or {})), address="127.0.0.1")
+        self.agent.register_cache(self.cache, SPEC)
+
+    def metadata(self) -> bytes:
+        return self.agent.metadata().to_bytes()
+
+    def add_remote(self, meta: bytes) -> str:
+        return self.agent.add_remote(meta)
+
+    def read(self, remote: str, remote_ids: list[int], local_ids: list[int], layers: Any = None,
+             notify: bytes | None = None, timeout: float = 30.0) -> None:
+        self.agent.read(remote, remote_ids, local_ids, layers=layers, notify=notify).wait(timeout)
+
+    def write(self, remote: str, local_ids: list[int], remote_ids: list[int], layers: Any = None,
+              notify: bytes | None = None, timeout: float = 30.0) -> None:
+        self.agent.write(remote, local_ids, remote_ids, layers=layers, notify=notify).wait(timeout)
+
+    def blocks(self, ids: list[int]) -> torch.Tensor:
+        return self.cache[ids].clone()
+
+    def notifications(self, count: int, timeout: float) -> dict[str, list[bytes]]:
+        """Collect notifications until `count` arrived or `timeout` passed (messages can still be in
+        flight when the transfers that sent them have finished)."""
+        return collect_notifications(self.agent, count, timeout)
+
+    def metrics(self) -> dict:
+        return self.agent.metrics()
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+def collect_notifications(agent: Any, count: int, timeout: float) -> dict[str, list[bytes]]:
+    got: dict[str, list[bytes]] = {}
+    end = time.monotonic() + timeout
+    while sum(map(len, got.values())) < count and time.monotonic() < end:
+        for k, v in agent.wait_notifications(max(0.0, end - time.monotonic())).items():
+            got.setdefault(k, []).extend(v)
+    return got
