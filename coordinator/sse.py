@@ -109,8 +109,9 @@ class Formatter:
 
     def logprobs(self, tokens: list[TokenInfo]) -> dict:
         if self.chat:
-            return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
-                                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
-                                                  for s, v in t.top]} for t in tokens]}
+            return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": t.bytes,
+                                 "top_logprobs": [{"token": s, "logprob": v, "bytes": b} for s, b, v in t.top]}
+                                for t in tokens]}
         return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": [t.offset for t in tokens]}
+                "top_logprobs": [{s: v for s, _, v in t.top} for t in tokens],
+                "text_offset": [t.offset for t in tokens]}

@@ -23,9 +23,10 @@ class TokenInfo:
 
     token_id: int
     text: str
+    bytes: list[int]  # the token's own bytes (UTF-8 of its text, or the raw bytes of a partial character)
     offset: int
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[str, list[int], float]]
 
 
 class TextOutput:
@@ -62,16 +63,18 @@ class TextOutput:
     def token_info(self, lp: TokenLogprob) -> TokenInfo:
         """Logprobs entry for a token just consumed; offset = where the token's text starts in the output."""
         top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])
-        return TokenInfo(lp.token_id, self.token_text(lp.token_id), self._last_offset,
-                         lp.logprob, [(self.token_text(t), v) for t, v in top])
+        return TokenInfo(lp.token_id, *self.token_text(lp.token_id), self._last_offset, lp.logprob,
+                         [(*self.token_text(t), v) for t, v in top])
 
-    def token_text(self, token_id: int) -> str:
-        """A single token's text; bytes of an incomplete UTF-8 character are shown as `bytes:\\xNN` (as vLLM)."""
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A single token's text and bytes; a token holding part of a UTF-8 character reads `bytes:\\xNN` (vLLM)."""
         text = self._tokenizer.decode([token_id], skip_special_tokens=False)
         if "\ufffd" in text:
             piece = self._tokenizer.id_to_token(token_id) or ""
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in _byte_level_bytes(piece)) if piece else text
-        return text
+            if piece:
+                raw = _byte_level_bytes(piece)
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+        return text, list(text.encode())
 
     def _push(self, new_text: str, final: bool) -> str:
         buf = self._held + new_text

@@ -99,6 +99,15 @@ def test_a_partial_utf8_character_is_never_emitted(tok):
     assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
 
 
+def test_logprob_token_bytes_rebuild_the_text_even_for_partial_characters(tok):
+    text = "東京 café 🙂"
+    ids = tok.encode(text, add_special_tokens=False)
+    out = TextOutput(tok, [], [])
+    pieces = [out.token_text(i) for i in ids]
+    assert any(t.startswith("bytes:\\x") for t, _ in pieces)  # some token is part of a character
+    assert bytes(b for _, raw in pieces for b in raw).decode() == text
+
+
 def test_settings_validation_names_the_field():
     assert ServerSettings().port == 8000
     for kwargs, field in [({"port": 70000}, "port"), ({"port": True}, "port"), ({"api_key": ""}, "api_key"),
