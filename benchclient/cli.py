@@ -14,7 +14,7 @@ import sys
 import httpx
 
 from benchclient.arrivals import ArrivalSpec
-from benchclient.client import Target
+from benchclient.client import Target, first_model
 from benchclient.run import RunConfig, run_load, run_report, save_json
 from benchclient.stats import SLO, format_summary
 from benchclient.workload import WorkloadSpec
@@ -87,18 +87,6 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(target=target, workload=workload, arrival=arrival,
                      slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), duration_s=args.duration,
                      warmup_s=args.warmup, num_requests=args.num_requests, timeout_s=args.timeout)
-
-
-def first_model(url: str, api_key: str | None = None) -> str:
-    base = url.rstrip("/")
-    base = base if base.endswith("/v1") else base + "/v1"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(f"{base}/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    models = r.json().get("data") or []
-    if not models:
-        raise ValueError(f"{base}/models lists no model; pass --model")
-    return models[0]["id"]
 
 
 def add_sweep_parser(sub) -> None:

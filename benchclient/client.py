@@ -113,6 +113,18 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+def first_model(url: str, api_key: str | None = None) -> str:
+    base = url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{base}/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    models = r.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base}/models lists no model; pass --model")
+    return models[0]["id"]
+
+
 async def stream_request(client: httpx.AsyncClient, target: Target, req: BenchRequest, warmup: bool = False,
                          clock: Callable[[], float] = time.perf_counter) -> RequestResult:
     result = RequestResult(start=clock(), input_len=req.input_len, max_tokens=req.max_tokens, warmup=warmup)

@@ -1,0 +1,101 @@
+"""Launch `pdserve serve` for one sweep layout as a subprocess, wait until it is healthy, stop it with SIGTERM.
+
+Owns the server process of a sweep cell: the composed serving YAML (base config + overrides + layout + a free
+loopback port) is written next to its log in the cell's folder; a server that exits or is not healthy within
+`start_timeout_s` raises `LaunchError` with the log's tail; on leaving, SIGTERM drains it and, if it has not
+exited within `stop_timeout_s`, its whole process group is killed, so no server outlives the sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving_config(base: Path, overrides: dict[str, Any], port: int, ray_address: str | None) -> dict:
+    """The base YAML with dotted `overrides` applied, listening on 127.0.0.1:`port`."""
+    config = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
+    config.pop("ray_address", None)
+    if ray_address:
+        config["ray_address"] = ray_address
+    for dotted, value in {**overrides, "server.host": "127.0.0.1", "server.port": port}.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return config
+
+
+@contextmanager
+def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
+                    stop_timeout_s: float = 90.0) -> Iterator[str]:
+    """Yields the server's base URL; `config` must already name its port (see `serving_config`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path, log_path = workdir / "serve.yaml", workdir / "server.log"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    url = f"http://127.0.0.1:{config['server']['port']}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+        try:
+            _wait_healthy(proc, url, log_path, start_timeout_s)
+            yield url
+        finally:
+            stopped = _stop(proc, stop_timeout_s)
+    if not stopped:
+        raise LaunchError(f"the server did not exit within {stop_timeout_s:g} s of SIGTERM; see {log_path}")
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LaunchError(f"the server exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise LaunchError(f"the server was not healthy within {timeout_s:g} s:\n{_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """SIGTERM (drain), then SIGKILL to the process group; True if it exited on its own."""
+    if proc.poll() is not None:
+        return True
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:]

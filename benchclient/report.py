@@ -1,0 +1,107 @@
+"""The sweep's Markdown report: setup, the best layout per workload under the SLOs, a table per workload, plots.
+
+Owns the choice of "best": for each workload and load kind, the layout with the highest peak goodput over the
+loads it ran (requests/s meeting both SLOs); ties go to the higher mean SLO attainment. If no layout met the
+SLOs at any load, the report says so rather than naming one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from pathlib import Path
+
+from benchclient.sweep_config import SweepConfig
+
+
+def best_layouts(rows: list[dict]) -> list[dict]:
+    """[{workload, load_kind, best, goodput, load, runner_up}] over rows whose status is ok."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    for workload, kind in dict.fromkeys((r["workload"], r["load_kind"]) for r in ok):
+        cells = [r for r in ok if (r["workload"], r["load_kind"]) == (workload, kind)]
+        scores = []
+        for layout in dict.fromkeys(r["layout"] for r in cells):
+            mine = [r for r in cells if r["layout"] == layout]
+            peak = max(mine, key=lambda r: (r["goodput"] or 0.0, -r["load_value"]))
+            attain = sum(r["slo_attainment"] or 0.0 for r in mine) / len(mine)
+            scores.append(((peak["goodput"] or 0.0, attain), layout, peak))
+        scores.sort(key=lambda s: s[0], reverse=True)
+        (score, layout, peak), rest = scores[0], scores[1:]
+        out.append({"workload": workload, "load_kind": kind, "best": layout if score[0] > 0 else None,
+                    "goodput": score[0], "attainment": score[1], "load": peak["load"],
+                    "runner_up": (rest[0][1], rest[0][0][0]) if rest else None})
+    return out
+
+
+def _f(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| layout | load | goodput (req/s) | SLO met | completed / failed | req/s | output tok/s | "
+             "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 (ms) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['layout']} | {r['load']} | failed: see below | | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['layout']} | {r['load']} | {_f(r['goodput'], '{:.2f}')} | {_f(r['slo_attainment'], '{:.0%}')} "
+            f"| {r['completed']} / {r['failed']} | {_f(r['request_throughput'], '{:.2f}')} "
+            f"| {_f(r['output_token_throughput'])} | {_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])} "
+            f"| {_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} | {_f(r['itl_p50_ms'])} / {_f(r['itl_p99_ms'])} "
+            f"| {_f(r['e2e_p50_ms'])} |")
+    return lines
+
+
+def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: Path,
+                 command: str | None = None) -> Path:
+    command = command or f"pdserve sweep {config.path}" + (
+        "" if Path(out) == config.output_dir else f" --out {out}")
+    wanted = {c.key for c in config.cells()}
+    done = sum(r["status"] == "ok" for r in rows)
+    lines = [f"# Pool-sizing sweep: {config.path.stem}", "",
+             f"Made by `{command}` on {datetime.date.today().isoformat()}, on {platform.machine()} "
+             f"{platform.system()} with {os.cpu_count()} CPUs. Cells: {done} of {len(wanted)} ok.", "",
+             f"- Serving config: `{config.base_config}`" + (
+                 f" with {', '.join(f'`{k}={v}`' for k, v in config.overrides)}" if config.overrides else ""),
+             f"- Layouts: {', '.join(_layout_text(lay) for lay in config.layouts)}",
+             f"- Workloads: {', '.join(_workload_text(w) for w in config.workloads)}",
+             f"- Loads: {', '.join(a.label for a in config.loads)}; per cell {config.warmup_s:g} s of warm-up "
+             f"(left out) then {config.duration_s:g} s measured; `ignore_eos` {config.ignore_eos}",
+             f"- SLOs: TTFT <= {config.slo.ttft_ms:g} ms and TPOT <= {config.slo.tpot_ms:g} ms. Goodput = requests/s "
+             "that met both; TPOT = (e2e - TTFT) / (output tokens - 1); ITL = gaps between stream chunks.", "",
+             "## Best layout per workload", "",
+             "| workload | load kind | best layout | its peak goodput (req/s) | at | runner-up (peak goodput) |",
+             "|---|---|---|---:|---|---|"]
+    for b in best_layouts(rows):
+        runner = f"{b['runner_up'][0]} ({b['runner_up'][1]:.2f})" if b["runner_up"] else "-"
+        best = b["best"] or "none met the SLOs"
+        lines.append(f"| {b['workload']} | {b['load_kind']} | **{best}** | {b['goodput']:.2f} | {b['load']} "
+                     f"| {runner} |")
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        lines += ["", f"## Workload '{workload}'", ""] + _table([r for r in rows if r["workload"] == workload])
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    loads = [r["loadavg_1m"] for r in rows if r.get("loadavg_1m") is not None]
+    if loads:
+        lines += ["", f"Host 1-minute load average at the end of each cell: {min(loads):.1f} to {max(loads):.1f} "
+                  f"on {os.cpu_count()} CPUs (`loadavg_1m` in the table); other processes skew the figures."]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Failed cells", ""] + [f"- `{r['cell']}`: {(r['error'] or '')[:300]!r}" for r in failed]
+    lines += ["", "Raw data: `results.csv`, `results.json` (one row per cell), `cells/*.json` (every request).", ""]
+    path = Path(out) / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _layout_text(lay) -> str:
+    return f"{lay.name} ({lay.mode}, {lay.workers} workers)"
+
+
+def _workload_text(w) -> str:
+    lengths = f"{w.input_len} in / {w.output_len} out" if w.kind not in ("jsonl", "sharegpt") else w.path
+    return f"{w.name} ({w.kind}, {lengths}, {w.prompt_format} prompts)"
