@@ -66,6 +66,7 @@ async def bounded(aw: Awaitable[Any], deadline: float, what: str, link: _Link) -
     except (ucxx.exceptions.UCXError, asyncio.CancelledError) as e:
         if link.timed_out:
             raise TransferTimeout(f"{what}: connection aborted after a timeout ({link.broken})") from e
+        link.broken = link.broken or f"{what}: {type(e).__name__}: {e}"  # never reuse a failed endpoint
         raise PeerLost(f"{what}: connection failed ({type(e).__name__}: {e})") from e
 
 
@@ -83,10 +84,11 @@ class UcxConnection:
     async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(address, port), _remaining(deadline))
-        except asyncio.TimeoutError as e:
-            raise TransferTimeout(f"connect to {peer!r} at {address}:{port} timed out") from e
-        except ucxx.exceptions.UCXError as e:
-            raise PeerLost(f"cannot connect to {peer!r} at {address}:{port}: {e}") from e
+        except (asyncio.TimeoutError, ucxx.exceptions.UCXError) as e:
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"connect to {peer!r} at {address}:{port} timed out") from e
+            # ucxx gives up by itself (~5 s) when nobody answers: the peer is gone
+            raise PeerLost(f"cannot connect to {peer!r} at {address}:{port}: {type(e).__name__} {e}") from e
         conn = cls(ep, peer)
         await conn.request(hello, 0, deadline)
         return conn
