@@ -17,7 +17,7 @@ from benchclient.arrivals import ArrivalSpec
 from benchclient.client import Target, first_model
 from benchclient.run import RunConfig, run_load, run_report, save_json
 from benchclient.stats import SLO, format_summary
-from benchclient.workload import WorkloadSpec
+from benchclient.workload import WorkloadSpec, build_requests
 
 
 def add_bench_parser(sub) -> None:
@@ -57,7 +57,8 @@ def add_bench_parser(sub) -> None:
 def bench_main(args: argparse.Namespace) -> int:
     try:
         cfg = _run_config(args)
-    except (ValueError, httpx.HTTPError) as e:
+        build_requests(cfg.workload, 1)  # a dataset file is read and checked before any request goes out
+    except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
     results = asyncio.run(run_load(cfg, progress=sys.stderr.isatty() and not args.no_progress))

@@ -117,9 +117,12 @@ def first_model(url: str, api_key: str | None = None) -> str:
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(f"{base}/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    models = r.json().get("data") or []
+    try:
+        r = httpx.get(f"{base}/models", headers=headers, timeout=30)
+        r.raise_for_status()
+        models = r.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as e:
+        raise ValueError(f"cannot list the models at {base}/models ({e}); pass --model") from None
     if not models:
         raise ValueError(f"{base}/models lists no model; pass --model")
     return models[0]["id"]

@@ -57,7 +57,7 @@ def plot_goodput(rows: list[dict], path: Path, colors: dict, slo: SLO) -> Path:
                 ax.plot(x, y, "o-", color=color, label=layout, linewidth=2)
         if kind == "rate":
             loads = sorted({r["load_value"] for r in prow})
-            ax.plot(loads, loads, "--", color="grey", linewidth=1, label="offered rate")
+            ax.plot(loads, loads, "--", color="grey", linewidth=1, label="nominal offered rate")
         ax.set_title(f"Goodput, workload '{workload}'\n(SLOs: TTFT <= {slo.ttft_ms:g} ms, "
                      f"TPOT <= {slo.tpot_ms:g} ms)")
         ax.set_xlabel(_xlabel(kind, prow))
@@ -96,7 +96,8 @@ def plot_latency(rows: list[dict], path: Path, colors: dict, slo: SLO) -> Path:
         handles += [Line2D([], [], color="black", marker="o", label="p50"),
                     Line2D([], [], color="black", marker="^", linestyle="--", label="p99"),
                     Line2D([], [], color="grey", linestyle=":", label="SLO")]
-        axrow[0].legend(handles=handles, fontsize=8, title="layout / percentile")
+        axrow[-1].legend(handles=handles, fontsize=9, title="layout / percentile", loc="upper left",
+                         bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

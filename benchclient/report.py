@@ -65,6 +65,7 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     lines = [f"# Pool-sizing sweep: {config.path.stem}", "",
              f"Made by `{command}` on {datetime.date.today().isoformat()}, on {platform.machine()} "
              f"{platform.system()} with {os.cpu_count()} CPUs. Cells: {done} of {len(wanted)} ok.", "",
+             *([config.description.strip(), ""] if config.description else []),
              f"- Serving config: `{config.base_config}`" + (
                  f" with {', '.join(f'`{k}={v}`' for k, v in config.overrides)}" if config.overrides else ""),
              f"- Layouts: {', '.join(_layout_text(lay) for lay in config.layouts)}",
@@ -72,7 +73,8 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
              f"- Loads: {', '.join(a.label for a in config.loads)}; per cell {config.warmup_s:g} s of warm-up "
              f"(left out) then {config.duration_s:g} s measured; `ignore_eos` {config.ignore_eos}",
              f"- SLOs: TTFT <= {config.slo.ttft_ms:g} ms and TPOT <= {config.slo.tpot_ms:g} ms. Goodput = requests/s "
-             "that met both; TPOT = (e2e - TTFT) / (output tokens - 1); ITL = gaps between stream chunks.", "",
+             "that met both; TPOT = (e2e - TTFT) / (output tokens - 1); ITL = gaps between stream chunks. Rates "
+             "are per measured window: a short Poisson sample can exceed the nominal rate.", "",
              "## Best layout per workload", "",
              "| workload | load kind | best layout | its peak goodput (req/s) | at | runner-up (peak goodput) |",
              "|---|---|---|---:|---|---|"]

@@ -17,9 +17,9 @@ import yaml
 
 from benchclient.arrivals import ArrivalSpec
 from benchclient.stats import SLO
-from benchclient.workload import WorkloadSpec
+from benchclient.workload import WorkloadSpec, build_requests
 
-KEYS = {"base_config", "output_dir", "ray_address", "overrides", "layouts", "workloads", "loads", "slo",
+KEYS = {"description", "base_config", "output_dir", "ray_address", "overrides", "layouts", "workloads", "loads", "slo",
         "warmup_s", "duration_s", "timeout_s", "start_timeout_s", "endpoint", "ignore_eos", "restart_per_cell",
         "seed"}
 REQUIRED = ("base_config", "layouts", "workloads", "loads")
@@ -84,6 +84,7 @@ class SweepConfig:
     ignore_eos: bool = True
     restart_per_cell: bool = False   # False: one server per layout serves its cells in turn
     seed: int = 0
+    description: str = ""            # shown at the top of the report
 
     def cells(self) -> list[Cell]:
         return [Cell(lay, w, a) for lay in self.layouts for w in self.workloads for a in self.loads]
@@ -101,12 +102,9 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     def fail(key: str, reason: str) -> SweepConfigError:
         return SweepConfigError(f"{path}: {key}: {reason}")
 
-    if not isinstance(raw, dict):
-        raise fail("top level", "must be a mapping of keys")
-    _no_unknown(raw, KEYS, "", fail)
-    for key in REQUIRED:
-        if key not in raw:
-            raise fail(key, "is required")
+    _no_unknown(_mapping(raw, "top level", fail), KEYS, "", fail)
+    for key in (k for k in REQUIRED if k not in raw):
+        raise fail(key, "is required")
     base = _resolve(raw["base_config"], path)
     if not base.is_file():
         raise fail("base_config", f"no such file {raw['base_config']!r}")
@@ -117,7 +115,7 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
                 key != "warmup_s" and value == 0):
             raise fail(key, f"must be a {'non-negative' if key == 'warmup_s' else 'positive'} number, got {value!r}")
     for key, kind in (("endpoint", str), ("ray_address", str), ("ignore_eos", bool), ("restart_per_cell", bool),
-                      ("seed", int), ("output_dir", str)):
+                      ("seed", int), ("output_dir", str), ("description", str)):
         if key in raw and not isinstance(raw[key], kind):
             raise fail(key, f"must be a {kind.__name__}, got {raw[key]!r}")
     if raw.get("endpoint", "completions") not in ("completions", "chat"):
@@ -132,13 +130,12 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     layouts = _layouts(raw["layouts"], fail)
     for i, lay in enumerate(layouts):
         _check_serving(base, {**overrides, **lay.serve_overrides()}, f"layouts[{i}]", fail)
-    output_dir = raw.get("output_dir", f"sweeps/{path.stem}")
+    plain = {k: raw[k] for k in ("ray_address", "endpoint", "ignore_eos", "restart_per_cell", "seed", "description")
+             if k in raw}
     return SweepConfig(
-        path=path, base_config=base, output_dir=Path(output_dir), layouts=layouts,
+        path=path, base_config=base, output_dir=Path(raw.get("output_dir", f"sweeps/{path.stem}")), layouts=layouts,
         workloads=_workloads(raw["workloads"], seed, path, fail), loads=_loads(raw["loads"], seed, fail),
-        overrides=tuple(overrides.items()), ray_address=raw.get("ray_address"), slo=slo,
-        endpoint=raw.get("endpoint", "completions"), ignore_eos=raw.get("ignore_eos", True),
-        restart_per_cell=raw.get("restart_per_cell", False), seed=seed, **scalars)
+        overrides=tuple(overrides.items()), slo=slo, **plain, **scalars)
 
 
 def _resolve(name: Any, sweep_path: Path) -> Path:
@@ -154,15 +151,15 @@ def _no_unknown(raw: dict, known: set[str], prefix: str, fail) -> None:
 
 
 def _mapping(value: Any, key: str, fail) -> dict:
-    if not isinstance(value, dict):
-        raise fail(key, f"must be a mapping, got {value!r}")
-    return value
+    if isinstance(value, dict):
+        return value
+    raise fail(key, f"must be a mapping, got {value!r}")
 
 
 def _list(value: Any, key: str, fail) -> list:
-    if not isinstance(value, list) or not value:
-        raise fail(key, f"must be a non-empty list, got {value!r}")
-    return value
+    if isinstance(value, list) and value:
+        return value
+    raise fail(key, f"must be a non-empty list, got {value!r}")
 
 
 def _count(raw: dict, key: str, where: str, fail) -> int:
@@ -219,7 +216,8 @@ def _workloads(value: Any, seed: int, path: Path, fail) -> tuple[WorkloadSpec, .
             raw["path"] = str(_resolve(raw["path"], path))
         try:
             out.append(WorkloadSpec.from_dict(raw))
-        except (TypeError, ValueError) as e:
+            build_requests(out[-1], 1)  # a file workload's file is read and checked now, not mid-sweep
+        except (TypeError, ValueError, OSError) as e:
             raise fail(f"workloads[{i}]", str(e)) from None
     names = [w.name for w in out]
     if len(set(names)) != len(names) or any("|" in n for n in names):

@@ -60,6 +60,7 @@ BAD = [
     ({"workloads": [{"kind": "fixed", "input_len": 0}]}, "workloads[0]", "input_len must be a positive integer"),
     ({"workloads": [{"kind": "fixed", "outputs": 3}]}, "workloads[0]", "unknown key 'outputs'"),
     ({"workloads": []}, "workloads", "must be a non-empty list"),
+    ({"workloads": [{"kind": "jsonl", "path": "/nowhere/w.jsonl"}]}, "workloads[0]", "No such file"),
     ({"loads": {"rates": [1, 0]}}, "loads.rates[1]", "positive rate"),
     ({"loads": {"concurrencies": [2, 1.5]}}, "loads.concurrencies[1]", "positive integer"),
     ({"loads": {"arrival": "uniform", "rates": [1]}}, "loads.arrival", "must be 'poisson' or 'gamma'"),
