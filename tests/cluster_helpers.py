@@ -1,0 +1,307 @@
+"""Real Ray clusters for the cluster tests, each in its own Linux namespaces so that nothing can leak or collide.
+
+`run_isolated(scenario, workdir)` runs `python -m tests.cluster_helpers SCENARIO WORKDIR` under
+`unshare --pid --net --mount --kill-child`: a network namespace with only loopback (Ray, SSH and HTTP use
+127.0.0.1 and Ray's default ports without meeting another cluster on the machine), a PID namespace (`ray stop`,
+which `ray up` and `ray down` run, stops only this scenario's Ray; when the scenario ends or is killed on timeout,
+the kernel kills every process left in it) and a mount namespace with a private /tmp/ray (where Ray keeps
+sessions and finds the running cluster). The scenario writes what it saw to WORKDIR/result.json; the tests assert
+on it. HOME is WORKDIR/home inside, so the cluster token (~/.ray/auth_token), Ray's files and the server's log
+and pid stay in the test's directory. Needs root (namespaces, sshd); CI runs as root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+RAY = str(VENV_BIN / "ray")
+PROMPT = [11, 300, 42, 7, 1999, 5, 123, 64, 8, 250, 19, 3]   # token ids of the `tiny` model's vocabulary
+MAX_TOKENS = 16
+HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}
+SERVER_PORT = 8000   # free: the scenario has its own network namespace
+
+
+def isolation_unavailable() -> str | None:
+    """Why these tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (Linux namespaces and an SSH server); CI runs as root"
+    missing = [tool for tool in ("unshare", "ip", "mount") if shutil.which(tool) is None]
+    return f"missing {missing}" if missing else None
+
+
+def ensure_ssh_tools() -> str | None:
+    """The SSH server and rsync that `ray up` over SSH needs: installed with apt-get when missing (as .ci/run
+    does), or the reason they cannot be."""
+    missing = [pkg for pkg, tool in (("openssh-server", "sshd"), ("openssh-client", "ssh-keygen"), ("rsync", "rsync"))
+               if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists()]
+    if not missing:
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"missing {missing} and no apt-get as root to install them"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
+        subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    return None
+
+
+def run_isolated(scenario: str, workdir: Path, timeout_s: float) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "scenario.log"
+    cmd = ["unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc", "--kill-child",
+           sys.executable, "-m", "tests.cluster_helpers", "init", scenario, str(workdir)]
+    with open(log, "w") as out:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:  # run() has killed unshare; --kill-child takes the namespace down
+            raise AssertionError(f"{scenario} ran over {timeout_s:.0f} s; log:\n{log.read_text()[-6000:]}") from None
+    if rc != 0:
+        raise AssertionError(f"{scenario} failed ({rc}); log:\n{log.read_text()[-6000:]}")
+    return json.loads((workdir / "result.json").read_text())
+
+
+# ---- inside the namespaces ------------------------------------------------------------------------------------
+
+def sh(cmd: list[str] | str, timeout_s: float = 120, env: dict | None = None, check: bool = True) -> str:
+    print("+", cmd if isinstance(cmd, str) else " ".join(map(str, cmd)), flush=True)
+    proc = subprocess.run(cmd, shell=isinstance(cmd, str), capture_output=True, text=True, timeout=timeout_s,
+                          env=env)
+    output = proc.stdout + proc.stderr
+    print(output[-3000:], flush=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{cmd} exited {proc.returncode}")
+    return output
+
+
+def enter_namespaces(workdir: Path) -> None:
+    """Loopback up, a private /tmp/ray, HOME in the work dir with the cluster's token, token auth on."""
+    sh(["ip", "link", "set", "lo", "up"])
+    (workdir / "ray-tmp").mkdir(exist_ok=True)
+    os.makedirs("/tmp/ray", exist_ok=True)
+    sh(["mount", "--bind", str(workdir / "ray-tmp"), "/tmp/ray"])
+    home = workdir / "home"
+    (home / ".ray").mkdir(parents=True, exist_ok=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    os.environ.update(HOME=str(home), RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1")
+
+
+def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} was not healthy within {timeout_s:.0f} s")
+
+
+def stream_completion(url: str) -> dict:
+    from tests.server_process import complete
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await complete(client, url, body)
+    return asyncio.run(run())
+
+
+def transfer_metrics(url: str, timeout_s: float = 20) -> dict[str, float]:
+    """pdserve_transfer_* from /metrics once they count a read (the server refreshes them every second or so)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        found = {name: float(value) for name, value in (line.split()[:2] for line in text.splitlines()
+                                                        if line.startswith("pdserve_transfer_"))}
+        if found.get("pdserve_transfer_read_count", 0) >= 1 or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def live_processes() -> list[str]:
+    """Command lines of every live process in this PID namespace but init (pid 1) and this one."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or entry.name in ("1", str(os.getpid())):
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+        except (OSError, IndexError):
+            continue
+    return [c for c in found if c]
+
+
+def wait_no_processes(timeout_s: float = 30, keep=lambda cmd: False) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [c for c in live_processes() if not keep(c)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+_VIEW = """
+import json, ray
+from ray._private.state import actors
+from ray.util import placement_group_table
+ray.init(address="auto", logging_level="ERROR")
+print("VIEW" + json.dumps({
+    "nodes": {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]},
+    "actors": [{"class_name": a["ActorClassName"], "node_id": a["Address"]["NodeID"]}
+               for a in actors().values() if a["State"] == "ALIVE"],
+    "groups": {g["name"]: sorted(set(g["bundles_to_node_id"].values())) for g in placement_group_table().values()
+               if g["state"] == "CREATED"},
+}))
+"""
+
+
+def cluster_view() -> dict:
+    """Ask Ray, from a second driver, which node each live actor and placement group runs on, and what each node
+    offers (the GCS tables behind `ray list actors`; this minimal Ray has no dashboard for ray.util.state)."""
+    out = sh([sys.executable, "-c", _VIEW], timeout_s=60)
+    return json.loads(out.split("VIEW", 1)[1].splitlines()[0])
+
+
+def two_nodes(workdir: Path) -> dict:
+    """A head offering `prefill_node` and a second node offering `decode_node`, pdserve serving on them."""
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000",
+              "--disable-usage-stats"]
+    sh([RAY, "start", "--head", "--port=6379", "--include-dashboard=false",
+        "--resources", json.dumps({"prefill_node": 4}), *common])
+    sh([RAY, "start", "--address=127.0.0.1:6379", "--resources", json.dumps({"decode_node": 4}), *common])
+    config = {"model": "tiny", "ray_address": "auto", "placement": "pack", "transfer": {"backends": ["ucx"]},
+              "prefill": {**HALF_CPU, "resources": {"prefill_node": 1}},
+              "decode": {**HALF_CPU, "resources": {"decode_node": 1}},
+              "server": {"host": "127.0.0.1", "port": SERVER_PORT}}
+    (workdir / "serve.yaml").write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{SERVER_PORT}"
+    with open(workdir / "server.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(workdir / "serve.yaml")],
+                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(url, 180, alive=lambda: server.poll() is None)
+            result = {"completion": stream_completion(url), "transfer": transfer_metrics(url), **cluster_view()}
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                result_rc = server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                result_rc = "killed after 60 s"
+    print((workdir / "server.log").read_text()[-3000:])
+    sh([RAY, "stop"], timeout_s=60)
+    return {**result, "server_exit": result_rc, "left_running": wait_no_processes()}
+
+
+def start_sshd(workdir: Path) -> tuple[Path, Path]:
+    """An SSH server on 127.0.0.1:22 of this namespace that lets root in with a throw-away key; HOME is set to
+    the work dir's home for every session. Returns (private key, sshd pid file)."""
+    ssh = workdir / "ssh"
+    ssh.mkdir()
+    sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh / "id_ed25519")])
+    sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh / "host_ed25519")])
+    shutil.copy(ssh / "id_ed25519.pub", ssh / "authorized_keys")
+    (ssh / "sshd_config").write_text("\n".join([
+        "Port 22", "ListenAddress 127.0.0.1", f"HostKey {ssh / 'host_ed25519'}",
+        f"AuthorizedKeysFile {ssh / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+        f"PidFile {ssh / 'sshd.pid'}", f"SetEnv HOME={os.environ['HOME']}", ""]))
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory, as the package makes it
+    sh([shutil.which("sshd") or "/usr/sbin/sshd", "-f", str(ssh / "sshd_config"), "-E", str(ssh / "sshd.log")])
+    return ssh / "id_ed25519", ssh / "sshd.pid"
+
+
+def local_cluster_config(workdir: Path, key: Path) -> Path:
+    """configs/cluster-local.yaml pointed at this namespace's 127.0.0.1 and the throw-away key; else verbatim."""
+    config = yaml.safe_load((ROOT / "configs" / "cluster-local.yaml").read_text())
+    config["cluster_name"] = "pdserve-test"
+    config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
+    config["auth"] = {"ssh_user": "root", "ssh_private_key": str(key)}
+    path = workdir / "cluster-local.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def ray_up_local(workdir: Path) -> dict:
+    """`ray up` over SSH to 127.0.0.1 with configs/cluster-local.yaml: it syncs this checkout to ~/pdserve, runs the
+    setup (the venv is there: the repository's, linked), starts Ray and `pdserve serve` on the head; stream a
+    completion over HTTP, stop the server with `ray exec`, `ray down`, stop sshd."""
+    home = Path(os.environ["HOME"])
+    (home / "pdserve").mkdir()
+    (home / "pdserve" / ".venv").symlink_to(VENV_BIN.parent)  # this host has pdserve installed already
+    (home / ".bashrc").write_text("")
+    key, sshd_pid = start_sshd(workdir)
+    cluster = str(local_cluster_config(workdir, key))
+    ray_cli = [RAY]
+    url = f"http://127.0.0.1:{SERVER_PORT}"
+    result: dict = {}
+    try:
+        sh([*ray_cli, "up", "-y", "--no-config-cache", cluster], timeout_s=300, env={**os.environ, "TERM": "dumb"})
+        result["synced"] = sorted(p.name for p in (home / "pdserve").iterdir())
+        wait_healthy(url, 180)
+        result["completion"] = stream_completion(url)
+        result["ray_status"] = sh([*ray_cli, "exec", "--no-config-cache", cluster,
+                                   "RAY_AUTH_MODE=token ~/pdserve/.venv/bin/ray status"], timeout_s=60)
+        stop = ("kill -TERM $(cat ~/pdserve-serve.pid) && while kill -0 $(cat ~/pdserve-serve.pid) 2>/dev/null; "
+                "do sleep 1; done; tail -n 30 ~/pdserve-serve.log")
+        result["stop_output"] = sh([*ray_cli, "exec", "--no-config-cache", cluster, stop], timeout_s=120)
+        result["server_still_answers"] = _answers(url)
+    finally:
+        result["down"] = sh([*ray_cli, "down", "-y", cluster], timeout_s=120, check=False)
+        if sshd_pid.exists():
+            os.kill(int(sshd_pid.read_text()), signal.SIGTERM)
+    result["left_running"] = wait_no_processes(30)
+    return result
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+SCENARIOS = {"two_nodes": two_nodes, "ray_up_local": ray_up_local}
+
+
+def init(argv: list[str]) -> int:
+    """PID 1 of the namespace: run the scenario as a child and reap every process orphaned to us (Ray's daemons
+    when `ray stop` ends them), so none lingers as a zombie; the scenario's exit status is ours."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.cluster_helpers", *argv])
+    while True:
+        pid, status = os.wait()
+        if pid == child.pid:
+            return os.waitstatus_to_exitcode(status)
+
+
+def main() -> None:
+    if sys.argv[1] == "init":
+        sys.exit(init(sys.argv[2:]))
+    scenario, workdir = sys.argv[1], Path(sys.argv[2])
+    enter_namespaces(workdir)
+    result = SCENARIOS[scenario](workdir)
+    (workdir / "result.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
