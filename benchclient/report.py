@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 
 from benchclient.sweep_config import SweepConfig
@@ -64,7 +66,7 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     done = sum(r["status"] == "ok" for r in rows)
     lines = [f"# Pool-sizing sweep: {config.path.stem}", "",
              f"Made by `{command}` on {datetime.date.today().isoformat()}, on {platform.machine()} "
-             f"{platform.system()} with {os.cpu_count()} CPUs. Cells: {done} of {len(wanted)} ok.", "",
+             f"{platform.system()} with {os.cpu_count()} CPUs{_gpus()}. Cells: {done} of {len(wanted)} ok.", "",
              *([config.description.strip(), ""] if config.description else []),
              f"- Serving config: `{config.base_config}`" + (
                  f" with {', '.join(f'`{k}={v}`' for k, v in config.overrides)}" if config.overrides else ""),
@@ -98,6 +100,19 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     path = Path(out) / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def _gpus() -> str:
+    """', 2 x NVIDIA H200' when nvidia-smi answers, else ''."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    names = [n.strip() for n in out if n.strip()]
+    return ", " + ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names)) if names else ""
 
 
 def _layout_text(lay) -> str:

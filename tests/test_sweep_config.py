@@ -37,9 +37,9 @@ def test_a_good_config_and_its_cells(tmp_path):
     assert serve["server"] == {"host": "127.0.0.1", "port": 9999} and "ray_address" not in serve
 
 
-@pytest.mark.parametrize("name", ["cpu-smoke.yaml", "gpu-4x-llama3-8b.yaml"])
-def test_the_shipped_sweep_configs_load(name):
-    cfg = load_sweep_config(ROOT / "configs" / "sweeps" / name)
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_shipped_sweep_configs_load(path):
+    cfg = load_sweep_config(path)
     assert len(cfg.layouts) >= 2 and {lay.workers for lay in cfg.layouts} == {cfg.layouts[0].workers}
 
 
