@@ -15,6 +15,7 @@ from .errors import (
 )
 from .handle import TransferHandle, TransferState
 from .metadata import AgentMetadata, CacheInfo
+from .streaming import LayerStreamer
 
 __all__ = [
     "AgentConfig",
@@ -23,6 +24,7 @@ __all__ = [
     "CacheInfo",
     "IncompatibleLayout",
     "KVAgent",
+    "LayerStreamer",
     "PeerLost",
     "RemoteError",
     "TransferError",

@@ -117,9 +117,11 @@ class BenchWorker:
 
     # ---- plain ucxx, no kvtransfer protocol: the reference for "UCX between Ray actors is slow" --------
     def _on_loop(self, coro: Any, timeout: float = 300.0) -> Any:
-        import asyncio
+        from .loop import LoopThread
 
-        return asyncio.run_coroutine_threadsafe(coro, self.agent._loop.loop).result(timeout)
+        if getattr(self, "_raw_loop", None) is None:
+            self._raw_loop = LoopThread(f"{self.name}-raw")
+        return self._raw_loop.call(coro, timeout)
 
     def raw_listen(self, nbytes: int, iters: int, fresh: bool) -> int:
         """Receive `iters` messages of nbytes; fresh=True: each into a new allocation kept alive (a new
@@ -175,4 +177,7 @@ class BenchWorker:
         if self.agent is not None:
             self.agent.close()
             self.agent = None
+        if getattr(self, "_raw_loop", None) is not None:
+            self._raw_loop.stop()
+            self._raw_loop = None
 

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.kv_layout import KVCacheSpec
 from kvtransfer import (
     AgentConfig,
     AgentMetadata,
@@ -161,14 +160,14 @@ def test_unknown_and_removed_remotes(local) -> None:
 
 
 def test_unreachable_peer_fails_to_connect_within_timeout() -> None:
-    spec = KVCacheSpec("kvtransfer-test", 4, 2, 16, 4, "bfloat16")
     a = KVAgent("lonely", AgentConfig(connect_timeout_s=3.0), address="127.0.0.1")
     try:
         gone = KVAgent("gone", address="127.0.0.1")
+        gone.register_cache(random_cache(SPEC, 4, seed=11), SPEC)
         meta = gone.metadata()
         gone.close()  # its listener is closed: nobody answers at that port
         with pytest.raises((PeerLost, TransferTimeout)):
             a.add_remote(meta)
-        assert spec.block_bytes > 0
+        assert a.remotes() == {}
     finally:
         a.close()
