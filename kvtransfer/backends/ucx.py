@@ -90,7 +90,11 @@ class UcxConnection:
             # ucxx gives up by itself (~5 s) when nobody answers: the peer is gone
             raise PeerLost(f"cannot connect to {peer!r} at {address}:{port}: {type(e).__name__} {e}") from e
         conn = cls(ep, peer)
-        await conn.request(hello, 0, deadline)
+        try:
+            await conn.request(hello, 0, deadline)
+        except BaseException:
+            conn.abort("hello refused or failed")  # never keep an endpoint nobody will use
+            raise
         return conn
 
     def abort(self, reason: str) -> None:
