@@ -13,6 +13,8 @@ and pid stay in the test's directory. Needs root (namespaces, sshd); CI runs as 
 from __future__ import annotations
 
 import asyncio
+import getpass
+import hashlib
 import json
 import os
 import secrets
@@ -20,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +36,7 @@ PROMPT = [11, 300, 42, 7, 1999, 5, 123, 64, 8, 250, 19, 3]   # token ids of the 
 MAX_TOKENS = 16
 HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}
 SERVER_PORT = 8000   # free: the scenario has its own network namespace
+CLUSTER_NAME = "pdserve-test"
 
 
 def isolation_unavailable() -> str | None:
@@ -233,7 +237,7 @@ def start_sshd(workdir: Path) -> tuple[Path, Path]:
 def local_cluster_config(workdir: Path, key: Path) -> Path:
     """configs/cluster-local.yaml pointed at this namespace's 127.0.0.1 and the throw-away key; else verbatim."""
     config = yaml.safe_load((ROOT / "configs" / "cluster-local.yaml").read_text())
-    config["cluster_name"] = "pdserve-test"
+    config["cluster_name"] = CLUSTER_NAME
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
     config["auth"] = {"ssh_user": "root", "ssh_private_key": str(key)}
     path = workdir / "cluster-local.yaml"
@@ -270,7 +274,23 @@ def ray_up_local(workdir: Path) -> dict:
         if sshd_pid.exists():
             os.kill(int(sshd_pid.read_text()), signal.SIGTERM)
     result["left_running"] = wait_no_processes(30)
+    forget_ray_client_files(workdir, CLUSTER_NAME)
     return result
+
+
+def forget_ray_client_files(workdir: Path, cluster_name: str) -> None:
+    """Remove what the ray CLI keeps in /tmp for this test's cluster: its resolved-config cache (it names the
+    work dir) and its SSH control-socket folder (named by hashes of the user and the cluster name)."""
+    from ray.autoscaler._private.command_runner import HASH_MAX_LENGTH
+    for cache in Path(tempfile.gettempdir()).glob("ray-config-*"):
+        if str(workdir) in cache.read_text(errors="replace"):
+            cache.unlink()
+    user, cluster = (hashlib.sha256(name.encode()).hexdigest()[:HASH_MAX_LENGTH]
+                     for name in (getpass.getuser(), cluster_name))
+    control = Path("/tmp") / f"ray_ssh_{user}"
+    shutil.rmtree(control / cluster, ignore_errors=True)
+    if control.is_dir() and not any(control.iterdir()):
+        control.rmdir()
 
 
 def _answers(url: str) -> bool:
