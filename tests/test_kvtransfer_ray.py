@@ -23,7 +23,9 @@ def actors() -> Iterator[tuple]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, old) if p)  # Ray workers inherit it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    owner = not ray.is_initialized()  # share a cluster another test module started; never shut it down
+    if owner:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cls = ray.remote(num_cpus=0)(AgentActor)
     prefill = cls.remote("prefill", 48, 21, CONFIG)
     decode = cls.remote("decode", 40, 22, CONFIG)
@@ -37,7 +39,8 @@ def actors() -> Iterator[tuple]:
                 ray.get(a.close.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
-        ray.shutdown()
+        if owner:
+            ray.shutdown()
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:
