@@ -87,7 +87,8 @@ def main() -> None:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = yaml.safe_load(value)
-    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as url:
+    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
+        url = server.url
         figures = asyncio.run(drive(url, config["model"], args))
         figures["mode"] = config.get("mode", "disaggregated")
         time.sleep(2.5)  # the backend refreshes transfer counters every second

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+    def worker_pids(self, actor_class: str) -> list[int]:
+        """PIDs of this server's Ray actors of one class (descendants of the server process only, so other
+        Ray clusters on the machine are never touched)."""
+        table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+        parent, args = {}, {}
+        for line in table.splitlines():
+            pid, ppid, *cmd = line.split(None, 2)
+            parent[int(pid)], args[int(pid)] = int(ppid), " ".join(cmd)
+
+        def descends(pid: int) -> bool:
+            while pid > 1:
+                if pid == self.pid:
+                    return True
+                pid = parent.get(pid, 0)
+            return False
+        return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
+
+
 @contextmanager
 def running_server(tmp_path: Path, config: dict):
     port = free_port()
@@ -44,7 +68,7 @@ def running_server(tmp_path: Path, config: dict):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, tmp_path / "server.log")
-        yield url
+        yield Server(url, proc.pid)
     finally:
         exited = _stop(proc)
         log.close()

@@ -4,7 +4,6 @@ uvicorn) over HTTP: outputs equal the single engine's, load spreads, prefix affi
 import asyncio
 import os
 import signal
-import subprocess
 
 import httpx
 import pytest
@@ -18,8 +17,8 @@ from tests.server_process import HALF_CPU, complete, metric_values, running_serv
 def server_2p2d(llama, tmp_path_factory):
     config = {"model": str(llama), "prefill": {**HALF_CPU, "workers": 2, "chunk_size": 32},
               "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}}
-    with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as url:
-        yield url
+    with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as server:
+        yield server
 
 
 def test_32_concurrent_greedy_requests_equal_the_single_engine(server_2p2d, reference, llama):
@@ -30,15 +29,15 @@ def test_32_concurrent_greedy_requests_equal_the_single_engine(server_2p2d, refe
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*[
-                complete(client, server_2p2d, {"model": str(llama), "prompt": p, "max_tokens": 24, "temperature": 0,
+                complete(client, server_2p2d.url, {"model": str(llama), "prompt": p, "max_tokens": 24, "temperature": 0,
                                                "ignore_eos": True, "stream": i % 2 == 0})
                 for i, p in enumerate(prompts)])
     results = asyncio.run(run())
     for got, want in zip(results, expected, strict=True):
         assert got["text"] == want.text and got["completion_tokens"] == 24 and got["finish_reason"] == "length"
-    routed = metric_values(server_2p2d, "pdserve_worker_requests_routed")
+    routed = metric_values(server_2p2d.url, "pdserve_worker_requests_routed")
     assert len(routed) == 4 and all(v > 0 for v in routed.values()), routed  # both pools spread the load
-    wait_for_idle_workers(server_2p2d)
+    wait_for_idle_workers(server_2p2d.url)
 
 
 def test_seeded_sampling_equals_the_engine_and_repeats(server_2p2d, reference, llama):
@@ -47,20 +46,20 @@ def test_seeded_sampling_equals_the_engine_and_repeats(server_2p2d, reference, l
             "ignore_eos": True}
     want = reference.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=20,
                                                        ignore_eos=True))[0].text
-    first = httpx.post(f"{server_2p2d}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    second = httpx.post(f"{server_2p2d}/v1/completions", json={**body, "stream": False},
+    first = httpx.post(f"{server_2p2d.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    second = httpx.post(f"{server_2p2d.url}/v1/completions", json={**body, "stream": False},
                         timeout=60).json()["choices"][0]["text"]
     assert first == second == want
 
 
 def test_prefix_affinity_sends_a_shared_prefix_to_the_same_prefill_worker(server_2p2d, llama):
     prefix = random_prompts([96], 2000, seed=23)[0]
-    before = sum(metric_values(server_2p2d, "pdserve_prefix_affinity_hits_total").values())
+    before = sum(metric_values(server_2p2d.url, "pdserve_prefix_affinity_hits_total").values())
     for i in range(4):
-        r = httpx.post(f"{server_2p2d}/v1/completions", timeout=60,
+        r = httpx.post(f"{server_2p2d.url}/v1/completions", timeout=60,
                        json={"model": str(llama), "prompt": prefix + [100 + i], "max_tokens": 2})
         assert r.status_code == 200
-    after = sum(metric_values(server_2p2d, "pdserve_prefix_affinity_hits_total").values())
+    after = sum(metric_values(server_2p2d.url, "pdserve_prefix_affinity_hits_total").values())
     assert after - before >= 3
 
 
@@ -69,7 +68,7 @@ def test_cancelled_streams_free_every_block(server_2p2d, llama):
 
     async def read_a_little(client, prompt):
         body = {"model": str(llama), "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", f"{server_2p2d}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{server_2p2d.url}/v1/completions", json=body) as r:
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data: ")
@@ -80,7 +79,7 @@ def test_cancelled_streams_free_every_block(server_2p2d, llama):
         async with httpx.AsyncClient(timeout=60) as client:
             return await asyncio.gather(*[read_a_little(client, p) for p in prompts])
     assert asyncio.run(run()) == [3] * 8
-    wait_for_idle_workers(server_2p2d)
+    wait_for_idle_workers(server_2p2d.url)
 
 
 def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server_2p2d, llama):
@@ -91,7 +90,7 @@ def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server
     async def stream(client, prompt):
         body = {"model": str(llama), "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
         events = []
-        async with client.stream("POST", f"{server_2p2d}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{server_2p2d.url}/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -102,9 +101,9 @@ def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server
     async def kill_one_decode_worker():
         await started.wait()
         await asyncio.sleep(0.5)
-        pids = subprocess.run(["pgrep", "-f", "ray::DecodeWorker"], capture_output=True, text=True).stdout.split()
+        pids = server_2p2d.worker_pids("DecodeWorker")
         assert len(pids) == 2, pids
-        os.kill(int(pids[0]), signal.SIGKILL)
+        os.kill(pids[0], signal.SIGKILL)
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -115,6 +114,6 @@ def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server
     assert failed, "the killed worker's streams must end with an in-band error"
     assert all(events[-1] == "[DONE]" for events in results)
     assert len(failed) < len(results), "streams on the surviving worker are not affected"
-    r = httpx.post(f"{server_2p2d}/v1/completions", json={"model": str(llama), "prompt": [5, 6, 7], "max_tokens": 4},
-                   timeout=60)
+    r = httpx.post(f"{server_2p2d.url}/v1/completions", timeout=60,
+                   json={"model": str(llama), "prompt": [5, 6, 7], "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -13,8 +13,8 @@ from tests.server_process import HALF_CPU, complete, running_server, wait_for_id
 @pytest.fixture(scope="module")
 def server_collocated(llama, tmp_path_factory):
     config = {"model": str(llama), "mode": "collocated", "decode": {**HALF_CPU, "workers": 2}}
-    with running_server(tmp_path_factory.mktemp("server_collocated"), config) as url:
-        yield url
+    with running_server(tmp_path_factory.mktemp("server_collocated"), config) as server:
+        yield server
 
 
 def test_collocated_mode_gives_the_same_outputs(server_collocated, reference, llama):
@@ -24,8 +24,8 @@ def test_collocated_mode_gives_the_same_outputs(server_collocated, reference, ll
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*[
-                complete(client, server_collocated, {"model": str(llama), "prompt": p, "max_tokens": 16,
+                complete(client, server_collocated.url, {"model": str(llama), "prompt": p, "max_tokens": 16,
                                                      "temperature": 0, "ignore_eos": True, "stream": i % 2 == 1})
                 for i, p in enumerate(prompts)])
     assert [r["text"] for r in asyncio.run(run())] == [e.text for e in expected]
-    wait_for_idle_workers(server_collocated)
+    wait_for_idle_workers(server_collocated.url)

@@ -16,8 +16,8 @@ from tests.server_process import HALF_CPU, complete, running_server, wait_for_id
 def server_tiny(tmp_path_factory):
     config = {"model": "tiny", "prefill": HALF_CPU, "decode": {**HALF_CPU, "max_num_seqs": 256},
               "transfer": {"backends": ["ucx"]}}
-    with running_server(tmp_path_factory.mktemp("server_tiny"), config) as url:
-        yield url
+    with running_server(tmp_path_factory.mktemp("server_tiny"), config) as server:
+        yield server
 
 
 def test_128_concurrent_streams_complete_with_the_right_token_counts(server_tiny):
@@ -27,17 +27,17 @@ def test_128_concurrent_streams_complete_with_the_right_token_counts(server_tiny
         limits = httpx.Limits(max_connections=200)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
             return await asyncio.gather(*[
-                complete(client, server_tiny, {"model": "tiny", "prompt": p, "max_tokens": 8 + i % 9,
+                complete(client, server_tiny.url, {"model": "tiny", "prompt": p, "max_tokens": 8 + i % 9,
                                                "ignore_eos": True, "stream": True, "temperature": 0.7, "seed": i})
                 for i, p in enumerate(prompts)])
     results = asyncio.run(run())
     assert [r["completion_tokens"] for r in results] == [8 + i % 9 for i in range(128)]
     assert all(r["finish_reason"] == "length" for r in results)
-    wait_for_idle_workers(server_tiny)
+    wait_for_idle_workers(server_tiny.url)
 
 
 def test_openai_client_chat_and_completions(server_tiny):
-    client = openai.OpenAI(base_url=f"{server_tiny}/v1", api_key="unused", timeout=60)
+    client = openai.OpenAI(base_url=f"{server_tiny.url}/v1", api_key="unused", timeout=60)
     reference = LLM("tiny")
     messages = [{"role": "user", "content": "Tell me about the sea."}]
     want = reference.chat([messages], SamplingParams(temperature=0, max_tokens=12))[0]
