@@ -211,7 +211,7 @@ def two_nodes(workdir: Path) -> dict:
             except subprocess.TimeoutExpired:
                 server.kill()
                 result_rc = "killed after 60 s"
-    print((workdir / "server.log").read_text()[-3000:])
+            print(_tail(workdir / "server.log"), flush=True)
     sh([RAY, "stop"], timeout_s=60)
     return {**result, "server_exit": result_rc, "left_running": wait_no_processes()}
 
@@ -270,6 +270,7 @@ def ray_up_local(workdir: Path) -> dict:
         result["stop_output"] = sh([*ray_cli, "exec", "--no-config-cache", cluster, stop], timeout_s=120)
         result["server_still_answers"] = _answers(url)
     finally:
+        print(_tail(home / "pdserve-serve.log"), flush=True)
         result["down"] = sh([*ray_cli, "down", "-y", cluster], timeout_s=120, check=False)
         if sshd_pid.exists():
             os.kill(int(sshd_pid.read_text()), signal.SIGTERM)
@@ -291,6 +292,10 @@ def forget_ray_client_files(workdir: Path, cluster_name: str) -> None:
     shutil.rmtree(control / cluster, ignore_errors=True)
     if control.is_dir() and not any(control.iterdir()):
         control.rmdir()
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    return f"--- {log} ---\n" + (log.read_text(errors="replace")[-chars:] if log.exists() else "(none)")
 
 
 def _answers(url: str) -> bool:
