@@ -1,11 +1,10 @@
-"""`BenchWorker`: one side of the transfer benchmark (a KVAgent plus a cache), hosted in a process or a
-Ray actor. Used by `kvtransfer.bench` and by the Ray tests.
+"""`BenchWorker`: one side of the transfer benchmark (a KVAgent plus a random cache), hosted in a spawned
+process or a Ray actor by `kvtransfer.bench`.
 
-GPU visibility is set before CUDA starts in the hosting process: `visible="ray"` leaves what Ray set
-(CUDA_VISIBLE_DEVICES = this actor's GPU only), `visible="one"` does the same by hand, `visible="all"`
-shows every GPU of the host with this worker's own first, so it is cuda:0 (also for ucxx's progress
-thread, which makes its CUDA context on device 0) and its peers are visible, so that CUDA IPC mappings
-of a peer's memory get NVLink peer access instead of going through the host.
+GPU visibility is set before CUDA starts in the hosting process (see `kvtransfer.gpu_visibility`):
+`visible="ray"` leaves what Ray set (this actor's GPU only), `visible="one"` does the same by hand,
+`visible="all"` shows every GPU of the host with this worker's own first, which the `cuda_ipc` backend
+needs (the peer's GPU visible and reachable peer-to-peer).
 """
 
 from __future__ import annotations
@@ -15,24 +14,7 @@ import os
 import time
 from typing import Any
 
-
-def own_gpu(default: int) -> int:
-    """This Ray actor's GPU (physical id) if Ray assigned one, else `default`."""
-    try:
-        import ray
-
-        ids = ray.get_gpu_ids() if ray.is_initialized() else []
-    except ImportError:
-        ids = []
-    return int(ids[0]) if ids else default
-
-
-def set_visible_gpus(own: int, total: int, visible: str) -> None:
-    """Before CUDA initializes: show only `own` ("one"), or all `total` GPUs with `own` first ("all")."""
-    if visible == "ray":
-        return
-    order = [own] + [i for i in range(total) if i != own] if visible == "all" else [own]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in order)
+from .gpu_visibility import own_gpu, set_visible_gpus
 
 
 class BenchWorker:

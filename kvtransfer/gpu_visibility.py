@@ -1,0 +1,40 @@
+"""Which GPUs a worker process sees, set before CUDA starts: what the `cuda_ipc` backend needs.
+
+Ray gives each `num_gpus=1` actor CUDA_VISIBLE_DEVICES = its own GPU. Then a peer's GPU is invisible, CUDA
+IPC handles of its memory cannot be mapped with NVLink peer access, and the agent falls back to UCX
+(measured on 2 H200: ~220 GB/s for 1 GiB instead of ~310 over cuda_ipc; docs/benchmarks.md).
+`expose_peer_gpus()` in the actor's __init__, before any CUDA call, shows every GPU of the host with the
+actor's own first: its GPU stays cuda:0 (for torch and for ucxx's progress thread, which makes its CUDA
+context on device 0), and peers become reachable.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def own_gpu(default: int = 0) -> int:
+    """This Ray actor's GPU (physical id) if Ray assigned one, else `default`."""
+    try:
+        import ray
+
+        ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    except ImportError:
+        ids = []
+    return int(ids[0]) if ids else default
+
+
+def set_visible_gpus(own: int, total: int, visible: str = "all") -> None:
+    """Before CUDA initializes: "all" shows `total` GPUs with `own` first, "one" only `own`, "ray" leaves
+    CUDA_VISIBLE_DEVICES as it is."""
+    if visible == "ray":
+        return
+    order = [own] + [i for i in range(total) if i != own] if visible == "all" else [own]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in order)
+
+
+def expose_peer_gpus(total: int) -> int:
+    """In a Ray actor, before CUDA starts: see all `total` GPUs of the host, own first. Returns own id."""
+    own = own_gpu()
+    set_visible_gpus(own, total, "all")
+    return own
