@@ -38,7 +38,9 @@ class _DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self, sig: int, frame) -> None:
         await self._lifecycle.wait_idle(self._drain_timeout_s)
-        super().handle_exit(sig, frame)
+        # exit without recording the signal: uvicorn would re-raise it after shutdown, and Ray's SIGTERM
+        # handler turns that into exit status 15 although the drain handled it
+        self.should_exit = True
 
 
 async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None:
