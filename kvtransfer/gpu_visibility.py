@@ -38,3 +38,19 @@ def expose_peer_gpus(total: int) -> int:
     own = own_gpu()
     set_visible_gpus(own, total, "all")
     return own
+
+
+def node_gpu_count() -> int:
+    """GPUs of the Ray node this process runs on (0 outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    return int(node["Resources"].get("GPU", 0)) if node else 0
+
+
+def uses_cuda_ipc(config) -> bool:
+    """Whether an AgentConfig (or None: no agent) may move data over CUDA IPC."""
+    return config is not None and "cuda_ipc" in config.backends

@@ -21,6 +21,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
+from kvtransfer.gpu_visibility import expose_peer_gpus, node_gpu_count, uses_cuda_ipc
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class PrefillWorker:
 
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
+        if self._engine_config.device.startswith("cuda") and uses_cuda_ipc(self._agent_config):
+            expose_peer_gpus(node_gpu_count())  # before CUDA starts: peers' GPUs visible, ours stays cuda:0
         engine = LLMEngine(self._engine_config)
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
