@@ -23,7 +23,8 @@ from benchclient.workload import BenchRequest
 @dataclass
 class RequestResult:
     """Times are seconds on the driver's clock (`time.perf_counter`); `chunk_times` holds the arrival of every
-    output chunk (the first is the first token; each later one carried new text)."""
+    output chunk: every event with a choice, as vLLM's benchmark counts them (the first is the first token; a later
+    one may carry several tokens, or tokens whose text the server still holds back, or only the finish reason)."""
 
     start: float
     input_len: int
@@ -169,9 +170,7 @@ def _on_event(result: RequestResult, t: float, event: str) -> bool:
         result.completion_tokens = obj["usage"].get("completion_tokens", 0)
         result.tokens_from_usage = True
     for choice in obj.get("choices") or []:
-        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-        if text or not result.chunk_times:  # the first chunk is the first token, even if its text is held back
-            result.chunk_times.append(t)
+        result.chunk_times.append(t)
         result.finish_reason = choice.get("finish_reason") or result.finish_reason
         break
     return False

@@ -120,7 +120,8 @@ def result_record(r: RequestResult, t0: float) -> dict[str, Any]:
     return {"start_s": r.start - t0, "warmup": r.warmup, "ok": r.ok, "error": r.error, "ttft_s": r.ttft,
             "e2e_s": r.e2e, "tpot_s": r.tpot, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens, "max_tokens": r.max_tokens, "input_len": r.input_len,
-            "chunks": len(r.chunk_times), "finish_reason": r.finish_reason}
+            "chunks": len(r.chunk_times), "finish_reason": r.finish_reason,
+            "chunk_offsets_ms": [round((t - r.start) * 1000, 2) for t in r.chunk_times]}
 
 
 def run_report(cfg: RunConfig, results: list[RequestResult]) -> dict[str, Any]:

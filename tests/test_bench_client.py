@@ -24,7 +24,7 @@ def _chunk(text, finish=None):
 
 
 USAGE = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
-# Each script: (delay before the write in s, bytes). "ok": 7 tokens in 4 text chunks and a finish-only chunk.
+# Each script: (delay before the write in s, bytes). "ok": 7 tokens in 5 chunks (the last only finishes).
 SCRIPTS = {
     "ok": [(0.2, _chunk("a")), (0.05, _chunk("bc")), (0.05, _chunk("de")), (0.05, _chunk("fg")),
            (0.0, _chunk("", "length")), (0.0, USAGE), (0.0, "[DONE]")],
@@ -93,8 +93,9 @@ def test_a_known_stream_is_measured_from_its_bytes_and_usage():
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
     assert body["prompt"] == "hello world" and body["max_tokens"] == 7 and body["stream"] is True
     assert r.ok and r.finish_reason == "length" and r.prompt_tokens == 4
-    assert r.completion_tokens == 7 and r.tokens_from_usage  # from usage, not the 4 text chunks
-    assert len(r.chunk_times) == 4 and len(r.itl) == 3        # the finish-only chunk carries no token
+    assert r.completion_tokens == 7 and r.tokens_from_usage  # from usage, not the 5 chunks
+    assert len(r.chunk_times) == 5 and len(r.itl) == 4        # every chunk with a choice, as vLLM counts them
+    assert r.chunk_times == sorted(r.chunk_times)
     assert r.ttft >= 0.2
     assert r.tpot == pytest.approx((r.e2e - r.ttft) / 6)
     assert r.end >= r.chunk_times[-1]
