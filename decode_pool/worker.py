@@ -10,7 +10,6 @@ request -> freed on finish or abort; an abort during a transfer is applied once 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import torch
@@ -23,6 +22,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
+from kvtransfer.backends.ucx import use_python_futures
 from kvtransfer.gpu_visibility import expose_peer_gpus, node_gpu_count, uses_cuda_ipc
 
 RESERVE_RETRY_S = 0.01
@@ -56,9 +56,7 @@ class DecodeWorker:
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         meta = None
         if self._agent_config is not None:
-            # without Python futures, every pending ucxx receive busy-polls with asyncio.sleep(0): a whole core per
-            # idle agent (measured 0.45 CPU-s/s vs 0.01 with them)
-            os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+            use_python_futures()  # one agent in this process: no busy-polling while idle
             self.agent = KVAgent(self.name, self._agent_config)
             self.agent.register_cache(engine.kv_cache, engine.kv_spec)
             meta = self.agent.metadata().to_bytes()
