@@ -44,6 +44,7 @@ class ScriptedServer:
 
     def __init__(self, plan):
         self.plan, self.bodies = plan, []
+        self.open = self.most_open = 0  # connections being answered now, and at most
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -54,6 +55,8 @@ class ScriptedServer:
         self.server.close()
 
     async def _handle(self, reader, writer):
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
             length = int(next(ln.split(":")[1] for ln in head.split("\r\n") if ln.lower().startswith("content-length")))
@@ -74,6 +77,7 @@ class ScriptedServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self.open -= 1
             writer.close()
 
 
@@ -125,11 +129,13 @@ def test_chat_endpoint_sends_messages_and_id_prompts_need_completions():
     assert not r.ok and "completions endpoint" in r.error
 
 
-def _run(plan, **cfg):
+def _run(plan, server_out=None, **cfg):
     async def go():
         async with ScriptedServer(plan) as server:
             config = RunConfig(target=Target(url=server.url, model="m"), slo=SLO(ttft_ms=10_000, tpot_ms=10_000),
                                **cfg)
+            if server_out is not None:
+                server_out.append(server)
             return await run_load(config), config
     results, config = asyncio.run(go())
     return results, run_report(config, results)
@@ -159,3 +165,11 @@ def test_a_request_past_its_timeout_is_a_failure():
     results, doc = _run(["slow", "fast"], arrival=ArrivalSpec(kind="concurrency", concurrency=2),
                         warmup_s=0, num_requests=2, timeout_s=0.5)
     assert doc["summary"]["errors"] == {"timeout after 0.5 s": 1} and doc["summary"]["completed"] == 1
+
+
+def test_closed_loop_never_exceeds_its_concurrency():
+    servers = []
+    results, doc = _run(["ok"], servers, arrival=ArrivalSpec(kind="concurrency", concurrency=3), warmup_s=0,
+                        num_requests=7)
+    assert len(results) == 7 and doc["summary"]["completed"] == 7
+    assert 1 <= servers[0].most_open <= 3
