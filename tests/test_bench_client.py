@@ -6,6 +6,7 @@ never upper bounds on a loaded machine.
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from benchclient.client import Target, stream_request
 from benchclient.run import RunConfig, run_load, run_report
 from benchclient.stats import SLO
 from benchclient.workload import BenchRequest, WorkloadSpec
+from coordinator import cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,3 +175,30 @@ def test_closed_loop_never_exceeds_its_concurrency():
                         num_requests=7)
     assert len(results) == 7 and doc["summary"]["completed"] == 7
     assert 1 <= servers[0].most_open <= 3
+
+
+@pytest.fixture
+def scripted_url():
+    """A ScriptedServer ("fast" streams) on its own event loop thread, for code that runs its own loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = ScriptedServer(["fast"])
+    asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)
+    yield server.url
+    asyncio.run_coroutine_threadsafe(server.__aexit__(None, None, None), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_pdserve_bench_command_saves_figures_and_requests(scripted_url, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", "--url", scripted_url, "--model", "m", "--concurrency", "2", "--num-requests", "5",
+                   "--warmup", "0", "--workload", "uniform", "--input-len", "9", "--output-len", "3",
+                   "--prompt-format", "ids", "--ignore-eos", "--out", str(out)])
+    assert rc == 0 and "TTFT" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["completed"] == 5 and len(doc["requests"]) == 5
+    assert doc["settings"]["arrival"]["concurrency"] == 2 and doc["settings"]["workload"]["kind"] == "uniform"
+    assert cli.main(["bench", "--url", scripted_url, "--model", "m", "--rate", "1", "--concurrency", "2"]) == 2
+    assert "one of --rate" in capsys.readouterr().err
