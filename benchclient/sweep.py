@@ -3,7 +3,8 @@
 Owns the run order and resumption. A layout's pending cells run on one freshly launched server (or one each
 with `restart_per_cell`), which is torn down before the next layout starts. After each cell one row is appended
 to `results.jsonl` (and the cell's full run, every request included, saved under `cells/`), so an interrupted
-sweep, run again, skips the cells whose row says `ok` and redoes the rest. A layout whose server fails to start
+sweep, run again, skips the cells whose row says `ok` and redoes the rest (a cell is known by its layout name,
+workload name and load: rename one whose settings change). A layout whose server fails to start
 records its cells as failed (with the reason) and the sweep goes on. At the end (and on every resume) the
 table (`results.csv`, `results.json`), the plots and `report.md` are rewritten from all rows.
 """
@@ -84,7 +85,7 @@ def _run_group(config: SweepConfig, cells: list[Cell], out: Path, progress: bool
             for cell in cells:
                 print(f"[sweep] {cell.key}", file=sys.stderr, flush=True)
                 rows.append(_append(out, _run_cell(config, cell, url, model, out, progress)))
-    except LaunchError as e:
+    except (LaunchError, ValueError) as e:  # ValueError: the server answered /health but lists no model
         for cell in cells[len(rows):]:
             rows.append(_append(out, cell_row(cell, None, "failed", str(e)[-1500:])))
     return rows
