@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,17 @@ def serving_config(base: Path, overrides: dict[str, Any], port: int, ray_address
     return config
 
 
+@dataclass(frozen=True)
+class LaunchedServer:
+    url: str  # base URL, e.g. http://127.0.0.1:8123
+    pid: int  # the `pdserve serve` process (its Ray workers are its descendants)
+
+
 @contextmanager
 def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
-                    stop_timeout_s: float = 90.0) -> Iterator[str]:
-    """Yields the server's base URL; `config` must already name its port (see `serving_config`)."""
+                    stop_timeout_s: float = 90.0) -> Iterator[LaunchedServer]:
+    """Runs `pdserve serve` until the block ends; `config` must already name its port (see `serving_config`).
+    Raises LaunchError if it does not start, or does not drain and exit with status 0 after SIGTERM."""
     workdir.mkdir(parents=True, exist_ok=True)
     path, log_path = workdir / "serve.yaml", workdir / "server.log"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -62,11 +70,12 @@ def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
                                 start_new_session=True)
         try:
             _wait_healthy(proc, url, log_path, start_timeout_s)
-            yield url
+            yield LaunchedServer(url, proc.pid)
         finally:
             stopped = _stop(proc, stop_timeout_s)
     if not stopped:
-        raise LaunchError(f"the server did not exit within {stop_timeout_s:g} s of SIGTERM; see {log_path}")
+        raise LaunchError(f"the server did not exit with status 0 within {stop_timeout_s:g} s of SIGTERM; "
+                          f"see {log_path}")
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
@@ -84,13 +93,12 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float)
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """SIGTERM (drain), then SIGKILL to the process group; True if it exited on its own."""
+    """SIGTERM (drain), then SIGKILL to the process group; True if it exited on its own with status 0."""
     if proc.poll() is not None:
-        return True
+        return proc.returncode == 0
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout_s)
-        return True
+        return proc.wait(timeout_s) == 0
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

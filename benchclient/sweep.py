@@ -80,7 +80,8 @@ def _run_group(config: SweepConfig, cells: list[Cell], out: Path, progress: bool
     rows: list[dict] = []
     print(f"[sweep] {layout.name}: starting the server for {len(cells)} cell(s)", file=sys.stderr, flush=True)
     try:
-        with launched_server(serve, workdir, config.start_timeout_s) as url:
+        with launched_server(serve, workdir, config.start_timeout_s) as server:
+            url = server.url
             model = first_model(url)
             for cell in cells:
                 print(f"[sweep] {cell.key}", file=sys.stderr, flush=True)

@@ -82,7 +82,7 @@ class SweepConfig:
     start_timeout_s: float = 600.0
     endpoint: str = "completions"
     ignore_eos: bool = True
-    restart_per_cell: bool = False   # False: one server per layout serves its cells in turn
+    restart_per_cell: bool = True    # a fresh system per cell; False: one server per layout serves its cells
     seed: int = 0
     description: str = ""            # shown at the top of the report
 

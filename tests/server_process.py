@@ -7,105 +7,53 @@ fails if it does not exit in time (then it is killed, so nothing is left running
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import yaml
+
+from benchclient.launcher import LaunchedServer, free_port, launched_server
 
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
 HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}  # two workers share one of CI's 2 cores
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    pid: int
-
-    def worker_pids(self, actor_class: str) -> list[int]:
-        """PIDs of this server's Ray actors of one class (descendants of the server process only, so other
-        Ray clusters on the machine are never touched)."""
-        table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-        parent, args = {}, {}
-        for line in table.splitlines():
-            pid, ppid, *cmd = line.split(None, 2)
-            parent[int(pid)], args[int(pid)] = int(ppid), " ".join(cmd)
-
-        def descends(pid: int) -> bool:
-            while pid > 1:
-                if pid == self.pid:
-                    return True
-                pid = parent.get(pid, 0)
-            return False
-        return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
-
-
 @contextmanager
-def running_server(tmp_path: Path, config: dict):
-    port = free_port()
-    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": port}}
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, tmp_path / "server.log")
-        yield Server(url, proc.pid)
-    finally:
-        exited = _stop(proc)
-        log.close()
-    assert exited, f"the server did not exit with status 0 within {STOP_TIMEOUT_S} s of SIGTERM; see {tmp_path}"
+def running_server(tmp_path: Path, config: dict) -> Iterator[LaunchedServer]:
+    """`pdserve serve` on a free loopback port (benchclient's launcher); the test fails unless it drains and
+    exits with status 0 on SIGTERM."""
+    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": free_port()}}
+    with launched_server(config, tmp_path, START_TIMEOUT_S, STOP_TIMEOUT_S) as server:
+        yield server
+
+
+def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
+    """PIDs of this server's Ray actors of one class (descendants of the server process only, so other Ray
+    clusters on the machine are never touched)."""
+    table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    parent, args = {}, {}
+    for line in table.splitlines():
+        pid, ppid, *cmd = line.split(None, 2)
+        parent[int(pid)], args[int(pid)] = int(ppid), " ".join(cmd)
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == server.pid:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+    return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
 
 
 def metric_values(url: str, name: str) -> dict[str, float]:
     """{labels text: value} of one metric family from /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy within {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> bool:
-    """SIGTERM, and True if the server drained and exited cleanly (status 0) in time."""
-    if proc.poll() is not None:
-        return proc.returncode == 0
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(STOP_TIMEOUT_S) == 0
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return False
 
 
 async def complete(client: httpx.AsyncClient, url: str, body: dict) -> dict:

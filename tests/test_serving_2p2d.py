@@ -10,7 +10,7 @@ import pytest
 
 from engine import SamplingParams
 from tests.engine_helpers import random_prompts
-from tests.server_process import HALF_CPU, complete, metric_values, running_server, wait_for_idle_workers
+from tests.server_process import HALF_CPU, complete, metric_values, running_server, wait_for_idle_workers, worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server
     async def kill_one_decode_worker():
         await started.wait()
         await asyncio.sleep(0.5)
-        pids = server_2p2d.worker_pids("DecodeWorker")
+        pids = worker_pids(server_2p2d, "DecodeWorker")
         assert len(pids) == 2, pids
         os.kill(pids[0], signal.SIGKILL)
 
