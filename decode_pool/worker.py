@@ -22,8 +22,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
-from kvtransfer.backends.ucx import use_python_futures
-from kvtransfer.gpu_visibility import expose_peer_gpus, node_gpu_count, uses_cuda_ipc
+from kvtransfer.worker_setup import prepare_process, start_agent
 
 RESERVE_RETRY_S = 0.01
 
@@ -49,16 +48,13 @@ class DecodeWorker:
 
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
-        if self._engine_config.device.startswith("cuda") and uses_cuda_ipc(self._agent_config):
-            expose_peer_gpus(node_gpu_count())  # before CUDA starts: peers' GPUs visible, ours stays cuda:0
+        prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         engine = LLMEngine(self._engine_config)
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         meta = None
         if self._agent_config is not None:
-            use_python_futures()  # one agent in this process: no busy-polling while idle
-            self.agent = KVAgent(self.name, self._agent_config)
-            self.agent.register_cache(engine.kv_cache, engine.kv_spec)
+            self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)
             meta = self.agent.metadata().to_bytes()
         role = "decode" if self.agent else "collocated"
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,

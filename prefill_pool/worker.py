@@ -20,8 +20,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
-from kvtransfer.backends.ucx import use_python_futures
-from kvtransfer.gpu_visibility import expose_peer_gpus, node_gpu_count, uses_cuda_ipc
+from kvtransfer.worker_setup import prepare_process, start_agent
 
 
 @dataclass(frozen=True)
@@ -46,14 +45,11 @@ class PrefillWorker:
 
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
-        if self._engine_config.device.startswith("cuda") and uses_cuda_ipc(self._agent_config):
-            expose_peer_gpus(node_gpu_count())  # before CUDA starts: peers' GPUs visible, ours stays cuda:0
+        prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         engine = LLMEngine(self._engine_config)
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
-        use_python_futures()  # one agent in this process: no busy-polling while idle
-        self.agent = KVAgent(self.name, self._agent_config)
-        self.agent.register_cache(engine.kv_cache, engine.kv_spec)
+        self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agent.metadata().to_bytes())

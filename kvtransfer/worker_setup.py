@@ -1,0 +1,30 @@
+"""Setting up a pool worker's process for KV transfer: the steps every worker takes, in the order they must run.
+
+1. `prepare_process(device, config)` before CUDA starts: in a Ray actor on CUDA that may use cuda_ipc, show
+   the peers' GPUs (ours stays cuda:0).
+2. `start_agent(name, config, kv, spec)` once the engine's cache exists: ucxx Python futures (one agent in this
+   process, so no busy-polling while idle), then the agent with the cache registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_layout import KVCacheSpec
+
+from .agent import AgentConfig, KVAgent
+from .backends.ucx import use_python_futures
+from .gpu_visibility import expose_peer_gpus, node_gpu_count, uses_cuda_ipc
+
+
+def prepare_process(device: str, config: AgentConfig | None) -> None:
+    if device.startswith("cuda") and uses_cuda_ipc(config):
+        expose_peer_gpus(node_gpu_count())
+
+
+def start_agent(name: str, config: AgentConfig, kv: torch.Tensor, spec: KVCacheSpec) -> KVAgent:
+    """kv: the engine's cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+    use_python_futures()
+    agent = KVAgent(name, config)
+    agent.register_cache(kv, spec)
+    return agent
