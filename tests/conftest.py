@@ -1,8 +1,16 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built once per session."""
+"""Shared fixtures: tiny Hugging Face checkpoints built once per session.
+
+Without a GPU, Triton kernels run in Triton's interpreter (set before any kernel module is imported)."""
+
+import os
 
 import pytest
+import torch
 
 from tests.hf_checkpoints import CheckpointCache
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
