@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     pin_lease_s: float = 60.0           # prefill-only blocks are freed if not released within this time
     seed: int = 0                       # for requests without a seed of their own
+    kernels: str = "auto"               # "auto" = Triton kernels on CUDA, torch elsewhere; or "triton" / "torch"
+    cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
 
     def __post_init__(self) -> None:
         checks = [
@@ -37,6 +40,7 @@ class EngineConfig:
              "must be positive"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("pin_lease_s", self.pin_lease_s > 0, "must be positive"),
+            ("kernels", self.kernels in KERNELS, f"must be one of {KERNELS}"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -18,6 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.kv_cache import TORCH_DTYPES, allocate_kv_cache
 from engine.kv_layout import KVCacheSpec
@@ -50,6 +51,9 @@ class LLMEngine:
         self.config = replace(config, dtype=dtype, max_model_len=max_model_len)
         self.device = torch.device(config.device)
         self.model = self._load_model(path, TORCH_DTYPES[dtype])
+        self.uses_kernels = config.kernels == "triton" or (config.kernels == "auto" and self.device.type == "cuda")
+        if self.uses_kernels:
+            self.model.use_kernels()
         self.kv_spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                                    head_dim=mc.head_dim, block_size=config.block_size, dtype=dtype)
         self.num_kv_blocks = self._num_kv_blocks()
@@ -57,7 +61,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, Sampler(self.device, config.seed))
+        graphs = None
+        if self.uses_kernels and config.cuda_graphs and self.device.type == "cuda":
+            graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, self._blocks_for(max_model_len))
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, Sampler(self.device, config.seed),
+                                  graphs)
         self._reserved: set[str] = set()
 
     # ---- requests

@@ -3,19 +3,33 @@
 Module and parameter names are exactly the Hugging Face ones, so `engine.weights.load_weights` maps checkpoint
 tensors one to one. Differences between the architectures are config flags: q/k/v bias (Qwen2), q/k RMSNorm
 (Qwen3), tied embeddings, llama3 rope scaling, sliding window (Mistral).
+
+Two paths, one structure. The torch path (CPU) matches transformers op for op. `use_kernels()` switches to the GPU
+path after loading: q/k/v and gate/up become one projection each (one GEMM instead of three and two), and RMSNorm
+with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, attend, store_kv
 from engine.config import ModelConfig
-from engine.kv_cache import write_kv
 from engine.rope import RotaryEmbedding, apply_rope
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """Rotary inputs of one step. Torch path: cos/sin per token [T, 1, D] in the activation dtype. Kernel path:
+    the whole float32 tables [P, D], which the kernel indexes by `positions` [T] itself."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -23,8 +37,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_kernels = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., dim] -> normed. With `residual`, first x = x + residual; returns (normed, that sum)."""
+        if self.use_kernels and x.dim() == 2:
+            from engine.kernels.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)  # updates residual in place
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -42,20 +67,32 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k and v in one GEMM
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
+    def fuse(self) -> None:
+        self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, rope: RopeInputs, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden]; rope = (cos, sin) [T, 1, D]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        """x [T, hidden]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)  # views of [T, (H + 2 KVH) D]
+            q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+        else:
+            q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
-        write_kv(kv_layer, meta.slot_blocks, meta.slot_offsets, k, v)
-        o = paged_attention(q, kv_layer, meta, self.head_dim ** -0.5)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        use_kernels = self.qkv_proj is not None
+        if use_kernels:
+            from engine.kernels.rope import rope_and_store
+            rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, meta.slots)
+        else:
+            q, k = apply_rope(q, k, rope.cos, rope.sin)
+            store_kv(kv_layer, meta, k, v, use_kernels)
+        o = attend(q, kv_layer, meta, d ** -0.5, use_kernels)  # [T, H, D]
+        return self.o_proj(o.reshape(t, h * d))
 
 
 class MLP(nn.Module):
@@ -64,8 +101,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse(): gate and up in one GEMM
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            from engine.kernels.silu_mul import silu_and_mul
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -77,10 +122,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (not yet added to the residual stream) -> (this layer's, residual)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_layer, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -103,14 +154,42 @@ class CausalLM(nn.Module):
         """input_ids, positions [T]; kv_cache [NB, L, 2, bs, KVH, D] -> final hidden states [T, hidden].
         `on_layer_done(i)` runs after layer i has written its K/V (the hook for layer-wise KV streaming)."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rope(positions, x.dtype)
+        if self.kernels_enabled:
+            rope = RopeInputs(positions, self.rope.cos, self.rope.sin)
+        else:
+            rope = RopeInputs(positions, *self.rope(positions, x.dtype))
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_cache[:, i], meta)
+            x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
+
+    @property
+    def kernels_enabled(self) -> bool:
+        return self.model.layers[0].self_attn.qkv_proj is not None
+
+    def use_kernels(self) -> None:
+        """Switch to the GPU path (after the weights are loaded): fused projections and Triton kernels."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_kernels = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
+
+
+def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of the given ones' outputs (same input)."""
+    weight = torch.cat([lin.weight.data for lin in linears])  # [sum of outs, in]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight.data = weight
+    if fused.bias is not None:
+        fused.bias.data = torch.cat([lin.bias.data for lin in linears])
+    return fused

@@ -1,0 +1,90 @@
+"""DecodeGraphs: CUDA graphs of the decode step (model forward + logits), one per batch-size bucket.
+
+A decode step of a large model is hundreds of small kernels; launched one by one from Python the GPU idles between
+them. Each bucket's graph is captured once, at start, over static input buffers; a step copies its inputs into
+the first rows of those buffers, pads the rest (context length 0 and slot -1: the kernels then neither attend nor
+store) and replays the smallest bucket that fits. Owns the static buffers and the graphs; the KV cache is the
+engine's. Launch parameters of every kernel depend on shapes only, so a graph stays valid for any contents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.model import CausalLM
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int) -> None:
+        dev = kv_cache.device
+        self.model, self.kv_cache, self.max_batch = model, kv_cache, max_batch
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.buckets = bucket_sizes(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    def bucket_for(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step of B <= max_batch rows -> float32 logits [B, vocab] (a view valid until the next
+        replay). input_ids, positions [B] and meta are the step's device tensors."""
+        b = input_ids.shape[0]
+        bucket = self.bucket_for(b)
+        width = meta.decode_block_tables.shape[1]
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"a decode row has {width} blocks; the graphs were captured for at most "
+                             f"{self.block_tables.shape[1]}")
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.slots[:b].copy_(meta.slots)
+        self.context_lens[:b].copy_(meta.decode_context_lens)
+        self.block_tables[:b, :width].copy_(meta.decode_block_tables)
+        if bucket > b:  # rows of an earlier, larger step: make them padding again
+            self.slots[b:bucket].fill_(-1)
+            self.context_lens[b:bucket].zero_()
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:b]
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        dev = self.kv_cache.device
+        empty = torch.zeros(0, dtype=torch.int32, device=dev)
+        return AttentionMetadata(
+            slots=self.slots[:b], num_decode=b, decode_block_tables=self.block_tables[:b],
+            decode_context_lens=self.context_lens[:b], prefill_block_tables=empty.view(0, 0),
+            prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev), prefill_context_lens=empty,
+            prefill_lens=(), sliding_window=self.model.config.sliding_window)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
+            meta = self._meta(b)
+
+            def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
+                hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
+                return self.model.compute_logits(hidden)  # [b, vocab]
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = step()
+            self.graphs[b] = (graph, logits)
+        torch.cuda.synchronize()
