@@ -1,83 +1,175 @@
-"""Sampler: turns one row of logits per sampling request into a token (and its logprobs).
+"""Sampler: turns one row of logits per sampling request into a token (and its logprobs), entirely on the device.
 
-Filters apply in vLLM's order: temperature, top-k, top-p, min-p. Sampling is an exponential race
-(argmax of p / E with E ~ Exp(1), noise indexed by vocabulary id), which draws exactly from p. A seeded
-request's noise comes from a generator seeded by (seed, output index) alone, so it is the same in any batch,
-after preemption, and on whichever worker samples that token (prefill samples the first, decode the rest).
+Filters apply in vLLM's order: temperature, top-k, top-p, min-p. Sampling is an exponential race: the token is
+argmax_v w_v / E_v with w the (unnormalised) filtered probabilities and E_v ~ Exp(1), which draws exactly from w.
+
+The noise is counter-based: E for row r and vocabulary id v is a pure function of (key_r, v) (splitmix64 of
+key_r + (v + 1) * golden ratio, 52 bits -> u in (0, 1) -> -log u), computed with vectorised integer torch ops that
+give the same bits on every device. A seeded request's key is step_seed(seed, output index), so its noise is the
+same in any batch, after preemption, and on whichever worker samples that token (prefill samples the first,
+decode the rest). Unseeded requests take a key from the Sampler's own Python RNG, so no device generator exists.
+
+Host traffic per call: the per-row parameters go to the device in ONE (non-blocking, pinned) copy, and the results
+(tokens, plus chosen and top-N logprobs when any row asks) come back in ONE read; nothing else synchronises.
 Reported logprobs are those of the unmodified model distribution (log_softmax of the raw logits).
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 
 import torch
 
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+# Columns of the packed per-row parameter tensor [S, 6] int64; the float columns hold float64 bit patterns.
+_KEY, _TOP_K, _GREEDY, _TEMP, _TOP_P, _MIN_P = range(6)
+
 
 def step_seed(seed: int, output_index: int) -> int:
+    """The noise key of a seeded request's output_index-th token, in [0, 2**63)."""
     digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def _signed(c: int) -> int:
+    """A 64-bit unsigned constant as the int64 with the same bits."""
+    return c - 2**64 if c >= 2**63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: mask off the copied sign bits)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, in place on int64 bit patterns; multiplication wraps modulo 2**64 (two's complement)."""
+    z ^= _shr(z, 30)
+    z *= _signed(_MIX1)
+    z ^= _shr(z, 27)
+    z *= _signed(_MIX2)
+    z ^= _shr(z, 31)
+    return z
+
+
+def exp_noise(keys: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """keys [R] int64, vocab_ids [V] int64 -> Exp(1) noise [R, V] float32, a pure function of (key, vocabulary id).
+
+    Computed in int64 then float64 (whose log is nearly always correctly rounded) before rounding to float32, so
+    CPU and CUDA agree bit for bit (a 1-ulp float64 difference survives the rounding with probability ~2**-29).
+    """
+    offsets = (vocab_ids + 1) * _signed(_GOLDEN)  # [V], wraps
+    z = _mix64(keys[:, None] + offsets[None, :])  # [R, V] 64 random bits
+    u = (_shr(z, 12).double() + 0.5) * 2.0**-52  # [R, V] in (0, 1): 52 bits + 0.5 is exact in float64
+    return u.log_().neg_().float()  # > 0 always: the smallest is -log(1 - 2**-53) ~ 1.1e-16
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device = device
-        self._unseeded = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
+        self.device = torch.device(device)
+        self._rng = random.Random(seed)  # keys of requests without a seed: instance state, never torch's RNG
+        self._vocab_ids: torch.Tensor | None = None  # [V] int64 on the device, cached
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [S, V] float32, one row per sampling request -> (token ids, logprobs or None per row)."""
-        tokens = logits.argmax(dim=-1)  # [S]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            sub = [params[i] for i in random_rows]
-            probs = self._filtered_probs(logits[rows], sub)  # [R, V]
-            noise = torch.stack([self._noise(p, output_indices[i], logits.shape[1])
-                                 for i, p in zip(random_rows, sub, strict=True)])
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, params, token_list)
+        if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(output_indices):
+            raise ValueError(f"logits must be [S, V] with S == len(params) == len(output_indices), got logits "
+                             f"{tuple(logits.shape)}, {len(params)} params, {len(output_indices)} output_indices")
+        if not params:
+            return [], []
+        logits = logits.float()
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)  # [S]
+        else:
+            tokens = self._sample(logits, params, output_indices)  # [S]
+        return self._read_back(logits, tokens, params)
 
-    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """logits [R, V] -> probabilities [R, V] after temperature, top-k, top-p and min-p."""
-        dev, vocab = logits.device, logits.shape[1]
-        temps = torch.tensor([p.temperature for p in params], device=dev)[:, None]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
-        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-        sorted_logits, order = (logits / temps).sort(dim=-1, descending=True)  # [R, V]
-        drop = torch.arange(vocab, device=dev)[None, :] >= top_k
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        drop |= (probs.cumsum(dim=-1) - probs) > top_p  # keeps the first token always
-        drop |= probs < min_p * probs[:, :1]
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        return torch.zeros_like(probs).scatter_(1, order, probs)
-
-    def _noise(self, p: SamplingParams, output_index: int, vocab: int) -> torch.Tensor:
-        """[V] Exp(1) noise for one row."""
-        gen = self._unseeded
-        if p.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, output_index))
-        return torch.empty(vocab, device=self.device).exponential_(generator=gen)
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                output_indices: list[int]) -> torch.Tensor:
+        """logits [S, V] -> tokens [S] int64; greedy and random rows in one vectorised pass."""
+        vocab = logits.shape[1]
+        packed = self._pack(params, output_indices, vocab)  # [S, 6] int64 on the device
+        floats = packed[:, _TEMP:].view(torch.float64).float()  # [S, 3]: temperature, top_p, min_p
+        scaled = logits / floats[:, :1]  # [S, V] (greedy rows carry temperature 1)
+        weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # [S, V] unnormalised probabilities
+        if any(_filters(p, vocab) for p in params):
+            keep = self._keep(scaled, packed[:, _TOP_K:_TOP_K + 1], floats[:, 1:2], floats[:, 2:3])  # [S, V]
+            weights = weights.masked_fill_(~keep, 0.0)
+        noise = exp_noise(packed[:, _KEY], self._ids(vocab, logits.device))  # [S, V]
+        race = (weights / noise).argmax(dim=-1)  # [S]
+        return torch.where(packed[:, _GREEDY].bool(), logits.argmax(dim=-1), race)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                  tokens: list[int]) -> list[TokenLogprob | None]:
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        result: list[TokenLogprob | None] = [None] * len(params)
-        if not wanted:
-            return result
-        logprobs = logits[wanted].log_softmax(dim=-1)  # [W, V]
-        n_top = max(params[i].logprobs or 0 for i in wanted)
-        top_vals, top_ids = logprobs.topk(max(n_top, 1), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=logits.device))
-        top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
-        for row, i in enumerate(wanted):
-            n = params[i].logprobs or 0
-            top = dict(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
-            result[i] = TokenLogprob(tokens[i], chosen[row], top)
-        return result
+    def _keep(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        """scaled logits [S, V], top_k/top_p/min_p [S, 1] -> bool [S, V]: the tokens the filters keep.
+
+        Each filter keeps a prefix of the descending (stable) order, so the first token always survives and ties
+        break towards the lower vocabulary id, as argmax does.
+        """
+        vocab = scaled.shape[1]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [S, V]
+        drop = torch.arange(vocab, device=scaled.device)[None, :] >= top_k  # [S, V]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)  # after top-k, as vLLM
+        drop |= (probs.cumsum(dim=-1) - probs) > top_p  # probability mass before the token
+        drop |= probs < min_p * probs[:, :1]
+        return torch.zeros_like(drop).scatter_(1, order, ~drop)
+
+    def _pack(self, params: list[SamplingParams], output_indices: list[int], vocab: int) -> torch.Tensor:
+        """All per-row parameters in one [S, 6] int64 host tensor, sent with one (non-blocking) copy."""
+        ints, floats = [], []
+        for p, index in zip(params, output_indices, strict=True):
+            if p.greedy:
+                key = 0
+            elif p.seed is not None:
+                key = step_seed(p.seed, index)
+            else:
+                key = self._rng.getrandbits(63)
+            top_k = p.top_k if 0 < p.top_k < vocab else vocab
+            top_p = p.top_p if p.top_p < 1 else float("inf")  # top_p = 1 keeps everything despite cumsum rounding
+            ints.append((key, top_k, int(p.greedy)))
+            floats.append((p.temperature if not p.greedy else 1.0, top_p, p.min_p))
+        cuda = self.device.type == "cuda"
+        host = torch.empty((len(params), 6), dtype=torch.int64, pin_memory=cuda)
+        host[:, :_TEMP] = torch.tensor(ints, dtype=torch.int64)
+        host[:, _TEMP:].view(torch.float64).copy_(torch.tensor(floats, dtype=torch.float64))
+        return host.to(self.device, non_blocking=True) if cuda else host.to(self.device)
+
+    def _ids(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._vocab_ids is None or self._vocab_ids.shape[0] != vocab or self._vocab_ids.device != device:
+            self._vocab_ids = torch.arange(vocab, dtype=torch.int64, device=device)
+        return self._vocab_ids
+
+    @staticmethod
+    def _read_back(logits: torch.Tensor, tokens: torch.Tensor,
+                   params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One device->host read: tokens [S], plus chosen and top-N logprobs when any row asks for them."""
+        wanted = [p.logprobs for p in params]
+        if all(n is None for n in wanted):
+            return tokens.tolist(), [None] * len(params)
+        n_top = max(n or 0 for n in wanted)
+        lse = logits.logsumexp(dim=-1, keepdim=True)  # [S, 1]
+        top_vals, top_ids = logits.topk(n_top, dim=-1)  # [S, N], sorted descending
+        chosen = logits.gather(1, tokens[:, None]) - lse  # [S, 1]
+        rows = torch.cat([tokens[:, None].double(), chosen.double(), (top_vals - lse).double(), top_ids.double()],
+                         dim=1).tolist()  # [S, 2 + 2N]: float64 holds token ids exactly
+        result: list[TokenLogprob | None] = []
+        for row, n in zip(rows, wanted, strict=True):
+            token = int(row[0])
+            if n is None:
+                result.append(None)
+                continue
+            top = {int(i): v for i, v in zip(row[2 + n_top:2 + n_top + n], row[2:2 + n], strict=True)}
+            result.append(TokenLogprob(token, row[1], top))
+        return [int(row[0]) for row in rows], result
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    """Whether a row needs the sorted pass (top-k, top-p or min-p active)."""
+    return not p.greedy and (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)

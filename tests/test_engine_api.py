@@ -3,10 +3,8 @@
 import time
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler
 from tests.engine_helpers import LogitsRecorder, random_prompts
 
 
@@ -104,28 +102,6 @@ def test_filters_that_leave_one_token_equal_greedy(llm):
     for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
         p = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, **kw)
         assert [o.token_ids for o in llm.generate(prompts, p)] == greedy, kw
-
-
-def test_sampler_draws_from_the_filtered_distribution():
-    sampler = Sampler(torch.device("cpu"), seed=0)
-    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.06, 0.04]]))
-    n = 20000
-
-    def freqs(p):
-        tokens, _ = sampler(logits.expand(n, 5), [p] * n, list(range(n)))
-        return torch.bincount(torch.tensor(tokens), minlength=5).float() / n
-
-    full = freqs(SamplingParams(temperature=1.0))
-    assert torch.allclose(full, torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04]), atol=0.015)
-    top2 = freqs(SamplingParams(temperature=1.0, top_k=2))
-    assert torch.allclose(top2, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]), atol=0.015)
-    nucleus = freqs(SamplingParams(temperature=1.0, top_p=0.8))  # keeps 0.5, 0.25, 0.15 (cumulative before < 0.8)
-    assert torch.allclose(nucleus, torch.tensor([0.5, 0.25, 0.15, 0, 0]) / 0.9, atol=0.015)
-    minp = freqs(SamplingParams(temperature=1.0, min_p=0.2))  # keeps p >= 0.1
-    assert torch.allclose(minp, torch.tensor([0.5, 0.25, 0.15, 0, 0]) / 0.9, atol=0.015)
-    hot = freqs(SamplingParams(temperature=2.0))
-    expected = torch.softmax(logits[0] / 2.0, dim=0)
-    assert torch.allclose(hot, expected, atol=0.015)
 
 
 def test_logprobs_are_the_model_distribution(llm):
