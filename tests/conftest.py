@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from tests.hf_checkpoints import CheckpointCache
-
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # before anything imports triton (transformers does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.hf_checkpoints import CheckpointCache  # noqa: E402
 
 
 @pytest.fixture(scope="session")
