@@ -1,5 +1,7 @@
 """Engine throughput benchmark: `python -m engine.bench --model tiny --batch 8 --prompt-len 256 --output-len 64`.
 
+`python -m engine.bench --gpu --model FOLDER` runs the GPU benchmark of engine.bench_gpu instead.
+
 Prints one JSON line per phase with its figure next to the ceiling measured in the same run:
 - prefill: tokens/s and achieved FLOP/s (2 x parameters per token) against a dense matmul's FLOP/s;
 - decode: tokens/s and achieved bytes/s (weights + KV context read per step) against a large copy's bytes/s.
@@ -102,6 +104,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
+    import sys
+    if "--gpu" in sys.argv[1:]:  # the Llama-3-8B GPU benchmark (engine.bench_gpu)
+        from engine.bench_gpu import main as gpu_main
+        gpu_main([a for a in sys.argv[1:] if a != "--gpu"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--dtype", default="auto")

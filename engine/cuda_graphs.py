@@ -32,6 +32,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.buckets = bucket_sizes(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
         self._capture()
 
     def bucket_for(self, batch: int) -> int | None:
@@ -57,6 +58,7 @@ class DecodeGraphs:
             self.context_lens[b:bucket].zero_()
         graph, logits = self.graphs[bucket]
         graph.replay()
+        self.replays += 1
         return logits[:b]
 
     def _meta(self, b: int) -> AttentionMetadata:

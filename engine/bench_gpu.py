@@ -1,0 +1,207 @@
+"""GPU benchmark of one engine: `python -m engine.bench --gpu --model /dev/shm/llama-3-8b`.
+
+Prints one JSON line per case, each figure next to the ceiling measured in this run and the ratio:
+- ceilings: device copy bandwidth (bytes read + written by a 2 GiB copy) and a bf16 8192^3 matmul's FLOP/s;
+- decode steps (batch 1 at 1k context, batch 64 at 2k): median engine.step() wall time against its floor,
+  (weights read per step + KV read and written per step) / copy bandwidth; weights exclude the embedding table
+  (one row per token is read), include the LM head;
+- prefill (one 2k prompt; 8 x 512): FLOP/s against the matmul's, counting 2 x matmul parameters x tokens for
+  the layers, 2 x LM-head parameters per sampled row, and 4 x heads x head_dim x (attended keys) per layer;
+- the decode attention kernel alone (batch 64, 4k context): KV bytes read / time against copy bandwidth;
+- transformers `generate` on the same weights and GPU (batch 1 and 16): wall time against ours, the speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def _events_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), on random data."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    copy_s = _events_ms(lambda: dst.copy_(src)) / 1e3
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda",
+                                                                               dtype=torch.bfloat16)
+    mm_s = _events_ms(lambda: a @ b) / 1e3
+    copied = 2 * src.numel() * src.element_size()  # read + written
+    return copied / copy_s, 2 * n**3 / mm_s
+
+
+class Bench:
+    def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
+                                             max_num_batched_tokens=8192, enable_prefix_caching=False,
+                                             kv_cache_memory_bytes=kv_bytes, max_model_len=8192))
+        self.bandwidth, self.flops = bandwidth, flops
+        e = self.engine
+        self.cfg = e.model_config
+        self.kv_token_bytes = e.kv_spec.block_bytes // e.kv_spec.block_size  # all layers, K and V
+        params = dict(e.model.named_parameters())
+        self.embed_params = params["model.embed_tokens.weight"].numel()
+        self.head_params = self.cfg.vocab_size * self.cfg.hidden_size
+        total = sum(p.numel() for p in params.values())
+        if self.cfg.tie_word_embeddings:
+            self.layer_params = total - self.embed_params
+        else:
+            self.layer_params = total - self.embed_params - self.head_params
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _prompts(self, n: int, length: int) -> list[list[int]]:
+        return [torch.randint(3, self.cfg.vocab_size, (length,), generator=self.gen).tolist() for _ in range(n)]
+
+    def _add(self, tag: str, prompts: list[list[int]], max_tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            self.engine.add_request(f"{tag}{i}", p, params)
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def decode(self, batch: int, context: int, steps: int = 48) -> dict:
+        self._add(f"d{batch}-", self._prompts(batch, context), steps + 2)
+        while any(r.num_pending_tokens > 1 for r in self.engine.scheduler.running) or self.engine.scheduler.waiting:
+            self.engine.step()  # prefill
+        self.engine.step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - start)
+        self._drain()
+        step_s = statistics.median(times)
+        weight_bytes = 2 * (self.layer_params + self.head_params)  # bf16
+        mean_ctx = context + 1 + steps / 2
+        kv_bytes = batch * (mean_ctx + 1) * self.kv_token_bytes  # read the context, write the new token
+        floor_s = (weight_bytes + kv_bytes) / self.bandwidth
+        return {"case": f"decode batch {batch}, {context} context", "step_ms": round(step_s * 1e3, 3),
+                "floor_ms": round(floor_s * 1e3, 3), "x_floor": round(step_s / floor_s, 3),
+                "tokens_per_s": round(batch / step_s, 1), "bytes_per_step": int(weight_bytes + kv_bytes),
+                "copy_gb_per_s": round(self.bandwidth / 1e9, 1)}
+
+    def prefill(self, lengths: list[int]) -> dict:
+        prompts = [self._prompts(1, n)[0] for n in lengths]
+        self._add("warm", prompts, 1)
+        self._drain()
+        self._add("p", prompts, 1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.engine.step()  # every prompt fits one step's budget
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - start
+        self._drain()
+        cfg, tokens = self.cfg, sum(lengths)
+        attended = sum(n * (n + 1) // 2 for n in lengths)
+        flop = 2 * self.layer_params * tokens + 2 * self.head_params * len(lengths) + \
+            4 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers
+        return {"case": f"prefill {len(lengths)} x {lengths[0]}", "ms": round(secs * 1e3, 2),
+                "tflops": round(flop / secs / 1e12, 1), "matmul_tflops": round(self.flops / 1e12, 1),
+                "ratio": round(flop / secs / self.flops, 3)}
+
+    def attention_kernel(self, batch: int = 64, context: int = 4096) -> dict:
+        from engine.kernels.decode_attention import decode_attention
+        cfg, e = self.cfg, self.engine
+        bs = e.kv_spec.block_size
+        per_seq = context // bs
+        tables = torch.randperm(e.num_kv_blocks)[: batch * per_seq].view(batch, per_seq).to(torch.int32).cuda()
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        kv_layer = e.kv_cache[:, 0]
+        kv_layer.normal_()  # random K/V, not zeros
+        out = torch.empty_like(q)
+        ms = _events_ms(lambda: decode_attention(q, kv_layer, tables, lens, cfg.head_dim ** -0.5, out=out))
+        nbytes = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        return {"case": f"decode attention kernel batch {batch}, {context} context", "ms": round(ms, 4),
+                "gb_per_s": round(nbytes / ms / 1e6, 1), "copy_gb_per_s": round(self.bandwidth / 1e9, 1),
+                "ratio": round(nbytes / ms / 1e6 / (self.bandwidth / 1e9), 3)}
+
+    def generate_seconds(self, batch: int, prompt_len: int, new_tokens: int) -> float:
+        prompts = self._prompts(batch, prompt_len)
+        self._add("gw", prompts, new_tokens)
+        self._drain()
+        self._add("g", prompts, new_tokens)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self._drain()
+        return time.perf_counter() - start
+
+
+def transformers_seconds(model: str, batch: int, prompt_len: int, new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(3, hf.config.vocab_size, (batch, prompt_len), device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - start
+    del hf
+    torch.cuda.empty_cache()
+    return secs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Llama-3-8B-shaped checkpoint folder")
+    parser.add_argument("--kv-gib", type=float, default=40)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--cases", default="attention,decode1,decode64,prefill,generate")
+    args = parser.parse_args(argv)
+    cases = set(args.cases.split(","))
+    bandwidth, flops = ceilings()
+    print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
+                      round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
+    bench = Bench(args.model, bandwidth, flops, int(args.kv_gib * (1 << 30)))
+    if "attention" in cases:
+        print(json.dumps(bench.attention_kernel()), flush=True)
+    if "decode1" in cases:
+        print(json.dumps(bench.decode(1, 1024)), flush=True)
+    if "decode64" in cases:
+        print(json.dumps(bench.decode(64, 2048)), flush=True)
+    if "prefill" in cases:
+        print(json.dumps(bench.prefill([2048])), flush=True)
+        print(json.dumps(bench.prefill([512] * 8)), flush=True)
+    if "generate" in cases:
+        ours = {b: bench.generate_seconds(b, 512, 128) for b in (1, 16)}
+        del bench
+        torch.cuda.empty_cache()
+        for b, secs in ours.items():
+            line = {"case": f"generate batch {b}, 512 prompt + 128 new", "ours_s": round(secs, 3)}
+            if not args.skip_transformers:
+                theirs = transformers_seconds(args.model, b, 512, 128)
+                line |= {"transformers_s": round(theirs, 3), "speedup": round(theirs / secs, 2)}
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
