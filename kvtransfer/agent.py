@@ -27,7 +27,7 @@ from engine.kv_layout import KVCacheSpec
 from . import backends, wire
 from .backends.cuda_ipc import CudaIpcPeer, export
 from .backends.ucx import UcxConnection, UcxServer
-from .cache import RegisteredCache
+from .cache import RegisteredCache, event_done
 from .client import ucx_chunk
 from .descriptors import Chunk, plan
 from .errors import BadDescriptor, PeerLost, TransferError, TransferTimeout
@@ -42,7 +42,7 @@ from .staging import StagingPool
 
 @dataclass(frozen=True)
 class AgentConfig:
-    max_chunk_bytes: int = 64 << 20  # one copy carries at most this much (cuda_ipc; 64 MiB best on H200)
+    max_chunk_bytes: int = 4 << 30  # one cuda_ipc kernel launch moves at most this much
     ucx_chunk_bytes: int = 512 << 20  # one UCX message carries at most this much (fewer round trips)
     staging_bytes: int = 1 << 30  # per staging pool (client side, serving side, and per IPC peer GPU)
     timeout_s: float = 30.0  # default deadline of a transfer
@@ -130,7 +130,7 @@ class KVAgent:
         await self._connect(remote, time.monotonic() + self.config.connect_timeout_s)
         if backend == "cuda_ipc":
             assert self._cache is not None and meta.cache is not None
-            remote.ipc = CudaIpcPeer(self._cache, meta.cache, self.config.staging_bytes)
+            remote.ipc = CudaIpcPeer(self._cache, meta.cache)
         self._remotes[meta.name] = remote
 
     async def _connect(self, remote: _Remote, deadline: float) -> UcxConnection:
@@ -218,21 +218,37 @@ class KVAgent:
         nbytes = sum(c.nbytes(cache.spec) for c in chunks)
         ready = cache.caller_event()
         deadline = time.monotonic() + (timeout or self.config.timeout_s)
-        fut = self._loop.submit(self._transfer(op, r, cache, chunks, ready, notify, deadline))
+        if r.ipc is not None:  # queue the GPU copies now, from this thread; the loop only awaits completion
+            t0 = time.monotonic()
+            done = r.ipc.launch(op, chunks, ready)
+            fut = self._loop.submit(self._finish_ipc(op, r, done, nbytes, notify, deadline, t0))
+        else:
+            fut = self._loop.submit(self._transfer(op, r, cache, chunks, ready, notify, deadline))
         return TransferHandle(fut, op, remote, nbytes)
+
+    async def _finish_ipc(self, op: str, r: _Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
+                          deadline: float, t0: float) -> None:
+        try:
+            await event_done(done, deadline)
+            if notify is not None:
+                await self._notify(r.meta.name, notify, deadline)
+            self._metrics.record_ok(op, nbytes, time.monotonic() - t0)
+        except TransferError as e:
+            self._metrics.record_failure(op, e)
+            raise
+        except Exception as e:  # noqa: BLE001 - surface anything else as a TransferError
+            self._metrics.record_failure(op, e)
+            raise TransferError(f"{op} with {r.meta.name!r} failed: {e!r}") from e
 
     async def _transfer(self, op: str, r: _Remote, cache: RegisteredCache, chunks: list[Chunk],
                         ready: torch.cuda.Event | None, notify: bytes | None, deadline: float) -> None:
         t0 = time.monotonic()
         try:
-            if r.ipc is not None:
-                jobs = [r.ipc.chunk(op, c, ready, deadline) for c in chunks]
-            else:
-                conn = await self._connect(r, deadline)
-                cache.wait_event(ready)
-                pool = self._client_pool
-                assert pool is not None
-                jobs = [ucx_chunk(op, conn, cache, pool, c, next(self._xids), deadline) for c in chunks]
+            conn = await self._connect(r, deadline)
+            cache.wait_event(ready)
+            pool = self._client_pool
+            assert pool is not None
+            jobs = [ucx_chunk(op, conn, cache, pool, c, next(self._xids), deadline) for c in chunks]
             results = await asyncio.gather(*jobs, return_exceptions=True)
             errors = [e for e in results if isinstance(e, BaseException)]
             if errors:  # a timeout aborts the connection, failing the others: report the timeout
@@ -257,7 +273,6 @@ class KVAgent:
         """Counters (see TransferMetrics.snapshot) plus staging slots in use / quarantined and remotes."""
         snap = self._metrics.snapshot()
         pools = [p for p in (self._client_pool, self._serve_pool) if p is not None]
-        pools += [p for r in self._remotes.values() if r.ipc for p in (r.ipc.local_pool, r.ipc.remote_pool)]
         snap["staging_in_use"] = sum(p.in_use for p in pools)
         snap["staging_quarantined"] = sum(p.quarantined for p in pools)
         snap["remotes"] = self.remotes()

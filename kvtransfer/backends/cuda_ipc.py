@@ -1,29 +1,26 @@
 """The `cuda_ipc` backend: one-sided block copies between two CUDA caches of one host over NVLink.
 
 The exporting agent puts a CUDA IPC handle of its whole cache tensor in its metadata (`export`). A peer on
-the same host that can see that GPU and reach it peer-to-peer maps it (`CudaIpcPeer.open`) and then moves
-blocks itself, with no help from the owner's process:
-  read:  gather on the owner's GPU (skipped if the blocks are one contiguous region) -> one peer copy
-         over NVLink -> scatter on our GPU (skipped likewise);
-  write: the same in the other direction.
-Chunks alternate between two stream pairs so one chunk's gather overlaps the previous chunk's copy.
-Staging slots on both GPUs come from pools this side owns and go back on every path.
-Ordering with the owner's compute is the protocol's job: a reader reads after the owner's "blocks ready"
-notification; a writer notifies after its copies completed (the agent sends the notify over UCX).
+the same host that can see that GPU and reach it peer-to-peer maps it (`CudaIpcPeer`) and then moves blocks
+itself, with no help from the owner's process: one `engine.kernels.block_copy.copy_blocks` launch per chunk,
+scattered blocks to scattered blocks, with no staging buffer. The kernel runs on the destination's GPU and
+reads the source over NVLink (a read runs on our GPU; a write on the peer's GPU, pulling from ours).
+`launch()` queues the work from the caller's thread, so a transfer costs one kernel launch and an event of host
+time; only the completion wait goes to the agent's loop. Ordering with the owner's compute is the protocol's
+job: a reader reads after the owner's "blocks ready" notification; a writer notifies after its copies completed
+(the agent sends the notify over UCX).
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 
 import torch
 
-from ..cache import RegisteredCache, device_index, event_done
+from ..cache import RegisteredCache
 from ..descriptors import Chunk
 from ..metadata import CacheInfo
-from ..staging import Slot, StagingPool
 
 
 def export(cache: RegisteredCache) -> bytes | None:
@@ -70,7 +67,7 @@ def unavailable_reason(local: RegisteredCache | None, remote: CacheInfo | None) 
 
 
 class CudaIpcPeer:
-    def __init__(self, local: RegisteredCache, remote: CacheInfo, staging_bytes: int) -> None:
+    def __init__(self, local: RegisteredCache, remote: CacheInfo) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         idx = _local_index(remote.device_uuid)
@@ -80,80 +77,41 @@ class CudaIpcPeer:
         kv = rebuild_cuda_tensor(*args)  # [num_blocks, num_layers, 2, block_size, heads, head_dim]
         self.remote = RegisteredCache(kv, remote.spec)
         self.local = local
-        rdev, ldev = self.remote.device, local.device
-        self._pairs = [(torch.cuda.Stream(rdev), torch.cuda.Stream(ldev)) for _ in range(2)]
-        self._next = 0
-        self.remote_pool = StagingPool(staging_bytes, rdev, "remote-GPU staging")
-        self.local_pool = StagingPool(staging_bytes, ldev, "local-GPU staging")
+        self._streams = {d: torch.cuda.Stream(d) for d in {self.remote.device, local.device}}
+        _enable_peer_access(local.device, self.remote.device)
 
-    @contextmanager
-    def _streams(self) -> Iterator[tuple[torch.cuda.Stream, torch.cuda.Stream]]:
-        rs, ls = self._pairs[self._next % len(self._pairs)]
-        self._next += 1
-        with ExitStack() as st:
-            st.enter_context(torch.cuda.stream(rs))
-            if ls.device != rs.device:
-                st.enter_context(torch.cuda.stream(ls))
-            yield rs, ls
+    def launch(self, op: str, chunks: Sequence[Chunk], ready: torch.cuda.Event | None) -> torch.cuda.Event:
+        """Queue the copies of a read (remote -> local) or write (local -> remote), after `ready` (the caller's
+        stream event); returns the event that completes with the last copy. Called from the caller's thread."""
+        from engine.kernels.block_copy import copy_blocks
 
-    async def chunk(self, op: str, chunk: Chunk, ready: torch.cuda.Event | None, deadline: float) -> int:
-        """Move one chunk (read: remote -> local, write: local -> remote); returns its byte count."""
-        src_cache, dst_cache = (self.remote, self.local) if op == "read" else (self.local, self.remote)
-        src_ids, dst_ids = (
-            (chunk.remote_ids, chunk.local_ids) if op == "read" else (chunk.local_ids, chunk.remote_ids)
-        )
-        src_pool, dst_pool = (
-            (self.remote_pool, self.local_pool) if op == "read" else (self.local_pool, self.remote_pool)
-        )
-        nbytes = chunk.nbytes(self.local.spec)
-        slots: list[tuple[StagingPool, Slot]] = []
-        in_flight = False  # GPU work queued that may still use the slots
-        try:
-            src = src_cache.region(src_ids, chunk.layers)
-            dst = dst_cache.region(dst_ids, chunk.layers)
-            # A copy runs on the source GPU; into IPC-mapped memory of another GPU it crawls (~35 GB/s
-            # measured on H200 NVLink), into our own allocation there it runs at link speed. So a write
-            # always lands in a staging slot on the peer GPU, then moves locally there.
-            stage_dst = dst is None or op == "write"
-            if src is None:
-                slots.append((src_pool, await src_pool.acquire(nbytes, deadline)))
-            if stage_dst:
-                slots.append((dst_pool, await dst_pool.acquire(nbytes, deadline)))
-            with self._streams() as (rs, ls):
-                s_stream, d_stream = (rs, ls) if op == "read" else (ls, rs)
-                if ready is not None:
-                    ls.wait_event(ready)  # the caller's work on our GPU comes first
-                if src is None:
-                    src = slots[0][1].view
-                    _gather(src_cache, src_ids, chunk.layers, src)
-                stage = slots[-1][1].view if stage_dst else dst
-                assert stage is not None
-                stage.copy_(src, non_blocking=True)  # the peer copy, on the source GPU's current stream
-                if stage_dst and dst is not None:
-                    dst.copy_(stage, non_blocking=True)  # same GPU, on its current stream
-                elif stage_dst:
-                    _scatter(dst_cache, dst_ids, chunk.layers, stage)
-                done = torch.cuda.Event()
-                done.record(d_stream)
-                in_flight = True
-            await event_done(done, deadline)
-            in_flight = False
-            return nbytes
-        finally:
-            for pool, slot in slots:
-                (pool.quarantine if in_flight else pool.release)(slot)
+        src, dst = (self.remote, self.local) if op == "read" else (self.local, self.remote)
+        stream = self._streams[dst.device]
+        with torch.cuda.device(dst.device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)  # the caller's work on our GPU comes first
+            for c in chunks:
+                src_ids, dst_ids = (c.remote_ids, c.local_ids) if op == "read" else (c.local_ids, c.remote_ids)
+                ids = _pinned(src_ids + dst_ids).to(dst.device, non_blocking=True)  # [2n] int32
+                n = len(src_ids)
+                copy_blocks(src.kv, ids[:n], dst.kv, ids[n:], c.layers[0], c.layers[1])
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
 
     def close(self) -> None:
-        self.remote_pool.clear()
-        self.local_pool.clear()
+        self._streams.clear()
 
 
-def _gather(cache: RegisteredCache, ids: tuple[int, ...], layers: tuple[int, int], out: torch.Tensor) -> None:
-    """Gather on the current stream of the cache's device (not the cache's own stream)."""
-    idx = device_index(ids, cache.device)
-    torch.index_select(cache.words[:, layers[0] : layers[1]], 0, idx, out=cache.as_words(out, len(ids), layers))
+def _enable_peer_access(a: torch.device, b: torch.device) -> None:
+    """The kernels dereference the other GPU's memory: torch turns peer access on at a pair's first copy."""
+    if a != b:
+        x, y = torch.zeros(1, device=a), torch.zeros(1, device=b)
+        x.copy_(y)
+        y.copy_(x)
+        torch.cuda.synchronize(a)
 
 
-def _scatter(cache: RegisteredCache, ids: tuple[int, ...], layers: tuple[int, int], src: torch.Tensor) -> None:
-    idx = device_index(ids, cache.device)
-    cache.words[:, layers[0] : layers[1]].index_copy_(0, idx, cache.as_words(src, len(ids), layers))
+def _pinned(values: tuple[int, ...]) -> torch.Tensor:
+    """[n] int32 in pinned host memory: its copy to the GPU does not wait for the GPU's queue."""
+    return torch.tensor(values, dtype=torch.int32).pin_memory()
