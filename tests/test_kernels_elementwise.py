@@ -457,7 +457,7 @@ def test_cuda_copy_blocks_from_a_peer_gpu():
     dst = torch.randn(shape, dtype=torch.bfloat16, device="cuda:0")
     src_ids, dst_ids = scattered_ids(512, 600, g).to("cuda:0"), scattered_ids(512, 600, gen(112)).to("cuda:0")
     ref = dst.clone()
-    ref[dst_ids] = src[src_ids.to("cuda:1")].to("cuda:0")
+    ref[dst_ids] = src[src_ids.to("cuda:1")].to("cuda:0")  # torch's peer copy also enables peer access 0 -> 1
     copy_blocks(src, src_ids, dst, dst_ids)
     torch.cuda.synchronize(0)
     assert torch.equal(bits(dst), bits(ref))
@@ -486,6 +486,9 @@ def test_cuda_elementwise_llama8b_sizes():
     reference_store(cache_ref, 17, k_torch, v, slots)
     rope_and_store(q, k, v, positions, rope.cos, rope.sin, cache[:, 17], slots)
     assert torch.equal(q, q_torch) and torch.equal(k, k_torch)
+    assert torch.equal(bits(cache), bits(cache_ref))
+    reference_store(cache_ref, 3, k_torch, v, slots)
+    store_kv(k, v, cache[:, 3], slots)
     assert torch.equal(bits(cache), bits(cache_ref))
 
     x, res, w = (randn((t, L8B["hidden"]), dtype, g), randn((t, L8B["hidden"]), dtype, g),

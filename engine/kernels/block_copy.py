@@ -8,7 +8,8 @@ program and no per-element index math. Data is moved as the widest integer word 
 the chunk, the strides and every base address, so loads and stores become 16-byte vectors.
 
 The source may live on another CUDA device than the destination (peer memory, e.g. a cache opened through CUDA
-IPC): kernels run on the destination's device and pull over the link. Block ids must be on that device. Ids
+IPC): kernels run on the destination's device and pull over the link (peer access from the destination's device
+must be enabled, as torch does at a pair's first peer copy). Block ids must be on that device. Ids
 outside [0, num_blocks) are skipped (nothing read or written for that entry); repeated destination ids race, and
 overlapping source and destination blocks of one cache are undefined.
 """
