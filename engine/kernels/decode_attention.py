@@ -1,0 +1,212 @@
+"""Paged decode attention (one new token per sequence) as a Triton flash-decoding kernel, and its wrapper.
+
+Owns `decode_attention`: the semantics of engine.attention.paged_attention's decode branch (the query sits at
+position context_len - 1 and sees every cached key up to it, or the last `sliding_window` of them; GQA), read
+straight from the paged cache through the block table, without gathering K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import check, interpreting
+
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# Stage 1. Grid (B, KVH, NUM_SPLITS). Decode is memory-bound: every K/V byte of the context is read once, so one
+# program owns one KV head and all GROUP = H/KVH query heads that share it (rows of a [BLOCK_G >= 16, D] Q tile,
+# padded and masked, so tl.dot applies), and streams one contiguous slice of the context. The slice comes from
+# context_lens[b] on the device (whole paged blocks, cdiv(blocks, NUM_SPLITS) per split), so every split has work
+# whatever the padded table width is (a CUDA graph pads it to the model's max length). A tile is BLOCK_N tokens
+# spanning several paged blocks: each token's block id is read from the table, and its K row (D contiguous elements)
+# is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages ahead) keep HBM busy.
+# Online softmax in fp32 with base-2 exponentials (log2(e) folded into the scale). With one split the program
+# normalises and writes the output itself; otherwise it writes the split's normalised partial output [B, H, S, D]
+# and log2-sum-exp [B, H, S] (-inf for an empty split), which stage 2 merges.
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    stride_qb, stride_qh,
+    stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_head,
+    stride_tb, stride_ob, stride_oh,
+    qk_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx = tl.load(lens_ptr + b)
+    first_tok = 0
+    if WINDOW > 0:
+        first_tok = tl.maximum(ctx - WINDOW, 0)  # keys at positions <= (ctx - 1) - WINDOW are out of the window
+    first_blk = first_tok // BLOCK_SIZE
+    blocks_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE) - first_blk, NUM_SPLITS)
+    start = (first_blk + split * blocks_per_split) * BLOCK_SIZE
+    end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, ctx)
+    start = tl.maximum(start, first_tok)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g  # [BLOCK_G]
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = tables_ptr + b * stride_tb
+    head_off = kvh * stride_kv_head
+    for tile in range(start, end, BLOCK_N):  # every tile holds >= 1 valid token, so m_i is finite after it
+        toks = tile + offs_n  # [BLOCK_N]
+        t_mask = toks < end
+        blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has = l_i > 0  # false for an empty split (or context 0)
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        row_ids = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [B, H, S]
+        tl.store(part_out_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + row_ids, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+
+
+# Stage 2. Grid (B, H): merge the NUM_SPLITS partial outputs of one query head by their log2-sum-exp weights.
+# Tiny ([S, D] fp32 per program); a context-0 row (all lse -inf) gets zeros.
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    rows = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of stage 1. 64 tokens x D per tile: 16 KiB each of K and V in bf16 for
+    D = 128, three stages in flight per program; fp32 halves the tile to keep shared memory alike."""
+    if interpreting():
+        return 32, 4, 1
+    block_n = 32 if dtype == torch.float32 or head_dim > 128 else 64
+    return block_n, 4, 3
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe): enough stage-1 programs for about two waves of
+    four resident programs per SM, no more splits than table blocks, at most 64."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(8 * sms, max(batch * num_kv_heads, 1))
+    return max(1, min(want, max_blocks, 64))
+
+
+def decode_attention(q: torch.Tensor,             # [B, H, D]
+                     kv_layer: torch.Tensor,      # [NB, 2, bs, KVH, D], strided layer view
+                     block_tables: torch.Tensor,  # [B, max_blocks] int32
+                     context_lens: torch.Tensor,  # [B] int32, 0 = padding row
+                     scale: float, sliding_window: int | None = None,
+                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, D]
+    """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out."""
+    check("q", q, 3, _DTYPES, inner_contiguous=True)
+    dev = q.device
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(f"q must be on a CUDA device (or run under TRITON_INTERPRET=1), got {dev}")
+    check("kv_layer", kv_layer, 5, (q.dtype,), dev, inner_contiguous=True)
+    check("block_tables", block_tables, 2, (torch.int32,), dev, inner_contiguous=True)
+    check("context_lens", context_lens, 1, (torch.int32,), dev, inner_contiguous=True)
+    batch, num_heads, head_dim = q.shape
+    _, two, block_size, num_kv_heads, kv_dim = kv_layer.shape
+    if two != 2 or kv_dim != head_dim:
+        raise ValueError(f"kv_layer must be [NB, 2, bs, KVH, {head_dim}], got shape {tuple(kv_layer.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads, not a multiple of kv_layer's {num_kv_heads} KV heads")
+    if block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks >= 1], got shape {tuple(block_tables.shape)}")
+    if context_lens.shape[0] != batch:
+        raise ValueError(f"context_lens must be [{batch}], got shape {tuple(context_lens.shape)}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check("out", out, 3, (q.dtype,), dev, inner_contiguous=True)
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+
+    splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev)
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n, num_warps, num_stages = _launch_config(q.dtype, head_dim)
+    if splits > 1:
+        part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
+    else:  # stage 1 writes `out` directly; the scratch pointers are unused
+        part_out = part_lse = out
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, kv_layer, block_tables, context_lens, part_out, part_lse, out,
+        q.stride(0), q.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * LOG2E,
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NUM_SPLITS=splits, WINDOW=sliding_window or 0, DOT_F32=interpreting() or q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
