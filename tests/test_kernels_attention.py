@@ -84,7 +84,8 @@ def test_decode_matches_reference(group, kvh, d, bs, dtype, splits, window, cont
     kv = make_cache(gen, num_blocks, bs, kvh, d, dtype)
     tables = make_tables(gen, contexts, bs, max_blocks, num_blocks)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
-    q = torch.randn(len(contexts), heads, d, generator=gen).to(dtype).to(DEV)
+    # q as the engine slices it out of a fused QKV projection: a view with a larger token stride
+    q = torch.randn(len(contexts), heads + 2, d, generator=gen).to(dtype).to(DEV)[:, 1:heads + 1]
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
 
@@ -138,7 +139,7 @@ def run_prefill(group, kvh, d, bs, dtype, window, seqs, seed):
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], heads, d, generator=gen).to(dtype).to(DEV)
+    q = torch.randn(starts[-1], heads + 2, d, generator=gen).to(dtype).to(DEV)[:, 2:]  # a strided view, as from QKV
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
 
