@@ -17,16 +17,18 @@ LOG2E = 1.4426950408889634
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# Stage 1. Grid (B, KVH, NUM_SPLITS). Decode is memory-bound: every K/V byte of the context is read once, so one
+# Stage 1. Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one
 # program owns one KV head and all GROUP = H/KVH query heads that share it (rows of a [BLOCK_G >= 16, D] Q tile,
 # padded and masked, so tl.dot applies), and streams one contiguous slice of the context. The slice comes from
 # context_lens[b] on the device (whole paged blocks, cdiv(blocks, NUM_SPLITS) per split), so every split has work
 # whatever the padded table width is (a CUDA graph pads it to the model's max length). A tile is BLOCK_N tokens
 # spanning several paged blocks: each token's block id is read from the table, and its K row (D contiguous elements)
 # is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages ahead) keep HBM busy.
-# Online softmax in fp32 with base-2 exponentials (log2(e) folded into the scale). With one split the program
-# normalises and writes the output itself; otherwise it writes the split's normalised partial output [B, H, S, D]
-# and log2-sum-exp [B, H, S] (-inf for an empty split), which stage 2 merges.
+# The KV head is the fastest grid axis: programs running side by side read the interleaved heads of the same
+# blocks, so together they sweep each block's contiguous [bs, KVH, D] span. Online softmax in fp32 with base-2
+# exponentials (log2(e) folded into the scale). With one split the program normalises and writes the output itself;
+# otherwise it writes the split's normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S] (-inf for an
+# empty split), which stage 2 merges.
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
@@ -38,9 +40,9 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
 
     ctx = tl.load(lens_ptr + b)
     first_tok = 0
@@ -194,7 +196,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
     else:  # stage 1 writes `out` directly; the scratch pointers are unused
         part_out = part_lse = out
-    _decode_split_kernel[(batch, num_kv_heads, splits)](
+    _decode_split_kernel[(num_kv_heads, splits, batch)](
         q, kv_layer, block_tables, context_lens, part_out, part_lse, out,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
