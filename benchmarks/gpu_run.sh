@@ -11,12 +11,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 for step in "$@"; do
   case $step in
     tests)
-      python3 -m pytest -q -x --timeout 600 tests/test_kernels_attention.py tests/test_kernels_elementwise.py \
-        tests/test_engine_kernel_path.py tests/test_sampler.py tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      timeout 240 python3 -m pytest -q tests/test_kernels_attention.py tests/test_kernels_elementwise.py \
+        tests/test_engine_kernel_path.py tests/test_sampler.py tests/test_cuda.py -rs 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     transfer)
-      python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
-      python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log"
-      python3 -m kvtransfer.bench --mode ray --device cuda --configs ipc-all,ipc-all --repeat 10 2>&1 \
+      timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
+      timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log"
+      timeout 200 python3 -m kvtransfer.bench --mode ray --device cuda --configs ipc-all,ipc-all --repeat 10 2>&1 \
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda

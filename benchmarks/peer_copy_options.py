@@ -43,6 +43,29 @@ def run_cases(src: torch.Tensor, dst: torch.Tensor, ipc: bool) -> None:
         run_size(src, dst, n, gen, ipc)
 
 
+def run_ipc(remote: torch.Tensor, local: torch.Tensor) -> None:
+    """remote: GPU 0's cache opened in GPU 1's context (labelled cuda:1). pull: GPU 1 reads it; push: GPU 1 writes
+    it. The ceiling is a contiguous copy-engine peer copy GPU 0 -> GPU 1 of the same bytes."""
+    gen = torch.Generator().manual_seed(1)
+    for n in (64, 512):
+        nbytes = n * local[0].numel() * local.element_size()
+        a, b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                    device="cuda:1")
+        ceiling = nbytes / _time(lambda: b.copy_(a), [0, 1]) / 1e9  # noqa: B023
+        ids = torch.randperm(NUM_BLOCKS, generator=gen)[:n].to(local.device)
+        ids2 = torch.randperm(NUM_BLOCKS, generator=gen)[:n].to(local.device)
+        for case, (src, dst) in {"pull": (remote, local), "push": (local, remote)}.items():
+            secs = _time(lambda: copy_blocks(src, ids, dst, ids2), [0, 1])  # noqa: B023
+            dst.index_fill_(0, ids2, 0)
+            copy_blocks(src, ids, dst, ids2)
+            torch.cuda.synchronize(1)
+            correct = bool(torch.equal(dst[ids2].cpu(), src[ids].cpu()))
+            gbps = nbytes / secs / 1e9
+            print(json.dumps({"case": case, "ipc": True, "blocks": n, "bytes": nbytes, "ms": round(secs * 1e3, 3),
+                              "gb_per_s": round(gbps, 1), "ceiling_gb_per_s": round(ceiling, 1),
+                              "ratio": round(gbps / ceiling, 3), "correct": correct}), flush=True)
+
+
 def run_size(src: torch.Tensor, dst: torch.Tensor, n: int, gen: torch.Generator, ipc: bool) -> None:
     s, d = src.device.index, dst.device.index
     nbytes = n * src[0].numel() * src.element_size()
@@ -82,9 +105,10 @@ def run_size(src: torch.Tensor, dst: torch.Tensor, n: int, gen: torch.Generator,
 
 
 def _owner(queue, done) -> None:
+    from torch.multiprocessing.reductions import reduce_tensor
     src = torch.randn((NUM_BLOCKS, *BLOCK_SHAPE), device="cuda:0").to(torch.bfloat16)
-    queue.put(src)
-    done.wait()
+    queue.put(reduce_tensor(src)[1])
+    done.wait(600)
 
 
 def main() -> None:
@@ -100,13 +124,22 @@ def main() -> None:
         return
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
-    owner = ctx.Process(target=_owner, args=(queue, done))
+    owner = ctx.Process(target=_owner, args=(queue, done), daemon=True)
     owner.start()
-    src = queue.get()  # opened through CUDA IPC
-    run_cases(src, dst, ipc=True)
-    del src
-    done.set()
-    owner.join()
+    try:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        from kvtransfer.backends.cuda_ipc import _DEVICE_ARG
+        args = list(queue.get(timeout=120))
+        src_ref = torch.empty(1, device="cuda:0")
+        dst[:1].view(-1)[:1].copy_(src_ref.to(torch.bfloat16))  # peer access on, both ways
+        args[_DEVICE_ARG] = 1  # opened in GPU 1's context, as kvtransfer's cuda_ipc backend does
+        src = rebuild_cuda_tensor(*args)  # physically on GPU 0
+        run_ipc(src, dst)
+        del src
+    finally:
+        done.set()
+        owner.join(30)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 The exporting agent puts a CUDA IPC handle of its whole cache tensor in its metadata (`export`). A peer on
 the same host that can see that GPU and reach it peer-to-peer maps it (`CudaIpcPeer`) and then moves blocks
 itself, with no help from the owner's process: one `engine.kernels.block_copy.copy_blocks` launch per chunk,
-scattered blocks to scattered blocks, with no staging buffer. The kernel runs on the destination's GPU and
-reads the source over NVLink (a read runs on our GPU; a write on the peer's GPU, pulling from ours).
+scattered blocks to scattered blocks, with no staging buffer. The kernel runs on our GPU: a read pulls the
+peer's blocks over NVLink, a write pushes ours.
 `launch()` queues the work from the caller's thread, so a transfer costs one kernel launch and an event of host
 time; only the completion wait goes to the agent's loop. Ordering with the owner's compute is the protocol's
 job: a reader reads after the owner's "blocks ready" notification; a writer notifies after its copies completed
@@ -72,13 +72,16 @@ class CudaIpcPeer:
 
         idx = _local_index(remote.device_uuid)
         assert idx is not None and remote.ipc_handle is not None
+        _enable_peer_access(local.device, torch.device("cuda", idx))
         args = list(pickle.loads(remote.ipc_handle))  # trusted: same host, same cluster
-        args[_DEVICE_ARG] = idx  # the exporter's device index, renumbered for this process
+        # Opened in OUR device's context: the mapping then points over NVLink at the peer's memory, torch labels the
+        # tensor with our device, and kernels on our GPU may dereference it (Triton refuses pointers mapped only in
+        # the peer's context). Reads pull and writes push, both run by our GPU.
+        args[_DEVICE_ARG] = local.device.index
         kv = rebuild_cuda_tensor(*args)  # [num_blocks, num_layers, 2, block_size, heads, head_dim]
         self.remote = RegisteredCache(kv, remote.spec)
         self.local = local
-        self._streams = {d: torch.cuda.Stream(d) for d in {self.remote.device, local.device}}
-        _enable_peer_access(local.device, self.remote.device)
+        self._stream = torch.cuda.Stream(local.device)
 
     def launch(self, op: str, chunks: Sequence[Chunk], ready: torch.cuda.Event | None) -> torch.cuda.Event:
         """Queue the copies of a read (remote -> local) or write (local -> remote), after `ready` (the caller's
@@ -86,13 +89,13 @@ class CudaIpcPeer:
         from engine.kernels.block_copy import copy_blocks
 
         src, dst = (self.remote, self.local) if op == "read" else (self.local, self.remote)
-        stream = self._streams[dst.device]
-        with torch.cuda.device(dst.device), torch.cuda.stream(stream):
+        stream = self._stream
+        with torch.cuda.device(self.local.device), torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)  # the caller's work on our GPU comes first
             for c in chunks:
                 src_ids, dst_ids = (c.remote_ids, c.local_ids) if op == "read" else (c.local_ids, c.remote_ids)
-                ids = _pinned(src_ids + dst_ids).to(dst.device, non_blocking=True)  # [2n] int32
+                ids = _pinned(src_ids + dst_ids).to(self.local.device, non_blocking=True)  # [2n] int32
                 n = len(src_ids)
                 copy_blocks(src.kv, ids[:n], dst.kv, ids[n:], c.layers[0], c.layers[1])
             done = torch.cuda.Event()
@@ -100,7 +103,7 @@ class CudaIpcPeer:
         return done
 
     def close(self) -> None:
-        self._streams.clear()
+        self.remote = None  # type: ignore[assignment]  # drops the mapping of the peer's cache
 
 
 def _enable_peer_access(a: torch.device, b: torch.device) -> None:
