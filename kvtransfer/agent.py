@@ -222,8 +222,8 @@ class KVAgent:
             t0 = time.monotonic()
             done = r.ipc.launch(op, chunks, ready)
             fut = self._loop.submit(self._finish_ipc(op, r, done, nbytes, notify, deadline, t0))
-        else:
-            fut = self._loop.submit(self._transfer(op, r, cache, chunks, ready, notify, deadline))
+            return TransferHandle(fut, op, remote, nbytes, gpu_done=done if notify is None else None)
+        fut = self._loop.submit(self._transfer(op, r, cache, chunks, ready, notify, deadline))
         return TransferHandle(fut, op, remote, nbytes)
 
     async def _finish_ipc(self, op: str, r: _Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
