@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -40,40 +41,51 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.dev
     for chunk in ordered:
         n, start = len(chunk.token_ids), chunk.start_pos
         ids += chunk.token_ids
-        pos += range(start, start + n)
-        slots += [chunk.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        if n == 1:
+            pos.append(start)
+            slots.append(chunk.block_table[start // block_size] * block_size + start % block_size)
+        else:
+            pos += range(start, start + n)
+            slots += [chunk.block_table[p // block_size] * block_size + p % block_size
+                      for p in range(start, start + n)]
         if chunk.sample:
             sample_index.append(len(ids) - 1)
     d_tables = [_table(c, block_size) for c in decodes]
-    d_lens = [c.start_pos + 1 for c in decodes]
     p_tables = [_table(c, block_size) for c in prefills]
     p_lens = [(len(c.token_ids), c.start_pos + len(c.token_ids)) for c in prefills]
     q_start = [0]
     for n, _ in p_lens:
         q_start.append(q_start[-1] + n)
+    nd, npf = len(decodes), len(prefills)
     d_width, p_width = _width(d_tables), _width(p_tables)
-    parts = [ids, pos, slots, _flat(d_tables, d_width), d_lens, _flat(p_tables, p_width), q_start,
-             [ctx for _, ctx in p_lens], sample_index]
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+    parts = [ids, pos, slots, [c.start_pos + 1 for c in decodes], q_start, [ctx for _, ctx in p_lens], sample_index]
+    sizes = [len(p) for p in parts] + [nd * d_width, npf * p_width]
+    host = np.zeros(sum(sizes), dtype=np.int32)  # table padding stays 0
+    offset = 0
+    for part in parts:
+        host[offset:offset + len(part)] = part
+        offset += len(part)
+    for tables, width in ((d_tables, d_width), (p_tables, p_width)):
+        for t in tables:
+            host[offset:offset + len(t)] = t
+            offset += width
+    flat = torch.from_numpy(host)
     if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    fields = list(flat.split([len(p) for p in parts]))
-    t, nd, npf = len(ids), len(decodes), len(prefills)
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    ids_t, pos_t, slots_t, d_lens, q_start_t, p_ctx, sample_t, d_tab, p_tab = flat.split(sizes)
     meta = AttentionMetadata(
-        slots=fields[2],
+        slots=slots_t,
         num_decode=nd,
-        decode_block_tables=fields[3].view(nd, d_width),
-        decode_context_lens=fields[4],
-        prefill_block_tables=fields[5].view(npf, p_width),
-        prefill_query_start=fields[6],
-        prefill_context_lens=fields[7],
+        decode_block_tables=d_tab.view(nd, d_width),
+        decode_context_lens=d_lens,
+        prefill_block_tables=p_tab.view(npf, p_width),
+        prefill_query_start=q_start_t,
+        prefill_context_lens=p_ctx,
         prefill_lens=tuple(p_lens),
         sliding_window=sliding_window,
     )
-    assert fields[0].shape[0] == t
     sampling = [c for c in ordered if c.sample]
-    return StepInputs(fields[0], fields[1], meta, fields[8], sampling)
+    return StepInputs(ids_t, pos_t, meta, sample_t, sampling)
 
 
 def _table(chunk: ScheduledChunk, block_size: int) -> list[int]:
@@ -86,5 +98,3 @@ def _width(tables: list[list[int]]) -> int:
     return max((len(t) for t in tables), default=0)
 
 
-def _flat(tables: list[list[int]], width: int) -> list[int]:
-    return [b for t in tables for b in t + [0] * (width - len(t))]
