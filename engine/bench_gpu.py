@@ -54,7 +54,8 @@ def ceilings() -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int) -> None:
+    def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False) -> None:
+        self.profile = profile
         self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
                                              max_num_batched_tokens=8192, enable_prefix_caching=False,
                                              kv_cache_memory_bytes=kv_bytes, max_model_len=8192))
@@ -95,6 +96,10 @@ class Bench:
             start = time.perf_counter()
             self.engine.step()
             times.append(time.perf_counter() - start)
+        graph = self.engine.runner.graphs.graphs[self.engine.runner.graphs.bucket_for(batch)][0]
+        replay_ms = _events_ms(graph.replay)  # the same step on the GPU alone (it rewrites the same K/V)
+        if self.profile:
+            _print_kernel_profile(graph.replay, f"decode batch {batch}")
         self._drain()
         step_s = statistics.median(times)
         weight_bytes = 2 * (self.layer_params + self.head_params)  # bf16
@@ -103,6 +108,7 @@ class Bench:
         floor_s = (weight_bytes + kv_bytes) / self.bandwidth
         return {"case": f"decode batch {batch}, {context} context", "step_ms": round(step_s * 1e3, 3),
                 "floor_ms": round(floor_s * 1e3, 3), "x_floor": round(step_s / floor_s, 3),
+                "gpu_replay_ms": round(replay_ms, 3), "replay_x_floor": round(replay_ms / 1e3 / floor_s, 3),
                 "tokens_per_s": round(batch / step_s, 1), "bytes_per_step": int(weight_bytes + kv_bytes),
                 "copy_gb_per_s": round(self.bandwidth / 1e9, 1)}
 
@@ -153,6 +159,21 @@ class Bench:
         return time.perf_counter() - start
 
 
+def _print_kernel_profile(fn, label: str, top: int = 12) -> None:
+    """The GPU kernels of 3 calls of fn, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
+    for e in rows:
+        print(json.dumps({"profile": label, "kernel": e.key[:90], "calls": e.count // 3,
+                          "us_per_step": round(e.device_time_total / 3, 1)}), flush=True)
+
+
 def transformers_seconds(model: str, batch: int, prompt_len: int, new_tokens: int) -> float:
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
@@ -176,12 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-gib", type=float, default=40)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--cases", default="attention,decode1,decode64,prefill,generate")
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of the decode steps")
     args = parser.parse_args(argv)
     cases = set(args.cases.split(","))
     bandwidth, flops = ceilings()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
                       round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
-    bench = Bench(args.model, bandwidth, flops, int(args.kv_gib * (1 << 30)))
+    bench = Bench(args.model, bandwidth, flops, int(args.kv_gib * (1 << 30)), args.profile)
     if "attention" in cases:
         print(json.dumps(bench.attention_kernel()), flush=True)
     if "decode1" in cases:
