@@ -96,7 +96,10 @@ class Bench:
             start = time.perf_counter()
             self.engine.step()
             times.append(time.perf_counter() - start)
-        graph = self.engine.runner.graphs.graphs[self.engine.runner.graphs.bucket_for(batch)][0]
+        graphs = self.engine.runner.graphs
+        graph = graphs.graphs[graphs.bucket_for(batch)][0]
+        print(json.dumps({"static_context_lens": graphs.context_lens[:4].tolist(),
+                          "static_tables": graphs.block_tables[:2, :6].tolist()}), flush=True)
         replay_ms = _events_ms(graph.replay)  # the same step on the GPU alone (it rewrites the same K/V)
         if self.profile:
             _print_kernel_profile(graph.replay, f"decode batch {batch}")
