@@ -14,10 +14,11 @@ first available backend in `AgentConfig.backends` for that remote (see `kvtransf
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -228,22 +229,16 @@ class KVAgent:
 
     async def _finish_ipc(self, op: str, r: _Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
                           deadline: float, t0: float) -> None:
-        try:
+        async with self._recorded(op, r):
             await event_done(done, deadline)
             if notify is not None:
                 await self._notify(r.meta.name, notify, deadline)
             self._metrics.record_ok(op, nbytes, time.monotonic() - t0)
-        except TransferError as e:
-            self._metrics.record_failure(op, e)
-            raise
-        except Exception as e:  # noqa: BLE001 - surface anything else as a TransferError
-            self._metrics.record_failure(op, e)
-            raise TransferError(f"{op} with {r.meta.name!r} failed: {e!r}") from e
 
     async def _transfer(self, op: str, r: _Remote, cache: RegisteredCache, chunks: list[Chunk],
                         ready: torch.cuda.Event | None, notify: bytes | None, deadline: float) -> None:
         t0 = time.monotonic()
-        try:
+        async with self._recorded(op, r):
             conn = await self._connect(r, deadline)
             cache.wait_event(ready)
             pool = self._client_pool
@@ -256,10 +251,16 @@ class KVAgent:
             if notify is not None:
                 await self._notify(r.meta.name, notify, deadline)
             self._metrics.record_ok(op, sum(results), time.monotonic() - t0)  # type: ignore[arg-type]
+
+    @contextlib.asynccontextmanager
+    async def _recorded(self, op: str, r: _Remote) -> AsyncIterator[None]:
+        """Count a failure in the metrics and surface anything unexpected as a TransferError."""
+        try:
+            yield
         except TransferError as e:
             self._metrics.record_failure(op, e)
             raise
-        except Exception as e:  # noqa: BLE001 - surface anything else as a TransferError
+        except Exception as e:  # noqa: BLE001
             self._metrics.record_failure(op, e)
             raise TransferError(f"{op} with {r.meta.name!r} failed: {e!r}") from e
 
