@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
+from engine.kernels.attention_args import check_paged_attention
 
 LOG2E = 1.4426950408889634
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # Stage 1. Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one
@@ -157,33 +157,15 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out."""
-    check("q", q, 3, _DTYPES, inner_contiguous=True)
+    out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     dev = q.device
-    if dev.type != "cuda" and not interpreting():
-        raise ValueError(f"q must be on a CUDA device (or run under TRITON_INTERPRET=1), got {dev}")
-    check("kv_layer", kv_layer, 5, (q.dtype,), dev, inner_contiguous=True)
-    check("block_tables", block_tables, 2, (torch.int32,), dev, inner_contiguous=True)
     check("context_lens", context_lens, 1, (torch.int32,), dev, inner_contiguous=True)
     batch, num_heads, head_dim = q.shape
-    _, two, block_size, num_kv_heads, kv_dim = kv_layer.shape
-    if two != 2 or kv_dim != head_dim:
-        raise ValueError(f"kv_layer must be [NB, 2, bs, KVH, {head_dim}], got shape {tuple(kv_layer.shape)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q has {num_heads} heads, not a multiple of kv_layer's {num_kv_heads} KV heads")
-    if block_tables.shape[0] != batch or block_tables.shape[1] < 1:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks >= 1], got shape {tuple(block_tables.shape)}")
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     if context_lens.shape[0] != batch:
         raise ValueError(f"context_lens must be [{batch}], got shape {tuple(context_lens.shape)}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check("out", out, 3, (q.dtype,), dev, inner_contiguous=True)
-        if out.shape != q.shape:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if batch == 0:
         return out
 

@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
+from engine.kernels.attention_args import check_paged_attention
 
 LOG2E = 1.4426950408889634
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -160,35 +160,16 @@ def prefill_attention(q: torch.Tensor,             # [T, H, D]
                       scale: float, sliding_window: int | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's new tokens (already in the cache) over its whole context."""
-    check("q", q, 3, _DTYPES, inner_contiguous=True)
-    dev = q.device
-    if dev.type != "cuda" and not interpreting():
-        raise ValueError(f"q must be on a CUDA device (or run under TRITON_INTERPRET=1), got {dev}")
-    check("kv_layer", kv_layer, 5, (q.dtype,), dev, inner_contiguous=True)
-    check("block_tables", block_tables, 2, (torch.int32,), dev, inner_contiguous=True)
-    check("query_start", query_start, 1, (torch.int32,), dev, inner_contiguous=True)
-    check("context_lens", context_lens, 1, (torch.int32,), dev, inner_contiguous=True)
-    num_tokens, num_heads, head_dim = q.shape
-    _, two, block_size, num_kv_heads, kv_dim = kv_layer.shape
+    check("context_lens", context_lens, 1, (torch.int32,), q.device, inner_contiguous=True)
     num_seqs = context_lens.shape[0]
-    if two != 2 or kv_dim != head_dim:
-        raise ValueError(f"kv_layer must be [NB, 2, bs, KVH, {head_dim}], got shape {tuple(kv_layer.shape)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q has {num_heads} heads, not a multiple of kv_layer's {num_kv_heads} KV heads")
-    if block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1:
-        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks >= 1], got shape {tuple(block_tables.shape)}")
+    out = check_paged_attention(q, kv_layer, block_tables, num_seqs, sliding_window, out)
+    check("query_start", query_start, 1, (torch.int32,), q.device, inner_contiguous=True)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     if query_start.shape[0] != num_seqs + 1:
         raise ValueError(f"query_start must be [{num_seqs + 1}], got shape {tuple(query_start.shape)}")
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check("out", out, 3, (q.dtype,), dev, inner_contiguous=True)
-        if out.shape != q.shape:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
 
