@@ -1,4 +1,4 @@
-"""Paged attention for one layer: storing the step's new K/V and attending over the cache, on either path.
+"""Paged attention for one layer: attending over the cache (new K/V already stored), on either path.
 
 A step's tokens are ordered decode first: the first `num_decode` tokens each continue one sequence; the rest are
 prefill chunks (new prompt tokens, possibly after a cached prefix). With kernels (the GPU path) the Triton kernels
@@ -32,16 +32,6 @@ class AttentionMetadata:
     @property
     def max_query_len(self) -> int:
         return max((n for n, _ in self.prefill_lens), default=0)
-
-
-def store_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
-             use_kernels: bool) -> None:
-    """kv_layer [NB, 2, bs, KVH, D]; k, v [T, KVH, D]: write each token's K/V into its slot."""
-    if use_kernels:
-        from engine.kernels.kv_store import store_kv as store_kernel
-        store_kernel(k, v, kv_layer, meta.slots)
-    else:
-        torch_attention.write_kv(kv_layer, meta.slots, k, v)
 
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,

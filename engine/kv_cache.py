@@ -1,4 +1,4 @@
-"""KV cache tensor: allocation in the layout of engine.kv_layout (writes: engine.attention.store_kv).
+"""KV cache tensor: allocation in the layout of engine.kv_layout (the model writes new K/V into it).
 
 The engine owns exactly one tensor kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; the
 block manager decides which blocks hold what, the transfer layer moves whole blocks (or layer ranges of them).

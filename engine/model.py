@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend, store_kv
+from engine.attention import AttentionMetadata, attend
 from engine.config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rope
+from engine.torch_attention import write_kv
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Attention(nn.Module):
             rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, meta.slots)
         else:
             q, k = apply_rope(q, k, rope.cos, rope.sin)
-            store_kv(kv_layer, meta, k, v, use_kernels)
+            write_kv(kv_layer, meta.slots, k, v)
         o = attend(q, kv_layer, meta, d ** -0.5, use_kernels)  # [T, H, D]
         return self.o_proj(o.reshape(t, h * d))
 
