@@ -2,8 +2,10 @@
 
 Owns the server process of a sweep cell: the composed serving YAML (base config + overrides + layout + a free
 loopback port) is written next to its log in the cell's folder; a server that exits or is not healthy within
-`start_timeout_s` raises `LaunchError` with the log's tail; on leaving, SIGTERM drains it and, if it has not
-exited within `stop_timeout_s`, its whole process group is killed, so no server outlives the sweep.
+`start_timeout_s` raises `LaunchError` with the log's tail. A free port can be taken by another process before
+the server binds it, so a server that reports its port taken starts again on another (PORT_ATTEMPTS times).
+On leaving, SIGTERM drains it and, if it has not exited within `stop_timeout_s`, its whole process group is
+killed, so no server outlives the sweep.
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ class LaunchError(RuntimeError):
     pass
 
 
+class PortTaken(LaunchError):
+    """The server could not listen on its port."""
+
+
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def serving_config(base: Path, overrides: dict[str, Any], port: int, ray_address: str | None) -> dict:
-    """The base YAML with dotted `overrides` applied, listening on 127.0.0.1:`port`."""
+def serving_config(base: Path, overrides: dict[str, Any], port: int | None, ray_address: str | None) -> dict:
+    """The base YAML with dotted `overrides` applied, listening on 127.0.0.1:`port` (None: a free one)."""
     config = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
     config.pop("ray_address", None)
     if ray_address:
@@ -58,31 +67,50 @@ class LaunchedServer:
 @contextmanager
 def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
                     stop_timeout_s: float = 90.0) -> Iterator[LaunchedServer]:
-    """Runs `pdserve serve` until the block ends; `config` must already name its port (see `serving_config`).
+    """Runs `pdserve serve` until the block ends; `config`'s server.port None means a free loopback port.
     Raises LaunchError if it does not start, or does not drain and exit with status 0 after SIGTERM."""
     workdir.mkdir(parents=True, exist_ok=True)
-    path, log_path = workdir / "serve.yaml", workdir / "server.log"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    url = f"http://127.0.0.1:{config['server']['port']}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
-        try:
-            _wait_healthy(proc, url, log_path, start_timeout_s)
-            yield LaunchedServer(url, proc.pid)
-        finally:
-            stopped = _stop(proc, stop_timeout_s)
+    proc, url = _start(config, workdir, start_timeout_s)
+    try:
+        yield LaunchedServer(url, proc.pid)
+    finally:
+        stopped = _stop(proc, stop_timeout_s)
     if not stopped:
         raise LaunchError(f"the server did not exit with status 0 within {stop_timeout_s:g} s of SIGTERM; "
-                          f"see {log_path}")
+                          f"see {workdir / 'server.log'}")
+
+
+def _start(config: dict, workdir: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """The healthy server process and its URL."""
+    chosen = config["server"].get("port")
+    path, log_path = workdir / "serve.yaml", workdir / "server.log"
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = chosen if chosen is not None else free_port()
+        path.write_text(yaml.safe_dump({**config, "server": {**config["server"], "port": port}}, sort_keys=False))
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=log,
+                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(proc, url, log_path, timeout_s)
+            return proc, url
+        except PortTaken:
+            if chosen is not None or attempt == PORT_ATTEMPTS:
+                raise
+        except BaseException:
+            _stop(proc, 10)
+            raise
+    raise AssertionError("unreachable")
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise LaunchError(f"the server exited with {proc.returncode}:\n{_tail(log)}")
+            tail = _tail(log)
+            kind = PortTaken if "pdserve: error: cannot listen on" in tail else LaunchError
+            raise kind(f"the server exited with {proc.returncode}:\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchclient.client import Target, first_model
-from benchclient.launcher import LaunchError, free_port, launched_server, serving_config
+from benchclient.launcher import LaunchError, launched_server, serving_config
 from benchclient.run import RunConfig, json_safe, run_load, run_report, save_json
 from benchclient.sweep_config import Cell, SweepConfig
 
@@ -75,7 +75,7 @@ def _run_group(config: SweepConfig, cells: list[Cell], out: Path, progress: bool
     """One server for `cells` (all of one layout); a row per cell, appended as soon as it is known."""
     layout = cells[0].layout
     serve = serving_config(config.base_config, {**dict(config.overrides), **layout.serve_overrides()},
-                           free_port(), config.ray_address)
+                           None, config.ray_address)
     workdir = out / "servers" / (cells[0].slug if config.restart_per_cell else layout.name.replace(" ", "_"))
     rows: list[dict] = []
     print(f"[sweep] {layout.name}: starting the server for {len(cells)} cell(s)", file=sys.stderr, flush=True)

@@ -37,8 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from coordinator.serve import serve  # after validation: imports Ray and FastAPI
-    asyncio.run(serve(config))
+    from coordinator.serve import ListenError, serve  # after validation: imports Ray and FastAPI
+    try:
+        asyncio.run(serve(config))
+    except ListenError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -1,6 +1,8 @@
 """`pdserve serve`: start the pools on Ray, serve HTTP, and drain on Ctrl-C / SIGTERM.
 
-Order: load and validate the YAML -> start the workers (every one loaded, KV capacity reported) -> listen.
+Order: load and validate the YAML -> bind the listening socket -> start the workers (every one loaded, KV
+capacity reported) -> accept connections. Binding first means a port in use fails in a second, before any
+worker starts, and Ray's own port allocations (GCS, workers, object store) cannot take the port meanwhile.
 On the first signal: new requests get 503, running streams get up to `server.drain_timeout_s` to finish, then
 HTTP stops and the actors are shut down. A second signal skips the wait.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import uvicorn
 
@@ -43,10 +46,29 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None:
-    backend = RayBackend(config)
-    await backend.start()
+class ListenError(OSError):
+    pass
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (uvicorn serves on it); ListenError names the address and the cause."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebinding over TIME_WAIT is fine
     try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port} (server.host/server.port): {e.strerror}") from e
+    sock.listen(2048)
+    return sock
+
+
+async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None:
+    listener = bind_listener(config.server.host, config.server.port)
+    backend = RayBackend(config)
+    try:
+        await backend.start()
         app = create_app(backend, config.server)
         uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
                                    timeout_graceful_shutdown=5)
@@ -56,6 +78,7 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
                     config.server.host, config.server.port)
         if ready is not None:
             ready.set()
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
+        listener.close()
         await backend.shutdown()

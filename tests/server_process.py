@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from benchclient.launcher import LaunchedServer, free_port, launched_server
+from benchclient.launcher import LaunchedServer, launched_server
 
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
@@ -27,7 +27,7 @@ HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}  # two workers s
 def running_server(tmp_path: Path, config: dict) -> Iterator[LaunchedServer]:
     """`pdserve serve` on a free loopback port (benchclient's launcher); the test fails unless it drains and
     exits with status 0 on SIGTERM."""
-    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": free_port()}}
+    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": None}}
     with launched_server(config, tmp_path, START_TIMEOUT_S, STOP_TIMEOUT_S) as server:
         yield server
 
