@@ -230,7 +230,9 @@ class KVAgent:
     async def _finish_ipc(self, op: str, r: _Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
                           deadline: float, t0: float) -> None:
         async with self._recorded(op, r):
-            await event_done(done, deadline)
+            # Without a notification the caller's handle watches the event itself; spinning here as well would
+            # only fight the caller for the GIL, so this thread blocks in cudaEventSynchronize instead.
+            await event_done(done, deadline, spin_s=0.05 if notify is not None else 0.0)
             if notify is not None:
                 await self._notify(r.meta.name, notify, deadline)
             self._metrics.record_ok(op, nbytes, time.monotonic() - t0)

@@ -33,6 +33,7 @@ class BenchWorker:
         from engine.kv_layout import KVCacheSpec
 
         from .agent import AgentConfig, KVAgent
+        from .backends.ucx import use_python_futures
 
         torch = self.torch
         spec = KVCacheSpec.from_dict(spec_dict)
@@ -42,6 +43,7 @@ class BenchWorker:
         self.kv = bits.view(torch.bfloat16)  # [num_blocks, L, 2, block, heads, dim]
         if config.get("backends"):
             config = {**config, "backends": tuple(config["backends"])}
+        use_python_futures()  # as the pool workers (worker_setup.start_agent): no busy-polling thread hogs the GIL
         self.agent = KVAgent(self.name, AgentConfig(**config), address="127.0.0.1")
         self.agent.register_cache(self.kv, spec)
         return self.agent.metadata().to_bytes()
@@ -74,8 +76,9 @@ class BenchWorker:
             self.torch.cuda.synchronize(self.device)
 
     def timed(self, op: str, remote: str, local_ids: list[int], remote_ids: list[int], repeat: int,
-              timeout: float = 60.0) -> list[float]:
-        """Seconds of each of `repeat` transfers (destination poisoned before each, outside the timing)."""
+              timeout: float = 60.0) -> list[tuple[float, float]]:
+        """(seconds until read()/write() returned, seconds until done) of each of `repeat` transfers; the
+        destination is poisoned before each, outside the timing."""
         times = []
         for _ in range(repeat):
             if op == "read":
@@ -83,10 +86,12 @@ class BenchWorker:
             self._sync()
             t0 = time.perf_counter()
             if op == "read":
-                self.agent.read(remote, remote_ids, local_ids).wait(timeout)
+                handle = self.agent.read(remote, remote_ids, local_ids)
             else:
-                self.agent.write(remote, local_ids, remote_ids).wait(timeout)
-            times.append(time.perf_counter() - t0)
+                handle = self.agent.write(remote, local_ids, remote_ids)
+            t1 = time.perf_counter()
+            handle.wait(timeout)
+            times.append((t1 - t0, time.perf_counter() - t0))
         return times
 
     def digest(self, ids: list[int]) -> str:
