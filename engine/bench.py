@@ -76,14 +76,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     _sync(device)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    steps = 0
+    decode_tokens = 0  # counted from the outputs: with overlapped decode, step() calls != decode steps
     while engine.has_unfinished():
-        engine.step()
-        steps += 1
+        decode_tokens += sum(len(o.new_token_ids) for o in engine.step())
     _sync(device)
     decode_s = time.perf_counter() - start
     prefill_tokens = args.batch * args.prompt_len
-    decode_tokens = args.batch * steps
+    steps = decode_tokens // args.batch
     mean_context = args.prompt_len + args.output_len / 2
     kv_bytes_per_step = args.batch * mean_context * engine.kv_spec.layer_bytes * engine.kv_spec.num_layers \
         / engine.kv_spec.block_size

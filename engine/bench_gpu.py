@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -85,8 +86,10 @@ class Bench:
         while self.engine.has_unfinished():
             self.engine.step()
 
-    def decode(self, batch: int, context: int, steps: int = 48) -> dict:
-        self._add(f"d{batch}-", self._prompts(batch, context), steps + 2)
+    def decode(self, batch: int, context: int, steps: int = 48, overlap: bool = True) -> dict:
+        # the engine's config object stays frozen; the bench swaps in a copy to compare the two schedulings
+        self.engine.config = replace(self.engine.config, async_scheduling=overlap)
+        self._add(f"d{batch}-{overlap}-", self._prompts(batch, context), steps + 12)  # + room for --profile
         while any(r.num_pending_tokens > 1 for r in self.engine.scheduler.running) or self.engine.scheduler.waiting:
             self.engine.step()  # prefill
         self.engine.step()
@@ -100,16 +103,19 @@ class Bench:
         graph = graphs.graphs[graphs.bucket_for(batch)][0]
         print(json.dumps({"static_context_lens": graphs.context_lens[:4].tolist(),
                           "static_tables": graphs.block_tables[:2, :6].tolist()}), flush=True)
+        if self.profile:  # the live steps' GPU time (kernels + copies) next to a bare replay's
+            _print_kernel_profile(self.engine.step, f"live step, decode batch {batch}, overlap {overlap}")
         replay_ms = _events_ms(graph.replay)  # the same step on the GPU alone (it rewrites the same K/V)
         if self.profile:
-            _print_kernel_profile(graph.replay, f"decode batch {batch}")
+            _print_kernel_profile(graph.replay, f"bare replay, decode batch {batch}")
         self._drain()
         step_s = statistics.median(times)
         weight_bytes = 2 * (self.layer_params + self.head_params)  # bf16
         mean_ctx = context + 1 + steps / 2
         kv_bytes = batch * (mean_ctx + 1) * self.kv_token_bytes  # read the context, write the new token
         floor_s = (weight_bytes + kv_bytes) / self.bandwidth
-        return {"case": f"decode batch {batch}, {context} context", "step_ms": round(step_s * 1e3, 3),
+        return {"case": f"decode batch {batch}, {context} context", "overlap": overlap,
+                "step_ms": round(step_s * 1e3, 3),
                 "floor_ms": round(floor_s * 1e3, 3), "x_floor": round(step_s / floor_s, 3),
                 "gpu_replay_ms": round(replay_ms, 3), "replay_x_floor": round(replay_ms / 1e3 / floor_s, 3),
                 "tokens_per_s": round(batch / step_s, 1), "bytes_per_step": int(weight_bytes + kv_bytes),
@@ -171,8 +177,10 @@ def _print_kernel_profile(fn, label: str, top: int = 12) -> None:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
-    for e in rows:
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    print(json.dumps({"profile": label, "device_us_per_call": round(sum(e.device_time_total for e in rows) / 3, 1)}),
+          flush=True)
+    for e in rows[:top]:
         print(json.dumps({"profile": label, "kernel": e.key[:90], "calls": e.count // 3,
                           "us_per_step": round(e.device_time_total / 3, 1)}), flush=True)
 
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--cases", default="attention,decode1,decode64,prefill,generate")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of the decode steps")
+    parser.add_argument("--stepwise", action="store_true", help="also time decode without overlapped scheduling")
     args = parser.parse_args(argv)
     cases = set(args.cases.split(","))
     bandwidth, flops = ceilings()
@@ -209,10 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench(args.model, bandwidth, flops, int(args.kv_gib * (1 << 30)), args.profile)
     if "attention" in cases:
         print(json.dumps(bench.attention_kernel()), flush=True)
-    if "decode1" in cases:
-        print(json.dumps(bench.decode(1, 1024)), flush=True)
-    if "decode64" in cases:
-        print(json.dumps(bench.decode(64, 2048)), flush=True)
+    for overlap in (True, False) if args.stepwise else (True,):
+        if "decode1" in cases:
+            print(json.dumps(bench.decode(1, 1024, overlap=overlap)), flush=True)
+        if "decode64" in cases:
+            print(json.dumps(bench.decode(64, 2048, overlap=overlap)), flush=True)
     if "prefill" in cases:
         print(json.dumps(bench.prefill([2048])), flush=True)
         print(json.dumps(bench.prefill([512] * 8)), flush=True)

@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = 0                       # for requests without a seed of their own
     kernels: str = "auto"               # "auto" = Triton kernels on CUDA, torch elsewhere; or "triton" / "torch"
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
+    async_scheduling: bool = True       # queue decode step N+1 before reading step N's tokens (see LLMEngine)
 
     def __post_init__(self) -> None:
         checks = [

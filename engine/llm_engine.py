@@ -1,6 +1,9 @@
 """LLMEngine: one model on one device, stepped by its owner. The API the prefill and decode workers build on.
 
-step() = schedule, run, update. Besides plain requests it offers the two disaggregation entry points:
+step() = schedule, run, update. Plain decode steps overlap (EngineConfig.async_scheduling): step() queues the
+next decode step on the device before it waits for the current one's tokens, so the host's scheduling and
+bookkeeping hide behind the device's work; a step's tokens are then returned by the step() call after the one
+that launched it. Besides plain requests it offers the two disaggregation entry points:
 - prefill side: add_request(..., prefill_only=True) computes the prompt, samples the first token, then keeps the
   request's blocks pinned (reported in StepOutput.pinned_block_ids) until release() or the pin lease expires;
 - decode side: reserve_blocks() hands out blocks for a prompt's KV to be written into by the transfer layer, and
@@ -24,11 +27,11 @@ from engine.kv_cache import TORCH_DTYPES, allocate_kv_cache
 from engine.kv_layout import KVCacheSpec
 from engine.load import EngineLoad
 from engine.model import CausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import Request, RequestStatus, TokenLogprob
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepOutput
+from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from engine.tiny import resolve_model_path
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
@@ -67,6 +70,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, Sampler(self.device, config.seed),
                                   graphs)
         self._reserved: set[str] = set()
+        self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
 
     # ---- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -119,12 +123,33 @@ class LLMEngine:
     def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[StepOutput]:
         outputs = [StepOutput(rid, [], [], "expired") for rid in self.scheduler.expired_pins()
                    if self.scheduler.finish(rid, "expired")]
+        if self._in_flight is not None:
+            return outputs + self._overlapped_step(may_continue=on_layer_done is None)
         sched = self.scheduler.schedule()
-        params = {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}
-        sampled = self.runner.run(sched, params, on_layer_done)
-        return outputs + self.scheduler.update(sched, sampled, self.config.pin_lease_s)
+        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done)
+        if self.config.async_scheduling and on_layer_done is None and sched.all_decodes:
+            self._in_flight = launched  # applied by the next step(), after it queued the step that follows
+            return outputs
+        return outputs + self._apply(launched)
+
+    def _overlapped_step(self, may_continue: bool) -> list[StepOutput]:
+        """Queue the decode step after the one in flight (when its plan does not depend on its tokens), then
+        wait for the one in flight and apply its tokens."""
+        current, self._in_flight = self._in_flight, None
+        nxt = self.scheduler.schedule_after(current.sched) if may_continue else None
+        if nxt is not None:
+            self._in_flight = self.runner.launch(nxt, self._params(nxt), after=current)
+        return self._apply(current)
+
+    def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
+        return self.scheduler.update(launched.sched, launched.result(), self.config.pin_lease_s)
+
+    def _params(self, sched: SchedulerOutput) -> dict[str, SamplingParams]:
+        return {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}
 
     def has_unfinished(self) -> bool:
+        """Requests wait or run. A step in flight whose requests all ended since is left to the next step() to
+        drop: its device work only touches their freed blocks, before anything queued later."""
         return self.scheduler.has_work
 
     def load(self, steps: int = 0) -> EngineLoad:

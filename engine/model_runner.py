@@ -3,21 +3,42 @@
 Input: the scheduler's plain SchedulerOutput. Output: {request_id: (token, logprob)} for the chunks that sample.
 It knows nothing of request life cycles; the scheduler knows nothing of tensors. On the GPU path, decode-only
 steps replay CUDA graphs (engine.cuda_graphs); other steps run eagerly.
+
+`launch` queues a step and returns a LaunchedStep whose tokens are still on the device; `run` = launch + result.
+A decode step may take its input ids from the LaunchedStep before it (`after`), still on the device, which lets
+the engine queue step N+1 before the host has read step N's tokens (overlapped scheduling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import TokenLogprob
-from engine.sampler import Sampler
+from engine.sampler import SampledTokens, Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.step_inputs import build_step_inputs
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: what was scheduled, and its samples on their way to the host."""
+
+    sched: SchedulerOutput
+    sampling: list[ScheduledChunk]     # the sampling chunks, in the row order of `sampled`
+    sampled: SampledTokens | None      # None when no chunk samples
+
+    def result(self) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Waits for the step's tokens: {request_id: (token, logprob)}."""
+        if self.sampled is None:
+            return {}
+        tokens, logprobs = self.sampled.result()
+        return {c.request_id: (t, lp) for c, t, lp in zip(self.sampling, tokens, logprobs, strict=True)}
 
 
 class ModelRunner:
@@ -30,23 +51,40 @@ class ModelRunner:
         self.graphs = graphs
         self.device = kv_cache.device
 
-    @torch.inference_mode()
     def run(self, sched: SchedulerOutput, params: dict[str, SamplingParams],
             on_layer_done: Callable[[int], None] | None = None) -> dict[str, tuple[int, TokenLogprob | None]]:
+        return self.launch(sched, params, on_layer_done=on_layer_done).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, params: dict[str, SamplingParams], after: LaunchedStep | None = None,
+               on_layer_done: Callable[[int], None] | None = None) -> LaunchedStep:
+        """Queue `sched`. With `after`, every chunk is a decode whose input token is the one `after` samples
+        for the same request (the chunk's own token id is a placeholder)."""
         if not sched.chunks:
-            return {}
+            return LaunchedStep(sched, [], None)
         step = build_step_inputs(sched, self.block_size, self.device, self.model.config.sliding_window)
-        if self._graph_fits(step.input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
-            logits = self.graphs.run(step.input_ids, step.positions, step.meta)  # [B, V], every row samples
+        input_ids = step.input_ids if after is None else self._ids_after(after, step.sampling)  # [T]
+        if self._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
+            logits = self.graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
         else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)  # [T, h]
+            hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)  # [T, h]
             if not step.sampling:
-                return {}
+                return LaunchedStep(sched, [], None)
             logits = self.model.compute_logits(hidden[step.sample_index])  # [S, V]
         chunks = step.sampling
-        tokens, logprobs = self.sampler(logits, [params[c.request_id] for c in chunks],
-                                        [c.output_index for c in chunks])
-        return {c.request_id: (t, lp) for c, t, lp in zip(chunks, tokens, logprobs, strict=True)}
+        sampled = self.sampler.launch(logits, [params[c.request_id] for c in chunks],
+                                      [c.output_index for c in chunks])
+        return LaunchedStep(sched, chunks, sampled)
+
+    def _ids_after(self, after: LaunchedStep, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """[T] int64 input ids gathered on the device from `after`'s sampled tokens, one per decode chunk."""
+        if after.sampled is None or any(len(c.token_ids) != 1 for c in chunks):
+            raise ValueError("a step launched after another must be all decodes of requests that step samples")
+        row = {c.request_id: i for i, c in enumerate(after.sampling)}
+        rows = torch.tensor([row[c.request_id] for c in chunks], dtype=torch.int64)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        return after.sampled.tokens.index_select(0, rows)
 
     def _graph_fits(self, num_tokens: int, decode_only: bool, num_sampling: int,
                     on_layer_done: Callable | None) -> bool:

@@ -10,7 +10,8 @@ same in any batch, after preemption, and on whichever worker samples that token 
 decode the rest). Unseeded requests take a key from the Sampler's own Python RNG, so no device generator exists.
 
 Host traffic per call: the per-row parameters go to the device in ONE (non-blocking, pinned) copy, and the results
-(tokens, plus chosen and top-N logprobs when any row asks) come back in ONE read; nothing else synchronises.
+(tokens, plus chosen and top-N logprobs when any row asks) come back in ONE non-blocking read; `launch` returns at
+once with the tokens still on the device (SampledTokens), and only SampledTokens.result() waits for the host copy.
 Reported logprobs are those of the unmodified model distribution (log_softmax of the raw logits).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -70,6 +72,34 @@ def exp_noise(keys: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().float()  # > 0 always: the smallest is -log(1 - 2**-53) ~ 1.1e-16
 
 
+@dataclass
+class SampledTokens:
+    """One sampling call in flight. `tokens` [S] int64 stays on the device (an overlapped next decode step reads
+    its input ids from it); the results' host copy is queued behind it, and result() waits for that copy."""
+
+    tokens: torch.Tensor               # [S] int64, on the device
+    rows: torch.Tensor                 # [S, 1] int64, or [S, 2 + 2N] float64 with logprobs; host (pinned on CUDA)
+    copied: torch.cuda.Event | None    # completes with the host copy (None: already on the host)
+    wanted: list[int | None]           # logprobs asked for, per row
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """(token ids, logprobs or None per row): the call's one host synchronisation."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.rows.tolist()
+        if self.rows.dtype == torch.int64:
+            return [row[0] for row in rows], [None] * len(rows)
+        n_top = (len(rows[0]) - 2) // 2 if rows else 0
+        result: list[TokenLogprob | None] = []
+        for row, n in zip(rows, self.wanted, strict=True):
+            if n is None:
+                result.append(None)
+                continue
+            top = {int(i): v for i, v in zip(row[2 + n_top:2 + n_top + n], row[2:2 + n], strict=True)}
+            result.append(TokenLogprob(int(row[0]), row[1], top))
+        return [int(row[0]) for row in rows], result
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = torch.device(device)
@@ -79,17 +109,27 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [S, V] float32, one row per sampling request -> (token ids, logprobs or None per row)."""
+        return self.launch(logits, params, output_indices).result()
+
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams],
+               output_indices: list[int]) -> SampledTokens:
+        """Queue the sampling of logits [S, V] and the results' copy to the host; does not wait for the device."""
         if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(output_indices):
             raise ValueError(f"logits must be [S, V] with S == len(params) == len(output_indices), got logits "
                              f"{tuple(logits.shape)}, {len(params)} params, {len(output_indices)} output_indices")
-        if not params:
-            return [], []
         logits = logits.float()
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)  # [S]
         else:
             tokens = self._sample(logits, params, output_indices)  # [S]
-        return self._read_back(logits, tokens, params)
+        rows = self._result_rows(logits, tokens, params)
+        wanted = [p.logprobs for p in params]
+        if rows.device.type != "cuda":
+            return SampledTokens(tokens, rows.cpu(), None, wanted)
+        host = rows.to("cpu", non_blocking=True)  # lands in pinned memory
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledTokens(tokens, host, copied, wanted)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 output_indices: list[int]) -> torch.Tensor:
@@ -147,27 +187,17 @@ class Sampler:
         return self._vocab_ids
 
     @staticmethod
-    def _read_back(logits: torch.Tensor, tokens: torch.Tensor,
-                   params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One device->host read: tokens [S], plus chosen and top-N logprobs when any row asks for them."""
-        wanted = [p.logprobs for p in params]
-        if all(n is None for n in wanted):
-            return tokens.tolist(), [None] * len(params)
-        n_top = max(n or 0 for n in wanted)
+    def _result_rows(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Everything the host needs, as one tensor: tokens [S, 1] int64, or with logprobs [S, 2 + 2N] float64
+        (token, chosen logprob, top-N logprobs, top-N ids; float64 holds token ids exactly)."""
+        if all(p.logprobs is None for p in params):
+            return tokens[:, None]
+        n_top = max(p.logprobs or 0 for p in params)
         lse = logits.logsumexp(dim=-1, keepdim=True)  # [S, 1]
         top_vals, top_ids = logits.topk(n_top, dim=-1)  # [S, N], sorted descending
         chosen = logits.gather(1, tokens[:, None]) - lse  # [S, 1]
-        rows = torch.cat([tokens[:, None].double(), chosen.double(), (top_vals - lse).double(), top_ids.double()],
-                         dim=1).tolist()  # [S, 2 + 2N]: float64 holds token ids exactly
-        result: list[TokenLogprob | None] = []
-        for row, n in zip(rows, wanted, strict=True):
-            token = int(row[0])
-            if n is None:
-                result.append(None)
-                continue
-            top = {int(i): v for i, v in zip(row[2 + n_top:2 + n_top + n], row[2:2 + n], strict=True)}
-            result.append(TokenLogprob(token, row[1], top))
-        return [int(row[0]) for row in rows], result
+        return torch.cat([tokens[:, None].double(), chosen.double(), (top_vals - lse).double(), top_ids.double()],
+                         dim=1)
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:

@@ -5,6 +5,11 @@ the BlockManager, every block they hold. One rule covers prefill, chunked prefil
 request computes its pending tokens, as many as the step's token budget allows; when it reaches its last token the
 runner samples the next one. When blocks run out, the most recently admitted running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed (its sampled tokens are kept).
+
+Overlapped scheduling: `schedule_after` plans the decode step that follows one still on the device, before its
+tokens are known (each row's input is the token being sampled, a placeholder here), when nothing else could
+change the plan: no request waits or joined, and no block must be taken back. `update` then skips chunks whose
+request ended meanwhile (`is_current`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus, TokenLogprob
+
+PENDING_TOKEN = -1  # token id of a chunk whose input is still being sampled on the device
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,11 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def all_decodes(self) -> bool:
+        """Every chunk computes one token and samples the next (a plain decode step)."""
+        return bool(self.chunks) and all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -133,11 +145,40 @@ class Scheduler:
         out.chunks = [self._chunk(r, n) for r, n in scheduled]
         return out
 
+    def schedule_after(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after `prev` (a plain decode step not yet updated): each row continues with the token
+        it is sampling, except rows that end by length with it. None when the plan would depend on prev's
+        tokens or could differ from schedule()'s: a request waits or joined, or blocks are short."""
+        if self.waiting or not prev.all_decodes:
+            return None
+        in_prev = {c.request_id for c in prev.chunks}
+        if any(r.request_id not in in_prev for r in self.running):
+            return None
+        chunks = []
+        for c in prev.chunks:
+            req = self.requests.get(c.request_id)
+            if req is None or not self.is_current(c) or req.prefill_only:
+                continue
+            if c.output_index + 1 >= req.params.max_tokens or c.start_pos + 2 >= req.max_model_len:
+                continue  # prev's token is its last
+            if not self.bm.allocate(req.request_id, c.start_pos + 2):
+                return None  # schedule() will preempt, with the tokens known
+            chunks.append(ScheduledChunk(req.request_id, [PENDING_TOKEN], c.start_pos + 1,
+                                         list(self.bm.table(req.request_id)), True, c.output_index + 1))
+        return SchedulerOutput(chunks) if chunks else None
+
+    def is_current(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk` still applies: its request runs and has computed exactly the tokens before it."""
+        req = self.requests.get(chunk.request_id)
+        return req is not None and req.status == RequestStatus.RUNNING and req.num_computed_tokens == chunk.start_pos
+
     def update(self, sched: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]],
                pin_lease_s: float) -> list[StepOutput]:
         """Advance progress after the runner computed `sched`; `sampled` maps request id -> (token, logprob)."""
         outputs = []
         for chunk in sched.chunks:
+            if not self.is_current(chunk):  # ended (or aborted) while this step was on the device
+                continue
             req = self.requests[chunk.request_id]
             req.num_computed_tokens += len(chunk.token_ids)
             self.bm.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)

@@ -141,3 +141,46 @@ def test_prefill_chunk_size_caps_one_request_per_step_but_not_the_batch():
     out, _ = run_step(s)
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 5), ("b", 1)]
     assert drain(s) == {"a": "length", "b": "length"}
+
+
+def test_schedule_after_continues_a_decode_step_before_its_tokens_are_known():
+    s = make(num_blocks=64, block_size=4)
+    s.add(req("a", 3, max_tokens=10))
+    s.add(req("b", 5, max_tokens=2))  # its next token (output 1) is its last
+    run_step(s)  # prefill: both sampled output 0
+    decode = s.schedule()
+    assert decode.all_decodes and [c.output_index for c in decode.chunks] == [1, 1]
+    nxt = s.schedule_after(decode)
+    assert [(c.request_id, c.token_ids, c.start_pos, c.output_index) for c in nxt.chunks] == [("a", [-1], 4, 2)]
+    assert s.bm.table("a") == nxt.chunks[0].block_table and len(s.bm.table("a")) == 2  # position 4: second block
+    outs = s.update(decode, {"a": (7, None), "b": (7, None)}, 60.0)
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", None), ("b", "length")]
+    assert s.update(nxt, {"a": (8, None)}, 60.0)[0].new_token_ids == [8]
+    assert s.requests["a"].output_token_ids == [7, 7, 8] and s.requests["a"].num_computed_tokens == 5
+
+
+def test_schedule_after_declines_when_the_plan_could_differ():
+    s = make(num_blocks=64, block_size=4)
+    s.add(req("a", 3, max_tokens=10))
+    run_step(s)
+    decode = s.schedule()
+    s.add(req("late", 2))  # waiting: schedule() must admit it
+    assert s.schedule_after(decode) is None
+    s = make(num_blocks=1, block_size=4)  # position 4 needs a second block: only schedule() may preempt
+    s.add(req("a", 3, max_tokens=10))
+    run_step(s)
+    assert s.schedule_after(s.schedule()) is None
+
+
+def test_update_skips_chunks_of_requests_that_ended_while_on_the_device():
+    s = make()
+    s.add(req("a", 3, max_tokens=10))
+    s.add(req("b", 3, max_tokens=10))
+    run_step(s)
+    decode = s.schedule()
+    nxt = s.schedule_after(decode)
+    s.finish("b", "abort")
+    s.update(decode, {"a": (7, None), "b": (7, None)}, 60.0)
+    outs = s.update(nxt, {"a": (8, None), "b": (8, None)}, 60.0)
+    assert [o.request_id for o in outs] == ["a"] and "b" not in s.requests
+    s.bm.check_integrity()

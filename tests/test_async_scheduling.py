@@ -1,0 +1,96 @@
+"""Overlapped (async) scheduling on the tiny model: the engine queues decode step N+1 before it reads step N's
+tokens, and must give exactly what step-by-step scheduling gives, whatever happens between steps (requests
+joining, stopping on a token, aborted, preempted), leaving every block accounted for."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model_runner import ModelRunner
+from tests.engine_helpers import random_prompts
+
+VOCAB = 2000
+
+
+def _params(stop_token: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=(stop_token,)),
+        SamplingParams(temperature=1.0, top_k=20, seed=6, max_tokens=40, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=7, max_tokens=12, ignore_eos=True),
+    ]
+
+
+def _drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[dict, int]:
+    """Requests 0-3 start together; 4 and 5 join when request 0 has 5 and 9 tokens; 1 is aborted when request 0
+    has 12. Events hang on tokens seen, not on step counts, so both modes meet them in the same state.
+    Returns ({request: (tokens, logprobs, finish_reason)}, overlapped launches)."""
+    engine = llm.engine
+    launched_after = []
+    launch = engine.runner.launch
+
+    def spy(sched, params, after=None, on_layer_done=None):
+        launched_after.append(after is not None)
+        return launch(sched, params, after=after, on_layer_done=on_layer_done)
+    engine.runner.launch = spy
+    for i in range(4):
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    got: dict[str, list] = {f"r{i}": [[], [], None] for i in range(6)}
+    pending = {5: 4, 9: 5}
+    aborted = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            entry = got[out.request_id]
+            entry[0] += out.new_token_ids
+            entry[1] += [(lp.token_id, round(lp.logprob, 3), sorted(lp.top_logprobs)) for lp in out.new_logprobs]
+            entry[2] = out.finish_reason
+        engine.check_integrity()
+        seen = len(got["r0"][0])
+        for at, i in list(pending.items()):
+            if seen >= at:
+                engine.add_request(f"r{i}", prompts[i], params[i])
+                del pending[at]
+        if seen >= 12 and not aborted:
+            aborted = engine.abort("r1")
+            got["r1"][2] = got["r1"][2] or "abort"
+    counts = engine.check_integrity()
+    assert counts["in_use"] == 0 and counts["pinned"] == 0
+    return {k: tuple(v[:2]) + (v[2],) for k, v in got.items()}, sum(launched_after)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [None, 7])  # 7 blocks of 16 tokens: decodes preempt each other
+def test_overlapped_decode_equals_step_by_step(checkpoints, num_kv_blocks):
+    folder = str(checkpoints.tiny())
+    prompts = random_prompts((9, 33, 17, 40, 5, 21), VOCAB, seed=8)
+    probe = LLM(folder, async_scheduling=False).generate([prompts[2]], SamplingParams(temperature=0, max_tokens=30,
+                                                                                       ignore_eos=True))
+    stop = probe[0].token_ids[6]  # request 2 stops mid-stream on its own 7th token
+    params = _params(stop)
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(folder, async_scheduling=overlap, num_kv_blocks=num_kv_blocks, max_num_seqs=8)
+        results[overlap], results[overlap, "after"] = _drive(llm, prompts, params)
+        if num_kv_blocks:
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert results[True] == results[False]
+    r = results[True]
+    assert r["r2"][2] == "stop" and r["r2"][0][-1] == stop and len(r["r2"][0]) <= 7
+    assert r["r1"][2] == "abort" and 0 < len(r["r1"][0]) < 17
+    assert [len(r[f"r{i}"][0]) for i in (0, 3, 4, 5)] == [24, 40, 1, 12]
+    assert results[False, "after"] == 0 and results[True, "after"] > 20  # most decode steps overlapped
+
+
+def test_a_lone_request_overlaps_and_its_last_token_ends_the_pipeline(checkpoints):
+    llm = LLM(str(checkpoints.tiny()))
+    engine = llm.engine
+    engine.add_request("a", random_prompts((12,), VOCAB, seed=2)[0],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    per_step = []
+    while engine.has_unfinished():
+        per_step.append([(o.new_token_ids, o.finish_reason) for o in engine.step()])
+    # prefill samples token 1; the first decode step is queued and returns nothing; each later call queues the
+    # next decode and returns the previous one's token; the step that samples token 6 is not followed by another
+    assert [len(s) for s in per_step] == [1, 0, 1, 1, 1, 1, 1]
+    assert per_step[-1][0][1] == "length" and engine._in_flight is None
+    assert isinstance(engine.runner, ModelRunner) and engine.check_integrity()["in_use"] == 0
