@@ -31,6 +31,9 @@ class PoolConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    kernels: str = "auto"          # the engine's GPU path switches (EngineConfig): Triton kernels, CUDA graphs and
+    cuda_graphs: bool = True       # overlapped decode scheduling; the defaults are the fast path, turn one off to
+    async_scheduling: bool = True  # compare or to rule it out
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
     resources: dict[str, float] = field(default_factory=dict, hash=False)
 
@@ -75,7 +78,8 @@ class ServeConfig:
             max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
-            gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed)
+            gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
+            kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling)
 
 
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,

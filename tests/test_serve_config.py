@@ -24,7 +24,18 @@ def test_default_config_is_cpu_tiny_one_prefill_one_decode():
 
 def test_gpu_config_puts_engines_on_cuda():
     cfg = load_serve_config(ROOT / "configs" / "gpu-1p1d-llama3-8b.yaml")
-    assert cfg.engine_config(cfg.decode).device == "cuda" and cfg.decode.num_gpus == 1
+    engine = cfg.engine_config(cfg.decode)
+    assert engine.device == "cuda" and cfg.decode.num_gpus == 1
+    assert (engine.kernels, engine.cuda_graphs, engine.async_scheduling) == ("auto", True, True)
+
+
+def test_a_pool_can_turn_the_gpu_fast_path_switches_off(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("decode:\n  kernels: torch\n  cuda_graphs: false\n  async_scheduling: false\n")
+    cfg = load_serve_config(path)
+    engine = cfg.engine_config(cfg.decode)
+    assert (engine.kernels, engine.cuda_graphs, engine.async_scheduling) == ("torch", False, False)
+    assert cfg.engine_config(cfg.prefill).async_scheduling  # the other pool keeps the defaults
 
 
 def write(tmp_path, text):
@@ -44,6 +55,8 @@ def write(tmp_path, text):
     ("decode:\n  workers: 0\n", "decode: workers must be at least 1"),
     ("dtype: float8\n", "EngineConfig.dtype"),
     ("block_size: true\n", "'block_size' must be int"),
+    ("decode:\n  kernels: cuda\n", "decode workers' engine: EngineConfig.kernels must be one of"),
+    ("prefill:\n  async_scheduling: 1\n", "'prefill.async_scheduling' must be bool"),
     ("[1, 2]\n", "top level must be a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
 ])
