@@ -85,22 +85,25 @@ def test_cancelled_streams_free_every_block(server_2p2d, llama):
 def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server_2p2d, llama):
     """Runs last on this server (before the other servers start): it leaves one decode worker dead."""
     prompts = random_prompts([20] * 6, 2000, seed=27)
-    started = asyncio.Event()
+    decoding: list[int] = []  # streams past their first tokens
+    all_decoding = asyncio.Event()
 
     async def stream(client, prompt):
-        body = {"model": str(llama), "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"model": str(llama), "prompt": prompt, "max_tokens": 480, "ignore_eos": True, "stream": True}
         events = []
         async with client.stream("POST", f"{server_2p2d.url}/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 3:
-                        started.set()
+                        decoding.append(1)
+                        if len(decoding) == len(prompts):
+                            all_decoding.set()
         return events
 
     async def kill_one_decode_worker():
-        await started.wait()
-        await asyncio.sleep(0.5)
+        # as soon as every stream decodes (a fixed delay let fast machines finish all 480 tokens first)
+        await all_decoding.wait()
         pids = worker_pids(server_2p2d, "DecodeWorker")
         assert len(pids) == 2, pids
         os.kill(pids[0], signal.SIGKILL)
@@ -111,7 +114,7 @@ def test_a_decode_worker_killed_mid_stream_ends_its_streams_with_an_error(server
                                                          *[stream(client, p) for p in prompts]), 120)
     _, *results = asyncio.run(run())
     failed = [events for events in results if any('"error"' in e for e in events)]
-    assert failed, "the killed worker's streams must end with an in-band error"
+    assert failed, f"the killed worker's streams must end with an in-band error; events: {[len(e) for e in results]}"
     assert all(events[-1] == "[DONE]" for events in results)
     assert len(failed) < len(results), "streams on the surviving worker are not affected"
     r = httpx.post(f"{server_2p2d.url}/v1/completions", timeout=60,
