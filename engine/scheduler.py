@@ -156,8 +156,10 @@ class Scheduler:
             return None
         chunks = []
         for c in prev.chunks:
-            req = self.requests.get(c.request_id)
-            if req is None or not self.is_current(c) or req.prefill_only:
+            if not self.is_current(c):
+                continue
+            req = self.requests[c.request_id]
+            if req.prefill_only:
                 continue
             if c.output_index + 1 >= req.params.max_tokens or c.start_pos + 2 >= req.max_model_len:
                 continue  # prev's token is its last
