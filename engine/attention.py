@@ -28,6 +28,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [N] int32, context including the chunk
     prefill_lens: tuple[tuple[int, int], ...]  # host copy of (chunk length, context length) per prefill sequence
     sliding_window: int | None
+    decode_semaphores: torch.Tensor | None = None  # [>= Bd, KVH] int32 zeros the decode kernel may keep (graphs)
 
     @property
     def max_query_len(self) -> int:
@@ -45,7 +46,7 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, sca
     nd = meta.num_decode
     if nd:
         decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
-                         meta.sliding_window, out=out[:nd])
+                         meta.sliding_window, out=out[:nd], semaphores=meta.decode_semaphores)
     if meta.prefill_lens:
         prefill_attention(q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start,
                           meta.prefill_context_lens, meta.max_query_len, scale, meta.sliding_window, out=out[nd:])

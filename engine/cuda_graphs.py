@@ -30,6 +30,7 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), -1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.semaphores = torch.zeros(max_batch, model.config.num_kv_heads, dtype=torch.int32, device=dev)
         self.buckets = bucket_sizes(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
@@ -68,7 +69,8 @@ class DecodeGraphs:
             slots=self.slots[:b], num_decode=b, decode_block_tables=self.block_tables[:b],
             decode_context_lens=self.context_lens[:b], prefill_block_tables=empty.view(0, 0),
             prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev), prefill_context_lens=empty,
-            prefill_lens=(), sliding_window=self.model.config.sliding_window)
+            prefill_lens=(), sliding_window=self.model.config.sliding_window,
+            decode_semaphores=self.semaphores[:b])
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -114,6 +114,29 @@ def test_decode_tile_wider_than_split(monkeypatch):
         assert_close(out[b:b + 1], reference(q[b:b + 1], kv[:, 1], tables[b], contexts[b], 0.3, None), torch.float32)
 
 
+def test_decode_merge_in_chunks_and_semaphores_left_zero(monkeypatch):
+    """The last split merges the others in chunks of 2 (a small merge tile): 9 splits of one 8-token block each
+    (BLOCK_N 8), contexts with 9, 5 and 0 busy splits; the caller's semaphores are zero again after each call,
+    so a second call with them (as a graph replay does) is right too."""
+    monkeypatch.setattr(decode_mod, "_launch_config", lambda dtype, head_dim: (8, 4, 1))
+    monkeypatch.setattr(decode_mod, "MERGE_TILE", 2 * 4 * 16)  # [GROUP 4, 2 splits, D 16]
+    gen = torch.Generator().manual_seed(11)
+    contexts, bs, kvh, d = [72, 37, 0], 8, 2, 16
+    kv = make_cache(gen, 30, bs, kvh, d, torch.float32)
+    tables = make_tables(gen, contexts, bs, 9, 30)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 4 * kvh, d, generator=gen).to(DEV)
+    semaphores = torch.zeros(4, kvh, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        out = decode_attention(q, kv[:, 1], tables, lens, 0.3, num_splits=9, out=torch.full_like(q, float("nan")),
+                               semaphores=semaphores)
+        assert (semaphores == 0).all(), "the kernel must leave its semaphores zero"
+        assert (out[2] == 0).all()
+        for b in (0, 1):
+            assert_close(out[b:b + 1], reference(q[b:b + 1], kv[:, 1], tables[b], contexts[b], 0.3, None),
+                         torch.float32)
+
+
 # --- prefill -------------------------------------------------------------------------------------------------------
 
 PREFILL_CASES = [
@@ -173,7 +196,7 @@ def _decode_args():
     kv = torch.zeros(4, LAYERS, 2, 8, 2, 16, device=DEV)
     return dict(q=torch.zeros(2, 4, 16, device=DEV), kv_layer=kv[:, 1],
                 block_tables=torch.zeros(2, 3, dtype=torch.int32, device=DEV),
-                context_lens=torch.ones(2, dtype=torch.int32, device=DEV), scale=1.0)
+                context_lens=torch.ones(2, dtype=torch.int32, device=DEV), scale=1.0, num_splits=2)
 
 
 def _prefill_args():
@@ -196,6 +219,8 @@ def _prefill_args():
     ("out", lambda a: torch.zeros_like(a["q"]).half()),
     ("sliding_window", lambda a: 0),
     ("num_splits", lambda a: 0),
+    ("semaphores", lambda a: torch.zeros(2, 3, dtype=torch.int32, device=DEV)),
+    ("semaphores", lambda a: torch.zeros(2, 2, device=DEV)),
 ])
 def test_decode_rejects_bad_arguments(name, bad):
     args = _decode_args()

@@ -15,30 +15,35 @@ from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_paged_attention
 
 LOG2E = 1.4426950408889634
+MERGE_TILE = 8192  # fp32 elements of the merge's [GROUP, splits, D] tile: 64 registers a thread at 4 warps
 
 
-# Stage 1. Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one
-# program owns one KV head and all GROUP = H/KVH query heads that share it (rows of a [BLOCK_G >= 16, D] Q tile,
-# padded and masked, so tl.dot applies), and streams one contiguous slice of the context. The slice comes from
-# context_lens[b] on the device (whole paged blocks, cdiv(blocks, NUM_SPLITS) per split), so every split has work
-# whatever the padded table width is (a CUDA graph pads it to the model's max length). A tile is BLOCK_N tokens
-# spanning several paged blocks: each token's block id is read from the table, and its K row (D contiguous elements)
-# is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages ahead) keep HBM busy.
-# The KV head is the fastest grid axis: programs running side by side read the interleaved heads of the same
+# Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one program owns
+# one KV head and all GROUP = H/KVH query heads that share it (rows of a [BLOCK_G >= 16, D] Q tile, padded and
+# masked, so tl.dot applies), and streams one contiguous slice of the context. Slices are whole paged blocks,
+# cdiv(blocks, NUM_SPLITS) each but at least MIN_SPLIT_BLOCKS (one tile), computed from context_lens[b] on the
+# device: NUM_SPLITS comes from shapes (a CUDA graph sizes it for the longest context), and a short context keeps
+# only as many splits busy as it has tiles; the rest find an empty slice and only check in. A tile is BLOCK_N
+# tokens spanning several paged blocks: each token's block id is read from the table, and its K row (D contiguous
+# elements) is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages ahead) keep HBM
+# busy. The KV head is the fastest grid axis: programs running side by side read the interleaved heads of the same
 # blocks, so together they sweep each block's contiguous [bs, KVH, D] span. Online softmax in fp32 with base-2
-# exponentials (log2(e) folded into the scale). With one split the program normalises and writes the output itself;
-# otherwise it writes the split's normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S] (-inf for an
-# empty split), which stage 2 merges.
+# exponentials (log2(e) folded into the scale). With one split the program normalises and writes the output itself.
+# Otherwise each busy split writes its normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S], then
+# counts itself in on the (b, kvh) semaphore (release); the program that arrives last (acquire) merges the busy
+# splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
+# replay) finds it zeroed. That saves a second launch, which at batch 1 costs more than the merge itself.
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, sem_ptr, out_ptr,
     stride_qb, stride_qh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_tb, stride_ob, stride_oh,
     qk_scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -49,7 +54,9 @@ def _decode_split_kernel(
     if WINDOW > 0:
         first_tok = tl.maximum(ctx - WINDOW, 0)  # keys at positions <= (ctx - 1) - WINDOW are out of the window
     first_blk = first_tok // BLOCK_SIZE
-    blocks_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_SIZE) - first_blk, NUM_SPLITS)
+    num_blocks = tl.cdiv(ctx, BLOCK_SIZE) - first_blk
+    blocks_per_split = tl.maximum(tl.cdiv(num_blocks, NUM_SPLITS), MIN_SPLIT_BLOCKS)
+    busy_splits = tl.cdiv(num_blocks, blocks_per_split)  # the others' slices are empty
     start = (first_blk + split * blocks_per_split) * BLOCK_SIZE
     end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, ctx)
     start = tl.maximum(start, first_tok)
@@ -100,39 +107,54 @@ def _decode_split_kernel(
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        row_ids = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [B, H, S]
-        tl.store(part_out_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(part_lse_ptr + row_ids, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+        if split < busy_splits:
+            row_ids = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [B, H, S]
+            tl.store(part_out_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :], o,
+                     mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(part_lse_ptr + row_ids, m_i + tl.log2(l_safe), mask=g_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        sem = sem_ptr + b * NUM_KV_HEADS + kvh
+        if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
+                          (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, kvh * GROUP, busy_splits,
+                          GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, MERGE_G, MERGE_S)
+            tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
 
 
-# Stage 2. Grid (B, H): merge the NUM_SPLITS partial outputs of one query head by their log2-sum-exp weights.
-# Tiny ([S, D] fp32 per program); a context-0 row (all lse -inf) gets zeros.
 @triton.jit
-def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, first_head, busy_splits,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
+    # The GROUP heads' outputs from the busy splits' partials, weighted by exp2(lse - max lse), MERGE_S splits at a
+    # time ([MERGE_G, MERGE_S, D] fp32 tile). The partials were written by other programs: .cg loads read them from
+    # L2, past this SM's L1. No busy split (context 0, a padding row) gives zeros.
+    offs_g = tl.arange(0, MERGE_G)
+    offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    rows = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
-    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+    rows = first_row + offs_g[:, None] * NUM_SPLITS + offs_s[None, :]  # [MERGE_G, MERGE_S]
+    m = tl.full([MERGE_G], float("-inf"), tl.float32)
+    total = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
+    for s0 in range(0, busy_splits, MERGE_S):  # one pass, rescaling by the running max like the online softmax
+        mask = g_mask[:, None] & (s0 + offs_s < busy_splits)[None, :]
+        lse = tl.load(part_lse_ptr + s0 + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(part_out_ptr + (s0 + rows)[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                        mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))  # finite: every chunk has >= 1 busy split
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])  # [MERGE_G, MERGE_S], 0 where masked
+        total = total * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
+        m = m_new
+    o = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_row_ptr + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of stage 1. 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
+    """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
     in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~114 registers, 39 KiB shared memory, so ~4 programs
     per SM). fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
     if interpreting():
@@ -143,7 +165,7 @@ def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe): enough stage-1 programs for about two waves of
+    """Splits per sequence from shapes only (CUDA-graph safe): enough programs for about two waves of
     four resident programs per SM, no more splits than table blocks, at most 64."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = triton.cdiv(8 * sms, max(batch * num_kv_heads, 1))
@@ -155,8 +177,11 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      block_tables: torch.Tensor,  # [B, max_blocks] int32
                      context_lens: torch.Tensor,  # [B] int32, 0 = padding row
                      scale: float, sliding_window: int | None = None,
-                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, D]
-    """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out."""
+                     num_splits: int | None = None, out: torch.Tensor | None = None,
+                     semaphores: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, D]
+    """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
+    `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
+    caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     dev = q.device
     check("context_lens", context_lens, 1, (torch.int32,), dev, inner_contiguous=True)
@@ -176,23 +201,27 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
-    else:  # stage 1 writes `out` directly; the scratch pointers are unused
-        part_out = part_lse = out
+        if semaphores is None:
+            semaphores = torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=dev)
+        else:
+            check("semaphores", semaphores, 2, (torch.int32,), dev)
+            if semaphores.shape[0] < batch or semaphores.shape[1] != num_kv_heads or not semaphores.is_contiguous():
+                raise ValueError(f"semaphores must be a contiguous [>= {batch}, {num_kv_heads}] int32 tensor, got "
+                                 f"shape {tuple(semaphores.shape)}")
+    else:  # the program writes `out` directly; the scratch pointers are unused
+        part_out = part_lse = semaphores = out
+    merge_g = triton.next_power_of_2(group)
     _decode_split_kernel[(num_kv_heads, splits, batch)](
-        q, kv_layer, block_tables, context_lens, part_out, part_lse, out,
+        q, kv_layer, block_tables, context_lens, part_out, part_lse, semaphores, out,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E,
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, merge_g),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=splits, WINDOW=sliding_window or 0, DOT_F32=interpreting() or q.dtype == torch.float32,
+        NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
+        MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
+        WINDOW=sliding_window or 0, DOT_F32=interpreting() or q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
-        )
     return out
