@@ -6,7 +6,9 @@ tensors one to one. Differences between the architectures are config flags: q/k/
 
 Two paths, one structure. The torch path (CPU) matches transformers op for op. `use_kernels()` switches to the GPU
 path after loading: q/k/v and gate/up become one projection each (one GEMM instead of three and two), and RMSNorm
-with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels.
+with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels. A step of at most
+SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and down projections through the skinny GEMV kernel, with the
+SiLU-and-mul folded into the down projection's input.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from engine.attention import AttentionMetadata, attend
 from engine.config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rope
 from engine.torch_attention import write_kv
+
+SKINNY_ROWS = 8  # kernel path: steps of at most this many tokens use engine.kernels.skinny_gemm for qkv, o, down
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ class Attention(nn.Module):
         """x [T, hidden]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)  # views of [T, (H + 2 KVH) D]
+            qkv = _linear(self.qkv_proj, x)  # [T, (H + 2 KVH) D]
+            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
         else:
             q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
@@ -92,8 +97,8 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, k, rope.cos, rope.sin)
             write_kv(kv_layer, meta.slots, k, v)
-        o = attend(q, kv_layer, meta, d ** -0.5, use_kernels)  # [T, H, D]
-        return self.o_proj(o.reshape(t, h * d))
+        o = attend(q, kv_layer, meta, d ** -0.5, use_kernels).reshape(t, h * d)
+        return _linear(self.o_proj, o) if use_kernels else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -110,8 +115,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)  # [T, 2I]
+            if x.shape[0] <= SKINNY_ROWS:
+                from engine.kernels.skinny_gemm import skinny_linear
+                down = self.down_proj
+                return skinny_linear(gate_up, down.weight, down.bias, silu_mul_input=True)  # [T, hidden]
             from engine.kernels.silu_mul import silu_and_mul
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+            return self.down_proj(silu_and_mul(gate_up))  # [T, I] -> [T, hidden]
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -183,6 +193,14 @@ class CausalLM(nn.Module):
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) on the kernel path: the skinny GEMV for a few rows (one pass over the weight), cuBLAS otherwise."""
+    if x.shape[0] <= SKINNY_ROWS:
+        from engine.kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
