@@ -2,6 +2,7 @@
 # One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT).
 # tests: kernel tests at real sizes, the engine's kernel path vs transformers, the sampler on CUDA.
 # peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
+# kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
 # engine: a random Llama-3-8B checkpoint, then python -m engine.bench --gpu.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -20,6 +21,8 @@ for step in "$@"; do
     transfer)
       timeout 200 python3 -m kvtransfer.bench --mode ray --device cuda --configs ${KV_CONFIGS:-ipc-all,ipc-all} --repeat 10 2>&1 \
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
+    kernels)
+      timeout 300 python3 benchmarks/decode_kernel_options.py ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 -m engine.bench --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;
