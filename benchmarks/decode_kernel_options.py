@@ -1,7 +1,7 @@
 """Small-batch decode kernels on a GPU, each next to the device copy bandwidth of the same run (one JSON line each).
 
 `python benchmarks/decode_kernel_options.py [--sweep]`:
-- the Llama-3-8B projections at M = 1 and 8 rows: cuBLAS (F.linear; for the down projection after
+- the Llama-3-8B projections at M = 1, 2 and 8 rows: cuBLAS (F.linear; for the down projection after
   silu_and_mul, as the kernel path ran it before) against engine.kernels.skinny_gemm with its own launch
   configuration, and with --sweep every configuration of a grid (to choose skinny_gemm._launch_config);
 - decode attention at batch 1, 1k context, with the splits a graph of the engine gets (max model length 8192).
@@ -26,8 +26,10 @@ from engine.kernels.silu_mul import silu_and_mul
 LAYERS = 32
 SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False), "down+silu": (4096, 14336, True),
           "gate_up": (28672, 4096, False)}
-SWEEP = {1: [(bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4,)] + [(8, 512, 8), (16, 1024, 8)],
-         8: [(4, 64, 4), (8, 64, 4), (4, 128, 4), (8, 128, 4)]}
+SWEEP = {1: [(1, 2048, 4), (2, 2048, 4), (4, 2048, 4), (1, 4096, 4), (2, 4096, 4), (2, 4096, 8), (4, 4096, 8),
+             (1, 8192, 8), (2, 8192, 8), (1, 16384, 8), (8, 1024, 4), (4, 1024, 4)],
+         2: [(2, 4096, 4), (4, 2048, 4), (4, 4096, 8)],
+         8: [(2, 4096, 4), (4, 2048, 4), (4, 4096, 8)]}
 
 
 def graph_us(calls) -> float:
@@ -55,16 +57,16 @@ def graph_us(calls) -> float:
 
 
 def copy_bandwidth() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB (a uint8 copy runs slower)
     dst = torch.empty_like(src)
     us = graph_us([lambda: dst.copy_(src)])
-    return 2 * src.numel() / (us / 1e6)
+    return 2 * src.numel() * src.element_size() / (us / 1e6)
 
 
 def projections(bandwidth: float, sweep: bool) -> None:
     for name, (n, k, silu) in SHAPES.items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
-        for m in (1, 8):
+        for m in (1, 2, 8):
             x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
             outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
             nbytes = n * k * 2

@@ -2,6 +2,7 @@
 
 Without a GPU, Triton kernels run in Triton's interpreter (set before any kernel module is imported)."""
 
+import gc
 import os
 
 import pytest
@@ -11,6 +12,16 @@ if not torch.cuda.is_available():  # before anything imports triton (transformer
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.hf_checkpoints import CheckpointCache  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """An engine sizes its KV cache from the GPU's free memory: hand the next test what this one's engines held
+    (they may sit in reference cycles, and torch's allocator keeps freed memory cached)."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,5 @@
 """The engine on a CUDA device (torch path) gives the CPU engine's tokens. Runs where CUDA exists (the lent GPUs)."""
 
-import gc
-
 import pytest
 import torch
 
@@ -9,14 +7,6 @@ from engine import LLM, SamplingParams
 from tests.engine_helpers import LogitsRecorder, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def free_gpu_memory():
-    """An engine sizes its KV cache from the free memory: give the next test what this one's engines held."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def test_cuda_greedy_equals_cpu_and_disaggregated_decode_works(checkpoints):

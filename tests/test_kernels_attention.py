@@ -115,15 +115,15 @@ def test_decode_tile_wider_than_split(monkeypatch):
 
 
 def test_decode_merge_in_chunks_and_semaphores_left_zero(monkeypatch):
-    """The last split merges the others in chunks of 2 (a small merge tile): 9 splits of one 8-token block each
-    (BLOCK_N 8), contexts with 9, 5 and 0 busy splits; the caller's semaphores are zero again after each call,
+    """The last split merges the others in chunks of 2 (a small merge tile): 9 splits of two 8-token blocks each
+    (BLOCK_N 16), contexts with 9, 5 and 0 busy splits; the caller's semaphores are zero again after each call,
     so a second call with them (as a graph replay does) is right too."""
-    monkeypatch.setattr(decode_mod, "_launch_config", lambda dtype, head_dim: (8, 4, 1))
+    monkeypatch.setattr(decode_mod, "_launch_config", lambda dtype, head_dim: (16, 4, 1))
     monkeypatch.setattr(decode_mod, "MERGE_TILE", 2 * 4 * 16)  # [GROUP 4, 2 splits, D 16]
     gen = torch.Generator().manual_seed(11)
-    contexts, bs, kvh, d = [72, 37, 0], 8, 2, 16
-    kv = make_cache(gen, 30, bs, kvh, d, torch.float32)
-    tables = make_tables(gen, contexts, bs, 9, 30)
+    contexts, bs, kvh, d = [144, 73, 0], 8, 2, 16
+    kv = make_cache(gen, 40, bs, kvh, d, torch.float32)
+    tables = make_tables(gen, contexts, bs, 18, 40)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
     q = torch.randn(3, 4 * kvh, d, generator=gen).to(DEV)
     semaphores = torch.zeros(4, kvh, dtype=torch.int32, device=DEV)

@@ -20,11 +20,12 @@ MAX_M = 16
 
 
 # Grid (cdiv(N, BLOCK_N),): one program owns BLOCK_N output columns (rows of W) for all M rows of x and walks the
-# whole K dimension, BLOCK_K at a time: a [BLOCK_N, BLOCK_K] weight tile (K contiguous: 16-byte loads, evicted
-# first from L2 since nothing reads it again) times the [BLOCK_M, BLOCK_K] input tile, reduced along K into a
-# [BLOCK_M, BLOCK_N] fp32 accumulator; the input is tiny and stays in L2 for all programs. No split-K: N / BLOCK_N
-# programs (hundreds for every projection of a 7B-class model) already keep several tiles in flight per SM, which
-# is what a memory-bound kernel needs. With SILU_MUL, x is gate_up [M, 2K] and the input is
+# K dimension BLOCK_K at a time, K contiguous (16-byte loads; evicted first from L2 since nothing reads W again).
+# A decode GEMV is bound by how many bytes are in flight, not by arithmetic: tiles are wide (thousands of elements,
+# dozens per thread, often the whole row in one iteration), so each program issues all its loads before it waits,
+# and thousands of small programs keep every SM's memory pipe full, with no split-K and no second kernel. Each of
+# the M input rows (tiny, served from L2) is multiplied with the tile and reduced along K into column m of the
+# [BLOCK_M, BLOCK_N] fp32 accumulator. With SILU_MUL, x is gate_up [M, 2K] and the input is
 # round(round(silu(gate)) * up), rounded to the activation dtype as the torch MLP does.
 @triton.jit
 def _skinny_gemm_kernel(
@@ -36,9 +37,7 @@ def _skinny_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
     n_mask = offs_n < N
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -46,29 +45,31 @@ def _skinny_gemm_kernel(
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first").to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        xm = m_mask[:, None] & k_mask[None, :]
-        if SILU_MUL:
-            g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-            x = (s * u).to(DTYPE).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        for m in tl.static_range(BLOCK_M):
+            x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm  # rows past M repeat the last; never stored
+            if SILU_MUL:
+                g = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+                u = tl.load(x_row + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+                s = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+                x = (s * u).to(DTYPE).to(tl.float32)  # [BLOCK_K]
+            else:
+                x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(DTYPE),
-             mask=m_mask[:, None] & n_mask[None, :])
+             mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
 def _launch_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) from shapes alone (CUDA-graph safe). On a GPU: 8 weight rows of 512 elements
-    a tile (8 KiB of bf16, 32 elements a thread at 4 warps), narrower in K as M grows so the [M, 8, K] product stays
-    at 4096 elements. Interpreted: small tiles (the interpreter's cost grows with tile size)."""
-    block_m = triton.next_power_of_2(m)
+    """(BLOCK_N, BLOCK_K, num_warps) from shapes alone (CUDA-graph safe). On a GPU: up to 4096 elements of K a
+    tile and about 8192 elements in all (64 a thread at 4 warps). Interpreted: small tiles (the interpreter's cost
+    grows with tile size)."""
     if interpreting():
-        return 4, 32, 4
-    return 8, max(64, 512 // block_m), 4
+        return 16, 64, 4
+    block_k = min(triton.next_power_of_2(k), 4096)
+    return max(1, 8192 // block_k), block_k, 4
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
