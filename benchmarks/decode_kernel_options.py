@@ -1,13 +1,13 @@
 """Small-batch decode kernels on a GPU, each next to the device copy bandwidth of the same run (one JSON line each).
 
 `python benchmarks/decode_kernel_options.py [--sweep]`:
-- the Llama-3-8B projections at M = 1, 2 and 8 rows: cuBLAS (F.linear; for the down projection after
-  silu_and_mul, as the kernel path ran it before) against engine.kernels.skinny_gemm with its own launch
-  configuration, and with --sweep every configuration of a grid (to choose skinny_gemm._launch_config);
+- the Llama-3-8B projections at M = 1, 2 and 8 rows: cuBLAS (F.linear) against engine.kernels.skinny_gemm with
+  its own launch configuration, and with --sweep every configuration of a grid (to choose
+  skinny_gemm.launch_config);
 - decode attention at batch 1, 1k context, with the splits a graph of the engine gets (max model length 8192).
 Each figure times 32 calls on 32 different weights / KV layers (as one decode step meets them, so nothing is
 served from L2) captured in one CUDA graph: microseconds per call, and bytes moved per call / time as a fraction
-of copy bandwidth.
+of copy bandwidth (a 2 GiB copy_ timed outside a graph: captured, it becomes a slower copy-engine memcpy node).
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import torch.nn.functional as F
 
 from engine.kernels import skinny_gemm
 from engine.kernels.decode_attention import decode_attention
-from engine.kernels.silu_mul import silu_and_mul
 
 LAYERS = 32
-SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False), "down+silu": (4096, 14336, True),
-          "gate_up": (28672, 4096, False)}
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SWEEP = {1: [(1, 2048, 4), (2, 2048, 4), (4, 2048, 4), (1, 4096, 4), (2, 4096, 4), (2, 4096, 8), (4, 4096, 8),
              (1, 8192, 8), (2, 8192, 8), (1, 16384, 8), (8, 1024, 4), (4, 1024, 4)],
          2: [(2, 4096, 4), (4, 2048, 4), (4, 4096, 8)],
@@ -57,33 +55,38 @@ def graph_us(calls) -> float:
 
 
 def copy_bandwidth() -> float:
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB (a uint8 copy runs slower)
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
-    us = graph_us([lambda: dst.copy_(src)])
-    return 2 * src.numel() * src.element_size() / (us / 1e6)
+    dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
 def projections(bandwidth: float, sweep: bool) -> None:
-    for name, (n, k, silu) in SHAPES.items():
+    for name, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
         for m in (1, 2, 8):
-            x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
             nbytes = n * k * 2
-            if silu:
-                cublas = [lambda w=w, x=x: F.linear(silu_and_mul(x), w) for w in weights]
-            else:
-                cublas = [lambda w=w, x=x: F.linear(x, w) for w in weights]
+            cublas = [lambda w=w, x=x: F.linear(x, w) for w in weights]
             rows = [("cublas", None, graph_us(cublas))]
-            default = skinny_gemm._launch_config(m, n, k)
+            default = skinny_gemm.launch_config(m, n, k)
             configs = SWEEP[m] if sweep else []
             for cfg in [default] + [c for c in configs if c != default]:
-                skinny_gemm._launch_config = lambda m_, n_, k_, cfg=cfg: cfg
-                calls = [lambda w=w, o=o, x=x, s=silu: skinny_gemm.skinny_linear(x, w, silu_mul_input=s, out=o)
+                skinny_gemm.launch_config = lambda m_, n_, k_, cfg=cfg: cfg
+                calls = [lambda w=w, o=o, x=x: skinny_gemm.skinny_linear(x, w, out=o)
                          for w, o in zip(weights, outs, strict=True)]
                 rows.append(("skinny", cfg, graph_us(calls)))
-            skinny_gemm._launch_config = _default_config
-            ref = F.linear(silu_and_mul(x) if silu else x, weights[0]).float()
+            skinny_gemm.launch_config = _default_config
+            ref = F.linear(x, weights[0]).float()
             err = ((outs[0].float() - ref).norm() / ref.norm()).item()
             for kind, cfg, us in rows:
                 print(json.dumps({"proj": name, "m": m, "kind": kind, "config": cfg, "us": round(us, 2),
@@ -112,7 +115,7 @@ def attention(bandwidth: float, context: int = 1024, max_len: int = 8192) -> Non
                       "ratio": round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)}), flush=True)
 
 
-_default_config = skinny_gemm._launch_config
+_default_config = skinny_gemm.launch_config
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ tensors one to one. Differences between the architectures are config flags: q/k/
 Two paths, one structure. The torch path (CPU) matches transformers op for op. `use_kernels()` switches to the GPU
 path after loading: q/k/v and gate/up become one projection each (one GEMM instead of three and two), and RMSNorm
 with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels. A step of at most
-SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and down projections through the skinny GEMV kernel, with the
-SiLU-and-mul folded into the down projection's input.
+SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and gate_up projections as GEMVs (engine.kernels.skinny_gemm;
+the down projection's long K suits cuBLAS's split-K better), the qkv one with RoPE and the KV store fused in.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from engine.config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rope
 from engine.torch_attention import write_kv
 
-SKINNY_ROWS = 8  # kernel path: steps of at most this many tokens use engine.kernels.skinny_gemm for qkv, o, down
+SKINNY_ROWS = 2  # kernel path: steps of at most this many tokens use engine.kernels.skinny_gemm (see _linear)
 
 
 @dataclass(frozen=True)
@@ -82,21 +82,26 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:
-            qkv = _linear(self.qkv_proj, x)  # [T, (H + 2 KVH) D]
-            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-            q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
-        else:
-            q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         use_kernels = self.qkv_proj is not None
-        if use_kernels:
-            from engine.kernels.rope import rope_and_store
-            rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, meta.slots)
+        if use_kernels and t <= SKINNY_ROWS and not self.qk_norm:  # one kernel: projection, RoPE, KV store
+            from engine.kernels.qkv_rope import qkv_rope_store
+            qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
+                                 rope.sin, kv_layer, meta.slots)  # [T, (H + 2 KVH) D]
+            q = qkv[:, : h * d].view(t, h, d)
         else:
-            q, k = apply_rope(q, k, rope.cos, rope.sin)
-            write_kv(kv_layer, meta.slots, k, v)
+            if use_kernels:
+                q, k, v = _linear(self.qkv_proj, x).split([h * d, kvh * d, kvh * d], dim=-1)
+                q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+            else:
+                q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if use_kernels:
+                from engine.kernels.rope import rope_and_store
+                rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, meta.slots)
+            else:
+                q, k = apply_rope(q, k, rope.cos, rope.sin)
+                write_kv(kv_layer, meta.slots, k, v)
         o = attend(q, kv_layer, meta, d ** -0.5, use_kernels).reshape(t, h * d)
         return _linear(self.o_proj, o) if use_kernels else self.o_proj(o)
 
@@ -115,13 +120,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)  # [T, 2I]
-            if x.shape[0] <= SKINNY_ROWS:
-                from engine.kernels.skinny_gemm import skinny_linear
-                down = self.down_proj
-                return skinny_linear(gate_up, down.weight, down.bias, silu_mul_input=True)  # [T, hidden]
             from engine.kernels.silu_mul import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))  # [T, I] -> [T, hidden]
+            return self.down_proj(silu_and_mul(_linear(self.gate_up_proj, x)))  # [T, 2I] -> [T, I] -> [T, hidden]
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -119,7 +119,7 @@ class Sampler:
                              f"{tuple(logits.shape)}, {len(params)} params, {len(output_indices)} output_indices")
         logits = logits.float()
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)  # [S]
+            tokens = argmax_rows(logits)  # [S]
         else:
             tokens = self._sample(logits, params, output_indices)  # [S]
         rows = self._result_rows(logits, tokens, params)
@@ -203,3 +203,17 @@ class Sampler:
 def _filters(p: SamplingParams, vocab: int) -> bool:
     """Whether a row needs the sorted pass (top-k, top-p or min-p active)."""
     return not p.greedy and (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> [S] int64: each row's first maximal index, exactly as argmax(dim=-1), in two passes over C
+    column chunks (C the largest divisor of V up to 64). torch reduces one row of a 128k vocabulary in a single
+    CUDA block (28 us on an H200, as long as a whole layer of a batch-1 decode step); the chunked max runs S x C."""
+    rows, vocab = logits.shape
+    chunks = next(c for c in range(min(64, vocab), 0, -1) if vocab % c == 0)
+    if chunks == 1:
+        return logits.argmax(dim=-1)
+    width = vocab // chunks
+    values, index = logits.view(rows, chunks, width).max(dim=-1)  # [S, C] each; ties: the first index
+    best = values.argmax(dim=-1, keepdim=True)  # [S, 1]: the first chunk holding the row's maximum
+    return (best * width + index.gather(1, best)).squeeze(1)

@@ -1,7 +1,7 @@
 """engine.kernels.skinny_gemm (the decode projections' GEMV) against a float64 torch reference.
 
-On the CPU it runs in Triton's interpreter at small shapes (N and K not multiples of the tiles, 1-16 rows, bias,
-the fused SwiGLU input); with a GPU the same checks repeat at Llama-3-8B projection sizes. Outputs are poisoned
+On the CPU it runs in Triton's interpreter at small shapes (N and K not multiples of the tiles, 1-16 rows, bias);
+with a GPU the same checks repeat at Llama-3-8B projection sizes. Outputs are poisoned
 with NaN so unwritten elements fail.
 """
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.silu_mul import silu_and_mul
 from engine.kernels.skinny_gemm import skinny_linear
 
 CUDA = torch.cuda.is_available()
@@ -28,39 +27,29 @@ def randn(shape, dtype, gen) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype).to(DEV)
 
 
-def check_linear(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, silu: bool, seed: int) -> None:
+def check_linear(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    x = randn((m, 2 * k if silu else k), dtype, g)
+    x = randn((m, k), dtype, g)
     w = randn((n, k), dtype, g) * k ** -0.5
     b = randn((n,), dtype, g) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
 
-    got = skinny_linear(x, w, b, silu_mul_input=silu, out=out)
+    got = skinny_linear(x, w, b, out=out)
 
     assert got is out
-    # the input as the model computes it (SwiGLU rounded like engine.kernels.silu_mul), then exact float64 math
-    inp = silu_and_mul(x) if silu else x
-    ref = inp.double() @ w.double().T + (b.double() if bias else 0)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
     assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("m,n,k,dtype,bias,silu", [
-    pytest.param(1, 37, 70, torch.float32, False, False, id="m1-fp32-ragged"),
-    pytest.param(3, 64, 96, torch.bfloat16, True, False, id="m3-bf16-bias"),
-    pytest.param(8, 21, 45, torch.float16, False, True, id="m8-fp16-silu-ragged"),
-    pytest.param(16, 16, 64, torch.bfloat16, True, True, id="m16-bf16-bias-silu"),
-    pytest.param(1, 40, 33, torch.bfloat16, False, True, id="m1-bf16-silu"),
+@pytest.mark.parametrize("m,n,k,dtype,bias", [
+    pytest.param(1, 37, 70, torch.float32, False, id="m1-fp32-ragged"),
+    pytest.param(2, 64, 96, torch.bfloat16, True, id="m2-bf16-bias"),
+    pytest.param(3, 21, 45, torch.float16, False, id="m3-fp16-ragged"),
+    pytest.param(16, 16, 64, torch.bfloat16, True, id="m16-bf16-bias"),
+    pytest.param(1, 40, 33, torch.bfloat16, False, id="m1-bf16"),
 ])
-def test_skinny_linear_matches_reference(m, n, k, dtype, bias, silu):
-    check_linear(m, n, k, dtype, bias, silu, seed=m * 1000 + n + k)
-
-
-def test_skinny_linear_silu_input_is_the_mlp_activation():
-    """With silu_mul_input the result equals skinny_linear over silu_and_mul's output exactly (same rounding)."""
-    g = torch.Generator().manual_seed(3)
-    gate_up, w = randn((2, 2 * 48), torch.bfloat16, g), randn((24, 48), torch.bfloat16, g)
-    fused = skinny_linear(gate_up, w, silu_mul_input=True)
-    assert torch.equal(fused, skinny_linear(silu_and_mul(gate_up), w))
+def test_skinny_linear_matches_reference(m, n, k, dtype, bias):
+    check_linear(m, n, k, dtype, bias, seed=m * 1000 + n + k)
 
 
 def test_skinny_linear_zero_rows_and_strided_input():
@@ -79,7 +68,6 @@ def _args():
     ("x", lambda a: {"x": a["x"][0]}),
     ("x", lambda a: {"x": torch.zeros(17, 8, device=DEV)}),
     ("x", lambda a: {"x": torch.zeros(2, 9, device=DEV)}),
-    ("x", lambda a: {"x": a["x"], "silu_mul_input": True}),
     ("weight", lambda a: {"weight": a["weight"].double()}),
     ("weight", lambda a: {"weight": torch.zeros(8, 4, device=DEV).T}),
     ("bias", lambda a: {"bias": torch.zeros(5, device=DEV)}),
@@ -94,14 +82,12 @@ def test_skinny_linear_rejects_bad_arguments(name, bad):
 
 @pytest.mark.skipif(not CUDA, reason="real sizes need a CUDA device")
 @pytest.mark.parametrize("m", [1, 2, 8])
-@pytest.mark.parametrize("n,k,silu", [(6144, 4096, False), (4096, 4096, False), (4096, 14336, True),
-                                      (28672, 4096, False)], ids=["qkv", "o_proj", "down+silu", "gate_up"])
-def test_skinny_linear_llama_8b_sizes(m, n, k, silu):
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+                         ids=["qkv", "o_proj", "gate_up", "down"])
+def test_skinny_linear_llama_8b_sizes(m, n, k):
     g = torch.Generator().manual_seed(m + n)
-    x = randn((m, 2 * k if silu else k), torch.bfloat16, g)
+    x = randn((m, k), torch.bfloat16, g)
     w = randn((n, k), torch.bfloat16, g) * k ** -0.5
-    out = skinny_linear(x, w, silu_mul_input=silu, out=torch.full((m, n), float("nan"), dtype=torch.bfloat16,
-                                                                  device=DEV))
-    inp = silu_and_mul(x) if silu else x
-    assert rel_err(out, inp.double() @ w.double().T) < 1e-2
-    assert rel_err(out, F.linear(inp, w).double()) < 1e-2  # and cuBLAS agrees
+    out = skinny_linear(x, w, out=torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV))
+    assert rel_err(out, x.double() @ w.double().T) < 1e-2
+    assert rel_err(out, F.linear(x, w).double()) < 1e-2  # and cuBLAS agrees

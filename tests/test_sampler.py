@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.request import TokenLogprob
-from engine.sampler import Sampler, exp_noise, step_seed
+from engine.sampler import Sampler, argmax_rows, exp_noise, step_seed
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -146,6 +146,22 @@ def test_greedy_is_argmax(device):
     mixed = [greedy if i % 2 else SamplingParams(temperature=1.0, top_k=50) for i in range(32)]
     tokens, _ = sampler(logits.to(device), mixed, list(range(32)))
     assert tokens[1::2] == logits.argmax(-1).tolist()[1::2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [128256, 1000, 997, 1])
+def test_argmax_rows_is_argmax_with_ties_across_and_within_chunks(device, vocab):
+    """The chunked argmax (64 chunks of 2004 at Llama 3's vocabulary; 50 of 20; a prime size: plain argmax)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    if vocab > 1000:
+        logits[0, [4000, 2005, 130]] = 9.0  # tie across chunks: 130 wins
+        logits[1, [2010, 2008]] = 9.0  # tie within a chunk: 2008 wins
+        logits[2, -1] = 9.0  # the very last id
+    logits = logits.to(device)
+    assert argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    if vocab > 1000:
+        assert argmax_rows(logits)[:3].tolist() == [130, 2008, vocab - 1]
 
 
 @pytest.mark.parametrize("device", DEVICES)

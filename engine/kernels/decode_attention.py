@@ -23,15 +23,15 @@ MERGE_TILE = 8192  # fp32 elements of the merge's [GROUP, splits, D] tile: 64 re
 # masked, so tl.dot applies), and streams one contiguous slice of the context. Slices are whole paged blocks,
 # cdiv(blocks, NUM_SPLITS) each but at least MIN_SPLIT_BLOCKS (one tile), computed from context_lens[b] on the
 # device: NUM_SPLITS comes from shapes (a CUDA graph sizes it for the longest context), and a short context keeps
-# only as many splits busy as it has tiles; the rest find an empty slice and only check in. A tile is BLOCK_N
+# only as many splits busy as it has tiles; the others find an empty slice and exit at once. A tile is BLOCK_N
 # tokens spanning several paged blocks: each token's block id is read from the table, and its K row (D contiguous
 # elements) is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages ahead) keep HBM
 # busy. The KV head is the fastest grid axis: programs running side by side read the interleaved heads of the same
 # blocks, so together they sweep each block's contiguous [bs, KVH, D] span. Online softmax in fp32 with base-2
 # exponentials (log2(e) folded into the scale). With one split the program normalises and writes the output itself.
 # Otherwise each busy split writes its normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S], then
-# counts itself in on the (b, kvh) semaphore (release); the program that arrives last (acquire) merges the busy
-# splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
+# counts itself in on the (b, kvh) semaphore (release); the busy program that arrives last (acquire) merges the
+# busy splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
 # replay) finds it zeroed. That saves a second launch, which at batch 1 costs more than the merge itself.
 @triton.jit
 def _decode_split_kernel(
@@ -61,64 +61,70 @@ def _decode_split_kernel(
     end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, ctx)
     start = tl.maximum(start, first_tok)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kvh * GROUP + offs_g  # [BLOCK_G]
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if DOT_F32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = tables_ptr + b * stride_tb
-    head_off = kvh * stride_kv_head
-    for tile in range(start, end, BLOCK_N):  # every tile holds >= 1 valid token, so m_i is finite after it
-        toks = tile + offs_n  # [BLOCK_N]
-        t_mask = toks < end
-        blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if NUM_SPLITS == 1 or split < busy_splits:  # an empty slice has nothing to read, write or count
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + offs_g  # [BLOCK_G]
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
         if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            q = q.to(tl.float32)
 
-    has = l_i > 0  # false for an empty split (or context 0)
-    l_safe = tl.where(has, l_i, 1.0)
-    o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        if split < busy_splits:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table_row = tables_ptr + b * stride_tb
+        head_off = kvh * stride_kv_head
+        for tile in range(start, end, BLOCK_N):  # every tile holds >= 1 valid token, so m_i is finite after it
+            toks = tile + offs_n  # [BLOCK_N]
+            t_mask = toks < end
+            blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+            row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_F32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        has = l_i > 0  # false for an empty split (or context 0)
+        l_safe = tl.where(has, l_i, 1.0)
+        o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        else:
             row_ids = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [B, H, S]
             tl.store(part_out_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :], o,
                      mask=g_mask[:, None] & d_mask[None, :])
             tl.store(part_lse_ptr + row_ids, m_i + tl.log2(l_safe), mask=g_mask)
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        sem = sem_ptr + b * NUM_KV_HEADS + kvh
-        if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
-                          (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, kvh * GROUP, busy_splits,
-                          GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, MERGE_G, MERGE_S)
-            tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            sem = sem_ptr + b * NUM_KV_HEADS + kvh
+            if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == busy_splits - 1:
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
+                              (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, kvh * GROUP, busy_splits,
+                              GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, MERGE_G, MERGE_S)
+                tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+    elif split == 0:  # no busy split at all (context 0, a padding row): zeros
+        heads = kvh * GROUP + tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty),
+                 mask=(tl.arange(0, BLOCK_G) < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -127,7 +133,7 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
                   MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
     # The GROUP heads' outputs from the busy splits' partials, weighted by exp2(lse - max lse), MERGE_S splits at a
     # time ([MERGE_G, MERGE_S, D] fp32 tile). The partials were written by other programs: .cg loads read them from
-    # L2, past this SM's L1. No busy split (context 0, a padding row) gives zeros.
+    # L2, past this SM's L1.
     offs_g = tl.arange(0, MERGE_G)
     offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, BLOCK_D)

@@ -106,7 +106,7 @@ def _rope_store_kernel(
     tl.store(dst + stride_ckv + HALF, tl.load(src_v + HALF, mask=mask), mask=mask)
 
 
-def _check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> None:
     check("q", q, 3, KV_DTYPES, inner_contiguous=True)
     check("k", k, 3, (q.dtype,), q.device, inner_contiguous=True)
@@ -131,7 +131,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
                 sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, KVH, D] in place by the table rows cos/sin [P, D] (float32) at positions [T]
     (int64/int32, each < P: not checked, that would need a host sync)."""
-    _check_rope_args(q, k, positions, cos, sin)
+    check_rope_args(q, k, positions, cos, sin)
     t, h, d = q.shape
     if t == 0:
         return
@@ -151,7 +151,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     """apply_rope_(q, k, positions, cos, sin) then store_kv(k, v, kv_layer, slots), in one kernel launch.
     q [T, H, D], k/v [T, KVH, D]; kv_layer [NB, 2, bs, KVH, D] (strided layer view); slots [T] int64/int32,
     negative = padding token (rotated in place like the others, but nothing stored)."""
-    _check_rope_args(q, k, positions, cos, sin)
+    check_rope_args(q, k, positions, cos, sin)
     check_kv_args(k, v, kv_layer, slots)
     t, h, d = q.shape
     if t == 0:

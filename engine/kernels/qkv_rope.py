@@ -1,0 +1,110 @@
+"""The qkv projection of a small decode step with RoPE and the KV-cache store fused into it, as one Triton kernel.
+
+Owns `qkv_rope_store`: for M <= skinny_gemm.MAX_M tokens, qkv = x @ W_qkv^T (+ bias), then the q and k heads
+rotated in place exactly as engine.kernels.rope.rope_and_store does, and every token's k and v stored into its
+cache slot. At batch 1 that is one launch instead of two, and the rotation costs nothing on the way out of the GEMV.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import check
+from engine.kernels.kv_store import check_kv_args
+from engine.kernels.rope import check_rope_args
+from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    return x.to(DTYPE).to(tl.float32)
+
+
+# Grid ((H + 2 KVH) * HALF,): program p owns output columns j and j + HALF of head p // HALF (j = p % HALF) of the
+# [q heads | k heads | v heads] output, the two elements that rotate together, for all M rows. It computes them
+# as skinny_gemm does (two weight rows, whole rows of K a tile), rounds them to the activation dtype like the
+# projection's output, rotates them if they belong to q or k (the tables rounded to the dtype, each product and the
+# sum rounded: rope.py's numerics), writes them to the qkv output, and stores k and v into the token's cache slot
+# (a negative slot stores nothing). The position, table and slot loads do not depend on the GEMV: issued first,
+# they wait behind the weight stream rather than after it.
+@triton.jit
+def _qkv_rope_store_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr,
+    M, K, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs, stride_ch,
+    H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+    head = tl.program_id(0) // HALF
+    j = tl.program_id(0) % HALF
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    c1 = _round(tl.load(cos_ptr + pos * stride_p + j), DTYPE)
+    c2 = _round(tl.load(cos_ptr + pos * stride_p + j + HALF), DTYPE)
+    s1 = _round(tl.load(sin_ptr + pos * stride_p + j), DTYPE)
+    s2 = _round(tl.load(sin_ptr + pos * stride_p + j + HALF), DTYPE)
+    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+
+    pair = tl.arange(0, 2)
+    cols = head * 2 * HALF + j + pair * HALF  # [2]: columns j and j + HALF of this head
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K)  # [BLOCK_M, 2]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    y = _round(acc, DTYPE)
+    x1 = tl.sum(tl.where(pair[None, :] == 0, y, 0.0), 1)  # [BLOCK_M]
+    x2 = tl.sum(tl.where(pair[None, :] == 1, y, 0.0), 1)
+    rotates = head < H + KVH  # q or k; v passes through
+    o1 = tl.where(rotates, _round(_round(x1 * c1, DTYPE) - _round(x2 * s1, DTYPE), DTYPE), x1)
+    o2 = tl.where(rotates, _round(_round(x2 * c2, DTYPE) + _round(x1 * s2, DTYPE), DTYPE), x2)
+    out = y_ptr + offs_m * stride_ym + head * 2 * HALF + j
+    tl.store(out, o1.to(DTYPE), mask=m_mask)
+    tl.store(out + HALF, o2.to(DTYPE), mask=m_mask)
+
+    kv_head = (head - H) % KVH
+    dst = kv_ptr + (slot // BS) * stride_cb + ((head - H) // KVH) * stride_ckv + (slot % BS) * stride_cs \
+        + kv_head * stride_ch + j
+    # head >= H tested on a block: the interpreter mistypes (scalar mask) & (block mask)
+    store = m_mask & (slot >= 0) & ((tl.zeros([BLOCK_M], tl.int32) + head) >= H)
+    tl.store(dst, o1.to(DTYPE), mask=store)
+    tl.store(dst + HALF, o2.to(DTYPE), mask=store)
+
+
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                   num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [M, hidden] (M <= MAX_M) @ weight [(H + 2 KVH) D, hidden]^T (+ bias) -> qkv [M, (H + 2 KVH) D] with q and k
+    rotated by cos/sin [P, D] (float32) at positions [M], and k, v stored into kv_layer [NB, 2, bs, KVH, D] at
+    slots [M] (negative: not stored). The same as skinny_linear then rope.rope_and_store on its q, k, v views."""
+    check("x", x, 2, (torch.float32, torch.bfloat16, torch.float16), inner_contiguous=True)
+    check("weight", weight, 2, (x.dtype,), x.device, inner_contiguous=True)
+    m, hidden = x.shape
+    heads = num_heads + 2 * num_kv_heads
+    if weight.shape[1] != hidden or weight.shape[0] % heads:
+        raise ValueError(f"weight must be [(H + 2 KVH) x D, {hidden}] with H = {num_heads}, KVH = {num_kv_heads}, "
+                         f"got {tuple(weight.shape)}")
+    if not 0 <= m <= MAX_M:
+        raise ValueError(f"x must have at most {MAX_M} rows, got {m}")
+    if bias is not None:
+        check("bias", bias, 1, (x.dtype,), x.device, inner_contiguous=True)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have {weight.shape[0]} entries, got {bias.shape[0]}")
+    d = weight.shape[0] // heads
+    out = torch.empty((m, heads * d), dtype=x.dtype, device=x.device)
+    q, k, v = out.view(m, heads, d).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    check_rope_args(q, k, positions, cos, sin)
+    check_kv_args(k, v, kv_layer, slots)
+    if m == 0:
+        return out
+    _, block_k, num_warps = launch_config(m, heads * d, hidden)
+    _qkv_rope_store_kernel[(heads * d // 2,)](
+        x, weight, bias if bias is not None else weight, out, positions, cos, sin, kv_layer, slots,
+        m, hidden, x.stride(0), weight.stride(0), out.stride(0), cos.stride(0),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        H=num_heads, KVH=num_kv_heads, HALF=d // 2, BS=kv_layer.shape[2], HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
