@@ -52,11 +52,12 @@ def run_case(m: int, h: int, kvh: int, d: int, hidden: int, dtype: torch.dtype, 
     expected = untouched.clone()
     reference_store(expected, 1, k, v, slots)  # this kernel's own k and v, at the live slots only
     assert torch.equal(bits(cache), bits(expected))
-    # the unfused path (skinny GEMV, then rope_and_store) agrees to the last bit but for summation order
+    # the unfused path (skinny GEMV, then rope_and_store) agrees but for summation order (1 ulp here and there:
+    # bit for bit in the interpreter, ~2e-3 relative in bf16 on an H200)
     ref = skinny_linear(x, w, b)
     rq, rk, rv = ref.view(m, h + 2 * kvh, d).split([h, kvh, kvh], dim=1)
     rope_and_store(rq, rk, rv, positions, rope.cos, rope.sin, untouched[:, 1], slots)
-    assert rel_err(qkv, ref) < 1e-3
+    assert rel_err(qkv, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("m,h,kvh,d,hidden,dtype,bias,bs,n_pad", [
