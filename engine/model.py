@@ -89,11 +89,7 @@ class Attention(nn.Module):
                                  rope.sin, kv_layer, meta.slots)  # [T, (H + 2 KVH) D]
             q = qkv[:, : h * d].view(t, h, d)
         else:
-            if use_kernels:
-                q, k, v = _linear(self.qkv_proj, x).split([h * d, kvh * d, kvh * d], dim=-1)
-                q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
-            else:
-                q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
+            q, k, v = self._project_qkv(x)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             if use_kernels:
@@ -104,6 +100,14 @@ class Attention(nn.Module):
                 write_kv(kv_layer, meta.slots, k, v)
         o = attend(q, kv_layer, meta, d ** -0.5, use_kernels).reshape(t, h * d)
         return _linear(self.o_proj, o) if use_kernels else self.o_proj(o)
+
+    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (views of one output on the kernel path)."""
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is None:
+            return self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
+        q, k, v = _linear(self.qkv_proj, x).split([h * d, kvh * d, kvh * d], dim=-1)
+        return q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
 
 
 class MLP(nn.Module):

@@ -101,7 +101,7 @@ def _decode_split_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        has = l_i > 0  # false for an empty split (or context 0)
+        has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
         if NUM_SPLITS == 1:

@@ -13,13 +13,8 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.kv_store import check_kv_args
-from engine.kernels.rope import check_rope_args
+from engine.kernels.rope import check_rope_args, rotate_halves, round_to
 from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    return x.to(DTYPE).to(tl.float32)
 
 
 # Grid ((H + 2 KVH) * HALF,): program p owns output columns j and j + HALF of head p // HALF (j = p % HALF) of the
@@ -42,10 +37,10 @@ def _qkv_rope_store_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
-    c1 = _round(tl.load(cos_ptr + pos * stride_p + j), DTYPE)
-    c2 = _round(tl.load(cos_ptr + pos * stride_p + j + HALF), DTYPE)
-    s1 = _round(tl.load(sin_ptr + pos * stride_p + j), DTYPE)
-    s2 = _round(tl.load(sin_ptr + pos * stride_p + j + HALF), DTYPE)
+    c1 = round_to(tl.load(cos_ptr + pos * stride_p + j), DTYPE)
+    c2 = round_to(tl.load(cos_ptr + pos * stride_p + j + HALF), DTYPE)
+    s1 = round_to(tl.load(sin_ptr + pos * stride_p + j), DTYPE)
+    s2 = round_to(tl.load(sin_ptr + pos * stride_p + j + HALF), DTYPE)
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
 
     pair = tl.arange(0, 2)
@@ -54,12 +49,13 @@ def _qkv_rope_store_kernel(
     acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K)  # [BLOCK_M, 2]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    y = _round(acc, DTYPE)
+    y = round_to(acc, DTYPE)
     x1 = tl.sum(tl.where(pair[None, :] == 0, y, 0.0), 1)  # [BLOCK_M]
     x2 = tl.sum(tl.where(pair[None, :] == 1, y, 0.0), 1)
     rotates = head < H + KVH  # q or k; v passes through
-    o1 = tl.where(rotates, _round(_round(x1 * c1, DTYPE) - _round(x2 * s1, DTYPE), DTYPE), x1)
-    o2 = tl.where(rotates, _round(_round(x2 * c2, DTYPE) + _round(x1 * s2, DTYPE), DTYPE), x2)
+    r1, r2 = rotate_halves(x1, x2, c1, s1, c2, s2, DTYPE)
+    o1 = tl.where(rotates, r1, x1)
+    o2 = tl.where(rotates, r2, x2)
     out = y_ptr + offs_m * stride_ym + head * 2 * HALF + j
     tl.store(out, o1.to(DTYPE), mask=m_mask)
     tl.store(out + HALF, o2.to(DTYPE), mask=m_mask)

@@ -22,9 +22,18 @@ POS_DTYPES = (torch.int64, torch.int32)
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr):
+def round_to(x, DTYPE: tl.constexpr):
     # x (fp32) rounded to the activations' dtype and back: reproduces torch's rounding after each bf16/fp16 op.
     return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def rotate_halves(x1, x2, c1, s1, c2, s2, DTYPE: tl.constexpr):
+    # (x1 * cos - x2 * sin, x2 * cos + x1 * sin) of the two halves (fp32), each product and sum rounded like torch.
+    # Shared with engine.kernels.qkv_rope.
+    o1 = round_to(round_to(x1 * c1, DTYPE) - round_to(x2 * s1, DTYPE), DTYPE)
+    o2 = round_to(round_to(x2 * c2, DTYPE) + round_to(x1 * s2, DTYPE), DTYPE)
+    return o1, o2
 
 
 @triton.jit
@@ -38,8 +47,7 @@ def _rotate_rows(x_ptr, stride_h, NH: tl.constexpr, c1, s1, c2, s2,
     p1 = x_ptr + h * stride_h + d
     x1 = tl.load(p1, mask=mask).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask).to(tl.float32)
-    o1 = _round(_round(x1 * c1, DTYPE) - _round(x2 * s1, DTYPE), DTYPE)
-    o2 = _round(_round(x2 * c2, DTYPE) + _round(x1 * s2, DTYPE), DTYPE)
+    o1, o2 = rotate_halves(x1, x2, c1, s1, c2, s2, DTYPE)
     tl.store(p1, o1.to(DTYPE), mask=mask)
     tl.store(p1 + HALF, o2.to(DTYPE), mask=mask)
     return o1, o2
@@ -54,10 +62,10 @@ def _load_tables(cos_ptr, sin_ptr, pos_ptr, t, stride_p, HALF: tl.constexpr, BLO
     m = d < HALF
     row_c = cos_ptr + pos * stride_p + d
     row_s = sin_ptr + pos * stride_p + d
-    c1 = _round(tl.load(row_c, mask=m, other=0.0), DTYPE)
-    c2 = _round(tl.load(row_c + HALF, mask=m, other=0.0), DTYPE)
-    s1 = _round(tl.load(row_s, mask=m, other=0.0), DTYPE)
-    s2 = _round(tl.load(row_s + HALF, mask=m, other=0.0), DTYPE)
+    c1 = round_to(tl.load(row_c, mask=m, other=0.0), DTYPE)
+    c2 = round_to(tl.load(row_c + HALF, mask=m, other=0.0), DTYPE)
+    s1 = round_to(tl.load(row_s, mask=m, other=0.0), DTYPE)
+    s2 = round_to(tl.load(row_s + HALF, mask=m, other=0.0), DTYPE)
     return c1, s1, c2, s2
 
 
