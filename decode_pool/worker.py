@@ -5,12 +5,15 @@ Owns one engine stepped by one AsyncEngine loop and one KVAgent that pulls from 
 batches: every step's deltas go to an outbox that the coordinator drains with one long-poll per worker, never
 one call per token. Block ownership: reserve -> (transfer in flight: nobody else may touch them) -> running
 request -> freed on finish or abort; an abort during a transfer is applied once the transfer has ended.
+Every entry point takes `prior_output_ids` for a request resumed after its worker died: the outputs it already
+delivered, whose KV comes (transferred or recomputed) with the prompt's; only new tokens come out of poll().
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -63,13 +66,27 @@ class DecodeWorker:
     async def add_peer(self, agent_metadata: bytes) -> str:
         return await asyncio.to_thread(self.agent.add_remote, agent_metadata)
 
+    async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
+        """A prefill worker was replaced: drop the connection to its dead agent (pulls still in flight from it
+        fail with PeerLost), then connect to the new one under the same name."""
+        def swap() -> str:
+            self.agent.remove_remote(name)
+            return self.agent.add_remote(agent_metadata)
+        return await asyncio.to_thread(swap)
+
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
-                     first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int]) -> EngineLoad:
-        """Pull the prompt's KV from `peer`'s blocks into reserved blocks, then decode from the first token."""
-        blocks = await self._reserve(request_id, len(prompt_token_ids))
+                     first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
+                     prior_output_ids: Sequence[int] = ()) -> EngineLoad:
+        """Pull the KV of the prompt (then the prior outputs) from `peer`'s blocks into reserved blocks, then
+        decode from the first token (output len(prior_output_ids))."""
+        prior = list(prior_output_ids)
+        blocks = await self._reserve(request_id, len(prompt_token_ids) + len(prior))
         self._transferring[request_id] = False
         try:
             n = len(blocks)
+            if len(peer_block_ids) < n:
+                raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
+                                 f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
             handle = self.agent.read(peer, peer_block_ids[:n], blocks)
             await asyncio.wrap_future(handle.future)
         except BaseException:
@@ -79,15 +96,25 @@ class DecodeWorker:
         if self._transferring.pop(request_id):
             await self.loop.call(lambda e: e.abort(request_id))
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
-        done = await self.loop.call(lambda e: e.add_prefilled_request(
-            request_id, prompt_token_ids, first_token_id, params, first_logprob))
+
+        def start(e: LLMEngine) -> StepOutput | None:
+            try:
+                return e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
+                                               prior_output_ids=prior)
+            except Exception:
+                e.abort(request_id)  # a refused request gives its reservation back
+                raise
+        done = await self.loop.call(start)
         if done is not None:
             self._push([done])
         return await self.load()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineLoad:
-        """Collocated mode: run the whole request here; its tokens come out of poll()."""
-        await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params))
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prior_output_ids: Sequence[int] = ()) -> EngineLoad:
+        """Collocated mode (or a resumed request recomputed here): run the request here, its KV computed over
+        prompt + prior outputs; its new tokens come out of poll()."""
+        prior = list(prior_output_ids)
+        await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior))
         return await self.load()
 
     async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad]:
@@ -108,7 +135,7 @@ class DecodeWorker:
         return await self.loop.call(lambda e: e.abort(request_id))
 
     async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load(self.loop.steps))
+        return await self.loop.call(lambda e: e.load())
 
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())

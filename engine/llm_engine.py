@@ -8,13 +8,17 @@ that launched it. Besides plain requests it offers the two disaggregation entry 
   request's blocks pinned (reported in StepOutput.pinned_block_ids) until release() or the pin lease expires;
 - decode side: reserve_blocks() hands out blocks for a prompt's KV to be written into by the transfer layer, and
   add_prefilled_request() starts decoding from the first token without recomputing the prompt.
+Every entry point takes `prior_output_ids`: a request resumed after its worker died, whose first k outputs were
+already delivered. Their KV is computed (or transferred) with the prompt's, the next token sampled is output k, and
+max_tokens counts them; outputs carry only new tokens (see engine.request).
 Ownership: every block belongs to exactly one of: the free pool, the prefix cache, a running request, a pinned
 request or a reservation; check_integrity() asserts it. The engine is not thread-safe: one loop owns it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,7 +32,7 @@ from engine.kv_layout import KVCacheSpec
 from engine.load import EngineLoad
 from engine.model import CausalLM
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.request import Request, RequestStatus, TokenLogprob
+from engine.request import Request, RequestStatus, TokenLogprob, check_token_ids, validate_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
@@ -71,12 +75,17 @@ class LLMEngine:
                                   graphs)
         self._reserved: set[str] = set()
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
+        self.num_steps = 0  # step() calls since start, and the host time they took (for load())
+        self.step_time_last_s = 0.0
+        self.step_time_total_s = 0.0
 
     # ---- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> None:
-        self._validate(request_id, prompt_token_ids, params)
-        self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only))
+                    prefill_only: bool = False, prior_output_ids: Sequence[int] = ()) -> None:
+        """Queue a request. With `prior_output_ids` it resumes one whose first k outputs were already delivered:
+        the next token sampled (the first output returned) is output k."""
+        prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
+        self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only, prior))
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
@@ -94,8 +103,9 @@ class LLMEngine:
         return self.scheduler.finish(request_id, "stop")
 
     def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Decode side: take blocks for `num_tokens` tokens of prompt KV to be written in from outside.
-        None when the cache has no room now (try later). Abort the id to give them back."""
+        """Decode side: take blocks for `num_tokens` tokens of KV (the prompt's, plus the prior outputs' for a
+        resumed request) to be written in from outside. None when the cache has no room now (try later). Abort the
+        id to give them back."""
         if request_id in self.scheduler.requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not self.block_manager.allocate(request_id, num_tokens):
@@ -104,13 +114,16 @@ class LLMEngine:
         return list(self.block_manager.table(request_id))
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                              params: SamplingParams, first_logprob: TokenLogprob | None = None) -> StepOutput | None:
-        """Decode side: start a request whose prompt KV is in the blocks reserved under its id. Returns a
-        StepOutput if the first token already ends it (then its blocks are freed at once)."""
+                              params: SamplingParams, first_logprob: TokenLogprob | None = None,
+                              prior_output_ids: Sequence[int] = ()) -> StepOutput | None:
+        """Decode side: start a request whose KV (prompt, then prior outputs) is in the blocks reserved under its
+        id; `first_token_id` is the output the prefill sampled after them (output index len(prior_output_ids)).
+        Returns a StepOutput if that token already ends it (then its blocks are freed at once)."""
         if request_id not in self._reserved:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
-        self._validate(request_id, prompt_token_ids, params, reserved=True)
-        req = self._request(request_id, prompt_token_ids, params, prefill_only=False)
+        prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
+        check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
+        req = self._request(request_id, prompt_token_ids, params, False, prior)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
         req.append_token(first_token_id, first_logprob)
@@ -121,6 +134,15 @@ class LLMEngine:
 
     # ---- stepping
     def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[StepOutput]:
+        start = time.perf_counter()
+        try:
+            return self._step(on_layer_done)
+        finally:
+            self.num_steps += 1
+            self.step_time_last_s = time.perf_counter() - start
+            self.step_time_total_s += self.step_time_last_s
+
+    def _step(self, on_layer_done: Callable[[int], None] | None) -> list[StepOutput]:
         outputs = [StepOutput(rid, [], [], "expired") for rid in self.scheduler.expired_pins()
                    if self.scheduler.finish(rid, "expired")]
         if self._in_flight is not None:
@@ -152,13 +174,19 @@ class LLMEngine:
         drop: its device work only touches their freed blocks, before anything queued later."""
         return self.scheduler.has_work
 
-    def load(self, steps: int = 0) -> EngineLoad:
+    def load(self) -> EngineLoad:
+        """The engine's gauges now and its counters since start (see EngineLoad)."""
         s = self.scheduler
         pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
             r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1)
         pinned = sum(1 for r in s.requests.values() if r.status == RequestStatus.PINNED)
-        return EngineLoad(pending, len(s.waiting), len(s.running), pinned, self.block_manager.num_free_blocks,
-                          self.num_kv_blocks, steps)
+        return EngineLoad(
+            pending, len(s.waiting), len(s.running), pinned, self.block_manager.num_free_blocks, self.num_kv_blocks,
+            steps=self.num_steps, cached_blocks=self.block_manager.num_cached_blocks,
+            num_reserved=len(self._reserved), step_time_last_s=self.step_time_last_s,
+            step_time_total_s=self.step_time_total_s, scheduled_tokens_total=s.num_scheduled_tokens,
+            sampled_tokens_total=s.num_sampled_tokens, prefix_query_tokens_total=s.num_prefix_query_tokens,
+            prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions)
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"}."""
@@ -179,26 +207,15 @@ class LLMEngine:
         return result
 
     # ---- internals
-    def _request(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Request:
+    def _request(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool,
+                 prior: tuple[int, ...]) -> Request:
         return Request(request_id, list(prompt), params, self.model_config.eos_token_ids,
-                       self.config.max_model_len, prefill_only=prefill_only)
+                       self.config.max_model_len, prefill_only=prefill_only, prior_output_ids=prior)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, reserved: bool = False) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room to generate "
-                             f"within max_model_len {self.config.max_model_len}")
-        longest = min(len(prompt) + params.max_tokens, self.config.max_model_len)
-        if self.block_manager.blocks_needed(longest) > self.num_kv_blocks:
-            raise ValueError(f"request {request_id!r}: {longest} tokens need more than the "
-                             f"{self.num_kv_blocks} KV blocks of this engine")
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                  prior_output_ids: Sequence[int]) -> tuple[int, ...]:
+        return validate_request(request_id, prompt, params, prior_output_ids, self.model_config.vocab_size,
+                                self.config.max_model_len, self.config.block_size, self.num_kv_blocks)
 
     def _load_model(self, path, dtype: torch.dtype) -> CausalLM:
         with torch.device("meta"):

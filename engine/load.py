@@ -7,13 +7,27 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineLoad:
-    queued_prompt_tokens: int  # prompt tokens admitted but not yet computed (waiting + running prefills)
-    num_waiting: int
+    """Gauges (the state now) and counters (`*_total`, since the engine started; a rate is the difference of two
+    reports). Every field is a number, so a reader can export all of them. Derived figures: mean step time =
+    step_time_total_s / steps; tokens per step = scheduled_tokens_total / steps; prefix-cache hit rate =
+    prefix_hit_tokens_total / prefix_query_tokens_total."""
+
+    queued_prompt_tokens: int  # tokens admitted but not yet computed (waiting requests + running prefills)
+    num_waiting: int           # requests queued, holding no blocks (new, or preempted and waiting to recompute)
     num_running: int
     num_pinned: int            # prefill-only requests holding blocks until their KV is pulled
     free_blocks: int           # free + evictable cached
     total_blocks: int
-    steps: int = 0
+    steps: int = 0             # engine steps since start
+    cached_blocks: int = 0     # of free_blocks, those holding prefix-cache content
+    num_reserved: int = 0      # decode-side reservations whose KV is being written in
+    step_time_last_s: float = 0.0   # host wall time of the last step (scheduling, device work, bookkeeping)
+    step_time_total_s: float = 0.0  # summed over all steps
+    scheduled_tokens_total: int = 0     # tokens computed on the device (prefill chunks, recomputes, decodes)
+    sampled_tokens_total: int = 0       # tokens generated
+    prefix_query_tokens_total: int = 0  # tokens of requests admitted (each admission looks up the prefix cache)
+    prefix_hit_tokens_total: int = 0    # of those, tokens whose KV the prefix cache supplied
+    preemptions_total: int = 0          # running requests sent back to the queue for lack of blocks
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,18 @@ Progress is one number, `num_computed_tokens`: how many of `all_token_ids` alrea
 Each step computes `all_token_ids[num_computed_tokens:]` (or a chunk of it); when the chunk reaches the end,
 a new token is sampled and appended. Prefill, chunked prefill, decode and recompute after preemption are
 all this one rule.
+
+A resumed request (one migrated from another worker mid-stream) starts with `prior_output_ids`: outputs already
+delivered elsewhere. They join `all_token_ids` (their KV is computed like the prompt's) and count as outputs, so the
+next sampled token has output index len(prior_output_ids) (seeded sampling continues exactly) and max_tokens covers
+them; stop checks only ever see newly sampled tokens.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -38,25 +45,34 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     prefill_only: bool = False
+    prior_output_ids: tuple[int, ...] = ()  # outputs already delivered before this request was (re)started here
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, appended in place (no copy per step)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int = 0  # prompt (and prior output) tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     pin_deadline: float | None = None
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.prior_output_ids = tuple(self.prior_output_ids)
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.prior_output_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
+        """Every output: the prior ones, then those sampled here."""
         return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
     def num_output_tokens(self) -> int:
+        """Outputs so far, prior ones included: the output index of the next token to sample."""
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def new_output_token_ids(self) -> list[int]:
+        """Outputs sampled here (after the prior ones)."""
+        return self.all_token_ids[len(self.prompt_token_ids) + len(self.prior_output_ids):]
 
     @property
     def num_tokens(self) -> int:
@@ -80,3 +96,36 @@ class Request:
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def validate_request(request_id: str, prompt: Sequence[int], params: SamplingParams, prior_output_ids: Sequence[int],
+                     vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int) -> tuple[int, ...]:
+    """Refuse a request an engine with these limits cannot run, naming the field; returns the prior outputs as
+    a tuple of ints."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    check_token_ids(request_id, "token ids", prompt, vocab_size)
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+                         f"within max_model_len {max_model_len}")
+    prior = tuple(operator.index(t) for t in prior_output_ids)
+    check_token_ids(request_id, "prior_output_ids", prior, vocab_size)
+    if len(prior) >= params.max_tokens:
+        raise ValueError(f"request {request_id!r}: prior_output_ids holds {len(prior)} tokens, leaving none of "
+                         f"SamplingParams.max_tokens {params.max_tokens} to generate")
+    if len(prompt) + len(prior) >= max_model_len:
+        raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens and prior_output_ids of "
+                         f"{len(prior)} leave no room to generate within max_model_len {max_model_len}")
+    longest = min(len(prompt) + params.max_tokens, max_model_len)
+    if -(-longest // block_size) > num_kv_blocks:
+        raise ValueError(f"request {request_id!r}: {longest} tokens need more than the "
+                         f"{num_kv_blocks} KV blocks of this engine")
+    return prior
+
+
+def check_token_ids(request_id: str, what: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"request {request_id!r}: {what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")

@@ -10,6 +10,9 @@ Overlapped scheduling: `schedule_after` plans the decode step that follows one s
 tokens are known (each row's input is the token being sampled, a placeholder here), when nothing else could
 change the plan: no request waits or joined, and no block must be taken back. `update` then skips chunks whose
 request ended meanwhile (`is_current`).
+
+Counters (totals since start, read by LLMEngine.load for metrics): preemptions, prefix-cache lookups and hits in
+tokens, tokens scheduled (computed on the device) and tokens sampled.
 """
 
 from __future__ import annotations
@@ -74,8 +77,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0        # totals since start, for metrics and tests
-        self.num_prefix_hit_tokens = 0
+        # totals since start, for metrics and tests
+        self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0  # tokens of requests admitted (each admission looks the cache up)
+        self.num_prefix_hit_tokens = 0    # of those, tokens whose KV came from the prefix cache
+        self.num_scheduled_tokens = 0     # tokens planned for the device (prefill chunks, recomputes, decodes)
+        self.num_sampled_tokens = 0       # tokens sampled and appended to a request
 
     # ---- intake and exits
     def add(self, req: Request) -> None:
@@ -85,16 +92,17 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_prefilled(self, req: Request) -> None:
-        """Start decoding a request whose prompt KV already sits in the blocks reserved under its id."""
+        """Start decoding a request whose KV (prompt and prior outputs) already sits in the blocks reserved under
+        its id."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         table = self.bm.table(req.request_id)
-        if self.bm.blocks_needed(len(req.prompt_token_ids)) > len(table):
+        if self.bm.blocks_needed(req.num_tokens) > len(table):
             raise ValueError(f"request {req.request_id!r}: {len(table)} reserved blocks cannot hold "
-                             f"{len(req.prompt_token_ids)} prompt tokens")
-        req.num_computed_tokens = len(req.prompt_token_ids)
+                             f"{req.num_tokens} tokens of prompt and prior outputs")
+        req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
-        self.bm.cache_full_blocks(req.request_id, req.prompt_token_ids, req.num_computed_tokens)
+        self.bm.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
         self.requests[req.request_id] = req
         self.running.append(req)
 
@@ -143,6 +151,7 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(scheduled, budget)
         out.chunks = [self._chunk(r, n) for r, n in scheduled]
+        self.num_scheduled_tokens += out.num_tokens
         return out
 
     def schedule_after(self, prev: SchedulerOutput) -> SchedulerOutput | None:
@@ -167,7 +176,10 @@ class Scheduler:
                 return None  # schedule() will preempt, with the tokens known
             chunks.append(ScheduledChunk(req.request_id, [PENDING_TOKEN], c.start_pos + 1,
                                          list(self.bm.table(req.request_id)), True, c.output_index + 1))
-        return SchedulerOutput(chunks) if chunks else None
+        if not chunks:
+            return None
+        self.num_scheduled_tokens += len(chunks)
+        return SchedulerOutput(chunks)
 
     def is_current(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` still applies: its request runs and has computed exactly the tokens before it."""
@@ -188,6 +200,7 @@ class Scheduler:
                 continue
             token, logprob = sampled[req.request_id]
             req.append_token(token, logprob)
+            self.num_sampled_tokens += 1
             pinned = None
             if req.finish_reason is None and req.prefill_only:
                 self.running.remove(req)
@@ -212,6 +225,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached_tokens
+            self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += cached_tokens
             req.num_computed_tokens = cached_tokens
             req.status = RequestStatus.RUNNING

@@ -3,11 +3,14 @@
 Owns one engine, stepped by one AsyncEngine loop, and one KVAgent that serves reads of its cache. RPCs only
 enqueue work and await results. Block ownership: after `prefill()` returns, the request's blocks are pinned
 here until `release()` (decode has pulled them), `abort()`, or the pin lease expires; never silently kept.
+A resumed request (`prior_output_ids`: outputs already delivered before its decode worker died) is prefilled over
+prompt + prior outputs, and its first token is output len(prior_output_ids).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +31,7 @@ class PrefillResult:
     first_token_id: int
     first_logprob: TokenLogprob | None
     finish_reason: str | None   # set if the first token already ends the request (then nothing is pinned)
-    block_ids: list[int]        # pinned blocks holding the prompt's KV, in order
+    block_ids: list[int]        # pinned blocks holding the KV of the prompt (then prior outputs), in order
     load: EngineLoad
 
 
@@ -54,11 +57,14 @@ class PrefillWorker:
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agent.metadata().to_bytes())
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prior_output_ids: Sequence[int] = ()) -> PrefillResult:
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
+        prior = list(prior_output_ids)
         try:
-            await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=True))
+            await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=True,
+                                                         prior_output_ids=prior))
             return await future
         except BaseException:
             self._waiting.pop(request_id, None)
@@ -76,7 +82,7 @@ class PrefillWorker:
         return await self._abort(request_id)
 
     async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load(self.loop.steps))
+        return await self.loop.call(lambda e: e.load())
 
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())
@@ -95,7 +101,7 @@ class PrefillWorker:
         return await self.loop.call(lambda e: e.abort(request_id))
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        load = self.loop.engine.load(self.loop.steps)
+        load = self.loop.engine.load()
         for out in outputs:
             future = self._waiting.pop(out.request_id, None)
             if future is None or future.done():

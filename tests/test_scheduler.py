@@ -184,3 +184,46 @@ def test_update_skips_chunks_of_requests_that_ended_while_on_the_device():
     outs = s.update(nxt, {"a": (8, None), "b": (8, None)}, 60.0)
     assert [o.request_id for o in outs] == ["a"] and "b" not in s.requests
     s.bm.check_integrity()
+
+
+def resumed(rid, prompt, prior, max_tokens, **kw):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), (EOS,), max_model_len=1024,
+                   prior_output_ids=tuple(prior))
+
+
+def test_resumed_request_computes_its_prior_outputs_and_samples_from_their_count():
+    s = make(block_size=4)
+    r = resumed("r", [1, 2, 3, 4, 5], [9, EOS, 8], max_tokens=6, stop_token_ids=(9,))
+    s.add(r)
+    out, outs = run_step(s)
+    c = out.chunks[0]
+    assert (c.token_ids, c.start_pos, c.sample, c.output_index) == ([1, 2, 3, 4, 5, 9, EOS, 8], 0, True, 3)
+    # the stop token and the eos among the prior outputs do not end it; StepOutputs carry new tokens only
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([7], None)]
+    assert [c.output_index for c in run_step(s)[0].chunks] == [4]
+    assert drain(s) == {"r": "length"}  # max_tokens counts the prior outputs: 3 prior + 3 new
+    assert r.output_token_ids == [9, EOS, 8, 7, 7, 7] and r.new_output_token_ids == [7, 7, 7]
+    assert r.prompt_token_ids == [1, 2, 3, 4, 5]
+
+
+def test_preempted_resumed_request_recomputes_prior_and_new_outputs_and_samples_each_index_once():
+    s = make(num_blocks=4, block_size=4)
+    a = resumed("a", [1, 2, 3], [11, 12], max_tokens=10, ignore_eos=True)
+    s.add(req("b", 4, max_tokens=8, first=50))
+    s.add(a)  # admitted last: the first to be preempted
+    sampled_indices, preempted, recomputed = [], [], []
+    while s.has_work:
+        out, _ = run_step(s)
+        preempted += out.preempted
+        for c in out.chunks:
+            if c.request_id != "a":
+                continue
+            if c.sample:
+                sampled_indices.append(c.output_index)
+            if c.start_pos == 0 and sampled_indices:
+                recomputed.append(c.token_ids)
+        s.bm.check_integrity()
+    assert "a" in preempted, "the pool is too small for both: the resumed request must have been preempted"
+    assert sampled_indices == list(range(2, 10))  # outputs 2..9, each once, in order
+    assert recomputed and all(t[:5] == [1, 2, 3, 11, 12] and t[5:] == [7] * (len(t) - 5) for t in recomputed)
+    assert a.output_token_ids == [11, 12] + [7] * 8 and s.num_preemptions == len(preempted)
