@@ -215,3 +215,85 @@ def test_bad_prior_outputs_are_refused_with_the_field_named(folder):
     assert done.finish_reason == "length" and done.new_token_ids == []  # its first token was its last
     check_clean(engine)
 
+
+
+@pytest.mark.timeout(300)
+def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_is_replaced(folder, refs):
+    """Real Ray actors and a real UCX pull: prefill(prior_output_ids) -> decode(prior_output_ids) continues the
+    uninterrupted run; after the prefill worker is killed and replaced under its name, replace_peer lets the
+    decode worker pull from the new one; generate(prior_output_ids) recomputes on the decode worker itself."""
+    import os
+
+    import ray
+
+    from decode_pool.worker import DecodeWorker
+    from engine.engine_config import EngineConfig
+    from kvtransfer import AgentConfig
+    from prefill_pool.worker import PrefillWorker
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, old_path) if p)  # Ray workers inherit it
+    owner = not ray.is_initialized()
+    if owner:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg, agent_cfg = EngineConfig(model=folder), AgentConfig(timeout_s=20.0, connect_timeout_s=10.0)
+    prefill_cls = ray.remote(num_cpus=0, max_concurrency=100)(PrefillWorker)
+    decode_cls = ray.remote(num_cpus=0, max_concurrency=100)(DecodeWorker)
+    actors = []
+
+    def start_prefill():
+        actors.append(prefill_cls.remote("prefill-0", cfg, agent_cfg, 1))
+        return actors[-1], ray.get(actors[-1].start.remote(), timeout=120)
+
+    def run_disaggregated(prefill, rid: str, name: str, i: int, k: int) -> None:
+        prior, p, prompt = refs[name, i].token_ids[:k], PARAMS[name], PROMPTS[i]
+        first = ray.get(prefill.prefill.remote(rid, prompt, p, prior_output_ids=prior), timeout=60)
+        assert len(first.block_ids) == -(-(len(prompt) + k) // 16)
+        ray.get(decode.decode.remote(rid, prompt, p, first.first_token_id, first.first_logprob, "prefill-0",
+                                     first.block_ids, prior_output_ids=prior), timeout=60)
+        assert ray.get(prefill.release.remote(rid), timeout=30)
+        collect(rid, [first.first_token_id], [first.first_logprob], name, i, k)
+
+    def collect(rid: str, tokens: list, logprobs: list, name: str, i: int, k: int) -> None:
+        finish = None
+        while finish is None:
+            outs, _ = ray.get(decode.poll.remote(1.0), timeout=30)
+            for out in outs:
+                assert out.request_id == rid
+                tokens, logprobs, finish = tokens + out.new_token_ids, logprobs + out.new_logprobs, out.finish_reason
+        assert_continues(refs[name, i], k, tokens, logprobs, finish)
+
+    try:
+        decode = decode_cls.remote("decode-0", cfg, agent_cfg, 1, 10.0)
+        actors.append(decode)
+        prefill, info = start_prefill()
+        ray.get(decode.start.remote(), timeout=120)
+        ray.get(decode.add_peer.remote(info.agent_metadata), timeout=60)
+        run_disaggregated(prefill, "a", "greedy", 0, 9)
+        run_disaggregated(prefill, "b", "seeded", 1, 16)
+        ray.kill(prefill, no_restart=True)
+        prefill, info = start_prefill()
+        ray.get(decode.replace_peer.remote("prefill-0", info.agent_metadata), timeout=60)
+        run_disaggregated(prefill, "c", "seeded", 0, 2)
+        prior = refs["greedy", 1].token_ids[:5]
+        ray.get(decode.generate.remote("d", PROMPTS[1], PARAMS["greedy"], prior_output_ids=prior), timeout=60)
+        collect("d", [], [], "greedy", 1, 5)
+        for worker in (prefill, decode):
+            counts = ray.get(worker.check_integrity.remote(), timeout=30)
+            assert counts["in_use"] == counts["pinned"] == 0
+        load = ray.get(decode.load.remote(), timeout=30)
+        assert load.sampled_tokens_total == (N - 9 - 1) + (N - 16 - 1) + (N - 2 - 1) + (N - 5)
+    finally:
+        for actor in actors:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - killed already, or shutting down anyway
+                pass
+            ray.kill(actor, no_restart=True)
+        if owner:
+            ray.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
