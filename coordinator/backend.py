@@ -21,6 +21,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # stop_token_ids already merged in; stop strings stay with the coordinator
+    priority: int = 1       # admission order: 0 first (see coordinator.admission_queue); waiting ages it upward
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,15 @@ class TokenDelta:
 
 class BackendError(Exception):
     """The backend could not serve the request (a worker died, a transfer failed...): a 5xx, or an in-band error."""
+
+
+class RequestTooLarge(BackendError):
+    """The request can never fit (its KV exceeds every worker's whole cache): a 400, never retried."""
+
+
+class WorkerLost(BackendError):
+    """The worker running the request died or lost its KV: the backend moves the request elsewhere, and only a
+    request that ran out of moves reaches the client as an error."""
 
 
 class Overloaded(BackendError):
@@ -57,6 +67,9 @@ class ServingBackend(Protocol):
         """Stream the request's tokens. Raises Overloaded (before the first delta) or BackendError.
         Closing the iterator early (aclose, or the consumer being cancelled) aborts the request everywhere and
         frees its blocks; the backend guarantees the stream ends, with a delta or an error, in bounded time."""
+
+    def health(self) -> tuple[bool, list[dict]]:
+        """(every pool has a live worker, one entry per worker: name, role, state, restarts)."""
 
     def stats(self) -> dict:
         """Load and transfer figures for /metrics: {"workers": [{"name", "role", "queued_prompt_tokens",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from coordinator import errors
-from coordinator.backend import BackendError, GenerateRequest, Overloaded, ServingBackend, TokenDelta
+from coordinator.backend import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
 from coordinator.metrics import Metrics
 from coordinator.text_output import TextOutput, TokenInfo
 
@@ -159,6 +159,9 @@ class Generation:
             raise errors.timeout(self._timeout_s) from None
         except Overloaded as e:
             raise errors.unavailable(f"The server is overloaded: {e}", e.retry_after_s, "overloaded") from None
+        except RequestTooLarge as e:
+            raise errors.invalid_request(f"The request can never fit this server: {e}", "max_tokens",
+                                         "context_length_exceeded") from None
         except BackendError as e:
             raise errors.backend_failure(str(e) or type(e).__name__) from None
         except StopAsyncIteration:

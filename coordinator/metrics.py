@@ -119,33 +119,56 @@ def _number(x: object) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+_WORKER_HELP = {
+    "kv_usage_ratio": "Fraction of the worker's KV blocks in use", "running": "Requests running",
+    "queued_prompt_tokens": "Prompt tokens queued", "free_blocks": "Free KV blocks", "total_blocks": "KV blocks",
+    "requests_routed": "Requests the router sent to the worker", "alive": "1 while the worker is alive",
+    "restarts_total": "Times the worker's slot was replaced after a death",
+    "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget)",
+    "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled"}
+
+
 def _backend_lines(stats: dict) -> list[str]:
     lines: list[str] = []
     queue = _number(stats.get("queue_length"))
     if queue is not None:
         lines += _gauge("pdserve_queue_length", "Requests waiting for admission in the backend", [({}, queue)])
+    in_flight = _number(stats.get("in_flight"))
+    if in_flight is not None:
+        lines += _gauge("pdserve_backend_requests_in_flight", "Requests placed on workers", [({}, in_flight)])
     workers = [w for w in stats.get("workers") or [] if isinstance(w, dict)]
-    per_worker = {"kv_usage_ratio": [], "running": [], "queued_prompt_tokens": [], "free_blocks": [],
-                  "total_blocks": [], "requests_routed": [], "alive": []}
+    per_worker: dict[str, list] = {key: [] for key in _WORKER_HELP}
+    engine: dict[str, list] = {}
     for w in workers:
         labels = {"worker": w.get("name", "?"), "role": w.get("role", "?")}
         free, total = _number(w.get("free_blocks")), _number(w.get("total_blocks"))
         if free is not None and total:
             per_worker["kv_usage_ratio"].append((labels, 1.0 - free / total))
-        for key in ("running", "queued_prompt_tokens", "free_blocks", "total_blocks"):
-            if _number(w.get(key)) is not None:
-                per_worker[key].append((labels, _number(w.get(key))))
-        if isinstance(w.get("alive"), bool):
-            per_worker["alive"].append((labels, float(w["alive"])))
-        if _number(w.get("served")) is not None:
-            per_worker["requests_routed"].append((labels, _number(w.get("served"))))
-    helps = {"kv_usage_ratio": "Fraction of the worker's KV blocks in use", "running": "Requests running",
-             "queued_prompt_tokens": "Prompt tokens queued", "free_blocks": "Free KV blocks",
-             "total_blocks": "KV blocks", "requests_routed": "Requests the router sent to the worker",
-             "alive": "1 while the worker is alive"}
+        for key in _WORKER_HELP:
+            value = w.get("served" if key == "requests_routed" else key)
+            if _number(value) is not None or isinstance(value, bool):
+                per_worker[key].append((labels, float(value)))
+        if isinstance(w.get("state"), str):
+            per_worker.setdefault("state", []).append(({**labels, "state": w["state"]}, 1.0))
+        for key, value in (w.get("engine") or {}).items():
+            if _number(value) is not None:
+                engine.setdefault(key, []).append((labels, _number(value)))
     for key, samples in per_worker.items():
         if samples:
-            lines += _gauge(f"pdserve_worker_{key}", helps[key], samples)
+            lines += _gauge(f"pdserve_worker_{key}", _WORKER_HELP.get(key, "1 for the worker's life-cycle state"),
+                            samples, "counter" if key.endswith("_total") else "gauge")
+    for key, samples in sorted(engine.items()):
+        name = _name("pdserve_worker_engine_", key)
+        lines += _gauge(name, f"The worker engine's {key}", samples, "counter" if name.endswith("_total") else "gauge")
+    for key, metric, help in (("migrations", "pdserve_migrations_total", "Request moves after a worker or transfer "
+                               "failure: attempted, and outcome_completed / outcome_failed of moved requests"),
+                              ("pool_down_seconds", "pdserve_pool_down_seconds_total",
+                               "Seconds each pool spent with no live worker")):
+        table = stats.get(key)
+        if isinstance(table, dict):
+            label = "event" if key == "migrations" else "pool"
+            samples = [({label: k}, _number(v)) for k, v in sorted(table.items()) if _number(v) is not None]
+            lines += _gauge(metric, help, samples, "counter")
     hits = _number(stats.get("prefix_affinity_hits"))
     if hits is not None:
         lines += _gauge("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",

@@ -1,11 +1,13 @@
-"""Pools: creates, starts, wires and stops the worker actors of both pools on the Ray cluster.
+"""Pools: creates, starts, wires, replaces and stops the worker actors of both pools on the Ray cluster.
 
 Each pool's workers go into one placement group (PACK keeps them on as few nodes as possible, SPREAD across
-nodes), each worker in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so a
-pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
+nodes), each worker slot in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so
+a pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
 start() returns once every worker has loaded its model and reported its KV capacity; in disaggregated mode every
-decode worker then connects to every prefill worker's transfer agent. The actor classes live in prefill_pool/
-and decode_pool/.
+decode worker then connects to every prefill worker's transfer agent. `start_slot()` brings one slot up again
+(same config, same bundle: Ray re-places a bundle whose node died, when the cluster has room) and `connect()`
+wires it to its live peers; the Supervisor (coordinator.supervisor) decides when. The actor classes live in
+prefill_pool/ and decode_pool/.
 """
 
 from __future__ import annotations
@@ -35,12 +37,19 @@ class Pools:
         self.prefill: list[WorkerState] = []
         self.decode: list[WorkerState] = []
         self.model_path = ""
-        self._groups: list = []
+        self._groups: dict[str, object] = {}
         self._started_ray = False
 
     @property
     def all_workers(self) -> list[WorkerState]:
         return self.prefill + self.decode
+
+    def role_workers(self, role: str) -> list[WorkerState]:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.config.mode == "disaggregated" else ("decode",)
 
     async def start(self) -> None:
         cfg = self.config
@@ -48,33 +57,62 @@ class Pools:
         if not ray.is_initialized():
             _init_ray(cfg.ray_address)
             self._started_ray = cfg.ray_address is None
-        cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
-        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
-        roles = [("decode", cfg.decode)] + ([("prefill", cfg.prefill)] if cfg.mode == "disaggregated" else [])
-        for role, pool in roles:
-            self._groups.append(self._group(pool, role))
+        self.config = cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
+        for role in self.roles:
+            self._groups[role] = self._group(self._pool(role), role)
         await self._placed()
-        decode_actors = self._actors(DecodeWorker, cfg.decode, self._groups[0], lambda i: (
-            f"decode-{i}", cfg.engine_config(cfg.decode, seed=1000 + i),
-            agent if cfg.mode == "disaggregated" else None, _threads(cfg.decode), cfg.admission.timeout_s))
-        prefill_actors = []
-        if cfg.mode == "disaggregated":
-            prefill_actors = self._actors(PrefillWorker, cfg.prefill, self._groups[1], lambda i: (
-                f"prefill-{i}", cfg.engine_config(cfg.prefill, seed=i), agent, _threads(cfg.prefill)))
-        infos = await asyncio.wait_for(
-            asyncio.gather(*[a.start.remote() for a in prefill_actors + decode_actors]), START_TIMEOUT_S)
-        n = len(prefill_actors)
-        self.prefill = [WorkerState(info, a) for info, a in zip(infos[:n], prefill_actors, strict=True)]
-        self.decode = [WorkerState(info, a) for info, a in zip(infos[n:], decode_actors, strict=True)]
+        slots = [(role, i) for role in self.roles for i in range(self._pool(role).workers)]
+        started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i) for role, i in slots]),
+                                         START_TIMEOUT_S)
+        self.prefill = [w for w in started if w.info.role == "prefill"]
+        self.decode = [w for w in started if w.info.role != "prefill"]
         await asyncio.gather(*[d.handle.add_peer.remote(p.info.agent_metadata)
                                for d in self.decode for p in self.prefill])
+
+    async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
+        """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model. On any
+        failure the new actor is killed, so a failed start leaves nothing behind."""
+        handle = self._actor(role, index)
+        try:
+            info = await handle.start.remote()
+        except BaseException:
+            ray.kill(handle, no_restart=True)
+            raise
+        return WorkerState(info, handle, incarnation=incarnation)
+
+    async def connect(self, worker: WorkerState) -> None:
+        """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull
+        from prefill workers, so a new decode worker adds every live prefill agent, and every live decode worker
+        drops the old prefill agent of that name and adds the new one."""
+        if self.config.mode != "disaggregated":
+            return
+        if worker.info.role == "decode":
+            peers = [p for p in self.prefill if p.alive]
+            await asyncio.gather(*[worker.handle.add_peer.remote(p.info.agent_metadata) for p in peers])
+        else:
+            peers = [d for d in self.decode if d.alive]
+            await asyncio.gather(*[d.handle.replace_peer.remote(worker.name, worker.info.agent_metadata)
+                                   for d in peers])
+
+    def install(self, worker: WorkerState) -> None:
+        """Put `worker` into its slot (replacing the dead incarnation of the same name)."""
+        workers = self.role_workers("prefill" if worker.info.role == "prefill" else "decode")
+        for i, w in enumerate(workers):
+            if w.name == worker.name:
+                workers[i] = worker
+                return
+        workers.append(worker)
+
+    @staticmethod
+    def slot_index(worker: WorkerState) -> int:
+        return int(worker.name.rsplit("-", 1)[1])
 
     async def shutdown(self) -> None:
         workers = self.all_workers
         await asyncio.gather(*[w.handle.shutdown.remote() for w in workers if w.alive], return_exceptions=True)
         for w in workers:
             ray.kill(w.handle, no_restart=True)
-        for group in self._groups:
+        for group in self._groups.values():
             remove_placement_group(group)
         self._groups.clear()
         if self._started_ray:
@@ -82,24 +120,34 @@ class Pools:
 
     async def _placed(self) -> None:
         """Wait until the placement groups have their resources; fail clearly when the cluster lacks them."""
+        groups = list(self._groups.values())
         try:
-            await asyncio.wait_for(asyncio.gather(*[g.ready() for g in self._groups]), PLACEMENT_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*[g.ready() for g in groups]), PLACEMENT_TIMEOUT_S)
         except TimeoutError:
-            wanted = [g.bundle_specs for g in self._groups]
+            wanted = [g.bundle_specs for g in groups]
             raise RuntimeError(f"the Ray cluster cannot place the pools within {PLACEMENT_TIMEOUT_S:.0f} s: they need "
                                f"{wanted}, the cluster has {ray.available_resources()}; lower num_cpus / num_gpus "
                                "or workers in the config") from None
+
+    def _pool(self, role: str) -> PoolConfig:
+        return self.config.prefill if role == "prefill" else self.config.decode
 
     def _group(self, pool: PoolConfig, role: str):
         strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
         return placement_group([worker_bundle(pool)] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
 
-    def _actors(self, cls: type, pool: PoolConfig, group, args) -> list:
-        remote_cls = ray.remote(cls)
-        return [remote_cls.options(
-            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=dict(pool.resources), max_concurrency=10_000,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-        ).remote(*args(i)) for i in range(pool.workers)]
+    def _actor(self, role: str, index: int):
+        cfg, pool = self.config, self._pool(role)
+        options = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=dict(pool.resources),
+                       max_concurrency=10_000, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                           self._groups[role], placement_group_bundle_index=index))
+        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
+        if role == "prefill":
+            return ray.remote(PrefillWorker).options(**options).remote(
+                f"prefill-{index}", cfg.engine_config(pool, seed=index), agent, _threads(pool))
+        return ray.remote(DecodeWorker).options(**options).remote(
+            f"decode-{index}", cfg.engine_config(pool, seed=1000 + index),
+            agent if cfg.mode == "disaggregated" else None, _threads(pool), cfg.admission.timeout_s)
 
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:
@@ -125,3 +173,11 @@ def _init_ray(address: str | None) -> None:
 def _threads(pool: PoolConfig) -> int:
     return max(1, int(pool.num_cpus))
 
+
+def worker_faults(faults, role: str) -> dict:
+    """The keyword arguments of a worker's set_faults() for the drill config `faults` (a FaultsConfig)."""
+    kv = {"fail_fraction": faults.transfer_fail_fraction, "stall_fraction": faults.transfer_stall_fraction,
+          "stall_s": faults.transfer_stall_s, "seed": faults.seed}
+    if role != "prefill":
+        return {"kv": kv}
+    return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed}

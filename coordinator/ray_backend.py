@@ -1,29 +1,46 @@
 """RayBackend: the ServingBackend made of Ray actor pools (disaggregated: prefill + decode; collocated: one pool).
 
-Owns the request's path between workers: admission, routing, the prefill call (first token streams at once),
-the decode call (the decode worker pulls the KV, then prefill releases it), and the token streams, which arrive
-from each decode worker in batches through one long-poll loop per worker. Every path ends: a dead worker fails
-its requests, a closed stream aborts the request on both sides.
+Owns each request's path between workers, as a sequence of attempts. An attempt is placed by Admission (which
+books its capacity in the request's Reservation), then: prefill (the first token streams at once), the handoff
+(the decode worker pulls the KV; a failed transfer makes it recompute the prompt instead, per
+`transfer.on_failure`), and the token stream, which arrives from each decode worker in batches through one
+long-poll loop per worker. When a worker dies under an attempt (WorkerLost), the request moves: the next attempt
+prefills the prompt plus every token already streamed and continues from there, so the client sees one stream
+with no token missing or repeated (seeded sampling is keyed by output index, so the continuation equals an
+uninterrupted run). At most `recovery.max_migrations` moves, then an in-band error.
+
+Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
+attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
+Supervisor's: it replaces them, and this backend starts polling the replacement.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import logging
 from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta
-from coordinator.pools import Pools
+from coordinator.admission import Admission, Placement
+from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, WorkerLost
+from coordinator.backend_stats import backend_stats, transfer_totals
+from coordinator.pools import Pools, worker_faults
+from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
-from coordinator.serve_config import ServeConfig
-from engine.scheduler import StepOutput
+from coordinator.serve_config import FaultsConfig, ServeConfig
+from coordinator.supervisor import Supervisor
+from kvtransfer.errors import TransferError
 
+log = logging.getLogger("pdserve")
 POLL_TIMEOUT_S = 0.5
 STATS_PERIOD_S = 1.0
-ADMISSION_RETRY_S = 0.01
+
+
+class TransferFailed(BackendError):
+    """The decode worker could not pull the request's KV (it freed what it had reserved)."""
 
 
 class RayBackend:
@@ -34,13 +51,16 @@ class RayBackend:
         self.model_path = ""
         self.max_model_len = 0
         self.vocab_size = 0
-        self.router: Router | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self.ledger = Ledger(on_release=self._capacity_freed)
+        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.admission: Admission | None = None
+        self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
+        self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
         self._tasks: set[asyncio.Task] = set()
-        self._in_flight = 0
-        self._transfer: dict = {}
-        self._errors: dict[str, int] = {}
-        self._ids = itertools.count()
+        self.transfer_totals: dict[str, float] = {}
+        self.errors: dict[str, int] = {}
+        self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
+        self.faults = config.faults
 
     async def start(self) -> None:
         await self.pools.start()
@@ -51,166 +71,251 @@ class RayBackend:
         capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
-        self.router = Router(infos[0].block_size)
+        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
         for w in self.pools.decode:
             self._spawn(self._poll_loop(w))
+        if self.faults != FaultsConfig():
+            await self.set_faults(self.faults)
         self._spawn(self._stats_loop())
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for q in self._queues.values():
+        await self.supervisor.shutdown()
+        for q in self._streams.values():
             q.put_nowait(BackendError("the server is shutting down"))
         await self.pools.shutdown()
 
-    def stats(self) -> dict:
-        workers = []
-        for w in self.pools.all_workers:
-            load = w.load
-            workers.append({"name": w.name, "role": w.info.role, "alive": w.alive, "served": w.served,
-                            "queued_prompt_tokens": load.queued_prompt_tokens if load else 0,
-                            "running": load.num_running if load else 0,
-                            "free_blocks": load.free_blocks if load else w.info.num_kv_blocks,
-                            "total_blocks": w.info.num_kv_blocks})
-        return {"workers": workers, "transfer": dict(self._transfer), "queue_length": self._in_flight,
-                "errors": dict(self._errors),
-                "prefix_affinity_hits": self.router.affinity_hits if self.router else 0}
-
+    # ---- one request
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        if self._in_flight >= self.config.admission.max_queue:
-            raise Overloaded(f"{self._in_flight} requests in flight (admission.max_queue)", retry_after_s=1.0)
-        rid = f"{request.request_id}-{next(self._ids)}"  # unique on the workers even if a client reuses ids
-        self._in_flight += 1
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        touched: list[tuple[WorkerState, str]] = []  # (worker, how to end it there) for cleanup
-        finished = False
+        if len(self._ids) >= self.config.admission.max_queue:
+            raise Overloaded(f"{len(self._ids)} requests in flight (admission.max_queue)", retry_after_s=1.0)
+        rid = request.request_id
+        while rid in self._ids:  # the id on the workers; a client reusing one in flight gets a suffix
+            rid = f"{request.request_id}-{len(self._ids)}"
+        self._ids.add(rid)
+        reservation = self.ledger.open(rid)
+        sent: list[int] = []  # every token streamed so far: where a moved request resumes
+        moves = 0
         try:
-            if self.config.mode == "collocated":
-                decode = await self._admit(request, promise=False)
-                touched.append((decode, "abort"))
-                decode.requests.add(rid)
-                await self._call(decode, decode.handle.generate.remote(rid, request.prompt_token_ids, request.params))
+            while True:
+                try:
+                    async with aclosing(self._attempt(rid, moves, request, sent, reservation)) as deltas:
+                        async for delta in deltas:
+                            sent.extend(delta.token_ids)
+                            yield delta
+                            if delta.finish_reason is not None:
+                                if moves:
+                                    self._count(self.migrations, "outcome_completed")
+                                return
+                    raise BackendError("the worker's token stream ended without a finish reason")
+                except WorkerLost as e:
+                    self._count(self.migrations, "attempted")
+                    if moves >= self.config.recovery.max_migrations:
+                        self._count(self.migrations, "outcome_failed")
+                        raise BackendError(f"{e}; the request was moved {moves} times already "
+                                           "(recovery.max_migrations)") from None
+                    moves += 1
+                    reservation.clear()
+                    log.warning("request %s: %s; resuming after %d tokens", rid, e, len(sent))
+        finally:
+            reservation.release()
+            self._ids.discard(rid)
+
+    async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
+                       reservation: Reservation) -> AsyncIterator[TokenDelta]:
+        """One placement of the request: deltas until its end; WorkerLost if a worker under it died."""
+        placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
+        attempt = rid if move == 0 else f"{rid}~{move}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[attempt] = queue
+        cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
+        finished = False
+        decode, prior = placement.decode, list(prior)
+        try:
+            if placement.prefill is None:
+                cleanup.append((decode, "abort"))
+                decode.requests.add(attempt)
+                await self._call(decode, decode.handle.generate.remote(
+                    attempt, request.prompt_token_ids, request.params, prior_output_ids=prior))
             else:
-                async for delta in self._prefill_then_decode(rid, request, queue, touched):
-                    yield delta
-                    if delta.finish_reason:
-                        finished = True
-                        return
+                first = await self._prefill(attempt, request, prior, placement, reservation, cleanup)
+                finished = first.finish_reason is not None
+                yield first
+                if finished:
+                    return
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
+                reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
+                finished = out.finish_reason is not None
                 yield TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason)
-                if out.finish_reason is not None:
-                    finished = True
+                if finished:
                     return
         finally:
-            self._queues.pop(rid, None)
-            self._in_flight -= 1
-            for worker, action in touched:
-                worker.requests.discard(rid)
-                if not finished and worker.alive:
-                    self._spawn(_quietly(getattr(worker.handle, action).remote(rid)))
+            self._streams.pop(attempt, None)
+            for worker, action in cleanup:
+                worker.requests.discard(attempt)
+                if worker.alive and (action == "release" or not finished):
+                    self._spawn(_quietly(getattr(worker.handle, action).remote(attempt)))
 
-    async def _prefill_then_decode(self, rid: str, request: GenerateRequest, queue: asyncio.Queue,
-                                   touched: list) -> AsyncIterator[TokenDelta]:
-        prompt = request.prompt_token_ids
-        decode = await self._admit(request, promise=True)  # decode room first: never prefill what cannot be decoded
-        prefill = self.router.pick_prefill(prompt, self.pools.prefill)
-        touched.append((prefill, "abort"))
-        prefill.outstanding_tokens += len(prompt)
-        try:
-            result = await self._call(prefill, prefill.handle.prefill.remote(rid, prompt, request.params))
-        finally:
-            prefill.outstanding_tokens -= len(prompt)
+    async def _prefill(self, attempt: str, request: GenerateRequest, prior: list[int], placement: Placement,
+                       reservation: Reservation, cleanup: list) -> TokenDelta:
+        """Prefill on the prefill worker and return the first new token; unless it ends the request, the handoff
+        to the decode worker is under way (in its own task, which owns the prefill side from then on)."""
+        prefill, decode = placement.prefill, placement.decode
+        cleanup.append((prefill, "abort"))
+        result = await self._call(prefill, prefill.handle.prefill.remote(
+            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior))
+        reservation.unbook(prefill.key, "prompt_tokens")
+        cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
         prefill.load = result.load
         first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
                            result.finish_reason)
-        if result.finish_reason is not None:
-            decode.promised_blocks -= self._blocks(request)
-            yield first
-            return
-        touched.append((decode, "abort"))
-        decode.requests.add(rid)
+        if result.finish_reason is None:
+            cleanup.append((decode, "abort"))
+            decode.requests.add(attempt)
+            self._spawn(self._handoff(attempt, request, prior, result, placement))
+        return first
+
+    async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,
+                       placement: Placement) -> None:
+        """The decode worker pulls the KV (or recomputes it, per transfer.on_failure), then the prefill worker
+        frees its pinned copy: only after the pull ended, so no block is reused while it may still be read.
+        Errors go into the attempt's stream."""
+        prefill, decode = placement.prefill, placement.decode
         try:
-            yield first
             decode.load = await self._call(decode, decode.handle.decode.remote(
-                rid, prompt, request.params, result.first_token_id, result.first_logprob, prefill.name,
-                result.block_ids))
+                attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
+                prefill.name, result.block_ids, prior_output_ids=prior))
+        except TransferFailed as e:
+            self._count(self.errors, "transfer_failed")
+            if self.config.transfer.on_failure == "fail":
+                self._fail(attempt, BackendError(f"{e} (transfer.on_failure: fail)"))
+            elif attempt in self._streams:
+                log.warning("request %s: %s; the decode worker recomputes its prompt", attempt, e)
+                await self._recompute(attempt, request, prior + [result.first_token_id], decode)
+        except BackendError as e:
+            self._fail(attempt, e)
         finally:
-            decode.promised_blocks -= self._blocks(request)
-            touched.remove((prefill, "abort"))  # pulled (or failed): prefill only needs to release
-            self._spawn(_quietly(prefill.handle.release.remote(rid)))
+            if prefill.alive:
+                self._spawn(_quietly(prefill.handle.release.remote(attempt)))
 
-    async def _admit(self, request: GenerateRequest, promise: bool) -> WorkerState:
-        """Wait (bounded) until a decode worker has room for the request's KV; book it there if `promise`
-        (disaggregated: the blocks are reserved by the worker only later, when the KV arrives)."""
-        needed = self._blocks(request)
-        deadline = asyncio.get_running_loop().time() + self.config.admission.timeout_s
-        while True:
-            worker = self.router.pick_decode(self.pools.decode, needed)
-            if worker is not None:
-                worker.promised_blocks += needed if promise else 0
-                return worker
-            if asyncio.get_running_loop().time() > deadline:
-                raise Overloaded("no decode worker has room for this request's KV cache", retry_after_s=1.0)
-            await asyncio.sleep(ADMISSION_RETRY_S)
+    async def _recompute(self, attempt: str, request: GenerateRequest, prior: list[int],
+                         decode: WorkerState) -> None:
+        try:
+            await self._call(decode, decode.handle.generate.remote(
+                attempt, request.prompt_token_ids, request.params, prior_output_ids=prior))
+        except BackendError as e:
+            self._fail(attempt, e)
+            return
+        if attempt not in self._streams and decode.alive:  # the request ended meanwhile: its abort may have
+            self._spawn(_quietly(decode.handle.abort.remote(attempt)))  # arrived first
 
-    def _blocks(self, request: GenerateRequest) -> int:
-        bs = self.router.block_size
-        return -(-len(request.prompt_token_ids) // bs) + 1
+    def _fail(self, attempt: str, error: BaseException) -> None:
+        queue = self._streams.get(attempt)
+        if queue is not None:
+            queue.put_nowait(error)
 
     async def _call(self, worker: WorkerState, ref: Any) -> Any:
         try:
             return await ref
         except RayActorError as e:
-            worker.alive = False
-            self._count_error("worker_died")
-            raise BackendError(f"worker {worker.name} died: {e}") from None
+            self.supervisor.worker_died(worker, str(e))
+            raise WorkerLost(f"{worker.info.role} worker {worker.name} died") from None
         except RayTaskError as e:
-            self._count_error("worker_error")
+            if isinstance(e.cause, TransferError):
+                raise TransferFailed(f"KV transfer to {worker.name} failed: {type(e.cause).__name__}: "
+                                     f"{e.cause}") from None
+            self._count(self.errors, "worker_error")
             raise BackendError(f"worker {worker.name} failed: {e.cause!r}") from None
 
+    # ---- workers
+    def _worker_dead(self, worker: WorkerState, reason: str) -> None:
+        self._count(self.errors, "worker_died")
+        for attempt in list(worker.requests):
+            self._fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
+
+    def _worker_live(self, worker: WorkerState) -> None:
+        if worker.info.role != "prefill":
+            self._spawn(self._poll_loop(worker))
+        if self.faults != FaultsConfig():
+            self._spawn(self._apply_faults(worker))
+        self._capacity_freed()
+
+    def _capacity_freed(self) -> None:
+        if self.admission is not None:
+            self.admission.notify()
+
     async def _poll_loop(self, worker: WorkerState) -> None:
-        while True:
+        while worker.alive:
             try:
                 outputs, load = await worker.handle.poll.remote(POLL_TIMEOUT_S)
             except (RayActorError, RayTaskError) as e:
-                worker.alive = False
-                self._count_error("worker_died")
-                for rid in list(worker.requests):
-                    queue = self._queues.get(rid)
-                    if queue is not None:
-                        queue.put_nowait(BackendError(f"decode worker {worker.name} died: {e}"))
+                self.supervisor.worker_died(worker, f"poll failed: {type(e).__name__}: {e}")
                 return
             worker.load = load
             for out in outputs:
-                self._deliver(out)
-
-    def _deliver(self, out: StepOutput) -> None:
-        queue = self._queues.get(out.request_id)
-        if queue is not None:  # else: the request was closed already; the worker was told to abort it
-            queue.put_nowait(out)
+                queue = self._streams.get(out.request_id)
+                if queue is not None:  # else: the attempt ended already; the worker was told to abort it
+                    queue.put_nowait(out)
 
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
-            totals: dict[str, float] = {}
-            for w in self.pools.all_workers:
-                if not w.alive:
-                    continue
-                try:
-                    metrics = await w.handle.transfer_metrics.remote()
-                    if w.info.role == "prefill":  # decode loads arrive with every poll already
-                        w.load = await w.handle.load.remote()
-                except (RayActorError, RayTaskError):
-                    continue
-                _accumulate(totals, metrics)
-            self._transfer = totals
+            await self.supervisor.probe()
+            live = [w for w in self.pools.all_workers if w.alive]
+            snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
+                                           return_exceptions=True)
+            self.transfer_totals = transfer_totals([m for m in snapshots if isinstance(m, dict)])
+            self._capacity_freed()  # waiting requests also look again on a timer
 
-    def _count_error(self, kind: str) -> None:
-        self._errors[kind] = self._errors.get(kind, 0) + 1
+    # ---- figures
+    def health(self) -> tuple[bool, list[dict]]:
+        return self.supervisor.healthy(), self.supervisor.states()
+
+    def check_integrity(self) -> dict[str, dict[str, int]]:
+        """Assert that the bookings are exactly those of the requests in flight; return them per worker."""
+        booked = self.ledger.check_integrity()
+        assert self.ledger.live_requests == len(self._ids), (self.ledger.live_requests, self._ids)
+        return booked
+
+    async def integrity(self) -> dict:
+        """check_integrity() here and on every live engine, as a report: ok, or the first failure."""
+        report: dict = {"ok": True, "error": None, "coordinator": self.ledger.snapshot(), "workers": {}}
+        try:
+            report["coordinator"] = self.check_integrity()
+        except AssertionError as e:
+            report.update(ok=False, error=f"coordinator: {e}")
+        live = [w for w in self.pools.all_workers if w.alive]
+        checks = await asyncio.gather(*[w.handle.check_integrity.remote() for w in live], return_exceptions=True)
+        for w, check in zip(live, checks, strict=True):
+            if isinstance(check, BaseException):
+                report.update(ok=False, error=report["error"] or f"{w.name}: {check}")
+            else:
+                report["workers"][w.name] = check
+        return report
+
+    def kill_worker(self, name: str) -> bool:
+        return self.supervisor.kill(name)
+
+    async def set_faults(self, faults: FaultsConfig) -> None:
+        """Inject `faults` on every live worker now, and on every replacement from now on."""
+        self.faults = faults
+        await asyncio.gather(*[self._apply_faults(w) for w in self.pools.all_workers if w.alive])
+
+    async def _apply_faults(self, worker: WorkerState) -> None:
+        try:
+            await worker.handle.set_faults.remote(**worker_faults(self.faults, worker.info.role))
+        except (RayActorError, RayTaskError) as e:
+            log.warning("could not set faults on %s: %s", worker.name, e)
+
+    def stats(self) -> dict:
+        return backend_stats(self)
+
+    def _count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -218,19 +323,8 @@ class RayBackend:
         task.add_done_callback(self._tasks.discard)
 
 
-def _accumulate(totals: dict[str, float], metrics: dict) -> None:
-    """Add one agent's snapshot into pool-wide figures: top-level numbers, and per operation
-    `<op>_<count|bytes|seconds_sum|failures>` (summed) and `<op>_seconds_max` (max)."""
-    flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
-    for op, fields in (metrics.get("ops") or {}).items():
-        flat |= {f"{op}_{k}": v for k, v in fields.items() if isinstance(v, int | float)}
-    for key, value in flat.items():
-        totals[key] = max(totals.get(key, 0), value) if key.endswith("_max") else totals.get(key, 0) + value
-
-
 async def _quietly(ref: Any) -> None:
     try:
         await ref
     except (RayActorError, RayTaskError, asyncio.CancelledError):
         pass
-

@@ -1,19 +1,27 @@
-"""Router: picks the prefill and the decode worker of each request from the loads the workers last reported.
+"""WorkerState and Router: what the coordinator knows of each worker, and which workers a request goes to.
 
-Prefill: least outstanding prompt tokens, but a worker that already computed the prompt's leading blocks (its
-prefix cache likely still holds them) wins while its load is within `affinity_slack_tokens` of the least loaded.
-Decode: most free KV blocks (minus what the coordinator has promised but the worker has not reported yet), then
-fewest running sequences. The router only reads and books numbers; it never calls a worker.
+WorkerState is one incarnation of a worker slot (decode-0 after its second restart is a new WorkerState with the
+same name and `incarnation` 2): its handle, last reported load and life-cycle state (starting -> live -> dead;
+the slot's supervisor then brings up a replacement). Bookings are kept in the Ledger under `key` (name and
+incarnation), so a replacement never inherits its predecessor's books.
+
+Router: prefill picks the least pressure (booked prompt tokens plus what the worker reports queued), but a worker
+that already computed the prompt's leading blocks (its prefix cache likely still holds them) wins while its
+pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the most unbooked KV room, then the
+fewest running sequences. The router only reads numbers the caller gives it; it never calls a worker.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.block_manager import prefix_block_hashes
 from engine.load import EngineLoad, WorkerInfo
+
+STATES = ("starting", "live", "dead", "restarting", "failed")
 
 
 @dataclass
@@ -21,20 +29,23 @@ class WorkerState:
     info: WorkerInfo
     handle: Any                      # the Ray actor handle
     load: EngineLoad | None = None   # last reported
-    outstanding_tokens: int = 0      # prompt tokens sent and not yet answered
-    promised_blocks: int = 0         # blocks of requests routed here and not yet reflected in `load`
-    alive: bool = True
+    state: str = "live"              # one of STATES; only "live" workers get requests
+    incarnation: int = 0             # 0 for the first actor of this slot, +1 per replacement
     served: int = 0                  # requests routed here (for tests and metrics)
-    requests: set[str] = field(default_factory=set)
+    requests: set[str] = field(default_factory=set)  # worker-side ids of requests running here
 
     @property
     def name(self) -> str:
         return self.info.name
 
     @property
-    def free_blocks(self) -> int:
-        free = self.load.free_blocks if self.load else self.info.num_kv_blocks
-        return free - self.promised_blocks
+    def key(self) -> str:
+        """The ledger's key: unique across replacements of the same slot."""
+        return f"{self.info.name}#{self.incarnation}"
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "live"
 
 
 class Router:
@@ -45,15 +56,18 @@ class Router:
         self._prefix_owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> prefill worker, LRU
         self.affinity_hits = 0
 
-    def pick_prefill(self, prompt: list[int], workers: list[WorkerState]) -> WorkerState:
-        alive = _alive(workers, "prefill")
+    def pick_prefill(self, prompt: list[int], candidates: list[WorkerState],
+                     pressure: Callable[[WorkerState], int]) -> WorkerState | None:
+        """Among `candidates` (live, with room in their backlog), the least pressed or the prefix owner."""
+        if not candidates:
+            return None
         hashes = prefix_block_hashes(prompt, self.block_size)
-        least = min(alive, key=lambda w: (w.outstanding_tokens + _queued(w), w.served))
+        least = min(candidates, key=lambda w: (pressure(w), w.served))
         chosen = least
         owner = self._longest_prefix_owner(hashes)
         if owner is not None:
-            preferred = next((w for w in alive if w.name == owner), None)
-            if preferred is not None and _pressure(preferred) <= _pressure(least) + self.affinity_slack_tokens:
+            preferred = next((w for w in candidates if w.name == owner), None)
+            if preferred is not None and pressure(preferred) <= pressure(least) + self.affinity_slack_tokens:
                 chosen = preferred
                 self.affinity_hits += 1
         for h in hashes:
@@ -64,12 +78,13 @@ class Router:
         chosen.served += 1
         return chosen
 
-    def pick_decode(self, workers: list[WorkerState], blocks_needed: int) -> WorkerState | None:
-        """The decode worker with the most room, or None if none has `blocks_needed` free blocks now."""
-        alive = _alive(workers, "decode")
-        best = max(alive, key=lambda w: (w.free_blocks, -(w.load.num_running if w.load else 0), -w.served))
-        if best.free_blocks < blocks_needed:
+    def pick_decode(self, candidates: list[WorkerState], room: Callable[[WorkerState], int],
+                    blocks_needed: int) -> WorkerState | None:
+        """The candidate with the most unbooked room, or None if none has `blocks_needed` blocks of it."""
+        fitting = [w for w in candidates if room(w) >= blocks_needed]
+        if not fitting:
             return None
+        best = max(fitting, key=lambda w: (room(w), -(w.load.num_running if w.load else 0), -w.served))
         best.served += 1
         return best
 
@@ -81,18 +96,3 @@ class Router:
                 break
             owner = name
         return owner
-
-
-def _alive(workers: list[WorkerState], role: str) -> list[WorkerState]:
-    alive = [w for w in workers if w.alive]
-    if not alive:
-        raise LookupError(f"no live {role} worker")
-    return alive
-
-
-def _queued(w: WorkerState) -> int:
-    return w.load.queued_prompt_tokens if w.load else 0
-
-
-def _pressure(w: WorkerState) -> int:
-    return w.outstanding_tokens + _queued(w)

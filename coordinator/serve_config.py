@@ -47,12 +47,62 @@ class TransferConfig:
     backends: tuple[str, ...] = ("cuda_ipc", "ucx")
     timeout_s: float = 30.0
     pin_lease_s: float = 60.0
+    on_failure: str = "recompute"  # a failed KV transfer: the decode worker recomputes the prompt, or the request fails
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_queue: int = 1024          # requests in flight beyond which new ones get 503
-    timeout_s: float = 30.0        # how long a request may wait for KV room on a decode worker
+    timeout_s: float = 30.0        # how long a request may wait for room (or for a replacement worker)
+    # fraction of max_tokens whose KV is booked on the decode worker at admission, besides the prompt's: 1.0 never
+    # oversubscribes (no preemption); below 1 more requests run at once and the engine preempts when they outgrow it
+    reserve_output: float = 1.0
+    max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
+    priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
+
+    def __post_init__(self) -> None:
+        if not 0 < self.reserve_output <= 1:
+            raise ValueError(f"reserve_output must be in (0, 1], got {self.reserve_output}")
+        if self.max_prefill_backlog_tokens is not None and self.max_prefill_backlog_tokens < 1:
+            raise ValueError(f"max_prefill_backlog_tokens must be >= 1, got {self.max_prefill_backlog_tokens}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """Self-healing: replacing dead workers (with backoff) and moving their requests elsewhere."""
+
+    max_restarts: int = 5            # per worker slot within restart_window_s; past it the slot stays down
+    restart_window_s: float = 600.0
+    backoff_initial_s: float = 0.5   # wait before the first replacement of a slot; doubles per recent restart
+    backoff_max_s: float = 30.0
+    max_migrations: int = 3          # per request: moves to another worker after a worker or transfer failure
+
+    def __post_init__(self) -> None:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s "
+                             f"({self.backoff_initial_s})")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Failures injected on purpose, for tests and operators' drills (also settable at run time through
+    POST /admin/faults when server.admin_api is on). All off by default."""
+
+    prefill_error_fraction: float = 0.0   # prefill calls that fail with an injected error
+    transfer_fail_fraction: float = 0.0   # KV transfers that fail (the decode side then recomputes or fails)
+    transfer_stall_fraction: float = 0.0  # KV transfers held back for transfer_stall_s before they proceed
+    transfer_stall_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_error_fraction", "transfer_fail_fraction", "transfer_stall_fraction"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if not isinstance(self.transfer_stall_s, int | float) or self.transfer_stall_s < 0:
+            raise ValueError(f"transfer_stall_s must be a number >= 0, got {self.transfer_stall_s!r}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +119,8 @@ class ServeConfig:
     decode: PoolConfig = PoolConfig(max_num_seqs=256)
     transfer: TransferConfig = TransferConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    faults: FaultsConfig = FaultsConfig()
     server: ServerSettings = ServerSettings()
 
     def engine_config(self, pool: PoolConfig, seed: int = 0) -> EngineConfig:
@@ -83,8 +135,10 @@ class ServeConfig:
 
 
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
-             "admission": AdmissionConfig, "server": ServerSettings}
-_CHOICES = {"mode": ("disaggregated", "collocated"), "placement": ("pack", "spread")}
+             "admission": AdmissionConfig, "recovery": RecoveryConfig, "faults": FaultsConfig,
+             "server": ServerSettings}
+_CHOICES = {"mode": ("disaggregated", "collocated"), "placement": ("pack", "spread"),
+            "on_failure": ("recompute", "fail")}
 
 
 def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:

@@ -52,7 +52,9 @@ class DecodeWorker:
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
-        engine = LLMEngine(self._engine_config)
+        started = time.monotonic()
+        engine = LLMEngine(self._engine_config)  # weights, KV cache, CUDA graphs
+        engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         meta = None
@@ -61,7 +63,8 @@ class DecodeWorker:
             meta = self.agent.metadata().to_bytes()
         role = "decode" if self.agent else "collocated"
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
-                          engine.config.max_model_len, engine.model_config.vocab_size, meta)
+                          engine.config.max_model_len, engine.model_config.vocab_size, meta,
+                          (("engine", engine_s), ("agent", time.monotonic() - started - engine_s)))
 
     async def add_peer(self, agent_metadata: bytes) -> str:
         return await asyncio.to_thread(self.agent.add_remote, agent_metadata)
@@ -139,6 +142,11 @@ class DecodeWorker:
 
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())
+
+    async def set_faults(self, kv: dict) -> None:
+        """Inject the transfer agent's `kv` faults from now on (drills and tests)."""
+        if self.agent is not None:
+            self.agent.set_faults(kv)
 
     async def transfer_metrics(self) -> dict:
         return self.agent.metrics() if self.agent else {}

@@ -39,3 +39,4 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     agent_metadata: bytes | None  # the worker's kvtransfer agent, serialized (None when it has none)
+    startup_s: tuple[tuple[str, float], ...] = ()  # seconds per start-up phase: (("engine", 3.1), ("agent", 0.2))

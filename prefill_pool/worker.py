@@ -10,6 +10,8 @@ prompt + prior outputs, and its first token is output len(prior_output_ids).
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +26,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
 from kvtransfer.worker_setup import prepare_process, start_agent
+
+
+class InjectedFault(RuntimeError):
+    """A failure injected on purpose (FaultsConfig.prefill_error_fraction)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class PrefillWorker:
         self._engine_config = engine_config
         self._agent_config = agent_config
         self._num_threads = num_threads
+        self._error_fraction = 0.0               # injected prefill failures (drills and tests; set_faults)
+        self._fault_rng = random.Random(0)
         self._waiting: dict[str, asyncio.Future] = {}
         self.loop: AsyncEngine | None = None
         self.agent: KVAgent | None = None
@@ -49,16 +57,21 @@ class PrefillWorker:
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
-        engine = LLMEngine(self._engine_config)
+        started = time.monotonic()
+        engine = LLMEngine(self._engine_config)  # weights, KV cache, CUDA graphs
+        engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
-                          self.agent.metadata().to_bytes())
+                          self.agent.metadata().to_bytes(),
+                          (("engine", engine_s), ("agent", time.monotonic() - started - engine_s)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prior_output_ids: Sequence[int] = ()) -> PrefillResult:
+        if self._error_fraction and self._fault_rng.random() < self._error_fraction:
+            raise InjectedFault(f"prefill of {request_id} failed: an injected fault (faults.prefill_error_fraction)")
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         prior = list(prior_output_ids)
@@ -86,6 +99,12 @@ class PrefillWorker:
 
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())
+
+    async def set_faults(self, kv: dict, prefill_error_fraction: float = 0.0, seed: int = 0) -> None:
+        """Inject failures from now on: this fraction of prefill calls fail, and the transfer agent's `kv` faults."""
+        self._error_fraction = prefill_error_fraction
+        self._fault_rng = random.Random(seed)
+        self.agent.set_faults(kv)
 
     async def transfer_metrics(self) -> dict:
         return self.agent.metrics()

@@ -10,7 +10,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,8 +56,10 @@ def metric_values(url: str, name: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
 
 
-async def complete(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """POST a completion; for streams, reassemble text, token count and finish reason from the SSE chunks."""
+async def complete(client: httpx.AsyncClient, url: str, body: dict,
+                   on_chunk: Callable[[int], None] | None = None) -> dict:
+    """POST a completion; for streams, reassemble text, token count and finish reason from the SSE chunks
+    (`on_chunk(n)` is called with the number of chunks received so far)."""
     if not body.get("stream"):
         r = await client.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -65,7 +67,7 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict) -> dict:
         return {"text": data["choices"][0]["text"], "finish_reason": data["choices"][0]["finish_reason"],
                 "completion_tokens": data["usage"]["completion_tokens"]}
     body = {**body, "stream_options": {"include_usage": True}}
-    text, finish, usage = [], None, None
+    text, finish, usage, received = [], None, None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -73,6 +75,9 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                 continue
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
+            received += 1
+            if on_chunk is not None:
+                on_chunk(received)
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk["choices"]:
@@ -91,3 +96,22 @@ def wait_for_idle_workers(url: str, timeout_s: float = 20.0) -> dict[str, float]
         if time.monotonic() > deadline:
             raise AssertionError(f"workers hold blocks after {timeout_s} s: free {free}, total {total}")
         time.sleep(0.25)
+
+
+def wait_for_health(url: str, code: int, timeout_s: float = 120.0) -> dict:
+    """Poll /health until it answers `code`; its JSON body."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(f"{url}/health", timeout=10)
+        if r.status_code == code:
+            return r.json()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/health still {r.status_code} after {timeout_s} s: {r.text}")
+        time.sleep(0.1)
+
+
+def admin_integrity(url: str) -> dict:
+    """GET /admin/integrity (needs server.admin_api): the coordinator's bookings and every engine's blocks."""
+    r = httpx.get(f"{url}/admin/integrity", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -1,0 +1,122 @@
+"""Admission: decides where a request runs and books the capacity it may need there, or says why it cannot.
+
+What a request books (in its Reservation, see coordinator.reservation):
+- on the worker that will decode it: KV blocks for prompt + tokens already generated (a migrated request) +
+  `admission.reserve_output` of the output still to come. At 1.0 (the default) the decode engine can never run
+  out of blocks, so it never preempts; below 1.0 more requests run at once and the engine grows each one on
+  demand, preempting the most recently admitted (its KV is recomputed later) when blocks run out.
+- on the worker that will prefill it (disaggregated; the same worker when collocated): its prompt tokens, given
+  back when the prefill returns, so a prefill worker's backlog stays under `admission.max_prefill_backlog_tokens`.
+Capacity is the worker's whole KV cache minus what is booked, never the load it last reported (which lags).
+
+A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
+now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
+worker, then gets Overloaded (503 + Retry-After) naming the reason: the pool that is down, or the room missing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from coordinator.admission_queue import AdmissionQueue, AdmissionTimeout
+from coordinator.backend import GenerateRequest, Overloaded, RequestTooLarge
+from coordinator.reservation import Reservation
+from coordinator.router import Router, WorkerState
+from coordinator.serve_config import ServeConfig
+from coordinator.supervisor import Supervisor
+
+MIGRATION_PRIORITY = 0  # a request moving off a dead worker goes before every new one
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: WorkerState            # decodes it (collocated: runs all of it)
+    prefill: WorkerState | None    # prefills it (disaggregated)
+    kv_blocks: int
+
+
+class Admission:
+    def __init__(self, config: ServeConfig, supervisor: Supervisor, router: Router, ledger) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.router = router
+        self.ledger = ledger
+        self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s)
+
+    def kv_blocks(self, request: GenerateRequest, num_prior: int) -> int:
+        """Blocks booked on the decode worker: prompt, prior outputs and the reserved share of what remains,
+        plus the one block the engine keeps ahead for the next token."""
+        remaining = request.params.max_tokens - num_prior
+        budget = math.ceil(remaining * self.config.admission.reserve_output)
+        tokens = len(request.prompt_token_ids) + num_prior + budget
+        return -(-tokens // self.router.block_size) + 1
+
+    async def place(self, request: GenerateRequest, num_prior: int, reservation: Reservation,
+                    migrating: bool = False) -> Placement:
+        """Pick the workers and book the request's capacity on them (in `reservation`), waiting up to the
+        admission timeout; raises RequestTooLarge or Overloaded."""
+        blocks = self.kv_blocks(request, num_prior)
+        largest = max((w.info.num_kv_blocks for w in self._pool("decode")), default=0)
+        if blocks > largest:
+            raise RequestTooLarge(f"the request needs {blocks} KV blocks of {self.router.block_size} tokens "
+                                  f"(prompt, max_tokens) but a decode worker holds at most {largest}")
+        tokens = len(request.prompt_token_ids) + num_prior
+        deadline = time.monotonic() + self.config.admission.timeout_s
+        priority = MIGRATION_PRIORITY if migrating else request.priority
+        try:
+            return await self.queue.acquire(priority, deadline, lambda: self._try_place(
+                request, tokens, blocks, reservation))
+        except AdmissionTimeout:
+            raise self._why_not(blocks, tokens) from None
+
+    def notify(self) -> None:
+        """Capacity may have freed (a request ended, a worker came back): waiting requests look again."""
+        self.queue.notify()
+
+    # ---- internals
+    def _try_place(self, request: GenerateRequest, tokens: int, blocks: int,
+                   reservation: Reservation) -> Placement | None:
+        prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
+        backlog_ok = [w for w in self.supervisor.live(prefill_role) if self._backlog_allows(w, tokens)]
+        decode_live = self.supervisor.live("decode")
+        if prefill_role == "decode":
+            decode_live = [w for w in decode_live if w in backlog_ok]
+        if not backlog_ok or not decode_live:
+            return None
+        decode = self.router.pick_decode(decode_live, self._room, blocks)
+        if decode is None:
+            return None
+        prefill = None
+        if prefill_role == "prefill":
+            prefill = self.router.pick_prefill(request.prompt_token_ids, backlog_ok, self._pressure)
+        reservation.book(decode.key, "kv_blocks", blocks)
+        reservation.book((prefill or decode).key, "prompt_tokens", tokens)
+        return Placement(decode, prefill, blocks)
+
+    def _room(self, worker: WorkerState) -> int:
+        return worker.info.num_kv_blocks - self.ledger.booked(worker.key, "kv_blocks")
+
+    def _pressure(self, worker: WorkerState) -> int:
+        return self.ledger.booked(worker.key, "prompt_tokens")
+
+    def _backlog_allows(self, worker: WorkerState, tokens: int) -> bool:
+        cap = self.config.admission.max_prefill_backlog_tokens
+        booked = self.ledger.booked(worker.key, "prompt_tokens")
+        return cap is None or booked == 0 or booked + tokens <= cap  # an idle worker takes any prompt
+
+    def _why_not(self, blocks: int, tokens: int) -> Overloaded:
+        for role in self.supervisor.pools.roles:
+            reason = self.supervisor.down_reason(role)
+            if reason is not None:
+                return Overloaded(f"{reason}; a replacement is being started", retry_after_s=5.0)
+        if self.config.mode == "disaggregated" and not any(
+                self._backlog_allows(w, tokens) for w in self.supervisor.live("prefill")):
+            return Overloaded(f"every prefill worker's backlog is full (admission.max_prefill_backlog_tokens "
+                              f"{self.config.admission.max_prefill_backlog_tokens})", retry_after_s=1.0)
+        return Overloaded(f"no decode worker has room for this request's KV cache ({blocks} blocks) within "
+                          f"{self.config.admission.timeout_s:g} s", retry_after_s=1.0)
+
+    def _pool(self, role: str) -> list[WorkerState]:
+        return self.supervisor.pools.role_workers(role)
