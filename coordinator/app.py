@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
 from coordinator import errors, protocol
+from coordinator.admin import health_response, install_admin_routes
 from coordinator.backend import GenerateRequest, ServingBackend
 from coordinator.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.metrics import Metrics
@@ -60,9 +61,10 @@ def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if app.state.lifecycle.draining:
-            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
-        return JSONResponse({"status": "ok"})
+        return health_response(backend, app.state.lifecycle.draining)
+
+    if settings.admin_api:
+        install_admin_routes(app, lambda request: _check_auth(request, settings))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -18,6 +18,7 @@ class ServerSettings:
     request_timeout_s: float = 600.0     # a request still running after this ends (504, or an in-band error)
     drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
     served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
+    admin_api: bool = False              # /admin/* (kill a worker, inject faults, integrity); behind api_key when set
 
     def __post_init__(self) -> None:
         checks = [
@@ -30,6 +31,7 @@ class ServerSettings:
             ("drain_timeout_s", _is_number(self.drain_timeout_s) and self.drain_timeout_s >= 0,
              "must be a number >= 0"),
             ("served_model_name", _optional_str(self.served_model_name), "must be None or a non-empty string"),
+            ("admin_api", isinstance(self.admin_api, bool), "must be true or false"),
         ]
         for name, ok, why in checks:
             if not ok:
