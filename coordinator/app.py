@@ -102,7 +102,10 @@ def _check_auth(request: Request, settings: ServerSettings) -> None:
         raise errors.unauthorized()
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The body as JSON: `application/json` (charset utf-8 or none) or 415, at most `limit` bytes or 413, all of it
+    within `timeout_s` or 408 (a half-sent body must not hold the connection)."""
+    _check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         if not declared.isdigit():
@@ -110,16 +113,28 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise errors.too_large(limit)
     body = bytearray()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise errors.too_large(limit)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise errors.too_large(limit)
+    except TimeoutError:
+        raise errors.request_timeout(timeout_s) from None
     except ClientDisconnect:
         raise errors.invalid_request("The client disconnected while sending the request body") from None
     try:
         return json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise errors.invalid_request(f"The request body is not valid JSON: {e}") from None
+
+
+def _check_content_type(value: str | None) -> None:
+    """Strict: a missing Content-Type is refused too (curl -d and the OpenAI clients always send one)."""
+    media, _, params = (value or "").partition(";")
+    charset = [p.split("=", 1)[1].strip().strip('"').lower() for p in params.split(";") if "=" in p
+               and p.split("=", 1)[0].strip().lower() == "charset"]
+    if media.strip().lower() != "application/json" or any(c not in ("utf-8", "utf8") for c in charset):
+        raise errors.unsupported_media_type(value)
 
 
 def _reject_constant(name: str) -> None:
@@ -163,16 +178,18 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     if app.state.lifecycle.draining:
         app.state.lifecycle.admit()  # raises the draining 503
     model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
-    req = protocol.parse(model, await _read_json(request, settings.max_body_bytes))
+    req = protocol.parse(model, await _read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
-    prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size)
+    prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size,
+                                     settings.allow_special_tokens_in_content)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs)
-    fmt = Formatter(chat, app.state.model_name, req.include_usage)
+    request_id: str = request.state.request_id  # errors.RequestIdMiddleware: the client's X-Request-Id or generated
+    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
     text = TextOutput(app.state.tokenizer, prompt, req.stop_strings)
-    gen = Generation(app.state.backend, GenerateRequest(fmt.id, prompt, params), text, app.state.metrics,
+    gen = Generation(app.state.backend, GenerateRequest(request_id, prompt, params), text, app.state.metrics,
                      settings.request_timeout_s, num_logprobs is not None, arrival)
     return req, gen, fmt, app.state.lifecycle.admit()
 

@@ -1,34 +1,69 @@
 """The `pdserve` command line: `serve` (the disaggregated server), `generate` (offline, one engine), `bench`
-(load-test an OpenAI-compatible endpoint) and `sweep` (pool-sizing experiments; both in benchclient/)."""
+(load-test an OpenAI-compatible endpoint) and `sweep` (pool-sizing experiments; both in benchclient/).
+
+Also the server's watchdog: `pdserve serve` starts a tiny process (its own session, so a signal to the server's
+process group spares it) that keeps a snapshot of the server's process tree (Ray's GCS, raylet, agents, workers)
+and, once the server is gone however it died (SIGKILL included: it sees the end of a pipe only the server holds),
+kills whatever of that tree is still alive. Ray's agents do not exit when their raylet is SIGKILLed, and nothing
+of a local Ray started by a killed server must stay behind. Processes of a Ray cluster the server only joined
+(`--ray-address auto`) are not its descendants and are never touched.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import select
+import signal
+import subprocess
 import sys
 
-from coordinator.serve_config import ConfigError, load_serve_config
-from engine import cli as engine_cli
+COMMANDS = {
+    "serve": "serve the OpenAI-compatible API from Ray prefill/decode pools",
+    "generate": "complete prompts offline on one engine",
+    "bench": "load-test an OpenAI-compatible endpoint (pdserve, vLLM, ...)",
+    "sweep": "pool-sizing sweep: layouts x workloads x loads, each on a fresh server",
+}
+WATCH_INTERVAL_S = 0.5
 
 
 def _serve_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API from Ray prefill/decode pools")
+    serve = sub.add_parser("serve", help=COMMANDS["serve"], description=COMMANDS["serve"])
     serve.add_argument("config", help="YAML config, e.g. configs/default.yaml")
     serve.add_argument("--host", help="overrides server.host")
     serve.add_argument("--port", type=int, help="overrides server.port")
     serve.add_argument("--ray-address", help="'auto' to join the running Ray cluster; default: the config's")
 
 
+def _top_parser() -> argparse.ArgumentParser:
+    """Lists every command; each command's own parser (and `--help`) lives with the command."""
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, help_text in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["bench"], ["sweep"]):
         return _bench_main(argv)
-    if argv[:1] != ["serve"]:
+    if argv[:1] == ["generate"]:
+        from engine import cli as engine_cli  # lazy: imports torch
         return engine_cli.main(argv)
+    if argv[:1] != ["serve"]:
+        _top_parser().parse_args(argv)  # prints the help or the usage error, and exits
+        return 2
     parser = argparse.ArgumentParser(prog="pdserve")
     _serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    return _serve_main(args)
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    from coordinator.serve_config import ConfigError, load_serve_config
     overrides = {k: v for k, v in (("server.host", args.host), ("server.port", args.port),
                                    ("ray_address", args.ray_address)) if v is not None}
     try:
@@ -38,11 +73,72 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from coordinator.serve import ListenError, serve  # after validation: imports Ray and FastAPI
+    start_watchdog()  # its pipe closes when this process has ended, after Ray's own exit handlers
     try:
         asyncio.run(serve(config))
     except ListenError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 3
+    return 0
+
+
+def start_watchdog() -> subprocess.Popen:
+    """The watchdog of this process's tree; it ends when this process does (closing its stdin)."""
+    code = "import sys; from coordinator.cli import watchdog_main; sys.exit(watchdog_main(int(sys.argv[1])))"
+    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                            start_new_session=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    """{pid: (ppid, start time in clock ticks)} of every live process, from /proc (zombies count as gone)."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in (b"Z", b"X"):
+            table[int(name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def _descendants(root: int, table: dict[int, tuple[int, int]]) -> dict[int, int]:
+    """{pid: start time} of every process below `root` in `table`."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = {}, list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found[pid] = table[pid][1]
+            stack.extend(children.get(pid, []))
+    return found
+
+
+def watchdog_main(server_pid: int) -> int:
+    """Snapshot the server's tree every WATCH_INTERVAL_S until stdin ends, then kill what is left of it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's business; this ends after it
+    me = os.getpid()
+    known: dict[int, int] = {}
+    while True:
+        table = _process_table()
+        if server_pid in table:
+            known.update(_descendants(server_pid, table))
+        if select.select([sys.stdin], [], [], WATCH_INTERVAL_S)[0] and not os.read(sys.stdin.fileno(), 64):
+            break  # EOF: the server exited or was killed
+    table = _process_table()
+    alive = {pid for pid, start in known.items() if pid != me and table.get(pid, (0, -1))[1] == start}
+    for pid in list(alive):  # children spawned after the last snapshot by a process that is still alive
+        alive |= {p for p in _descendants(pid, table) if p != me}
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return 0
 
 

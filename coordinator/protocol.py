@@ -6,6 +6,13 @@ special tokens; token ids checked against the vocabulary), the context-length ch
 `sampling_params()`, which relies on SamplingParams' own range checks and reports them as 400s naming the
 parameter. Unknown extra fields are ignored (clients send `user`, `metadata`, ...); options this server does not
 implement are rejected rather than silently ignored.
+
+Hostile-input rules: every float must be finite (`1e999` parses to infinity: a 400 naming the field); a message's
+role is one of ROLES; its content is a string or text parts, and null (or absent) only on an assistant message
+that carries `tool_calls` (OpenAI's one legal case); `chat_template_kwargs` keys are limited to
+TEMPLATE_KWARGS (a 400 names any other key); special-token text in message content is encoded as text unless
+`server.allow_special_tokens_in_content` (Tokenizer.encode_chat). A completion `prompt` string is the model's raw
+input (its special-token text is parsed, as token-id prompts are accepted anyway).
 """
 
 from __future__ import annotations
@@ -22,10 +29,17 @@ from engine.tokenizer import ChatTemplateError, Tokenizer
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# chat_template_kwargs a client may set: name -> allowed values (None: any bool)
+TEMPLATE_KWARGS: dict[str, tuple[str, ...] | None] = {
+    "enable_thinking": None,                          # Qwen3-style templates
+    "thinking": None,                                 # DeepSeek-style templates
+    "reasoning_effort": ("low", "medium", "high"),    # gpt-oss-style templates
+}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -109,7 +123,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
 
@@ -133,6 +147,20 @@ class ChatCompletionRequest(_Common):
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise ValueError(f"messages[{i}].role: unknown role {m.role[:40]!r}; expected one of {list(ROLES)}")
+            if m.content is None and not (m.role == "assistant" and (m.model_extra or {}).get("tool_calls")):
+                raise ValueError(f"messages[{i}].content: must be a string or a list of text parts (null only on "
+                                 "an assistant message with tool_calls)")
+        for key, value in (self.chat_template_kwargs or {}).items():
+            if key not in TEMPLATE_KWARGS:
+                raise ValueError(f"chat_template_kwargs: key {key[:40]!r} is not allowed; allowed keys: "
+                                 f"{sorted(TEMPLATE_KWARGS)}")
+            allowed = TEMPLATE_KWARGS[key]
+            if (allowed is None and not isinstance(value, bool)) or (allowed is not None and value not in allowed):
+                raise ValueError(f"chat_template_kwargs: {key} must be {'a boolean' if allowed is None else allowed}, "
+                                 f"got {value!r}")
         return self
 
     @property
@@ -167,7 +195,7 @@ def parse(model: type[_Common], body: Any) -> Any:
         err = e.errors()[0]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         param = param_of(tuple(err.get("loc", ())))
-        named = re.match(r"^([a-z_]+): (.*)$", msg)
+        named = re.match(r"^([a-z_][a-z_.\[\]0-9]*): (.*)$", msg, re.S)
         if err.get("type") == "value_error" and named:
             param, msg = named.group(1), named.group(2)
         elif err.get("type") == "missing":
@@ -193,17 +221,17 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None) -> Samp
 
 
 
-def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """The prompt as token ids: chat template then encode (the template writes the special tokens), or the
-    completion prompt encoded (with BOS) or taken as given; every id, and every stop token id, in the vocabulary."""
+def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int,
+                     special_tokens_in_content: bool = False) -> list[int]:
+    """The prompt as token ids: chat template then encode (only the template's special tokens are control tokens,
+    unless `special_tokens_in_content`), or the completion prompt encoded (with BOS) or taken as given; every id,
+    and every stop token id, in the vocabulary."""
     chat = isinstance(req, ChatCompletionRequest)
     where = "messages" if chat else "prompt"
     try:
         if chat:
-            text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt,
-                                                 **(req.chat_template_kwargs or {}))
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                        special_tokens_in_content, **(req.chat_template_kwargs or {}))
         else:
             prompt = req.single_prompt
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

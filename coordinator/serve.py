@@ -5,21 +5,102 @@ capacity reported) -> accept connections. Binding first means a port in use fail
 worker starts, and Ray's own port allocations (GCS, workers, object store) cannot take the port meanwhile.
 On the first signal: new requests get 503, running streams get up to `server.drain_timeout_s` to finish, then
 HTTP stops and the actors are shut down. A second signal skips the wait.
+
+`uvicorn_config()` is the HTTP server's configuration: uvicorn's h11 protocol with a request-head timeout added
+(`server.header_timeout_s`; uvicorn has none, so a connection that sends half a request head, or nothing,
+would stay open forever), `server.keep_alive_timeout_s` for idle keep-alive connections, and logging whose every
+line carries the request id (`[%(request_id)s]`, "-" outside a request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
+from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coordinator.app import create_app
-from coordinator.ray_backend import RayBackend
+from coordinator.errors import APIError
 from coordinator.serve_config import ServeConfig
+from coordinator.settings import ServerSettings
 
 log = logging.getLogger("pdserve")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus: a connection gets `header_timeout_s` from its start, and from the first byte
+    of each later request, to deliver a complete request head; otherwise it gets a 408 and is closed."""
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()  # the first bytes of a new request on a kept-alive connection
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the whole head arrived
+            self._cancel_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        body = json.dumps(APIError(408, f"The request head was not received within {self.header_timeout_s:g} s",
+                                   "invalid_request_error", "request_timeout", code="request_timeout").body()).encode()
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+def log_config() -> dict[str, Any]:
+    """logging.config.dictConfig for `pdserve serve`: uvicorn's loggers and the root, every line with its request id."""
+    filters = ["request_id"]
+    stream = {"class": "logging.StreamHandler", "filters": filters}
+    access = ('%(asctime)s %(levelprefix)s [%(request_id)s] %(client_addr)s - "%(request_line)s" %(status_code)s')
+    return {
+        "version": 1, "disable_existing_loggers": False,
+        "filters": {"request_id": {"()": "coordinator.errors.RequestIdFilter"}},
+        "formatters": {"default": {"format": LOG_FORMAT},
+                       "access": {"()": "uvicorn.logging.AccessFormatter", "fmt": access, "use_colors": False}},
+        "handlers": {"default": {**stream, "formatter": "default", "stream": "ext://sys.stderr"},
+                     "access": {**stream, "formatter": "access", "stream": "ext://sys.stdout"}},
+        "root": {"handlers": ["default"], "level": "WARNING"},
+        "loggers": {"uvicorn": {"handlers": ["default"], "level": "INFO", "propagate": False},
+                    "uvicorn.access": {"handlers": ["access"], "level": "INFO", "propagate": False}},
+    }
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn.Config pdserve serves `app` with (`overrides`: tests pass log_config=None)."""
+    protocol = type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,),
+                    {"header_timeout_s": settings.header_timeout_s})
+    kwargs: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level="info", log_config=log_config(),
+                                  timeout_graceful_shutdown=5, http=protocol,
+                                  timeout_keep_alive=settings.keep_alive_timeout_s)
+    return uvicorn.Config(app, **{**kwargs, **overrides})
 
 
 class _DrainingServer(uvicorn.Server):
@@ -65,13 +146,13 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None:
+    from coordinator.ray_backend import RayBackend  # Ray only for the real server (tests build the HTTP config alone)
     listener = bind_listener(config.server.host, config.server.port)
     backend = RayBackend(config)
     try:
         await backend.start()
         app = create_app(backend, config.server)
-        uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
-                                   timeout_graceful_shutdown=5)
+        uv_config = uvicorn_config(app, config.server)
         server = _DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
         log.warning("pdserve: %s mode, %d prefill + %d decode workers, serving %s on http://%s:%d",
                     config.mode, len(backend.pools.prefill), len(backend.pools.decode), backend.model_name,

@@ -19,6 +19,11 @@ class ServerSettings:
     drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
     served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
     admin_api: bool = False              # /admin/* (kill a worker, inject faults, integrity); behind api_key when set
+    keep_alive_timeout_s: float = 5.0    # an idle keep-alive connection is closed after this
+    header_timeout_s: float = 10.0       # a connection must send a complete request head within this (else 408)
+    body_read_timeout_s: float = 30.0    # the whole request body must arrive within this (else 408)
+    # special-token text (e.g. "<|eot_id|>") inside chat message content becomes control tokens only when true
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -32,6 +37,11 @@ class ServerSettings:
              "must be a number >= 0"),
             ("served_model_name", _optional_str(self.served_model_name), "must be None or a non-empty string"),
             ("admin_api", isinstance(self.admin_api, bool), "must be true or false"),
+            *[(name, _is_number(getattr(self, name)) and 0 < getattr(self, name) <= 3600,
+               "must be a number in (0, 3600]") for name in ("keep_alive_timeout_s", "header_timeout_s",
+                                                            "body_read_timeout_s")],
+            ("allow_special_tokens_in_content", isinstance(self.allow_special_tokens_in_content, bool),
+             "must be true or false"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -4,7 +4,8 @@ Owns: `SSEResponse`, a streaming response that cancels the event producer (whose
 stream: an abort) when the client goes away, whatever the server's ASGI spec version, or when its deadline passes
 (a client that stops reading blocks `send`, and must not hold the request forever); `event()`
 and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`, which builds every JSON body
-of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk, and non-streamed responses.
+of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk, and non-streamed responses,
+all with the body id derived from the request id.
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ class SSEResponse(Response):
 
 
 class Formatter:
-    """The JSON bodies of one request; `chat` picks chat.completion(.chunk) over text_completion."""
+    """The JSON bodies of one request; `chat` picks chat.completion(.chunk) over text_completion.
+    The body `id` is the request id (X-Request-Id) with OpenAI's prefix (`chatcmpl-` / `cmpl-`) added unless it
+    already starts with it: a generated request id is the body id itself, a client's `abc` becomes `cmpl-abc`."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, request_id: str | None = None) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        self.id = rid if rid.startswith(prefix) else prefix + rid
         self.created = int(time.time())
 
     def _base(self, obj: str) -> dict:

@@ -11,13 +11,22 @@ BOS/EOS: named special tokens become special added tokens, as in transformers. T
 has no post-processor do those flags build one (`[bos] $A [eos]`, as transformers 4's `update_post_processor`);
 transformers 5 would add nothing there, silently dropping the BOS the checkpoint asks for.
 Note: a Llama-3-style template already writes `bos_token`; encode its output with `add_special_tokens=False`.
+
+`encode_chat` renders and encodes a conversation so that only the special tokens the template writes become
+control tokens: special-token text inside the messages (a user typing "<|eot_id|>") is encoded as plain text,
+unless the caller allows it. Every string in the messages has its special-token text swapped for a unique
+placeholder, the template renders, the special tokens of that rendering are found by the tokenizer itself, and
+the text between them (placeholders restored) is encoded with special-token matching off.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +160,58 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _text_backend(self) -> Backend:
+        """A copy of the backend that encodes special-token text as text (the flag is per object, so a shared
+        backend is never toggled under a concurrent caller)."""
+        backend = Backend.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        specials = sorted({t.content for t in self._backend.get_added_tokens_decoder().values() if t.special},
+                          key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False, **template_kwargs: Any) -> list[int]:
+        """The conversation's prompt ids: the template's special tokens as control tokens; special-token text
+        in the messages as plain text unless `special_tokens_in_content`."""
+        if special_tokens_in_content or self._special_pattern is None:
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return self.encode(text, add_special_tokens=False)
+        nonce = f"\ue000{uuid.uuid4().hex}"
+        found: list[str] = []
+
+        def hide(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._special_pattern.sub(lambda m: f"{nonce}:{found.append(m.group()) or len(found) - 1}"
+                                                 "\ue001", value)
+            if isinstance(value, dict):
+                return {k: hide(v) for k, v in value.items()}
+            return [hide(v) for v in value] if isinstance(value, list) else value
+
+        hidden = [{k: (v if k == "role" else hide(v)) for k, v in m.items()} for m in messages]
+        text = self.apply_chat_template(hidden, add_generation_prompt, **template_kwargs)
+        if not found:
+            return self.encode(text, add_special_tokens=False)
+        placeholder = re.compile(re.escape(nonce) + r":(\d+)\ue001")
+
+        def as_text(segment: str) -> list[int]:
+            segment = placeholder.sub(lambda m: found[int(m.group(1))], segment)
+            return self._text_backend.encode(segment, add_special_tokens=False).ids if segment else []
+
+        rendered = self._backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        pos = 0
+        for token_id, (start, end) in zip(rendered.ids, rendered.offsets, strict=True):
+            if token_id in self.special_token_ids:  # a control token the template wrote
+                ids += as_text(text[pos:start])
+                ids.append(token_id)
+                pos = end
+        return ids + as_text(text[pos:])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

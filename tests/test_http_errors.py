@@ -17,6 +17,7 @@ MAX_LEN = 64
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "Hi"}]
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ BAD = [
     (COMP, {"model": "tiny", "prompt": "x", "top_k": 2**70}, "top_k"),
     (COMP, b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate: valid JSON, not UTF-8
     (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
-    (CHAT, {"model": "tiny", "messages": MSGS, "chat_template_kwargs": {"messages": []}}, "messages"),
+    (CHAT, {"model": "tiny", "messages": MSGS, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     (COMP, {"model": "tiny", "prompt": "x", "min_p": 2}, "min_p"),
     (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     (COMP, {"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
@@ -103,7 +104,7 @@ BAD = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[f"{p[-11:]}-{param}-{i}" for i, (p, _, param)
                                                              in enumerate(BAD)])
 def test_bad_request_is_a_400_naming_the_parameter_without_a_backend_call(backend, path, body, param):
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kwargs = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
     err = assert_openai_error(send(make_app(backend), backend, "POST", path, **kwargs), 400, param)
     assert err["type"] == "invalid_request_error"
     assert backend.generate_calls == 0
@@ -149,13 +150,13 @@ def test_missing_or_wrong_api_key_is_a_401(backend, auth):
 def test_oversize_body_is_a_413_by_header_and_by_bytes_read(backend):
     app = make_app(backend, max_body_bytes=1000)
     big = json.dumps({"model": "tiny", "prompt": "x" * 2000}).encode()
-    assert_openai_error(send(app, backend, "POST", COMP, content=big), 413)
+    assert_openai_error(send(app, backend, "POST", COMP, content=big, headers=JSON), 413)
 
     async def chunked():  # no Content-Length: the limit applies to the bytes actually read
         for i in range(0, len(big), 100):
             yield big[i:i + 100]
 
-    r = send(app, backend, "POST", COMP, content=chunked())
+    r = send(app, backend, "POST", COMP, content=chunked(), headers=JSON)
     assert "content-length" not in r.request.headers
     assert_openai_error(r, 413)
     assert backend.generate_calls == 0
