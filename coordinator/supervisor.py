@@ -66,6 +66,7 @@ class Supervisor:
         if worker is None:
             return False
         ray.kill(worker.handle, no_restart=True)
+        self.worker_died(worker, "killed through the admin API")  # gone now: no need to wait for a call to fail
         return True
 
     async def probe(self) -> None:

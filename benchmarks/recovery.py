@@ -1,0 +1,119 @@
+"""Recovery time: kill a worker of a running `pdserve serve` under streaming load and time how it comes back.
+
+For each worker named with --kill (in turn), while `--streams` greedy streams run in a closed loop: the kill goes
+through `POST /admin/workers/{name}/kill`; the client side measures the time until /health turns 503 (death
+noticed) and back to 200 (replacement live), the longest gap between two chunks of any stream (the pause a user
+sees) and whether every stream still got exactly its tokens; the server side reports the replacement's phases
+from /health (`last_recovery_s`: backoff, actor start = process + engine, engine = weights, KV cache and CUDA
+graphs, agent, peer exchange). The reference is the same run's chunk gap p50 before the kill.
+
+    python benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --kill decode-0 prefill-0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.server_process import running_server
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    stamps, tokens, error = [], 0, None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            error = chunk.get("error") or error
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                stamps.append(time.perf_counter())
+    return {"stamps": stamps, "tokens": tokens, "error": error, "status": r.status_code}
+
+
+async def _load(url: str, model: str, args, stop: asyncio.Event, results: list[dict]) -> None:
+    rng = random.Random(0)
+
+    async def loop(client):
+        while not stop.is_set():
+            prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
+            results.append(await _stream(client, url, model, prompt, args.max_tokens))
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
+        await asyncio.gather(*[loop(client) for _ in range(args.streams)])
+
+
+async def _until_health(client: httpx.AsyncClient, code: int, timeout_s: float = 900) -> float:
+    deadline = time.perf_counter() + timeout_s
+    while (await client.get("/health")).status_code != code:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"/health not {code} within {timeout_s} s")
+        await asyncio.sleep(0.02)
+    return time.perf_counter()
+
+
+async def drive(url: str, model: str, args) -> list[dict]:
+    rows = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as admin:
+        for name in args.kill:
+            stop, results = asyncio.Event(), []
+            load = asyncio.create_task(_load(url, model, args, stop, results))
+            await asyncio.sleep(args.settle_s)
+            before = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
+            killed = time.perf_counter()
+            assert (await admin.post(f"/admin/workers/{name}/kill")).status_code == 200
+            noticed = await _until_health(admin, 503)
+            back = await _until_health(admin, 200)
+            await asyncio.sleep(args.settle_s)
+            stop.set()
+            await load
+            health = (await admin.get("/health")).json()
+            phases = next(w.get("last_recovery_s", {}) for w in health["workers"] if w["name"] == name)
+            spanning = [r for r in results if r["stamps"] and r["stamps"][0] < killed < r["stamps"][-1]]
+            gaps = [b - a for r in spanning for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
+            failed = sum(1 for r in results if r["error"] or r["status"] != 200)
+            rows.append({"worker": name, "streams_through_kill": len(spanning), "requests": len(results),
+                         "failed": failed,
+                         "exact_token_counts": all(r["tokens"] == args.max_tokens for r in results),
+                         "death_noticed_s": round(noticed - killed, 3), "healthy_again_s": round(back - killed, 3),
+                         "longest_stream_pause_s": round(max(gaps, default=0.0), 3),
+                         "chunk_gap_ms_p50_before": round(statistics.median(before) * 1000, 2) if before else None,
+                         "server_phases_s": {k: round(v, 3) for k, v in phases.items()}})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("--model", help="overrides the config's model")
+    p.add_argument("--kill", nargs="+", default=["decode-0"])
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--settle-s", type=float, default=5.0)
+    args = p.parse_args()
+    config = yaml.safe_load(Path(args.config).read_text())
+    config.pop("ray_address", None)
+    if args.model:
+        config["model"] = args.model
+    config.setdefault("server", {})["admin_api"] = True
+    config.setdefault("recovery", {}).setdefault("backoff_initial_s", 0.1)
+    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
+        for row in asyncio.run(drive(server.url, config["model"], args)):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Admission: what a request books (prompt + output budget on decode, prompt tokens on prefill), who waits, in
+which order, and the reasons of its refusals. Workers here are plain WorkerStates (no actors are called)."""
+
+import asyncio
+
+import pytest
+
+from coordinator.admission import Admission
+from coordinator.backend import GenerateRequest, Overloaded, RequestTooLarge
+from coordinator.pools import Pools
+from coordinator.reservation import Ledger
+from coordinator.router import Router, WorkerState
+from coordinator.serve_config import AdmissionConfig, RecoveryConfig, ServeConfig
+from coordinator.supervisor import Supervisor
+from engine.load import WorkerInfo
+from engine.sampling_params import SamplingParams
+
+
+def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, **admission):
+    config = ServeConfig(mode=mode, admission=AdmissionConfig(timeout_s=0.3, **admission))
+    pools = Pools(config)
+    pools.decode = [WorkerState(WorkerInfo(f"decode-{i}", "decode" if mode == "disaggregated" else "collocated", n,
+                                           16, 4096, 1000, None), handle=None) for i, n in enumerate(decode_blocks)]
+    pools.prefill = [WorkerState(WorkerInfo(f"prefill-{i}", "prefill", 100, 16, 4096, 1000, None), handle=None)
+                     for i in range(prefills if mode == "disaggregated" else 0)]
+    ledger = Ledger()
+    supervisor = Supervisor(pools, RecoveryConfig(), on_dead=lambda w, r: None, on_live=lambda w: None)
+    admission = Admission(config, supervisor, Router(16), ledger)
+    ledger._on_release = admission.notify
+    return admission, ledger, pools
+
+
+def _request(prompt_len: int, max_tokens: int, priority: int = 2) -> GenerateRequest:
+    return GenerateRequest("r", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), priority)
+
+
+def test_books_prompt_plus_output_budget_on_decode_and_prompt_tokens_on_prefill():
+    admission, ledger, pools = _setup()
+    assert admission.kv_blocks(_request(100, 50), num_prior=0) == 11        # ceil(150 / 16) + 1
+    assert admission.kv_blocks(_request(100, 50), num_prior=10) == 11       # prior outputs count as context
+    half, _, _ = _setup(reserve_output=0.5)
+    assert half.kv_blocks(_request(100, 50), num_prior=0) == 9               # ceil((100 + 25) / 16) + 1
+
+    async def run():
+        r = ledger.open("a")
+        placement = await admission.place(_request(100, 50), 0, r)
+        assert placement.decode is pools.decode[0] and placement.prefill is pools.prefill[0]
+        assert ledger.check_integrity() == {"decode-0#0": {"kv_blocks": 11, "prompt_tokens": 0},
+                                            "prefill-0#0": {"kv_blocks": 0, "prompt_tokens": 100}}
+        r.release()
+        assert ledger.booked("decode-0#0", "kv_blocks") == 0
+    asyncio.run(run())
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    admission, ledger, _ = _setup(decode_blocks=(10, 20))
+
+    async def run():
+        with pytest.raises(RequestTooLarge, match="at most 20"):
+            await admission.place(_request(300, 50), 0, ledger.open("big"))
+    asyncio.run(run())
+    assert ledger.check_integrity() == {}
+
+
+def test_waits_for_room_then_takes_what_a_finished_request_gave_back():
+    admission, ledger, pools = _setup(decode_blocks=(20,))
+
+    async def run():
+        first = ledger.open("first")
+        await admission.place(_request(200, 50), 0, first)                # 17 of 20 blocks
+        second = ledger.open("second")
+        waiting = asyncio.create_task(admission.place(_request(200, 50), 0, second))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and len(admission.queue) == 1
+        first.release()                                                   # the ledger tells the queue
+        placement = await asyncio.wait_for(waiting, 1)
+        assert placement.decode is pools.decode[0] and ledger.booked("decode-0#0", "kv_blocks") == 17
+        second.release()
+    asyncio.run(run())
+
+
+def test_no_room_within_the_timeout_is_a_503_naming_the_missing_room():
+    admission, ledger, _ = _setup(decode_blocks=(20,))
+
+    async def run():
+        await admission.place(_request(200, 50), 0, ledger.open("holder"))
+        with pytest.raises(Overloaded, match="no decode worker has room") as e:
+            await admission.place(_request(200, 50), 0, ledger.open("late"))
+        assert e.value.retry_after_s >= 1
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "collocated"])
+def test_a_pool_without_live_workers_is_named_in_the_503(mode):
+    admission, ledger, pools = _setup(mode=mode)
+    pools.decode[0].state = "restarting"
+
+    async def run():
+        with pytest.raises(Overloaded, match="the decode pool has no live worker \\(decode-0 restarting\\)"):
+            await admission.place(_request(10, 5), 0, ledger.open("x"))
+    asyncio.run(run())
+
+
+def test_partial_loss_routes_around_the_dead_worker_at_once():
+    admission, ledger, pools = _setup(decode_blocks=(100, 100))
+    pools.decode[0].state = "dead"
+
+    async def run():
+        placement = await admission.place(_request(10, 5), 0, ledger.open("x"))
+        assert placement.decode is pools.decode[1]
+    asyncio.run(run())
+
+
+def test_prefill_backlog_cap_in_tokens_but_an_idle_worker_takes_any_prompt():
+    admission, ledger, pools = _setup(decode_blocks=(1000,), max_prefill_backlog_tokens=150)
+
+    async def run():
+        await admission.place(_request(400, 5), 0, ledger.open("huge"))   # above the cap, but prefill-0 is idle
+        with pytest.raises(Overloaded, match="backlog is full"):
+            await admission.place(_request(10, 5), 0, ledger.open("small"))
+    asyncio.run(run())
+
+
+def test_higher_priority_and_migrations_go_first_when_room_frees():
+    admission, ledger, _ = _setup(decode_blocks=(20,))
+    order = []
+
+    async def wait(name, priority, migrating=False):
+        r = ledger.open(name)
+        await admission.place(_request(200, 50, priority), 0, r, migrating=migrating)
+        order.append(name)
+        r.release()
+
+    async def run():
+        holder = ledger.open("holder")
+        await admission.place(_request(200, 50), 0, holder)
+        low = asyncio.create_task(wait("low", 3))
+        await asyncio.sleep(0.01)
+        high = asyncio.create_task(wait("high", 1))
+        await asyncio.sleep(0.01)
+        moved = asyncio.create_task(wait("moved", 3, migrating=True))
+        await asyncio.sleep(0.01)
+        holder.release()
+        await asyncio.gather(low, high, moved)
+    asyncio.run(run())
+    assert order == ["moved", "high", "low"]

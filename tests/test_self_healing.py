@@ -1,0 +1,185 @@
+"""Self-healing on the real server (`pdserve serve`, local Ray, 1 prefill + 1 decode, UCX): a killed worker is
+replaced by itself, its requests move and finish with exactly the output of an uninterrupted run, /health tells the
+truth meanwhile, and nothing leaks (coordinator bookings and every engine's blocks) after any of it."""
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+
+from engine import SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.server_process import (
+    HALF_CPU,
+    admin_integrity,
+    complete,
+    metric_values,
+    running_server,
+    wait_for_health,
+    wait_for_idle_workers,
+    worker_pids,
+)
+
+pytestmark = pytest.mark.timeout(400)
+RECOVERY = {"backoff_initial_s": 0.1, "backoff_max_s": 1.0, "max_restarts": 20}
+
+
+@pytest.fixture(scope="module")
+def healing_server(llama, tmp_path_factory):
+    config = {"model": str(llama), "prefill": {**HALF_CPU, "chunk_size": 16}, "decode": HALF_CPU,
+              "transfer": {"backends": ["ucx"]}, "recovery": RECOVERY, "admission": {"timeout_s": 120},
+              "server": {"admin_api": True}}
+    with running_server(tmp_path_factory.mktemp("healing"), config) as server:
+        yield server
+
+
+def _bodies(llama, prompts, max_tokens):
+    """Half greedy, half seeded sampling: both must continue exactly after a move."""
+    bodies = []
+    for i, p in enumerate(prompts):
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
+        bodies.append({"model": str(llama), "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, **sampling})
+    return bodies
+
+
+def _expected(reference, bodies):
+    out = []
+    for b in bodies:
+        params = SamplingParams(temperature=b["temperature"], top_p=b.get("top_p", 1.0), seed=b.get("seed"),
+                                max_tokens=b["max_tokens"], ignore_eos=True)
+        out.append(reference.generate([b["prompt"]], params)[0].text)
+    return out
+
+
+async def _health_codes(url: str, stop: asyncio.Event) -> list[int]:
+    codes = []
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            codes.append((await client.get(f"{url}/health")).status_code)
+            await asyncio.sleep(0.05)
+    return codes
+
+
+def _kill_when(server, actor_class: str, ready: asyncio.Event):
+    async def kill():
+        await ready.wait()
+        pids = worker_pids(server, actor_class)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+    return kill()
+
+
+def _check_clean(server) -> None:
+    wait_for_health(server.url, 200)
+    wait_for_idle_workers(server.url)
+    integrity = admin_integrity(server.url)
+    assert integrity["ok"], integrity
+    assert all(v == 0 for kinds in integrity["coordinator"].values() for v in kinds.values()), integrity
+
+
+def test_the_only_decode_worker_killed_mid_stream_every_stream_finishes_exactly(healing_server, reference, llama):
+    bodies = _bodies(llama, random_prompts([12 + 5 * i for i in range(16)], 2000, seed=31), max_tokens=64)
+    expected = _expected(reference, bodies)
+    decoding = asyncio.Event()
+    started: list[int] = []
+
+    def progress(n_tokens):
+        if n_tokens == 3:
+            started.append(1)
+            if len(started) == len(bodies):
+                decoding.set()
+
+    async def run():
+        stop = asyncio.Event()
+        health = asyncio.create_task(_health_codes(healing_server.url, stop))
+        async with httpx.AsyncClient(timeout=300) as client:
+            _, *results = await asyncio.gather(_kill_when(healing_server, "DecodeWorker", decoding),
+                                               *[complete(client, healing_server.url, b, progress) for b in bodies])
+        await asyncio.sleep(0.5)
+        stop.set()
+        return results, await health
+    results, codes = asyncio.run(asyncio.wait_for(run(), 300))
+    for got, want in zip(results, expected, strict=True):
+        assert (got["text"], got["completion_tokens"], got["finish_reason"]) == (want, 64, "length")
+    assert 503 in codes, "while the pool had no decode worker, /health must say so"
+    _check_clean(healing_server)
+    assert codes[-1] == 200 or httpx.get(f"{healing_server.url}/health").status_code == 200
+    moved = metric_values(healing_server.url, "pdserve_migrations_total")
+    assert moved['{event="attempted"}'] >= 1 and moved.get('{event="outcome_failed"}', 0) == 0, moved
+    restarts = metric_values(healing_server.url, "pdserve_worker_restarts_total")
+    assert restarts['{worker="decode-0",role="decode"}'] >= 1, restarts
+
+
+def test_the_only_prefill_worker_killed_with_prompts_queued_every_request_finishes(healing_server, reference, llama):
+    bodies = _bodies(llama, random_prompts([200 + 20 * i for i in range(12)], 2000, seed=32), max_tokens=8)
+    expected = _expected(reference, bodies)
+    queued = asyncio.Event()
+
+    async def watch_queue():
+        async with httpx.AsyncClient(timeout=10) as client:
+            while _booked_prompt_tokens((await client.get(f"{healing_server.url}/metrics")).text) < 1000:
+                await asyncio.sleep(0.02)
+        queued.set()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            _, _, *results = await asyncio.gather(watch_queue(), _kill_when(healing_server, "PrefillWorker", queued),
+                                                  *[complete(client, healing_server.url, b) for b in bodies])
+        return results
+    results = asyncio.run(asyncio.wait_for(run(), 300))
+    for got, want in zip(results, expected, strict=True):
+        assert (got["text"], got["completion_tokens"]) == (want, 8)
+    _check_clean(healing_server)
+
+
+def test_each_role_killed_five_times_under_continuous_load_loses_nothing(healing_server, reference, llama):
+    prompts = random_prompts([10 + 3 * i for i in range(24)], 2000, seed=33)
+    bodies = _bodies(llama, prompts, max_tokens=24)
+    expected = dict(zip(range(len(bodies)), _expected(reference, bodies), strict=True))
+    done: list[tuple[int, dict]] = []
+    stop = asyncio.Event()
+
+    async def client_loop(client, k):
+        i = k
+        while not stop.is_set():
+            done.append((i % len(bodies), await complete(client, healing_server.url, bodies[i % len(bodies)])))
+            i += 4
+
+    async def killer(client):
+        for role in ["decode"] * 5 + ["prefill"] * 5:
+            await _wait_health(client, 200)
+            before = len(done)
+            while len(done) < before + 2:  # some load between kills
+                await asyncio.sleep(0.05)
+            r = await client.post(f"/admin/workers/{role}-0/kill")
+            assert r.status_code == 200, r.text
+            await _wait_health(client, 503)  # the only worker of its pool is gone at once
+        await _wait_health(client, 200)
+        stop.set()
+
+    async def run():
+        async with httpx.AsyncClient(base_url=healing_server.url, timeout=300) as client:
+            await asyncio.gather(killer(client), *[client_loop(client, k) for k in range(4)])
+    asyncio.run(asyncio.wait_for(run(), 360))
+    assert len(done) >= 20
+    for i, got in done:
+        assert (got["text"], got["completion_tokens"]) == (expected[i], 24), i
+    _check_clean(healing_server)
+    assert len(worker_pids(healing_server, "DecodeWorker")) == 1
+    assert len(worker_pids(healing_server, "PrefillWorker")) == 1
+
+
+async def _wait_health(client: httpx.AsyncClient, code: int) -> None:
+    while (await client.get("/health")).status_code != code:
+        await asyncio.sleep(0.1)
+
+
+def _booked_prompt_tokens(metrics_text: str) -> float:
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("pdserve_worker_booked_prompt_tokens{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

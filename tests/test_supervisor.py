@@ -1,0 +1,93 @@
+"""Supervisor: a dead worker is marked once, its slot is refilled after a backoff that doubles with each recent
+restart, a failed start is retried, and past max_restarts the slot stays down instead of crash-looping. The pool
+here starts slots with a stand-in (no actors); the real replacement runs end to end in test_self_healing.py."""
+
+import asyncio
+
+from coordinator.pools import Pools
+from coordinator.router import WorkerState
+from coordinator.serve_config import RecoveryConfig, ServeConfig
+from coordinator.supervisor import Supervisor
+from engine.load import WorkerInfo
+
+
+class _Slots(Pools):
+    """Pools whose start_slot makes a WorkerState without an actor, failing the first `fail` starts."""
+
+    def __init__(self, fail: int = 0) -> None:
+        super().__init__(ServeConfig())
+        self.fail, self.starts, self.connected = fail, [], []
+
+    async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
+        self.starts.append((role, index, incarnation))
+        if len(self.starts) <= self.fail:
+            raise RuntimeError("the model did not load")
+        return WorkerState(_info(f"{role}-{index}", role), handle=None, incarnation=incarnation)
+
+    async def connect(self, worker: WorkerState) -> None:
+        self.connected.append(worker.key)
+
+
+def _info(name: str, role: str) -> WorkerInfo:
+    return WorkerInfo(name, role, 100, 16, 4096, 1000, b"meta", (("engine", 1.5), ("agent", 0.25)))
+
+
+def _supervised(pools: _Slots, **recovery) -> tuple[Supervisor, list, list]:
+    pools.prefill = [WorkerState(_info("prefill-0", "prefill"), handle=None)]
+    pools.decode = [WorkerState(_info("decode-0", "decode"), handle=None)]
+    dead, live = [], []
+    config = RecoveryConfig(backoff_initial_s=0.01, backoff_max_s=0.04, **recovery)
+    return Supervisor(pools, config, lambda w, reason: dead.append((w.key, reason)), lambda w: live.append(w.key)), \
+        dead, live
+
+
+def test_a_dead_worker_is_replaced_in_its_slot_and_health_follows():
+    pools = _Slots()
+    sup, dead, live = _supervised(pools)
+
+    async def run():
+        assert sup.healthy()
+        old = pools.decode[0]
+        sup.worker_died(old, "actor died")
+        sup.worker_died(old, "again")  # once per incarnation
+        assert not sup.healthy() and sup.down_reason("decode") == "the decode pool has no live worker (decode-0 dead)"
+        while not live:
+            await asyncio.sleep(0.005)
+        new = pools.decode[0]
+        assert new is not old and new.incarnation == 1 and new.alive and old.state == "restarting"
+        assert sup.healthy() and sup.restarts == {"decode-0": 1} and pools.connected == ["decode-0#1"]
+        assert dead == [("decode-0#0", "actor died")] and live == ["decode-0#1"]
+        states = {s["name"]: s for s in sup.states()}
+        assert states["decode-0"]["state"] == "live" and states["decode-0"]["restarts"] == 1
+        phases = states["decode-0"]["last_recovery_s"]
+        assert phases["engine_s"] == 1.5 and phases["agent_s"] == 0.25 and phases["total_s"] >= phases["backoff_s"]
+        assert sup.downtime_s()["decode"] > 0 and sup.downtime_s()["prefill"] == 0
+    asyncio.run(run())
+
+
+def test_failed_starts_are_retried_with_doubling_backoff_until_the_limit():
+    pools = _Slots(fail=10)
+    sup, _, live = _supervised(pools, max_restarts=3)
+
+    async def run():
+        sup.worker_died(pools.prefill[0], "killed")
+        while pools.prefill[0].state != "failed":
+            await asyncio.sleep(0.005)
+        await sup.shutdown()
+    asyncio.run(run())
+    assert pools.starts == [("prefill", 0, 1), ("prefill", 0, 2), ("prefill", 0, 3)]  # then it gives up
+    assert live == [] and sup.restart_failures == {"prefill-0": 3} and not sup.healthy()
+    assert "replacement failed to start: RuntimeError: the model did not load" in sup.reasons["prefill-0"]
+
+
+def test_a_start_that_fails_once_is_retried_and_the_slot_comes_back():
+    pools = _Slots(fail=1)
+    sup, _, live = _supervised(pools)
+
+    async def run():
+        sup.worker_died(pools.decode[0], "killed")
+        while not live:
+            await asyncio.sleep(0.005)
+    asyncio.run(run())
+    assert pools.starts == [("decode", 0, 1), ("decode", 0, 2)] and pools.decode[0].incarnation == 2
+    assert live == ["decode-0#2"] and sup.restart_failures == {"decode-0": 1}
