@@ -51,6 +51,13 @@ class HeadTimeoutH11Protocol(H11Protocol):
         if self.conn.their_state is not h11.IDLE:  # the whole head arrived
             self._cancel_head_timer()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        pipelined, _ = self.conn.trailing_data  # part of the next head, sent before this response ended
+        if pipelined and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._unset_keepalive_if_required()  # not idle: a request has begun, and has the head timeout
+            self._arm_head_timer()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)

@@ -114,7 +114,11 @@ def test_settings_validation_names_the_field():
                           ({"max_body_bytes": 0}, "max_body_bytes"), ({"request_timeout_s": 0}, "request_timeout_s"),
                           ({"request_timeout_s": float("nan")}, "request_timeout_s"),
                           ({"drain_timeout_s": -1}, "drain_timeout_s"), ({"host": ""}, "host"),
-                          ({"served_model_name": ""}, "served_model_name")]:
+                          ({"served_model_name": ""}, "served_model_name"),
+                          ({"keep_alive_timeout_s": 0}, "keep_alive_timeout_s"),
+                          ({"header_timeout_s": float("inf")}, "header_timeout_s"),
+                          ({"body_read_timeout_s": -1}, "body_read_timeout_s"),
+                          ({"allow_special_tokens_in_content": 1}, "allow_special_tokens_in_content")]:
         with pytest.raises(ValueError, match=rf"^ServerSettings\.{field} "):
             ServerSettings(**kwargs)
 
