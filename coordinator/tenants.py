@@ -1,0 +1,295 @@
+"""Tenants: API keys mapped to tenants, each with rate limits, a priority class and usage counters.
+
+Owns the `tenants:` config section, authentication by API key, per-tenant rate limiting and usage accounting.
+The section is a list, or a mapping by name:
+
+    tenants:
+      - name: acme
+        api_keys: [sk-acme-1, sk-acme-2]
+        requests_per_minute: 600     # absent or null: unlimited
+        tokens_per_minute: 200000    # absent or null: unlimited
+        priority: high               # high | normal (default) | low
+
+Authentication: with tenants configured the keys are the auth: a request with no key, a malformed header or an
+unknown key gets 401, there is no anonymous tenant, and `server.api_key` may not also be set. With no tenants,
+everything behaves as before: one unlimited tenant "default" (priority normal) that needs `server.api_key` when
+it is set and nothing otherwise. Keys are compared through their SHA-256 digests with hmac.compare_digest against
+every configured key, without stopping at a match, so the time taken says nothing about which key came close.
+
+Rate limits are token buckets, refilled continuously from the injected monotonic clock and full at start:
+- requests: capacity requests_per_minute, refilled at requests_per_minute / 60 per second; a request costs 1.
+- tokens: capacity tokens_per_minute, refilled at tokens_per_minute / 60 per second. At admission a request costs
+  its prompt tokens plus its whole max_tokens; when it ends, `Grant.settle(completion_tokens)` gives back the
+  max_tokens it did not use (and its prompt tokens too if the prompt was never processed), so the bucket ends up
+  charged exactly prompt + actual completion. A bucket never refills above its capacity.
+A request is charged only if both buckets have room; otherwise it gets 429 (OpenAI's shape: type "requests" or
+"tokens", code "rate_limit_exceeded") with Retry-After: the seconds until the bucket that refused holds enough.
+A request costing more tokens than tokens_per_minute could never pass: it gets 400 at once instead.
+
+Priority: admission order numbers (lower first), PRIORITY_CLASSES; 0 is kept for the coordinator's own work
+(migrating requests). A request's `priority` (a class name, or an int as vLLM's lower-is-earlier) can lower its
+priority but never raise it above its tenant's class: the result is clamped into [tenant's class, "low"].
+
+Not thread-safe: used from the event loop's thread only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from os import PathLike
+from typing import Any
+
+from coordinator import errors
+from coordinator.errors import APIError
+
+PRIORITY_CLASSES: dict[str, int] = {"high": 1, "normal": 2, "low": 3}
+LOWEST_PRIORITY = max(PRIORITY_CLASSES.values())
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # also a metrics label value
+_OUTCOME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _limit(x: object) -> bool:
+    return x is None or (_is_int(x) and x > 0)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    api_keys: tuple[str, ...] = ()
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    priority: str = "normal"
+
+    def __post_init__(self) -> None:
+        keys = self.api_keys
+        checks = [
+            ("name", isinstance(self.name, str) and bool(_NAME.match(self.name)),
+             "must be letters, digits, '_', '.' or '-' (starting with a letter or digit)"),
+            ("api_keys", isinstance(keys, tuple) and all(isinstance(k, str) and k and k.split() == [k] for k in keys)
+             and len(set(keys)) == len(keys), "must be distinct non-empty strings without whitespace"),
+            ("requests_per_minute", _limit(self.requests_per_minute), "must be a positive integer or None"),
+            ("tokens_per_minute", _limit(self.tokens_per_minute), "must be a positive integer or None"),
+            ("priority", self.priority in PRIORITY_CLASSES, f"must be one of {tuple(PRIORITY_CLASSES)}"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                shown = "<hidden>" if name == "api_keys" else repr(getattr(self, name))  # keys are secrets
+                raise ValueError(f"TenantConfig.{name} {why}, got {shown}")
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    tenants: tuple[TenantConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner: dict[str, str] = {}
+        names: set[str] = set()
+        for tenant in self.tenants:
+            if tenant.name in names:
+                raise ValueError(f"TenantsConfig.tenants: the name {tenant.name!r} is used twice")
+            names.add(tenant.name)
+            if not tenant.api_keys:
+                raise ValueError(f"TenantsConfig.tenants: tenant {tenant.name!r} needs at least one key in api_keys")
+            for key in tenant.api_keys:
+                if key in owner:
+                    raise ValueError(f"TenantsConfig.tenants: tenants {owner[key]!r} and {tenant.name!r} share an "
+                                     "API key; keys must be unique across tenants")
+                owner[key] = tenant.name
+
+
+def parse_tenants(raw: Any, path: str | PathLike = "config") -> TenantsConfig:
+    """The YAML `tenants:` section (a list of tenants, a mapping by name, or null) -> TenantsConfig; a
+    ConfigError names the file, the tenant and the key."""
+    from coordinator.serve_config import ConfigError  # here: serve_config may import this module
+
+    if raw is None:
+        return TenantsConfig()
+    if isinstance(raw, dict):
+        items = [(f"tenants.{name}", {"name": name, **body} if isinstance(body, dict) else body)
+                 for name, body in raw.items()]
+    elif isinstance(raw, list):
+        items = [(f"tenants.{body['name']}" if isinstance(body, dict) and "name" in body else f"tenants[{i}]", body)
+                 for i, body in enumerate(raw)]
+    else:
+        raise ConfigError(f"{path}: 'tenants' must be a list or a mapping of tenants, got a {type(raw).__name__}")
+    known = [f.name for f in fields(TenantConfig)]
+    tenants = []
+    for where, body in items:
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: {where} must be a mapping of keys, got a {type(body).__name__}")
+        unknown = sorted(set(body) - set(known))
+        if unknown:
+            raise ConfigError(f"{path}: unknown key '{where}.{unknown[0]}'; known keys here: {known}")
+        if "name" not in body:
+            raise ConfigError(f"{path}: {where}: every tenant needs a name")
+        values = dict(body)
+        keys = values.get("api_keys", ())
+        values["api_keys"] = (keys,) if isinstance(keys, str) else tuple(keys) if isinstance(keys, list) else keys
+        try:
+            tenants.append(TenantConfig(**values))
+        except ValueError as e:
+            raise ConfigError(f"{path}: {where}: {e}") from None
+    try:
+        return TenantsConfig(tuple(tenants))
+    except ValueError as e:
+        raise ConfigError(f"{path}: tenants: {e}") from None
+
+
+def rate_limited(tenant: str, kind: str, limit: int, requested: int, retry_after_s: float) -> APIError:
+    """429 in OpenAI's shape; `kind` is "requests" or "tokens" (the body's type, as OpenAI sends it)."""
+    wait = max(1, math.ceil(retry_after_s - 1e-9))  # whole seconds, never 0
+    unit = "requests per minute (RPM)" if kind == "requests" else "tokens per minute (TPM)"
+    return APIError(429, f"Rate limit reached for tenant {tenant} on {unit}: Limit {limit}, Requested {requested}. "
+                    f"Please try again in {wait}s.", kind, "rate_limited", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(wait), f"x-ratelimit-limit-{kind}": str(limit)})
+
+
+class _Bucket:
+    __slots__ = ("per_minute", "capacity", "level", "at")
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.per_minute = per_minute
+        self.capacity = float(per_minute)
+        self.level = self.capacity
+        self.at = now
+
+    def refill(self, now: float) -> None:
+        if now > self.at:
+            self.level = min(self.capacity, self.level + (now - self.at) * self.per_minute / 60.0)
+            self.at = now
+
+    def wait_s(self, amount: int) -> float:
+        return max(0.0, (amount - self.level) * 60.0 / self.per_minute)
+
+
+class Tenant:
+    """One tenant's live state: its buckets and usage counters."""
+
+    def __init__(self, config: TenantConfig, now: float) -> None:
+        self.config = config
+        self.name = config.name
+        self.level = PRIORITY_CLASSES[config.priority]
+        self._requests = _Bucket(config.requests_per_minute, now) if config.requests_per_minute else None
+        self._tokens = _Bucket(config.tokens_per_minute, now) if config.tokens_per_minute else None
+        self.counters: dict[str, float] = {"in_flight": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                                           "rate_limited": 0}
+
+    def priority_for(self, requested: object = None) -> int:
+        """The admission priority of a request of this tenant that asked for `requested` (None: the class's)."""
+        if requested is None:
+            return self.level
+        if isinstance(requested, str) and requested in PRIORITY_CLASSES:
+            value = PRIORITY_CLASSES[requested]
+        elif _is_int(requested):
+            value = requested
+        else:
+            raise errors.invalid_request(f"priority must be one of {tuple(PRIORITY_CLASSES)} or an integer "
+                                         f"(lower is earlier), got {requested!r}", param="priority")
+        return min(max(value, self.level), LOWEST_PRIORITY)
+
+
+class Grant:
+    """A request's charge against its tenant's limits; settle() once when the request ends, on every path."""
+
+    def __init__(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
+        self.tenant = tenant
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.settled = False
+
+    def settle(self, completion_tokens: int, outcome: str = "ok", prompt_processed: bool = True) -> bool:
+        """Correct the token charge to prompt + `completion_tokens` (the prompt too is given back when it was
+        never processed) and count the request under `outcome`. Only the first call acts; it returns True."""
+        if not _is_int(completion_tokens) or completion_tokens < 0:
+            raise ValueError(f"completion_tokens must be an integer >= 0, got {completion_tokens!r}")
+        if not isinstance(outcome, str) or not _OUTCOME.match(outcome):
+            raise ValueError(f"outcome must be a lowercase identifier, got {outcome!r}")
+        if self.settled:
+            return False
+        self.settled = True
+        tenant = self.tenant
+        if tenant._tokens is not None:
+            refund = self.max_tokens - completion_tokens + (0 if prompt_processed else self.prompt_tokens)
+            tenant._tokens.level = min(tenant._tokens.capacity, tenant._tokens.level + refund)
+        counters = tenant.counters
+        counters["in_flight"] -= 1
+        counters["prompt_tokens"] += self.prompt_tokens if prompt_processed else 0
+        counters["completion_tokens"] += completion_tokens
+        counters[f"requests_{outcome}"] = counters.get(f"requests_{outcome}", 0) + 1
+        return True
+
+
+class TenantRegistry:
+    def __init__(self, config: TenantsConfig = TenantsConfig(), api_key: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if config.tenants and api_key is not None:
+            raise ValueError("server.api_key and tenants are exclusive: with tenants configured, their api_keys "
+                             "are the server's keys (move the key to a tenant)")
+        self._clock = clock
+        now = clock()
+        self.enabled = bool(config.tenants)
+        self.tenants: dict[str, Tenant] = {c.name: Tenant(c, now) for c in config.tenants or (TenantConfig("default"),)}
+        self._open = not self.enabled and api_key is None
+        keys = [(key, tenant) for tenant in self.tenants.values() for key in tenant.config.api_keys]
+        if api_key is not None:
+            keys = [(api_key, self.tenants["default"])]
+        self._keys = [(_digest(key), tenant) for key, tenant in keys]
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant whose key is in `Authorization: Bearer <key>`; raises the 401 APIError otherwise."""
+        if self._open:
+            return self.tenants["default"]
+        scheme, _, token = (authorization or "").partition(" ")
+        digest = _digest(token.strip())
+        found = None
+        for key_digest, tenant in self._keys:  # every key, no early exit
+            if hmac.compare_digest(digest, key_digest):
+                found = tenant
+        if scheme.lower() != "bearer" or found is None:
+            raise errors.unauthorized()
+        return found
+
+    def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
+        """Charge one request (prompt_tokens + max_tokens) to `tenant`, or raise 429 (or 400 if it never fits)."""
+        for name, value in (("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens)):
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        now = self._clock()
+        cost = prompt_tokens + max_tokens
+        requests, tokens = tenant._requests, tenant._tokens
+        if tokens is not None and cost > tokens.capacity:
+            tenant.counters["rate_limited"] += 1
+            raise errors.invalid_request(
+                f"This request needs {cost} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}), more than "
+                f"tenant {tenant.name}'s limit of {tenant.config.tokens_per_minute} tokens per minute; lower "
+                "max_tokens or shorten the prompt", param="max_tokens", code="rate_limit_exceeded")
+        for bucket, kind, amount in ((requests, "requests", 1), (tokens, "tokens", cost)):
+            if bucket is not None:
+                bucket.refill(now)
+                if bucket.level < amount:
+                    tenant.counters["rate_limited"] += 1
+                    raise rate_limited(tenant.name, kind, bucket.per_minute, amount, bucket.wait_s(amount))
+        for bucket, amount in ((requests, 1), (tokens, cost)):
+            if bucket is not None:
+                bucket.level -= amount
+        tenant.counters["in_flight"] += 1
+        return Grant(tenant, prompt_tokens, max_tokens)
+
+    def usage(self) -> dict[str, dict[str, float]]:
+        """Per tenant: in_flight, prompt_tokens and completion_tokens (of ended requests), rate_limited (refused
+        by its limits) and requests_<outcome> per outcome seen. A copy, for /metrics."""
+        return {name: dict(tenant.counters) for name, tenant in self.tenants.items()}
