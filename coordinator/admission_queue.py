@@ -58,7 +58,7 @@ class _Waiter:
 
 class AdmissionQueue(Generic[T]):
     def __init__(self, aging_s: float, clock: Callable[[], float] = time.monotonic, best: int = 0,
-                 timeout_error: type[Exception] = AdmissionTimeout) -> None:
+                 timeout_error: type[Exception] = AdmissionTimeout) -> None:  # raised as timeout_error()
         if isinstance(aging_s, bool) or not isinstance(aging_s, (int, float)) or not aging_s > 0:
             raise ValueError(f"AdmissionQueue.aging_s must be a positive number, got {aging_s!r}")
         if isinstance(best, bool) or not isinstance(best, int):

@@ -1,36 +1,23 @@
-"""Tenants: API keys mapped to tenants, each with rate limits, a priority class and usage counters.
+"""Tenants: the `tenants:` config section, API-key authentication, per-tenant rate limits, priority and usage.
 
-Owns the `tenants:` config section, authentication by API key, per-tenant rate limiting and usage accounting.
-The section is a list, or a mapping by name:
+    tenants:                           # a list, or a mapping by name
+      - {name: acme, api_keys: [sk-1, sk-2], requests_per_minute: 600, tokens_per_minute: 200000, priority: high}
 
-    tenants:
-      - name: acme
-        api_keys: [sk-acme-1, sk-acme-2]
-        requests_per_minute: 600     # absent or null: unlimited
-        tokens_per_minute: 200000    # absent or null: unlimited
-        priority: high               # high | normal (default) | low
+Limits absent or null are unlimited; priority is high, normal (default) or low. With tenants configured their keys
+are the auth (no key, a malformed header or an unknown key: 401; no anonymous tenant; `server.api_key` may not be
+set too). With none, all is as before: one unlimited tenant "default" (normal), behind `server.api_key` when set.
+A key's SHA-256 digest is compared (hmac.compare_digest) with every configured key's, with no early exit.
 
-Authentication: with tenants configured the keys are the auth: a request with no key, a malformed header or an
-unknown key gets 401, there is no anonymous tenant, and `server.api_key` may not also be set. With no tenants,
-everything behaves as before: one unlimited tenant "default" (priority normal) that needs `server.api_key` when
-it is set and nothing otherwise. Keys are compared through their SHA-256 digests with hmac.compare_digest against
-every configured key, without stopping at a match, so the time taken says nothing about which key came close.
+Limits are token buckets, full at start and refilled continuously (per_minute / 60 per second, never above
+per_minute) by the injected monotonic clock. A request costs 1 from the requests bucket, and prompt + max_tokens
+from the tokens bucket at admission; `Grant.settle(completion_tokens)` gives back the unused max_tokens (and the
+prompt too if it was never processed), so the charge ends at prompt + actual completion. It is charged only if
+both buckets have room, else 429 in OpenAI's shape (type "requests" or "tokens", code "rate_limit_exceeded") with
+Retry-After: the seconds until the refusing bucket holds enough. Costing more than tokens_per_minute: 400 at once.
 
-Rate limits are token buckets, refilled continuously from the injected monotonic clock and full at start:
-- requests: capacity requests_per_minute, refilled at requests_per_minute / 60 per second; a request costs 1.
-- tokens: capacity tokens_per_minute, refilled at tokens_per_minute / 60 per second. At admission a request costs
-  its prompt tokens plus its whole max_tokens; when it ends, `Grant.settle(completion_tokens)` gives back the
-  max_tokens it did not use (and its prompt tokens too if the prompt was never processed), so the bucket ends up
-  charged exactly prompt + actual completion. A bucket never refills above its capacity.
-A request is charged only if both buckets have room; otherwise it gets 429 (OpenAI's shape: type "requests" or
-"tokens", code "rate_limit_exceeded") with Retry-After: the seconds until the bucket that refused holds enough.
-A request costing more tokens than tokens_per_minute could never pass: it gets 400 at once instead.
-
-Priority: admission order numbers (lower first), PRIORITY_CLASSES; 0 is kept for the coordinator's own work
-(migrating requests). A request's `priority` (a class name, or an int as vLLM's lower-is-earlier) can lower its
-priority but never raise it above its tenant's class: the result is clamped into [tenant's class, "low"].
-
-Not thread-safe: used from the event loop's thread only.
+Priority: admission order numbers, lower first (PRIORITY_CLASSES; 0 is the coordinator's own, for migrations). A
+request's `priority` (a class name, or an int, lower is earlier as in vLLM) may lower its priority, never raise it
+above its tenant's class: it is clamped into [tenant's class, "low"]. Not thread-safe: the event loop's only.
 """
 
 from __future__ import annotations
@@ -50,12 +37,17 @@ from coordinator.errors import APIError
 
 PRIORITY_CLASSES: dict[str, int] = {"high": 1, "normal": 2, "low": 3}
 LOWEST_PRIORITY = max(PRIORITY_CLASSES.values())
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # also a metrics label value
-_OUTCOME = re.compile(r"^[a-z][a-z0-9_]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # also a metrics label value
+_OUTCOME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_count(name: str, value: object) -> None:
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 def _limit(x: object) -> bool:
@@ -77,7 +69,7 @@ class TenantConfig:
     def __post_init__(self) -> None:
         keys = self.api_keys
         checks = [
-            ("name", isinstance(self.name, str) and bool(_NAME.match(self.name)),
+            ("name", isinstance(self.name, str) and bool(_NAME.fullmatch(self.name)),
              "must be letters, digits, '_', '.' or '-' (starting with a letter or digit)"),
             ("api_keys", isinstance(keys, tuple) and all(isinstance(k, str) and k and k.split() == [k] for k in keys)
              and len(set(keys)) == len(keys), "must be distinct non-empty strings without whitespace"),
@@ -97,11 +89,9 @@ class TenantsConfig:
 
     def __post_init__(self) -> None:
         owner: dict[str, str] = {}
-        names: set[str] = set()
-        for tenant in self.tenants:
-            if tenant.name in names:
+        for i, tenant in enumerate(self.tenants):
+            if tenant.name in (t.name for t in self.tenants[:i]):
                 raise ValueError(f"TenantsConfig.tenants: the name {tenant.name!r} is used twice")
-            names.add(tenant.name)
             if not tenant.api_keys:
                 raise ValueError(f"TenantsConfig.tenants: tenant {tenant.name!r} needs at least one key in api_keys")
             for key in tenant.api_keys:
@@ -162,10 +152,7 @@ class _Bucket:
     __slots__ = ("per_minute", "capacity", "level", "at")
 
     def __init__(self, per_minute: int, now: float) -> None:
-        self.per_minute = per_minute
-        self.capacity = float(per_minute)
-        self.level = self.capacity
-        self.at = now
+        self.per_minute, self.capacity, self.level, self.at = per_minute, float(per_minute), float(per_minute), now
 
     def refill(self, now: float) -> None:
         if now > self.at:
@@ -206,17 +193,14 @@ class Grant:
     """A request's charge against its tenant's limits; settle() once when the request ends, on every path."""
 
     def __init__(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
-        self.tenant = tenant
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
+        self.tenant, self.prompt_tokens, self.max_tokens = tenant, prompt_tokens, max_tokens
         self.settled = False
 
     def settle(self, completion_tokens: int, outcome: str = "ok", prompt_processed: bool = True) -> bool:
         """Correct the token charge to prompt + `completion_tokens` (the prompt too is given back when it was
         never processed) and count the request under `outcome`. Only the first call acts; it returns True."""
-        if not _is_int(completion_tokens) or completion_tokens < 0:
-            raise ValueError(f"completion_tokens must be an integer >= 0, got {completion_tokens!r}")
-        if not isinstance(outcome, str) or not _OUTCOME.match(outcome):
+        _check_count("completion_tokens", completion_tokens)
+        if not isinstance(outcome, str) or not _OUTCOME.fullmatch(outcome):
             raise ValueError(f"outcome must be a lowercase identifier, got {outcome!r}")
         if self.settled:
             return False
@@ -239,8 +223,7 @@ class TenantRegistry:
         if config.tenants and api_key is not None:
             raise ValueError("server.api_key and tenants are exclusive: with tenants configured, their api_keys "
                              "are the server's keys (move the key to a tenant)")
-        self._clock = clock
-        now = clock()
+        self._clock, now = clock, clock()
         self.enabled = bool(config.tenants)
         self.tenants: dict[str, Tenant] = {c.name: Tenant(c, now) for c in config.tenants or (TenantConfig("default"),)}
         self._open = not self.enabled and api_key is None
@@ -265,9 +248,8 @@ class TenantRegistry:
 
     def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
         """Charge one request (prompt_tokens + max_tokens) to `tenant`, or raise 429 (or 400 if it never fits)."""
-        for name, value in (("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens)):
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        _check_count("prompt_tokens", prompt_tokens)
+        _check_count("max_tokens", max_tokens)
         now = self._clock()
         cost = prompt_tokens + max_tokens
         requests, tokens = tenant._requests, tenant._tokens

@@ -66,6 +66,7 @@ def test_list_and_mapping_forms_parse_to_the_same_config(tmp_path) -> None:
      "cfg.yaml: tenants.acme: TenantConfig.priority must be one of ('high', 'normal', 'low'), got 'urgent'"),
     ([{"api_keys": ["sk-1"]}], "cfg.yaml: tenants[0]: every tenant needs a name"),
     ([{"name": "a b", "api_keys": ["sk-1"]}], "cfg.yaml: tenants.a b: TenantConfig.name must be letters"),
+    ([{"name": "acme\n", "api_keys": ["sk-1"]}], "TenantConfig.name must be letters"),
     ({"acme": {"api_keys": ["sk- has space"]}},
      "cfg.yaml: tenants.acme: TenantConfig.api_keys must be distinct non-empty strings without whitespace, "
      "got <hidden>"),
@@ -195,7 +196,7 @@ def test_usage_counts_every_outcome_per_tenant() -> None:
     snapshot = reg.usage()
     snapshot["acme"]["in_flight"] = 99
     assert reg.usage()["acme"]["in_flight"] == 0  # a copy
-    for bad in ((-1,), (1.5,), (1, "Bad Outcome")):
+    for bad in ((-1,), (1.5,), (1, "Bad Outcome"), (1, "ok\n")):
         with pytest.raises(ValueError):
             grants[3].settle(*bad)
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 0"):
