@@ -2,9 +2,12 @@
 `pdserve serve` runs it) and a real engine: half-sent heads and bodies time out (408) and idle connections close;
 5xx bodies carry no pid, IP, actor id or namespace; chat content's special-token text never becomes control
 tokens (unless allowed); only documented chat_template_kwargs; infinite floats, unknown roles, null content and
-non-JSON content types refused; `pdserve --help` lists every command."""
+non-JSON content types refused; `pdserve --help` lists every command; a SIGKILLed `pdserve serve` (the real one)
+leaves no process of its Ray behind."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -264,3 +267,69 @@ def test_pdserve_help_lists_every_command():
         sub = subprocess.run([sys.executable, "-m", "coordinator.cli", command, "--help"], capture_output=True,
                              text=True, timeout=120)
         assert sub.returncode == 0 and sub.stdout.startswith(f"usage: pdserve {command} "), (command, sub.stderr)
+
+
+def _proc_start(pid: int) -> int | None:
+    """The process's start time (clock ticks), or None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _tree(root: int) -> dict[int, tuple[int, str]]:
+    """{pid: (start time, command line)} of every live descendant of `root`."""
+    table = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    parent, args = {}, {}
+    for line in table.splitlines():
+        pid, ppid, *cmd = line.split(None, 2)
+        parent[int(pid)], args[int(pid)] = int(ppid), " ".join(cmd)
+
+    def below(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+    return {pid: (start, args[pid]) for pid in args if below(pid) and (start := _proc_start(pid)) is not None}
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_pdserve_serve_leaves_no_process_of_its_ray_behind(tmp_path):
+    from benchclient.launcher import free_port
+    from tests.server_process import HALF_CPU
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(json.dumps({"model": "tiny", "prefill": HALF_CPU, "decode": HALF_CPU,
+                                  "server": {"host": "127.0.0.1", "port": port}}))  # JSON is YAML
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(config)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    tree: dict[int, tuple[int, str]] = {}
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert wait_until(healthy, 240, 0.5)
+        tree = _tree(proc.pid)
+        commands = [cmd for _, cmd in tree.values()]
+        assert any("raylet" in c for c in commands) and any("ray::DashboardAgent" in c for c in commands), commands
+        watchdogs = [pid for pid, (_, cmd) in tree.items() if "watchdog_main" in cmd]
+        assert len(watchdogs) == 1, commands
+        proc.kill()  # SIGKILL: no handler, no atexit, no drain
+        proc.wait(30)
+        assert wait_until(lambda: _proc_start(watchdogs[0]) is None, 120, 0.1), "the watchdog did not finish"
+        left = {pid: cmd for pid, (start, cmd) in tree.items() if _proc_start(pid) == start}
+        assert left == {}, left
+    finally:
+        for pid, (start, _) in tree.items():  # never leave this test's own processes behind, whatever happened
+            if _proc_start(pid) == start:
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
