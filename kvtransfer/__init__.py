@@ -1,7 +1,8 @@
 """kvtransfer: moves paged KV-cache blocks between workers (prefill -> decode), NIXL-style, over UCX.
 
 Public API: `KVAgent` (+ `AgentConfig`), `AgentMetadata`, `TransferHandle` / `TransferState`, the errors,
-and `LayerStreamer` for layer-wise pushes. Depends on `engine.kv_layout`; nothing in engine imports this.
+`LayerStreamer` for layer-wise pushes, and `FaultConfig` (injected faults; env `PDSERVE_KV_FAULTS`).
+Depends on `engine.kv_layout`; nothing in engine imports this.
 """
 
 from .agent import AgentConfig, KVAgent
@@ -13,6 +14,8 @@ from .errors import (
     TransferError,
     TransferTimeout,
 )
+from .faults import ENV_VAR as FAULTS_ENV_VAR
+from .faults import FaultConfig
 from .handle import TransferHandle, TransferState
 from .metadata import AgentMetadata, CacheInfo
 from .streaming import LayerStreamer
@@ -22,6 +25,8 @@ __all__ = [
     "AgentMetadata",
     "BadDescriptor",
     "CacheInfo",
+    "FAULTS_ENV_VAR",
+    "FaultConfig",
     "IncompatibleLayout",
     "KVAgent",
     "LayerStreamer",

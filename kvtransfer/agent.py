@@ -9,17 +9,24 @@ transfer starts after the work already queued on the caller's current stream (an
 
 The UCX backend is always the control plane (hello, requests, notifications); data goes through the
 first available backend in `AgentConfig.backends` for that remote (see `kvtransfer.backends`).
+
+Failures: every one, refused at once or ended in flight, is counted in `metrics()` under its operation and
+error class. Injected faults (`AgentConfig.faults`, `set_faults`, $PDSERVE_KV_FAULTS; see kvtransfer.faults)
+end the handle with the error a real fault gives, before any byte moves: both caches keep their contents.
+After a real failure (or `remove_remote`) the destination blocks hold undefined data, but nothing lands in
+them once the handle reports the failure: UCX operations are aborted and awaited, cuda_ipc copies awaited
+(a receive not confirmed stopped 2 s after its abort quarantines its staging buffer; one straight into a
+contiguous cache region cannot be, which is the one exception).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,16 +34,18 @@ from engine.kv_layout import KVCacheSpec
 
 from . import backends, wire
 from .backends.cuda_ipc import CudaIpcPeer, export
-from .backends.ucx import UcxConnection, UcxServer
+from .backends.ucx import UcxServer
 from .cache import RegisteredCache, event_done
 from .client import ucx_chunk
 from .descriptors import Chunk, plan
 from .errors import BadDescriptor, PeerLost, TransferError, TransferTimeout
+from .faults import NO_FAULT, FaultConfig, FaultInjector
 from .handle import TransferHandle
 from .inbox import Inbox
 from .loop import LoopThread
 from .metadata import AgentMetadata, CacheInfo, check_compatible, default_address, host_identity
 from .metrics import TransferMetrics
+from .remotes import DROP_WAIT_S, Remote, run_transfer
 from .serve import Server
 from .staging import StagingPool
 
@@ -49,15 +58,14 @@ class AgentConfig:
     timeout_s: float = 30.0  # default deadline of a transfer
     connect_timeout_s: float = 10.0
     backends: tuple[str, ...] = ("cuda_ipc", "ucx")  # preference order
+    faults: FaultConfig | None = None  # injected faults; None: those in $PDSERVE_KV_FAULTS, if set, else none
 
-
-@dataclass
-class _Remote:
-    meta: AgentMetadata
-    backend: str
-    conn: UcxConnection | None = None
-    ipc: CudaIpcPeer | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    def __post_init__(self) -> None:
+        if isinstance(self.faults, Mapping):  # a YAML section
+            object.__setattr__(self, "faults", FaultConfig.from_dict(self.faults))
+        if self.faults is not None and not isinstance(self.faults, FaultConfig):
+            raise ValueError(f"AgentConfig.faults must be a FaultConfig, a mapping of its fields or None, "
+                             f"got {self.faults!r}")
 
 
 class KVAgent:
@@ -65,6 +73,8 @@ class KVAgent:
                  port: int = 0) -> None:
         self.name = name
         self.config = config or AgentConfig()
+        faults = self.config.faults if self.config.faults is not None else FaultConfig.from_env()
+        self._faults = FaultInjector(faults)
         self._address = address or default_address()
         self._metrics = TransferMetrics()
         self._inbox = Inbox()
@@ -73,7 +83,8 @@ class KVAgent:
         self._info: CacheInfo | None = None
         self._client_pool: StagingPool | None = None
         self._serve_pool: StagingPool | None = None
-        self._remotes: dict[str, _Remote] = {}
+        self._remotes: dict[str, Remote] = {}
+        self._in_flight: set[asyncio.Task] = set()  # transfers started here and not ended
         self._loop = LoopThread(name)
         self._server = UcxServer(
             Server(lambda: self._cache, lambda: self._info, lambda: self._serve_pool, self._metrics, self._inbox)
@@ -110,9 +121,26 @@ class KVAgent:
     def metadata(self) -> AgentMetadata:
         return AgentMetadata(self.name, self._address, self._port, host_identity(), os.getpid(), self._info)
 
+    # ---- faults --------------------------------------------------------------------------------------
+    @property
+    def faults(self) -> FaultConfig:
+        """The faults injected now."""
+        return self._faults.config
+
+    def set_faults(self, faults: FaultConfig | Mapping[str, object] | None) -> FaultConfig:
+        """Inject `faults` from now on (a FaultConfig or a mapping of its fields; None or {}: none), with a fresh
+        RNG from its seed and every peer's transfer count at 0. Transfers already started keep their fault."""
+        config = faults if isinstance(faults, FaultConfig) else FaultConfig.from_dict(faults or {})
+        self._faults = FaultInjector(config)
+        return config
+
     # ---- peers ---------------------------------------------------------------------------------------
     def add_remote(self, meta: AgentMetadata | bytes) -> str:
-        """Load a peer's metadata, check layouts (IncompatibleLayout), connect (PeerLost / TransferTimeout)."""
+        """Load a peer's metadata, check layouts (IncompatibleLayout), connect (PeerLost / TransferTimeout).
+
+        The same metadata again is a no-op. Other metadata under a known name replaces that remote (a new
+        agent under its predecessor's name): the old one is dropped as by `remove_remote`, then the new one is
+        connected. A remote lost to fault injection is reconnected even by the same metadata."""
         if isinstance(meta, bytes | bytearray):
             meta = AgentMetadata.from_bytes(bytes(meta))
         check_compatible(self._info, meta)
@@ -120,40 +148,47 @@ class KVAgent:
             raise ValueError(f"an agent cannot add itself ({meta.name!r})")
         backend, _ = backends.choose(self.config.backends, self._cache, meta,
                                      meta.same_host_as(self.metadata()))
-        self._loop.call(self._add_remote(meta, backend), self.config.connect_timeout_s + 5.0)
+        self._loop.call(self._add_remote(meta, backend), self.config.connect_timeout_s + DROP_WAIT_S + 5.0)
         return meta.name
 
     async def _add_remote(self, meta: AgentMetadata, backend: str) -> None:
-        old = self._remotes.pop(meta.name, None)
+        old = self._remotes.get(meta.name)
         if old is not None:
-            await _close_remote(old)
-        remote = _Remote(meta, backend)
-        await self._connect(remote, time.monotonic() + self.config.connect_timeout_s)
+            same = old.meta == meta and old.backend == backend
+            if same and old.lost is None:
+                return
+            # the same agent again after an injected drop: its own connection to us stays up
+            await self._remove_remote(meta.name, "replaced by a new agent of the same name", incoming=not same)
+        remote = Remote(meta, backend)
+        await remote.connect(self._hello(), time.monotonic() + self.config.connect_timeout_s)
         if backend == "cuda_ipc":
             assert self._cache is not None and meta.cache is not None
             remote.ipc = CudaIpcPeer(self._cache, meta.cache)
         self._remotes[meta.name] = remote
 
-    async def _connect(self, remote: _Remote, deadline: float) -> UcxConnection:
-        async with remote.lock:
-            if remote.conn is None or remote.conn.broken is not None:
-                hello = {"op": "hello", "meta": wire.b64(self.metadata().to_bytes())}
-                m = remote.meta
-                remote.conn = await UcxConnection.open(m.address, m.port, m.name, hello, deadline)
-            return remote.conn
+    def _hello(self) -> dict:
+        return {"op": "hello", "meta": wire.b64(self.metadata().to_bytes())}
 
-    def remove_remote(self, name: str) -> None:
-        """Disconnect and forget a peer; its in-flight transfers fail with PeerLost."""
-        self._loop.call(self._remove_remote(name), 10.0)
+    def remove_remote(self, name: str) -> bool:
+        """Forget a peer: its metadata, our connection to it, the connections it opened to us and the mapping
+        of its cache. Every transfer in flight with it has failed with PeerLost when this returns; later ones
+        are refused (PeerLost) until a peer of that name is added again. False if `name` was not known."""
+        return self._loop.call(self._remove_remote(name, "removed"), DROP_WAIT_S + 10.0)
 
-    async def _remove_remote(self, name: str) -> None:
-        remote = self._remotes.pop(name, None)
-        if remote is not None:
-            await _close_remote(remote)
+    async def _remove_remote(self, name: str, reason: str, incoming: bool = True) -> bool:
+        r = self._remotes.pop(name, None)
+        self._faults.forget(name)
+        if r is None:
+            return False
+        await r.drop(reason)
+        if incoming:  # only the endpoints this very agent opened (a successor of the same name may be connected)
+            key = _identity(r.meta)
+            self._server.abort_peers(lambda p: p.meta is not None and _identity(p.meta) == key, f"{name!r} {reason}")
+        return True
 
     def remotes(self) -> dict[str, str]:
-        """{remote name: backend used for its data}."""
-        return {k: r.backend for k, r in self._remotes.items()}
+        """{remote name: backend used for its data}, for the remotes that are not lost."""
+        return {k: r.backend for k, r in self._remotes.items() if r.lost is None}
 
     # ---- transfers -----------------------------------------------------------------------------------
     def read(self, remote: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
@@ -171,22 +206,22 @@ class KVAgent:
 
     def notify(self, remote: str, msg: bytes, timeout: float | None = None) -> TransferHandle:
         """Send a small message; it arrives after every transfer to `remote` that finished before."""
-        self._remote(remote)
+        r = self._refused("notify", lambda: self._remote(remote))
         deadline = time.monotonic() + (timeout or self.config.timeout_s)
-        fut = self._loop.submit(self._notify(remote, bytes(msg), deadline))
+        fut = self._loop.submit(self._notify(r, bytes(msg), deadline))
         return TransferHandle(fut, "notify", remote, len(msg))
 
     def notify_after(self, remote: str, msg: bytes, handles: Sequence[TransferHandle],
                      timeout: float | None = None) -> TransferHandle:
         """Send `msg` once all `handles` succeeded (without blocking the caller); if one fails, the
         message is not sent and this handle fails with that error."""
-        self._remote(remote)
+        r = self._refused("notify", lambda: self._remote(remote))
         deadline = time.monotonic() + (timeout or self.config.timeout_s)
 
         async def run() -> None:
             for h in handles:
                 await asyncio.wrap_future(h.future)
-            await self._notify(remote, bytes(msg), deadline)
+            await self._notify(r, bytes(msg), deadline)
 
         return TransferHandle(self._loop.submit(run()), "notify", remote, len(msg))
 
@@ -199,86 +234,116 @@ class KVAgent:
         self._inbox.wait(timeout)
         return self._inbox.drain()
 
-    def _remote(self, name: str) -> _Remote:
+    def _remote(self, name: str) -> Remote:
         r = self._remotes.get(name)
         if r is None:
             raise PeerLost(f"agent {self.name!r} has no remote {name!r} (add_remote first, or it was removed)")
         return r
 
-    def _submit(self, op: str, remote: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-                layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None) -> TransferHandle:
-        if self._closed:
-            raise TransferError(f"agent {self.name!r} is closed")
-        r = self._remote(remote)
-        cache = self._cache
-        if cache is None or r.meta.cache is None:
-            raise BadDescriptor(f"{op}: both {self.name!r} and {remote!r} need a registered cache")
-        chunk = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
-        chunks = plan(local_ids, remote_ids, layers, cache.spec, cache.num_blocks, r.meta.cache.num_blocks,
-                      min(chunk, self.config.staging_bytes))
-        nbytes = sum(c.nbytes(cache.spec) for c in chunks)
-        ready = cache.caller_event()
-        deadline = time.monotonic() + (timeout or self.config.timeout_s)
-        if r.ipc is not None:  # queue the GPU copies now, from this thread; the loop only awaits completion
-            t0 = time.monotonic()
-            done = r.ipc.launch(op, chunks, ready)
-            fut = self._loop.submit(self._finish_ipc(op, r, done, nbytes, notify, deadline, t0))
-            return TransferHandle(fut, op, remote, nbytes, gpu_done=done if notify is None else None)
-        fut = self._loop.submit(self._transfer(op, r, cache, chunks, ready, notify, deadline))
-        return TransferHandle(fut, op, remote, nbytes)
-
-    async def _finish_ipc(self, op: str, r: _Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
-                          deadline: float, t0: float) -> None:
-        async with self._recorded(op, r):
-            # Without a notification the caller's handle watches the event itself; spinning here as well would
-            # only fight the caller for the GIL, so this thread blocks in cudaEventSynchronize instead.
-            await event_done(done, deadline, spin_s=0.05 if notify is not None else 0.0)
-            if notify is not None:
-                await self._notify(r.meta.name, notify, deadline)
-            self._metrics.record_ok(op, nbytes, time.monotonic() - t0)
-
-    async def _transfer(self, op: str, r: _Remote, cache: RegisteredCache, chunks: list[Chunk],
-                        ready: torch.cuda.Event | None, notify: bytes | None, deadline: float) -> None:
-        t0 = time.monotonic()
-        async with self._recorded(op, r):
-            conn = await self._connect(r, deadline)
-            cache.wait_event(ready)
-            pool = self._client_pool
-            assert pool is not None
-            jobs = [ucx_chunk(op, conn, cache, pool, c, next(self._xids), deadline) for c in chunks]
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-            errors = [e for e in results if isinstance(e, BaseException)]
-            if errors:  # a timeout aborts the connection, failing the others: report the timeout
-                raise next((e for e in errors if isinstance(e, TransferTimeout)), errors[0])
-            if notify is not None:
-                await self._notify(r.meta.name, notify, deadline)
-            self._metrics.record_ok(op, sum(results), time.monotonic() - t0)  # type: ignore[arg-type]
-
-    @contextlib.asynccontextmanager
-    async def _recorded(self, op: str, r: _Remote) -> AsyncIterator[None]:
-        """Count a failure in the metrics and surface anything unexpected as a TransferError."""
+    def _refused(self, op: str, check: Callable[[], Remote]) -> Remote:
+        """Run the synchronous checks of a call; a refusal counts as a failure of `op`, like one in flight."""
         try:
-            yield
+            if self._closed:
+                raise TransferError(f"agent {self.name!r} is closed")
+            return check()
         except TransferError as e:
             self._metrics.record_failure(op, e)
             raise
-        except Exception as e:  # noqa: BLE001
-            self._metrics.record_failure(op, e)
-            raise TransferError(f"{op} with {r.meta.name!r} failed: {e!r}") from e
 
-    async def _notify(self, remote: str, msg: bytes, deadline: float) -> None:
-        r = self._remote(remote)
-        conn = await self._connect(r, deadline)
+    def _submit(self, op: str, remote: str, local_ids: Sequence[int], remote_ids: Sequence[int],
+                layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None) -> TransferHandle:
+        def check() -> Remote:
+            r = self._remote(remote)
+            if self._cache is None or r.meta.cache is None:
+                raise BadDescriptor(f"{op}: both {self.name!r} and {remote!r} need a registered cache")
+            return r
+
+        r = self._refused(op, check)
+        cache = self._cache
+        assert cache is not None and r.meta.cache is not None
+        chunk = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
+        chunks = self._refused(op, lambda: plan(local_ids, remote_ids, layers, cache.spec, cache.num_blocks,  # type: ignore
+                                                r.meta.cache.num_blocks, min(chunk, self.config.staging_bytes)))
+        nbytes = sum(c.nbytes(cache.spec) for c in chunks)
+        fault = self._faults.decide(remote) if r.lost is None else NO_FAULT
+        ready = cache.caller_event()
+        t0 = time.monotonic()
+        deadline = t0 + (timeout or self.config.timeout_s)
+        gpu_done = None
+        if r.ipc is not None and fault.none:  # queue the GPU copies now, from this thread; the loop only awaits
+            done = gpu_done = r.ipc.launch(op, chunks, ready)
+            work = lambda: self._finish_ipc(op, done, nbytes, notify, deadline, t0)  # noqa: E731
+        elif r.ipc is not None:  # a faulted cuda_ipc transfer launches (if at all) from the loop, after its fault
+            work = lambda: self._launch_ipc(op, r, chunks, ready, nbytes, notify, deadline, t0)  # noqa: E731
+        else:
+            work = lambda: self._transfer(op, r, cache, chunks, ready, notify, deadline, t0)  # noqa: E731
+        reason = f"dropped by fault injection after {self._faults.config.drop_peer_after} transfers"
+        fut = self._loop.submit(run_transfer(op, r, fault, deadline, work, self._metrics, self._in_flight, reason))
+        return TransferHandle(fut, op, remote, nbytes, gpu_done=gpu_done if notify is None else None)
+
+    async def _launch_ipc(self, op: str, r: Remote, chunks: list[Chunk], ready: torch.cuda.Event | None,
+                          nbytes: int, notify: bytes | None, deadline: float, t0: float) -> None:
+        r.check()
+        assert r.ipc is not None
+        await self._finish_ipc(op, r, r.ipc.launch(op, chunks, ready), nbytes, notify, deadline, t0)
+
+    async def _finish_ipc(self, op: str, r: Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
+                          deadline: float, t0: float) -> None:
+        try:
+            # Without a notification the caller's handle watches the event itself; spinning here as well would
+            # only fight the caller for the GIL, so this thread blocks in cudaEventSynchronize instead.
+            await event_done(done, deadline, spin_s=0.05 if notify is not None else 0.0)
+        except BaseException:
+            # the copies are queued already: let them end before the handle reports the failure, so nothing
+            # lands in the destination afterwards and the peer's cache is never unmapped under them
+            settle = asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+            await asyncio.wait({settle}, timeout=DROP_WAIT_S)
+            raise
+        if notify is not None:
+            await self._send_notify(r, notify, deadline)
+        self._metrics.record_ok(op, nbytes, time.monotonic() - t0)
+
+    async def _transfer(self, op: str, r: Remote, cache: RegisteredCache, chunks: list[Chunk],
+                        ready: torch.cuda.Event | None, notify: bytes | None, deadline: float, t0: float) -> None:
+        conn = await r.connect(self._hello(), deadline)
+        cache.wait_event(ready)
+        pool = self._client_pool
+        assert pool is not None
+        jobs = [ucx_chunk(op, conn, cache, pool, c, next(self._xids), deadline) for c in chunks]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:  # a timeout aborts the connection, failing the others: report the timeout
+            raise next((e for e in errors if isinstance(e, TransferTimeout)), errors[0])
+        if notify is not None:
+            await self._send_notify(r, notify, deadline)
+        self._metrics.record_ok(op, sum(results), time.monotonic() - t0)  # type: ignore[arg-type]
+
+    async def _send_notify(self, r: Remote, msg: bytes, deadline: float) -> None:
+        conn = await r.connect(self._hello(), deadline)
         await conn.send_request({"op": "notify", "msg": wire.b64(msg)}, deadline)
+
+    async def _notify(self, r: Remote, msg: bytes, deadline: float) -> None:
+        """A notification on its own, its failure counted under "notify"."""
+        try:
+            await self._send_notify(r, msg, deadline)
+        except TransferError as e:
+            self._metrics.record_failure("notify", e)
+            raise
+        except Exception as e:  # noqa: BLE001
+            self._metrics.record_failure("notify", e)
+            raise TransferError(f"notify to {r.name!r} failed: {e!r}") from e
 
     # ---- observability and shutdown ------------------------------------------------------------------
     def metrics(self) -> dict:
-        """Counters (see TransferMetrics.snapshot) plus staging slots in use / quarantined and remotes."""
+        """Counters (see TransferMetrics.snapshot) plus staging slots in use / quarantined, transfers in flight,
+        the usable remotes {name: backend} and the lost ones {name: why}."""
         snap = self._metrics.snapshot()
         pools = [p for p in (self._client_pool, self._serve_pool) if p is not None]
         snap["staging_in_use"] = sum(p.in_use for p in pools)
         snap["staging_quarantined"] = sum(p.quarantined for p in pools)
+        snap["in_flight"] = len(self._in_flight)
         snap["remotes"] = self.remotes()
+        snap["lost_remotes"] = {k: r.lost for k, r in self._remotes.items() if r.lost is not None}
         return snap
 
     def close(self) -> None:
@@ -292,8 +357,9 @@ class KVAgent:
             self._loop.stop()
 
     async def _aclose(self) -> None:
-        for name in list(self._remotes):
-            await self._remove_remote(name)
+        remotes, self._remotes = list(self._remotes.values()), {}
+        for r in remotes:
+            await r.close()
         await self._server.close()
 
     def __enter__(self) -> KVAgent:
@@ -303,11 +369,9 @@ class KVAgent:
         self.close()
 
 
-async def _close_remote(remote: _Remote) -> None:
-    if remote.conn is not None:
-        await remote.conn.close()
-    if remote.ipc is not None:
-        remote.ipc.close()
+def _identity(meta: AgentMetadata) -> tuple:
+    """What tells one agent from a successor under the same name."""
+    return (meta.name, meta.address, meta.port, meta.host_id, meta.pid)
 
 
 async def _clear(pool: StagingPool) -> None:

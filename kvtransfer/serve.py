@@ -46,6 +46,7 @@ class Server:
             self._metrics.record_failure("hello", e)
             return wire.failure(e)
         peer.peer = meta.name
+        peer.meta = meta
         return wire.ok()
 
     async def on_request(self, peer: PeerEndpoint, msg: dict) -> None:

@@ -7,7 +7,8 @@ Everything here runs on the owning agent's event-loop thread.
 `UcxConnection` is the client side of one agent -> agent connection; `UcxServer` owns the listener and the
 endpoints peers opened to us, and hands each request to a `RequestHandler` (the agent).
 Every wait is bounded by a deadline: when one passes, the connection is aborted (which cancels the posted
-UCX requests, so no late message lands in a reused buffer) and TransferTimeout is raised.
+UCX requests, so no late message lands in a reused buffer) and TransferTimeout is raised. A wait that is
+cancelled (its peer was removed) aborts the connection the same way before it lets the cancellation through.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
@@ -62,7 +63,15 @@ async def bounded(aw: Awaitable[Any], deadline: float, what: str, link: _Link) -
     operation a moment to finish, and raise TransferTimeout (BufferMayBeInUse if it did not finish)."""
     task = asyncio.ensure_future(aw)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
-    done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
+    except asyncio.CancelledError:  # the transfer is being dropped: the posted operation must end first
+        link.abort(f"{what}: cancelled")
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        if not done:
+            task.cancel()
+            raise BufferMayBeInUse(f"{what}: cancelled while the operation could not be stopped") from None
+        raise
     if not done:
         link.timed_out = True
         link.abort(f"{what}: timed out")
@@ -168,6 +177,7 @@ class PeerEndpoint:
     def __init__(self, ep: Any) -> None:
         self.ep = ep
         self.peer = "?"  # set by the hello
+        self.meta: Any = None  # the peer's AgentMetadata, set by the hello
         self.broken: str | None = None
         self.timed_out = False
 
@@ -237,6 +247,13 @@ class UcxServer:
                     self._spawn(self._handler.on_request(peer, msg))
         finally:
             self._peers.discard(peer)
+
+    def abort_peers(self, match: Callable[[PeerEndpoint], bool], reason: str) -> int:
+        """Abort the endpoints peers opened to us that `match`; their requests in progress fail."""
+        hit = [p for p in self._peers if match(p)]
+        for p in hit:
+            p.abort(reason)
+        return len(hit)
 
     async def close(self) -> None:
         for p in list(self._peers):
