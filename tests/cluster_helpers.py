@@ -8,22 +8,32 @@ the kernel kills every process left in it) and a mount namespace with a private 
 sessions and finds the running cluster). The scenario writes what it saw to WORKDIR/result.json; the tests assert
 on it. HOME is WORKDIR/home inside, so the cluster token (~/.ray/auth_token), Ray's files and the server's log
 and pid stay in the test's directory. Needs root (namespaces, sshd); CI runs as root.
+
+A second Ray node can run as if on its own machine (`start_node`): `ray start --block` as PID 1 of nested PID and
+mount namespaces, with its own /tmp/ray, so stopping it (`Node.stop_raylet`, `Node.ray_stop`) takes down that
+node's Ray and nothing else.
+A scenario is a name in SCENARIOS or `module:function` (a function taking the work dir, returning JSON data).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import hashlib
+import importlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -127,6 +137,40 @@ def stream_completion(url: str) -> dict:
     return asyncio.run(run())
 
 
+async def stream_events(client: httpx.AsyncClient, url: str, body: dict,
+                        on_text: Callable[[str], None] | None = None, timeout_s: float = 120) -> dict:
+    """POST a streamed completion and record how it ended: status, Retry-After, text, usage, finish reason,
+    in-band error, whether [DONE] came, or that it hung past `timeout_s`. `on_text(text so far)` per chunk."""
+    out: dict = {"status": None, "retry_after": None, "text": "", "completion_tokens": None, "finish_reason": None,
+                 "error": None, "done": False, "hung": False}
+
+    async def run() -> None:
+        stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", f"{url}/v1/completions", json=stream_body) as r:
+            out.update(status=r.status_code, retry_after=r.headers.get("retry-after"))
+            if r.status_code != 200:
+                out["error"] = json.loads(await r.aread()).get("error")
+                return
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    out["error"] = chunk.get("error", out["error"])
+                    if chunk.get("usage"):
+                        out["completion_tokens"] = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", []):
+                        out["text"] += choice["text"]
+                        out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+                    if on_text is not None and chunk.get("choices"):
+                        on_text(out["text"])
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except TimeoutError:
+        out["hung"] = True
+    return out
+
+
 def transfer_metrics(url: str, timeout_s: float = 20) -> dict[str, float]:
     """pdserve_transfer_* from /metrics once they count a read (the server refreshes them every second or so)."""
     deadline = time.monotonic() + timeout_s
@@ -185,35 +229,122 @@ def cluster_view() -> dict:
     return json.loads(out.split("VIEW", 1)[1].splitlines()[0])
 
 
+NODE_ARGS = ["--node-ip-address=127.0.0.1", "--object-store-memory=100000000", "--disable-usage-stats"]
+
+
+def start_head(resources: dict[str, float], num_cpus: float = 1) -> None:
+    sh([RAY, "start", "--head", "--port=6379", "--include-dashboard=false", f"--num-cpus={num_cpus}",
+        "--resources", json.dumps(resources), *NODE_ARGS])
+
+
+@dataclass
+class Node:
+    """A worker node in its own PID and mount namespaces: `unshare`, whose child `ray start --block` is the
+    namespace's PID 1 (when it exits, the kernel kills every process of the node)."""
+    name: str
+    unshare: subprocess.Popen
+    log: Path
+
+    def init_pid(self) -> int:
+        children = Path(f"/proc/{self.unshare.pid}/task/{self.unshare.pid}/children").read_text().split()
+        return int(children[0])
+
+    def pids(self, comm: str | None = None) -> list[int]:
+        """This node's processes (PIDs as the scenario's namespace sees them), or only those named `comm`."""
+        ns = os.readlink(f"/proc/{self.init_pid()}/ns/pid")
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and os.readlink(entry / "ns" / "pid") == ns and (
+                        comm is None or (entry / "comm").read_text().strip() == comm):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def stop_raylet(self) -> float:
+        """Stop the node's Ray as `ray stop` begins to, with SIGTERM to its raylet (which tells Ray the node is
+        going), at once rather than after the CLI's start-up. Returns time.monotonic() of the signal."""
+        (raylet,) = self.pids("raylet")
+        stopped_at = time.monotonic()
+        os.kill(raylet, signal.SIGTERM)
+        return stopped_at
+
+    def ray_stop(self, timeout_s: float = 60) -> None:
+        """`ray stop` inside the node's namespaces (the rest of its Ray after stop_raylet()), then the end of
+        `ray start --block`, which takes SIGTERM-ed children as a graceful exit and would keep waiting."""
+        if self.unshare.poll() is not None:
+            return
+        sh(["nsenter", f"--target={self.init_pid()}", "--pid", "--mount", RAY, "stop"], timeout_s=timeout_s,
+           check=False)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the kernel ends every process of the namespace with its PID 1
+            with contextlib.suppress(OSError, IndexError):  # it has exited already
+                os.kill(self.init_pid(), sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.unshare.wait(30)
+                return
+        raise RuntimeError(f"node {self.name} did not stop")
+
+
+def start_node(workdir: Path, name: str, resources: dict[str, float], num_cpus: float = 1,
+               timeout_s: float = 120) -> Node:
+    """`ray start --address` of a node offering `resources`, as on a machine of its own (own /tmp/ray)."""
+    tmp = workdir / f"{name}-ray-tmp"
+    tmp.mkdir(parents=True)
+    start = [RAY, "start", "--address=127.0.0.1:6379", "--block", f"--num-cpus={num_cpus}",
+             "--resources", json.dumps(resources), *NODE_ARGS]
+    script = f"mount --bind {shlex.quote(str(tmp))} /tmp/ray && exec {shlex.join(start)}"
+    log = workdir / f"{name}.log"
+    print("+ node", name, script, flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["unshare", "--pid", "--mount", "--fork", "--mount-proc", "--kill-child",
+                                 "sh", "-c", script], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"node {name} did not start: {_tail(log)}")
+        time.sleep(0.5)
+    return Node(name, proc, log)
+
+
+@contextlib.contextmanager
+def serving(workdir: Path, config: dict, exits: dict, name: str = "server") -> Iterator[str]:
+    """`pdserve serve` joined to the running cluster with `config`, healthy; yields its URL. On exit it is
+    stopped with SIGTERM and its exit status goes to exits[f"{name}_exit"] ("killed after 60 s" if it hung)."""
+    config = {**config, "ray_address": "auto", "server": {"host": "127.0.0.1", "port": SERVER_PORT}}
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{SERVER_PORT}"
+    with open(workdir / f"{name}.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)],
+                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, 180, alive=lambda: server.poll() is None)
+        yield url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            exits[f"{name}_exit"] = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            exits[f"{name}_exit"] = "killed after 60 s"
+        print(_tail(workdir / f"{name}.log"), flush=True)
+
+
 def two_nodes(workdir: Path) -> dict:
     """A head offering `prefill_node` and a second node offering `decode_node`, pdserve serving on them."""
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000",
-              "--disable-usage-stats"]
-    sh([RAY, "start", "--head", "--port=6379", "--include-dashboard=false",
-        "--resources", json.dumps({"prefill_node": 4}), *common])
-    sh([RAY, "start", "--address=127.0.0.1:6379", "--resources", json.dumps({"decode_node": 4}), *common])
-    config = {"model": "tiny", "ray_address": "auto", "placement": "pack", "transfer": {"backends": ["ucx"]},
+    start_head({"prefill_node": 4})
+    sh([RAY, "start", "--address=127.0.0.1:6379", "--num-cpus=1", "--resources", json.dumps({"decode_node": 4}),
+        *NODE_ARGS])
+    config = {"model": "tiny", "placement": "pack", "transfer": {"backends": ["ucx"]},
               "prefill": {**HALF_CPU, "resources": {"prefill_node": 1}},
-              "decode": {**HALF_CPU, "resources": {"decode_node": 1}},
-              "server": {"host": "127.0.0.1", "port": SERVER_PORT}}
-    (workdir / "serve.yaml").write_text(yaml.safe_dump(config))
-    url = f"http://127.0.0.1:{SERVER_PORT}"
-    with open(workdir / "server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(workdir / "serve.yaml")],
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(url, 180, alive=lambda: server.poll() is None)
-            result = {"completion": stream_completion(url), "transfer": transfer_metrics(url), **cluster_view()}
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                result_rc = server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                result_rc = "killed after 60 s"
-            print(_tail(workdir / "server.log"), flush=True)
+              "decode": {**HALF_CPU, "resources": {"decode_node": 1}}}
+    result: dict = {}
+    with serving(workdir, config, result) as url:
+        result.update(completion=stream_completion(url), transfer=transfer_metrics(url), **cluster_view())
     sh([RAY, "stop"], timeout_s=60)
-    return {**result, "server_exit": result_rc, "left_running": wait_no_processes()}
+    return {**result, "left_running": wait_no_processes()}
 
 
 def start_sshd(workdir: Path) -> tuple[Path, Path]:
@@ -309,6 +440,13 @@ def _answers(url: str) -> bool:
 SCENARIOS = {"two_nodes": two_nodes, "ray_up_local": ray_up_local}
 
 
+def _scenario(name: str) -> Callable[[Path], dict]:
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def init(argv: list[str]) -> int:
     """PID 1 of the namespace: run the scenario as a child and reap every process orphaned to us (Ray's daemons
     when `ray stop` ends them), so none lingers as a zombie; the scenario's exit status is ours."""
@@ -324,7 +462,7 @@ def main() -> None:
         sys.exit(init(sys.argv[2:]))
     scenario, workdir = sys.argv[1], Path(sys.argv[2])
     enter_namespaces(workdir)
-    result = SCENARIOS[scenario](workdir)
+    result = _scenario(scenario)(workdir)
     (workdir / "result.json").write_text(json.dumps(result, indent=1))
 
 
