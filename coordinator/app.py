@@ -1,10 +1,12 @@
 """create_app: the coordinator's OpenAI-compatible HTTP API over a ServingBackend.
 
-Owns the HTTP edge: auth, body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never
+Owns the HTTP edge: auth (one server key, or tenants' keys with their rate limits and priority: coordinator.tenants),
+body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never
 reaches the backend), tokenization (once, here; chat template for chat requests), the context-length check, and
 turning a Generation into a JSON response or an SSE stream. Routes: POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /health (503 while draining), GET /metrics. State lives on app.state: backend, settings,
-tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics. The caller owns the backend: it awaits
+GET /v1/models, GET /health (503 while draining or while a pool has no live worker), GET /metrics, and /admin/* when
+server.admin_api is on (coordinator.admin). State lives on app.state: backend, settings, tokenizer, lifecycle (drain
+API, see coordinator.lifecycle), metrics, tenants. The caller owns the backend: it awaits
 `backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.lifecycle); the
 app's lifespan only marks the server draining when uvicorn shuts down.
 """
@@ -12,7 +14,6 @@ app's lifespan only marks the server draining when uvicorn shuts down.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,7 @@ from coordinator.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
 from coordinator.sse import DONE, Formatter, SSEResponse, event
+from coordinator.tenants import Tenant, TenantRegistry, TenantsConfig
 from coordinator.text_output import TextOutput
 from engine.tokenizer import Tokenizer
 
@@ -44,7 +46,7 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     return Tokenizer.from_folder(model_path)
 
 
-def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
+def create_app(backend: ServingBackend, settings: ServerSettings, tenants: TenantsConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -57,6 +59,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics()
+    app.state.tenants = TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one server key, or tenants'
     errors.install_handlers(app, app.state.metrics.errors.inc)
 
     @app.get("/health")
@@ -64,7 +67,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
         return health_response(backend, app.state.lifecycle.draining)
 
     if settings.admin_api:
-        install_admin_routes(app, lambda request: _check_auth(request, settings))
+        install_admin_routes(app, lambda request: _authenticate(app, request))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -73,12 +76,13 @@ def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
         except Exception:  # noqa: BLE001 - a scrape must not fail because the backend's figures did
             stats = None
             app.state.metrics.stats_errors += 1
-        text = app.state.metrics.render(stats, app.state.lifecycle.in_flight, app.state.lifecycle.draining)
+        text = app.state.metrics.render(stats, app.state.lifecycle.in_flight, app.state.lifecycle.draining,
+                                        app.state.tenants.usage())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _check_auth(request, settings)
+        _authenticate(app, request)
         return JSONResponse({"object": "list", "data": [{
             "id": app.state.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "root": app.state.model_name, "max_model_len": backend.max_model_len}]})
@@ -94,12 +98,9 @@ def create_app(backend: ServingBackend, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _check_auth(request: Request, settings: ServerSettings) -> None:
-    if settings.api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-        raise errors.unauthorized()
+def _authenticate(app: FastAPI, request: Request) -> Tenant:
+    """The request's tenant from its `Authorization: Bearer` key (401 if the server has keys and it has none)."""
+    return app.state.tenants.authenticate(request.headers.get("authorization"))
 
 
 async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
@@ -174,7 +175,7 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     settings: ServerSettings = app.state.settings
     backend: ServingBackend = app.state.backend
     arrival = time.monotonic()
-    _check_auth(request, settings)
+    tenant = _authenticate(app, request)
     if app.state.lifecycle.draining:
         app.state.lifecycle.admit()  # raises the draining 503
     model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
@@ -187,11 +188,18 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs)
     request_id: str = request.state.request_id  # errors.RequestIdMiddleware: the client's X-Request-Id or generated
+    priority = tenant.priority_for(req.priority)
     fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
     text = TextOutput(app.state.tokenizer, prompt, req.stop_strings)
-    gen = Generation(app.state.backend, GenerateRequest(request_id, prompt, params), text, app.state.metrics,
-                     settings.request_timeout_s, num_logprobs is not None, arrival)
-    return req, gen, fmt, app.state.lifecycle.admit()
+    ticket = app.state.lifecycle.admit()
+    try:
+        grant = app.state.tenants.admit(tenant, len(prompt), max_tokens)  # 429 past the tenant's limits
+    except BaseException:
+        ticket.release()
+        raise
+    gen = Generation(app.state.backend, GenerateRequest(request_id, prompt, params, priority), text,
+                     app.state.metrics, settings.request_timeout_s, num_logprobs is not None, arrival, grant)
+    return req, gen, fmt, ticket
 
 
 async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:

@@ -21,7 +21,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # stop_token_ids already merged in; stop strings stay with the coordinator
-    priority: int = 1       # admission order: 0 first (see coordinator.admission_queue); waiting ages it upward
+    priority: int = 2       # admission order, lower first: 0 migrations, 1-3 tenants' high/normal/low (tenants.py)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def backend_stats(backend: Any) -> dict:
     admission = backend.admission
     return {"workers": workers, "transfer": dict(backend.transfer_totals),
             "queue_length": len(admission.queue) if admission else 0, "in_flight": len(backend._ids),
+            "waiting_by_priority": admission.queue.waiting_by_priority() if admission else {},
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0}

@@ -21,6 +21,7 @@ import anyio
 from coordinator import errors
 from coordinator.backend import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
 from coordinator.metrics import Metrics
+from coordinator.tenants import Grant
 from coordinator.text_output import TextOutput, TokenInfo
 
 CLOSE_TIMEOUT_S = 10.0  # the backend promises a bounded close; never wait on it forever
@@ -93,7 +94,7 @@ class Generation:
     """One request against the backend: deltas in, Pieces out, always closed, outcome and timings recorded."""
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
-                 timeout_s: float, want_logprobs: bool, arrival: float) -> None:
+                 timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None) -> None:
         self._backend = backend
         self.request = request
         self.text = text
@@ -105,6 +106,7 @@ class Generation:
         self._last_token_at: float | None = None
         self._stream = None
         self._closed = False
+        self._grant = grant  # the tenant's charge, settled in close()
         self.finish_reason: str | None = None
 
     @property
@@ -183,6 +185,8 @@ class Generation:
                     await aclose()
                 except Exception:  # noqa: BLE001 - the stream is gone either way; the outcome is what matters
                     outcome = "failed" if outcome == "finished" else outcome
+        if self._grant is not None:  # the tenant is charged prompt + the tokens it really got
+            self._grant.settle(self.completion_tokens, outcome, prompt_processed=self._last_token_at is not None)
         self._metrics.requests.inc(outcome)
         self._metrics.prompt_tokens.inc(value=self.prompt_tokens)
         self._metrics.generation_tokens.inc(value=self.completion_tokens)

@@ -96,7 +96,8 @@ class Metrics:
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated for clients")
         self.stats_errors = 0
 
-    def render(self, stats: dict | None, in_flight: int, draining: bool) -> str:
+    def render(self, stats: dict | None, in_flight: int, draining: bool,
+               tenants: dict[str, dict[str, float]] | None = None) -> str:
         lines: list[str] = []
         for metric in (self.ttft, self.itl, self.e2e, self.requests, self.errors, self.prompt_tokens,
                        self.generation_tokens):
@@ -107,6 +108,8 @@ class Metrics:
                         [({}, self.stats_errors)])
         if stats:
             lines += _backend_lines(stats)
+        if tenants:
+            lines += _tenant_lines(tenants)
         return "\n".join(lines) + "\n"
 
 
@@ -133,6 +136,10 @@ def _backend_lines(stats: dict) -> list[str]:
     queue = _number(stats.get("queue_length"))
     if queue is not None:
         lines += _gauge("pdserve_queue_length", "Requests waiting for admission in the backend", [({}, queue)])
+    by_priority = stats.get("waiting_by_priority")
+    if isinstance(by_priority, dict) and by_priority:
+        lines += _gauge("pdserve_queue_length_by_priority", "Requests waiting for admission, by priority (0 first)",
+                        [({"priority": k}, v) for k, v in sorted(by_priority.items())])
     in_flight = _number(stats.get("in_flight"))
     if in_flight is not None:
         lines += _gauge("pdserve_backend_requests_in_flight", "Requests placed on workers", [({}, in_flight)])
@@ -185,6 +192,20 @@ def _backend_lines(stats: dict) -> list[str]:
                 name = _name("pdserve_transfer_", key)
                 lines += _gauge(name, f"KV transfer: {key}", [({}, v)],
                                 "counter" if name.endswith("_total") else "gauge")
+    return lines
+
+
+def _tenant_lines(usage: dict[str, dict[str, float]]) -> list[str]:
+    """Per tenant (coordinator.tenants usage()): requests by outcome, tokens, refusals by its limits, in flight."""
+    requests = [({"tenant": t, "outcome": k.removeprefix("requests_")}, v) for t, c in sorted(usage.items())
+                for k, v in sorted(c.items()) if k.startswith("requests_")]
+    lines = _gauge("pdserve_tenant_requests_total", "Ended requests per tenant and outcome", requests, "counter")
+    for key, kind, help in (("prompt_tokens", "counter", "Prompt tokens processed per tenant"),
+                            ("completion_tokens", "counter", "Tokens generated per tenant"),
+                            ("rate_limited", "counter", "Requests refused by the tenant's rate limits"),
+                            ("in_flight", "gauge", "Requests in flight per tenant")):
+        name = f"pdserve_tenant_{key}" + ("_total" if kind == "counter" else "")
+        lines += _gauge(name, help, [({"tenant": t}, c.get(key, 0)) for t, c in sorted(usage.items())], kind)
     return lines
 
 

@@ -62,6 +62,7 @@ class _Common(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    priority: int | str | None = None  # vLLM's extension: lower first; or high | normal | low (coordinator.tenants)
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:

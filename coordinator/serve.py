@@ -158,7 +158,7 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
     backend = RayBackend(config)
     try:
         await backend.start()
-        app = create_app(backend, config.server)
+        app = create_app(backend, config.server, config.tenants)
         uv_config = uvicorn_config(app, config.server)
         server = _DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
         log.warning("pdserve: %s mode, %d prefill + %d decode workers, serving %s on http://%s:%d",

@@ -6,13 +6,14 @@ agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from coordinator.settings import ServerSettings
+from coordinator.tenants import TenantsConfig, parse_tenants
 from engine.engine_config import EngineConfig
 
 
@@ -122,6 +123,7 @@ class ServeConfig:
     recovery: RecoveryConfig = RecoveryConfig()
     faults: FaultsConfig = FaultsConfig()
     server: ServerSettings = ServerSettings()
+    tenants: TenantsConfig = TenantsConfig()  # API keys -> tenants with rate limits and a priority class
 
     def engine_config(self, pool: PoolConfig, seed: int = 0) -> EngineConfig:
         return EngineConfig(
@@ -158,7 +160,11 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    config = _build(ServeConfig, raw, path, "")
+    tenants = parse_tenants(raw.pop("tenants", None), path)
+    config = replace(_build(ServeConfig, raw, path, ""), tenants=tenants)
+    if tenants.tenants and config.server.api_key is not None:
+        raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
+                          "server's keys (move the key to a tenant)")
     for pool in ("prefill", "decode"):  # the engine's own checks, now rather than inside a worker
         try:
             config.engine_config(getattr(config, pool))
