@@ -270,9 +270,9 @@ class KVAgent:
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.config.timeout_s)
         gpu_done = None
-        if r.ipc is not None and fault.none:  # queue the GPU copies now, from this thread; the loop only awaits
+        if r.ipc is not None and fault.none and r.lost is None:  # queue the GPU copies now, from this thread
             done = gpu_done = r.ipc.launch(op, chunks, ready)
-            work = lambda: self._finish_ipc(op, done, nbytes, notify, deadline, t0)  # noqa: E731
+            work = lambda: self._finish_ipc(op, r, done, nbytes, notify, deadline, t0)  # noqa: E731
         elif r.ipc is not None:  # a faulted cuda_ipc transfer launches (if at all) from the loop, after its fault
             work = lambda: self._launch_ipc(op, r, chunks, ready, nbytes, notify, deadline, t0)  # noqa: E731
         else:
