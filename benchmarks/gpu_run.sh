@@ -4,6 +4,7 @@
 # peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
 # kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
 # engine: a random Llama-3-8B checkpoint, then python -m engine.bench --gpu.
+# recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -23,6 +24,11 @@ for step in "$@"; do
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
     kernels)
       timeout 300 python3 benchmarks/decode_kernel_options.py ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
+    recovery)
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      timeout 420 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+        --workdir "$OUT/recovery" --recovery-timeout-s 150 --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery.log" \
+        | grep -v "^(" | tail -30 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 -m engine.bench --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

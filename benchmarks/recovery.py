@@ -29,7 +29,8 @@ from tests.server_process import running_server
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}
+            "temperature": 0, "logprobs": 0,  # a chunk per token, even one that decodes to no text
+            "stream_options": {"include_usage": True}}
     stamps, tokens, error = [], 0, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
@@ -55,11 +56,11 @@ async def _load(url: str, model: str, args, stop: asyncio.Event, results: list[d
         await asyncio.gather(*[loop(client) for _ in range(args.streams)])
 
 
-async def _until_health(client: httpx.AsyncClient, code: int, timeout_s: float = 900) -> float:
+async def _until_health(client: httpx.AsyncClient, code: int, timeout_s: float) -> float:
     deadline = time.perf_counter() + timeout_s
-    while (await client.get("/health")).status_code != code:
+    while (r := await client.get("/health")).status_code != code:
         if time.perf_counter() > deadline:
-            raise TimeoutError(f"/health not {code} within {timeout_s} s")
+            raise TimeoutError(f"/health not {code} within {timeout_s} s: {r.text}")
         await asyncio.sleep(0.02)
     return time.perf_counter()
 
@@ -74,8 +75,10 @@ async def drive(url: str, model: str, args) -> list[dict]:
             before = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
             killed = time.perf_counter()
             assert (await admin.post(f"/admin/workers/{name}/kill")).status_code == 200
-            noticed = await _until_health(admin, 503)
-            back = await _until_health(admin, 200)
+            print(f"killed {name} after {len(results)} finished requests", flush=True)
+            noticed = await _until_health(admin, 503, args.recovery_timeout_s)
+            back = await _until_health(admin, 200, args.recovery_timeout_s)
+            print(f"{name} back after {back - killed:.2f} s", flush=True)
             await asyncio.sleep(args.settle_s)
             stop.set()
             await load
@@ -103,6 +106,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--settle-s", type=float, default=5.0)
+    p.add_argument("--recovery-timeout-s", type=float, default=240.0)
+    p.add_argument("--workdir", help="keep the server's config and log here (default: a temporary folder)")
     args = p.parse_args()
     config = yaml.safe_load(Path(args.config).read_text())
     config.pop("ray_address", None)
@@ -110,7 +115,8 @@ def main() -> None:
         config["model"] = args.model
     config.setdefault("server", {})["admin_api"] = True
     config.setdefault("recovery", {}).setdefault("backoff_initial_s", 0.1)
-    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
+    with tempfile.TemporaryDirectory() as tmp, running_server(Path(args.workdir or tmp), config) as server:
+        print(f"serving {config['model']} at {server.url}", flush=True)
         for row in asyncio.run(drive(server.url, config["model"], args)):
             print(json.dumps(row), flush=True)
 

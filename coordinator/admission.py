@@ -8,6 +8,8 @@ What a request books (in its Reservation, see coordinator.reservation):
 - on the worker that will prefill it (disaggregated; the same worker when collocated): its prompt tokens, given
   back when the prefill returns, so a prefill worker's backlog stays under `admission.max_prefill_backlog_tokens`.
 Capacity is the worker's whole KV cache minus what is booked, never the load it last reported (which lags).
+Requests below the high priority class may book only 1 - `admission.reserved_for_high` of each worker's KV blocks
+and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once.
 
 A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
@@ -28,6 +30,7 @@ from coordinator.serve_config import ServeConfig
 from coordinator.supervisor import Supervisor
 
 MIGRATION_PRIORITY = 0  # a request moving off a dead worker goes before every new one
+HIGH_PRIORITY = 1       # tenants' "high" class: may book the share other classes leave (admission.reserved_for_high)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class Admission:
         priority = MIGRATION_PRIORITY if migrating else request.priority
         try:
             return await self.queue.acquire(priority, deadline, lambda: self._try_place(
-                request, tokens, blocks, reservation))
+                request, tokens, blocks, reservation, priority))
         except AdmissionTimeout:
             raise self._why_not(blocks, tokens) from None
 
@@ -76,16 +79,17 @@ class Admission:
         self.queue.notify()
 
     # ---- internals
-    def _try_place(self, request: GenerateRequest, tokens: int, blocks: int,
-                   reservation: Reservation) -> Placement | None:
+    def _try_place(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
+                   priority: int) -> Placement | None:
+        share = 1.0 if priority <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
         prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
-        backlog_ok = [w for w in self.supervisor.live(prefill_role) if self._backlog_allows(w, tokens)]
+        backlog_ok = [w for w in self.supervisor.live(prefill_role) if self._backlog_allows(w, tokens, share)]
         decode_live = self.supervisor.live("decode")
         if prefill_role == "decode":
             decode_live = [w for w in decode_live if w in backlog_ok]
         if not backlog_ok or not decode_live:
             return None
-        decode = self.router.pick_decode(decode_live, self._room, blocks)
+        decode = self.router.pick_decode(decode_live, lambda w: self._room(w, share), blocks)
         if decode is None:
             return None
         prefill = None
@@ -95,16 +99,16 @@ class Admission:
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
         return Placement(decode, prefill, blocks)
 
-    def _room(self, worker: WorkerState) -> int:
-        return worker.info.num_kv_blocks - self.ledger.booked(worker.key, "kv_blocks")
+    def _room(self, worker: WorkerState, share: float = 1.0) -> int:
+        return int(worker.info.num_kv_blocks * share) - self.ledger.booked(worker.key, "kv_blocks")
 
     def _pressure(self, worker: WorkerState) -> int:
         return self.ledger.booked(worker.key, "prompt_tokens")
 
-    def _backlog_allows(self, worker: WorkerState, tokens: int) -> bool:
+    def _backlog_allows(self, worker: WorkerState, tokens: int, share: float = 1.0) -> bool:
         cap = self.config.admission.max_prefill_backlog_tokens
         booked = self.ledger.booked(worker.key, "prompt_tokens")
-        return cap is None or booked == 0 or booked + tokens <= cap  # an idle worker takes any prompt
+        return cap is None or booked == 0 or booked + tokens <= cap * share  # an idle worker takes any prompt
 
     def _why_not(self, blocks: int, tokens: int) -> Overloaded:
         for role in self.supervisor.pools.roles:

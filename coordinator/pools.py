@@ -94,6 +94,14 @@ class Pools:
             await asyncio.gather(*[d.handle.replace_peer.remote(worker.name, worker.info.agent_metadata)
                                    for d in peers])
 
+    async def disconnect(self, dead: WorkerState) -> None:
+        """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
+        mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken)."""
+        if self.config.mode != "disaggregated" or dead.info.role != "prefill":
+            return
+        peers = [d for d in self.decode if d.alive]
+        await asyncio.gather(*[d.handle.drop_peer.remote(dead.name) for d in peers], return_exceptions=True)
+
     def install(self, worker: WorkerState) -> None:
         """Put `worker` into its slot (replacing the dead incarnation of the same name)."""
         workers = self.role_workers("prefill" if worker.info.role == "prefill" else "decode")

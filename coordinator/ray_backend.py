@@ -103,21 +103,24 @@ class RayBackend:
                     async with aclosing(self._attempt(rid, moves, request, sent, reservation)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
+                            if delta.finish_reason is not None and moves:  # before the yield: the consumer
+                                self._count(self.migrations, "outcome_completed")  # closes us at the last one
                             yield delta
                             if delta.finish_reason is not None:
-                                if moves:
-                                    self._count(self.migrations, "outcome_completed")
                                 return
                     raise BackendError("the worker's token stream ended without a finish reason")
                 except WorkerLost as e:
                     self._count(self.migrations, "attempted")
                     if moves >= self.config.recovery.max_migrations:
-                        self._count(self.migrations, "outcome_failed")
                         raise BackendError(f"{e}; the request was moved {moves} times already "
                                            "(recovery.max_migrations)") from None
                     moves += 1
                     reservation.clear()
                     log.warning("request %s: %s; resuming after %d tokens", rid, e, len(sent))
+        except BackendError:
+            if moves:  # a moved request that still failed: out of moves, no room, or an error elsewhere
+                self._count(self.migrations, "outcome_failed")
+            raise
         finally:
             reservation.release()
             self._ids.discard(rid)

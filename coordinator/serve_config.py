@@ -60,12 +60,15 @@ class AdmissionConfig:
     reserve_output: float = 1.0
     max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
     priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
+    reserved_for_high: float = 0.0  # share of each worker's KV and prefill backlog only high-priority requests book
 
     def __post_init__(self) -> None:
         if not 0 < self.reserve_output <= 1:
             raise ValueError(f"reserve_output must be in (0, 1], got {self.reserve_output}")
         if self.max_prefill_backlog_tokens is not None and self.max_prefill_backlog_tokens < 1:
             raise ValueError(f"max_prefill_backlog_tokens must be >= 1, got {self.max_prefill_backlog_tokens}")
+        if not 0 <= self.reserved_for_high < 1:
+            raise ValueError(f"reserved_for_high must be in [0, 1), got {self.reserved_for_high}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
 

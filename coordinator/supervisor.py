@@ -53,6 +53,8 @@ class Supervisor:
         if worker.state not in ("live", "starting"):
             return
         worker.state = "dead"
+        if worker.handle is not None:  # a hung actor (failed probe) must give its bundle back
+            ray.kill(worker.handle, no_restart=True)
         self._died_at[worker.name] = time.monotonic()
         self.reasons[worker.name] = _short(reason)
         log.warning("worker %s died: %s", worker.name, self.reasons[worker.name])
@@ -65,7 +67,6 @@ class Supervisor:
         worker = next((w for w in self.pools.all_workers if w.name == name and w.alive), None)
         if worker is None:
             return False
-        ray.kill(worker.handle, no_restart=True)
         self.worker_died(worker, "killed through the admin API")  # gone now: no need to wait for a call to fail
         return True
 
@@ -115,6 +116,10 @@ class Supervisor:
         name, role = dead.name, "prefill" if dead.info.role == "prefill" else "decode"
         incarnation = dead.incarnation
         recent = self._recent.setdefault(name, deque())
+        try:
+            await asyncio.wait_for(self.pools.disconnect(dead), PROBE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the replacement is tried anyway; its start says if it cannot
+            log.warning("worker %s: its peers did not all drop it: %s: %s", name, type(e).__name__, e)
         while True:
             now = time.monotonic()
             while recent and now - recent[0] > self.config.restart_window_s:
@@ -136,8 +141,9 @@ class Supervisor:
                 started = time.monotonic()
                 await self.pools.connect(worker)
             except Exception as e:  # noqa: BLE001 - any failed start is retried after the next backoff
+                cause = getattr(e, "cause", None) or e  # a RayTaskError's own text is mostly its traceback
                 self.restart_failures[name] = self.restart_failures.get(name, 0) + 1
-                self.reasons[name] = _short(f"replacement failed to start: {type(e).__name__}: {e}")
+                self.reasons[name] = _short(f"replacement failed to start: {type(cause).__name__}: {cause}")
                 log.warning("worker %s: %s", name, self.reasons[name])
                 dead.state = "dead"
                 continue

@@ -69,6 +69,11 @@ class DecodeWorker:
     async def add_peer(self, agent_metadata: bytes) -> str:
         return await asyncio.to_thread(self.agent.add_remote, agent_metadata)
 
+    async def drop_peer(self, name: str) -> bool:
+        """A prefill worker died: forget its agent now (pulls in flight from it fail with PeerLost) and unmap its
+        cache, so nothing here keeps the dead worker's GPU memory alive for its replacement to find taken."""
+        return await asyncio.to_thread(self.agent.remove_remote, name)
+
     async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
         """A prefill worker was replaced: drop the connection to its dead agent (pulls still in flight from it
         fail with PeerLost), then connect to the new one under the same name."""

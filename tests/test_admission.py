@@ -144,3 +144,16 @@ def test_higher_priority_and_migrations_go_first_when_room_frees():
         await asyncio.gather(low, high, moved)
     asyncio.run(run())
     assert order == ["moved", "high", "low"]
+
+
+def test_reserved_for_high_keeps_room_that_only_high_priority_requests_book():
+    admission, ledger, _ = _setup(decode_blocks=(100,), reserved_for_high=0.3)
+
+    async def run():
+        for i in range(3):  # 3 x 21 blocks = 63 of the 70 that normal requests may book
+            await admission.place(_request(300, 15), 0, ledger.open(f"normal-{i}"))
+        with pytest.raises(Overloaded):
+            await admission.place(_request(300, 15, priority=3), 0, ledger.open("low"))
+        await admission.place(_request(300, 15, priority=1), 0, ledger.open("high"))  # into the reserved 30
+        assert ledger.booked("decode-0#0", "kv_blocks") == 84
+    asyncio.run(run())

@@ -27,6 +27,9 @@ class _Slots(Pools):
     async def connect(self, worker: WorkerState) -> None:
         self.connected.append(worker.key)
 
+    async def disconnect(self, dead: WorkerState) -> None:
+        self.connected.append(f"-{dead.key}")
+
 
 def _info(name: str, role: str) -> WorkerInfo:
     return WorkerInfo(name, role, 100, 16, 4096, 1000, b"meta", (("engine", 1.5), ("agent", 0.25)))
@@ -55,7 +58,7 @@ def test_a_dead_worker_is_replaced_in_its_slot_and_health_follows():
             await asyncio.sleep(0.005)
         new = pools.decode[0]
         assert new is not old and new.incarnation == 1 and new.alive and old.state == "restarting"
-        assert sup.healthy() and sup.restarts == {"decode-0": 1} and pools.connected == ["decode-0#1"]
+        assert sup.healthy() and sup.restarts == {"decode-0": 1} and pools.connected == ["-decode-0#0", "decode-0#1"]
         assert dead == [("decode-0#0", "actor died")] and live == ["decode-0#1"]
         states = {s["name"]: s for s in sup.states()}
         assert states["decode-0"]["state"] == "live" and states["decode-0"]["restarts"] == 1
