@@ -1,0 +1,99 @@
+"""Tenant priority and admission under saturation, measured through `pdserve serve` as users run it.
+
+1. Priority: a high-priority tenant's steady load (Poisson, `--rate`) alone, then the same load while a
+   low-priority tenant floods the server (closed loop, `--flood` requests in flight). Prints the high tenant's
+   TTFT p50/p99 in both windows and the ratio (the reference is the same run's window without the flood).
+2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the same flood, with
+   `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
+
+    python benchmarks/tenant_priority.py --config configs/default.yaml --duration 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from benchclient.arrivals import ArrivalSpec
+from benchclient.client import Target
+from benchclient.run import RunConfig, run_load
+from benchclient.stats import SLO, summarize
+from benchclient.workload import WorkloadSpec
+from tests.server_process import metric_values, running_server
+
+TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
+           {"name": "bulk", "api_keys": ["k-low"], "priority": "low"}]
+
+
+def _load(url: str, key: str, arrival: ArrivalSpec, args, output_len: int) -> RunConfig:
+    return RunConfig(Target(url, "tiny", api_key=key, ignore_eos=True),
+                     WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=output_len,
+                                  seed=1 if key == "k-high" else 2),
+                     arrival, SLO(), duration_s=args.duration, warmup_s=0.0, timeout_s=600)
+
+
+async def _window(url: str, args, flood: bool) -> dict:
+    high = _load(url, "k-high", ArrivalSpec(rate=args.rate, seed=1), args, args.output_len)
+    runs = [run_load(high)]
+    if flood:
+        runs.append(run_load(_load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=args.flood), args,
+                                   args.flood_output_len)))
+    results = await asyncio.gather(*runs)
+    summary = summarize(results[0], SLO())
+    out = {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {"high_requests": summary["requests"],
+                                                                               "high_failed": summary["failed"]}
+    if flood:
+        out["low_requests"] = len(results[1])
+    return out
+
+
+def _config(args, reserve_output: float) -> dict:
+    config = copy.deepcopy(yaml.safe_load(Path(args.config).read_text()))
+    config.pop("ray_address", None)
+    config["model"] = "tiny"
+    config["tenants"] = TENANTS
+    config.setdefault("admission", {}).update(reserve_output=reserve_output, reserved_for_high=args.reserved_for_high,
+                                              timeout_s=120)
+    config.setdefault("decode", {})["num_kv_blocks"] = args.decode_blocks
+    return config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--rate", type=float, default=2.0, help="high-priority requests/s")
+    p.add_argument("--flood", type=int, default=48, help="low-priority requests in flight")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--flood-output-len", type=int, default=128)
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--decode-blocks", type=int, default=384)
+    p.add_argument("--reserved-for-high", type=float, default=0.25)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        with running_server(Path(tmp) / "a", _config(args, 1.0)) as server:
+            alone = asyncio.run(_window(server.url, args, flood=False))
+            before = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values())
+            flooded = asyncio.run(_window(server.url, args, flood=True))
+            preempted = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()) - before
+        print(json.dumps({"high_alone": alone, "high_with_low_flood": flooded,
+                          "ttft_p99_ratio": round(flooded["ttft_p99_ms"] / alone["ttft_p99_ms"], 3)}), flush=True)
+        rows = [(1.0, preempted, flooded["high_requests"] + flooded["low_requests"])]
+        with running_server(Path(tmp) / "b", _config(args, 0.5)) as server:
+            asyncio.run(_window(server.url, args, flood=True))
+            done = sum(metric_values(server.url, "pdserve_requests_total").values())
+            rows.append((0.5, sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()),
+                         done))
+        for reserve, n, requests in rows:
+            print(json.dumps({"reserve_output": reserve, "requests": requests, "preemptions": n,
+                              "preemptions_per_1000_requests": round(1000 * n / max(1, requests), 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

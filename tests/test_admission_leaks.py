@@ -1,0 +1,143 @@
+"""Admission as a reservation on the real server (`pdserve serve`, tiny model, 1 prefill + 1 decode over UCX):
+requests dropped by their clients in every phase (waiting in prefill, during the KV handoff, mid-decode) and
+requests failed by an injected prefill error give back everything they booked. Afterwards a request of every size
+is served, the coordinator's bookings are zero, and every engine's blocks are free. Under saturation the admission
+path answers 503 with Retry-After, never a 5xx, and the decode engine never preempts (the output is booked)."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.engine_helpers import random_prompts
+from tests.server_process import (
+    HALF_CPU,
+    admin_integrity,
+    metric_values,
+    running_server,
+    wait_for_idle_workers,
+)
+
+pytestmark = pytest.mark.timeout(400)
+VOCAB = 2000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    config = {"model": "tiny", "prefill": {**HALF_CPU, "chunk_size": 256, "kv_cache_memory_bytes": 256 << 20},
+              "decode": {**HALF_CPU, "kv_cache_memory_bytes": 128 << 20},  # 2,048 blocks of 16 tokens
+              "transfer": {"backends": ["ucx"]}, "admission": {"timeout_s": 5}, "server": {"admin_api": True}}
+    with running_server(tmp_path_factory.mktemp("leaks"), config) as srv:
+        yield srv
+
+
+def _clean(server) -> dict:
+    wait_for_idle_workers(server.url)
+    integrity = admin_integrity(server.url)
+    assert integrity["ok"], integrity
+    assert all(v == 0 for kinds in integrity["coordinator"].values() for v in kinds.values()), integrity
+    for name, counts in integrity["workers"].items():
+        assert counts["in_use"] == 0 and counts["pinned"] == 0, (name, counts)
+    booked = metric_values(server.url, "pdserve_worker_booked_kv_blocks")
+    assert booked and all(v == 0 for v in booked.values()), booked
+    return integrity
+
+
+async def _stream_until(client, url: str, body: dict, chunks: int) -> int:
+    """Read `chunks` SSE events of a streamed completion, then drop the connection. Returns events read."""
+    seen = 0
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                assert '"error"' not in line, line
+                seen += 1
+                if seen >= chunks:
+                    break
+    return seen
+
+
+def _booked(url: str, name: str) -> float:
+    return sum(metric_values(url, name).values())
+
+
+def _serves_every_size(url: str) -> None:
+    for n in (1, 17, 600, 1800):
+        prompt = random_prompts([n], VOCAB, seed=n)[0]
+        r = httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, (n, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
+    url = server.url
+    long = random_prompts([1800] * 60, VOCAB, seed=41)
+
+    async def drop_during_prefill():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(_stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens": 32,
+                                                                      "ignore_eos": True}, 10**9)) for p in long]
+            while _booked(url, "pdserve_worker_booked_prompt_tokens") < 10 * 1800:
+                await asyncio.sleep(0.01)
+            for t in tasks:  # the admitted ones are in prefill, the rest wait for room: their clients go away now
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(drop_during_prefill())
+    _clean(server)
+
+    # during the handoff: every transfer stalls 2 s, each client leaves after its first token
+    r = httpx.post(f"{url}/admin/faults", json={"transfer_stall_fraction": 1.0, "transfer_stall_s": 2.0}, timeout=30)
+    assert r.status_code == 200, r.text
+    short = random_prompts([100 + i for i in range(60)], VOCAB, seed=42)
+
+    async def drop_after(chunks: int, prompts, max_tokens: int):
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[_stream_until(client, url, {"model": "tiny", "prompt": p, "ignore_eos": True,
+                                                                      "max_tokens": max_tokens}, chunks)
+                                          for p in prompts])
+    assert asyncio.run(drop_after(1, short, 64)) == [1] * 60
+    assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
+    _clean(server)
+
+    # mid-decode
+    assert asyncio.run(drop_after(5, short, 300)) == [5] * 60
+    _clean(server)
+
+    # an injected prefill error fails each request cleanly (a 502 naming the failure, never a 500)
+    assert httpx.post(f"{url}/admin/faults", json={"prefill_error_fraction": 1.0}, timeout=30).status_code == 200
+
+    async def failing():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 8}) for p in random_prompts([200] * 60, VOCAB, seed=44)])
+    responses = asyncio.run(failing())
+    assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
+    assert {r.status_code for r in responses} == {502}, {r.status_code for r in responses}
+    assert all("injected" in r.json()["error"]["message"] for r in responses)
+    _clean(server)
+    _serves_every_size(url)
+    _clean(server)
+
+
+def test_saturation_gets_503_with_retry_after_and_nothing_leaks(server):
+    url = server.url
+    prompts = random_prompts([1000] * 60, VOCAB, seed=43)  # 70 blocks booked each: 29 fit at once
+    preempted_before = _booked(url, "pdserve_worker_engine_preemptions_total")
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*[client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 100, "ignore_eos": True}) for p in prompts])
+    responses = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) > 0 and codes.count(200) > 0, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and "room" in r.json()["error"]["message"], r.text
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 100
+    assert _booked(url, "pdserve_worker_engine_preemptions_total") == preempted_before  # no preemption at all
+    _clean(server)
+    _serves_every_size(url)
