@@ -5,6 +5,7 @@ truth meanwhile, and nothing leaks (coordinator bookings and every engine's bloc
 import asyncio
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -183,3 +184,39 @@ def _booked_prompt_tokens(metrics_text: str) -> float:
         if line.startswith("pdserve_worker_booked_prompt_tokens{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_five_percent_of_transfers_failed_every_request_ends_exact(healing_server, reference, llama):
+    """Injected transfer failures (transfer.on_failure: recompute, the default): the decode worker recomputes the
+    prompt instead, so 200 requests all end 200 with the engine's exact output, and every failure is counted."""
+    url = healing_server.url
+    recomputed_before = _transfer_failed(url)  # earlier kills on this server failed transfers too
+    r = httpx.post(f"{url}/admin/faults", json={"transfer_fail_fraction": 0.05, "seed": 3}, timeout=30)
+    assert r.status_code == 200, r.text
+    prompts = random_prompts([8 + (i * 7) % 40 for i in range(200)], 2000, seed=34)
+    expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+            gate = asyncio.Semaphore(32)
+
+            async def one(i, p):
+                async with gate:
+                    return await complete(client, url, {"model": str(llama), "prompt": p, "max_tokens": 12,
+                                                        "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0})
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    try:
+        results = asyncio.run(asyncio.wait_for(run(), 240))
+    finally:
+        assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
+    for got, want in zip(results, expected, strict=True):
+        assert (got["text"], got["completion_tokens"]) == (want.text, 12)
+    time.sleep(2.5)  # transfer counters are collected every second
+    injected = sum(metric_values(url, "pdserve_transfer_injected_failures_total").values())
+    recomputed = _transfer_failed(url) - recomputed_before
+    assert injected >= 1 and recomputed == injected, (injected, recomputed)
+    _check_clean(healing_server)
+
+
+def _transfer_failed(url: str) -> float:
+    return metric_values(url, "pdserve_backend_errors_total").get('{kind="transfer_failed"}', 0)
