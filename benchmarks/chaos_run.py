@@ -2,7 +2,8 @@
 
 Starts the server from a YAML (with `server.admin_api` turned on), sends `pdserve bench`'s load (benchclient's
 run_load, the same client and workload as `pdserve bench`) at a fixed rate, and kills the decode and prefill
-workers in turn through `POST /admin/workers/{name}/kill`. Prints, and writes as Markdown with `--report`:
+workers in turn through `POST /admin/workers/{name}/kill`, each `--kill-every` seconds after /health was 200
+again. Prints, and writes as Markdown with `--report`:
 goodput per time window (requests that finished within the SLO, by finish time), the windows around each kill,
 the time each kill took to recover (until /health is 200 again, and until a window's goodput is back to 90% of
 the steady state before the first kill), and the requests lost (failed) of all sent: the reference is the
@@ -89,7 +90,7 @@ async def chaos(args: argparse.Namespace) -> str:
     first_kill = kills[0]["at"] - t0 if kills else args.duration
     steady = [g for start, g, _ in windows if start + width <= first_kill]
     baseline = sum(steady) / len(steady) if steady else 0.0
-    lines = [f"# Chaos run: {mode}, a worker killed every {args.kill_every:g} s", "",
+    lines = [f"# Chaos run: {mode}, a worker killed {args.kill_every:g} s after the previous one recovered", "",
              f"- command: `python benchmarks/chaos_run.py {' '.join(sys.argv[1:])}`",
              f"- commit: {_commit()}, {datetime.date.today()}, machine: {args.machine}",
              f"- load: {args.rate:g} req/s, {args.input_len} in / {args.output_len} out, "
@@ -105,7 +106,7 @@ async def chaos(args: argparse.Namespace) -> str:
         lines.append(f"| {at:.1f} s | {k['worker']} | {k['healthy_at'] - k['at']:.2f} s | {recovered} |")
     lines += ["", "| window start (s) | good requests finished | failed | ratio to reference |", "|---|---|---|---|"]
     for start, g, b in windows:
-        if start <= args.duration + width:
+        if start < args.duration:
             mark = " (kill)" if any(start <= k["at"] - t0 < start + width for k in kills) else ""
             ratio = f"{g / baseline:.2f}" if baseline else "-"
             lines.append(f"| {start:.0f}{mark} | {g} | {b} | {ratio} |")

@@ -5,6 +5,7 @@
 # kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
 # engine: a random Llama-3-8B checkpoint, then python -m engine.bench --gpu.
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
+# tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -29,6 +30,10 @@ for step in "$@"; do
       timeout 420 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --workdir "$OUT/recovery" --recovery-timeout-s 150 --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery.log" \
         | grep -v "^(" | tail -30 ;;
+    tenants)
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+        --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 -m engine.bench --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

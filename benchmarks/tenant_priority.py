@@ -7,6 +7,8 @@
    `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
 
     python benchmarks/tenant_priority.py --config configs/default.yaml --duration 30
+    python benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+        --prompt-format ids --decode-blocks 0
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
 
 
 def _load(url: str, key: str, arrival: ArrivalSpec, args, output_len: int) -> RunConfig:
-    return RunConfig(Target(url, "tiny", api_key=key, ignore_eos=True),
+    return RunConfig(Target(url, args.model, api_key=key, ignore_eos=True),
                      WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=output_len,
-                                  seed=1 if key == "k-high" else 2),
+                                  prompt_format=args.prompt_format, seed=1 if key == "k-high" else 2),
                      arrival, SLO(), duration_s=args.duration, warmup_s=0.0, timeout_s=600)
 
 
@@ -56,24 +58,27 @@ async def _window(url: str, args, flood: bool) -> dict:
 def _config(args, reserve_output: float) -> dict:
     config = copy.deepcopy(yaml.safe_load(Path(args.config).read_text()))
     config.pop("ray_address", None)
-    config["model"] = "tiny"
+    config["model"] = args.model
     config["tenants"] = TENANTS
     config.setdefault("admission", {}).update(reserve_output=reserve_output, reserved_for_high=args.reserved_for_high,
                                               timeout_s=120)
-    config.setdefault("decode", {})["num_kv_blocks"] = args.decode_blocks
+    if args.decode_blocks:
+        config.setdefault("decode", {})["num_kv_blocks"] = args.decode_blocks
     return config
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--model", default="tiny", help="overrides the config's model")
+    p.add_argument("--prompt-format", default="text", choices=["text", "ids"])
     p.add_argument("--rate", type=float, default=2.0, help="high-priority requests/s")
     p.add_argument("--flood", type=int, default=48, help="low-priority requests in flight")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--flood-output-len", type=int, default=128)
     p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--decode-blocks", type=int, default=384)
+    p.add_argument("--decode-blocks", type=int, default=384, help="decode KV blocks (0: the engine's own sizing)")
     p.add_argument("--reserved-for-high", type=float, default=0.25)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
