@@ -67,14 +67,18 @@ def test_a_low_priority_flood_does_not_hold_back_high_priority_requests(server):
             lows = [asyncio.create_task(stream(client, p, "k-low", "low")) for p in low_prompts]
             while metric_values(url, "pdserve_queue_length").get(None, 0) < 20:  # the flood is queued
                 await asyncio.sleep(0.05)
-            high_sent_at[0] = len(order)
             highs = [asyncio.create_task(stream(client, p, "k-high", "high")) for p in high_prompts]
+            # mark once the server holds all 8 highs (queued or placed): a low that finishes while they are still
+            # on the wire lets the next low in, and that one is not the priority rule's to stop
+            while metric_values(url, "pdserve_tenant_in_flight").get('{tenant="interactive"}', 0) < 8:
+                await asyncio.sleep(0.01)
+            high_sent_at[0] = len(order)
             await asyncio.gather(*lows, *highs)
     asyncio.run(run())
     after = order[high_sent_at[0]:]
     last_high = max(i for i, tag in enumerate(after) if tag == "high")
     lows_before_last_high = after[:last_high].count("low")
-    # only low requests already granted a slot when the highs arrived (at most 7) may start before the last high
+    # only low requests already granted a slot when the highs had arrived (at most 7) may start before the last high
     assert lows_before_last_high <= 7, order
     usage = metric_values(url, "pdserve_tenant_requests_total")
     assert usage['{tenant="interactive",outcome="finished"}'] == 8
