@@ -38,6 +38,7 @@ class Placement:
     decode: WorkerState            # decodes it (collocated: runs all of it)
     prefill: WorkerState | None    # prefills it (disaggregated)
     kv_blocks: int
+    priority: int                  # the order it waited in, passed on to the engines' waiting queues
 
 
 class Admission:
@@ -97,7 +98,7 @@ class Admission:
             prefill = self.router.pick_prefill(request.prompt_token_ids, backlog_ok, self._pressure)
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
-        return Placement(decode, prefill, blocks)
+        return Placement(decode, prefill, blocks, priority)
 
     def _room(self, worker: WorkerState, share: float = 1.0) -> int:
         return int(worker.info.num_kv_blocks * share) - self.ledger.booked(worker.key, "kv_blocks")

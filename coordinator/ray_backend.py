@@ -140,7 +140,8 @@ class RayBackend:
                 cleanup.append((decode, "abort"))
                 decode.requests.add(attempt)
                 await self._call(decode, decode.handle.generate.remote(
-                    attempt, request.prompt_token_ids, request.params, prior_output_ids=prior))
+                    attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
+                    priority=placement.priority))
             else:
                 first = await self._prefill(attempt, request, prior, placement, reservation, cleanup)
                 finished = first.finish_reason is not None
@@ -170,7 +171,7 @@ class RayBackend:
         prefill, decode = placement.prefill, placement.decode
         cleanup.append((prefill, "abort"))
         result = await self._call(prefill, prefill.handle.prefill.remote(
-            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior))
+            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority))
         reservation.unbook(prefill.key, "prompt_tokens")
         cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
         prefill.load = result.load
@@ -198,7 +199,7 @@ class RayBackend:
                 self._fail(attempt, BackendError(f"{e} (transfer.on_failure: fail)"))
             elif attempt in self._streams:
                 log.warning("request %s: %s; the decode worker recomputes its prompt", attempt, e)
-                await self._recompute(attempt, request, prior + [result.first_token_id], decode)
+                await self._recompute(attempt, request, prior + [result.first_token_id], placement)
         except BackendError as e:
             self._fail(attempt, e)
         finally:
@@ -206,10 +207,12 @@ class RayBackend:
                 self._spawn(_quietly(prefill.handle.release.remote(attempt)))
 
     async def _recompute(self, attempt: str, request: GenerateRequest, prior: list[int],
-                         decode: WorkerState) -> None:
+                         placement: Placement) -> None:
+        decode = placement.decode
         try:
             await self._call(decode, decode.handle.generate.remote(
-                attempt, request.prompt_token_ids, request.params, prior_output_ids=prior))
+                attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
+                priority=placement.priority))
         except BackendError as e:
             self._fail(attempt, e)
             return

@@ -118,11 +118,12 @@ class DecodeWorker:
         return await self.load()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prior_output_ids: Sequence[int] = ()) -> EngineLoad:
+                       prior_output_ids: Sequence[int] = (), priority: int = 0) -> EngineLoad:
         """Collocated mode (or a resumed request recomputed here): run the request here, its KV computed over
         prompt + prior outputs; its new tokens come out of poll()."""
         prior = list(prior_output_ids)
-        await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior))
+        await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior,
+                                                     priority=priority))
         return await self.load()
 
     async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad]:

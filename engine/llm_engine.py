@@ -81,11 +81,14 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, prior_output_ids: Sequence[int] = ()) -> None:
+                    prefill_only: bool = False, prior_output_ids: Sequence[int] = (), priority: int = 0) -> None:
         """Queue a request. With `prior_output_ids` it resumes one whose first k outputs were already delivered:
-        the next token sampled (the first output returned) is output k."""
+        the next token sampled (the first output returned) is output k. Waiting requests start in `priority` order
+        (lower first; arrival order within one priority); running ones are never displaced by it."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
-        self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only, prior))
+        self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority))
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
@@ -208,9 +211,10 @@ class LLMEngine:
 
     # ---- internals
     def _request(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool,
-                 prior: tuple[int, ...]) -> Request:
+                 prior: tuple[int, ...], priority: int = 0) -> Request:
         return Request(request_id, list(prompt), params, self.model_config.eos_token_ids,
-                       self.config.max_model_len, prefill_only=prefill_only, prior_output_ids=prior)
+                       self.config.max_model_len, prefill_only=prefill_only, prior_output_ids=prior,
+                       priority=priority)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams,
                   prior_output_ids: Sequence[int]) -> tuple[int, ...]:

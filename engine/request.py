@@ -46,6 +46,7 @@ class Request:
     max_model_len: int
     prefill_only: bool = False
     prior_output_ids: tuple[int, ...] = ()  # outputs already delivered before this request was (re)started here
+    priority: int = 0  # scheduling order among waiting requests: lower first, arrival order within one priority
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, appended in place (no copy per step)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -89,7 +89,12 @@ class Scheduler:
         if req.request_id in self.requests or self.bm.has_table(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        # behind every waiting request of its priority or a better one, ahead of worse ones (preempted requests
+        # go back to the very front: they were admitted already)
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].priority > req.priority:
+            at -= 1
+        self.waiting.insert(at, req)
 
     def add_prefilled(self, req: Request) -> None:
         """Start decoding a request whose KV (prompt and prior outputs) already sits in the blocks reserved under

@@ -69,7 +69,7 @@ class PrefillWorker:
                           (("engine", engine_s), ("agent", time.monotonic() - started - engine_s)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prior_output_ids: Sequence[int] = ()) -> PrefillResult:
+                      prior_output_ids: Sequence[int] = (), priority: int = 0) -> PrefillResult:
         if self._error_fraction and self._fault_rng.random() < self._error_fraction:
             raise InjectedFault(f"prefill of {request_id} failed: an injected fault (faults.prefill_error_fraction)")
         future = asyncio.get_running_loop().create_future()
@@ -77,7 +77,7 @@ class PrefillWorker:
         prior = list(prior_output_ids)
         try:
             await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=True,
-                                                         prior_output_ids=prior))
+                                                         prior_output_ids=prior, priority=priority))
             return await future
         except BaseException:
             self._waiting.pop(request_id, None)

@@ -227,3 +227,37 @@ def test_preempted_resumed_request_recomputes_prior_and_new_outputs_and_samples_
     assert sampled_indices == list(range(2, 10))  # outputs 2..9, each once, in order
     assert recomputed and all(t[:5] == [1, 2, 3, 11, 12] and t[5:] == [7] * (len(t) - 5) for t in recomputed)
     assert a.output_token_ids == [11, 12] + [7] * 8 and s.num_preemptions == len(preempted)
+
+
+def test_waiting_requests_start_in_priority_order_then_arrival_order():
+    s = make(max_seqs=1)  # one at a time, so the start order is the waiting order
+    for rid, priority in (("low-1", 3), ("normal-1", 2), ("low-2", 3), ("high-1", 1), ("normal-2", 2),
+                          ("high-2", 1)):
+        r = req(rid, 3, max_tokens=1)
+        r.priority = priority
+        s.add(r)
+    started = []
+    while s.has_work:
+        out, _ = run_step(s)
+        started += [c.request_id for c in out.chunks if c.start_pos == 0]
+    assert started == ["high-1", "high-2", "normal-1", "normal-2", "low-1", "low-2"]
+
+
+def test_a_preempted_request_goes_back_ahead_of_any_waiting_priority():
+    s = make(num_blocks=4, block_size=4, max_seqs=2, budget=64)
+    low = req("low", 6, max_tokens=8)
+    low.priority = 3
+    other = req("other", 6, max_tokens=8, first=100)
+    other.priority = 3
+    s.add(low)
+    s.add(other)
+    run_step(s)  # both prefilled: 2 blocks each, the cache is full
+    high = req("high", 3, max_tokens=1, first=200)
+    high.priority = 1
+    s.add(high)
+    for _ in range(4):  # the decodes soon need a third block each: the newest running request is preempted
+        out, _ = run_step(s)
+        if out.preempted:
+            break
+    assert out.preempted == ["other"]
+    assert [r.request_id for r in s.waiting] == ["other", "high"]
