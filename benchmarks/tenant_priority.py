@@ -1,9 +1,12 @@
 """Tenant priority and admission under saturation, measured through `pdserve serve` as users run it.
 
-1. Priority: a high-priority tenant's steady load (Poisson, `--rate`) alone, then the same load while a
-   low-priority tenant floods the server (closed loop, `--flood` requests in flight). Prints the high tenant's
-   TTFT p50/p99 in both windows and the ratio (the reference is the same run's window without the flood).
-2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the same flood, with
+1. Priority: after a warm-up window (flood and high load together, discarded: the first requests compile
+   kernels and capture graphs), a high-priority tenant's steady load (Poisson, `--rate`) alone, then the same
+   load while a low-priority tenant floods the server (closed loop, each size in `--flood` requests in flight).
+   Prints the high tenant's TTFT p50/p99 per window, the ratio to the window without a flood (the reference,
+   same run), the low tenant's throughput, and the coordinator process's CPU use (seconds of CPU per second:
+   1.0 is one core saturated, where queueing in its event loop, which priority cannot reorder, sets in).
+2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the largest flood, with
    `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
 
     python benchmarks/tenant_priority.py --config configs/default.yaml --duration 30
@@ -17,7 +20,9 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -33,25 +38,34 @@ TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
            {"name": "bulk", "api_keys": ["k-low"], "priority": "low"}]
 
 
-def _load(url: str, key: str, arrival: ArrivalSpec, args, output_len: int) -> RunConfig:
+def _load(url: str, key: str, arrival: ArrivalSpec, args, output_len: int, duration: float) -> RunConfig:
     return RunConfig(Target(url, args.model, api_key=key, ignore_eos=True),
                      WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=output_len,
                                   prompt_format=args.prompt_format, seed=1 if key == "k-high" else 2),
-                     arrival, SLO(), duration_s=args.duration, warmup_s=0.0, timeout_s=600)
+                     arrival, SLO(), duration_s=duration, warmup_s=0.0, timeout_s=600)
 
 
-async def _window(url: str, args, flood: bool) -> dict:
-    high = _load(url, "k-high", ArrivalSpec(rate=args.rate, seed=1), args, args.output_len)
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _window(url: str, pid: int, args, flood: int, duration: float) -> dict:
+    high = _load(url, "k-high", ArrivalSpec(rate=args.rate, seed=1), args, args.output_len, duration)
     runs = [run_load(high)]
     if flood:
-        runs.append(run_load(_load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=args.flood), args,
-                                   args.flood_output_len)))
+        runs.append(run_load(_load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args,
+                                   args.flood_output_len, duration)))
+    cpu, started = _cpu_s(pid), time.monotonic()
     results = await asyncio.gather(*runs)
+    cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
     summary = summarize(results[0], SLO())
-    out = {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {"high_requests": summary["requests"],
-                                                                               "high_failed": summary["failed"]}
+    out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {
+        "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2)}
     if flood:
-        out["low_requests"] = len(results[1])
+        low = summarize(results[1], SLO())
+        out |= {"low_requests": low["requests"], "low_output_tok_s": round(low["output_token_throughput"], 1)}
     return out
 
 
@@ -73,7 +87,8 @@ def main() -> None:
     p.add_argument("--model", default="tiny", help="overrides the config's model")
     p.add_argument("--prompt-format", default="text", choices=["text", "ids"])
     p.add_argument("--rate", type=float, default=2.0, help="high-priority requests/s")
-    p.add_argument("--flood", type=int, default=48, help="low-priority requests in flight")
+    p.add_argument("--flood", default="48", help="low-priority requests in flight (comma-separated sizes)")
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds of discarded load before measuring")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--flood-output-len", type=int, default=128)
@@ -81,17 +96,23 @@ def main() -> None:
     p.add_argument("--decode-blocks", type=int, default=384, help="decode KV blocks (0: the engine's own sizing)")
     p.add_argument("--reserved-for-high", type=float, default=0.25)
     args = p.parse_args()
+    floods = [int(x) for x in args.flood.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         with running_server(Path(tmp) / "a", _config(args, 1.0)) as server:
-            alone = asyncio.run(_window(server.url, args, flood=False))
-            before = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values())
-            flooded = asyncio.run(_window(server.url, args, flood=True))
-            preempted = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()) - before
-        print(json.dumps({"high_alone": alone, "high_with_low_flood": flooded,
-                          "ttft_p99_ratio": round(flooded["ttft_p99_ms"] / alone["ttft_p99_ms"], 3)}), flush=True)
+            asyncio.run(_window(server.url, server.pid, args, max(floods), args.warmup))
+            alone = asyncio.run(_window(server.url, server.pid, args, 0, args.duration))
+            print(json.dumps({"high_alone": alone}), flush=True)
+            for flood in floods:
+                before = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values())
+                flooded = asyncio.run(_window(server.url, server.pid, args, flood, args.duration))
+                preempted = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()) - before
+                print(json.dumps({"high_with_low_flood": flooded,
+                                  "ttft_p50_ratio": round(flooded["ttft_p50_ms"] / alone["ttft_p50_ms"], 3),
+                                  "ttft_p99_ratio": round(flooded["ttft_p99_ms"] / alone["ttft_p99_ms"], 3)}),
+                      flush=True)
         rows = [(1.0, preempted, flooded["high_requests"] + flooded["low_requests"])]
         with running_server(Path(tmp) / "b", _config(args, 0.5)) as server:
-            asyncio.run(_window(server.url, args, flood=True))
+            asyncio.run(_window(server.url, server.pid, args, max(floods), args.duration))
             done = sum(metric_values(server.url, "pdserve_requests_total").values())
             rows.append((0.5, sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()),
                          done))
