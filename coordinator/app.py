@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from coordinator.text_output import TextOutput
 from engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
+REQUEST_LOG = logging.getLogger("coordinator.requests")
 STREAM_DEADLINE_GRACE_S = 1.0  # past the request's deadline, a stream blocked on a slow reader is cut
 
 
@@ -188,6 +190,8 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs)
     request_id: str = request.state.request_id  # errors.RequestIdMiddleware: the client's X-Request-Id or generated
+    if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
+        REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
     priority = tenant.priority_for(req.priority)
     fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
     text = TextOutput(app.state.tokenizer, prompt, req.stop_strings)

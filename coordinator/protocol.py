@@ -4,8 +4,15 @@ Owns: what a valid /v1/completions or /v1/chat/completions body is (types, range
 OpenAI `param` name of a validation error, the prompt's token ids (chat template, then encoding without added
 special tokens; token ids checked against the vocabulary), the context-length check and max_tokens default, and
 `sampling_params()`, which relies on SamplingParams' own range checks and reports them as 400s naming the
-parameter. Unknown extra fields are ignored (clients send `user`, `metadata`, ...); options this server does not
-implement are rejected rather than silently ignored.
+parameter. No parameter is silently ignored: a field the models below do not declare is a 400 naming it
+(`param` = the field, nested ones as `stream_options.x`), and a declared option this server does not implement
+is refused when set to anything but its default. The README's request-parameter table lists every field
+(tests/test_api_parameters.py keeps the two in step). Accepted without changing the output, each in a stated way:
+`user` and `metadata` (at most 16 string pairs) are logged with the request id (logger `coordinator.requests`,
+INFO); `store` is accepted only as false or null (this server stores nothing; true is a 400).
+Vendor extensions accepted on both endpoints (vLLM's names and meanings): `top_k`, `min_p`, `ignore_eos`,
+`stop_token_ids`, `priority` (lower first, or high | normal | low, clamped to the tenant's class); on chat also
+`add_generation_prompt` and `chat_template_kwargs` (keys in TEMPLATE_KWARGS).
 
 Hostile-input rules: every float must be finite (`1e999` parses to infinity: a 400 naming the field); a message's
 role is one of ROLES; its content is a string or text parts, and null (or absent) only on an assistant message
@@ -39,7 +46,7 @@ TEMPLATE_KWARGS: dict[str, tuple[str, ...] | None] = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -63,6 +70,9 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     priority: int | str | None = None  # vLLM's extension: lower first; or high | normal | low (coordinator.tenants)
+    user: str | None = Field(default=None, max_length=256)  # logged with the request id, nothing else
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)  # logged with the request id
+    store: bool | None = None  # only false/null: nothing is stored
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
@@ -73,6 +83,10 @@ class _Common(_Strict):
                 raise ValueError(f"{name}: penalties are not supported (use 0)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
+        if self.store:
+            raise ValueError("store: this server does not store completions (use false)")
+        if any(len(k) > 64 or len(v) > 512 for k, v in (self.metadata or {}).items()):
+            raise ValueError("metadata: keys of at most 64 characters, values of at most 512")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -193,14 +207,21 @@ def parse(model: type[_Common], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        errs = e.errors()  # an unknown field first, unless a wrong tag (a part's `type`) explains it better
+        unknown = [x for x in errs if x.get("type") == "extra_forbidden"]
+        err = unknown[0] if unknown and not any(x.get("type") == "literal_error" for x in errs) else errs[0]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        param = param_of(tuple(err.get("loc", ())))
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":  # name the field itself, past union tags such as list[TextPart]
+            loc = tuple(p for p in loc if not (isinstance(p, str) and "[" in p))
+        param = param_of(loc)
         named = re.match(r"^([a-z_][a-z_.\[\]0-9]*): (.*)$", msg, re.S)
         if err.get("type") == "value_error" and named:
             param, msg = named.group(1), named.group(2)
         elif err.get("type") == "missing":
             msg = "is required"
+        elif err.get("type") == "extra_forbidden":
+            msg = "unknown parameter: not supported by this server (the README lists every parameter it accepts)"
         raise invalid_request(f"{param or 'body'}: {msg}" if param else msg, param) from None
 
 

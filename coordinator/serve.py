@@ -95,7 +95,8 @@ def log_config() -> dict[str, Any]:
         "handlers": {"default": {**stream, "formatter": "default", "stream": "ext://sys.stderr"},
                      "access": {**stream, "formatter": "access", "stream": "ext://sys.stdout"}},
         "root": {"handlers": ["default"], "level": "WARNING"},
-        "loggers": {"uvicorn": {"handlers": ["default"], "level": "INFO", "propagate": False},
+        "loggers": {"coordinator.requests": {"level": "INFO"},  # `user` and `metadata` of requests (protocol.py)
+                    "uvicorn": {"handlers": ["default"], "level": "INFO", "propagate": False},
                     "uvicorn.access": {"handlers": ["access"], "level": "INFO", "propagate": False}},
     }
 
