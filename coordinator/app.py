@@ -22,13 +22,14 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from coordinator import errors, protocol
 from coordinator.admin import health_response, install_admin_routes
 from coordinator.backend import GenerateRequest, ServingBackend
 from coordinator.lifecycle import Generation, Lifecycle, Ticket
+from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
 from coordinator.sse import DONE, Formatter, SSEResponse, event
@@ -60,8 +61,9 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.model_name = settings.served_model_name or backend.model_name
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
-    app.state.metrics = Metrics()
+    app.state.metrics = Metrics(app.state.model_name)
     app.state.tenants = TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one server key, or tenants'
+    app.state.metrics.watch(backend, app.state.lifecycle, app.state.tenants)  # read afresh at each scrape
     errors.install_handlers(app, app.state.metrics.errors.inc)
 
     @app.get("/health")
@@ -73,14 +75,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            stats = backend.stats()
-        except Exception:  # noqa: BLE001 - a scrape must not fail because the backend's figures did
-            stats = None
-            app.state.metrics.stats_errors += 1
-        text = app.state.metrics.render(stats, app.state.lifecycle.in_flight, app.state.lifecycle.draining,
-                                        app.state.tenants.usage())
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(app.state.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -188,6 +188,6 @@ class Generation:
         if self._grant is not None:  # the tenant is charged prompt + the tokens it really got
             self._grant.settle(self.completion_tokens, outcome, prompt_processed=self._last_token_at is not None)
         self._metrics.requests.inc(outcome)
-        self._metrics.prompt_tokens.inc(value=self.prompt_tokens)
-        self._metrics.generation_tokens.inc(value=self.completion_tokens)
+        self._metrics.prompt_tokens.inc(self.prompt_tokens)
+        self._metrics.generation_tokens.inc(self.completion_tokens)
         self._metrics.e2e.observe(time.monotonic() - self._arrival)

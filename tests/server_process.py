@@ -50,10 +50,35 @@ def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
     return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
 
 
-def metric_values(url: str, name: str) -> dict[str, float]:
-    """{labels text: value} of one metric family from /metrics."""
+class LabelSets(dict):
+    """{labels text: value}, looked up by label set: '{a="1",b="2"}' and '{b="2",a="1"}' are the same key
+    (Prometheus compares label sets; prometheus_client prints label names sorted)."""
+
+    def __init__(self, items: dict[str | None, float]) -> None:
+        super().__init__({_canonical(k): v for k, v in items.items()})
+
+    def __getitem__(self, key: str | None) -> float:
+        return super().__getitem__(_canonical(key))
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(_canonical(key) if isinstance(key, str) else key)
+
+    def get(self, key: str | None, default: float | None = None) -> float | None:  # type: ignore[override]
+        return super().get(_canonical(key), default)
+
+
+def _canonical(labels: str | None) -> str | None:
+    if not labels:
+        return labels
+    pairs = re.findall(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"', labels)
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(pairs)) + "}"
+
+
+def metric_values(url: str, name: str) -> LabelSets:
+    """{labels text: value} of one metric family from /metrics, keyed by label set (any label order finds it)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+    return LabelSets({m.group(1): float(m.group(2))
+                      for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)})
 
 
 async def complete(client: httpx.AsyncClient, url: str, body: dict,

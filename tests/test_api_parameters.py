@@ -68,21 +68,26 @@ def test_every_declared_field_has_a_row_and_every_yes_is_declared(endpoint):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_every_400_row_is_refused_naming_the_field(endpoint):
+    accepted = []
     for name, row in table().items():
         if row[endpoint] != "400":
             continue
         top = name.split(".")[0]
         if top in MODELS[endpoint].model_fields and "." not in name:  # declared: refused at the value its notes give
             example = re.search(rf'`"{re.escape(name)}": ([^`]+)`', row["notes"])
-            assert example, f"{name} is declared on {endpoint}: its notes must give a refused value"
+            if example is None:  # declared, and the notes name no refused value: the row is out of date
+                accepted.append(name)
+                continue
             value = json.loads(example.group(1))
         else:
             value = 1  # unknown: refused whatever its value
-        assert refused_param(endpoint, with_field(endpoint, name, value)) == name, (endpoint, name)
+        if refused_param(endpoint, with_field(endpoint, name, value)) != name:
+            accepted.append(name)
+    assert not accepted, f"'400' in the README but {endpoint} accepts (or refuses naming another field): {accepted}"
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-@pytest.mark.parametrize("field", ["max_token", "response_format", "tools", "guided_json", "Temperature"])
+@pytest.mark.parametrize("field", ["max_token", "Temperature", "web_search_options", "prediction", "x"])
 def test_unknown_fields_are_400s_naming_them(endpoint, field):
     assert refused_param(endpoint, with_field(endpoint, field, {"type": "json_object"})) == field
 

@@ -130,5 +130,5 @@ def test_metrics_report_latencies_outcomes_and_backend_load(server):
     assert 'pdserve_requests_total{outcome="rejected"} 1' in text
     assert 'pdserve_errors_total{kind="not_found"} 1' in text
     assert "pdserve_generation_tokens_total 10" in text
-    assert 'pdserve_worker_total_blocks{worker="inprocess-0",role="both"}' in text
+    assert 'pdserve_worker_total_blocks{role="both",worker="inprocess-0"}' in text  # prometheus_client sorts labels
     assert "pdserve_queue_length 0" in text and "pdserve_transfer_bytes_total 0" in text

@@ -1,15 +1,13 @@
 """Units of the HTTP layer without a server: stop strings and hold-back in TextOutput, ServerSettings validation,
-Lifecycle drain, and the Prometheus text that Metrics renders."""
+Lifecycle drain, and a stream cut at its deadline (the Prometheus exposition: tests/test_metrics.py)."""
 
 import asyncio
 import random
-import re
 import time
 
 import pytest
 
 from coordinator.lifecycle import Lifecycle
-from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
 from coordinator.sse import SSEResponse
 from coordinator.text_output import TextOutput
@@ -137,35 +135,6 @@ def test_lifecycle_drain_refuses_new_requests_and_waits_for_in_flight_ones():
         ticket.release()  # idempotent
         assert lc.in_flight == 0
     asyncio.run(main())
-
-
-def test_metrics_text_is_valid_prometheus_exposition():
-    m = Metrics()
-    for v in (0.002, 0.3, 100.0):
-        m.ttft.observe(v)
-    m.requests.inc("finished")
-    m.errors.inc("invalid_request")
-    stats = {"queue_length": 2, "transfer": {"bytes_total": 4096, "last latency s": 0.01, "peer": "x"},
-             "workers": [{"name": "p0", "role": "prefill", "running": 1, "queued_prompt_tokens": 7,
-                          "free_blocks": 25, "total_blocks": 100, "alive": True}],
-             "errors": {"transfer": 2}, "prefix_affinity_hits": 5, "mode": "disaggregated"}
-    text = m.render(stats, in_flight=3, draining=False)
-    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="[^"]*",?)*\})? [-+0-9.eEInfa]+$')
-    for line in text.splitlines():
-        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
-    assert 'pdserve_time_to_first_token_seconds_bucket{le="0.0025"} 1' in text
-    assert 'pdserve_time_to_first_token_seconds_bucket{le="+Inf"} 3' in text
-    assert "pdserve_time_to_first_token_seconds_count 3" in text
-    assert 'pdserve_requests_total{outcome="finished"} 1' in text
-    assert 'pdserve_requests_total{outcome="aborted"} 0' in text
-    assert 'pdserve_errors_total{kind="invalid_request"} 1' in text
-    assert "pdserve_queue_length 2" in text and "pdserve_requests_in_flight 3" in text
-    assert 'pdserve_worker_kv_usage_ratio{worker="p0",role="prefill"} 0.75' in text
-    assert "# TYPE pdserve_transfer_bytes_total counter" in text and "pdserve_transfer_bytes_total 4096" in text
-    assert "pdserve_transfer_last_latency_s 0.01" in text and "peer" not in text
-    assert 'pdserve_worker_alive{worker="p0",role="prefill"} 1' in text
-    assert 'pdserve_backend_errors_total{kind="transfer"} 2' in text
-    assert "pdserve_prefix_affinity_hits_total 5" in text and "disaggregated" not in text
 
 
 def test_a_stream_blocked_on_a_reader_that_never_reads_is_cut_at_its_deadline():
