@@ -71,8 +71,8 @@ class LLMEngine:
         graphs = None
         if self.uses_kernels and config.cuda_graphs and self.device.type == "cuda":
             graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, self._blocks_for(max_model_len))
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, Sampler(self.device, config.seed),
-                                  graphs)
+        sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, graphs)
         self._reserved: set[str] = set()
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())

@@ -73,7 +73,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[step.sample_index])  # [S, V]
         chunks = step.sampling
         sampled = self.sampler.launch(logits, [params[c.request_id] for c in chunks],
-                                      [c.output_index for c in chunks])
+                                      [c.output_index for c in chunks], [c.request_id for c in chunks])
         return LaunchedStep(sched, chunks, sampled)
 
     def _ids_after(self, after: LaunchedStep, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -108,6 +108,9 @@ def validate_request(request_id: str, prompt: Sequence[int], params: SamplingPar
     if not prompt:
         raise ValueError(f"request {request_id!r}: the prompt is empty")
     check_token_ids(request_id, "token ids", prompt, vocab_size)
+    for what, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("bad_words_token_ids", [t for w in params.bad_words_token_ids for t in w])):
+        check_token_ids(request_id, f"SamplingParams.{what}", ids, vocab_size)
     if len(prompt) >= max_model_len:
         raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room to generate "
                          f"within max_model_len {max_model_len}")

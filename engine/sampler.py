@@ -12,17 +12,21 @@ decode the rest). Unseeded requests take a key from the Sampler's own Python RNG
 Host traffic per call: the per-row parameters go to the device in ONE (non-blocking, pinned) copy, and the results
 (tokens, plus chosen and top-N logprobs when any row asks) come back in ONE non-blocking read; `launch` returns at
 once with the tokens still on the device (SampledTokens), and only SampledTokens.result() waits for the host copy.
-Reported logprobs are those of the unmodified model distribution (log_softmax of the raw logits).
+Reported logprobs are those of the unmodified model distribution (log_softmax of the raw logits), as vLLM's default
+`logprobs_mode` (raw_logprobs): logit_bias, min_tokens, bad words and penalties (engine.logits_processing, applied
+first, and only when some row of the call uses them) change which token is chosen, not the logprobs reported.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processing import LogitsProcessing, TokenHistory
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -101,27 +105,39 @@ class SampledTokens:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 histories: Mapping[str, TokenHistory] | None = None) -> None:
+        """`histories`: the engine's live requests by id, read by penalties and bad words (see LogitsProcessing);
+        `eos_token_ids`: what min_tokens bans besides stop_token_ids."""
         self.device = torch.device(device)
         self._rng = random.Random(seed)  # keys of requests without a seed: instance state, never torch's RNG
         self._vocab_ids: torch.Tensor | None = None  # [V] int64 on the device, cached
+        self.processing = LogitsProcessing(self.device, eos_token_ids, histories)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 output_indices: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
+                 request_ids: Sequence[str] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [S, V] float32, one row per sampling request -> (token ids, logprobs or None per row)."""
-        return self.launch(logits, params, output_indices).result()
+        return self.launch(logits, params, output_indices, request_ids).result()
 
-    def launch(self, logits: torch.Tensor, params: list[SamplingParams],
-               output_indices: list[int]) -> SampledTokens:
-        """Queue the sampling of logits [S, V] and the results' copy to the host; does not wait for the device."""
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
+               request_ids: Sequence[str] | None = None) -> SampledTokens:
+        """Queue the sampling of logits [S, V] and the results' copy to the host; does not wait for the device.
+        `request_ids` name the rows' requests (needed when a row has penalties or multi-token bad words)."""
         if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(output_indices):
             raise ValueError(f"logits must be [S, V] with S == len(params) == len(output_indices), got logits "
                              f"{tuple(logits.shape)}, {len(params)} params, {len(output_indices)} output_indices")
         logits = logits.float()
+        batch = None
+        chosen_from = logits  # [S, V]: what the tokens are drawn from; logprobs always read the raw logits
+        if any(p.processes_logits for p in params):
+            batch = self.processing.prepare(params, output_indices, request_ids, logits.shape[1])
+            chosen_from = self.processing.apply(batch, logits)
         if all(p.greedy for p in params):
-            tokens = argmax_rows(logits)  # [S]
+            tokens = argmax_rows(chosen_from)  # [S]
         else:
-            tokens = self._sample(logits, params, output_indices)  # [S]
+            tokens = self._sample(chosen_from, params, output_indices)  # [S]
+        if batch is not None:
+            self.processing.record(batch, tokens)
         rows = self._result_rows(logits, tokens, params)
         wanted = [p.logprobs for p in params]
         if rows.device.type != "cuda":

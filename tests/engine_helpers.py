@@ -29,10 +29,11 @@ class LogitsRecorder:
         self.rows: dict[int, list[torch.Tensor]] = {}
         engine.runner.sampler = self
 
-    def launch(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]):
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
+               request_ids=None):
         for row, p in zip(logits, params, strict=True):
             self.rows.setdefault(id(p), []).append(row.clone())
-        return self.sampler.launch(logits, params, output_indices)
+        return self.sampler.launch(logits, params, output_indices, request_ids)
 
     def logits_of(self, params: SamplingParams) -> torch.Tensor:
         return torch.stack(self.rows[id(params)])  # [steps, V]
