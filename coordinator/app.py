@@ -4,9 +4,10 @@ Owns the HTTP edge: auth (one server key, or tenants' keys with their rate limit
 body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never
 reaches the backend), tokenization (once, here; chat template for chat requests), the context-length check, and
 turning a Generation into a JSON response or an SSE stream. Routes: POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /health (503 while draining or while a pool has no live worker), GET /metrics, and /admin/* when
-server.admin_api is on (coordinator.admin). State lives on app.state: backend, settings, tokenizer, lifecycle (drain
-API, see coordinator.lifecycle), metrics, tenants. The caller owns the backend: it awaits
+GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api
+is on (coordinator.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize (coordinator.model_api).
+State lives on app.state: backend, settings, tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics,
+tenants. The caller owns the backend: it awaits
 `backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.lifecycle); the
 app's lifespan only marks the server draining when uvicorn shuts down.
 """
@@ -14,7 +15,6 @@ app's lifespan only marks the server draining when uvicorn shuts down.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
-from coordinator import errors, protocol
+from coordinator import errors, model_api, protocol
 from coordinator.admin import health_response, install_admin_routes
 from coordinator.backend import GenerateRequest, ServingBackend
+from coordinator.http_body import read_json
 from coordinator.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.metrics import Metrics
@@ -77,12 +77,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     async def metrics() -> Response:
         return Response(app.state.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        _authenticate(app, request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": app.state.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "root": app.state.model_name, "max_model_len": backend.max_model_len}]})
+    app.include_router(model_api.router)  # /v1/models, /version, /tokenize, /detokenize
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -98,45 +93,6 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
 def _authenticate(app: FastAPI, request: Request) -> Tenant:
     """The request's tenant from its `Authorization: Bearer` key (401 if the server has keys and it has none)."""
     return app.state.tenants.authenticate(request.headers.get("authorization"))
-
-
-async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
-    """The body as JSON: `application/json` (charset utf-8 or none) or 415, at most `limit` bytes or 413, all of it
-    within `timeout_s` or 408 (a half-sent body must not hold the connection)."""
-    _check_content_type(request.headers.get("content-type"))
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        if not declared.isdigit():
-            raise errors.invalid_request("Invalid Content-Length header")
-        raise errors.too_large(limit)
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise errors.too_large(limit)
-    except TimeoutError:
-        raise errors.request_timeout(timeout_s) from None
-    except ClientDisconnect:
-        raise errors.invalid_request("The client disconnected while sending the request body") from None
-    try:
-        return json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise errors.invalid_request(f"The request body is not valid JSON: {e}") from None
-
-
-def _check_content_type(value: str | None) -> None:
-    """Strict: a missing Content-Type is refused too (curl -d and the OpenAI clients always send one)."""
-    media, _, params = (value or "").partition(";")
-    charset = [p.split("=", 1)[1].strip().strip('"').lower() for p in params.split(";") if "=" in p
-               and p.split("=", 1)[0].strip().lower() == "charset"]
-    if media.strip().lower() != "application/json" or any(c not in ("utf-8", "utf8") for c in charset):
-        raise errors.unsupported_media_type(value)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
@@ -176,7 +132,7 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     if app.state.lifecycle.draining:
         app.state.lifecycle.admit()  # raises the draining 503
     model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
-    req = protocol.parse(model, await _read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
+    req = protocol.parse(model, await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
     prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size,
