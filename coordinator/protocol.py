@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from coordinator.errors import invalid_request
+from coordinator.sampling_fields import SamplingFields, processing_kwargs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 
@@ -53,7 +54,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(_Strict, SamplingFields):  # penalties, min_tokens, bad_words, output-text options
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -78,11 +79,6 @@ class _Common(_Strict):
     def _supported(self) -> _Common:
         if self.n not in (None, 1):
             raise ValueError("n: only n=1 is supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name}: penalties are not supported (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
         if self.store:
             raise ValueError("store: this server does not store completions (use false)")
         if any(len(k) > 64 or len(v) > 512 for k, v in (self.metadata or {}).items()):
@@ -225,10 +221,13 @@ def parse(model: type[_Common], body: Any) -> Any:
         raise invalid_request(f"{param or 'body'}: {msg}" if param else msg, param) from None
 
 
-def sampling_params(req: _Common, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """SamplingParams for the request; its own validation errors become 400s naming the parameter."""
+def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, tokenizer: Tokenizer | None = None,
+                    vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams for the request; its own validation errors become 400s naming the parameter. The tokenizer
+    encodes bad_words; logit_bias ids are checked against vocab_size (coordinator.sampling_fields)."""
     kwargs: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), seed=req.seed)
+    kwargs.update(processing_kwargs(req, tokenizer, vocab_size))
     for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
@@ -239,6 +238,7 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None) -> Samp
         param = named.group(1) if named else None
         if isinstance(req, ChatCompletionRequest) and param == "logprobs":
             param = "top_logprobs"
+        param = {"bad_words_token_ids": "bad_words"}.get(param, param)
         raise invalid_request(f"{param}: {named.group(2)}" if named else str(e), param) from None
 
 

@@ -1,9 +1,11 @@
 """TextOutput: one request's output text as the client sees it, built token by token.
 
 Owns: incremental detokenization (engine.detokenizer.IncrementalDetokenizer, which never emits half a UTF-8
-character) and stop strings. The output ends right before the earliest stop string, which may span several tokens
-or deltas. While streaming, text that could be the beginning of a stop string is held back until it is known not
-to be one; `finish()` releases it when the backend ends the request. Also the per-token text that logprobs report.
+character; special tokens' text skipped unless `skip_special_tokens` is false) and stop strings. The output ends
+right before the earliest stop string (or right after it, with `include_stop_str_in_output`), which may span
+several tokens or deltas; as vLLM, stop strings are only looked for once more than `min_tokens` tokens came. While
+streaming, text that could be the beginning of a stop string is held back until it is known not to be one;
+`finish()` releases it when the backend ends the request. Also the per-token text that logprobs report.
 One instance per request, used by one task.
 """
 
@@ -30,10 +32,14 @@ class TokenInfo:
 
 
 class TextOutput:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stops = [s for s in stop if s]
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
         self._held = ""          # decoded but not emitted: may be the start of a stop string
         self._emitted: list[str] = []
         self._emitted_len = 0
@@ -78,12 +84,15 @@ class TextOutput:
 
     def _push(self, new_text: str, final: bool) -> str:
         buf = self._held + new_text
-        if self._stops:
-            hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-            if hit >= 0:
-                self.stopped = True
-                self._held = ""
-                return self._emit(buf[:hit])
+        if not self._stops or self.num_tokens <= self._min_tokens:
+            self._held = ""
+            return self._emit(buf)  # no stop string can end the output yet: nothing to hold back
+        hits = [(i, -len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
+        if hits:
+            at, minus_len = min(hits)  # the earliest; the longest of those starting there
+            self.stopped = True
+            self._held = ""
+            return self._emit(buf[:at - minus_len if self._include_stop else at])
         keep = 0 if final else self._partial_stop_len(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return self._emit(buf[:len(buf) - keep])

@@ -6,7 +6,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
 MAX_LOGIT_BIAS = 300          # entries, as OpenAI
 MAX_BAD_WORDS = 256           # token sequences (each word may give two: with and without a leading space)
 MAX_BAD_WORD_TOKENS = 32      # tokens in one bad word (the engine keeps each request's last 31 outputs for them)

@@ -78,7 +78,7 @@ BAD = [
     (COMP, {"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
     (COMP, {"model": "tiny", "prompt": "x", "seed": -1}, "seed"),
     (COMP, {"model": "tiny", "prompt": "x", "n": 2}, "n"),
-    (COMP, {"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMP, {"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     (COMP, {"model": "tiny", "prompt": "x", "echo": True}, "echo"),
     (COMP, {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (COMP, {"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
