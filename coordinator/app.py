@@ -139,13 +139,14 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
                                      settings.allow_special_tokens_in_content)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
     num_logprobs = req.num_logprobs if chat else req.logprobs
-    params = protocol.sampling_params(req, max_tokens, num_logprobs)
+    params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
     request_id: str = request.state.request_id  # errors.RequestIdMiddleware: the client's X-Request-Id or generated
     if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
         REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
     priority = tenant.priority_for(req.priority)
     fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
-    text = TextOutput(app.state.tokenizer, prompt, req.stop_strings)
+    text = TextOutput(app.state.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
+                      req.skip_special_tokens, req.min_tokens)
     ticket = app.state.lifecycle.admit()
     try:
         grant = app.state.tenants.admit(tenant, len(prompt), max_tokens)  # 429 past the tenant's limits
