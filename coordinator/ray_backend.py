@@ -149,14 +149,15 @@ class RayBackend:
                 if finished:
                     return
             while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
-                finished = out.finish_reason is not None
-                yield TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason)
-                if finished:
-                    return
+                delta, error = _coalesced(await queue.get(), queue)
+                if delta is not None:
+                    reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
+                    finished = delta.finish_reason is not None
+                    yield delta
+                    if finished:
+                        return
+                if error is not None:
+                    raise error
         finally:
             self._streams.pop(attempt, None)
             for worker, action in cleanup:
@@ -327,6 +328,23 @@ class RayBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _coalesced(first: Any, queue: asyncio.Queue) -> tuple[TokenDelta | None, BaseException | None]:
+    """`first` and every step output already queued behind it, as one delta (a consumer that fell behind, e.g. a
+    coordinator busy with many streams, then pays its per-chunk costs once per batch, not once per token), and the
+    error that ended the run, if any (raised after the tokens before it are delivered)."""
+    if isinstance(first, BaseException):
+        return None, first
+    tokens, logprobs, finish = list(first.new_token_ids), list(first.new_logprobs), first.finish_reason
+    while finish is None and not queue.empty():
+        out = queue.get_nowait()
+        if isinstance(out, BaseException):
+            return TokenDelta(tokens, logprobs, None), out
+        tokens += out.new_token_ids
+        logprobs += out.new_logprobs
+        finish = out.finish_reason
+    return TokenDelta(tokens, logprobs, finish), None
 
 
 async def _quietly(ref: Any) -> None:

@@ -1,0 +1,42 @@
+"""RayBackend's coalescing of step outputs queued behind each other: a stream that fell behind gets them as one
+delta, tokens in order, logprobs aligned, the finish reason of the last, and an error only after the tokens
+before it."""
+
+import asyncio
+
+from coordinator.ray_backend import _coalesced
+from engine.request import TokenLogprob
+from engine.scheduler import StepOutput
+
+
+def _queue(*items):
+    q = asyncio.Queue()
+    for item in items:
+        q.put_nowait(item)
+    return q
+
+
+def _out(tokens, finish=None):
+    return StepOutput("r", list(tokens), [TokenLogprob(t, -0.5, {}) for t in tokens], finish)
+
+
+def test_queued_outputs_become_one_delta_in_order():
+    q = _queue(_out([5]), _out([6, 7]), _out([8], "length"), _out([99]))
+    delta, error = _coalesced(_out([4]), q)
+    assert error is None
+    assert delta.token_ids == [4, 5, 6, 7, 8] and delta.finish_reason == "length"
+    assert [lp.token_id for lp in delta.logprobs] == [4, 5, 6, 7, 8]
+    assert q.qsize() == 1  # nothing after the finish is taken
+
+
+def test_an_error_comes_after_the_tokens_queued_before_it():
+    boom = RuntimeError("worker lost")
+    q = _queue(_out([2]), boom, _out([3]))
+    delta, error = _coalesced(_out([1]), q)
+    assert delta.token_ids == [1, 2] and delta.finish_reason is None and error is boom
+    assert _coalesced(boom, _queue()) == (None, boom)
+
+
+def test_alone_it_is_the_output_itself():
+    delta, error = _coalesced(_out([1]), _queue())
+    assert (delta.token_ids, delta.finish_reason, error) == ([1], None, None)
