@@ -7,6 +7,12 @@ Every block is in exactly one state:
 - used:   referenced by one or more block tables (ref_count = number of tables holding it).
 A full block's hash chains over its parent's hash and its own token ids, so equal hashes mean equal prefixes.
 Block tables are keyed by request id; the manager never knows what a request is doing with them.
+
+Forks (n choices of one prompt): fork(src, dst, num_tokens) gives dst a table that shares src's FULL blocks
+holding the first num_tokens tokens (ref_count + 1 each) and a private new block for the partial last one, whose
+KV the caller copies from src's (the manager moves no data). Invariant: a block shared by several tables is full
+and never written again (a table only writes positions at or past its own computed tokens, which start at
+num_tokens, beyond every shared block), so sharing is copy-on-write without any copy on write.
 """
 
 from __future__ import annotations
@@ -111,6 +117,30 @@ class BlockManager:
         for _ in range(max(need, 0)):
             table.append(self._pop_free())
         return True
+
+    def fork(self, src: str, dst: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Start `dst`'s table as a copy-on-write fork of `src`'s first `num_tokens` tokens (see the module
+        docstring). Returns the (src block, dst block) pairs whose KV the caller must copy (the partial last
+        block, if any), or None, changing nothing, when no block is free for it."""
+        if dst in self._tables:
+            raise ValueError(f"fork: owner {dst!r} already has a table")
+        table = self._tables[src]
+        full, partial = divmod(num_tokens, self.block_size)
+        if self.blocks_needed(num_tokens) > len(table):
+            raise ValueError(f"fork: {src!r} holds {len(table)} blocks, fewer than {num_tokens} tokens need")
+        if partial and self.num_free_blocks < 1:
+            return None
+        shared = table[:full]
+        for b in shared:
+            self._take(b)
+        new = list(shared)
+        copies = []
+        if partial:
+            new.append(self._pop_free())
+            copies.append((table[full], new[-1]))
+        self._tables[dst] = new
+        self._num_hashed[dst] = min(self._num_hashed.get(src, 0), full)
+        return copies
 
     def cache_full_blocks(self, owner: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register `owner`'s blocks that are now full of computed KV under their prefix hashes."""
