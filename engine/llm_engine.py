@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from engine.tiny import resolve_model_path
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarManager
 
 CPU_KV_CACHE_BYTES = 1 << 30
 GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
@@ -74,6 +78,7 @@ class LLMEngine:
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, graphs)
         self._reserved: set[str] = set()
+        self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
         self.step_time_last_s = 0.0
@@ -88,7 +93,10 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
+        grammar = self._grammar_row(request_id, params, prior)
         self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority))
+        if grammar is not None:
+            self.grammar.attach(request_id, grammar)
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
@@ -126,10 +134,14 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
+        grammar = self._grammar_row(request_id, params, (*prior, first_token_id))  # the prefill sampled it under it
         req = self._request(request_id, prompt_token_ids, params, False, prior)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
         req.append_token(first_token_id, first_logprob)
+        if grammar is not None:
+            self.grammar.attach(request_id, grammar)
+            req.finish_reason = req.finish_reason or self.grammar.finish_reason(request_id)
         if req.finish_reason is not None:
             self.scheduler.finish(request_id, req.finish_reason)
             return StepOutput(request_id, [], [], req.finish_reason)
@@ -167,7 +179,21 @@ class LLMEngine:
         return self._apply(current)
 
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
-        return self.scheduler.update(launched.sched, launched.result(), self.config.pin_lease_s)
+        outputs = self.scheduler.update(launched.sched, launched.result(), self.config.pin_lease_s)
+        if self.grammar is None:
+            return outputs
+        return self.grammar.after_update(outputs, self.scheduler.requests, self.scheduler.finish)
+
+    def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int]):
+        """The request's grammar matcher, having consumed the outputs it has (None without a structured spec)."""
+        if params.structured is None:
+            return None
+        if self.grammar is None:
+            from engine.grammar import GrammarManager  # llguidance only where structured outputs are used
+            self.grammar = GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                          self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
+            self.runner.logits_hook = self.grammar.constrain
+        return self.grammar.make(request_id, params.structured, outputs)
 
     def _params(self, sched: SchedulerOutput) -> dict[str, SamplingParams]:
         return {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}

@@ -50,6 +50,9 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.device = kv_cache.device
+        # called as hook(sampling chunks, logits [S, V], after) before sampling, to mask logits in place
+        # (engine.grammar); None: no request has a structured output spec
+        self.logits_hook: Callable[[list[ScheduledChunk], torch.Tensor, LaunchedStep | None], None] | None = None
 
     def run(self, sched: SchedulerOutput, params: dict[str, SamplingParams],
             on_layer_done: Callable[[int], None] | None = None) -> dict[str, tuple[int, TokenLogprob | None]]:
@@ -72,6 +75,8 @@ class ModelRunner:
                 return LaunchedStep(sched, [], None)
             logits = self.model.compute_logits(hidden[step.sample_index])  # [S, V]
         chunks = step.sampling
+        if self.logits_hook is not None:
+            self.logits_hook(chunks, logits, after)
         sampled = self.sampler.launch(logits, [params[c.request_id] for c in chunks],
                                       [c.output_index for c in chunks], [c.request_id for c in chunks])
         return LaunchedStep(sched, chunks, sampled)

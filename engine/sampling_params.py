@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from engine.structured import StructuredSpec
+
 MAX_LOGIT_BIAS = 300          # entries, as OpenAI
 MAX_BAD_WORDS = 256           # token sequences (each word may give two: with and without a leading space)
 MAX_BAD_WORD_TOKENS = 32      # tokens in one bad word (the engine keeps each request's last 31 outputs for them)
@@ -43,6 +45,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    structured: StructuredSpec | None = None  # the output must match it (engine.structured, engine.grammar)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

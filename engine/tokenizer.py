@@ -213,6 +213,10 @@ class Tokenizer:
                 pos = end
         return ids + as_text(text[pos:])
 
+    def to_json(self) -> str:
+        """The whole tokenizer (vocabulary, merges, added tokens) as tokenizer.json text, for the grammar library."""
+        return self._backend.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
