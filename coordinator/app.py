@@ -35,6 +35,7 @@ from coordinator.settings import ServerSettings
 from coordinator.sse import DONE, Formatter, SSEResponse, event
 from coordinator.tenants import Tenant, TenantRegistry, TenantsConfig
 from coordinator.text_output import TextOutput
+from coordinator.tool_stream import ToolStream, shape_response, tool_chunks
 from engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -165,6 +166,7 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
         app.state.metrics.requests.inc("rejected")
         raise
     want_lp = gen.request.params.logprobs is not None
+    tools = _tool_stream(req, app.state.settings.tool_call_parser) if chat else None
     try:
         result = await _until_disconnect(request, gen.next_piece if req.stream else gen.collect)
     except BaseException as e:
@@ -177,22 +179,35 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
         if result is None:
             return Response(status_code=499)  # nobody is listening
         tokens = [t for p in result for t in p.tokens]
-        return JSONResponse(fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop",
-                                         gen.prompt_tokens, gen.completion_tokens))
-    events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc)
+        body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
+                            gen.completion_tokens)
+        if tools is not None:
+            body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
+        return JSONResponse(body)
+    events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc, tools)
     return SSEResponse(events, deadline=gen.deadline + STREAM_DEADLINE_GRACE_S)
 
 
+def _tool_stream(req: Any, parser: str) -> ToolStream | None:
+    """How a chat request's text becomes tool calls (coordinator.tool_stream); None when it uses no tools."""
+    if req.tool_mode == "none":
+        return None
+    named = req.tool_choice.function.name if req.tool_mode == "named" else None
+    return ToolStream(req.tool_mode, parser, named, req.parallel_tool_calls is not False)
+
+
 async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ticket: Ticket,
-                  on_error: Callable[[str], None]) -> AsyncIterator[bytes]:
+                  on_error: Callable[[str], None], tools: ToolStream | None = None) -> AsyncIterator[bytes]:
     outcome = "aborted"  # unless the stream gets to its end
     try:
         piece = first
-        yield event(fmt.chunk(piece, want_lp, first=True))
+        for body in _chunks(fmt, tools, piece, want_lp, first=True):
+            yield event(body)
         while piece.finish_reason is None:
             piece = await gen.next_piece()
             if piece.text or piece.tokens or piece.finish_reason:
-                yield event(fmt.chunk(piece, want_lp))
+                for body in _chunks(fmt, tools, piece, want_lp):
+                    yield event(body)
         if fmt.include_usage:
             yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
         outcome = "finished"
@@ -211,3 +226,8 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
     finally:
         await gen.close(outcome)
         ticket.release()
+
+
+def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, want_lp: bool, first: bool = False) -> list[dict]:
+    base = fmt.chunk(piece, want_lp, first=first)
+    return [base] if tools is None else tool_chunks(base, tools, piece.text, piece.finish_reason, first)

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from coordinator.errors import invalid_request
 from coordinator.sampling_fields import SamplingFields, processing_kwargs
+from coordinator.structured_outputs import StructuredFields, structured_spec
+from coordinator.tool_calls import ToolFields, forced_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 
@@ -54,7 +56,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict, SamplingFields):  # penalties, min_tokens, bad_words, output-text options
+class _Common(_Strict, SamplingFields, StructuredFields):  # penalties, ...; response_format, guided_*
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -145,7 +147,7 @@ class ChatMessage(BaseModel):
         return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):  # tools, tool_choice, parallel_tool_calls
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -231,6 +233,7 @@ def sampling_params(req: _Common, max_tokens: int, logprobs: int | None, tokeniz
     for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
+    kwargs["structured"] = structured_spec(req, forced_spec(req) if isinstance(req, ChatCompletionRequest) else None)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
@@ -253,7 +256,8 @@ def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int,
     try:
         if chat:
             ids = tokenizer.encode_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
-                                        special_tokens_in_content, **(req.chat_template_kwargs or {}))
+                                        special_tokens_in_content, **(req.chat_template_kwargs or {}),
+                                        **({"tools": req.template_tools()} if req.tools else {}))
         else:
             prompt = req.single_prompt
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.tool_calls import PARSERS
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -24,6 +26,8 @@ class ServerSettings:
     body_read_timeout_s: float = 30.0    # the whole request body must arrive within this (else 408)
     # special-token text (e.g. "<|eot_id|>") inside chat message content becomes control tokens only when true
     allow_special_tokens_in_content: bool = False
+    # how `tool_choice: auto` reads the model's tool calls: the chat-template family (coordinator.tool_calls.PARSERS)
+    tool_call_parser: str = "llama3_json"
 
     def __post_init__(self) -> None:
         checks = [
@@ -42,6 +46,7 @@ class ServerSettings:
                                                             "body_read_timeout_s")],
             ("allow_special_tokens_in_content", isinstance(self.allow_special_tokens_in_content, bool),
              "must be true or false"),
+            ("tool_call_parser", self.tool_call_parser in PARSERS, f"must be one of {list(PARSERS)}"),
         ]
         for name, ok, why in checks:
             if not ok:
