@@ -51,11 +51,17 @@ class Admission:
 
     def kv_blocks(self, request: GenerateRequest, num_prior: int) -> int:
         """Blocks booked on the decode worker: prompt, prior outputs and the reserved share of what remains,
-        plus the one block the engine keeps ahead for the next token."""
+        plus the one block the engine keeps ahead for the next token. A group of n choices books the prompt's
+        full blocks once and, per choice, its copy of the partial last block, its outputs and one block ahead
+        (plus the group's own partial block while it is forked)."""
         remaining = request.params.max_tokens - num_prior
         budget = math.ceil(remaining * self.config.admission.reserve_output)
         tokens = len(request.prompt_token_ids) + num_prior + budget
-        return -(-tokens // self.router.block_size) + 1
+        bs = self.router.block_size
+        if request.n == 1:
+            return -(-tokens // bs) + 1
+        full, partial = divmod(len(request.prompt_token_ids), bs)
+        return full + 1 + request.n * (-(-(partial + budget) // bs) + 1)
 
     async def place(self, request: GenerateRequest, num_prior: int, reservation: Reservation,
                     migrating: bool = False) -> Placement:

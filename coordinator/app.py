@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from coordinator import errors, model_api, protocol
+from coordinator import choices, errors, model_api, protocol
 from coordinator.admin import health_response, install_admin_routes
 from coordinator.backend import GenerateRequest, ServingBackend
+from coordinator.choices_serve import serve_choices
 from coordinator.http_body import read_json
 from coordinator.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -136,6 +137,8 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     req = protocol.parse(model, await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
+    if choices.wanted(req):  # n, best_of, prompt lists, echo, prompt_logprobs: coordinator.choices_serve
+        return req, tenant, arrival
     prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size,
                                      settings.allow_special_tokens_in_content)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
@@ -161,10 +164,14 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
 
 async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
     try:
-        req, gen, fmt, ticket = await _admit(app, request, chat)
+        admitted = await _admit(app, request, chat)
+        if len(admitted) == 3:
+            return await serve_choices(app, request, *admitted, chat=chat, until_disconnect=_until_disconnect,
+                                       grace_s=STREAM_DEADLINE_GRACE_S)
     except errors.APIError:
         app.state.metrics.requests.inc("rejected")
         raise
+    req, gen, fmt, ticket = admitted
     want_lp = gen.request.params.logprobs is not None
     tools = _tool_stream(req, app.state.settings.tool_call_parser) if chat else None
     try:

@@ -8,11 +8,11 @@ Everything here is torch-free.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import TokenLogprob
+from engine.request import PromptLogprob, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -22,6 +22,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # stop_token_ids already merged in; stop strings stay with the coordinator
     priority: int = 2       # admission order, lower first: 0 migrations, 1-3 tenants' high/normal/low (tenants.py)
+    n: int = 1              # choices of this prompt (engine.choices), prefilled once: ServingBackend.generate_group
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class TokenDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the first delta, when params.prompt_logprobs is set
 
 
 class BackendError(Exception):
@@ -54,6 +56,17 @@ class Overloaded(BackendError):
         self.retry_after_s = retry_after_s
 
 
+class GroupStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]: ...
+
+    def __anext__(self) -> Awaitable[tuple[int, TokenDelta]]: ...
+
+    def stop(self, index: int) -> None:
+        """Choice `index` is over for the client (a stop string): abort it on its worker, drop its deltas."""
+
+    async def aclose(self) -> None: ...
+
+
 class ServingBackend(Protocol):
     model_name: str        # the id served at /v1/models
     model_path: str        # checkpoint folder (the coordinator loads the tokenizer from it)
@@ -67,6 +80,10 @@ class ServingBackend(Protocol):
         """Stream the request's tokens. Raises Overloaded (before the first delta) or BackendError.
         Closing the iterator early (aclose, or the consumer being cancelled) aborts the request everywhere and
         frees its blocks; the backend guarantees the stream ends, with a delta or an error, in bounded time."""
+
+    def generate_group(self, request: GenerateRequest) -> GroupStream:
+        """request.n choices of one prompt (or one with prompt logprobs), prefilled once: (choice index, delta)
+        pairs until every choice ended; same closing contract as generate()."""
 
     def health(self) -> tuple[bool, list[dict]]:
         """(every pool has a live worker, one entry per worker: name, role, state, restarts)."""

@@ -33,6 +33,7 @@ from coordinator.errors import invalid_request
 from coordinator.sampling_fields import SamplingFields, processing_kwargs
 from coordinator.structured_outputs import StructuredFields, structured_spec
 from coordinator.tool_calls import ToolFields, forced_spec
+from engine.choices import MAX_CHOICES
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 
@@ -56,7 +57,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict, SamplingFields, StructuredFields):  # penalties, ...; response_format, guided_*
+class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, structured_outputs, guided_*; penalties
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -67,7 +68,8 @@ class _Common(_Strict, SamplingFields, StructuredFields):  # penalties, ...; res
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = 1  # choices per prompt (coordinator.choices), 1..MAX_CHOICES
+    prompt_logprobs: int | None = None  # vLLM's: top alternatives of every prompt token, 0..20
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -79,8 +81,10 @@ class _Common(_Strict, SamplingFields, StructuredFields):  # penalties, ...; res
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
-        if self.n not in (None, 1):
-            raise ValueError("n: only n=1 is supported")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n: must be in [1, {MAX_CHOICES}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs: must be in [0, 20]")
         if self.store:
             raise ValueError("store: this server does not store completions (use false)")
         if any(len(k) > 64 or len(v) > 512 for k, v in (self.metadata or {}).items()):
@@ -114,20 +118,28 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _single_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: only a single prompt per request is supported")
-        if self.echo:
-            raise ValueError("echo: not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: not supported")
+            if len(self.prompt) > MAX_CHOICES:
+                raise ValueError(f"prompt: at most {MAX_CHOICES} prompts per request")
+        if self.best_of is not None:
+            if not (self.n or 1) <= self.best_of <= MAX_CHOICES:
+                raise ValueError(f"best_of: must be in [n, {MAX_CHOICES}]")
+            if self.stream and self.best_of > 1:
+                raise ValueError("best_of: cannot be used with stream (as OpenAI)")
+        if len(self.prompts) * (self.best_of or self.n or 1) > MAX_CHOICES:
+            raise ValueError(f"n: prompts times n (or best_of) must be at most {MAX_CHOICES}")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
 
     @property
     def single_prompt(self) -> str | list[int]:
+        return self.prompts[0]
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request (a string or token ids each; OpenAI's list forms)."""
         p = self.prompt
-        return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
 class TextPart(_Strict):

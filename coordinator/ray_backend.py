@@ -28,6 +28,7 @@ from coordinator.admission import Admission, Placement
 from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, WorkerLost
 from coordinator.backend_stats import backend_stats, transfer_totals
 from coordinator.pools import Pools, worker_faults
+from coordinator.ray_group import GroupRun
 from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import FaultsConfig, ServeConfig
@@ -124,6 +125,10 @@ class RayBackend:
         finally:
             reservation.release()
             self._ids.discard(rid)
+
+    def generate_group(self, request: GenerateRequest) -> GroupRun:
+        """request.n choices of one prompt, prefilled once (coordinator.ray_group)."""
+        return GroupRun(self, request)
 
     async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
                        reservation: Reservation) -> AsyncIterator[TokenDelta]:

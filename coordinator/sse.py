@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Any
 
 import anyio
 from starlette.responses import Response
@@ -111,6 +112,40 @@ class Formatter:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": self.usage(prompt_tokens, completion_tokens)}
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, stream: bool,
+               first: bool = False) -> dict:
+        """One entry of `choices` (coordinator.choices: several per body, each with its own index)."""
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if stream:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict], stream: bool, usage: tuple[int, int] | None = None, **extra: Any) -> dict:
+        """A whole response (stream false) or one chunk holding `choices`; `extra`: vLLM's top-level fields."""
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        body = {**self._base(kind), "choices": choices, **extra}
+        if not stream:
+            body["usage"] = self.usage(*usage)
+        elif self.include_usage:
+            body["usage"] = None
+        return body
+
+    @staticmethod
+    def prompt_logprobs(entries: list, token_text: Callable[[int], str]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: null for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} holding the prompt token and its top alternatives (rank: 1 = most likely)."""
+        out: list[dict | None] = [None]
+        for e in entries:
+            ranks = {t: r for r, t in enumerate(sorted(e.top_logprobs, key=lambda t: -e.top_logprobs[t]), 1)}
+            row = {str(t): {"logprob": v, "rank": ranks[t], "decoded_token": token_text(t)}
+                   for t, v in e.top_logprobs.items()}
+            row[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(e.token_id)}
+            out.append(row)
+        return out
 
     def logprobs(self, tokens: list[TokenInfo]) -> dict:
         if self.chat:

@@ -7,6 +7,10 @@ one call per token. Block ownership: reserve -> (transfer in flight: nobody else
 request -> freed on finish or abort; an abort during a transfer is applied once the transfer has ended.
 Every entry point takes `prior_output_ids` for a request resumed after its worker died: the outputs it already
 delivered, whose KV comes (transferred or recomputed) with the prompt's; only new tokens come out of poll().
+Groups (n choices of one prompt, engine.choices): `decode_group` pulls the prompt's KV ONCE into a reservation
+under the group id (or, collocated, takes the group prefill pinned here by `prefill_group`), forks it copy-on-write
+into one reservation per choice (LLMEngine.fork_reservation), drops the group's own blocks and starts every choice
+from its first token; each choice is then an ordinary request under its own id (abort one, the others go on).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class DecodeWorker:
         self._outbox: list[StepOutput] = []
         self._outbox_ready = asyncio.Event()
         self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
+        self._group_prefills: dict[str, asyncio.Future] = {}  # collocated group prefills awaiting their first tokens
         self.loop: AsyncEngine | None = None
         self.agent: KVAgent | None = None
         self._task: asyncio.Task | None = None
@@ -126,6 +131,66 @@ class DecodeWorker:
                                                      priority=priority))
         return await self.load()
 
+    async def prefill_group(self, group_id: str, prompt_token_ids: list[int], params: list[SamplingParams],
+                            priority: int = 0) -> StepOutput:
+        """Collocated: prefill a group once (choice j samples its first token with params[j]) and keep it pinned
+        here for decode_group(..., peer=None); returns its StepOutput (first tokens, prompt logprobs)."""
+        future = asyncio.get_running_loop().create_future()
+        self._group_prefills[group_id] = future
+        try:
+            await self.loop.call(lambda e: e.add_request(group_id, prompt_token_ids, params[0], prefill_only=True,
+                                                         priority=priority, fork_params=params[1:]))
+            return await future
+        except BaseException:
+            self._group_prefills.pop(group_id, None)
+            await self.loop.call(lambda e: e.abort(group_id))
+            raise
+
+    async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
+                           params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
+                           peer: str | None, peer_block_ids: list[int]) -> EngineLoad:
+        """Start every choice of a group from its first token: the prompt's KV pulled once from `peer` (or, with
+        peer None, the group pinned here), forked per choice. A choice aborted meanwhile is not started."""
+        n_tok = len(prompt_token_ids)
+        for cid in choice_ids:
+            self._transferring[cid] = False
+        try:
+            if peer is not None:
+                blocks = await self._reserve(group_id, n_tok)
+                await asyncio.wrap_future(self.agent.read(peer, peer_block_ids[:len(blocks)], blocks).future)
+            deadline = time.monotonic() + self._admission_timeout_s
+            for cid in choice_ids:
+                while not await self.loop.call(lambda e, c=cid: e.fork_reservation(group_id, c, n_tok)):
+                    if time.monotonic() > deadline:
+                        raise NoCapacity(f"decode worker {self.name}: no block to fork choice {cid} into")
+                    await asyncio.sleep(RESERVE_RETRY_S)
+        except BaseException:
+            await self.loop.call(lambda e: [e.abort(i) for i in [group_id, *choice_ids]])
+            raise
+        finally:
+            aborted = {cid for cid in choice_ids if self._transferring.pop(cid, False)}
+
+        def start(e: LLMEngine) -> list[StepOutput]:
+            e.abort(group_id)  # its blocks live on in the choices' tables
+            done = []
+            for cid, p, (token, lp) in zip(choice_ids, params, firsts, strict=True):
+                if cid in aborted:
+                    e.abort(cid)
+                    continue
+                try:
+                    out = e.add_prefilled_request(cid, prompt_token_ids, token, p, lp)
+                except Exception:
+                    for c in choice_ids:
+                        e.abort(c)
+                    raise
+                if out is not None:
+                    done.append(out)
+            return done
+        done = await self.loop.call(start)
+        if done:
+            self._push(done)
+        return await self.load()
+
     async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad]:
         """Every delta since the last poll (waits up to timeout_s for one), and the current load."""
         if not self._outbox:
@@ -176,6 +241,15 @@ class DecodeWorker:
             await asyncio.sleep(RESERVE_RETRY_S)
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        if self._group_prefills:
+            rest = []
+            for out in outputs:
+                future = self._group_prefills.pop(out.request_id, None)
+                if future is None:
+                    rest.append(out)
+                elif not future.done():
+                    future.set_result(out)
+            outputs = rest
         self._push(outputs)
 
     def _push(self, outputs: list[StepOutput]) -> None:

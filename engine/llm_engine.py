@@ -37,6 +37,7 @@ from engine.request import Request, RequestStatus, TokenLogprob, check_token_ids
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
+from engine.step_extras import plan_extras, record_extras, with_extras
 from engine.tiny import resolve_model_path
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
@@ -86,15 +87,24 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, prior_output_ids: Sequence[int] = (), priority: int = 0) -> None:
+                    prefill_only: bool = False, prior_output_ids: Sequence[int] = (), priority: int = 0,
+                    fork_params: Sequence[SamplingParams] | None = None) -> None:
         """Queue a request. With `prior_output_ids` it resumes one whose first k outputs were already delivered:
         the next token sampled (the first output returned) is output k. Waiting requests start in `priority` order
-        (lower first; arrival order within one priority); running ones are never displaced by it."""
+        (lower first; arrival order within one priority); running ones are never displaced by it. `fork_params`
+        (prefill_only only; () for a group of one) makes it a group prefill: the first tokens of n - 1 more
+        choices are sampled from the same logits (StepOutput.fork_first); it stays pinned for fork_reservation()."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
+        if fork_params is not None and not prefill_only:
+            raise ValueError(f"request {request_id!r}: fork_params needs prefill_only")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
+        for p in fork_params or ():
+            self._validate(request_id, prompt_token_ids, p, prior_output_ids)
         grammar = self._grammar_row(request_id, params, prior)
-        self.scheduler.add(self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority))
+        req = self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority)
+        req.fork_params = None if fork_params is None else tuple(fork_params)
+        self.scheduler.add(req)
         if grammar is not None:
             self.grammar.attach(request_id, grammar)
 
@@ -123,6 +133,24 @@ class LLMEngine:
             return None
         self._reserved.add(request_id)
         return list(self.block_manager.table(request_id))
+
+    def fork_reservation(self, src_id: str, dst_id: str, num_tokens: int) -> bool:
+        """Reserve blocks for `dst_id` holding a copy-on-write fork of the first `num_tokens` tokens of KV of
+        `src_id` (a reservation whose KV has arrived, or a pinned group prefill): full blocks are shared (ref
+        counts), the partial last block is copied on the device (engine.block_manager.fork). Then start it with
+        add_prefilled_request(dst_id, ...), or abort(dst_id). False when no block is free now."""
+        src = self.scheduler.requests.get(src_id)
+        if src_id not in self._reserved and (src is None or src.status != RequestStatus.PINNED):
+            raise ValueError(f"request {src_id!r} is neither a reservation nor a pinned prefill")
+        if dst_id in self.scheduler.requests or dst_id in self._reserved:
+            raise ValueError(f"request id {dst_id!r} is already in use")
+        copies = self.block_manager.fork(src_id, dst_id, num_tokens)
+        if copies is None:
+            return False
+        for a, b in copies:
+            self.kv_cache[b].copy_(self.kv_cache[a])  # [L, 2, bs, KVH, D]: queued after any step in flight
+        self._reserved.add(dst_id)
+        return True
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                               params: SamplingParams, first_logprob: TokenLogprob | None = None,
@@ -163,7 +191,8 @@ class LLMEngine:
         if self._in_flight is not None:
             return outputs + self._overlapped_step(may_continue=on_layer_done is None)
         sched = self.scheduler.schedule()
-        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done)
+        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done,
+                                      extras=plan_extras(sched, self.scheduler.requests))
         if self.config.async_scheduling and on_layer_done is None and sched.all_decodes:
             self._in_flight = launched  # applied by the next step(), after it queued the step that follows
             return outputs
@@ -179,7 +208,12 @@ class LLMEngine:
         return self._apply(current)
 
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
-        outputs = self.scheduler.update(launched.sched, launched.result(), self.config.pin_lease_s)
+        sampled = launched.result()
+        extra = record_extras(launched.sampling, launched.prompt_logprobs, launched.fork_first,
+                              self.scheduler.requests)
+        outputs = self.scheduler.update(launched.sched, sampled, self.config.pin_lease_s)
+        if extra:
+            outputs = [with_extras(o, extra[o.request_id]) if o.request_id in extra else o for o in outputs]
         if self.grammar is None:
             return outputs
         return self.grammar.after_update(outputs, self.scheduler.requests, self.scheduler.finish)

@@ -12,16 +12,17 @@ the engine queue step N+1 before the host has read step N's tokens (overlapped s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
-from engine.request import TokenLogprob
+from engine.request import PromptLogprob, TokenLogprob
 from engine.sampler import SampledTokens, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
 from engine.step_inputs import build_step_inputs
 
 
@@ -32,13 +33,19 @@ class LaunchedStep:
     sched: SchedulerOutput
     sampling: list[ScheduledChunk]     # the sampling chunks, in the row order of `sampled`
     sampled: SampledTokens | None      # None when no chunk samples
+    fork_rows: dict[str, list[int]] = field(default_factory=dict)  # group prefills' extra rows (engine.step_extras)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)  # by request id
+    fork_first: dict[str, list[tuple[int, TokenLogprob | None]]] = field(default_factory=dict)  # set by result()
 
     def result(self) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Waits for the step's tokens: {request_id: (token, logprob)}."""
+        """Waits for the step's tokens: {request_id: (token, logprob)} (group prefills' other first tokens go
+        to `fork_first`)."""
         if self.sampled is None:
             return {}
         tokens, logprobs = self.sampled.result()
-        return {c.request_id: (t, lp) for c, t, lp in zip(self.sampling, tokens, logprobs, strict=True)}
+        self.fork_first = {rid: [(tokens[i], logprobs[i]) for i in rows] for rid, rows in self.fork_rows.items()}
+        n = len(self.sampling)
+        return {c.request_id: (t, lp) for c, t, lp in zip(self.sampling, tokens[:n], logprobs[:n], strict=True)}
 
 
 class ModelRunner:
@@ -60,26 +67,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, params: dict[str, SamplingParams], after: LaunchedStep | None = None,
-               on_layer_done: Callable[[int], None] | None = None) -> LaunchedStep:
+               on_layer_done: Callable[[int], None] | None = None, extras: StepExtras | None = None) -> LaunchedStep:
         """Queue `sched`. With `after`, every chunk is a decode whose input token is the one `after` samples
-        for the same request (the chunk's own token id is a placeholder)."""
+        for the same request (the chunk's own token id is a placeholder). `extras`: fork rows and prompt
+        logprobs (engine.step_extras); such a step runs eagerly."""
         if not sched.chunks:
             return LaunchedStep(sched, [], None)
         step = build_step_inputs(sched, self.block_size, self.device, self.model.config.sliding_window)
         input_ids = step.input_ids if after is None else self._ids_after(after, step.sampling)  # [T]
-        if self._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
+        prompt = {}
+        if not extras and self._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
             logits = self.graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
         else:
             hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)  # [T, h]
+            if extras and extras.prompt:
+                prompt = compute_prompt_logprobs(self.model, hidden, sched, extras.prompt)
             if not step.sampling:
-                return LaunchedStep(sched, [], None)
+                return LaunchedStep(sched, [], None, prompt_logprobs=prompt)
             logits = self.model.compute_logits(hidden[step.sample_index])  # [S, V]
         chunks = step.sampling
         if self.logits_hook is not None:
             self.logits_hook(chunks, logits, after)
-        sampled = self.sampler.launch(logits, [params[c.request_id] for c in chunks],
-                                      [c.output_index for c in chunks], [c.request_id for c in chunks])
-        return LaunchedStep(sched, chunks, sampled)
+        row_params = [params[c.request_id] for c in chunks]
+        if extras and extras.forks:
+            rows, row_params, indices, ids, where = fork_rows(chunks, row_params, extras.forks)
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))  # [S + forks, V]
+            sampled = self.sampler.launch(logits, row_params, indices, ids)
+            return LaunchedStep(sched, chunks, sampled, where, prompt)
+        sampled = self.sampler.launch(logits, row_params, [c.output_index for c in chunks],
+                                      [c.request_id for c in chunks])
+        return LaunchedStep(sched, chunks, sampled, prompt_logprobs=prompt)
 
     def _ids_after(self, after: LaunchedStep, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """[T] int64 input ids gathered on the device from `after`'s sampled tokens, one per decode chunk."""

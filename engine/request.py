@@ -9,6 +9,11 @@ A resumed request (one migrated from another worker mid-stream) starts with `pri
 delivered elsewhere. They join `all_token_ids` (their KV is computed like the prompt's) and count as outputs, so the
 next sampled token has output index len(prior_output_ids) (seeded sampling continues exactly) and max_tokens covers
 them; stop checks only ever see newly sampled tokens.
+
+A group prefill (n choices of one prompt, `fork_params` = the params of choices 1..n-1) samples every choice's
+first token from the same logits row (`fork_first`) and stays pinned whatever those tokens are: each choice's end
+is decided where it decodes (LLMEngine.add_prefilled_request). `prompt_logprobs` fills during prefill when
+params.prompt_logprobs is set: one entry per prompt token after the first.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ class TokenLogprob:
     top_logprobs: dict[int, float]
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it, its rank in the vocabulary (1 = most likely)
+    and the top alternatives (vLLM's prompt_logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: dict[int, float]
+
+
 @dataclass
 class Request:
     request_id: str
@@ -55,6 +71,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     pin_deadline: float | None = None
     num_preemptions: int = 0
+    fork_params: tuple[SamplingParams, ...] | None = None  # a group prefill: choices 1..n-1's first-token params
+    fork_first: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # their first tokens
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # for prompt tokens 1.. (prefill)
 
     def __post_init__(self) -> None:
         self.prior_output_ids = tuple(self.prior_output_ids)
@@ -92,6 +111,8 @@ class Request:
 
     def _stop_reason(self, token_id: int) -> str | None:
         p = self.params
+        if self.fork_params is not None:
+            return None  # a group prefill stays pinned: every choice ends where it decodes
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:

@@ -20,6 +20,8 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p = 1 and min_p = 0 disable those filters.
     `seed` makes the request's samples reproducible whatever else is in the batch and whichever worker runs it.
     `logprobs` = N returns, per generated token, its log-probability and the N most likely alternatives.
+    `prompt_logprobs` = N (vLLM's) returns the same for every prompt token after the first, computed during prefill
+    (such a request skips the prefix cache: cached positions have no logits).
 
     Logits processing (engine.logits_processing), in vLLM's order before temperature and the filters:
     `logit_bias` ((token id, bias in [-100, 100]) pairs, sorted; a dict is accepted) is added; until `min_tokens`
@@ -39,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -64,6 +67,8 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be None or in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "must be None or in [0, 20]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be None or in [0, 2**63)"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),

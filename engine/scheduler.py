@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus, TokenLogprob
+from engine.request import PromptLogprob, Request, RequestStatus, TokenLogprob
 
 PENDING_TOKEN = -1  # token id of a chunk whose input is still being sampled on the device
 
@@ -64,6 +64,8 @@ class StepOutput:
     new_logprobs: list[TokenLogprob]
     finish_reason: str | None
     pinned_block_ids: list[int] | None = None  # set once a prefill-only request is done and pinned
+    fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1 first tokens
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when params.prompt_logprobs is set
 
 
 class Scheduler:
@@ -222,7 +224,8 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.bm.cached_prefix(req.all_token_ids) if req.num_computed_tokens == 0 else []
+            fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None  # cached KV has no logits
+            prefix = self.bm.cached_prefix(req.all_token_ids) if fresh else []
             cached_tokens = len(prefix) * self.bm.block_size
             n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
             if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):

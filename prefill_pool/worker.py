@@ -5,6 +5,8 @@ enqueue work and await results. Block ownership: after `prefill()` returns, the 
 here until `release()` (decode has pulled them), `abort()`, or the pin lease expires; never silently kept.
 A resumed request (`prior_output_ids`: outputs already delivered before its decode worker died) is prefilled over
 prompt + prior outputs, and its first token is output len(prior_output_ids).
+A group prefill (`fork_params`, n choices of one prompt: engine.request) also returns the other choices' first
+tokens (`fork_first`) and stays pinned whatever they are; requests with params.prompt_logprobs return them too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
-from engine.request import TokenLogprob
+from engine.request import PromptLogprob, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
@@ -39,6 +41,8 @@ class PrefillResult:
     finish_reason: str | None   # set if the first token already ends the request (then nothing is pinned)
     block_ids: list[int]        # pinned blocks holding the KV of the prompt (then prior outputs), in order
     load: EngineLoad
+    fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1
+    prompt_logprobs: list[PromptLogprob] | None = None  # when params.prompt_logprobs is set
 
 
 class PrefillWorker:
@@ -69,7 +73,8 @@ class PrefillWorker:
                           (("engine", engine_s), ("agent", time.monotonic() - started - engine_s)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prior_output_ids: Sequence[int] = (), priority: int = 0) -> PrefillResult:
+                      prior_output_ids: Sequence[int] = (), priority: int = 0,
+                      fork_params: Sequence[SamplingParams] | None = None) -> PrefillResult:
         if self._error_fraction and self._fault_rng.random() < self._error_fraction:
             raise InjectedFault(f"prefill of {request_id} failed: an injected fault (faults.prefill_error_fraction)")
         future = asyncio.get_running_loop().create_future()
@@ -77,7 +82,8 @@ class PrefillWorker:
         prior = list(prior_output_ids)
         try:
             await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=True,
-                                                         prior_output_ids=prior, priority=priority))
+                                                         prior_output_ids=prior, priority=priority,
+                                                         fork_params=fork_params))
             return await future
         except BaseException:
             self._waiting.pop(request_id, None)
@@ -126,4 +132,5 @@ class PrefillWorker:
             if future is None or future.done():
                 continue  # an expired pin, or an aborted request
             future.set_result(PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
-                                            out.finish_reason, out.pinned_block_ids or [], load))
+                                            out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
+                                            out.prompt_logprobs))

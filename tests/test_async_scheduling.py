@@ -30,9 +30,9 @@ def _drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> 
     launched_after = []
     launch = engine.runner.launch
 
-    def spy(sched, params, after=None, on_layer_done=None):
+    def spy(sched, params, after=None, on_layer_done=None, **extras):
         launched_after.append(after is not None)
-        return launch(sched, params, after=after, on_layer_done=on_layer_done)
+        return launch(sched, params, after=after, on_layer_done=on_layer_done, **extras)
     engine.runner.launch = spy
     for i in range(4):
         engine.add_request(f"r{i}", prompts[i], params[i])

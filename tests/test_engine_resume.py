@@ -167,9 +167,9 @@ def _count_overlapped_launches(engine) -> list[int]:
     count = [0]
     launch = engine.runner.launch
 
-    def spy(sched, params, after=None, on_layer_done=None):
+    def spy(sched, params, after=None, on_layer_done=None, **extras):
         count[0] += after is not None
-        return launch(sched, params, after=after, on_layer_done=on_layer_done)
+        return launch(sched, params, after=after, on_layer_done=on_layer_done, **extras)
     engine.runner.launch = spy
     return count
 

@@ -1,0 +1,151 @@
+"""GroupRun: one prompt's n choices (OpenAI `n` / `best_of`) or a prompt-logprobs request on the Ray pools,
+prefilled once (RayBackend.generate_group).
+
+Path: Admission places the group and books it once (the prompt's full blocks once, per choice its partial block,
+outputs and one block ahead: Admission.kv_blocks); the prefill worker (collocated: the decode worker itself,
+`prefill_group`) runs the prompt once and samples every choice's first token from the same logits, each with its
+choice's params (engine.choices: seed + j); those first tokens stream at once, with the prompt logprobs; then the
+decode worker pulls the KV once and forks it per choice (DecodeWorker.decode_group). Each choice then streams under
+its own worker id `<group>#<j>`; `stop(j)` aborts one choice (a stop string matched), the others go on.
+
+Every exit path runs one `finally`: every unfinished choice and the group's prefill are aborted on live workers
+and the Reservation is released, exactly once. Not moved on a worker's death: a group (n > 1, or one asking for
+prompt logprobs) whose worker dies ends with a BackendError (an in-band error for the client) instead of resuming
+elsewhere as single requests do; likewise a failed KV transfer fails the group (no recompute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from coordinator.backend import BackendError, GenerateRequest, TokenDelta, WorkerLost
+from coordinator.router import WorkerState
+from engine.choices import choice_params
+
+if TYPE_CHECKING:
+    from coordinator.ray_backend import RayBackend
+
+
+class GroupRun:
+    def __init__(self, backend: RayBackend, request: GenerateRequest) -> None:
+        self._backend = backend
+        self._request = request
+        self._params = choice_params(request.params, request.n)
+        self._stopped: set[int] = set()
+        self._done: set[int] = set()
+        self._decode: WorkerState | None = None
+        self._ids: list[str] = []
+        self._gen = self._run()
+
+    def __aiter__(self) -> GroupRun:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenDelta]:
+        return await self._gen.__anext__()
+
+    def stop(self, index: int) -> None:
+        if index in self._stopped or index in self._done:
+            return
+        self._stopped.add(index)
+        if self._decode is not None and self._decode.alive and self._ids:
+            self._backend._spawn(_quietly(self._decode.handle.abort.remote(self._ids[index])))
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    async def _run(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        b, request = self._backend, self._request
+        rid = request.request_id
+        while rid in b._ids:
+            rid = f"{request.request_id}-{len(b._ids)}"
+        b._ids.add(rid)
+        reservation = b.ledger.open(rid)
+        self._ids = ids = [f"{rid}#{j}" for j in range(request.n)]
+        index = {cid: j for j, cid in enumerate(ids)}
+        queue: asyncio.Queue = asyncio.Queue()
+        cleanup: list[tuple[WorkerState, str]] = []
+        try:
+            placement = await b.admission.place(request, 0, reservation)
+            prefill, decode = placement.prefill, placement.decode
+            self._decode = decode
+            for cid in ids:
+                b._streams[cid] = queue
+            source = prefill or decode
+            cleanup.append((source, "abort_group"))
+            if prefill is None:
+                out = await b._call(decode, decode.handle.prefill_group.remote(
+                    rid, request.prompt_token_ids, self._params, priority=placement.priority))
+                firsts = [(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None),
+                          *(out.fork_first or [])]
+                prompt_lps, peer, blocks = out.prompt_logprobs, None, []
+            else:
+                out = await b._call(prefill, prefill.handle.prefill.remote(
+                    rid, request.prompt_token_ids, self._params[0], priority=placement.priority,
+                    fork_params=self._params[1:]))
+                prefill.load = out.load
+                firsts = [(out.first_token_id, out.first_logprob), *(out.fork_first or [])]
+                prompt_lps, peer, blocks = out.prompt_logprobs, prefill.name, out.block_ids
+            reservation.unbook(source.key, "prompt_tokens")
+            for j, (token, lp) in enumerate(firsts):
+                yield j, TokenDelta([token], [lp] if lp else [], None, prompt_lps)
+            cleanup.append((decode, "abort"))
+            for cid in ids:
+                decode.requests.add(cid)
+            b._spawn(self._handoff(rid, decode, prefill, firsts, peer, blocks, queue))
+            while len(self._done | self._stopped) < request.n:
+                out = await queue.get()
+                if isinstance(out, WorkerLost):
+                    raise BackendError(f"{out}; a request with n > 1 or prompt logprobs is not moved to another "
+                                       "worker") from None
+                if isinstance(out, BaseException):
+                    raise out
+                j = index[out.request_id]
+                if j in self._stopped or j in self._done:
+                    continue
+                if out.finish_reason is not None:
+                    self._done.add(j)
+                yield j, TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason)
+        finally:
+            for cid in ids:
+                b._streams.pop(cid, None)
+            for worker, action in cleanup:
+                if action == "abort_group":
+                    if worker.alive:
+                        b._spawn(_quietly(worker.handle.abort.remote(rid)))
+                    continue
+                for j, cid in enumerate(ids):
+                    worker.requests.discard(cid)
+                    if worker.alive and j not in self._done:
+                        b._spawn(_quietly(worker.handle.abort.remote(cid)))
+            reservation.release()
+            b._ids.discard(rid)
+
+    async def _handoff(self, rid: str, decode: WorkerState, prefill: WorkerState | None,
+                       firsts: list[tuple[int, Any]], peer: str | None, blocks: list[int],
+                       queue: asyncio.Queue) -> None:
+        """The decode worker pulls the KV once (or takes the group pinned on itself) and starts every choice;
+        the prefill worker then frees its pinned copy. Errors go into the group's stream."""
+        b = self._backend
+        try:
+            decode.load = await b._call(decode, decode.handle.decode_group.remote(
+                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks))
+        except BackendError as e:
+            queue.put_nowait(e)
+        finally:
+            if prefill is not None and prefill.alive:
+                b._spawn(_quietly(prefill.handle.release.remote(rid)))
+        ended = self._ids[0] not in b._streams  # the group's stream closed while the choices were starting
+        for j, cid in enumerate(self._ids):  # an abort sent before a choice existed there found nothing
+            if decode.alive and (j in self._stopped or (ended and j not in self._done)):
+                b._spawn(_quietly(decode.handle.abort.remote(cid)))
+
+
+async def _quietly(ref: Any) -> None:
+    try:
+        await ref
+    except (RayActorError, RayTaskError, asyncio.CancelledError):
+        pass
