@@ -324,8 +324,10 @@ def test_sigkill_of_pdserve_serve_leaves_no_process_of_its_ray_behind(tmp_path):
         proc.kill()  # SIGKILL: no handler, no atexit, no drain
         proc.wait(30)
         assert wait_until(lambda: _proc_start(watchdogs[0]) is None, 120, 0.1), "the watchdog did not finish"
-        left = {pid: cmd for pid, (start, cmd) in tree.items() if _proc_start(pid) == start}
-        assert left == {}, left
+        def left() -> dict[int, str]:
+            return {pid: cmd for pid, (start, cmd) in tree.items() if _proc_start(pid) == start}
+        # a SIGKILLed process with a large address space takes a moment to exit on a loaded machine
+        assert wait_until(lambda: not left(), 30, 0.2), left()
     finally:
         for pid, (start, _) in tree.items():  # never leave this test's own processes behind, whatever happened
             if _proc_start(pid) == start:
