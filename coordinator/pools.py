@@ -13,8 +13,11 @@ prefill_pool/ and decode_pool/.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -25,10 +28,14 @@ from coordinator.serve_config import PoolConfig, ServeConfig
 from decode_pool.worker import DecodeWorker
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
+from kvtransfer.errors import PeerLost
 from prefill_pool.worker import PrefillWorker
 
 START_TIMEOUT_S = 600.0
 PLACEMENT_TIMEOUT_S = 60.0
+CONNECT_ATTEMPTS = 3  # a transfer connection that times out (a loaded machine, a slow network) is tried again
+
+log = logging.getLogger(__name__)
 
 
 class Pools:
@@ -66,8 +73,8 @@ class Pools:
                                          START_TIMEOUT_S)
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
-        await asyncio.gather(*[d.handle.add_peer.remote(p.info.agent_metadata)
-                               for d in self.decode for p in self.prefill])
+        await asyncio.gather(*[_connecting(lambda d=d, p=p: d.handle.add_peer.remote(p.info.agent_metadata),
+                                           f"{d.name} to {p.name}") for d in self.decode for p in self.prefill])
 
     async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
         """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model. On any
@@ -88,11 +95,12 @@ class Pools:
             return
         if worker.info.role == "decode":
             peers = [p for p in self.prefill if p.alive]
-            await asyncio.gather(*[worker.handle.add_peer.remote(p.info.agent_metadata) for p in peers])
+            await asyncio.gather(*[_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
+                                               f"{worker.name} to {p.name}") for p in peers])
         else:
             peers = [d for d in self.decode if d.alive]
-            await asyncio.gather(*[d.handle.replace_peer.remote(worker.name, worker.info.agent_metadata)
-                                   for d in peers])
+            await asyncio.gather(*[_connecting(lambda d=d: d.handle.replace_peer.remote(
+                worker.name, worker.info.agent_metadata), f"{d.name} to {worker.name}") for d in peers])
 
     async def disconnect(self, dead: WorkerState) -> None:
         """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
@@ -189,3 +197,18 @@ def worker_faults(faults, role: str) -> dict:
     if role != "prefill":
         return {"kv": kv}
     return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed}
+
+
+async def _connecting(call: Callable[[], Any], what: str) -> None:
+    """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
+    be repeated), again after a PeerLost, up to CONNECT_ATTEMPTS times."""
+    for attempt in range(1, CONNECT_ATTEMPTS + 1):
+        try:
+            await call()
+            return
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's PeerLost; anything else is raised as is
+            if attempt == CONNECT_ATTEMPTS or not (isinstance(e, PeerLost) or isinstance(getattr(e, "cause", None),
+                                                                                       PeerLost)):
+                raise
+            log.warning("connecting %s failed (attempt %d of %d), trying again: %s", what, attempt,
+                        CONNECT_ATTEMPTS, e)

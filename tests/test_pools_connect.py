@@ -1,0 +1,49 @@
+"""Pools' peer connections at start-up and after a replacement: a connect that times out (PeerLost, as Ray raises it
+from the worker) is tried again up to CONNECT_ATTEMPTS times; any other error is raised at once."""
+
+import asyncio
+
+import pytest
+from ray.exceptions import RayTaskError
+
+from coordinator.pools import CONNECT_ATTEMPTS, _connecting
+from kvtransfer.errors import PeerLost
+
+
+def _calls(*outcomes):
+    made = []
+
+    def call():
+        made.append(len(made))
+        outcome = outcomes[len(made) - 1]
+
+        async def run():
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        return run()
+    return call, made
+
+
+def _from_worker(error: Exception) -> Exception:
+    """The error as a Ray actor call raises it: a RayTaskError that is also an instance of its cause."""
+    return RayTaskError("add_peer", "traceback", error).as_instanceof_cause()
+
+
+def test_a_timed_out_connect_is_tried_again_until_it_succeeds():
+    lost = _from_worker(PeerLost("cannot connect to 'prefill-0': TimeoutError"))
+    call, made = _calls(*([lost] * (CONNECT_ATTEMPTS - 1)), "prefill-0")
+    asyncio.run(_connecting(call, "decode-0 to prefill-0"))
+    assert len(made) == CONNECT_ATTEMPTS
+
+
+def test_it_gives_up_after_the_last_attempt_and_other_errors_are_not_retried():
+    lost = _from_worker(PeerLost("cannot connect"))
+    call, made = _calls(*([lost] * CONNECT_ATTEMPTS))
+    with pytest.raises(PeerLost):
+        asyncio.run(_connecting(call, "decode-0 to prefill-0"))
+    assert len(made) == CONNECT_ATTEMPTS
+    call, made = _calls(_from_worker(ValueError("incompatible agents")), "never")
+    with pytest.raises(ValueError):
+        asyncio.run(_connecting(call, "decode-0 to prefill-0"))
+    assert len(made) == 1
