@@ -40,6 +40,7 @@ from tests.cluster_helpers import (
     stream_events,
     wait_no_processes,
 )
+from tests.server_process import LabelSets
 
 pytestmark = pytest.mark.skipif(isolation_unavailable() is not None, reason=str(isolation_unavailable()))
 
@@ -98,7 +99,7 @@ def test_streams_move_to_a_decode_worker_on_the_surviving_node(seen, greedy):
 
     new = fits["new_request"]
     assert (new["status"], new["text"], new["completion_tokens"]) == (200, greedy[0], MAX_TOKENS), new
-    assert fits["restarts"].get('{worker="decode-0",role="decode"}', 0) >= 1, fits["restarts"]
+    assert LabelSets(fits["restarts"]).get('{worker="decode-0",role="decode"}', 0) >= 1, fits["restarts"]
     moved = fits["migrations"]
     assert moved.get('{event="attempted"}', 0) >= len(BODIES), moved
     assert moved.get('{event="outcome_completed"}', 0) >= len(BODIES), moved
