@@ -140,3 +140,17 @@ def admin_integrity(url: str) -> dict:
     r = httpx.get(f"{url}/admin/integrity", timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def assert_nothing_booked(url: str) -> dict:
+    """Once the workers are idle: integrity holds, the coordinator books nothing and no engine holds a block in
+    use or pinned (needs server.admin_api). Returns the integrity report."""
+    wait_for_idle_workers(url)
+    integrity = admin_integrity(url)
+    assert integrity["ok"], integrity
+    assert all(v == 0 for kinds in integrity["coordinator"].values() for v in kinds.values()), integrity
+    for name, counts in integrity["workers"].items():
+        assert counts["in_use"] == 0 and counts["pinned"] == 0, (name, counts)
+    booked = metric_values(url, "pdserve_worker_booked_kv_blocks")
+    assert booked and all(v == 0 for v in booked.values()), booked
+    return integrity

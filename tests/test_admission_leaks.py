@@ -12,10 +12,9 @@ import pytest
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
-    admin_integrity,
+    assert_nothing_booked,
     metric_values,
     running_server,
-    wait_for_idle_workers,
 )
 
 pytestmark = pytest.mark.timeout(400)
@@ -29,18 +28,6 @@ def server(tmp_path_factory):
               "transfer": {"backends": ["ucx"]}, "admission": {"timeout_s": 5}, "server": {"admin_api": True}}
     with running_server(tmp_path_factory.mktemp("leaks"), config) as srv:
         yield srv
-
-
-def _clean(server) -> dict:
-    wait_for_idle_workers(server.url)
-    integrity = admin_integrity(server.url)
-    assert integrity["ok"], integrity
-    assert all(v == 0 for kinds in integrity["coordinator"].values() for v in kinds.values()), integrity
-    for name, counts in integrity["workers"].items():
-        assert counts["in_use"] == 0 and counts["pinned"] == 0, (name, counts)
-    booked = metric_values(server.url, "pdserve_worker_booked_kv_blocks")
-    assert booked and all(v == 0 for v in booked.values()), booked
-    return integrity
 
 
 async def _stream_until(client, url: str, body: dict, chunks: int) -> int:
@@ -84,7 +71,7 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     asyncio.run(drop_during_prefill())
-    _clean(server)
+    assert_nothing_booked(server.url)
 
     # during the handoff: every transfer stalls 2 s, each client leaves after its first token
     r = httpx.post(f"{url}/admin/faults", json={"transfer_stall_fraction": 1.0, "transfer_stall_s": 2.0}, timeout=30)
@@ -98,11 +85,11 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
                                           for p in prompts])
     assert asyncio.run(drop_after(1, short, 64)) == [1] * 60
     assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
-    _clean(server)
+    assert_nothing_booked(server.url)
 
     # mid-decode
     assert asyncio.run(drop_after(5, short, 300)) == [5] * 60
-    _clean(server)
+    assert_nothing_booked(server.url)
 
     # an injected prefill error fails each request cleanly (a 502 naming the failure, never a 500)
     assert httpx.post(f"{url}/admin/faults", json={"prefill_error_fraction": 1.0}, timeout=30).status_code == 200
@@ -115,9 +102,9 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
     assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
     assert {r.status_code for r in responses} == {502}, {r.status_code for r in responses}
     assert all("injected" in r.json()["error"]["message"] for r in responses)
-    _clean(server)
+    assert_nothing_booked(server.url)
     _serves_every_size(url)
-    _clean(server)
+    assert_nothing_booked(server.url)
 
 
 def test_saturation_gets_503_with_retry_after_and_nothing_leaks(server):
@@ -139,5 +126,5 @@ def test_saturation_gets_503_with_retry_after_and_nothing_leaks(server):
         else:
             assert r.json()["usage"]["completion_tokens"] == 100
     assert _booked(url, "pdserve_worker_engine_preemptions_total") == preempted_before  # no preemption at all
-    _clean(server)
+    assert_nothing_booked(server.url)
     _serves_every_size(url)

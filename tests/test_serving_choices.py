@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server_process import HALF_CPU, admin_integrity, metric_values, running_server, wait_for_idle_workers
+from tests.server_process import HALF_CPU, assert_nothing_booked, running_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The lighthouse keeper counted the ships"
@@ -116,11 +116,4 @@ def test_best_of_keeps_the_most_likely_and_refuses_stream(client):
 
 
 def test_nothing_stays_booked(server, client):
-    wait_for_idle_workers(server.url)
-    integrity = admin_integrity(server.url)
-    assert integrity["ok"], integrity
-    assert all(v == 0 for kinds in integrity["coordinator"].values() for v in kinds.values()), integrity
-    for name, counts in integrity["workers"].items():
-        assert counts["in_use"] == 0 and counts["pinned"] == 0, (name, counts)
-    booked = metric_values(server.url, "pdserve_worker_booked_kv_blocks")
-    assert booked and all(v == 0 for v in booked.values()), booked
+    assert_nothing_booked(server.url)
