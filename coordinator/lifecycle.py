@@ -94,7 +94,8 @@ class Generation:
     """One request against the backend: deltas in, Pieces out, always closed, outcome and timings recorded."""
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
-                 timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None) -> None:
+                 timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
+                 counts_request: bool = True) -> None:
         self._backend = backend
         self.request = request
         self.text = text
@@ -107,6 +108,8 @@ class Generation:
         self._stream = None
         self._closed = False
         self._grant = grant  # the tenant's charge, settled in close()
+        # False for choices 1.. of an n>1 request: one request, one prompt and one TTFT/e2e sample per prompt
+        self._counts_request = counts_request
         self.finish_reason: str | None = None
 
     @property
@@ -125,7 +128,8 @@ class Generation:
         now = time.monotonic()
         if delta.token_ids:
             if self._last_token_at is None:
-                self._metrics.ttft.observe(now - self._arrival)
+                if self._counts_request:
+                    self._metrics.ttft.observe(now - self._arrival)
             else:
                 self._metrics.itl.observe(now - self._last_token_at)
             self._last_token_at = now
@@ -187,7 +191,8 @@ class Generation:
                     outcome = "failed" if outcome == "finished" else outcome
         if self._grant is not None:  # the tenant is charged prompt + the tokens it really got
             self._grant.settle(self.completion_tokens, outcome, prompt_processed=self._last_token_at is not None)
-        self._metrics.requests.inc(outcome)
-        self._metrics.prompt_tokens.inc(self.prompt_tokens)
+        if self._counts_request:
+            self._metrics.requests.inc(outcome)
+            self._metrics.prompt_tokens.inc(self.prompt_tokens)
+            self._metrics.e2e.observe(time.monotonic() - self._arrival)
         self._metrics.generation_tokens.inc(self.completion_tokens)
-        self._metrics.e2e.observe(time.monotonic() - self._arrival)

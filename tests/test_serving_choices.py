@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server_process import HALF_CPU, assert_nothing_booked, running_server
+from tests.server_process import HALF_CPU, assert_nothing_booked, metric_values, running_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The lighthouse keeper counted the ships"
@@ -113,6 +113,19 @@ def test_best_of_keeps_the_most_likely_and_refuses_stream(client):
         client.completions.create(model="tiny", prompt=PROMPT, n=129)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="tiny", prompt=PROMPT, n=3, best_of=2)
+
+
+def test_metrics_count_a_request_of_n_choices_once(server, client):
+    def totals():
+        requests = sum(metric_values(server.url, "pdserve_requests_total").values())
+        return (requests, metric_values(server.url, "pdserve_prompt_tokens_total")[None],
+                metric_values(server.url, "pdserve_generation_tokens_total")[None])
+    before = totals()
+    out = client.completions.create(model="tiny", prompt=PROMPT, n=3, **SEEDED, extra_body=EXTRA)
+    after = totals()
+    assert after[0] - before[0] == 1
+    assert after[1] - before[1] == out.usage.prompt_tokens
+    assert after[2] - before[2] == out.usage.completion_tokens == 3 * SEEDED["max_tokens"]
 
 
 def test_nothing_stays_booked(server, client):
