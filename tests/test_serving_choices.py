@@ -4,6 +4,7 @@ echo logprobs equal the engine's prompt logprobs, streamed equals whole, and not
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -62,6 +63,12 @@ def test_n_choices_equal_separate_seeded_requests_streamed_and_not(client):
                                              **{**SEEDED, "seed": SEEDED["seed"] + j}, extra_body=EXTRA)
               for j in range(2)]
     assert [c.message.content for c in chat.choices] == [s.choices[0].message.content for s in single]
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                                stream=True, **SEEDED, extra_body=EXTRA):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[j] for j in range(2)] == [c.message.content for c in chat.choices]
 
 
 def test_prompt_lists_index_across_prompts_with_one_usage(client):
@@ -101,6 +108,22 @@ def test_echo_logprobs_equal_the_engines_prompt_logprobs(client, engine):
     plp = raw.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     assert plp[1][str(ids[1])]["logprob"] == pytest.approx(entries[0].logprob, abs=1e-4)
+
+
+def test_chat_prompt_logprobs_cover_the_templated_prompt(server, client, engine):
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": msgs}, timeout=30).json()["tokens"]
+    e = engine.engine
+    e.add_request("chat-ref", ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    ref = None
+    while e.has_unfinished():
+        ref = [o for o in e.step() if o.prompt_logprobs is not None] or ref
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [p[str(t)]["logprob"] for p, t in zip(plp[1:], ids[1:], strict=True)] == pytest.approx(
+        [x.logprob for x in ref[0].prompt_logprobs], abs=1e-4)
 
 
 def test_best_of_keeps_the_most_likely_and_refuses_stream(client):
