@@ -28,12 +28,13 @@ from coordinator.serve_config import PoolConfig, ServeConfig
 from decode_pool.worker import DecodeWorker
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
-from kvtransfer.errors import PeerLost
+from kvtransfer.errors import PeerLost, TransferTimeout
 from prefill_pool.worker import PrefillWorker
 
 START_TIMEOUT_S = 600.0
 PLACEMENT_TIMEOUT_S = 60.0
 CONNECT_ATTEMPTS = 3  # a transfer connection that times out (a loaded machine, a slow network) is tried again
+RETRIED = (PeerLost, TransferTimeout)
 
 log = logging.getLogger(__name__)
 
@@ -201,14 +202,14 @@ def worker_faults(faults, role: str) -> dict:
 
 async def _connecting(call: Callable[[], Any], what: str) -> None:
     """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
-    be repeated), again after a PeerLost, up to CONNECT_ATTEMPTS times."""
+    be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times."""
     for attempt in range(1, CONNECT_ATTEMPTS + 1):
         try:
             await call()
             return
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's PeerLost; anything else is raised as is
-            if attempt == CONNECT_ATTEMPTS or not (isinstance(e, PeerLost) or isinstance(getattr(e, "cause", None),
-                                                                                       PeerLost)):
+            if attempt == CONNECT_ATTEMPTS or not (isinstance(e, RETRIED) or isinstance(getattr(e, "cause", None),
+                                                                                      RETRIED)):
                 raise
             log.warning("connecting %s failed (attempt %d of %d), trying again: %s", what, attempt,
                         CONNECT_ATTEMPTS, e)

@@ -155,7 +155,17 @@ class AgentActor:
         return self.agent.metadata().to_bytes()
 
     def add_remote(self, meta: bytes) -> str:
-        return self.agent.add_remote(meta)
+        """Connect, again after a PeerLost (a handshake that a loaded machine answered late), up to three times,
+        as coordinator.pools connects workers."""
+        from kvtransfer.errors import PeerLost
+
+        for attempt in range(3):
+            try:
+                return self.agent.add_remote(meta)
+            except PeerLost:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def read(self, remote: str, remote_ids: list[int], local_ids: list[int], layers: Any = None,
              notify: bytes | None = None, timeout: float = 30.0) -> None:
