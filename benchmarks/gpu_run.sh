@@ -3,7 +3,7 @@
 # tests: kernel tests at real sizes, the engine's kernel path vs transformers, the sampler on CUDA.
 # peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
 # kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
-# engine: a random Llama-3-8B checkpoint, then python -m engine.bench --gpu.
+# engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 set -uo pipefail
@@ -21,7 +21,7 @@ for step in "$@"; do
       timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
       timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
     transfer)
-      timeout 200 python3 -m kvtransfer.bench --mode ray --device cuda --configs ${KV_CONFIGS:-ipc-all,ipc-all} --repeat 10 2>&1 \
+      timeout 200 python3 benchmarks/kvtransfer_bench.py --mode ray --device cuda --configs ${KV_CONFIGS:-ipc-all,ipc-all} --repeat 10 2>&1 \
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
     kernels)
       timeout 300 python3 benchmarks/decode_kernel_options.py ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
@@ -36,6 +36,6 @@ for step in "$@"; do
         --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
-      python3 -m engine.bench --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;
+      python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;
   esac
 done

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.kv_layout import block_runs
 
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16

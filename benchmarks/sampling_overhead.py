@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured import StructuredSpec  # noqa: E402
+from engine.sampling.structured import StructuredSpec  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 

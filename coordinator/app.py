@@ -37,7 +37,7 @@ from coordinator.sse import DONE, Formatter, SSEResponse, event
 from coordinator.tenants import Tenant, TenantRegistry, TenantsConfig
 from coordinator.text_output import TextOutput
 from coordinator.tool_stream import ToolStream, shape_response, tool_chunks
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
 REQUEST_LOG = logging.getLogger("coordinator.requests")

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import PromptLogprob, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.request import PromptLogprob, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from coordinator.backend import GenerateRequest, GroupStream, TokenDelta
 from coordinator.lifecycle import Generation, Piece
 from coordinator.sse import Formatter
 from coordinator.text_output import TextOutput
-from engine.request import PromptLogprob
+from engine.core.request import PromptLogprob
 
 
 def wanted(req: Any) -> bool:

@@ -33,9 +33,9 @@ from coordinator.errors import invalid_request
 from coordinator.sampling_fields import SamplingFields, processing_kwargs
 from coordinator.structured_outputs import StructuredFields, structured_spec
 from coordinator.tool_calls import ToolFields, forced_spec
-from engine.choices import MAX_CHOICES
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.core.choices import MAX_CHOICES
+from engine.core.sampling_params import SamplingParams
+from engine.text.tokenizer import ChatTemplateError, Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024

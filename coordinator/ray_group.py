@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from coordinator.backend import BackendError, GenerateRequest, TokenDelta, WorkerLost
 from coordinator.router import WorkerState
-from engine.choices import choice_params
+from engine.core.choices import choice_params
 
 if TYPE_CHECKING:
     from coordinator.ray_backend import RayBackend

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import prefix_block_hashes
+from engine.core.block_manager import prefix_block_hashes
 from engine.load import EngineLoad, WorkerInfo
 
 STATES = ("starting", "live", "dead", "restarting", "failed")

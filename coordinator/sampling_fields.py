@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from coordinator.errors import invalid_request
-from engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
-from engine.tokenizer import Tokenizer
+from engine.core.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
+from engine.text.tokenizer import Tokenizer
 
 
 class SamplingFields(BaseModel):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.errors import invalid_request
-from engine.structured import StructuredSpec, check
+from engine.sampling.structured import StructuredSpec, check
 
 MAX_CHOICES = 1024
 

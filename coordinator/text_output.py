@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import TokenLogprob
-from engine.tokenizer import Tokenizer
+from engine.core.request import TokenLogprob
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

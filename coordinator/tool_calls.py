@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.structured import StructuredSpec
+from engine.sampling.structured import StructuredSpec
 
 PARSERS = ("llama3_json", "hermes")
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"

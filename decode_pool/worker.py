@@ -22,12 +22,12 @@ from collections.abc import Sequence
 import torch
 
 from engine.async_engine import AsyncEngine
+from engine.core.request import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
 from kvtransfer.worker_setup import prepare_process, start_agent
 

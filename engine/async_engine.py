@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from engine.core.scheduler import StepOutput
 from engine.llm_engine import LLMEngine
-from engine.scheduler import StepOutput
 
 T = TypeVar("T")
 

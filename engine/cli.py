@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import fields, replace
 
+from engine.core.outputs import RequestOutput
+from engine.core.request import TokenLogprob
+from engine.core.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
 

@@ -24,26 +24,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus, TokenLogprob, check_token_ids, validate_request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput, StepOutput
 from engine.engine_config import EngineConfig
-from engine.kv_cache import TORCH_DTYPES, allocate_kv_cache
 from engine.kv_layout import KVCacheSpec
 from engine.load import EngineLoad
-from engine.model import CausalLM
-from engine.model_runner import LaunchedStep, ModelRunner
-from engine.request import Request, RequestStatus, TokenLogprob, check_token_ids, validate_request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
-from engine.step_extras import plan_extras, record_extras, with_extras
+from engine.model.decoder import CausalLM
+from engine.model.model_config import ModelConfig
+from engine.model.weights import load_weights
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
+from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.step_extras import plan_extras, record_extras, with_extras
+from engine.sampling.sampler import Sampler
+from engine.text.tokenizer import Tokenizer
 from engine.tiny import resolve_model_path
-from engine.tokenizer import Tokenizer
-from engine.weights import load_weights
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarManager
+    from engine.sampling.grammar import GrammarManager
 
 CPU_KV_CACHE_BYTES = 1 << 30
 GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
@@ -223,7 +223,7 @@ class LLMEngine:
         if params.structured is None:
             return None
         if self.grammar is None:
-            from engine.grammar import GrammarManager  # llguidance only where structured outputs are used
+            from engine.sampling.grammar import GrammarManager  # llguidance only where structured outputs are used
             self.grammar = GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size,
                                           self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
             self.runner.logits_hook = self.grammar.constrain

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.async_engine import AsyncEngine
+from engine.core.request import PromptLogprob, TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
-from engine.request import PromptLogprob, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.scheduler import StepOutput
 from kvtransfer import AgentConfig, KVAgent
 from kvtransfer.worker_setup import prepare_process, start_agent
 

@@ -12,8 +12,8 @@ from coordinator.reservation import Ledger
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import AdmissionConfig, RecoveryConfig, ServeConfig
 from coordinator.supervisor import Supervisor
+from engine.core.sampling_params import SamplingParams
 from engine.load import WorkerInfo
-from engine.sampling_params import SamplingParams
 
 
 def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, **admission):

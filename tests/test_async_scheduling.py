@@ -5,7 +5,7 @@ joining, stopping on a token, aborted, preempted), leaving every block accounted
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from tests.engine_helpers import random_prompts
 
 VOCAB = 2000

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.block_manager import BlockManager, prefix_block_hashes
+from engine.core.block_manager import BlockManager, prefix_block_hashes
 
 
 def test_allocate_grows_tables_with_low_contiguous_ids_and_free_returns_them():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.choices import choice_params, choice_seed
-from engine.sampling_params import SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.choices import choice_params, choice_seed
+from engine.core.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.9, seed=77)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
+from engine.model.model_config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
 from tests.hf_checkpoints import CheckpointCache
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.choices import choice_params, choice_seed
+from engine.core.choices import choice_params, choice_seed
 from tests.engine_helpers import random_prompts
 
 VOCAB = 2000

@@ -14,8 +14,8 @@ from coordinator.protocol import ChatCompletionRequest, CompletionRequest, parse
 from coordinator.tool_calls import parse_calls
 from coordinator.tool_stream import ToolStream
 from engine import LLM, SamplingParams
-from engine.grammar import GrammarManager, apply_bitmask
-from engine.structured import StructuredSpec, check
+from engine.sampling.grammar import GrammarManager, apply_bitmask
+from engine.sampling.structured import StructuredSpec, check
 from tests.json_schemas import random_schema
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},

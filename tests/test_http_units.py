@@ -11,7 +11,7 @@ from coordinator.lifecycle import Lifecycle
 from coordinator.settings import ServerSettings
 from coordinator.sse import SSEResponse
 from coordinator.text_output import TextOutput
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 TEXT = "The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed"
 

@@ -18,7 +18,7 @@ from engine.kernels.kv_store import store_kv
 from engine.kernels.rms_norm import rms_norm
 from engine.kernels.rope import apply_rope_, rope_and_store
 from engine.kernels.silu_mul import silu_and_mul
-from engine.rope import RotaryEmbedding, apply_rope
+from engine.model.rope import RotaryEmbedding, apply_rope
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -176,7 +176,7 @@ def rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def model_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """engine.model.RMSNorm's arithmetic."""
+    """engine.model.decoder.RMSNorm's arithmetic."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)

@@ -1,4 +1,4 @@
-"""`python -m kvtransfer.bench` on the CPU: two processes, one JSON line per case, every case bit-exact."""
+"""`python benchmarks/kvtransfer_bench.py` on the CPU: two processes, one JSON line per case, every case bit-exact."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_bench_prints_correct_json_cases() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "UCX_WARN_UNUSED_ENV_VARS": "n"}
     out = subprocess.run(
-        [sys.executable, "-m", "kvtransfer.bench", "--tokens", "48", "--repeat", "1", "--warmup", "1"],
+        [sys.executable, "benchmarks/kvtransfer_bench.py", "--tokens", "48", "--repeat", "1", "--warmup", "1"],
         cwd=root, env=env, capture_output=True, text=True, timeout=150, check=True,
     ).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.sampler import Sampler, exp_noise, step_seed
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler, exp_noise, step_seed
 
 V = 64
 EOS = (3,)

@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-from engine.request import TokenLogprob
-from engine.sampler import Sampler, argmax_rows, exp_noise, step_seed
-from engine.sampling_params import SamplingParams
+from engine.core.request import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler, argmax_rows, exp_noise, step_seed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MASK64 = 2**64 - 1

@@ -12,9 +12,9 @@ from coordinator.sampling_fields import bad_words_token_ids
 from coordinator.settings import ServerSettings
 from coordinator.text_output import TextOutput
 from engine import LLM
-from engine.config import ModelConfig
+from engine.model.model_config import ModelConfig
+from engine.text.tokenizer import Tokenizer
 from engine.tiny import resolve_model_path
-from engine.tokenizer import Tokenizer
 from tests.inprocess_backend import InProcessBackend, run_asgi
 
 pytestmark = pytest.mark.timeout(60)

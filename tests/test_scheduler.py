@@ -1,9 +1,9 @@
 """Scheduler with faked model output: continuous batching, chunked prefill, preemption, abort, pinning."""
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 EOS = 0
 

@@ -5,8 +5,8 @@ before it."""
 import asyncio
 
 from coordinator.ray_backend import _coalesced
-from engine.request import TokenLogprob
-from engine.scheduler import StepOutput
+from engine.core.request import TokenLogprob
+from engine.core.scheduler import StepOutput
 
 
 def _queue(*items):

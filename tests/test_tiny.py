@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine.config import ModelConfig, RopeScaling
+from engine.model.model_config import ModelConfig, RopeScaling
+from engine.model.weights import load_weights
+from engine.text.tokenizer import Tokenizer
 from engine.tiny import CACHE_ENV, TINY_MODEL_NAME, TINY_VERSION, ensure_tiny_model, resolve_model_path
-from engine.tokenizer import Tokenizer
-from engine.weights import load_weights
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]

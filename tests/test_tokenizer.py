@@ -11,9 +11,9 @@ from unittest import mock
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import ChatTemplateError, Tokenizer
 from engine.tiny import ensure_tiny_model
-from engine.tokenizer import ChatTemplateError, Tokenizer
 from tests.hf_checkpoints import make_sentencepiece_style_tokenizer
 
 TEXTS = [

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.config import SUPPORTED_ARCHITECTURES
-from engine.weights import WeightsError, checkpoint_files, load_weights
+from engine.model.model_config import SUPPORTED_ARCHITECTURES
+from engine.model.weights import WeightsError, checkpoint_files, load_weights
 from tests.hf_checkpoints import DTYPES, CheckpointCache
 
 

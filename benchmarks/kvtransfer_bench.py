@@ -1,4 +1,4 @@
-"""Transfer benchmark: `python -m kvtransfer.bench` prints one JSON line per case.
+"""Transfer benchmark: `python benchmarks/kvtransfer_bench.py` prints one JSON line per case.
 
 Two workers (`BenchWorker`: a KVAgent and a random bf16 cache each) in two processes (`--mode process`,
 the CPU default) or two Ray actors with one GPU each (`--mode ray`, the GPU default). The reader pulls
@@ -7,8 +7,8 @@ transfers, whether the destination blocks equal the source bit for bit (sha256 o
 destination poisoned before each read), and the raw copy ceiling measured in the same run (GPU0 -> GPU1
 `copy_` of the same bytes; on the CPU an in-process memcpy) with the ratio.
 
-  python -m kvtransfer.bench                                    # CPU, two processes, small sizes
-  python -m kvtransfer.bench --mode ray --device cuda --configs ucx-one,ucx-all,ipc-all
+  python benchmarks/kvtransfer_bench.py                                    # CPU, two processes, small sizes
+  python benchmarks/kvtransfer_bench.py --mode ray --device cuda --configs ucx-one,ucx-all,ipc-all
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import statistics
 import time
 from typing import Any
 
-from engine.kv_layout import KVCacheSpec
+from kvtransfer_bench_worker import BenchWorker  # this folder: the script's own directory
 
-from .bench_worker import BenchWorker
+from engine.kv_layout import KVCacheSpec
 
 LLAMA3_8B = KVCacheSpec("llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
                         dtype="bfloat16")
@@ -213,8 +213,10 @@ def main(argv: list[str] | None = None) -> None:
 
         import ray
 
-        # workers inherit the driver's environment: make this repository importable there
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+        # workers inherit the driver's environment: make this repository and this folder importable there
+        here = os.path.dirname(os.path.abspath(__file__))
+        paths = (os.path.dirname(here), here, os.environ.get("PYTHONPATH"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         ray.init(include_dashboard=False, log_to_driver=True)
     configs = args.configs.split(",") if args.device == "cuda" else ["cpu"]
     for config in configs:

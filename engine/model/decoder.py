@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama 2/3/3.x, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-Module and parameter names are exactly the Hugging Face ones, so `engine.weights.load_weights` maps checkpoint
+Module and parameter names are exactly the Hugging Face ones, so `engine.model.weights.load_weights` maps checkpoint
 tensors one to one. Differences between the architectures are config flags: q/k/v bias (Qwen2), q/k RMSNorm
 (Qwen3), tied embeddings, llama3 rope scaling, sliding window (Mistral).
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend
-from engine.config import ModelConfig
-from engine.rope import RotaryEmbedding, apply_rope
-from engine.torch_attention import write_kv
+from engine.model.attention import AttentionMetadata, attend
+from engine.model.model_config import ModelConfig
+from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model.torch_attention import write_kv
 
 SKINNY_ROWS = 2  # kernel path: steps of at most this many tokens use engine.kernels.skinny_gemm (see _linear)
 

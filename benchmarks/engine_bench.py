@@ -1,6 +1,6 @@
-"""Engine throughput benchmark: `python -m engine.bench --model tiny --batch 8 --prompt-len 256 --output-len 64`.
+"""Engine throughput benchmark: `python benchmarks/engine_bench.py --model tiny --batch 8 --prompt-len 256`.
 
-`python -m engine.bench --gpu --model FOLDER` runs the GPU benchmark of engine.bench_gpu instead.
+`python benchmarks/engine_bench.py --gpu --model FOLDER` runs the GPU benchmark of engine_bench_gpu.py instead.
 
 Prints one JSON line per phase with its figure next to the ceiling measured in the same run:
 - prefill: tokens/s and achieved FLOP/s (2 x parameters per token) against a dense matmul's FLOP/s;
@@ -15,10 +15,10 @@ import time
 
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
-from engine.kv_cache import TORCH_DTYPES
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.runner.kv_cache import TORCH_DTYPES
 
 
 def _sync(device: torch.device) -> None:
@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     import sys
-    if "--gpu" in sys.argv[1:]:  # the Llama-3-8B GPU benchmark (engine.bench_gpu)
-        from engine.bench_gpu import main as gpu_main
+    if "--gpu" in sys.argv[1:]:  # the Llama-3-8B GPU benchmark (engine_bench_gpu.py)
+        from engine_bench_gpu import main as gpu_main
         gpu_main([a for a in sys.argv[1:] if a != "--gpu"])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,5 +1,5 @@
 """`BenchWorker`: one side of the transfer benchmark (a KVAgent plus a random cache), hosted in a spawned
-process or a Ray actor by `kvtransfer.bench`.
+process or a Ray actor by `benchmarks/kvtransfer_bench.py`.
 
 GPU visibility is set before CUDA starts in the hosting process (see `kvtransfer.gpu_visibility`):
 `visible="ray"` leaves what Ray set (this actor's GPU only), `visible="one"` does the same by hand,
@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from .gpu_visibility import own_gpu, set_visible_gpus
+from kvtransfer.gpu_visibility import own_gpu, set_visible_gpus
 
 
 class BenchWorker:
@@ -31,9 +31,8 @@ class BenchWorker:
 
     def setup(self, spec_dict: dict, num_blocks: int, seed: int, config: dict) -> bytes:
         from engine.kv_layout import KVCacheSpec
-
-        from .agent import AgentConfig, KVAgent
-        from .backends.ucx import use_python_futures
+        from kvtransfer.agent import AgentConfig, KVAgent
+        from kvtransfer.backends.ucx import use_python_futures
 
         torch = self.torch
         spec = KVCacheSpec.from_dict(spec_dict)
@@ -104,7 +103,7 @@ class BenchWorker:
 
     # ---- plain ucxx, no kvtransfer protocol: the reference for "UCX between Ray actors is slow" --------
     def _on_loop(self, coro: Any, timeout: float = 300.0) -> Any:
-        from .loop import LoopThread
+        from kvtransfer.loop import LoopThread
 
         if getattr(self, "_raw_loop", None) is None:
             self._raw_loop = LoopThread(f"{self.name}-raw")
@@ -115,7 +114,7 @@ class BenchWorker:
         address, so UCX must open a new CUDA IPC mapping every time), else into one reused buffer."""
         import ucxx
 
-        from .backends.ucx import as_ucx_buffer
+        from kvtransfer.backends.ucx import as_ucx_buffer
 
         torch, dev = self.torch, self.device
 
@@ -140,7 +139,7 @@ class BenchWorker:
         """Seconds of each send (until the receiver's ack) of one nbytes buffer to `raw_listen`."""
         import ucxx
 
-        from .backends.ucx import as_ucx_buffer
+        from kvtransfer.backends.ucx import as_ucx_buffer
 
         torch, dev = self.torch, self.device
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.structured import StructuredSpec
+from engine.sampling.structured import StructuredSpec
 
 MAX_LOGIT_BIAS = 300          # entries, as OpenAI
 MAX_BAD_WORDS = 256           # token sequences (each word may give two: with and without a leading space)

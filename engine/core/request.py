@@ -23,7 +23,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

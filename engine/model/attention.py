@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import torch_attention
+from engine.model import torch_attention
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
+    from engine.model.attention import AttentionMetadata
 
 
 def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

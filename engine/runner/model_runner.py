@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
-from engine.model import CausalLM
-from engine.request import PromptLogprob, TokenLogprob
-from engine.sampler import SampledTokens, Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
-from engine.step_inputs import build_step_inputs
+from engine.core.request import PromptLogprob, TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.model.decoder import CausalLM
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
+from engine.runner.step_inputs import build_step_inputs
+from engine.sampling.sampler import SampledTokens, Sampler
 
 
 @dataclass

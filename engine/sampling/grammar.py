@@ -30,7 +30,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from engine.structured import StructuredSpec, grammar_text
+from engine.sampling.structured import StructuredSpec, grammar_text
 
 MAX_CACHED_GRAMMARS = 256
 

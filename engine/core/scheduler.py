@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.request import PromptLogprob, Request, RequestStatus, TokenLogprob
+from engine.core.block_manager import BlockManager
+from engine.core.request import PromptLogprob, Request, RequestStatus, TokenLogprob
 
 PENDING_TOKEN = -1  # token id of a chunk whose input is still being sampled on the device
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logits_processing import LogitsProcessing, TokenHistory
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.request import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.sampling.logits_processing import LogitsProcessing, TokenHistory
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 _MIX1 = 0xBF58476D1CE4E5B9

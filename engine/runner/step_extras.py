@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.request import PromptLogprob, Request, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, SchedulerOutput, StepOutput
+from engine.core.request import PromptLogprob, Request, TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput, StepOutput
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from engine.core.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 TAIL = MAX_BAD_WORD_TOKENS - 1  # outputs kept per slot for bad-word prefixes
 NO_TOKEN = -1                   # tail padding before the first output

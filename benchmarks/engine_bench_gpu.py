@@ -1,4 +1,4 @@
-"""GPU benchmark of one engine: `python -m engine.bench --gpu --model /dev/shm/llama-3-8b`.
+"""GPU benchmark of one engine: `python benchmarks/engine_bench.py --gpu --model /dev/shm/llama-3-8b`.
 
 Prints one JSON line per case, each figure next to the ceiling measured in this run and the ratio:
 - ceilings: device copy bandwidth (bytes read + written by a 2 GiB copy) and a bf16 8192^3 matmul's FLOP/s;
@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 
 def _events_ms(fn, reps: int = 20, warmup: int = 3) -> float:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.model.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 MAX_CHOICES = 128  # n and best_of, as OpenAI
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.model import CausalLM
+from engine.model.attention import AttentionMetadata
+from engine.model.decoder import CausalLM
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -1,0 +1,1 @@
+"""Choosing tokens from logits: the sampler, logits processing (penalties, bias) and grammar masks."""

@@ -1,0 +1,1 @@
+"""Text <-> token ids: the tokenizer, chat formatting and incremental detokenization. Torch-free."""
