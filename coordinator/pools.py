@@ -72,6 +72,8 @@ class Pools:
         slots = [(role, i) for role in self.roles for i in range(self._pool(role).workers)]
         started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i) for role, i in slots]),
                                          START_TIMEOUT_S)
+        for w in started:  # start-up time per phase, the operator's first question about a slow start
+            log.warning("worker %s ready: %s", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
         await asyncio.gather(*[_connecting(lambda d=d, p=p: d.handle.add_peer.remote(p.info.agent_metadata),
@@ -83,10 +85,11 @@ class Pools:
         handle = self._actor(role, index)
         try:
             info = await handle.start.remote()
+            load = await handle.load.remote()  # its gauges exist from the moment it is installed
         except BaseException:
             ray.kill(handle, no_restart=True)
             raise
-        return WorkerState(info, handle, incarnation=incarnation)
+        return WorkerState(info, handle, incarnation=incarnation, load=load)
 
     async def connect(self, worker: WorkerState) -> None:
         """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull

@@ -69,7 +69,8 @@ class DecodeWorker:
         role = "decode" if self.agent else "collocated"
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
-                          (("engine", engine_s), ("agent", time.monotonic() - started - engine_s)))
+                          (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
+                           ("agent", time.monotonic() - started - engine_s)))
 
     async def add_peer(self, agent_metadata: bytes) -> str:
         return await asyncio.to_thread(self.agent.add_remote, agent_metadata)

@@ -27,6 +27,7 @@ class EngineConfig:
     kernels: str = "auto"               # "auto" = Triton kernels on CUDA, torch elsewhere; or "triton" / "torch"
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
     async_scheduling: bool = True       # queue decode step N+1 before reading step N's tokens (see LLMEngine)
+    warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
 
     def __post_init__(self) -> None:
         checks = [

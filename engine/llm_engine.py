@@ -30,7 +30,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepOutput
 from engine.engine_config import EngineConfig
 from engine.kv_layout import KVCacheSpec
-from engine.load import EngineLoad
+from engine.load import EngineLoad, PhaseClock
 from engine.model.decoder import CausalLM
 from engine.model.model_config import ModelConfig
 from engine.model.weights import load_weights
@@ -38,6 +38,7 @@ from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.step_extras import plan_extras, record_extras, with_extras
+from engine.runner.warmup import warm_up
 from engine.sampling.sampler import Sampler
 from engine.text.tokenizer import Tokenizer
 from engine.tiny import resolve_model_path
@@ -62,7 +63,9 @@ class LLMEngine:
                              f"max_position_embeddings {mc.max_position_embeddings} ({path}/config.json)")
         self.config = replace(config, dtype=dtype, max_model_len=max_model_len)
         self.device = torch.device(config.device)
+        clock = PhaseClock()
         self.model = self._load_model(path, TORCH_DTYPES[dtype])
+        clock.lap("weights")
         self.uses_kernels = config.kernels == "triton" or (config.kernels == "auto" and self.device.type == "cuda")
         if self.uses_kernels:
             self.model.use_kernels()
@@ -70,12 +73,15 @@ class LLMEngine:
                                    head_dim=mc.head_dim, block_size=config.block_size, dtype=dtype)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(self.kv_spec, self.num_kv_blocks, self.device)  # [NB, L, 2, bs, KVH, D]
+        self.max_blocks_per_seq = self._blocks_for(max_model_len)
+        clock.lap("kv_cache")
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk)
         graphs = None
         if self.uses_kernels and config.cuda_graphs and self.device.type == "cuda":
-            graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, self._blocks_for(max_model_len))
+            graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
+            clock.lap("cuda_graphs")
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, graphs)
         self._reserved: set[str] = set()
@@ -84,6 +90,10 @@ class LLMEngine:
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
         self.step_time_last_s = 0.0
         self.step_time_total_s = 0.0
+        if self.uses_kernels and config.warmup and self.device.type == "cuda":  # no compiles on the CPU
+            warm_up(self)
+            clock.lap("warmup")
+        self.startup_s: tuple[tuple[str, float], ...] = tuple(clock.phases)  # seconds per start-up phase
 
     # ---- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -309,3 +319,4 @@ class LLMEngine:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)  # the block manager does not exist yet when sizing
+

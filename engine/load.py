@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -40,3 +41,16 @@ class WorkerInfo:
     vocab_size: int
     agent_metadata: bytes | None  # the worker's kvtransfer agent, serialized (None when it has none)
     startup_s: tuple[tuple[str, float], ...] = ()  # seconds per start-up phase: (("engine", 3.1), ("agent", 0.2))
+
+
+class PhaseClock:
+    """Seconds per start-up phase, in order: `lap(name)` closes the phase that ran since the previous lap."""
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, float]] = []
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((phase, round(now - self._last, 3)))
+        self._last = now

@@ -70,7 +70,8 @@ class PrefillWorker:
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agent.metadata().to_bytes(),
-                          (("engine", engine_s), ("agent", time.monotonic() - started - engine_s)))
+                          (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
+                           ("agent", time.monotonic() - started - engine_s)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prior_output_ids: Sequence[int] = (), priority: int = 0,

@@ -33,7 +33,9 @@ MERGE_TILE = 8192  # fp32 elements of the merge's [GROUP, splits, D] tile: 64 re
 # counts itself in on the (b, kvh) semaphore (release); the busy program that arrives last (acquire) merges the
 # busy splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
 # replay) finds it zeroed. That saves a second launch, which at batch 1 costs more than the merge itself.
-@triton.jit
+# the block-table row stride varies with every step's widest table: specialising on it would compile new
+# variants while serving (engine.runner.warmup)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(
     q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, sem_ptr, out_ptr,
     stride_qb, stride_qh,
@@ -170,12 +172,23 @@ def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     return 64, 4, 3
 
 
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # every value default_num_splits can return
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe): enough programs for about two waves of
-    four resident programs per SM, no more splits than table blocks, at most 64."""
+    four resident programs per SM, no more splits than table blocks, at most 64. Always a power of two
+    (SPLIT_CHOICES): the count is a constexpr, so steps of any shape compile one of seven variants, which
+    start-up compiles (engine.runner.warmup) instead of the first requests."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = triton.cdiv(8 * sms, max(batch * num_kv_heads, 1))
-    return max(1, min(want, max_blocks, 64))
+    return num_splits_for(batch, num_kv_heads, max_blocks, sms)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, sms: int) -> int:
+    """default_num_splits on a device of `sms` streaming multiprocessors."""
+    want = triton.next_power_of_2(triton.cdiv(8 * sms, max(batch * num_kv_heads, 1)))
+    cap = min(max(max_blocks, 1), SPLIT_CHOICES[-1])
+    return min(want, 1 << (cap.bit_length() - 1))
 
 
 def decode_attention(q: torch.Tensor,             # [B, H, D]

@@ -71,7 +71,9 @@ def _attend_tile(acc, l_i, m_i, q, kv_ptr, table_row, tile, hi, pos, offs_n, off
 # cores via tl.dot, online softmax in fp32 with base-2 exponentials. Only keys in [lo, hi) are visited (hi = last
 # row's position + 1: tiles above the diagonal are skipped; lo = the first row's window start): the tiles that every
 # row sees whole run without masks; the window-edge tiles before them and the diagonal tiles after them are masked.
-@triton.jit
+# the block-table row stride varies with every step's widest table: specialising on it would compile new
+# variants while serving (engine.runner.warmup)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(
     q_ptr, kv_ptr, tables_ptr, qstart_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh,

@@ -2,7 +2,8 @@
 
 Owns the token order (decode rows first, then prefill chunks, as engine.attention expects) and the packing: every
 integer the step needs goes into one int32 host buffer (pinned on CUDA) that moves with a single non-blocking
-copy, so building a step never waits for the GPU.
+copy, so building a step never waits for the GPU. Every part starts 16-byte aligned: Triton specialises a kernel
+on its pointers' 16-byte alignment, so unaligned parts would compile new variants mid-serving (engine.runner.warmup).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.model.attention import AttentionMetadata
+
+ALIGN = 4  # int32 elements: 16 bytes
 
 
 @dataclass(frozen=True)
@@ -60,19 +63,19 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.dev
     d_width, p_width = _width(d_tables), _width(p_tables)
     parts = [ids, pos, slots, [c.start_pos + 1 for c in decodes], q_start, [ctx for _, ctx in p_lens], sample_index]
     sizes = [len(p) for p in parts] + [nd * d_width, npf * p_width]
-    host = np.zeros(sum(sizes), dtype=np.int32)  # table padding stays 0
-    offset = 0
-    for part in parts:
-        host[offset:offset + len(part)] = part
-        offset += len(part)
-    for tables, width in ((d_tables, d_width), (p_tables, p_width)):
-        for t in tables:
-            host[offset:offset + len(t)] = t
-            offset += width
+    spans = [-(-n // ALIGN) * ALIGN for n in sizes]  # each part starts 16-byte aligned
+    host = np.zeros(sum(spans), dtype=np.int32)  # table padding stays 0
+    starts = np.cumsum([0] + spans[:-1]).tolist()
+    for part, start in zip(parts, starts, strict=False):
+        host[start:start + len(part)] = part
+    for tables, width, start in ((d_tables, d_width, starts[-2]), (p_tables, p_width, starts[-1])):
+        for row, t in enumerate(tables):
+            host[start + row * width:start + row * width + len(t)] = t
     flat = torch.from_numpy(host)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    ids_t, pos_t, slots_t, d_lens, q_start_t, p_ctx, sample_t, d_tab, p_tab = flat.split(sizes)
+    ids_t, pos_t, slots_t, d_lens, q_start_t, p_ctx, sample_t, d_tab, p_tab = (
+        t[:n] for t, n in zip(flat.split(spans), sizes, strict=True))
     meta = AttentionMetadata(
         slots=slots_t,
         num_decode=nd,

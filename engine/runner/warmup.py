@@ -1,0 +1,122 @@
+"""Start-up warm-up: compile every Triton kernel variant a config can hit before the engine reports ready.
+
+Triton compiles one variant per distinct specialisation of a kernel's arguments (constexprs, integers equal to 1 or
+divisible by 16, pointers aligned to 16 bytes), and each compile costs about a second of the step that meets it
+first. Measured on an H100 (benchmarks/warm_start.py, Llama-3.2-1B shape, 96 mixed requests): 35 compiles made the
+first pass 19x slower than the same workload run again. So everything that varies between steps is bounded to a
+few values, and this module runs each of them once at start:
+- step metadata pointers: engine.runner.step_inputs aligns every part to 16 bytes (one variant);
+- block-table row stride: not specialised (the attention kernels' `do_not_specialize`);
+- decode splits, a constexpr of the eager decode kernel: a power of two (SPLIT_CHOICES), each run here directly;
+- decode-only steps of graph buckets: compiled when DecodeGraphs captures them;
+- prefill and mixed steps, rms_norm with and without residual, the fused decode GEMVs, the sampler's options
+  (penalties, bias, top-k/p, min-p, logprobs, seeded): a few real requests through the engine.
+Everything else is fixed by the model and the config. `plan()` names the variants; `step_variants()` says which ones
+a scheduled step launches, so a test can show that the scheduler never emits a step outside the plan.
+Warm-up requests are seeded (the sampler's RNG for unseeded requests is untouched), and the engine is left as it
+was: no request, no cached prefix, zero step counters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import SchedulerOutput
+from engine.kernels.decode_attention import SPLIT_CHOICES, decode_attention, num_splits_for
+from engine.runner.cuda_graphs import bucket_sizes
+
+SAMPLER_OPTIONS = (  # one warm-up request each: every sampler and logits-processing path
+    dict(temperature=0.0),
+    dict(temperature=0.8, top_p=0.9, top_k=20, seed=1),
+    dict(temperature=0.9, min_p=0.05, seed=2, logprobs=2),
+    dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, seed=3),
+    dict(temperature=0.0, logit_bias=((5, 2.0),), min_tokens=2),
+)
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """The kernel variants one engine config can launch: graph buckets, eager decode splits, prefill."""
+
+    graph_buckets: tuple[int, ...]   # decode-only steps replayed as CUDA graphs (captured at start)
+    decode_splits: tuple[int, ...]   # eager decode steps (mixed steps, steps with extras)
+    prefill: bool = True
+
+    def variants(self) -> set[tuple]:
+        return ({("graph", b) for b in self.graph_buckets} | {("decode", s) for s in self.decode_splits}
+                | ({("prefill",)} if self.prefill else set()))
+
+
+def plan(max_num_seqs: int, max_blocks_per_seq: int, graphs: bool) -> WarmupPlan:
+    cap = min(max_blocks_per_seq, SPLIT_CHOICES[-1])
+    return WarmupPlan(tuple(bucket_sizes(max_num_seqs)) if graphs else (),
+                      tuple(s for s in SPLIT_CHOICES if s <= cap))
+
+
+def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sms: int,
+                  graph_buckets: tuple[int, ...]) -> set[tuple]:
+    """The variants a scheduled step launches (mirrors ModelRunner's graph choice and attend()'s kernels)."""
+    decodes = [c for c in sched.chunks if len(c.token_ids) == 1]
+    prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
+    sampling = sum(1 for c in sched.chunks if c.sample)
+    if not prefills and decodes and sampling == len(decodes):
+        bucket = next((b for b in graph_buckets if b >= len(decodes)), None)
+        if bucket is not None:
+            return {("graph", bucket)}
+    out: set[tuple] = {("prefill",)} if prefills else set()
+    if decodes:
+        width = max(-(-(c.start_pos + 1) // block_size) for c in decodes)
+        out.add(("decode", num_splits_for(len(decodes), num_kv_heads, width, sms)))
+    return out
+
+
+def warm_up(engine) -> float:
+    """Runs the plan on `engine` (an LLMEngine using the Triton kernels); returns the seconds it took."""
+    started = time.perf_counter()
+    _decode_variants(engine)
+    _requests(engine)
+    engine.block_manager.reset_prefix_cache()
+    engine.check_integrity()
+    engine.num_steps, engine.step_time_last_s, engine.step_time_total_s = 0, 0.0, 0.0
+    sched = engine.scheduler
+    sched.num_preemptions = sched.num_prefix_query_tokens = sched.num_prefix_hit_tokens = 0
+    sched.num_scheduled_tokens = sched.num_sampled_tokens = 0
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def _decode_variants(engine) -> None:
+    """One eager decode-attention launch per split count, on block 0 of layer 0 (its contents are not read back)."""
+    kv_layer = engine.kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
+    bs, kvh, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
+    heads = kvh * (engine.model_config.num_heads // engine.model_config.num_kv_heads)
+    dtype, dev = engine.kv_cache.dtype, engine.device
+    qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=dtype, device=dev)  # q is a view of the qkv projection
+    q = qkv[:, :heads * d].view(1, heads, d)
+    for splits in plan(engine.config.max_num_seqs, engine.max_blocks_per_seq, False).decode_splits:
+        tables = torch.zeros(1, splits, dtype=torch.int32, device=dev)
+        lens = torch.full((1,), splits * bs, dtype=torch.int32, device=dev)
+        decode_attention(q, kv_layer, tables, lens, 1.0, engine.model_config.sliding_window, num_splits=splits)
+
+
+def _requests(engine) -> None:
+    """Prefill-only, mixed and decode steps with every sampler option, as short seeded requests."""
+    vocab = engine.model_config.vocab_size
+    bs = engine.config.block_size
+    prompt_len = min(3 * bs + 1, engine.config.max_model_len - 8, engine.config.max_num_batched_tokens // 4)
+
+    def prompt(i: int) -> list[int]:
+        return [(7 + 131 * i + 17 * j) % vocab for j in range(max(prompt_len, 2))]
+
+    for i, options in enumerate(SAMPLER_OPTIONS):
+        engine.add_request(f"warmup-{i}", prompt(i), SamplingParams(max_tokens=4, ignore_eos=True, **options))
+    engine.step()  # prefill only
+    engine.add_request("warmup-mixed", prompt(99), SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    while engine.has_unfinished():  # a mixed step, then decode steps
+        engine.step()
