@@ -1,8 +1,8 @@
 """kvtransfer: moves paged KV-cache blocks between workers (prefill -> decode), NIXL-style, over UCX.
 
-Public API: `KVAgent` (+ `AgentConfig`), `AgentMetadata`, `TransferHandle` / `TransferState`, the errors,
-`LayerStreamer` for layer-wise pushes, and `FaultConfig` (injected faults; env `PDSERVE_KV_FAULTS`).
-Depends on `engine.kv_layout`; nothing in engine imports this.
+Public API: `KVAgent` (+ `AgentConfig`), `AgentMetadata`, `GroupMetadata` and `read_from_group` (TP groups),
+`TransferHandle` / `TransferState`, the errors, `LayerStreamer` for layer-wise pushes, and `FaultConfig` (injected
+faults; env `PDSERVE_KV_FAULTS`). Depends on `engine.kv_layout`; nothing in engine imports this.
 """
 
 from .agent import AgentConfig, KVAgent
@@ -19,6 +19,7 @@ from .faults import FaultConfig
 from .handle import TransferHandle, TransferState
 from .metadata import AgentMetadata, CacheInfo
 from .streaming import LayerStreamer
+from .tp_group import GroupMetadata, read_from_group
 
 __all__ = [
     "AgentConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "CacheInfo",
     "FAULTS_ENV_VAR",
     "FaultConfig",
+    "GroupMetadata",
     "IncompatibleLayout",
     "KVAgent",
     "LayerStreamer",
@@ -36,4 +38,5 @@ __all__ = [
     "TransferHandle",
     "TransferState",
     "TransferTimeout",
+    "read_from_group",
 ]

@@ -1,22 +1,20 @@
 """`KVAgent`: one per worker; registers its KV cache, connects to peers, moves blocks, carries notifications.
 
-NIXL-style API, synchronous and non-blocking for the caller: `read`/`write` validate at once (raising
-BadDescriptor / PeerLost synchronously), then return a `TransferHandle` while the work runs on the agent's
-own event-loop thread (`LoopThread`). Ownership: the engine owns the cache tensor; between `read`/`write`
-and the handle finishing, the named blocks belong to the transfer and must not be reused. On CUDA, the
-transfer starts after the work already queued on the caller's current stream (an event recorded in
-`read`/`write`), so a prefill worker can `write` layer l right after launching it (layer-wise streaming).
+NIXL-style API, synchronous and non-blocking for the caller: `read`/`write` validate at once (raising BadDescriptor
+/ PeerLost), then return a `TransferHandle` while the work runs on the agent's event-loop thread (`LoopThread`).
+The engine owns the cache tensor; between `read`/`write` and the handle finishing, the named blocks belong to the
+transfer. On CUDA, a transfer starts after the work already queued on the caller's current stream (an event recorded
+in `read`/`write`), so a prefill worker can `write` layer l right after launching it (layer-wise streaming).
 
-The UCX backend is always the control plane (hello, requests, notifications); data goes through the
-first available backend in `AgentConfig.backends` for that remote (see `kvtransfer.backends`).
+The UCX backend is always the control plane (hello, requests, notifications); data goes through the first available
+backend in `AgentConfig.backends` for that remote (see `kvtransfer.backends`). Caches of TP ranks hold different KV
+head ranges: a read then names the heads it moves (`kvtransfer.head_slices`, `kvtransfer.tp_group`).
 
-Failures: every one, refused at once or ended in flight, is counted in `metrics()` under its operation and
-error class. Injected faults (`AgentConfig.faults`, `set_faults`, $PDSERVE_KV_FAULTS; see kvtransfer.faults)
-end the handle with the error a real fault gives, before any byte moves: both caches keep their contents.
-After a real failure (or `remove_remote`) the destination blocks hold undefined data, but nothing lands in
-them once the handle reports the failure: UCX operations are aborted and awaited, cuda_ipc copies awaited
-(a receive not confirmed stopped 2 s after its abort quarantines its staging buffer; one straight into a
-contiguous cache region cannot be, which is the one exception).
+Failures: every one, refused at once or in flight, is counted in `metrics()` by operation and error class. Injected
+faults (`AgentConfig.faults`, `set_faults`, $PDSERVE_KV_FAULTS) end the handle with a real fault's error before any
+byte moves. After a real failure (or `remove_remote`) the destination blocks hold undefined data, but nothing lands
+in them once the handle reports it: UCX operations and cuda_ipc copies are awaited (a receive not confirmed stopped
+2 s after its abort quarantines its staging buffer, except one straight into a cache region).
 """
 
 from __future__ import annotations
@@ -27,9 +25,11 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 
 from . import backends, wire
@@ -37,10 +37,11 @@ from .backends.cuda_ipc import CudaIpcPeer, export
 from .backends.ucx import UcxServer
 from .cache import RegisteredCache, event_done
 from .client import ucx_chunk
-from .descriptors import Chunk, plan
+from .descriptors import Chunk
 from .errors import BadDescriptor, PeerLost, TransferError, TransferTimeout
 from .faults import NO_FAULT, FaultConfig, FaultInjector
 from .handle import TransferHandle
+from .head_slices import plan_transfer
 from .inbox import Inbox
 from .loop import LoopThread
 from .metadata import AgentMetadata, CacheInfo, check_compatible, default_address, host_identity
@@ -87,7 +88,7 @@ class KVAgent:
         self._in_flight: set[asyncio.Task] = set()  # transfers started here and not ended
         self._loop = LoopThread(name)
         self._server = UcxServer(
-            Server(lambda: self._cache, lambda: self._info, lambda: self._serve_pool, self._metrics, self._inbox)
+            Server(lambda: self._cache, lambda: self._info, lambda: self._serve_pool, self._metrics, self._inbox, name)
         )
         self._port = self._loop.call(self._start(port), self.config.connect_timeout_s)
         self._closed = False
@@ -96,14 +97,12 @@ class KVAgent:
         return self._server.start(port)
 
     # ---- memory registration -------------------------------------------------------------------------
-    def register_cache(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
-        """Register the engine's KV cache (host or CUDA), kv: [num_blocks, num_layers, 2, block, heads, dim].
-
-        Call before `metadata()` is handed to peers: the metadata describes this cache.
-        """
+    def register_cache(self, kv: torch.Tensor, spec: KVCacheSpec, heads: KVHeadRange | None = None) -> None:
+        """Register the engine's KV cache (host or CUDA), kv: [num_blocks, num_layers, 2, block, heads, dim], holding
+        the global KV heads `heads` (a TP rank's; None: all). Call before `metadata()` is handed to peers."""
         if self._cache is not None:
             raise ValueError(f"agent {self.name!r} already has a registered cache; deregister it first")
-        cache = RegisteredCache(kv, spec)
+        cache = RegisteredCache(kv, spec, heads)
         ipc = export(cache) if "cuda_ipc" in self.config.backends else None
         self._client_pool = StagingPool(self.config.staging_bytes, cache.device, "client staging")
         self._serve_pool = StagingPool(self.config.staging_bytes, cache.device, "serve staging")
@@ -143,7 +142,7 @@ class KVAgent:
         connected. A remote lost to fault injection is reconnected even by the same metadata."""
         if isinstance(meta, bytes | bytearray):
             meta = AgentMetadata.from_bytes(bytes(meta))
-        check_compatible(self._info, meta)
+        check_compatible(self._info, meta, self.name)
         if meta.name == self.name:
             raise ValueError(f"an agent cannot add itself ({meta.name!r})")
         backend, _ = backends.choose(self.config.backends, self._cache, meta,
@@ -193,16 +192,17 @@ class KVAgent:
     # ---- transfers -----------------------------------------------------------------------------------
     def read(self, remote: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
              layers: tuple[int, int] | None = None, notify: bytes | None = None,
-             timeout: float | None = None) -> TransferHandle:
-        """Pull remote blocks into local blocks (pairwise), layers [l0, l1) or all; then send `notify`."""
-        return self._submit("read", remote, local_block_ids, remote_block_ids, layers, notify, timeout)
+             timeout: float | None = None, heads: tuple[int, int] | None = None) -> TransferHandle:
+        """Pull remote blocks into local blocks (pairwise), layers [l0, l1) or all, the global KV heads [h0, h1)
+        (held by both caches; see kvtransfer.head_slices) or all (equal head ranges); then send `notify`."""
+        return self._submit("read", remote, local_block_ids, remote_block_ids, layers, notify, timeout, heads)
 
     def write(self, remote: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
               layers: tuple[int, int] | None = None, notify: bytes | None = None,
               timeout: float | None = None) -> TransferHandle:
         """Push local blocks into remote blocks (pairwise), layers [l0, l1) or all; then send `notify`,
         which the peer sees only after the data is in its cache."""
-        return self._submit("write", remote, local_block_ids, remote_block_ids, layers, notify, timeout)
+        return self._submit("write", remote, local_block_ids, remote_block_ids, layers, notify, timeout, None)
 
     def notify(self, remote: str, msg: bytes, timeout: float | None = None) -> TransferHandle:
         """Send a small message; it arrives after every transfer to `remote` that finished before."""
@@ -240,7 +240,7 @@ class KVAgent:
             raise PeerLost(f"agent {self.name!r} has no remote {name!r} (add_remote first, or it was removed)")
         return r
 
-    def _refused(self, op: str, check: Callable[[], Remote]) -> Remote:
+    def _refused(self, op: str, check: Callable[[], Any]) -> Any:
         """Run the synchronous checks of a call; a refusal counts as a failure of `op`, like one in flight."""
         try:
             if self._closed:
@@ -251,19 +251,19 @@ class KVAgent:
             raise
 
     def _submit(self, op: str, remote: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-                layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None) -> TransferHandle:
-        def check() -> Remote:
+                layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None,
+                heads: tuple[int, int] | None) -> TransferHandle:
+        def check() -> tuple[Remote, list[Chunk]]:
             r = self._remote(remote)
-            if self._cache is None or r.meta.cache is None:
+            if self._info is None or r.meta.cache is None:
                 raise BadDescriptor(f"{op}: both {self.name!r} and {remote!r} need a registered cache")
-            return r
+            size = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
+            return r, plan_transfer(op, local_ids, remote_ids, layers, heads, self._info, r.meta.cache, remote,
+                                    min(size, self.config.staging_bytes))
 
-        r = self._refused(op, check)
+        r, chunks = self._refused(op, check)
         cache = self._cache
-        assert cache is not None and r.meta.cache is not None
-        chunk = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
-        chunks = self._refused(op, lambda: plan(local_ids, remote_ids, layers, cache.spec, cache.num_blocks,  # type: ignore
-                                                r.meta.cache.num_blocks, min(chunk, self.config.staging_bytes)))
+        assert cache is not None
         nbytes = sum(c.nbytes(cache.spec) for c in chunks)
         fault = self._faults.decide(remote) if r.lost is None else NO_FAULT
         ready = cache.caller_event()

@@ -1,9 +1,10 @@
 """A registered KV cache: the engine's tensor plus the byte-level views and gather/scatter the wire needs.
 
-The engine owns the tensor; the agent only borrows it between `register_cache` and `deregister_cache`.
-All reshaping follows `engine.kv_layout`: kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-is viewed as u8[num_blocks, num_layers, layer_bytes] (a view, no copy). On CUDA every gather/scatter runs on
-the cache's own transfer stream, after the caller's stream (see `caller_event`), never on the engine's stream.
+The engine owns the tensor; the agent only borrows it between `register_cache` and `deregister_cache`. All reshaping
+follows `engine.kv_layout`: kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] is viewed as
+u8[num_blocks, num_layers, layer_bytes] (a view, no copy); a head slice of it (the cache holds the global KV heads
+`heads`, engine.kv_heads) moves through a strided view of `kv` instead. On CUDA every gather/scatter runs on the
+cache's own transfer stream, after the caller's stream (see `caller_event`), never on the engine's stream.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 
 from .descriptors import contiguous_start
@@ -23,7 +25,7 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class RegisteredCache:
-    def __init__(self, kv: torch.Tensor, spec: KVCacheSpec) -> None:
+    def __init__(self, kv: torch.Tensor, spec: KVCacheSpec, heads: KVHeadRange | None = None) -> None:
         # kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         if kv.dtype != _TORCH_DTYPES[spec.dtype]:
             raise ValueError(f"cache dtype {kv.dtype} does not match spec dtype {spec.dtype}")
@@ -31,6 +33,8 @@ class RegisteredCache:
             raise ValueError(f"cache shape {tuple(kv.shape)} does not match spec shape {spec.shape(-1)}")
         if not kv.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous")
+        self.heads = heads if heads is not None else KVHeadRange.full(spec.num_kv_heads)
+        self.heads.check_spec(spec)
         self.kv = kv
         self.spec = spec
         self.num_blocks = kv.shape[0]
@@ -50,7 +54,13 @@ class RegisteredCache:
 
     def info(self, ipc_handle: bytes | None = None) -> CacheInfo:
         uuid = str(torch.cuda.get_device_properties(self.device).uuid) if self.is_cuda else None
-        return CacheInfo(self.spec, self.num_blocks, "cuda" if self.is_cuda else "cpu", uuid, ipc_handle)
+        return CacheInfo(self.spec, self.num_blocks, "cuda" if self.is_cuda else "cpu", uuid, ipc_handle, self.heads)
+
+    def slots(self, heads: tuple[int, int] | None) -> tuple[int, int] | None:
+        """This cache's head slots of the global heads `heads`, or None when that is all of them (or heads is None)."""
+        if heads is None or heads == self.heads.as_tuple():
+            return None
+        return self.heads.local(*heads)
 
     def caller_event(self) -> torch.cuda.Event | None:
         """Record, on the calling thread's current stream, the point after which blocks may be read/written."""
@@ -70,17 +80,29 @@ class RegisteredCache:
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         return device_index(ids, self.device)
 
-    def gather(self, ids: Sequence[int], layers: tuple[int, int], out: torch.Tensor) -> None:
-        """out[nbytes] u8 <- blocks `ids` x `layers`, block after block (in `ids` order)."""
-        l0, l1 = layers
+    def gather(self, ids: Sequence[int], layers: tuple[int, int], out: torch.Tensor,
+               slots: tuple[int, int] | None = None) -> None:
+        """out[nbytes] u8 <- blocks `ids` x `layers` (head slots `slots` only, if given), block after block."""
         with self._on_stream():
-            torch.index_select(self.words[:, l0:l1], 0, self._index(ids), out=self.as_words(out, len(ids), layers))
+            src, view = self._sliced(ids, layers, out, slots)
+            torch.index_select(src, 0, self._index(ids), out=view)
 
-    def scatter(self, ids: Sequence[int], layers: tuple[int, int], src: torch.Tensor) -> None:
-        """blocks `ids` x `layers` <- src[nbytes] u8 (the layout `gather` writes)."""
-        l0, l1 = layers
+    def scatter(self, ids: Sequence[int], layers: tuple[int, int], src: torch.Tensor,
+                slots: tuple[int, int] | None = None) -> None:
+        """blocks `ids` x `layers` (head slots `slots` only, if given) <- src[nbytes] u8 (as `gather` writes it)."""
         with self._on_stream():
-            self.words[:, l0:l1].index_copy_(0, self._index(ids), self.as_words(src, len(ids), layers))
+            dst, view = self._sliced(ids, layers, src, slots)
+            dst.index_copy_(0, self._index(ids), view)
+
+    def _sliced(self, ids: Sequence[int], layers: tuple[int, int], buf: torch.Tensor,
+                slots: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the cache's view of `layers` x `slots`, `buf` viewed as its `len(ids)` blocks)."""
+        l0, l1 = layers
+        if slots is None:
+            return self.words[:, l0:l1], self.as_words(buf, len(ids), layers)
+        s0, s1 = slots
+        part = self.kv[:, l0:l1, :, :, s0:s1]  # strided: the heads are not the outer dimension
+        return part, buf.view(self.kv.dtype).view(len(ids), *part.shape[1:])
 
     def as_words(self, buf: torch.Tensor, n: int, layers: tuple[int, int]) -> torch.Tensor:
         """[nbytes] u8 staging buffer -> [n, l1 - l0, layer_bytes / word] view in the word type."""

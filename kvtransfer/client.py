@@ -4,6 +4,8 @@ read:  request -> peer gathers -> one message -> we receive into our cache (a co
        staging slot, then scatter.
 write: we gather into a staging slot (or send a contiguous region as is) -> request -> "ready" -> one
        message -> peer scatters -> "done".
+A head-sliced read (chunk.heads) asks the peer for those global heads only, and receives them into the cache
+if they are all of its heads and the blocks are one region, else into a slot scattered into its head slots.
 The slot comes from the agent's client pool and goes back on every path (or is quarantined when a
 cancelled receive might still write into it).
 """
@@ -27,9 +29,12 @@ async def ucx_chunk(
     request = {
         "op": op, "xid": xid, "ids": list(chunk.remote_ids), "layers": list(chunk.layers), "nbytes": nbytes,
     }
+    if chunk.heads is not None:
+        request["heads"] = list(chunk.heads)
+    slots = cache.slots(chunk.heads)
     slot: Slot | None = None
     unsafe = False
-    buf = cache.region(chunk.local_ids, chunk.layers)
+    buf = cache.region(chunk.local_ids, chunk.layers) if slots is None else None
     try:
         if buf is None:
             slot = await pool.acquire(nbytes, deadline)
@@ -39,11 +44,11 @@ async def ucx_chunk(
             await conn.request(request, xid, deadline)
             await conn.recv_data(buf, xid, deadline)
             if slot is not None:
-                cache.scatter(chunk.local_ids, chunk.layers, buf)
+                cache.scatter(chunk.local_ids, chunk.layers, buf, slots)
             await event_done(cache.record(), deadline)
         else:
             if slot is not None:
-                cache.gather(chunk.local_ids, chunk.layers, buf)
+                cache.gather(chunk.local_ids, chunk.layers, buf, slots)
             await event_done(cache.record(), deadline)
             await conn.request(request, xid, deadline)  # "ready"
             await conn.send_data(buf, xid, deadline)

@@ -1,8 +1,9 @@
 """Turning "these block ids, these layers" into validated, message-sized pieces.
 
-Torch-free. A transfer names blocks on both sides (same count, pairwise: local_ids[i] <-> remote_ids[i])
-and a layer range [l0, l1). `plan()` validates that against both caches and splits it into chunks of at
-most `max_chunk_bytes` each; every chunk moves as one message (or one copy), never one per block.
+Torch-free. A transfer names blocks on both sides (same count, pairwise: local_ids[i] <-> remote_ids[i]), a layer
+range [l0, l1) and optionally a global KV head range [h0, h1) (a head-sliced read between caches holding different
+heads, see kvtransfer.head_slices). `plan()` validates that against both caches and splits it into chunks of at most
+`max_chunk_bytes` each; every chunk moves as one message (or one copy), never one per block.
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ from .errors import BadDescriptor
 
 @dataclass(frozen=True)
 class Chunk:
-    """One message's worth of a transfer: pairwise block ids and the layer range."""
+    """One message's worth of a transfer: pairwise block ids, the layer range and the global head range (None:
+    all heads, both caches holding the same ones)."""
 
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
     layers: tuple[int, int]
+    heads: tuple[int, int] | None = None
 
     def nbytes(self, spec: KVCacheSpec) -> int:
-        return region_bytes(len(self.local_ids), self.layers, spec)
+        return region_bytes(len(self.local_ids), self.layers, spec, self.heads)
 
 
-def region_bytes(n_blocks: int, layers: tuple[int, int], spec: KVCacheSpec) -> int:
-    return n_blocks * (layers[1] - layers[0]) * spec.layer_bytes
+def region_bytes(n_blocks: int, layers: tuple[int, int], spec: KVCacheSpec,
+                 heads: tuple[int, int] | None = None) -> int:
+    """Bytes of `n_blocks` x `layers`, of the heads [h0, h1) only if `heads` is given (else of all the cache's)."""
+    per_layer = spec.layer_bytes if heads is None else spec.layer_bytes // spec.num_kv_heads * (heads[1] - heads[0])
+    return n_blocks * (layers[1] - layers[0]) * per_layer
 
 
 def normalize_layers(layers: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:
@@ -66,8 +72,10 @@ def plan(
     local_blocks: int,
     remote_blocks: int,
     max_chunk_bytes: int,
+    heads: tuple[int, int] | None = None,
 ) -> list[Chunk]:
-    """Validate a transfer and split it into chunks of at most `max_chunk_bytes` (at least one block)."""
+    """Validate a transfer and split it into chunks of at most `max_chunk_bytes` (at least one block); `heads`
+    (already checked against both caches) goes into every chunk."""
     lids = validate_ids(local_ids, local_blocks, "local")
     rids = validate_ids(remote_ids, remote_blocks, "remote")
     if len(lids) != len(rids):
@@ -75,9 +83,9 @@ def plan(
     if not lids:
         raise BadDescriptor("a transfer needs at least one block")
     lr = normalize_layers(layers, spec.num_layers)
-    per_block = region_bytes(1, lr, spec)
+    per_block = region_bytes(1, lr, spec, heads)
     step = max(1, max_chunk_bytes // per_block)
-    return [Chunk(lids[i : i + step], rids[i : i + step], lr) for i in range(0, len(lids), step)]
+    return [Chunk(lids[i : i + step], rids[i : i + step], lr, heads) for i in range(0, len(lids), step)]
 
 
 def contiguous_start(ids: Sequence[int], layers: tuple[int, int], spec: KVCacheSpec) -> int | None:

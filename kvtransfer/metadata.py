@@ -2,6 +2,8 @@
 
 Torch-free and small, so the coordinator and the pools can pass it around (bytes over Ray) without CUDA.
 `to_bytes()` / `from_bytes()` are the wire format (JSON; the optional CUDA IPC blob is base64).
+A cache carries the global KV head range it holds (`engine.kv_heads`; default all heads): caches of a model's
+TP ranks hold different ranges, and `check_compatible` compares what must agree for heads to move between them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import os
 import socket
 from dataclasses import dataclass
 
+from engine.kv_heads import KVHeadRange, transfer_incompatibility
 from engine.kv_layout import KVCacheSpec
 
 from .errors import IncompatibleLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: caches carry head ranges, reads may name a head range
 
 
 def host_identity() -> str:
@@ -38,6 +41,22 @@ class CacheInfo:
     device: str  # "cpu" | "cuda"
     device_uuid: str | None = None  # CUDA device UUID (None on the CPU)
     ipc_handle: bytes | None = None  # opaque CUDA IPC export of the cache (intra-host path), or None
+    heads: KVHeadRange | None = None  # the global KV heads it holds; None: all of them (no TP)
+
+    def __post_init__(self) -> None:
+        try:
+            self.head_range.check_spec(self.spec)
+        except ValueError as e:
+            raise IncompatibleLayout(f"cache info: {e}") from e
+
+    @property
+    def head_range(self) -> KVHeadRange:
+        return self.heads if self.heads is not None else KVHeadRange.full(self.spec.num_kv_heads)
+
+    def describe(self) -> str:
+        h = self.head_range
+        return (f"model {self.spec.model_id!r}, KV heads [{h.start}, {h.stop}) of {h.total}, {self.spec.num_layers} "
+                f"layers, head_dim {self.spec.head_dim}, block {self.spec.block_size}, {self.spec.dtype}")
 
     def to_dict(self) -> dict:
         return {
@@ -46,6 +65,7 @@ class CacheInfo:
             "device": self.device,
             "device_uuid": self.device_uuid,
             "ipc_handle": base64.b64encode(self.ipc_handle).decode() if self.ipc_handle else None,
+            "heads": self.heads.to_list() if self.heads is not None else None,
         }
 
     @classmethod
@@ -57,6 +77,7 @@ class CacheInfo:
             device=str(d["device"]),
             device_uuid=d.get("device_uuid"),
             ipc_handle=base64.b64decode(ipc) if ipc else None,
+            heads=KVHeadRange.from_list(d["heads"]) if d.get("heads") is not None else None,
         )
 
 
@@ -104,17 +125,19 @@ class AgentMetadata:
         return self.host_id == other.host_id
 
 
-def check_compatible(local: CacheInfo | None, remote: AgentMetadata) -> None:
-    """Raise IncompatibleLayout unless blocks can move between `local` and `remote`'s cache."""
+def check_compatible(local: CacheInfo | None, remote: AgentMetadata, local_name: str = "this agent") -> None:
+    """Raise IncompatibleLayout unless heads can move between `local` and `remote`'s cache (their head ranges
+    may differ; see engine.kv_heads); the message names both sides and the differing fields (ours != theirs)."""
     if remote.protocol_version != PROTOCOL_VERSION:
-        raise IncompatibleLayout(
-            f"agent {remote.name!r} speaks protocol {remote.protocol_version}, we speak {PROTOCOL_VERSION}"
-        )
+        raise IncompatibleLayout(f"agent {remote.name!r} speaks protocol {remote.protocol_version}, "
+                                 f"{local_name!r} speaks {PROTOCOL_VERSION}")
     if local is None or remote.cache is None:
         return  # nothing registered yet on one side: notifications only; transfers check again
-    reason = local.spec.incompatibility(remote.cache.spec)
+    theirs = remote.cache
+    reason = transfer_incompatibility(local.spec, local.head_range, theirs.spec, theirs.head_range)
     if reason:
-        raise IncompatibleLayout(f"agent {remote.name!r} has an incompatible KV cache layout: {reason}")
+        raise IncompatibleLayout(f"KV caches of {local_name!r} ({local.describe()}) and {remote.name!r} "
+                                 f"({theirs.describe()}) are incompatible: {reason}")
 
 
 def default_address() -> str:

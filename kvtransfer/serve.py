@@ -31,17 +31,19 @@ class Server:
         get_pool: Callable[[], StagingPool | None],
         metrics: TransferMetrics,
         inbox: Inbox,
+        name: str,
     ) -> None:
         self._get_cache = get_cache
         self._get_info = get_info
         self._get_pool = get_pool
         self._metrics = metrics
         self._inbox = inbox
+        self._name = name  # the owning agent's, for error messages
 
     async def on_hello(self, peer: PeerEndpoint, msg: dict) -> dict:
         try:
             meta = AgentMetadata.from_bytes(wire.unb64(msg["meta"]))
-            check_compatible(self._get_info(), meta)
+            check_compatible(self._get_info(), meta, self._name)
         except (TransferError, KeyError) as e:
             self._metrics.record_failure("hello", e)
             return wire.failure(e)
@@ -58,7 +60,9 @@ class Server:
         else:
             self._metrics.record_failure("serve", BadDescriptor(f"unknown op {op!r}"))
 
-    def _target(self, msg: dict) -> tuple[RegisteredCache, tuple[int, ...], tuple[int, int], int]:
+    def _target(self, msg: dict) -> tuple[RegisteredCache, tuple[int, ...], tuple[int, int], tuple[int, int] | None,
+                                          int]:
+        """(cache, block ids, layers, head slots or None for all, bytes) a request names, checked."""
         cache = self._get_cache()
         if cache is None:
             raise BadDescriptor("no KV cache is registered on this agent")
@@ -66,7 +70,14 @@ class Server:
         ids = validate_ids(msg.get("ids", []), cache.num_blocks, "remote")
         if not ids:
             raise BadDescriptor("a transfer needs at least one block")
-        return cache, ids, layers, region_bytes(len(ids), layers, cache.spec)
+        heads = msg.get("heads")
+        try:
+            slots = cache.slots(None if heads is None else (int(heads[0]), int(heads[1])))
+        except (ValueError, TypeError, IndexError) as e:
+            raise BadDescriptor(f"heads {heads!r}: {e}") from e
+        if slots is not None and msg.get("op") != "read":
+            raise BadDescriptor("only reads move a part of a cache's heads")
+        return cache, ids, layers, slots, region_bytes(len(ids), layers, cache.spec, slots)
 
     async def _serve(self, peer: PeerEndpoint, msg: dict, op: str) -> None:
         xid = int(msg.get("xid", 0))
@@ -77,17 +88,17 @@ class Server:
         replied = False
         unsafe = False
         try:
-            cache, ids, layers, nbytes = self._target(msg)
+            cache, ids, layers, slots, nbytes = self._target(msg)
             if op == "write" and int(msg.get("nbytes", -1)) != nbytes:
                 raise BadDescriptor(f"write announces {msg.get('nbytes')} bytes, blocks hold {nbytes}")
-            buf = cache.region(ids, layers)
+            buf = cache.region(ids, layers) if slots is None else None
             pool = self._get_pool()
             if buf is None and pool is not None:
                 slot = await pool.acquire(nbytes, deadline)
                 buf = slot.view
             if op == "read":
                 if slot is not None:
-                    cache.gather(ids, layers, buf)
+                    cache.gather(ids, layers, buf, slots)
                     await event_done(cache.record(), deadline)
                 await peer.reply(xid, wire.ok(nbytes=nbytes), deadline)
                 replied = True

@@ -13,14 +13,14 @@ from engine.kv_layout import KVCacheSpec
 from kvtransfer.cache import RegisteredCache
 from kvtransfer.descriptors import contiguous_start, plan
 from kvtransfer.errors import BadDescriptor, IncompatibleLayout, TransferTimeout
-from kvtransfer.metadata import AgentMetadata, CacheInfo, check_compatible
+from kvtransfer.metadata import PROTOCOL_VERSION, AgentMetadata, CacheInfo, check_compatible
 from kvtransfer.staging import StagingPool
 from tests.kvtransfer_helpers import SPEC, bits, random_cache
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _meta(spec: KVCacheSpec = SPEC, num_blocks: int = 8, version: int = 1) -> AgentMetadata:
+def _meta(spec: KVCacheSpec = SPEC, num_blocks: int = 8, version: int = PROTOCOL_VERSION) -> AgentMetadata:
     return AgentMetadata("peer", "127.0.0.1", 1234, "host/boot", 42, CacheInfo(spec, num_blocks, "cpu"),
                          protocol_version=version)
 

@@ -1,14 +1,14 @@
 """The `cuda_ipc` backend: one-sided block copies between two CUDA caches of one host over NVLink.
 
-The exporting agent puts a CUDA IPC handle of its whole cache tensor in its metadata (`export`). A peer on
-the same host that can see that GPU and reach it peer-to-peer maps it (`CudaIpcPeer`) and then moves blocks
-itself, with no help from the owner's process: one `engine.kernels.block_copy.copy_blocks` launch per chunk,
-scattered blocks to scattered blocks, with no staging buffer. The kernel runs on our GPU: a read pulls the
-peer's blocks over NVLink, a write pushes ours.
-`launch()` queues the work from the caller's thread, so a transfer costs one kernel launch and an event of host
-time; only the completion wait goes to the agent's loop. Ordering with the owner's compute is the protocol's
-job: a reader reads after the owner's "blocks ready" notification; a writer notifies after its copies completed
-(the agent sends the notify over UCX).
+The exporting agent puts a CUDA IPC handle of its whole cache tensor in its metadata (`export`). A peer on the same
+host that can see that GPU and reach it peer-to-peer maps it (`CudaIpcPeer`) and then moves blocks itself, with no
+help from the owner's process: one `engine.kernels.block_copy.copy_blocks` launch per chunk, scattered blocks to
+scattered blocks, with no staging buffer; a head-sliced read (`Chunk.heads`) instead runs strided copies straight
+from the mapped tensor (`kvtransfer.head_slices.copy_heads`), no staging either. The kernel runs on our GPU: a read
+pulls the peer's blocks over NVLink, a write pushes ours. `launch()` queues the work from the caller's thread, so a
+transfer costs one kernel launch and an event of host time; only the completion wait goes to the agent's loop.
+Ordering with the owner's compute is the protocol's job: a reader reads after the owner's "blocks ready"
+notification; a writer notifies after its copies completed (the agent sends the notify over UCX).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class CudaIpcPeer:
         # the peer's context). Reads pull and writes push, both run by our GPU.
         args[_DEVICE_ARG] = local.device.index
         kv = rebuild_cuda_tensor(*args)  # [num_blocks, num_layers, 2, block_size, heads, head_dim]
-        self.remote = RegisteredCache(kv, remote.spec)
+        self.remote = RegisteredCache(kv, remote.spec, remote.heads)
         self.local = local
         self._stream = torch.cuda.Stream(local.device)
 
@@ -88,6 +88,8 @@ class CudaIpcPeer:
         stream event); returns the event that completes with the last copy. Called from the caller's thread."""
         from engine.kernels.block_copy import copy_blocks
 
+        from ..head_slices import copy_heads
+
         src, dst = (self.remote, self.local) if op == "read" else (self.local, self.remote)
         stream = self._stream
         with torch.cuda.device(self.local.device), torch.cuda.stream(stream):
@@ -95,6 +97,10 @@ class CudaIpcPeer:
                 stream.wait_event(ready)  # the caller's work on our GPU comes first
             for c in chunks:
                 src_ids, dst_ids = (c.remote_ids, c.local_ids) if op == "read" else (c.local_ids, c.remote_ids)
+                if c.heads is not None:  # only reads are sliced (kvtransfer.head_slices.resolve_heads)
+                    s_slots, d_slots = src.heads.local(*c.heads), dst.heads.local(*c.heads)
+                    copy_heads(src.kv, src_ids, s_slots, dst.kv, dst_ids, d_slots, c.layers)
+                    continue
                 ids = _pinned(src_ids + dst_ids).to(self.local.device, non_blocking=True)  # [2n] int32
                 n = len(src_ids)
                 copy_blocks(src.kv, ids[:n], dst.kv, ids[n:], c.layers[0], c.layers[1])
