@@ -20,6 +20,8 @@ from .descriptors import Chunk, plan
 from .errors import BadDescriptor
 from .metadata import CacheInfo
 
+_ONLY_READS = "only reads move a part of a cache's heads (the receiver pulls the heads it holds)"
+
 
 def resolve_heads(op: str, heads: tuple[int, int] | None, local: CacheInfo, remote: CacheInfo,
                   remote_name: str) -> tuple[int, int] | None:
@@ -30,8 +32,9 @@ def resolve_heads(op: str, heads: tuple[int, int] | None, local: CacheInfo, remo
     if heads is None:
         if ours.as_tuple() == theirs.as_tuple():
             return None
-        raise BadDescriptor(f"{op}: this cache holds KV heads [{ours.start}, {ours.stop}) and {remote_name!r}'s "
-                            f"[{theirs.start}, {theirs.stop}): name the heads to move (heads=(h0, h1))")
+        what = "name the heads to move (heads=(h0, h1))" if op == "read" else _ONLY_READS
+        raise BadDescriptor(f"{op}: this cache holds KV heads [{ours.start}, {ours.stop}) and {remote_name!r} "
+                            f"holds [{theirs.start}, {theirs.stop}): {what}")
     try:
         h0, h1 = (int(x) for x in heads)
     except (TypeError, ValueError) as e:
@@ -43,7 +46,7 @@ def resolve_heads(op: str, heads: tuple[int, int] | None, local: CacheInfo, remo
     if (h0, h1) == ours.as_tuple() == theirs.as_tuple():
         return None
     if op != "read":
-        raise BadDescriptor(f"{op}: only reads move a part of a cache's heads (the receiver pulls its heads)")
+        raise BadDescriptor(f"{op}: {_ONLY_READS}")
     return (h0, h1)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 
 SPEC = KVCacheSpec("kvtransfer-test", num_layers=4, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
@@ -33,12 +34,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _peer_main(conn: Any, name: str, num_blocks: int, seed: int, config: dict, spec: KVCacheSpec) -> None:
+def _peer_main(conn: Any, name: str, num_blocks: int, seed: int, config: dict, spec: KVCacheSpec,
+               heads: KVHeadRange | None = None) -> None:
     from kvtransfer import AgentConfig, KVAgent
 
     agent = KVAgent(name, AgentConfig(**config), address="127.0.0.1")
     cache = random_cache(spec, num_blocks, seed)
-    agent.register_cache(cache, spec)
+    agent.register_cache(cache, spec, heads)
     conn.send(agent.metadata().to_bytes())
     while True:
         method, args = conn.recv()
@@ -69,13 +71,13 @@ class PeerError(Exception):
 
 class PeerProcess:
     def __init__(self, name: str, num_blocks: int = 64, seed: int = 0, config: dict | None = None,
-                 spec: KVCacheSpec = SPEC, wait: bool = True) -> None:
+                 spec: KVCacheSpec = SPEC, wait: bool = True, heads: KVHeadRange | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.name = name
         self.seed = seed
         self.num_blocks = num_blocks
-        self.proc = ctx.Process(target=_peer_main, args=(child, name, num_blocks, seed, config or {}, spec),
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, num_blocks, seed, config or {}, spec, heads),
                                 daemon=True)
         self.proc.start()
         self.meta = b""
