@@ -2,14 +2,16 @@
 
 1. `prepare_process(device, config)` before CUDA starts: in a Ray actor on CUDA that may use cuda_ipc, show
    the peers' GPUs (ours stays cuda:0).
-2. `start_agent(name, config, kv, spec)` once the engine's cache exists: ucxx Python futures (one agent in this
-   process, so no busy-polling while idle), then the agent with the cache registered.
+2. `start_agent(name, config, kv, spec, heads)` once the engine's cache exists: ucxx Python futures (one agent in
+   this process, so no busy-polling while idle), then the agent with the cache registered (a TP rank's cache with
+   the global KV heads it holds, engine.kv_heads; None: all heads).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 
 from .agent import AgentConfig, KVAgent
@@ -22,9 +24,10 @@ def prepare_process(device: str, config: AgentConfig | None) -> None:
         expose_peer_gpus(node_gpu_count())
 
 
-def start_agent(name: str, config: AgentConfig, kv: torch.Tensor, spec: KVCacheSpec) -> KVAgent:
-    """kv: the engine's cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+def start_agent(name: str, config: AgentConfig, kv: torch.Tensor, spec: KVCacheSpec,
+                heads: KVHeadRange | None = None) -> KVAgent:
+    """kv: the engine's cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] holding `heads`."""
     use_python_futures()
     agent = KVAgent(name, config)
-    agent.register_cache(kv, spec)
+    agent.register_cache(kv, spec, heads)
     return agent
