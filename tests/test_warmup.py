@@ -15,6 +15,7 @@ from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import plan, step_variants, warm_up
 
 BLOCK = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("max_seqs,budget,max_len,sms,kv_heads,graphs", [
@@ -72,14 +73,15 @@ def test_every_step_input_starts_16_byte_aligned():
 
 
 def test_warm_up_leaves_the_engine_as_it_was(llama):
-    """Run on the interpreted Triton kernels: counters, blocks and the unseeded RNG are untouched, and generation
-    after a warm-up equals generation without one."""
+    """On the Triton kernels (interpreted on the CPU): counters, blocks and the unseeded RNG are untouched, and
+    generation after a warm-up equals generation without one."""
     prompts = [[5, 9, 13, 200, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42, 43, 44]]
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]  # unseeded: the engine's own RNG
-    cold = LLM(str(llama), kernels="triton", enable_prefix_caching=True, max_num_seqs=4, max_model_len=256)
+    options = dict(device=DEVICE, kernels="triton", max_num_seqs=4, max_model_len=64, warmup=False)
+    cold = LLM(str(llama), **options)
     expected = [o.token_ids for o in cold.generate(prompts, params)]
-    warm = LLM(str(llama), kernels="triton", enable_prefix_caching=True, max_num_seqs=4, max_model_len=256)
+    warm = LLM(str(llama), **options)
     assert warm_up(warm.engine) > 0
     counts = warm.engine.check_integrity()
     assert counts["in_use"] == 0 and counts["pinned"] == 0 and warm.engine.block_manager.num_cached_blocks == 0
