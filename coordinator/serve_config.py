@@ -35,6 +35,7 @@ class PoolConfig:
     kernels: str = "auto"          # the engine's GPU path switches (EngineConfig): Triton kernels, CUDA graphs and
     cuda_graphs: bool = True       # overlapped decode scheduling; the defaults are the fast path, turn one off to
     async_scheduling: bool = True  # compare or to rule it out
+    warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
     resources: dict[str, float] = field(default_factory=dict, hash=False)
 
@@ -136,7 +137,8 @@ class ServeConfig:
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
-            kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling)
+            kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling,
+            warmup=pool.warmup)
 
 
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
