@@ -1,8 +1,9 @@
 """The first minute of a server: goodput in the first window after /health turns 200 against the second window.
 
-For each layout (a YAML plus overrides), `pdserve serve` starts, and the moment /health is 200 an open-loop
-load at a near-constant rate (gamma arrivals of shape 50, so both windows get the same requests) (chat-like lengths, ids prompts, ignore_eos) runs for two windows of `--window` seconds. Requests are
-split by send time; each window's goodput (requests meeting the SLO, per second) is printed next to the second
+For each layout (a YAML plus overrides), `pdserve serve` starts, and the moment /health is 200 an open-loop load
+at a near-constant rate (gamma arrivals of shape 50, so both windows get about the same number of requests;
+chat-like lengths, ids prompts, ignore_eos) runs for two windows of `--window` seconds. Requests are split by send
+time; each window's goodput (requests meeting the SLO, per second) is printed next to the second
 window's, the reference, with their ratio (goal: at least 0.95). Also printed: the time from launch to /health 200
 and each worker's start-up phases (from the server log), so warm-up's cost shows next to its gain.
 
@@ -53,7 +54,8 @@ def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Pa
         cfg = RunConfig(Target(server.url, args.model, ignore_eos=True),
                         WorkloadSpec(kind="chat", input_len=args.input_len, output_len=args.output_len,
                                      max_input_len=args.max_input_len, prompt_format="ids"),
-                        ArrivalSpec(kind="gamma", rate=args.rate, burstiness=50), slo, duration_s=2 * args.window, warmup_s=0)
+                        ArrivalSpec(kind="gamma", rate=args.rate, burstiness=50), slo,
+                        duration_s=2 * args.window, warmup_s=0)
         t0 = time.perf_counter()
         results = asyncio.run(run_load(cfg))
     first, good1, n1 = _goodput(results, t0, t0 + args.window, slo)
