@@ -1,64 +1,122 @@
 """Write a random-weight Hugging Face checkpoint of a real model's shape, for benchmarks on a lent GPU.
 
-`python benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/llama1b --device cuda`
-Weights are N(0, 0.02) in bfloat16 (norms 1); the tokenizer files are the tiny model's (its ids are a subset of
-the vocabulary). Only shapes matter for speed; no weights can be downloaded here.
+`python benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda`
+Weights are N(0, 0.02) in bfloat16 (norms 1). The tokenizer is synthesized for exactly the model's vocabulary
+(benchmarks/vocab_tokenizer.py: Llama 3's byte-level layout, every id decodes to text), and config.json's bos/eos ids
+are its. Only shapes matter for speed; no weights can be downloaded here. Tensors are written in shards of at most
+`SHARD_BYTES` (with model.safetensors.index.json) as they are drawn, so memory holds one shard, not the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from engine.tiny import ensure_tiny_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.vocab_tokenizer import write_tokenizer  # noqa: E402
 
-PRESETS = {
+LLAMA3_VOCAB = 128256
+PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+                         num_key_value_heads=8, vocab_size=LLAMA3_VOCAB, tie_word_embeddings=True),
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+                       num_key_value_heads=8, vocab_size=LLAMA3_VOCAB, tie_word_embeddings=False),
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=LLAMA3_VOCAB, tie_word_embeddings=False),
+    # Llama 3's vocabulary on a CPU-sized body: the tokenizer and sampling paths at full width, cheap layers.
+    "small-128k": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=LLAMA3_VOCAB, tie_word_embeddings=False),
 }
+SHARD_BYTES = 5 << 30
+DTYPE_BYTES = 2  # bfloat16
+
+
+def tensor_shapes(shape: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the Llama checkpoint under its Hugging Face name, in file order."""
+    h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    head_dim = shape.get("head_dim", h // shape["num_attention_heads"])
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    yield "model.embed_tokens.weight", (vocab, h)
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield from ((p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                    (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                    (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                    (p + "post_attention_layernorm.weight", (h,)))
+    yield "model.norm.weight", (h,)
+    if not shape["tie_word_embeddings"]:
+        yield "lm_head.weight", (vocab, h)
+
+
+def plan_shards(shape: dict[str, Any], shard_bytes: int = SHARD_BYTES) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Tensors grouped in file order into shards of at most `shard_bytes` (a larger tensor gets a shard alone)."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, dims in tensor_shapes(shape):
+        nbytes = DTYPE_BYTES * torch.Size(dims).numel()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dims))
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(folder: Path, shape: dict[str, Any], device: str = "cpu", seed: int = 0,
+                     shard_bytes: int = SHARD_BYTES) -> None:
+    """config.json, generation_config.json, tokenizer files and safetensors weights of `shape` into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = sorted(f.name for f in folder.glob("model*.safetensors*"))
+    if stale:  # a leftover index or shard would be loaded with (or instead of) the new weights
+        raise FileExistsError(f"{folder} already holds weights ({', '.join(stale)}); remove them or pick a new folder")
+    ids = write_tokenizer(folder, shape["vocab_size"])
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+              "torch_dtype": "bfloat16", "bos_token_id": ids.bos, "eos_token_id": ids.eos_ids, **shape}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": ids.bos, "eos_token_id": ids.eos_ids}, indent=2) + "\n")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards = plan_shards(shape, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    for file, tensors in zip(names, shards, strict=True):
+        drawn = {}
+        for name, dims in tensors:
+            if len(dims) == 1:
+                drawn[name] = torch.ones(dims, dtype=torch.bfloat16)
+            else:
+                drawn[name] = (torch.randn(dims, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+            weight_map[name] = file
+            total += drawn[name].numel() * DTYPE_BYTES
+        save_file(drawn, str(folder / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Sizes in bfloat16 on disk: llama-3.2-1b ~2.5 GB, llama-3-8b ~16 GB, llama-3-70b ~141 GB (needs that "
+               "much free disk; memory holds one 5 GB shard), small-128k ~0.14 GB (runs on a CPU).")
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is much faster)")
     args = parser.parse_args()
-    shape = PRESETS[args.preset]
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
-              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, **shape}
-    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    kvd = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    gen = torch.Generator(device=args.device).manual_seed(0)
-
-    def rand(*s):
-        return (torch.randn(*s, generator=gen, device=args.device) * 0.02).to(torch.bfloat16).cpu()
-
-    tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], h), "model.norm.weight": torch.ones(h)}
-    if not shape["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = rand(shape["vocab_size"], h)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kvd, h),
-                    p + "self_attn.v_proj.weight": rand(kvd, h), p + "self_attn.o_proj.weight": rand(h, h),
-                    p + "mlp.gate_proj.weight": rand(shape["intermediate_size"], h),
-                    p + "mlp.up_proj.weight": rand(shape["intermediate_size"], h),
-                    p + "mlp.down_proj.weight": rand(h, shape["intermediate_size"]),
-                    p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)}
-    args.folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, args.folder / "model.safetensors")
-    (args.folder / "config.json").write_text(json.dumps(config, indent=2))
-    tiny = ensure_tiny_model()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny / name, args.folder / name)
+    try:
+        write_checkpoint(args.folder, PRESETS[args.preset], args.device)
+    except FileExistsError as e:
+        parser.error(str(e))
     print(f"wrote {args.preset} to {args.folder}")
 
 
