@@ -10,57 +10,37 @@ state a real generation goes through):
   llguidance builds its parser when the matcher is made and computes masks lazily), per schema, every schema new;
 - mask at batch 64: one step's bitmasks for 64 rows with the library's own parallel batch fill, per step.
 
-The tokenizer is a byte-level BPE with Llama 3's pre-tokenizer split, trained here on the Python standard library to
-128,000 tokens plus 256 special tokens (Llama 3's 128,256 shape); no download is needed. It is cached under
-~/.cache/pdserve/bench-bpe-128k.
+The tokenizer is benchmarks/vocab_tokenizer.py's, synthesized for exactly `--vocab` ids (default Llama 3's 128,256:
+256 bytes, 127,744 merges, 256 special tokens at the top), the same one the random checkpoints carry, so the masks
+here are the masks a model of that vocabulary needs; no download is needed. xgrammar is optional (`--libs`).
 
-Run: `python benchmarks/grammar_masks.py [--steps 64] [--schemas 64]`. On the 2-core CPU machine (quiet), xgrammar
-0.2.8 against llguidance 1.9.1: mask step at batch 64 27.9 ms against 7.8 ms mean (70.8 / 14.3 ms p99), compile 26
-against 0.6 ms mean per schema. Chosen: llguidance, by these figures and by maintenance (guidance-ai, used by vLLM
-and llama.cpp), and because it reads tokenizer.json itself and enforces multipleOf on numbers, which xgrammar 0.2.8
-ignores with a warning. README, "Structured outputs and tools", has both runs.
+Run: `python benchmarks/grammar_masks.py [--steps 64] [--schemas 64] [--libs xgrammar,llguidance]`. On the 2-core
+CPU machine (quiet), over a 128,256-token BPE trained on the Python standard library (this program's tokenizer
+before the synthesized one), xgrammar 0.2.8 against llguidance 1.9.1: mask step at batch 64 27.9 ms against 7.8 ms
+mean (70.8 / 14.3 ms p99), compile 26 against 0.6 ms mean per schema. Chosen: llguidance, by these figures and by
+maintenance (guidance-ai, used by vLLM and llama.cpp), and because it reads tokenizer.json itself and enforces
+multipleOf on numbers, which xgrammar 0.2.8 ignores with a warning. README, "Structured outputs and tools", has both
+runs and docs/benchmarks.md the runs over the synthesized tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import random
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.tiny import SPLIT_PATTERN  # noqa: E402
+from benchmarks.make_random_checkpoint import LLAMA3_VOCAB  # noqa: E402
+from benchmarks.vocab_tokenizer import build_tokenizer, special_ids  # noqa: E402
 from tests.json_schemas import random_instance, random_schema  # noqa: E402
 
-CACHE = Path.home() / ".cache" / "pdserve" / "bench-bpe-128k" / "tokenizer.json"
-BPE_VOCAB, NUM_SPECIAL = 128_000, 256
-
-
-def build_tokenizer() -> str:
-    """tokenizer.json text of the 128,256-token byte-level BPE (trained once, then cached)."""
-    if CACHE.is_file():
-        return CACHE.read_text()
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    files = sorted(glob.glob(f"{sysconfig.get_paths()['stdlib']}/**/*.py", recursive=True))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((Path(f).read_text(encoding="utf-8", errors="ignore") for f in files), trainer)
-    tok.add_special_tokens([AddedToken(f"<|reserved_special_token_{i}|>", special=True) for i in range(NUM_SPECIAL)])
-    CACHE.parent.mkdir(parents=True, exist_ok=True)
-    CACHE.write_text(tok.to_str())
-    return CACHE.read_text()
+LIBS = ("xgrammar", "llguidance")
 
 
 class XGrammar:
@@ -154,24 +134,30 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--schemas", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help="the synthesized tokenizer's exact size")
+    ap.add_argument("--libs", default=",".join(LIBS), help=f"comma-separated, from {LIBS}")
     args = ap.parse_args()
-    from tokenizers import Tokenizer
-    tokenizer_json = build_tokenizer()
-    tok = Tokenizer.from_str(tokenizer_json)
-    eos = tok.token_to_id("<|reserved_special_token_0|>")
+    libs = [name for name in args.libs.split(",") if name]
+    if not libs or set(libs) - set(LIBS):
+        ap.error(f"--libs: expected names from {LIBS}, got {args.libs!r}")
+    tok = build_tokenizer(args.vocab)
+    tokenizer_json = tok.to_str()
+    eos = special_ids(tok).eot
     rng = random.Random(0)
     schemas = [random_schema(rng) for _ in range(args.schemas)]
     streams = [tok.encode(json.dumps(random_instance(rng, s), separators=(",", ":")), add_special_tokens=False).ids
                for s in schemas]
     print(f"vocabulary {tok.get_vocab_size(with_added_tokens=True)} tokens, batch {args.batch}, {args.steps} steps, "
           f"{args.schemas} schemas, torch threads {torch.get_num_threads()}")
-    results = {cls.name: measure(cls, tokenizer_json, eos, schemas, streams, args.steps, args.batch)
-               for cls in (XGrammar, LLGuidance)}
-    keys = list(next(iter(results.values())))
-    print(f"{'':18}{'xgrammar':>12}{'llguidance':>12}{'xgr/llg':>10}")
-    for k in keys:
-        x, g = results["xgrammar"][k], results["llguidance"][k]
-        print(f"{k:18}{x:12.3f}{g:12.3f}{x / g:10.2f}")
+    classes = {cls.name: cls for cls in (XGrammar, LLGuidance)}
+    results = {name: measure(classes[name], tokenizer_json, eos, schemas, streams, args.steps, args.batch)
+               for name in libs}
+    both = len(libs) == 2
+    ratio = f"{libs[0][:3]}/{libs[1][:3]}" if both else ""
+    print(f"{'':18}" + "".join(f"{name:>12}" for name in libs) + f"{ratio:>10}")
+    for k in results[libs[0]]:
+        row = [results[name][k] for name in libs]
+        print(f"{k:18}" + "".join(f"{v:12.3f}" for v in row) + (f"{row[0] / row[1]:10.2f}" if both else ""))
 
 
 if __name__ == "__main__":

@@ -11,18 +11,18 @@ row is still running:
 Prints one JSON line per case with step_ms, the ratio to plain, and the rows running at the smallest step.
 
     python benchmarks/sampling_overhead.py --model /tmp/l8b --device cuda
-    python benchmarks/sampling_overhead.py --model tiny --device cpu --batch 8 --context 64 --steps 4
+    python benchmarks/sampling_overhead.py --preset small-128k --device cpu --batch 8 --context 64 --steps 4
 
-Grammar masks are filled on the CPU over the model's tokenizer: with a small tokenizer on a large vocabulary (the
-random checkpoints carry tiny's 2,048-token one) they are cheaper than with a real 128k tokenizer; give
-`--tokenizer-json` a full-vocabulary tokenizer.json to measure that.
+`--preset` draws a random checkpoint of that shape (benchmarks/make_random_checkpoint.py) into a temporary folder
+first. Grammar masks are filled on the CPU over the model's tokenizer, so their cost depends on its size: the random
+checkpoints carry a tokenizer of exactly the model's vocabulary (benchmarks/vocab_tokenizer.py), 128,256 tokens for
+the Llama 3 shapes; `tiny` has 2,048.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.make_random_checkpoint import PRESETS, write_checkpoint  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -75,43 +76,43 @@ def measure(engine: LLMEngine, prompts: list[list[int]], extra: dict, steps: int
     return {"step_ms": round(statistics.median(times) * 1e3, 3), "rows_min": min(rows)}
 
 
-def _model_folder(model: str, tokenizer_json: str | None, tmp: str) -> str:
-    """The model folder, or a copy of it (weights linked) whose tokenizer.json is `tokenizer_json`."""
-    if not tokenizer_json:
-        return model
-    folder = Path(tmp) / "model"
-    folder.mkdir()
-    for f in Path(model).iterdir():
-        (folder / f.name).symlink_to(f.resolve())
-    (folder / "tokenizer.json").unlink()
-    shutil.copy(tokenizer_json, folder / "tokenizer.json")
+def _model_folder(args: argparse.Namespace, tmp: str) -> str:
+    """`--model`, or a random checkpoint of `--preset` drawn into `tmp`."""
+    if args.model:
+        return args.model
+    folder = Path(tmp) / args.preset
+    write_checkpoint(folder, PRESETS[args.preset], args.device)
     return str(folder)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="tiny or a checkpoint folder")
+    model.add_argument("--preset", choices=sorted(PRESETS), help="a random checkpoint of this shape, made first")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--tokenizer-json", help="a tokenizer.json to use instead of the model folder's")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        config = EngineConfig(model=_model_folder(args.model, args.tokenizer_json, tmp), device=args.device,
-                              dtype="bfloat16" if args.device == "cuda" else "auto", max_num_seqs=args.batch,
+        config = EngineConfig(model=_model_folder(args, tmp), device=args.device,
+                              dtype="bfloat16" if args.device == "cuda" else "float32", max_num_seqs=args.batch,
                               max_num_batched_tokens=8192, enable_prefix_caching=False,
                               kv_cache_memory_bytes=(16 << 30) if args.device == "cuda" else (256 << 20))
         engine = LLMEngine(config)
         gen = torch.Generator().manual_seed(0)
         vocab = engine.model_config.vocab_size
-        prompts = [torch.randint(3, min(vocab, 2048), (args.context,), generator=gen).tolist()
+        specials = engine.tokenizer.special_token_ids
+        regular = torch.tensor([i for i in range(vocab) if i not in specials])
+        prompts = [regular[torch.randint(len(regular), (args.context,), generator=gen)].tolist()
                    for _ in range(args.batch)]
         reference = None
         for name, extra in _cases(vocab, gen).items():
             result = measure(engine, prompts, extra, args.steps, name, args.device)
             reference = reference or result["step_ms"]
-            print(json.dumps({"case": name, "batch": args.batch, "context": args.context, **result,
+            print(json.dumps({"case": name, "batch": args.batch, "context": args.context,
+                              "vocab": vocab, "tokenizer_vocab": engine.tokenizer.vocab_size, **result,
                               "plain_step_ms": reference, "ratio_to_plain": round(result["step_ms"] / reference, 3),
                               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}),
                   flush=True)
