@@ -4,9 +4,9 @@ One engine, `--batch` requests of `--context` random prompt tokens, seeded sampl
 the same prompts are prefilled, then `--steps` decode steps are timed (engine.step() wall time, median) while every
 row is still running:
 - plain: nothing but temperature and seed (the reference);
-- penalties: presence 0.5, frequency 0.5, repetition 1.2 (engine.logits_processing);
+- penalties: presence 0.5, frequency 0.5, repetition 1.2 (engine.sampling.logits_processing);
 - logit_bias: 64 random token ids biased by -5..5;
-- json_schema: an object with one free string field (engine.grammar through llguidance): the string keeps most
+- json_schema: an object with one free string field (engine.sampling.grammar, llguidance): the string keeps most
   of the vocabulary allowed, so rows stay alive; a row the grammar ends early is reported in `rows_min`.
 Prints one JSON line per case with step_ms, the ratio to plain, and the rows running at the smallest step.
 
