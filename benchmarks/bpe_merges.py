@@ -95,6 +95,7 @@ def _merge_all(parts: list[bytes], pair: tuple[bytes, bytes]) -> list[bytes]:
 
 
 def _fixed_words() -> Iterator[bytes]:
+    """The short tokens every byte-level vocabulary has, commonest kinds first."""
     lower, upper, digits, punct = (s.encode() for s in (string.ascii_lowercase, string.ascii_uppercase,
                                                         string.digits, string.punctuation))
     yield from (bytes([32, c]) for c in lower + upper)

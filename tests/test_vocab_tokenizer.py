@@ -62,6 +62,8 @@ def test_exactly_the_vocab_size_with_llama3_specials_at_the_top(size, backend):
     assert (ids.bos, ids.eos, ids.eot) == (size - 256, size - 255, size - 247)
     assert tok.id_to_token(size - 250) == "<|start_header_id|>" and tok.id_to_token(size - 1).startswith("<|reserved")
     assert {i for i, t in tok.get_added_tokens_decoder().items() if t.special} == set(range(size - 256, size))
+    if size != N:
+        assert tok.to_str() == build_tokenizer(size).to_str()  # seeded: the same file every time
     with pytest.raises(ValueError, match="below 256 byte tokens"):
         build_tokenizer(500)
 
