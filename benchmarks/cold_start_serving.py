@@ -5,7 +5,8 @@ at a near-constant rate (gamma arrivals of shape 50, so both windows get about t
 chat-like lengths, ids prompts, ignore_eos) runs for two windows of `--window` seconds. Requests are split by send
 time; each window's goodput (requests meeting the SLO, per second) is printed next to the second
 window's, the reference, with their ratio (goal: at least 0.95). Also printed: the time from launch to /health 200
-and each worker's start-up phases (from the server log), so warm-up's cost shows next to its gain.
+and each worker's start-up phases (from the server log), so warm-up's cost shows next to its gain. Each layout
+gets an empty Triton cache, as on a freshly started machine.
 
     python benchmarks/cold_start_serving.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8b --rate 4 \\
         --layout warm: --layout cold:prefill.warmup=false,decode.warmup=false
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import tempfile
 import time
@@ -48,6 +50,7 @@ def _goodput(results: list, lo: float, hi: float, slo: SLO) -> tuple[float, int,
 def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Path) -> dict:
     config = serving_config(args.config, {"model": args.model, **overrides}, None, None)
     slo = SLO(args.ttft_ms, args.tpot_ms)
+    os.environ["TRITON_CACHE_DIR"] = str(workdir / name / "triton-cache")  # every layout starts as on a new machine
     launched = time.perf_counter()
     with launched_server(config, workdir / name, start_timeout_s=900) as server:
         ready_s = time.perf_counter() - launched
