@@ -68,7 +68,9 @@ def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Pa
     return {"layout": name, "ready_s": round(ready_s, 1), "goodput_first": round(first, 2),
             "goodput_second": round(second, 2), "ratio": round(first / second, 3) if second else None,
             "good_first": f"{good1}/{n1}", "good_second": f"{good2}/{n2}",
-            "failed": sum(not r.ok for r in results), "startup": {w: p for w, p in phases}}
+            "failed": sum(not r.ok for r in results),
+            "errors": sorted({(r.error or "")[:120] for r in results if not r.ok}),
+            "startup": {w: p for w, p in phases}}
 
 
 def main() -> None:
@@ -80,7 +82,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--window", type=float, default=18.0)
     ap.add_argument("--input-len", type=int, default=2048)
-    ap.add_argument("--max-input-len", type=int, default=8192)
+    ap.add_argument("--max-input-len", type=int, default=7936)  # + output within an 8k context
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--tpot-ms", type=float, default=100.0)
