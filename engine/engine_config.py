@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "triton", "torch")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class EngineConfig:
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
     async_scheduling: bool = True       # queue decode step N+1 before reading step N's tokens (see LLMEngine)
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
+    tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
+    device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
+    load_format: str = "auto"           # "auto": the checkpoint's safetensors; "dummy": random weights, no files
 
     def __post_init__(self) -> None:
         checks = [
@@ -43,6 +47,14 @@ class EngineConfig:
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("pin_lease_s", self.pin_lease_s > 0, "must be positive"),
             ("kernels", self.kernels in KERNELS, f"must be one of {KERNELS}"),
+            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
+             and not isinstance(self.tensor_parallel_size, bool) and self.tensor_parallel_size >= 1,
+             "must be an integer >= 1"),
+            ("device_ids", self.device_ids is None or (
+                self.device.startswith("cuda") and len(self.device_ids) == self.tensor_parallel_size
+                and len(set(self.device_ids)) == len(self.device_ids)),
+             "must name tensor_parallel_size distinct CUDA devices (with a cuda device)"),
+            ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
         ]
         for name, ok, why in checks:
             if not ok:

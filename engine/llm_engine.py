@@ -13,6 +13,9 @@ already delivered. Their KV is computed (or transferred) with the prompt's, the 
 max_tokens counts them; outputs carry only new tokens (see engine.request).
 Ownership: every block belongs to exactly one of: the free pool, the prefix cache, a running request, a pinned
 request or a reservation; check_integrity() asserts it. The engine is not thread-safe: one loop owns it.
+Tensor parallelism (EngineConfig.tensor_parallel_size = N > 1): this engine is rank 0 and owns N - 1 follower
+processes (engine.runner.tp_leader) until close(); `kv_spec` and `kv_head_range` describe rank 0's cache, and
+`kv_shards` every rank's (each holds its own KV heads). N = 1 runs no process and no collective.
 """
 
 from __future__ import annotations
@@ -29,14 +32,13 @@ from engine.core.request import Request, RequestStatus, TokenLogprob, check_toke
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepOutput
 from engine.engine_config import EngineConfig
+from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 from engine.load import EngineLoad, PhaseClock
-from engine.model.decoder import CausalLM
 from engine.model.model_config import ModelConfig
-from engine.model.weights import load_weights
-from engine.runner.cuda_graphs import DecodeGraphs
-from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
+from engine.model.parallel import TPLayout
 from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.rank_setup import build_rank
 from engine.runner.step_extras import plan_extras, record_extras, with_extras
 from engine.runner.warmup import warm_up
 from engine.sampling.sampler import Sampler
@@ -45,9 +47,6 @@ from engine.tiny import resolve_model_path
 
 if TYPE_CHECKING:
     from engine.sampling.grammar import GrammarManager
-
-CPU_KV_CACHE_BYTES = 1 << 30
-GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
 
 
 class LLMEngine:
@@ -62,28 +61,40 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings} ({path}/config.json)")
         self.config = replace(config, dtype=dtype, max_model_len=max_model_len)
-        self.device = torch.device(config.device)
-        clock = PhaseClock()
-        self.model = self._load_model(path, TORCH_DTYPES[dtype])
-        clock.lap("weights")
-        self.uses_kernels = config.kernels == "triton" or (config.kernels == "auto" and self.device.type == "cuda")
-        if self.uses_kernels:
-            self.model.use_kernels()
-        self.kv_spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                                   head_dim=mc.head_dim, block_size=config.block_size, dtype=dtype)
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_cache = allocate_kv_cache(self.kv_spec, self.num_kv_blocks, self.device)  # [NB, L, 2, bs, KVH, D]
-        self.max_blocks_per_seq = self._blocks_for(max_model_len)
-        clock.lap("kv_cache")
+        n = config.tensor_parallel_size
+        TPLayout.check(mc, n)
+        self.kv_shards: tuple[tuple[KVCacheSpec, KVHeadRange], ...] = tuple(
+            (KVCacheSpec(mc.fingerprint, mc.num_layers, TPLayout(mc, r, n).kv_heads, mc.head_dim, config.block_size,
+                         dtype), TPLayout(mc, r, n).kv_head_range) for r in range(n))  # per rank: cache, heads
+        self.followers = None
+        if n > 1:
+            from engine.runner.tp_leader import TPFollowers, rank_devices
+            self.device = rank_devices(self.config)[0]
+            self.followers = TPFollowers(self.config, path, mc)
+        else:
+            self.device = torch.device(config.device)
+        clock = PhaseClock()  # build_rank's phases: weights, kv_cache, cuda_graphs
+        try:
+            rank = build_rank(mc, path, self.config, self.device, self.followers and self.followers.tp,
+                              self.followers.agree_blocks if self.followers else int, clock)
+            if self.followers:
+                self.followers.wait_started()
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.uses_kernels, self.kv_cache = rank.model, rank.uses_kernels, rank.kv_cache
+        self.kv_spec, self.kv_head_range, self.num_kv_blocks = rank.kv_spec, rank.kv_head_range, rank.num_kv_blocks
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk)
-        graphs = None
-        if self.uses_kernels and config.cuda_graphs and self.device.type == "cuda":
-            graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, self.max_blocks_per_seq)
-            clock.lap("cuda_graphs")
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, graphs)
+        if self.followers is None:
+            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs)
+        else:
+            from engine.runner.tp_leader import TPModelRunner
+            self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
+                                        followers=self.followers)
         self._reserved: set[str] = set()
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
@@ -157,8 +168,7 @@ class LLMEngine:
         copies = self.block_manager.fork(src_id, dst_id, num_tokens)
         if copies is None:
             return False
-        for a, b in copies:
-            self.kv_cache[b].copy_(self.kv_cache[a])  # [L, 2, bs, KVH, D]: queued after any step in flight
+        self.runner.copy_blocks(copies)  # queued after any step in flight (on every rank)
         self._reserved.add(dst_id)
         return True
 
@@ -279,6 +289,11 @@ class LLMEngine:
         assert result["free"] + result["cached"] + result["pinned"] + result["in_use"] == result["total"]
         return result
 
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (nothing to do at TP=1); the engine cannot step afterwards."""
+        if self.followers is not None:
+            self.followers.close()
+
     # ---- internals
     def _request(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool,
                  prior: tuple[int, ...], priority: int = 0) -> Request:
@@ -290,33 +305,3 @@ class LLMEngine:
                   prior_output_ids: Sequence[int]) -> tuple[int, ...]:
         return validate_request(request_id, prompt, params, prior_output_ids, self.model_config.vocab_size,
                                 self.config.max_model_len, self.config.block_size, self.num_kv_blocks)
-
-    def _load_model(self, path, dtype: torch.dtype) -> CausalLM:
-        with torch.device("meta"):
-            model = CausalLM(self.model_config, self.config.max_model_len)
-        model = model.to_empty(device=self.device).to(dtype)
-        model.rope.build(self.device)  # float32 tables, not converted
-        load_weights(model, path)
-        return model.eval()
-
-    def _num_kv_blocks(self) -> int:
-        cfg, block_bytes = self.config, self.kv_spec.block_bytes
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cfg.gpu_memory_utilization) - used - GPU_ACTIVATION_HEADROOM_BYTES
-        else:
-            enough = cfg.max_num_seqs * self._blocks_for(cfg.max_model_len) * block_bytes
-            budget = min(CPU_KV_CACHE_BYTES, enough)
-        blocks = budget // block_bytes
-        if blocks < self._blocks_for(min(cfg.max_model_len, 2 * cfg.block_size)):
-            raise ValueError(f"KV cache budget of {budget} bytes holds only {blocks} blocks of {block_bytes} bytes")
-        return blocks
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)  # the block manager does not exist yet when sizing
-

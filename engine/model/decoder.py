@@ -9,6 +9,9 @@ path after loading: q/k/v and gate/up become one projection each (one GEMM inste
 with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels. A step of at most
 SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and gate_up projections as GEMVs (engine.kernels.skinny_gemm;
 the down projection's long K suits cuBLAS's split-K better), the qkv one with RoPE and the KV store fused in.
+
+With a TPGroup (engine.model.parallel) the layers are built from the rank's local config (its heads and slice of
+the intermediate size) and o/down all-reduce; without one (TP=1) no collective or extra op runs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, attend
 from engine.model.model_config import ModelConfig
+from engine.model.parallel import TPGroup, TPLayout, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model.torch_attention import write_kv
 
@@ -61,8 +65,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -99,7 +104,8 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, k, rope.cos, rope.sin)
                 write_kv(kv_layer, meta.slots, k, v)
         o = attend(q, kv_layer, meta, d ** -0.5, use_kernels).reshape(t, h * d)
-        return _linear(self.o_proj, o) if use_kernels else self.o_proj(o)
+        out = _linear(self.o_proj, o) if use_kernels else self.o_proj(o)
+        return out if self.tp is None else self.tp.all_reduce(out)  # o_proj has no bias
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (views of one output on the kernel path)."""
@@ -111,8 +117,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -125,15 +132,17 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             from engine.kernels.silu_mul import silu_and_mul
-            return self.down_proj(silu_and_mul(_linear(self.gate_up_proj, x)))  # [T, 2I] -> [T, I] -> [T, hidden]
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            act = silu_and_mul(_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
+        else:
+            act = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(act) if self.tp is None else self.tp.row_parallel(self.down_proj, act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -151,18 +160,26 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """forward() runs the layers over the step's tokens, writing their K/V into the cache;
-    compute_logits() projects the hidden states of the tokens that sample."""
+    compute_logits() projects the hidden states of the tokens that sample.
+    With `tp`, `config` is the rank's local config (engine.model.parallel.TPLayout.local_config)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
+        self.model = nn.Module()
+        if tp is None:
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            vocab_rows = cfg.vocab_size
+        else:
+            layout = TPLayout(cfg, tp.rank, tp.size)
+            vocab_rows, cfg = layout.vocab_rows, layout.local_config()
+            self.model.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, layout.vocab_range[0], tp)
         self.config = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -194,9 +211,12 @@ class CausalLM(nn.Module):
                 module.use_kernels = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab]."""
+        """hidden [S, hidden] -> float32 logits [S, vocab] (with TP: gathered, the same on every rank)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.tp is None:
+            return nn.functional.linear(hidden, weight).float()
+        local = nn.functional.linear(hidden, weight)  # [S, ceil(V / N)]
+        return self.tp.all_gather_last(local)[:, : self.config.vocab_size].float().contiguous()
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

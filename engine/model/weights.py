@@ -5,11 +5,17 @@ Owns: finding the checkpoint's files (`model.safetensors`, the shards of `model.
 one tensor at a time (never the whole checkpoint in memory), converting dtype and device on the copy.
 The model owns its parameters (dtype, device, names); this module only fills them.
 Names the model must match: `model.state_dict()` keys are exactly the checkpoint's tensor names.
+Tensor parallelism: given `slices` (engine.model.parallel.TPLayout.slices), a rank reads only its part of each cut
+tensor through `safe_open(...).get_slice` (memory-mapped), never the whole tensor; a part shorter than the
+parameter (the padded tail of the last vocabulary shard) leaves the rest zero. `LoadStats` counts what was read.
+`init_dummy_weights` (load_format "dummy") fills the model with random values generated on its device instead.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +25,14 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
 TIED_EMBED = "model.embed_tokens.weight"
+
+
+@dataclass
+class LoadStats:
+    """What load_weights materialised from the checkpoint: tensors read and their bytes (slices only, with TP)."""
+
+    tensors: int = 0
+    bytes: int = 0
 
 
 class WeightsError(ValueError):
@@ -47,23 +61,47 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def _check_tied_head(path: Path, targets: dict[str, torch.Tensor]) -> None:
+def _read(f, name: str, target: torch.Tensor, cut: tuple[int, int, int, int] | None, path: Path) -> torch.Tensor:
+    """The stored tensor `name`, or only its `cut` (dim, start, stop, full size) part, checked against `target`."""
+    sl = f.get_slice(name)
+    shape = tuple(sl.get_shape())
+    expected = tuple(target.shape)
+    if cut is not None:
+        dim, start, stop, full = cut
+        expected = expected[:dim] + (full,) + expected[dim + 1:]
+    if shape != expected:
+        raise WeightsError(f"{path}: tensor {name!r} has shape {shape} in the checkpoint but {expected} in the "
+                           "model" + (" (before the tensor-parallel cut)" if cut is not None else ""))
+    if cut is None:
+        return sl[:]
+    return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+def _check_tied_head(path: Path, targets: dict[str, torch.Tensor],
+                     slices: Mapping[str, tuple[int, int, int, int]]) -> None:
     """A tied model may ignore a stored lm_head.weight only if it is the embedding (else the config is wrong)."""
     embed = targets.get(TIED_EMBED)
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        head = f.get_tensor(TIED_HEAD)
+        cut = slices.get(TIED_HEAD)
+        head = f.get_tensor(TIED_HEAD) if cut is None else f.get_slice(TIED_HEAD)[cut[1]:cut[2]]
+        if embed is not None and cut is not None:
+            embed = embed[: cut[2] - cut[1]]
     if embed is None or head.shape != embed.shape or not torch.equal(head.to(embed.dtype).to(embed.device), embed):
         raise WeightsError(f"{path}: tensor {TIED_HEAD!r} differs from {TIED_EMBED!r}, but the model ties them "
                            "(tie_word_embeddings); the checkpoint's config and weights disagree")
 
 
-def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
+def load_weights(model: torch.nn.Module, folder: str | Path,
+                 slices: Mapping[str, tuple[int, int, int, int]] | None = None) -> LoadStats:
     """Copy every checkpoint tensor into `model` in place; every model entry must be filled exactly.
 
     Entries that share storage with a filled entry (tied embeddings in a model that keeps `lm_head.weight`
     as an alias) count as filled. A stored `lm_head.weight` that a tied model lacks is skipped if it equals the
     embedding. Raises `WeightsError` on an unexpected or missing tensor or a shape mismatch.
+    `slices`: tensor name -> (dim, start, stop, full size) of the part to read (tensor parallelism).
     """
+    slices = slices or {}
+    stats = LoadStats()
     targets = model.state_dict()
     loaded: set[str] = set()
     tied_head_file: Path | None = None
@@ -79,15 +117,32 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
                     target = targets.get(name)
                     if target is None:
                         raise WeightsError(f"{path}: unexpected tensor {name!r} (the model has no such entry)")
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(target.shape):
-                        raise WeightsError(f"{path}: tensor {name!r} has shape {shape} in the checkpoint "
-                                           f"but {tuple(target.shape)} in the model")
-                    target.copy_(f.get_tensor(name))
+                    cut = slices.get(name)
+                    part = _read(f, name, target, cut, path)
+                    stats.tensors += 1
+                    stats.bytes += part.numel() * part.element_size()
+                    if part.shape == target.shape:
+                        target.copy_(part)
+                    else:  # the padded tail of the last vocabulary shard
+                        target.zero_()
+                        target.narrow(cut[0], 0, part.shape[cut[0]]).copy_(part)
                     loaded.add(name)
     filled = {targets[name].data_ptr() for name in loaded}
     missing = [n for n in targets if n not in loaded and targets[n].data_ptr() not in filled]
     if missing:
         raise WeightsError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) the model needs: {missing}")
     if tied_head_file is not None:
-        _check_tied_head(tied_head_file, targets)
+        _check_tied_head(tied_head_file, targets, slices)
+    return stats
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights generated on the model's device (load_format "dummy", for benchmarks of a model shape
+    without its checkpoint): norm weights 1, everything else uniform in [-1e-3, 1e-3] (as vLLM's dummy format)."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator(device=p.device).manual_seed(seed + i)
+            p.uniform_(-1e-3, 1e-3, generator=gen)

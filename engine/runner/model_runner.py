@@ -49,8 +49,9 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler | None,
                  graphs: DecodeGraphs | None = None) -> None:
+        """`sampler`: None on a tensor-parallel follower, which never samples (engine.runner.tp_follower)."""
         self.model = model
         self.kv_cache = kv_cache  # [NB, L, 2, bs, KVH, D]
         self.block_size = block_size
@@ -97,6 +98,11 @@ class ModelRunner:
         sampled = self.sampler.launch(logits, row_params, [c.output_index for c in chunks],
                                       [c.request_id for c in chunks])
         return LaunchedStep(sched, chunks, sampled, prompt_logprobs=prompt)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst (all layers), queued after any step in flight."""
+        for a, b in pairs:
+            self.kv_cache[b].copy_(self.kv_cache[a])  # [L, 2, bs, KVH, D]
 
     def _ids_after(self, after: LaunchedStep, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """[T] int64 input ids gathered on the device from `after`'s sampled tokens, one per decode chunk."""

@@ -1,0 +1,99 @@
+"""One rank's model, KV cache and CUDA graphs: the start-up every tensor-parallel rank runs alike (rank 0 inside
+LLMEngine, the others in engine.runner.tp_follower), and the only start-up TP=1 runs.
+
+Owns: building the model on the meta device and filling it (a checkpoint, only this rank's slices with TP, or
+dummy weights), the rank's KVCacheSpec (its local KV heads), sizing the cache from the memory budget, and the
+graphs. The number of blocks is agreed before allocation (`agree`: with TP the minimum over the ranks), so every
+rank's cache has the same blocks and one block table addresses all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.kv_heads import KVHeadRange
+from engine.kv_layout import KVCacheSpec
+from engine.load import PhaseClock
+from engine.model.decoder import CausalLM
+from engine.model.model_config import ModelConfig
+from engine.model.parallel import TPGroup, TPLayout
+from engine.model.weights import init_dummy_weights, load_weights
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
+
+CPU_KV_CACHE_BYTES = 1 << 30
+GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
+
+
+@dataclass
+class RankState:
+    model: CausalLM
+    uses_kernels: bool
+    kv_spec: KVCacheSpec             # num_kv_heads: this rank's (local) KV heads
+    kv_head_range: KVHeadRange       # the global KV heads this rank's cache holds
+    num_kv_blocks: int
+    kv_cache: torch.Tensor           # [NB, L, 2, bs, KVH local, D]
+    graphs: DecodeGraphs | None
+
+
+def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.device, tp: TPGroup | None,
+               agree: Callable[[int], int] = int, clock: PhaseClock | None = None) -> RankState:
+    """`config` is resolved (dtype and max_model_len set). `agree(blocks this rank can hold)` -> blocks to use.
+    `clock` laps "weights", "kv_cache" and "cuda_graphs"."""
+    clock = clock or PhaseClock()
+    model = _load_model(mc, path, config, device, tp)
+    clock.lap("weights")
+    uses_kernels = config.kernels == "triton" or (config.kernels == "auto" and device.type == "cuda")
+    if uses_kernels:
+        model.use_kernels()
+    layout = TPLayout(mc, 0, 1) if tp is None else TPLayout(mc, tp.rank, tp.size)
+    spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=layout.kv_heads,
+                       head_dim=mc.head_dim, block_size=config.block_size, dtype=config.dtype)
+    blocks = agree(_affordable_blocks(config, spec, device))
+    if blocks < blocks_for(min(config.max_model_len, 2 * config.block_size), config.block_size):
+        raise ValueError(f"KV cache budget holds only {blocks} blocks of {spec.block_bytes} bytes")
+    kv_cache = allocate_kv_cache(spec, blocks, device)
+    clock.lap("kv_cache")
+    graphs = None
+    if uses_kernels and config.cuda_graphs and device.type == "cuda":
+        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
+                              blocks_for(config.max_model_len, config.block_size))
+        clock.lap("cuda_graphs")
+    return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _load_model(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.device,
+                tp: TPGroup | None) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(mc, config.max_model_len, tp)
+    model = model.to_empty(device=device).to(TORCH_DTYPES[config.dtype])
+    model.rope.build(device)  # float32 tables, not converted
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, path, None if tp is None else TPLayout(mc, tp.rank, tp.size).slices())
+    return model.eval()
+
+
+def _affordable_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """Blocks this rank's budget holds: num_kv_blocks, kv_cache_memory_bytes, or the free device memory."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if cfg.kv_cache_memory_bytes is not None:
+        budget = cfg.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - GPU_ACTIVATION_HEADROOM_BYTES
+    else:
+        enough = cfg.max_num_seqs * blocks_for(cfg.max_model_len, cfg.block_size) * spec.block_bytes
+        budget = min(CPU_KV_CACHE_BYTES, enough)
+    return max(0, budget // spec.block_bytes)

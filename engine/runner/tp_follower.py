@@ -1,0 +1,114 @@
+"""A tensor-parallel follower: a child process (ranks 1..N-1) that holds one model shard and its KV cache and runs
+exactly the steps rank 0 plans, nothing else (no scheduler, no sampler).
+
+Protocol over its pipe from rank 0 (engine.runner.tp_leader): ("ready", affordable blocks) up, ("start", blocks)
+down, ("started", None) up, then a stream of ("step", StepPlan), ("copy", [(src, dst)]) and ("close", None) down.
+Any failure goes up as ("error", traceback) before the process exits; a closed pipe (rank 0 gone) ends it.
+Invariant: a follower's block tables are rank 0's, because it runs rank 0's SchedulerOutput as received; its
+collectives come in the same order as rank 0's because it makes the same graph/eager and logits decisions
+(`follow` mirrors ModelRunner.launch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.core.scheduler import SchedulerOutput
+from engine.engine_config import EngineConfig
+from engine.model.model_config import ModelConfig
+from engine.model.parallel import TPGroup
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_extras import token_offsets
+from engine.runner.step_inputs import build_step_inputs
+
+COLLECTIVE_TIMEOUT_S = 300  # a collective waits at most this long for its peers (start-up included)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a follower needs to run rank 0's step (small and picklable)."""
+
+    sched: SchedulerOutput
+    ids_from_leader: bool      # a decode after a step in flight: rank 0 broadcasts the input ids
+    eager: bool                # rank 0 runs this step eagerly (step extras or a per-layer hook)
+    prompt_rows: dict[str, int]  # request id -> rows of prompt logprobs rank 0 computes (one logits call each)
+
+
+def open_group(store_path: str, rank: int, size: int, device: torch.device) -> TPGroup:
+    """The TP process group over a file store: gloo on the CPU, NCCL on CUDA (a standalone group object)."""
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.FileStore(store_path, size)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TPGroup(rank, size, pg)
+
+
+def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
+    """Run rank 0's step on this shard: the same forward and logits calls (hence collectives), results dropped."""
+    sched = plan.sched
+    step = build_step_inputs(sched, runner.block_size, runner.device, runner.model.config.sliding_window)
+    input_ids = step.input_ids
+    if plan.ids_from_leader:
+        input_ids = tp.broadcast(torch.empty(input_ids.shape, dtype=torch.int64, device=runner.device))
+    fits = runner._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), None)
+    if not plan.eager and fits:
+        runner.graphs.run(input_ids, step.positions, step.meta)
+        return
+    hidden = runner.model(input_ids, step.positions, runner.kv_cache, step.meta)
+    offsets = token_offsets(sched)
+    for c in sched.chunks:  # engine.step_extras.compute_prompt_logprobs's calls, in its order
+        n = plan.prompt_rows.get(c.request_id)
+        if n:
+            runner.model.compute_logits(hidden[offsets[c.request_id]:offsets[c.request_id] + n])
+    if step.sampling:
+        runner.model.compute_logits(hidden[step.sample_index])
+
+
+def follower_main(rank: int, size: int, store_path: str, device: str, config: EngineConfig, path: str,
+                  mc: ModelConfig, conn) -> None:
+    """Entry point of a spawned follower process."""
+    from engine.runner.rank_setup import build_rank
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        else:  # ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        tp = open_group(store_path, rank, size, dev)
+
+        def agree(blocks: int) -> int:
+            conn.send(("ready", blocks))
+            kind, agreed = conn.recv()
+            assert kind == "start", kind
+            return agreed
+
+        state = build_rank(mc, Path(path), config, dev, tp, agree)
+        runner = ModelRunner(state.model, state.kv_cache, config.block_size, None, state.graphs)
+        conn.send(("started", None))
+        with torch.inference_mode():
+            while True:
+                kind, arg = conn.recv()
+                if kind == "step":
+                    follow(runner, tp, arg)
+                elif kind == "copy":
+                    runner.copy_blocks(arg)
+                elif kind == "close":
+                    return
+    except EOFError:
+        return  # rank 0 is gone
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            raise

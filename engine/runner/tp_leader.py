@@ -1,0 +1,185 @@
+"""Rank 0's side of tensor parallelism: it owns the follower processes and sends them every step's plan.
+
+Design: rank 0 holds the LLMEngine (scheduler, block manager, sampler) and its own model shard; ranks 1..N-1 are
+child processes (torch.multiprocessing spawn, engine.runner.tp_follower) started at construction and stopped by
+close() or when the TPFollowers object is collected. Each step, TPModelRunner sends the step's SchedulerOutput to
+every follower before running it, so every rank runs the same plan over the same block tables (the one copy of
+the block tables is rank 0's; followers never schedule). Logits are gathered on every rank; only rank 0 samples,
+so seeded (and greedy) sampling is exactly TP=1's given the same logits. A decode step queued after one in flight
+takes its input ids from rank 0's sampled tokens, broadcast on the device.
+Failure: a follower that dies or raises fails the engine with TPError naming the rank (checked before every step,
+while waiting for a step's tokens, and when a collective errors); every wait is bounded (COLLECTIVE_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.engine_config import EngineConfig
+from engine.model.model_config import ModelConfig
+from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.step_extras import StepExtras
+from engine.runner.tp_follower import COLLECTIVE_TIMEOUT_S, StepPlan, follower_main, open_group
+
+POLL_S = 0.05
+STOP_TIMEOUT_S = 10.0
+
+
+class TPError(RuntimeError):
+    """A tensor-parallel rank died or failed; the engine cannot continue."""
+
+
+def rank_devices(config: EngineConfig) -> list[torch.device]:
+    """Rank r's device: the CPU for every rank, or cuda:device_ids[r] (default: consecutive from config.device)."""
+    dev = torch.device(config.device)
+    if dev.type != "cuda":
+        return [dev] * config.tensor_parallel_size
+    ids = config.device_ids or tuple(range(dev.index or 0, (dev.index or 0) + config.tensor_parallel_size))
+    return [torch.device("cuda", i) for i in ids]
+
+
+class TPFollowers:
+    """The follower processes of one engine and their pipes; `tp` is rank 0's TPGroup."""
+
+    def __init__(self, config: EngineConfig, path: Path, mc: ModelConfig) -> None:
+        size, devices = config.tensor_parallel_size, rank_devices(config)
+        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        store = str(Path(self._dir) / "store")
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        self.failure: str | None = None
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
+                               args=(rank, size, store, str(devices[rank]), config, str(path), mc, child))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), self._dir)
+        self.tp = open_group(store, 0, size, devices[0])
+
+    def agree_blocks(self, mine: int) -> int:
+        """Start-up: the fewest blocks any rank can hold; every rank allocates that many."""
+        blocks = min([mine] + self._receive_all("ready"))
+        self.send(("start", blocks))
+        return blocks
+
+    def wait_started(self) -> None:
+        self._receive_all("started")
+
+    def send(self, message: tuple) -> None:
+        self.check()
+        for conn in self.conns:
+            conn.send(message)
+
+    def check(self, read_pipes: bool = True) -> None:
+        """Raise TPError if a follower has died or (`read_pipes`: a step runs) reported an error, and from then on."""
+        if self.failure is None:
+            for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
+                error = _pending_error(conn) if read_pipes else None
+                if error is not None or not proc.is_alive():
+                    self.failure = (f"tensor-parallel rank {rank} (pid {proc.pid}) "
+                                    + (f"failed:\n{error}" if error else f"exited with code {proc.exitcode}")
+                                    + "; the engine cannot continue")
+                    break
+        if self.failure is not None:
+            raise TPError(self.failure)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _receive_all(self, kind: str) -> list:
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        values = []
+        for rank, conn in enumerate(self.conns, start=1):
+            while not conn.poll(POLL_S):
+                self.check(read_pipes=False)
+                if time.monotonic() > deadline:
+                    raise TPError(f"tensor-parallel rank {rank} sent no {kind!r} within {COLLECTIVE_TIMEOUT_S} s")
+            got, value = conn.recv()
+            if got == "error":
+                self.failure = f"tensor-parallel rank {rank} failed:\n{value}"
+                raise TPError(self.failure)
+            values.append(value)
+        return values
+
+
+class _GuardedEvent:
+    """A CUDA event whose synchronize() polls, checking the followers, so a dead rank cannot hang rank 0."""
+
+    def __init__(self, event: torch.cuda.Event, followers: TPFollowers) -> None:
+        self.event, self.followers = event, followers
+
+    def synchronize(self) -> None:
+        while not self.event.query():
+            self.followers.check()
+            time.sleep(50e-6)
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0's ModelRunner: sends each step's plan to the followers, then runs its own shard of it."""
+
+    def __init__(self, *args, followers: TPFollowers, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.followers = followers
+
+    def launch(self, sched, params, after: LaunchedStep | None = None, on_layer_done=None,
+               extras: StepExtras | None = None) -> LaunchedStep:
+        if sched.chunks:
+            prompt = {rid: len(t.targets) for rid, t in extras.prompt.items() if t.targets} if extras else {}
+            eager = bool(extras) or on_layer_done is not None
+            self.followers.send(("step", StepPlan(sched, after is not None, eager, prompt)))
+        try:
+            launched = super().launch(sched, params, after=after, on_layer_done=on_layer_done, extras=extras)
+        except RuntimeError:
+            self.followers.check()  # a collective failed because a rank died: say so
+            raise
+        if launched.sampled is not None and launched.sampled.copied is not None:
+            launched.sampled.copied = _GuardedEvent(launched.sampled.copied, self.followers)
+        return launched
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.followers.send(("copy", pairs))
+        super().copy_blocks(pairs)
+
+    def _ids_after(self, after: LaunchedStep, chunks) -> torch.Tensor:
+        return self.followers.tp.broadcast(super()._ids_after(after, chunks))
+
+
+def _pending_error(conn) -> str | None:
+    try:
+        if conn.poll():
+            kind, value = conn.recv()
+            return value if kind == "error" else f"unexpected message {kind!r}"
+    except (EOFError, OSError):
+        return None
+    return None
+
+
+def _stop(procs: list, conns: list, folder: str) -> None:
+    """Ask each follower to stop, then terminate (and kill) those that do not within STOP_TIMEOUT_S."""
+    for conn in conns:
+        try:
+            conn.send(("close", None))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
