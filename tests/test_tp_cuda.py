@@ -1,0 +1,33 @@
+"""Tensor parallelism on two CUDA devices (NCCL): the kernel path at TP=2, with decode steps replayed from CUDA
+graphs that capture the all-reduces and overlapped scheduling on, gives TP=1's greedy tokens and eager TP=2's.
+Runs where two GPUs exist (the lent nvidia-h200-x2)."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine_helpers import random_prompts
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
+    folder = str(checkpoints.get("LlamaForCausalLM"))
+    prompts = random_prompts((1, 7, 40, 100), 2000, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    kw = dict(device="cuda", max_num_batched_tokens=32, max_num_seqs=8, gpu_memory_utilization=0.3)
+    one = LLM(folder, **kw)
+    want = [o.token_ids for o in one.generate(prompts, params)]
+    want_seeded = [o.token_ids for o in one.generate(prompts, seeded)]
+    del one
+    for graphs in (True, False):
+        llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, **kw)
+        try:
+            assert llm.engine.uses_kernels
+            assert [o.token_ids for o in llm.generate(prompts, params)] == want
+            assert [o.token_ids for o in llm.generate(prompts, seeded)] == want_seeded
+            assert (llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0) == graphs
+            assert llm.engine.check_integrity()["in_use"] == 0
+        finally:
+            llm.engine.close()
