@@ -2,7 +2,8 @@
 exactly the steps rank 0 plans, nothing else (no scheduler, no sampler).
 
 Protocol over its pipe from rank 0 (engine.runner.tp_leader): ("ready", affordable blocks) up, ("start", blocks)
-down, ("started", None) up, then a stream of ("step", StepPlan), ("copy", [(src, dst)]) and ("close", None) down.
+down, ("started", None) up, then a stream of ("step", StepPlan), ("copy", [(src, dst)]), ("warmup", (max_num_seqs,
+max_blocks_per_seq)) and ("close", None) down.
 Any failure goes up as ("error", traceback) before the process exits; a closed pipe (rank 0 gone) ends it.
 Invariant: a follower's block tables are rank 0's, because it runs rank 0's SchedulerOutput as received; its
 collectives come in the same order as rank 0's because it makes the same graph/eager and logits decisions
@@ -27,6 +28,7 @@ from engine.model.parallel import TPGroup
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_extras import token_offsets
 from engine.runner.step_inputs import build_step_inputs
+from engine.runner.warmup import decode_variants
 
 COLLECTIVE_TIMEOUT_S = 300  # a collective waits at most this long for its peers (start-up included)
 
@@ -103,6 +105,8 @@ def follower_main(rank: int, size: int, store_path: str, device: str, config: En
                     follow(runner, tp, arg)
                 elif kind == "copy":
                     runner.copy_blocks(arg)
+                elif kind == "warmup":  # engine.runner.warmup: the decode kernel's variants on this shard
+                    decode_variants(runner.model, runner.kv_cache, *arg)
                 elif kind == "close":
                     return
     except EOFError:

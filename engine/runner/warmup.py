@@ -77,7 +77,10 @@ def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sm
 def warm_up(engine) -> float:
     """Runs the plan on `engine` (an LLMEngine using the Triton kernels); returns the seconds it took."""
     started = time.perf_counter()
-    _decode_variants(engine)
+    shape = (engine.config.max_num_seqs, engine.max_blocks_per_seq)
+    if engine.followers is not None:  # tensor parallel: every rank compiles its own
+        engine.followers.send(("warmup", shape))
+    decode_variants(engine.model, engine.kv_cache, *shape)
     _requests(engine)
     engine.block_manager.reset_prefix_cache()
     engine.check_integrity()
@@ -91,18 +94,18 @@ def warm_up(engine) -> float:
 
 
 @torch.inference_mode()
-def _decode_variants(engine) -> None:
-    """One eager decode-attention launch per split count, on block 0 of layer 0 (its contents are not read back)."""
-    kv_layer = engine.kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
+def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    """One eager decode-attention launch per split count, on block 0 of layer 0 (its contents are not read back).
+    Every tensor-parallel rank runs it on its own shard (`model.config` holds the rank's local heads)."""
+    kv_layer = kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
     bs, kvh, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
-    heads = kvh * (engine.model_config.num_heads // engine.model_config.num_kv_heads)
-    dtype, dev = engine.kv_cache.dtype, engine.device
-    qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=dtype, device=dev)  # q is a view of the qkv projection
-    q = qkv[:, :heads * d].view(1, heads, d)
-    for splits in plan(engine.config.max_num_seqs, engine.max_blocks_per_seq, False).decode_splits:
-        tables = torch.zeros(1, splits, dtype=torch.int32, device=dev)
-        lens = torch.full((1,), splits * bs, dtype=torch.int32, device=dev)
-        decode_attention(q, kv_layer, tables, lens, 1.0, engine.model_config.sliding_window, num_splits=splits)
+    heads = model.config.num_heads
+    qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=kv_cache.dtype, device=kv_cache.device)
+    q = qkv[:, :heads * d].view(1, heads, d)  # a view of the qkv projection, as in the model
+    for splits in plan(max_num_seqs, max_blocks_per_seq, False).decode_splits:
+        tables = torch.zeros(1, splits, dtype=torch.int32, device=kv_cache.device)
+        lens = torch.full((1,), splits * bs, dtype=torch.int32, device=kv_cache.device)
+        decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits)
 
 
 def _requests(engine) -> None:
