@@ -158,9 +158,10 @@ class Pools:
 
     def _actor(self, role: str, index: int):
         cfg, pool = self.config, self._pool(role)
-        options = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=dict(pool.resources),
-                       max_concurrency=10_000, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                           self._groups[role], placement_group_bundle_index=index))
+        options = dict(num_cpus=pool.num_cpus, num_gpus=worker_bundle(pool).get("GPU", 0),
+                       resources=dict(pool.resources), max_concurrency=10_000,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[role],
+                                                                            placement_group_bundle_index=index))
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
         if role == "prefill":
             return ray.remote(PrefillWorker).options(**options).remote(
@@ -172,7 +173,8 @@ class Pools:
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:
     """What one worker of `pool` reserves on its node: CPUs, GPUs and the pool's custom resources."""
-    return {"CPU": pool.num_cpus} | ({"GPU": pool.num_gpus} if pool.num_gpus else {}) | pool.resources
+    gpus = pool.num_gpus * pool.tensor_parallel_size  # one actor drives every rank of its tensor-parallel group
+    return {"CPU": pool.num_cpus} | ({"GPU": gpus} if gpus else {}) | pool.resources
 
 
 def _init_ray(address: str | None) -> None:

@@ -36,12 +36,16 @@ class PoolConfig:
     cuda_graphs: bool = True       # overlapped decode scheduling; the defaults are the fast path, turn one off to
     async_scheduling: bool = True  # compare or to rule it out
     warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
+    tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
     resources: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.tensor_parallel_size > 1 and self.num_gpus and self.num_gpus != int(self.num_gpus):
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs whole GPUs per rank "
+                             f"(num_gpus), got {self.num_gpus}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class FaultsConfig:
 class ServeConfig:
     model: str = "tiny"
     dtype: str = "auto"
+    load_format: str = "auto"      # "auto": the checkpoint's weights; "dummy": random ones (benchmarks of big shapes)
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -138,7 +143,7 @@ class ServeConfig:
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
             kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling,
-            warmup=pool.warmup)
+            warmup=pool.warmup, tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format)
 
 
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
@@ -171,6 +176,9 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
         raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
                           "server's keys (move the key to a tenant)")
     for pool in ("prefill", "decode"):  # the engine's own checks, now rather than inside a worker
+        if config.mode == "disaggregated" and getattr(config, pool).tensor_parallel_size > 1:
+            raise ConfigError(f"{path}: {pool}.tensor_parallel_size > 1 needs mode: collocated for now (moving KV "
+                              "between tensor-parallel workers' ranks is not wired into serving yet)")
         try:
             config.engine_config(getattr(config, pool))
         except ValueError as e:

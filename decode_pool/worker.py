@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
@@ -62,6 +62,7 @@ class DecodeWorker:
         engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
+        exit_process_on_failure(self._task, self.name)
         meta = None
         if self._agent_config is not None:
             self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)

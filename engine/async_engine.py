@@ -9,6 +9,8 @@ pending call gets the error, so owners notice instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -88,3 +90,16 @@ class AsyncEngine:
         for _, future in calls:
             if not future.done():
                 future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
+
+
+def exit_process_on_failure(task: asyncio.Task, name: str) -> None:
+    """For a process that exists to host one engine loop (a pool worker): when the loop fails, the process exits,
+    so its supervisor sees a dead worker and replaces it. A failed loop never recovers (e.g. a lost tensor-parallel
+    rank), and a live-looking worker that fails every call would never be replaced. Cancellation is not failure."""
+    def done(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            print(f"{name}: the engine loop failed, exiting so the pool replaces this worker: {t.exception()!r}",
+                  file=sys.stderr, flush=True)
+            os._exit(70)  # not sys.exit: Ray actors catch SystemExit
+    task.add_done_callback(done)
+

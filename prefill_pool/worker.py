@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import PromptLogprob, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
@@ -66,6 +66,7 @@ class PrefillWorker:
         engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
+        exit_process_on_failure(self._task, self.name)
         self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,

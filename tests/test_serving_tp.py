@@ -1,0 +1,104 @@
+"""Serving a tensor-parallel worker (collocated, TP=2 on gloo): the same outputs as the single engine, and a lost
+rank replaces the whole worker while its streams migrate and still end exactly."""
+
+import asyncio
+import os
+import signal
+import subprocess
+
+import httpx
+import pytest
+
+from coordinator.serve_config import ConfigError, load_serve_config
+from engine import SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.server_process import (
+    admin_integrity,
+    complete,
+    running_server,
+    wait_for_health,
+    wait_for_idle_workers,
+    worker_pids,
+)
+
+TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def server_tp(llama, tmp_path_factory):
+    config = {"model": str(llama), "mode": "collocated",
+              "decode": {"num_cpus": 1, "kv_cache_memory_bytes": 64 << 20, "tensor_parallel_size": 2},
+              "recovery": {"backoff_initial_s": 0.1}, "server": {"admin_api": True}}
+    with running_server(tmp_path_factory.mktemp("server_tp"), config) as server:
+        yield server
+
+
+def _bodies(llama, n: int, seed: int) -> list[dict]:
+    prompts = random_prompts([6 + 7 * i for i in range(n)], 2000, seed=seed)
+    return [{"model": str(llama), "prompt": p, "max_tokens": TOKENS, "ignore_eos": True, "stream": i % 2 == 0,
+             **({"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i})} for i, p in enumerate(prompts)]
+
+
+def _expected(reference, bodies: list[dict]) -> list[str]:
+    return [reference.generate([b["prompt"]], SamplingParams(temperature=b["temperature"], seed=b.get("seed"),
+                                                             max_tokens=TOKENS, ignore_eos=True))[0].text
+            for b in bodies]
+
+
+def _followers(actor_pid: int) -> list[int]:
+    """The worker's tensor-parallel follower processes: its spawned children (not multiprocessing's tracker)."""
+    table = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in table.splitlines()]
+    return [int(pid) for pid, ppid, *cmd in rows if int(ppid) == actor_pid and "spawn_main" in " ".join(cmd)]
+
+
+def test_a_tp2_worker_serves_the_single_engine_outputs(server_tp, reference, llama):
+    bodies = _bodies(llama, 4, seed=41)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[complete(client, server_tp.url, b) for b in bodies])
+    assert [r["text"] for r in asyncio.run(run())] == _expected(reference, bodies)
+    wait_for_idle_workers(server_tp.url)
+
+
+def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_tp, reference, llama):
+    [actor] = worker_pids(server_tp, "DecodeWorker")
+    [follower] = _followers(actor)
+    bodies = [{**b, "stream": True} for b in _bodies(llama, 4, seed=42)]
+    expected = _expected(reference, bodies)
+    started: list[int] = []
+    decoding = asyncio.Event()
+
+    def progress(chunks: int) -> None:
+        if chunks == 3:
+            started.append(1)
+            if len(started) == len(bodies):
+                decoding.set()
+
+    async def kill():
+        await decoding.wait()
+        os.kill(follower, signal.SIGKILL)  # rank 1 of the worker's group
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(kill(), *[complete(client, server_tp.url, b, progress) for b in bodies])
+    _, *results = asyncio.run(asyncio.wait_for(run(), 400))
+    for got, want in zip(results, expected, strict=True):
+        assert (got["text"], got["completion_tokens"]) == (want, TOKENS)
+    wait_for_health(server_tp.url, 200)
+    assert worker_pids(server_tp, "DecodeWorker") != [actor]  # the whole group was replaced
+    states = httpx.get(f"{server_tp.url}/health", timeout=10).json()
+    assert states["status"] == "ok", states
+    wait_for_idle_workers(server_tp.url)
+    assert admin_integrity(server_tp.url)["ok"]
+
+
+def test_disaggregated_tp_is_refused_with_the_key_named(tmp_path):
+    path = tmp_path / "tp.yaml"
+    path.write_text("mode: disaggregated\ndecode:\n  tensor_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="decode.tensor_parallel_size"):
+        load_serve_config(path)
+    path.write_text("mode: collocated\ndecode:\n  tensor_parallel_size: 2\n  num_gpus: 0.5\n")
+    with pytest.raises(ConfigError, match="whole GPUs"):
+        load_serve_config(path)
