@@ -1,1 +1,2 @@
-"""The engine's bookkeeping: requests, sampling parameters, the scheduler and the KV block manager. Torch-free."""
+"""The engine's bookkeeping: requests (and their timing on a worker), sampling parameters, the scheduler and the
+KV block manager. Torch-free."""

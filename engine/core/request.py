@@ -71,6 +71,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     pin_deadline: float | None = None
     num_preemptions: int = 0
+    first_scheduled_at: float | None = None  # scheduler clock: its first step (for per-request phase timings)
     fork_params: tuple[SamplingParams, ...] | None = None  # a group prefill: choices 1..n-1's first-token params
     fork_first: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # their first tokens
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # for prompt tokens 1.. (prefill)

@@ -13,6 +13,8 @@ request ended meanwhile (`is_current`).
 
 Counters (totals since start, read by LLMEngine.load for metrics): preemptions, prefix-cache lookups and hits in
 tokens, tokens scheduled (computed on the device) and tokens sampled.
+Per request, `first_scheduled_at` (the scheduler's clock when a step first gave it work) lets its worker split the
+request's time into waiting and computing (coordinator.phases).
 """
 
 from __future__ import annotations
@@ -242,6 +244,8 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        if req.first_scheduled_at is None:
+            req.first_scheduled_at = self.clock()
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),

@@ -1,0 +1,73 @@
+"""RequestTiming: one worker's per-request phase durations, measured on its own clock (coordinator.phases).
+
+The worker stamps when a request reached it (`received`) and, on the decode side, when its KV landed
+(`kv_ready`); it hands over the engine's Request (`attach`), whose `first_scheduled_at` the scheduler stamps on the
+same clock (time.monotonic, LLMEngine's default). At the request's first output, `first_output()` turns the stamps
+into durations, in time order:
+- a request computed here (prefill worker; collocated worker; decode worker recomputing after a failed pull):
+  `prefill_queue` (received -> first engine step that runs it) and `prefill_compute` (-> its first token out);
+- a request whose KV was pulled here (decode worker): `kv_transfer` (received -> KV landed: reserving blocks and
+  the pull), `decode_join` (-> the first engine step that runs it) and `first_decode_step` (-> its first token out).
+Only durations leave the worker, so clocks of different machines are never compared. An entry ends at the first
+output or with `drop()` (abort, failure): nothing is kept for a request that is gone. Used by the worker's event
+loop only, between engine steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.core.request import Request
+
+Durations = tuple[tuple[str, float], ...]
+
+
+@dataclass
+class _Stamps:
+    received_at: float
+    request: Request | None = None
+    kv_ready_at: float | None = None
+
+
+class RequestTiming:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._open: dict[str, _Stamps] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def received(self, request_id: str) -> None:
+        self._open[request_id] = _Stamps(self._clock())
+
+    def kv_ready(self, request_id: str) -> None:
+        stamps = self._open.get(request_id)
+        if stamps is not None:
+            stamps.kv_ready_at = self._clock()
+
+    def attach(self, request_id: str, request: Request | None) -> None:
+        """The engine's Request (None if it already ended: its first token was its last)."""
+        stamps = self._open.get(request_id)
+        if stamps is not None:
+            stamps.request = request
+
+    def drop(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
+
+    def first_output(self, request_id: str) -> Durations | None:
+        """The request's durations, now that its first token is out (None if it is not timed here); ends it."""
+        stamps = self._open.pop(request_id, None)
+        if stamps is None:
+            return None
+        now = self._clock()
+        scheduled = stamps.request.first_scheduled_at if stamps.request is not None else None
+        if stamps.kv_ready_at is None:
+            if scheduled is None:  # no step ran it (cannot happen before a first token): nothing to split
+                return ()
+            return (("prefill_queue", scheduled - stamps.received_at), ("prefill_compute", now - scheduled))
+        transfer = ("kv_transfer", stamps.kv_ready_at - stamps.received_at)
+        if scheduled is None:  # ended as it joined (its first token ended it): no decode step ran
+            return transfer, ("decode_join", now - stamps.kv_ready_at)
+        return transfer, ("decode_join", scheduled - stamps.kv_ready_at), ("first_decode_step", now - scheduled)
