@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coordinator.phases import PhaseTrace
 from engine.core.request import PromptLogprob, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class GenerateRequest:
     params: SamplingParams  # stop_token_ids already merged in; stop strings stay with the coordinator
     priority: int = 2       # admission order, lower first: 0 migrations, 1-3 tenants' high/normal/low (tenants.py)
     n: int = 1              # choices of this prompt (engine.choices), prefilled once: ServingBackend.generate_group
+    trace: PhaseTrace | None = field(default=None, compare=False, repr=False)  # its phases (generate() marks them)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class ServingBackend(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Stream the request's tokens. Raises Overloaded (before the first delta) or BackendError.
+        Marks the phases it owns on `request.trace` (coordinator.phases), if it has one and records phases.
         Closing the iterator early (aclose, or the consumer being cancelled) aborts the request everywhere and
         frees its blocks; the backend guarantees the stream ends, with a delta or an error, in bounded time."""
 

@@ -9,6 +9,11 @@ prefills the prompt plus every token already streamed and continues from there, 
 with no token missing or repeated (seeded sampling is keyed by output index, so the continuation equals an
 uninterrupted run). At most `recovery.max_migrations` moves, then an in-band error.
 
+Each request's phases (coordinator.phases) are marked on its PhaseTrace as it goes: admission at its placement,
+the prefill worker's durations inside the prefill call, the decode worker's (sent with the request's first output by
+poll) inside the interval up to its first decode token, decode up to its last; the interval a dead attempt lost
+is `migration`.
+
 Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
 attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
 Supervisor's: it replaces them, and this backend starts polling the replacement.
@@ -27,6 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from coordinator.admission import Admission, Placement
 from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, WorkerLost
 from coordinator.backend_stats import backend_stats, transfer_totals
+from coordinator.phases import PhaseTrace
 from coordinator.pools import Pools, worker_faults
 from coordinator.ray_group import GroupRun
 from coordinator.reservation import Ledger, Reservation
@@ -56,6 +62,7 @@ class RayBackend:
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
+        self._worker_phases: dict[str, tuple] = {}    # attempt id -> the decode worker's durations, until taken
         self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
         self._tasks: set[asyncio.Task] = set()
         self.transfer_totals: dict[str, float] = {}
@@ -96,12 +103,13 @@ class RayBackend:
             rid = f"{request.request_id}-{len(self._ids)}"
         self._ids.add(rid)
         reservation = self.ledger.open(rid)
+        trace = request.trace or PhaseTrace.now()
         sent: list[int] = []  # every token streamed so far: where a moved request resumes
         moves = 0
         try:
             while True:
                 try:
-                    async with aclosing(self._attempt(rid, moves, request, sent, reservation)) as deltas:
+                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
                             if delta.finish_reason is not None and moves:  # before the yield: the consumer
@@ -111,6 +119,7 @@ class RayBackend:
                                 return
                     raise BackendError("the worker's token stream ended without a finish reason")
                 except WorkerLost as e:
+                    trace.mark("migration")
                     self._count(self.migrations, "attempted")
                     if moves >= self.config.recovery.max_migrations:
                         raise BackendError(f"{e}; the request was moved {moves} times already "
@@ -131,14 +140,15 @@ class RayBackend:
         return GroupRun(self, request)
 
     async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
-                       reservation: Reservation) -> AsyncIterator[TokenDelta]:
+                       reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
         """One placement of the request: deltas until its end; WorkerLost if a worker under it died."""
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
+        trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[attempt] = queue
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
-        finished = False
+        finished = joined = False  # joined: a token came from the decode stream
         decode, prior = placement.decode, list(prior)
         try:
             if placement.prefill is None:
@@ -148,7 +158,7 @@ class RayBackend:
                     attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
                     priority=placement.priority))
             else:
-                first = await self._prefill(attempt, request, prior, placement, reservation, cleanup)
+                first = await self._prefill(attempt, request, prior, placement, reservation, cleanup, trace)
                 finished = first.finish_reason is not None
                 yield first
                 if finished:
@@ -156,6 +166,11 @@ class RayBackend:
             while True:
                 delta, error = _coalesced(await queue.get(), queue)
                 if delta is not None:
+                    if joined:
+                        trace.mark("decode")
+                    else:  # the worker's durations up to its first token, inside the interval since the last mark
+                        trace.split(self._worker_phases.pop(attempt, ()))
+                        joined = True
                     reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
                     finished = delta.finish_reason is not None
                     yield delta
@@ -165,19 +180,21 @@ class RayBackend:
                     raise error
         finally:
             self._streams.pop(attempt, None)
+            self._worker_phases.pop(attempt, None)
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
                 if worker.alive and (action == "release" or not finished):
                     self._spawn(_quietly(getattr(worker.handle, action).remote(attempt)))
 
     async def _prefill(self, attempt: str, request: GenerateRequest, prior: list[int], placement: Placement,
-                       reservation: Reservation, cleanup: list) -> TokenDelta:
+                       reservation: Reservation, cleanup: list, trace: PhaseTrace) -> TokenDelta:
         """Prefill on the prefill worker and return the first new token; unless it ends the request, the handoff
         to the decode worker is under way (in its own task, which owns the prefill side from then on)."""
         prefill, decode = placement.prefill, placement.decode
         cleanup.append((prefill, "abort"))
         result = await self._call(prefill, prefill.handle.prefill.remote(
             attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority))
+        trace.split(result.phases)
         reservation.unbook(prefill.key, "prompt_tokens")
         cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
         prefill.load = result.load
@@ -263,11 +280,14 @@ class RayBackend:
     async def _poll_loop(self, worker: WorkerState) -> None:
         while worker.alive:
             try:
-                outputs, load = await worker.handle.poll.remote(POLL_TIMEOUT_S)
+                outputs, load, phases = await worker.handle.poll.remote(POLL_TIMEOUT_S)
             except (RayActorError, RayTaskError) as e:
                 self.supervisor.worker_died(worker, f"poll failed: {type(e).__name__}: {e}")
                 return
             worker.load = load
+            for attempt, durations in phases.items():  # before its output: the attempt takes them with it
+                if attempt in self._streams:
+                    self._worker_phases[attempt] = durations
             for out in outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:  # else: the attempt ended already; the worker was told to abort it

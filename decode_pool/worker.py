@@ -11,6 +11,8 @@ Groups (n choices of one prompt, engine.choices): `decode_group` pulls the promp
 under the group id (or, collocated, takes the group prefill pinned here by `prefill_group`), forks it copy-on-write
 into one reservation per choice (LLMEngine.fork_reservation), drops the group's own blocks and starts every choice
 from its first token; each choice is then an ordinary request under its own id (abort one, the others go on).
+Requests started by `decode` or `generate` are timed here (engine.core.request_timing): poll() returns, beside a
+request's first output, its phase durations on this worker, for the coordinator's per-request phase tracing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
+from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
@@ -47,6 +50,8 @@ class DecodeWorker:
         self._num_threads = num_threads
         self._admission_timeout_s = admission_timeout_s
         self._outbox: list[StepOutput] = []
+        self._timing = RequestTiming()
+        self._phases: dict[str, Durations] = {}  # request id -> its durations here, sent with its first output
         self._outbox_ready = asyncio.Event()
         self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._group_prefills: dict[str, asyncio.Future] = {}  # collocated group prefills awaiting their first tokens
@@ -95,30 +100,37 @@ class DecodeWorker:
         """Pull the KV of the prompt (then the prior outputs) from `peer`'s blocks into reserved blocks, then
         decode from the first token (output len(prior_output_ids))."""
         prior = list(prior_output_ids)
-        blocks = await self._reserve(request_id, len(prompt_token_ids) + len(prior))
-        self._transferring[request_id] = False
+        self._timing.received(request_id)
         try:
+            blocks = await self._reserve(request_id, len(prompt_token_ids) + len(prior))
+            self._transferring[request_id] = False
             n = len(blocks)
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
             handle = self.agent.read(peer, peer_block_ids[:n], blocks)
             await asyncio.wrap_future(handle.future)
+            self._timing.kv_ready(request_id)
         except BaseException:
             self._transferring.pop(request_id, None)
+            self._timing.drop(request_id)
             await self.loop.call(lambda e: e.abort(request_id))
             raise
         if self._transferring.pop(request_id):
+            self._timing.drop(request_id)
             await self.loop.call(lambda e: e.abort(request_id))
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
 
         def start(e: LLMEngine) -> StepOutput | None:
             try:
-                return e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
+                done = e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
                                                prior_output_ids=prior)
             except Exception:
+                self._timing.drop(request_id)
                 e.abort(request_id)  # a refused request gives its reservation back
                 raise
+            self._timing.attach(request_id, e.scheduler.requests.get(request_id))
+            return done
         done = await self.loop.call(start)
         if done is not None:
             self._push([done])
@@ -129,8 +141,16 @@ class DecodeWorker:
         """Collocated mode (or a resumed request recomputed here): run the request here, its KV computed over
         prompt + prior outputs; its new tokens come out of poll()."""
         prior = list(prior_output_ids)
-        await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior,
-                                                     priority=priority))
+        self._timing.received(request_id)
+
+        def add(e: LLMEngine) -> None:
+            e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior, priority=priority)
+            self._timing.attach(request_id, e.scheduler.requests.get(request_id))
+        try:
+            await self.loop.call(add)
+        except BaseException:
+            self._timing.drop(request_id)
+            raise
         return await self.load()
 
     async def prefill_group(self, group_id: str, prompt_token_ids: list[int], params: list[SamplingParams],
@@ -193,18 +213,21 @@ class DecodeWorker:
             self._push(done)
         return await self.load()
 
-    async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad]:
-        """Every delta since the last poll (waits up to timeout_s for one), and the current load."""
+    async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad, dict[str, Durations]]:
+        """Every delta since the last poll (waits up to timeout_s for one), the current load, and the phase
+        durations here of the timed requests whose first output is among those deltas."""
         if not self._outbox:
             try:
                 await asyncio.wait_for(self._outbox_ready.wait(), timeout_s)
             except TimeoutError:
                 pass
         out, self._outbox = self._outbox, []
+        phases, self._phases = self._phases, {}
         self._outbox_ready.clear()
-        return out, await self.load()
+        return out, await self.load(), phases
 
     async def abort(self, request_id: str) -> bool:
+        self._timing.drop(request_id)
         if request_id in self._transferring:
             self._transferring[request_id] = True  # decode() frees the blocks once the transfer has ended
             return True
@@ -255,5 +278,10 @@ class DecodeWorker:
         self._push(outputs)
 
     def _push(self, outputs: list[StepOutput]) -> None:
+        if self._timing:
+            for out in outputs:
+                durations = self._timing.first_output(out.request_id)
+                if durations is not None:
+                    self._phases[out.request_id] = durations
         self._outbox.extend(outputs)
         self._outbox_ready.set()

@@ -7,6 +7,8 @@ A resumed request (`prior_output_ids`: outputs already delivered before its deco
 prompt + prior outputs, and its first token is output len(prior_output_ids).
 A group prefill (`fork_params`, n choices of one prompt: engine.request) also returns the other choices' first
 tokens (`fork_first`) and stays pinned whatever they are; requests with params.prompt_logprobs return them too.
+Every result carries the call's phase durations on this worker (`phases`: prefill_queue, prefill_compute; see
+engine.core.request_timing), for the coordinator's per-request phase tracing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import PromptLogprob, TokenLogprob
+from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
@@ -43,6 +46,7 @@ class PrefillResult:
     load: EngineLoad
     fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1
     prompt_logprobs: list[PromptLogprob] | None = None  # when params.prompt_logprobs is set
+    phases: Durations = ()  # (phase, seconds) measured here: prefill_queue, prefill_compute
 
 
 class PrefillWorker:
@@ -54,6 +58,7 @@ class PrefillWorker:
         self._error_fraction = 0.0               # injected prefill failures (drills and tests; set_faults)
         self._fault_rng = random.Random(0)
         self._waiting: dict[str, asyncio.Future] = {}
+        self._timing = RequestTiming()
         self.loop: AsyncEngine | None = None
         self.agent: KVAgent | None = None
         self._task: asyncio.Task | None = None
@@ -81,14 +86,19 @@ class PrefillWorker:
             raise InjectedFault(f"prefill of {request_id} failed: an injected fault (faults.prefill_error_fraction)")
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
+        self._timing.received(request_id)
         prior = list(prior_output_ids)
+
+        def add(e: LLMEngine) -> None:
+            e.add_request(request_id, prompt_token_ids, params, prefill_only=True, prior_output_ids=prior,
+                          priority=priority, fork_params=fork_params)
+            self._timing.attach(request_id, e.scheduler.requests.get(request_id))
         try:
-            await self.loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=True,
-                                                         prior_output_ids=prior, priority=priority,
-                                                         fork_params=fork_params))
+            await self.loop.call(add)
             return await future
         except BaseException:
             self._waiting.pop(request_id, None)
+            self._timing.drop(request_id)
             await self._abort(request_id)
             raise
 
@@ -98,6 +108,7 @@ class PrefillWorker:
 
     async def abort(self, request_id: str) -> bool:
         future = self._waiting.pop(request_id, None)
+        self._timing.drop(request_id)
         if future is not None and not future.done():
             future.set_exception(asyncio.CancelledError(f"request {request_id} aborted"))
         return await self._abort(request_id)
@@ -135,4 +146,4 @@ class PrefillWorker:
                 continue  # an expired pin, or an aborted request
             future.set_result(PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
                                             out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
-                                            out.prompt_logprobs))
+                                            out.prompt_logprobs, self._timing.first_output(out.request_id) or ()))

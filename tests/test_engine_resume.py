@@ -250,19 +250,26 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
         prior, p, prompt = refs[name, i].token_ids[:k], PARAMS[name], PROMPTS[i]
         first = ray.get(prefill.prefill.remote(rid, prompt, p, prior_output_ids=prior), timeout=60)
         assert len(first.block_ids) == -(-(len(prompt) + k) // 16)
+        assert [p for p, _ in first.phases] == ["prefill_queue", "prefill_compute"]
+        assert all(s >= 0 for _, s in first.phases) and first.phases[1][1] > 0
         ray.get(decode.decode.remote(rid, prompt, p, first.first_token_id, first.first_logprob, "prefill-0",
                                      first.block_ids, prior_output_ids=prior), timeout=60)
         assert ray.get(prefill.release.remote(rid), timeout=30)
-        collect(rid, [first.first_token_id], [first.first_logprob], name, i, k)
+        collect(rid, [first.first_token_id], [first.first_logprob], name, i, k,
+                ["kv_transfer", "decode_join", "first_decode_step"])
 
-    def collect(rid: str, tokens: list, logprobs: list, name: str, i: int, k: int) -> None:
-        finish = None
+    def collect(rid: str, tokens: list, logprobs: list, name: str, i: int, k: int, phases: list[str]) -> None:
+        """The request's outputs, which continue the reference; its phase durations on the decode worker come
+        once, with its first output."""
+        finish, timed = None, []
         while finish is None:
-            outs, _ = ray.get(decode.poll.remote(1.0), timeout=30)
+            outs, _, durations = ray.get(decode.poll.remote(1.0), timeout=30)
+            timed += [durations[rid]] if rid in durations else []
             for out in outs:
                 assert out.request_id == rid
                 tokens, logprobs, finish = tokens + out.new_token_ids, logprobs + out.new_logprobs, out.finish_reason
         assert_continues(refs[name, i], k, tokens, logprobs, finish)
+        assert len(timed) == 1 and [p for p, _ in timed[0]] == phases and all(s >= 0 for _, s in timed[0])
 
     try:
         decode = decode_cls.remote("decode-0", cfg, agent_cfg, 1, 10.0)
@@ -278,7 +285,7 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
         run_disaggregated(prefill, "c", "seeded", 0, 2)
         prior = refs["greedy", 1].token_ids[:5]
         ray.get(decode.generate.remote("d", PROMPTS[1], PARAMS["greedy"], prior_output_ids=prior), timeout=60)
-        collect("d", [], [], "greedy", 1, 5)
+        collect("d", [], [], "greedy", 1, 5, ["prefill_queue", "prefill_compute"])
         for worker in (prefill, decode):
             counts = ray.get(worker.check_integrity.remote(), timeout=30)
             assert counts["in_use"] == counts["pinned"] == 0
