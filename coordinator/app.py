@@ -3,7 +3,8 @@
 Owns the HTTP edge: auth (one server key, or tenants' keys with their rate limits and priority: coordinator.tenants),
 body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never
 reaches the backend), tokenization (once, here; chat template for chat requests), the context-length check, and
-turning a Generation into a JSON response or an SSE stream. Routes: POST /v1/completions, POST /v1/chat/completions,
+turning a Generation into a JSON response or an SSE stream (its final usage chunk carries the request's phases when
+`stream_options.include_phases` asks: coordinator.phases). Routes: POST /v1/completions, POST /v1/chat/completions,
 GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api
 is on (coordinator.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize (coordinator.model_api).
 State lives on app.state: backend, settings, tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics,
@@ -32,6 +33,7 @@ from coordinator.http_body import read_json
 from coordinator.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.metrics import Metrics
+from coordinator.phases import PhaseTrace
 from coordinator.settings import ServerSettings
 from coordinator.sse import DONE, Formatter, SSEResponse, event
 from coordinator.tenants import Tenant, TenantRegistry, TenantsConfig
@@ -138,6 +140,10 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
     if choices.wanted(req):  # n, best_of, prompt lists, echo, prompt_logprobs: coordinator.choices_serve
+        if req.include_phases:
+            raise errors.invalid_request("stream_options.include_phases: only for single-choice requests (not with "
+                                         "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
+                                         "stream_options.include_phases")
         return req, tenant, arrival
     prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size,
                                      settings.allow_special_tokens_in_content)
@@ -148,7 +154,7 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
         REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
     priority = tenant.priority_for(req.priority)
-    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
+    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id, req.include_phases)
     text = TextOutput(app.state.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
                       req.skip_special_tokens, req.min_tokens)
     ticket = app.state.lifecycle.admit()
@@ -157,8 +163,10 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     except BaseException:
         ticket.release()
         raise
-    gen = Generation(app.state.backend, GenerateRequest(request_id, prompt, params, priority), text,
-                     app.state.metrics, settings.request_timeout_s, num_logprobs is not None, arrival, grant)
+    trace = PhaseTrace(arrival)
+    gen = Generation(app.state.backend, GenerateRequest(request_id, prompt, params, priority, trace=trace), text,
+                     app.state.metrics, settings.request_timeout_s, num_logprobs is not None, arrival, grant,
+                     trace=trace)
     return req, gen, fmt, ticket
 
 
@@ -216,7 +224,8 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
                 for body in _chunks(fmt, tools, piece, want_lp):
                     yield event(body)
         if fmt.include_usage:
-            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
+            phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
+            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases))
         outcome = "finished"
         yield DONE
     except errors.APIError as e:

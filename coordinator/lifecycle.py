@@ -7,7 +7,9 @@ Owns:
   then stop uvicorn (`server.should_exit = True`); the app's lifespan then shuts the backend down.
 - `Generation`: one admitted request from the first backend call to its end. Every `next_piece()` is bounded by
   the request's deadline; `close()` always closes the backend iterator (which aborts the request on the workers
-  and frees its blocks unless it already finished), shielded from cancellation, and records the outcome.
+  and frees its blocks unless it already finished), shielded from cancellation, and records the outcome. With a
+  PhaseTrace (coordinator.phases) it marks `ingress` when the backend stream opens, and `close()` observes the
+  final phases, closed at the same instant as the end-to-end latency, so their sum equals it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import anyio
 from coordinator import errors
 from coordinator.backend import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
 from coordinator.metrics import Metrics
+from coordinator.phases import PhaseTrace
 from coordinator.tenants import Grant
 from coordinator.text_output import TextOutput, TokenInfo
 
@@ -95,7 +98,7 @@ class Generation:
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
                  timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
-                 counts_request: bool = True) -> None:
+                 counts_request: bool = True, trace: PhaseTrace | None = None) -> None:
         self._backend = backend
         self.request = request
         self.text = text
@@ -110,6 +113,7 @@ class Generation:
         self._grant = grant  # the tenant's charge, settled in close()
         # False for choices 1.. of an n>1 request: one request, one prompt and one TTFT/e2e sample per prompt
         self._counts_request = counts_request
+        self.trace = trace  # the request's phases (the one given to the backend in request.trace), if traced
         self.finish_reason: str | None = None
 
     @property
@@ -159,6 +163,8 @@ class Generation:
                 raise TimeoutError
             with anyio.fail_after(remaining):
                 if self._stream is None:
+                    if self.trace is not None:
+                        self.trace.mark("ingress")
                     self._stream = self._backend.generate(self.request)
                 return await self._stream.__anext__()
         except TimeoutError:
@@ -192,7 +198,11 @@ class Generation:
         if self._grant is not None:  # the tenant is charged prompt + the tokens it really got
             self._grant.settle(self.completion_tokens, outcome, prompt_processed=self._last_token_at is not None)
         if self._counts_request:
+            now = time.monotonic()
             self._metrics.requests.inc(outcome)
             self._metrics.prompt_tokens.inc(self.prompt_tokens)
-            self._metrics.e2e.observe(time.monotonic() - self._arrival)
+            self._metrics.e2e.observe(now - self._arrival)
+            if self.trace is not None:
+                for phase, seconds in self.trace.finish(now).items():
+                    self._metrics.phases.labels(phase).observe(seconds)
         self._metrics.generation_tokens.inc(self.completion_tokens)

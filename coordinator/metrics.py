@@ -2,9 +2,11 @@
 
 Owns the request-side figures as the client sees them, as prometheus_client objects on the app's own registry (no
 process-wide default registry: tests run several apps in one process): time to first token, inter-token latency
-(one observation per backend delta after the first), end-to-end latency, requests by outcome, errors by kind,
-prompt and generated tokens. `watch()` adds coordinator.metrics_backend's collector, which builds the backend's
-load, per-worker gauges, tenants' usage and the lifecycle gauges from fresh figures at each scrape.
+(one observation per backend delta after the first), end-to-end latency, each request's phases
+(`pdserve_request_phase_seconds{phase}`, coordinator.phases: every label preset, so a phase no request had yet
+shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens. `watch()` adds
+coordinator.metrics_backend's collector, which builds the backend's load, per-worker gauges, tenants' usage and the
+lifecycle gauges from fresh figures at each scrape.
 
 `exposition()` is prometheus_client's `generate_latest` (text format 0.0.4) over the registry, with two changes made
 here rather than through process-wide switches: no `_created` series (prometheus_client.disable_created_metrics()
@@ -28,11 +30,15 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 
 from coordinator.metrics_backend import BackendCollector
+from coordinator.phases import PHASES
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+# phases range from tens of microseconds (ingress, a decode join) to minutes (decode of a long output)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0, 20.0, 40.0, 80.0)
 OUTCOMES = ("finished", "aborted", "failed", "timeout", "rejected")
 # family -> vLLM's name for the same figure (the gauges vllm:num_requests_* and vllm:kv_cache_usage_perc come
 # from coordinator.metrics_backend)
@@ -70,6 +76,10 @@ class Metrics:
                              registry=reg)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Time from request arrival to its end",
                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.phases = Histogram("pdserve_request_phase_seconds", "Seconds of each phase of a request (they sum to its "
+                                "end-to-end latency)", ["phase"], buckets=PHASE_BUCKETS, registry=reg)
+        for phase in PHASES:
+            self.phases.labels(phase)
         self.requests = LabeledCounter("pdserve_requests", "Requests by outcome", "outcome", reg, OUTCOMES)
         self.errors = LabeledCounter("pdserve_errors", "Error responses and in-band errors by kind", "kind", reg)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=reg)

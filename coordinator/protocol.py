@@ -12,7 +12,9 @@ is refused when set to anything but its default. The README's request-parameter 
 INFO); `store` is accepted only as false or null (this server stores nothing; true is a 400).
 Vendor extensions accepted on both endpoints (vLLM's names and meanings): `top_k`, `min_p`, `ignore_eos`,
 `stop_token_ids`, `priority` (lower first, or high | normal | low, clamped to the tenant's class); on chat also
-`add_generation_prompt` and `chat_template_kwargs` (keys in TEMPLATE_KWARGS).
+`add_generation_prompt` and `chat_template_kwargs` (keys in TEMPLATE_KWARGS). pdserve's own extension:
+`stream_options.include_phases` (with `include_usage`): the usage chunk carries the request's phases
+(coordinator.phases).
 
 Hostile-input rules: every float must be finite (`1e999` parses to infinity: a 400 naming the field); a message's
 role is one of ROLES; its content is a string or text parts, and null (or absent) only on an assistant message
@@ -55,6 +57,13 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_phases: bool = False  # pdserve's: `phases` on the usage chunk (coordinator.phases)
+
+    @model_validator(mode="after")
+    def _phases_need_usage(self) -> StreamOptions:
+        if self.include_phases and not self.include_usage:
+            raise ValueError("stream_options.include_phases: requires include_usage (the usage chunk carries them)")
+        return self
 
 
 class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, structured_outputs, guided_*; penalties
@@ -105,6 +114,10 @@ class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, st
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_phases(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_phases)
 
 
 class CompletionRequest(_Common):

@@ -4,8 +4,9 @@ Owns: `SSEResponse`, a streaming response that cancels the event producer (whose
 stream: an abort) when the client goes away, whatever the server's ASGI spec version, or when its deadline passes
 (a client that stops reading blocks `send`, and must not hold the request forever); `event()`
 and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`, which builds every JSON body
-of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk, and non-streamed responses,
-all with the body id derived from the request id.
+of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk (with `phases`, seconds per
+phase of coordinator.phases, when the request asked for them), and non-streamed responses, all with the body id
+derived from the request id.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from coordinator.lifecycle import Piece
+from coordinator.phases import wire
 from coordinator.text_output import TokenInfo
 
 DONE = b"data: [DONE]\n\n"
@@ -67,10 +69,12 @@ class Formatter:
     The body `id` is the request id (X-Request-Id) with OpenAI's prefix (`chatcmpl-` / `cmpl-`) added unless it
     already starts with it: a generated request id is the body id itself, a client's `abc` becomes `cmpl-abc`."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False, request_id: str | None = None) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, request_id: str | None = None,
+                 include_phases: bool = False) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        self.include_phases = include_phases  # pdserve's stream_options.include_phases (needs include_usage)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = request_id if request_id is not None else uuid.uuid4().hex
         self.id = rid if rid.startswith(prefix) else prefix + rid
@@ -98,9 +102,12 @@ class Formatter:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, phases: dict[str, float] | None = None) -> dict:
+        body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": self.usage(prompt_tokens, completion_tokens)}
+        if phases is not None:
+            body["phases"] = wire(phases)
+        return body
 
     def response(self, text: str, tokens: list[TokenInfo], logprobs: bool, finish_reason: str,
                  prompt_tokens: int, completion_tokens: int) -> dict:

@@ -63,7 +63,8 @@ def test_every_declared_field_has_a_row_and_every_yes_is_declared(endpoint):
     missing = sorted(declared - set(rows))
     assert not missing, f"declared on {endpoint} but not in the README's table: {missing}"
     yes = {name for name, row in rows.items() if row[endpoint] == "yes"}
-    assert not yes - declared, f"'yes' in the README but unknown to {endpoint}: {sorted(yes - declared)}"
+    nested = {f"stream_options.{name}" for name in protocol.StreamOptions.model_fields}  # a "yes" row may name one
+    assert not yes - declared - nested, f"'yes' in the README but unknown to {endpoint}: {sorted(yes - declared)}"
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -214,6 +214,21 @@ def test_include_usage_adds_a_usage_chunk_before_done(client):
     assert all(c["usage"] is None for c in chunks) and last["choices"] == []
     assert last["usage"]["completion_tokens"] == 5
     assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 5
+    assert "phases" not in last  # only when asked for: a plain OpenAI client sees OpenAI's shape
+
+
+def test_include_phases_puts_the_request_phases_on_the_usage_chunk_and_refuses_what_it_cannot_trace(client):
+    """The in-process backend records no phases of its own: ingress, then everything else is overhead (the Ray
+    backend's phases are checked in the serving suites). Asking without include_usage, or for n > 1, is a 400."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 5, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "include_phases": True}}
+    *_, last = stream(client, "/v1/completions", body)
+    assert last["usage"]["completion_tokens"] == 5 and list(last["phases"]) == ["ingress", "overhead"]
+    assert all(v >= 0 for v in last["phases"].values()) and last["phases"]["overhead"] > 0
+    for extra, param in (({"stream_options": {"include_phases": True}}, "stream_options.include_phases"),
+                         ({"n": 2}, "stream_options.include_phases")):
+        r = client.post("/v1/completions", json={**body, "stream": True, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_a_transformers_written_checkpoint_serves_its_own_greedy_output(checkpoints):

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
-from coordinator.metrics import ITL_BUCKETS, LATENCY_BUCKETS, Metrics
+from coordinator.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS, Metrics
+from coordinator.phases import PHASES
 from coordinator.settings import ServerSettings
 from engine import LLM
 from tests.inprocess_backend import InProcessBackend, run_asgi
@@ -161,3 +162,16 @@ def test_metrics_endpoint_after_a_request_parses_and_counts_it(engine, checkpoin
     assert got[("vllm:generation_tokens_total", frozenset({model}))] == 3
     assert got[("vllm:time_to_first_token_seconds_count", frozenset({model}))] == 1
     assert ("vllm:kv_cache_usage_perc", frozenset({model, ("engine", "inprocess-0")})) in got
+
+
+def test_phase_histograms_preset_every_phase_with_their_buckets():
+    m = watched(STATS)
+    m.phases.labels("decode").observe(0.3)
+    _, got = scrape(m)
+    counts = {dict(labels)["phase"]: v for (n, labels), v in got.items() if n == "pdserve_request_phase_seconds_count"}
+    assert counts == {p: (1 if p == "decode" else 0) for p in PHASES}
+    les = sorted(float(dict(labels)["le"]) for n, labels in got
+                 if n == "pdserve_request_phase_seconds_bucket" and dict(labels)["phase"] == "ingress")
+    assert les == [*PHASE_BUCKETS, float("inf")]
+    assert got[("pdserve_request_phase_seconds_bucket", frozenset({"phase": "decode", "le": "0.25"}.items()))] == 0
+    assert got[("pdserve_request_phase_seconds_bucket", frozenset({"phase": "decode", "le": "0.5"}.items()))] == 1

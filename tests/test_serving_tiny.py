@@ -1,7 +1,8 @@
 """End to end on the real server with the embedded `tiny` model (1 prefill + 1 decode): 128 concurrent streams,
-the openai client, the chat template."""
+the openai client, the chat template, a streamed request's phases."""
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -9,6 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
+from tests.phase_checks import DISAGGREGATED, assert_partition, e2e_count, phase_histograms, stream_with_phases
 from tests.server_process import HALF_CPU, complete, running_server, wait_for_idle_workers
 
 
@@ -51,3 +53,26 @@ def test_openai_client_chat_and_completions(server_tiny):
                                                       SamplingParams(temperature=0, max_tokens=10))[0].text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=10, temperature=-1)
+
+
+def test_a_streamed_request_reports_its_phases_and_they_sum_to_its_latency(server_tiny):
+    """1P+1D: every phase of the disaggregated path is present (no migration), none negative, summing to the
+    latency the client measured within 5%; a plain stream's usage chunk has no phases; /metrics has every phase label,
+    a sample of each disaggregated phase, and phase sums adding up to the end-to-end sum."""
+    url, before = server_tiny.url, e2e_count(server_tiny.url)
+    body = {"model": "tiny", "prompt": "The lighthouse keeper", "max_tokens": 64, "ignore_eos": True,
+            "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            plain = await client.post(f"{url}/v1/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}})
+            return plain.text, await stream_with_phases(client, url, body)
+    plain, result = asyncio.run(run())
+    usage = [json.loads(line[6:]) for line in plain.splitlines() if line.startswith("data: {")][-1]
+    assert usage["usage"]["completion_tokens"] == 64 and "phases" not in usage
+    assert result["completion_tokens"] == 64
+    assert_partition(result, DISAGGREGATED)
+    counts, sums = phase_histograms(url, before + 2)
+    assert all(counts[p] >= 1 and sums[p] >= 0 for p in DISAGGREGATED), counts
+    assert counts["migration"] == 0
