@@ -2,7 +2,8 @@
 
 `pdserve bench --url http://127.0.0.1:8000 --rate 4 --duration 60 --input-len 512 --output-len 128 --out r.json`
 drives any OpenAI-compatible server (pdserve or vLLM) and prints TTFT, TPOT, ITL and e2e percentiles,
-throughputs, errors and goodput under `--slo-ttft-ms` / `--slo-tpot-ms`.
+throughputs, errors and goodput under `--slo-ttft-ms` / `--slo-tpot-ms`, and, from pdserve (asked for its phases
+unless `--phases off`), a short "where did the time go" table of the requests' server-side phases.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 import httpx
 
 from benchclient.arrivals import ArrivalSpec
-from benchclient.client import Target, first_model
+from benchclient.client import Target, first_model, serves_pdserve
+from benchclient.phase_table import format_phase_table
 from benchclient.run import RunConfig, run_load, run_report, save_json
 from benchclient.stats import SLO, format_summary
 from benchclient.workload import WorkloadSpec, build_requests
@@ -28,6 +30,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--api-key")
     p.add_argument("--ignore-eos", action="store_true", help="exact output lengths (pdserve and vLLM accept it)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--phases", choices=["auto", "on", "off"], default="auto",
+                   help="ask for each request's server-side phases (pdserve's stream_options.include_phases); "
+                        "auto: when /v1/models says the server is pdserve")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["fixed", "uniform", "chat", "jsonl", "sharegpt"], default="fixed",
                    help="length distribution, or a file (--dataset)")
@@ -64,6 +69,9 @@ def bench_main(args: argparse.Namespace) -> int:
     results = asyncio.run(run_load(cfg, progress=sys.stderr.isatty() and not args.no_progress))
     doc = run_report(cfg, results)
     print(format_summary(doc["summary"]))
+    table = format_phase_table(doc["phases"])
+    if table:
+        print(table)
     if args.out:
         save_json(doc, args.out)
         print(f"saved {args.out}")
@@ -83,8 +91,9 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         min_len=args.min_len, sigma=args.sigma, max_input_len=args.max_input_len,
         max_output_len=args.max_output_len, path=args.dataset, prompt_format=args.prompt_format, seed=args.seed)
     model = args.model or first_model(args.url, args.api_key)
+    phases = args.phases == "on" or (args.phases == "auto" and serves_pdserve(args.url, args.api_key))
     target = Target(url=args.url, model=model, endpoint=args.endpoint, api_key=args.api_key,
-                    ignore_eos=args.ignore_eos, temperature=args.temperature)
+                    ignore_eos=args.ignore_eos, temperature=args.temperature, phases=phases)
     return RunConfig(target=target, workload=workload, arrival=arrival,
                      slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), duration_s=args.duration,
                      warmup_s=args.warmup, num_requests=args.num_requests, timeout_s=args.timeout)

@@ -5,7 +5,8 @@ completed it) and `stream_request`, which returns a `RequestResult` for every re
 an in-band error event, a stream cut before `[DONE]`, a timeout or connection error) is a result with `error`
 set, never an exception and never dropped. Token counts come from the stream's usage chunk
 (`stream_options.include_usage`); only when a server sends no usage does the count fall back to output chunks,
-and the result says so (`tokens_from_usage=False`).
+and the result says so (`tokens_from_usage=False`). With `Target.phases` the request asks pdserve for its phases
+(`stream_options.include_phases`), which the usage chunk carries: seconds per phase as the server measured them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class RequestResult:
     tokens_from_usage: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    phases: dict[str, float] | None = None  # the server's phases of the request (pdserve, when asked for)
 
     @property
     def ok(self) -> bool:
@@ -88,6 +90,7 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False       # pdserve and vLLM accept it; exact output lengths
     temperature: float = 0.0
+    phases: bool = False           # ask pdserve for the request's phases (stream_options.include_phases)
 
     def path(self) -> str:
         base = self.url.rstrip("/")
@@ -95,8 +98,9 @@ class Target:
         return f"{base}/chat/completions" if self.endpoint == "chat" else f"{base}/completions"
 
     def body(self, req: BenchRequest) -> dict:
-        body: dict = {"model": self.model, "max_tokens": req.max_tokens, "stream": True,
-                      "stream_options": {"include_usage": True}, "temperature": self.temperature}
+        options = {"include_usage": True, **({"include_phases": True} if self.phases else {})}
+        body: dict = {"model": self.model, "max_tokens": req.max_tokens, "stream": True, "stream_options": options,
+                      "temperature": self.temperature}
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
@@ -115,6 +119,19 @@ class Target:
 
 
 def first_model(url: str, api_key: str | None = None) -> str:
+    return list_models(url, api_key)[0]["id"]
+
+
+def serves_pdserve(url: str, api_key: str | None = None) -> bool:
+    """Whether the server is pdserve (its /v1/models entries are owned_by "pdserve"); False if it cannot say."""
+    try:
+        return any(m.get("owned_by") == "pdserve" for m in list_models(url, api_key) if isinstance(m, dict))
+    except ValueError:
+        return False
+
+
+def list_models(url: str, api_key: str | None = None) -> list:
+    """The entries of the server's /v1/models (ValueError if it cannot be read or lists none)."""
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -126,7 +143,7 @@ def first_model(url: str, api_key: str | None = None) -> str:
         raise ValueError(f"cannot list the models at {base}/models ({e}); pass --model") from None
     if not models:
         raise ValueError(f"{base}/models lists no model; pass --model")
-    return models[0]["id"]
+    return models
 
 
 async def stream_request(client: httpx.AsyncClient, target: Target, req: BenchRequest, warmup: bool = False,
@@ -169,6 +186,8 @@ def _on_event(result: RequestResult, t: float, event: str) -> bool:
         result.prompt_tokens = obj["usage"].get("prompt_tokens")
         result.completion_tokens = obj["usage"].get("completion_tokens", 0)
         result.tokens_from_usage = True
+        if isinstance(obj.get("phases"), dict):
+            result.phases = obj["phases"]
     for choice in obj.get("choices") or []:
         result.chunk_times.append(t)
         result.finish_reason = choice.get("finish_reason") or result.finish_reason

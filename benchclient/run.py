@@ -3,7 +3,8 @@
 Owns `RunConfig` and `run_load`. Requests sent in the first `warmup_s` seconds are marked warm-up and left
 out of the figures; measured requests are those sent in the next `duration_s` seconds (or exactly
 `num_requests` of them). Sending stops then, and the run waits for every request in flight to finish or hit
-`timeout_s` (a timeout is a failed request). `pdserve bench` is `main` in benchclient/cli.py.
+`timeout_s` (a timeout is a failed request). The saved document adds the server's per-request phases when it sent
+them (benchclient.phase_table). `pdserve bench` is `main` in benchclient/cli.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 
 from benchclient.arrivals import ArrivalSpec, send_times
 from benchclient.client import RequestResult, Target, stream_request
+from benchclient.phase_table import phase_summary
 from benchclient.progress import Progress
 from benchclient.stats import SLO, summarize
 from benchclient.workload import BenchRequest, WorkloadSpec, iter_requests
@@ -121,15 +123,16 @@ def result_record(r: RequestResult, t0: float) -> dict[str, Any]:
             "e2e_s": r.e2e, "tpot_s": r.tpot, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens, "max_tokens": r.max_tokens, "input_len": r.input_len,
             "chunks": len(r.chunk_times), "finish_reason": r.finish_reason,
-            "chunk_offsets_ms": [round((t - r.start) * 1000, 2) for t in r.chunk_times]}
+            "chunk_offsets_ms": [round((t - r.start) * 1000, 2) for t in r.chunk_times], "phases_s": r.phases}
 
 
 def run_report(cfg: RunConfig, results: list[RequestResult]) -> dict[str, Any]:
-    """The saved document: the run's settings (no API key), the summary, and every request."""
+    """The saved document: the run's settings (no API key), the summary, the server's phases (where did the time
+    go), and every request."""
     settings = dataclasses.asdict(cfg)
     settings["target"].pop("api_key", None)
     t0 = min((r.start for r in results), default=0.0)
-    return {"settings": settings, "summary": summarize(results, cfg.slo),
+    return {"settings": settings, "summary": summarize(results, cfg.slo), "phases": phase_summary(results),
             "requests": [result_record(r, t0) for r in results]}
 
 

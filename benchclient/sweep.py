@@ -2,10 +2,10 @@
 
 Owns the run order and resumption. A layout's pending cells run on one freshly launched server (or one each
 with `restart_per_cell`), which is torn down before the next layout starts. After each cell one row is appended
-to `results.jsonl` (and the cell's full run, every request included, saved under `cells/`), so an interrupted
-sweep, run again, skips the cells whose row says `ok` and redoes the rest (a cell is known by its layout name,
-workload name and load: rename one whose settings change). A layout whose server fails to start
-records its cells as failed (with the reason) and the sweep goes on. At the end (and on every resume) the
+to `results.jsonl` (and the cell's full run, every request and its server-side phases included, saved under
+`cells/`), so an interrupted sweep, run again, skips the cells whose row says `ok` and redoes the rest (a cell is
+known by its layout name, workload name and load: rename one whose settings change). A layout whose server fails
+to start records its cells as failed (with the reason) and the sweep goes on. At the end (and on every resume) the
 table (`results.csv`, `results.json`), the plots and `report.md` are rewritten from all rows.
 """
 
@@ -93,7 +93,7 @@ def _run_group(config: SweepConfig, cells: list[Cell], out: Path, progress: bool
 
 
 def _run_cell(config: SweepConfig, cell: Cell, url: str, model: str, out: Path, progress: bool) -> dict:
-    target = Target(url=url, model=model, endpoint=config.endpoint, ignore_eos=config.ignore_eos)
+    target = Target(url=url, model=model, endpoint=config.endpoint, ignore_eos=config.ignore_eos, phases=True)
     run = RunConfig(target=target, workload=cell.workload, arrival=cell.arrival, slo=config.slo,
                     duration_s=config.duration_s, warmup_s=config.warmup_s, timeout_s=config.timeout_s)
     doc = run_report(run, asyncio.run(run_load(run, progress=progress)))

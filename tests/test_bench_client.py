@@ -4,6 +4,7 @@ Timing checks are causal lower bounds only (a measured time can never be earlier
 never upper bounds on a loaded machine.
 """
 
+import argparse
 import asyncio
 import json
 import threading
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from benchclient.arrivals import ArrivalSpec, send_times
+from benchclient.cli import _run_config, add_bench_parser
 from benchclient.client import Target, stream_request
 from benchclient.run import RunConfig, run_load, run_report
 from benchclient.stats import SLO
@@ -26,6 +28,7 @@ def _chunk(text, finish=None):
 
 
 USAGE = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
+PHASES = {"ingress": 0.001, "admission": 0.0, "prefill_compute": 0.049, "decode": 0.1, "overhead": 0.05}
 # Each script: (delay before the write in s, bytes). "ok": 7 tokens in 5 chunks (the last only finishes).
 SCRIPTS = {
     "ok": [(0.2, _chunk("a")), (0.05, _chunk("bc")), (0.05, _chunk("de")), (0.05, _chunk("fg")),
@@ -38,14 +41,17 @@ SCRIPTS = {
     "nousage": [(0.0, _chunk("a")), (0.01, _chunk("b")), (0.01, _chunk("c", "stop")), (0.0, "[DONE]")],
     "fast": [(0.0, _chunk("a")), (0.0, _chunk("b", "length")), (0.0, USAGE), (0.0, "[DONE]")],
     "slow": [(5.0, _chunk("a")), (0.0, "[DONE]")],
+    "phased": [(0.0, _chunk("a")), (0.0, _chunk("b", "length")), (0.0, {**USAGE, "phases": PHASES}),
+               (0.0, "[DONE]")],
 }
 
 
 class ScriptedServer:
-    """HTTP/1.1 on a free loopback port; request i gets `plan[i % len(plan)]` ("500" answers HTTP 500)."""
+    """HTTP/1.1 on a free loopback port; request i gets `plan[i % len(plan)]` ("500" answers HTTP 500);
+    GET /v1/models lists model "m", owned by `owner`."""
 
-    def __init__(self, plan):
-        self.plan, self.bodies = plan, []
+    def __init__(self, plan, owner="someone"):
+        self.plan, self.bodies, self.owner = plan, [], owner
         self.open = self.most_open = 0  # connections being answered now, and at most
 
     async def __aenter__(self):
@@ -61,6 +67,11 @@ class ScriptedServer:
         self.most_open = max(self.most_open, self.open)
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            if head.startswith("GET /v1/models"):
+                body = json.dumps({"data": [{"id": "m", "owned_by": self.owner}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(body), body))
+                return
             length = int(next(ln.split(":")[1] for ln in head.split("\r\n") if ln.lower().startswith("content-length")))
             self.bodies.append(json.loads(await reader.readexactly(length)))
             name = self.plan[(len(self.bodies) - 1) % len(self.plan)]
@@ -178,12 +189,13 @@ def test_closed_loop_never_exceeds_its_concurrency():
 
 
 @pytest.fixture
-def scripted_url():
-    """A ScriptedServer ("fast" streams) on its own event loop thread, for code that runs its own loop."""
+def scripted_url(request):
+    """A ScriptedServer ("fast" streams; or `param`: (plan, owner)) on its own event loop thread, for code that runs
+    its own loop."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    server = ScriptedServer(["fast"])
+    server = ScriptedServer(*getattr(request, "param", (["fast"],)))
     asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)
     yield server.url
     asyncio.run_coroutine_threadsafe(server.__aexit__(None, None, None), loop).result(10)
@@ -202,3 +214,37 @@ def test_pdserve_bench_command_saves_figures_and_requests(scripted_url, tmp_path
     assert doc["settings"]["arrival"]["concurrency"] == 2 and doc["settings"]["workload"]["kind"] == "uniform"
     assert cli.main(["bench", "--url", scripted_url, "--model", "m", "--rate", "1", "--concurrency", "2"]) == 2
     assert "one of --rate" in capsys.readouterr().err
+
+
+def test_phases_are_asked_for_only_when_wanted_and_kept_per_request():
+    r, body = _stream(["phased"], phases=True)
+    assert body["stream_options"] == {"include_usage": True, "include_phases": True}
+    assert r.ok and r.completion_tokens == 7 and r.phases == PHASES
+    r, body = _stream(["ok"])
+    assert body["stream_options"] == {"include_usage": True} and r.phases is None
+
+
+@pytest.mark.parametrize("scripted_url", [(["phased"], "pdserve")], indirect=True)
+def test_pdserve_bench_asks_pdserve_for_phases_and_prints_where_the_time_went(scripted_url, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", "--url", scripted_url, "--concurrency", "1", "--num-requests", "3", "--warmup", "0",
+                   "--out", str(out)])  # --phases auto: /v1/models says the server is pdserve
+    printed = capsys.readouterr().out
+    assert rc == 0 and "where did the time go (3 requests" in printed
+    rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines()[-7:]}
+    assert rows["prefill_compute"] == ["49.0", "24.5%", "24.5%", "24.5%"] and rows["total"][1] == "200.0"
+    doc = json.loads(out.read_text())
+    assert [r["phases_s"] for r in doc["requests"]] == [PHASES] * 3
+    assert doc["phases"]["requests"] == 3 and list(doc["phases"]["phases"]) == list(PHASES)
+
+
+@pytest.mark.parametrize("scripted_url, owner", [((["ok"], "pdserve"), "pdserve"), ((["ok"], "vllm"), "vllm")],
+                         indirect=["scripted_url"])
+def test_bench_phases_auto_asks_only_pdserve_and_on_or_off_decide(scripted_url, owner):
+    def asks(*flags: str) -> bool:
+        parser = argparse.ArgumentParser()
+        add_bench_parser(parser.add_subparsers())
+        args = parser.parse_args(["bench", "--url", scripted_url, "--concurrency", "1", *flags])
+        return _run_config(args).target.phases
+    assert asks() is (owner == "pdserve") and asks("--model", "m") is (owner == "pdserve")
+    assert asks("--phases", "on") is True and asks("--phases", "off") is False

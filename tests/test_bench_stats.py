@@ -1,4 +1,4 @@
-"""The benchmark's metric maths on known timestamps, its workloads and its arrival processes."""
+"""The benchmark's metric maths on known timestamps, the phase table, its workloads and its arrival processes."""
 
 import json
 import math
@@ -9,6 +9,7 @@ import pytest
 
 from benchclient.arrivals import ArrivalSpec, send_times
 from benchclient.client import RequestResult, SSEParser
+from benchclient.phase_table import format_phase_table, phase_summary
 from benchclient.stats import SLO, percentile, summarize
 from benchclient.workload import WorkloadSpec, build_requests
 
@@ -130,3 +131,23 @@ def test_file_workloads(tmp_path):
         build_requests(WorkloadSpec(kind="jsonl", path=str(jsonl)), 1)
     with pytest.raises(ValueError, match="needs a path"):
         WorkloadSpec(kind="sharegpt")
+
+
+def test_phase_shares_count_a_missing_phase_as_zero_and_leave_out_requests_without_phases():
+    rs = [_result(0.0, [0.1], 1.0, 2), _result(0.0, [0.1], 1.0, 2), _result(0.0, [0.1], 1.0, 2),
+          _result(0.0, [0.1], 1.0, 2, warmup=True), _result(0.0, [], 1.0, 0, error="HTTP 500")]
+    rs[0].phases = {"ingress": 0.1, "decode": 0.3}                      # shares 25% / 75%
+    rs[1].phases = {"ingress": 0.2, "decode": 0.2, "migration": 0.4}   # 25% / 25% / 50%
+    rs[3].phases = rs[4].phases = {"ingress": 9.0}                     # warm-up and failed: left out
+    s = phase_summary(rs)
+    assert s["requests"] == 2 and list(s["phases"]) == ["ingress", "decode", "migration"]
+    assert s["server_e2e_mean_ms"] == pytest.approx(600)
+    assert s["phases"]["ingress"]["mean_ms"] == pytest.approx(150) and s["phases"]["ingress"]["share_p99"] == 0.25
+    assert s["phases"]["decode"]["share_mean"] == pytest.approx(0.5)
+    assert s["phases"]["decode"]["share_p50"] == pytest.approx(0.5)
+    assert s["phases"]["migration"]["share_mean"] == pytest.approx(0.25)
+    assert s["phases"]["migration"]["share_p99"] == pytest.approx(0.495)
+    table = format_phase_table(s).splitlines()
+    assert table[0].startswith("where did the time go (2 requests") and len(table) == 6
+    assert table[3].split() == ["decode", "250.0", "50.0%", "50.0%", "74.5%"]
+    assert phase_summary(rs[2:3]) == {"requests": 0, "phases": {}} and format_phase_table({"requests": 0}) == ""
