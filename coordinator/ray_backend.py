@@ -39,6 +39,7 @@ from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import FaultsConfig, ServeConfig
 from coordinator.supervisor import Supervisor
+from engine.core.request_timing import Durations
 from kvtransfer.errors import TransferError
 
 log = logging.getLogger("pdserve")
@@ -62,7 +63,7 @@ class RayBackend:
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
-        self._worker_phases: dict[str, tuple] = {}    # attempt id -> the decode worker's durations, until taken
+        self._worker_phases: dict[str, Durations] = {}  # attempt id -> the decode worker's durations, until taken
         self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
         self._tasks: set[asyncio.Task] = set()
         self.transfer_totals: dict[str, float] = {}
