@@ -52,6 +52,14 @@ def assert_partition(result: dict, expected: set[str]) -> None:
     assert abs(total - result["e2e"]) <= 0.05 * result["e2e"], (total, result["e2e"], phases)
 
 
+def wait_until_every_worker_is_live(url: str, timeout_s: float = 120.0) -> None:
+    """/health 200 means every pool has a live worker; this waits for all of them (a replacement included)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(w["state"] == "live" for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]):
+        assert time.monotonic() < deadline, httpx.get(f"{url}/health", timeout=10).text
+        time.sleep(0.2)
+
+
 def e2e_count(url: str) -> float:
     return metric_values(url, "pdserve_e2e_request_latency_seconds_count").get(None) or 0.0
 

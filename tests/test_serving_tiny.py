@@ -60,7 +60,7 @@ def test_a_streamed_request_reports_its_phases_and_they_sum_to_its_latency(serve
     latency the client measured within 5%; a plain stream's usage chunk has no phases; /metrics has every phase label,
     a sample of each disaggregated phase, and phase sums adding up to the end-to-end sum."""
     url, before = server_tiny.url, e2e_count(server_tiny.url)
-    body = {"model": "tiny", "prompt": "The lighthouse keeper", "max_tokens": 64, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": "The lighthouse keeper", "max_tokens": 128, "ignore_eos": True,
             "temperature": 0}
 
     async def run():
@@ -70,8 +70,8 @@ def test_a_streamed_request_reports_its_phases_and_they_sum_to_its_latency(serve
             return plain.text, await stream_with_phases(client, url, body)
     plain, result = asyncio.run(run())
     usage = [json.loads(line[6:]) for line in plain.splitlines() if line.startswith("data: {")][-1]
-    assert usage["usage"]["completion_tokens"] == 64 and "phases" not in usage
-    assert result["completion_tokens"] == 64
+    assert usage["usage"]["completion_tokens"] == 128 and "phases" not in usage
+    assert result["completion_tokens"] == 128
     assert_partition(result, DISAGGREGATED)
     counts, sums = phase_histograms(url, before + 2)
     assert all(counts[p] >= 1 and sums[p] >= 0 for p in DISAGGREGATED), counts
