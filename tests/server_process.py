@@ -6,11 +6,12 @@ fails if it does not exit in time (then it is killed, so nothing is left running
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -110,6 +111,39 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict,
                 finish = choice["finish_reason"] or finish
     return {"text": "".join(text), "finish_reason": finish, "completion_tokens": usage["completion_tokens"]}
 
+
+
+def streams_with_a_kill(url: str, bodies: list[dict], kill: Callable[[], Awaitable[None]], stream=None,
+                        after_chunks: int = 3, timeout_s: float = 300.0) -> list[dict]:
+    """Runs every body as a stream (`stream(client, url, body, on_chunk)`, default `complete`) and awaits `kill()`
+    once every stream has received `after_chunks` chunks (all decoding: a fixed delay would let fast machines
+    finish first). The streams' results, in order."""
+    stream = stream or complete
+    started: list[int] = []
+    decoding = asyncio.Event()
+
+    def progress(chunks: int) -> None:
+        if chunks == after_chunks:
+            started.append(1)
+            if len(started) == len(bodies):
+                decoding.set()
+
+    async def killer() -> None:
+        await decoding.wait()
+        await kill()
+
+    async def run() -> list:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return await asyncio.gather(killer(), *[stream(client, url, b, progress) for b in bodies])
+    _, *results = asyncio.run(asyncio.wait_for(run(), timeout_s))
+    return results
+
+
+async def admin_kill(url: str, worker: str) -> None:
+    """POST /admin/workers/{worker}/kill (needs server.admin_api)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(f"{url}/admin/workers/{worker}/kill")
+        assert r.status_code == 200, r.text
 
 def wait_for_idle_workers(url: str, timeout_s: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s

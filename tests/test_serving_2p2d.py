@@ -2,21 +2,27 @@
 uvicorn) over HTTP: outputs equal the single engine's, load spreads, prefix affinity, cancellation, worker death."""
 
 import asyncio
-import os
-import signal
 
 import httpx
 import pytest
 
 from engine import SamplingParams
 from tests.engine_helpers import random_prompts
-from tests.server_process import HALF_CPU, complete, metric_values, running_server, wait_for_idle_workers, worker_pids
+from tests.server_process import (
+    HALF_CPU,
+    admin_kill,
+    complete,
+    metric_values,
+    running_server,
+    streams_with_a_kill,
+    wait_for_idle_workers,
+)
 
 
 @pytest.fixture(scope="module")
 def server_2p2d(llama, tmp_path_factory):
     config = {"model": str(llama), "prefill": {**HALF_CPU, "workers": 2, "chunk_size": 32},
-              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}}
+              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}, "server": {"admin_api": True}}
     with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as server:
         yield server
 
@@ -86,28 +92,14 @@ def test_a_decode_worker_killed_mid_stream_its_streams_move_and_finish_exactly(s
     """Runs last on this server: it kills one decode worker (its replacement starts in the background)."""
     prompts = random_prompts([20] * 6, 2000, seed=27)
     expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
-    decoding: list[int] = []  # streams past their first tokens
-    all_decoding = asyncio.Event()
 
-    def progress(chunks: int) -> None:
-        if chunks == 3:
-            decoding.append(1)
-            if len(decoding) == len(prompts):
-                all_decoding.set()
-
-    async def kill_one_decode_worker():
-        # as soon as every stream decodes (a fixed delay let fast machines finish all tokens first)
-        await all_decoding.wait()
-        pids = worker_pids(server_2p2d, "DecodeWorker")
-        assert len(pids) == 2, pids
-        os.kill(pids[0], signal.SIGKILL)
-
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.wait_for(asyncio.gather(kill_one_decode_worker(), *[complete(
-                client, server_2p2d.url, {"model": str(llama), "prompt": p, "max_tokens": 240, "ignore_eos": True,
-                                          "temperature": 0, "stream": True}, progress) for p in prompts]), 240)
-    _, *results = asyncio.run(run())
+    async def kill_one_decode_worker() -> None:  # the one holding more of the streams (it holds some)
+        booked = metric_values(server_2p2d.url, "pdserve_worker_booked_kv_blocks")
+        decode = {w: booked.get(f'{{role="decode",worker="{w}"}}', 0) for w in ("decode-0", "decode-1")}
+        await admin_kill(server_2p2d.url, max(decode, key=decode.get))
+    bodies = [{"model": str(llama), "prompt": p, "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+               "stream": True} for p in prompts]
+    results = streams_with_a_kill(server_2p2d.url, bodies, kill_one_decode_worker, timeout_s=240)
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"], got["finish_reason"]) == (want.text, 240, "length")
     moved = metric_values(server_2p2d.url, "pdserve_migrations_total")

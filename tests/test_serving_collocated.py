@@ -20,8 +20,10 @@ from tests.phase_checks import (
 from tests.server_process import (
     HALF_CPU,
     admin_integrity,
+    admin_kill,
     complete,
     running_server,
+    streams_with_a_kill,
     wait_for_health,
     wait_for_idle_workers,
 )
@@ -58,25 +60,8 @@ def test_a_collocated_worker_killed_mid_stream_its_streams_finish_elsewhere(serv
     expected = [reference.generate([b["prompt"]], SamplingParams(temperature=b["temperature"], seed=b.get("seed"),
                                                                  max_tokens=120, ignore_eos=True))[0].text
                 for b in bodies]
-    started: list[int] = []
-    decoding = asyncio.Event()
-
-    def progress(chunks: int) -> None:
-        if chunks == 3:
-            started.append(1)
-            if len(started) == len(bodies):
-                decoding.set()
-
-    async def kill():
-        await decoding.wait()
-        async with httpx.AsyncClient(timeout=30) as client:
-            r = await client.post(f"{server_collocated.url}/admin/workers/decode-0/kill")
-            assert r.status_code == 200, r.text
-
-    async def run():
-        async with httpx.AsyncClient(timeout=240) as client:
-            return await asyncio.gather(kill(), *[complete(client, server_collocated.url, b, progress) for b in bodies])
-    _, *results = asyncio.run(asyncio.wait_for(run(), 300))
+    results = streams_with_a_kill(server_collocated.url, bodies,
+                                  lambda: admin_kill(server_collocated.url, "decode-0"), timeout_s=300)
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"]) == (want, 120)
     wait_for_health(server_collocated.url, 200)
@@ -113,25 +98,7 @@ def test_a_migrated_stream_names_the_time_it_lost_and_its_phases_still_sum(serve
     wait_until_every_worker_is_live(url)
     bodies = [{"model": str(llama), "prompt": p, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
               for p in random_prompts([20, 24], 2000, seed=41)]
-    started: list[int] = []
-    decoding = asyncio.Event()
-
-    def progress(chunks: int) -> None:
-        if chunks == 3:
-            started.append(1)
-            if len(started) == len(bodies):
-                decoding.set()
-
-    async def kill():
-        await decoding.wait()
-        async with httpx.AsyncClient(timeout=30) as client:
-            r = await client.post(f"{url}/admin/workers/decode-0/kill")
-            assert r.status_code == 200, r.text
-
-    async def run():
-        async with httpx.AsyncClient(timeout=240) as client:
-            return await asyncio.gather(kill(), *[stream_with_phases(client, url, b, progress) for b in bodies])
-    _, *results = asyncio.run(asyncio.wait_for(run(), 300))
+    results = streams_with_a_kill(url, bodies, lambda: admin_kill(url, "decode-0"), stream=stream_with_phases)
     assert [r["completion_tokens"] for r in results] == [300, 300]
     moved = [r for r in results if "migration" in (r["phases"] or {})]
     assert len(moved) == 1, [r["phases"] for r in results]

@@ -16,6 +16,7 @@ from tests.server_process import (
     admin_integrity,
     complete,
     running_server,
+    streams_with_a_kill,
     wait_for_health,
     wait_for_idle_workers,
     worker_pids,
@@ -67,23 +68,10 @@ def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_t
     [follower] = _followers(actor)
     bodies = [{**b, "stream": True} for b in _bodies(llama, 4, seed=42)]
     expected = _expected(reference, bodies)
-    started: list[int] = []
-    decoding = asyncio.Event()
 
-    def progress(chunks: int) -> None:
-        if chunks == 3:
-            started.append(1)
-            if len(started) == len(bodies):
-                decoding.set()
-
-    async def kill():
-        await decoding.wait()
+    async def kill() -> None:
         os.kill(follower, signal.SIGKILL)  # rank 1 of the worker's group
-
-    async def run():
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(kill(), *[complete(client, server_tp.url, b, progress) for b in bodies])
-    _, *results = asyncio.run(asyncio.wait_for(run(), 400))
+    results = streams_with_a_kill(server_tp.url, bodies, kill, timeout_s=400)
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"]) == (want, TOKENS)
     wait_for_health(server_tp.url, 200)
