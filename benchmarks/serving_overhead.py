@@ -1,0 +1,234 @@
+"""Serving overhead: `pdserve serve` collocated (one worker) against the offline engine on the same prompts, and
+against `vllm serve` on the same checkpoint folder when vLLM is importable (this program installs nothing).
+
+The load (issue 13): random token-id prompts of `--input-len` (256) tokens, `--output-len` (64) new tokens each with
+ignore_eos and greedy sampling, `--num-prompts` (100) of them, sent by benchclient's closed loop at `--concurrency`
+(16) in flight. The offline reference is `engine.LLM.generate` on the same prompts and sampling parameters, with the
+served worker's engine settings (built from the same YAML) and `max_num_seqs` = the concurrency, so it runs the
+batches the closed loop keeps in flight: the served/offline ratio is what the HTTP, Ray and coordinator layers cost.
+Its TPOT comes from the engine's step timestamps (every step is timed; generation itself is LLM.generate's).
+Each server gets a discarded warm-up of `--concurrency` requests (another seed, so no prefix-cache hit) first.
+
+Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
+output tok/s, TPOT p50, and for pdserve the CPU time its coordinator and its engine worker spent per output token
+(/proc, Linux), then the served/offline ratio and, with vLLM, pdserve/vLLM.
+
+    python benchmarks/serving_overhead.py                                  # tiny, on the CPU
+    python benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import importlib.util
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchclient.arrivals import ArrivalSpec  # noqa: E402
+from benchclient.client import Target, first_model  # noqa: E402
+from benchclient.launcher import _stop, _wait_healthy, free_port  # noqa: E402
+from benchclient.run import RunConfig, run_load  # noqa: E402
+from benchclient.stats import SLO, summarize  # noqa: E402
+from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
+from coordinator.serve_config import load_serve_config  # noqa: E402
+from tests.server_process import running_server, worker_pids  # noqa: E402
+
+
+def _serving_config(args: argparse.Namespace) -> dict:
+    """The YAML given, made collocated with one worker on `--device`, on a local Ray."""
+    config = yaml.safe_load(Path(args.config).read_text()) or {}
+    config.pop("ray_address", None)
+    config.update(model=args.model, mode="collocated", **({"dtype": args.dtype} if args.dtype else {}))
+    decode = config.setdefault("decode", {})
+    decode["workers"] = 1
+    if args.device == "cpu":
+        decode["num_gpus"] = 0
+    elif not decode.get("num_gpus"):
+        decode["num_gpus"] = 1
+    return config
+
+
+def _workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    return WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=args.output_len, prompt_format="ids",
+                        seed=seed)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def offline_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
+    """LLM.generate over the measured prompts, `--repeats` times, with the served worker's engine settings."""
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    path = tmp / "offline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve = load_serve_config(path)
+    engine_config = dataclasses.replace(serve.engine_config(serve.decode), max_num_seqs=args.concurrency)
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, int(serve.decode.num_cpus)))  # the worker's threads (coordinator.pools)
+    llm = LLM(**dataclasses.asdict(engine_config))
+    step, stamps = llm.engine.step, []
+
+    def timed_step() -> list:  # LLM.generate's own loop calls this: record when each step's tokens exist
+        outputs = step()
+        stamps.append((time.perf_counter(), outputs))
+        return outputs
+    llm.engine.step = timed_step
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([r.prompt for r in build_requests(_workload(args, 1), args.concurrency)], params)  # warm-up
+    prompts = [r.prompt for r in build_requests(_workload(args, 0), args.num_prompts)]
+    rows = []
+    for _ in range(args.repeats):
+        stamps.clear()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.token_ids) for o in outputs)
+        rows.append({"name": "offline", "output_tok_s": tokens / wall, "tpot_p50_ms": _offline_tpot(stamps) * 1000,
+                     "tokens": tokens})
+    del llm  # its engine and timed_step form a cycle: collected below
+    gc.collect()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()  # the server's worker gets the GPU next
+    return rows
+
+
+def _offline_tpot(stamps: list) -> float:
+    first, last, count = {}, {}, {}
+    for t, outputs in stamps:
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, t)
+                last[out.request_id] = t
+                count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    return statistics.median((last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1)
+
+
+async def _measure(url: str, args: argparse.Namespace, seed: int, num: int) -> dict:
+    target = Target(url, first_model(url), ignore_eos=True, temperature=0.0)
+    cfg = RunConfig(target, _workload(args, seed), ArrivalSpec(kind="concurrency", concurrency=args.concurrency),
+                    SLO(), warmup_s=0.0, num_requests=num, timeout_s=args.timeout)
+    return summarize(await run_load(cfg), SLO())
+
+
+def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[str, float]) -> dict:
+    if summary["failed"] or summary["completion_tokens_mean"] != args.output_len:
+        raise SystemExit(f"{name}: {summary['failed']} failed requests ({summary['errors']}), "
+                         f"{summary['completion_tokens_mean']} tokens per request, expected {args.output_len}")
+    tokens = summary["completion_tokens_mean"] * summary["completed"]
+    row = {"name": name, "output_tok_s": summary["output_token_throughput"], "tpot_p50_ms": summary["tpot_p50_ms"],
+           "tokens": tokens}
+    return row | {f"{k}_cpu_us_per_tok": v * 1e6 / tokens for k, v in cpu.items()}
+
+
+def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, int]) -> list[dict]:
+    asyncio.run(_measure(url, args, 1, args.concurrency))  # warm-up, discarded
+    rows = []
+    for _ in range(args.repeats):
+        before = {k: _cpu_s(p) for k, p in pids.items()}
+        summary = asyncio.run(_measure(url, args, 0, args.num_prompts))
+        rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
+    return rows
+
+
+def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
+    with running_server(tmp / "pdserve", config) as server:
+        workers = worker_pids(server, "DecodeWorker")
+        pids = {"coordinator": server.pid} | ({"worker": workers[0]} if len(workers) == 1 else {})
+        return served_runs("pdserve", server.url, args, pids)
+
+
+def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """`vllm serve` on the same checkpoint folder (tiny's is built by engine.tiny), driven by the same client."""
+    from engine.tiny import resolve_model_path
+
+    port, log_path = free_port(), tmp / "vllm.log"
+    command = ["vllm", "serve", str(resolve_model_path(args.model)), "--host", "127.0.0.1", "--port", str(port),
+               *shlex.split(args.vllm_args)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, url, log_path, args.start_timeout)
+        return served_runs("vllm", url, args, {"vllm": proc.pid})
+    finally:
+        _stop(proc, 60)
+
+
+def _table(rows: list[dict]) -> str:
+    cols = ["name", "output_tok_s", "tpot_p50_ms", "coordinator_cpu_us_per_tok", "worker_cpu_us_per_tok",
+            "vllm_cpu_us_per_tok"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    lines = ["  ".join(f"{c:>26}" for c in cols)]
+    for r in rows:
+        lines.append("  ".join(f"{r[c]:>26}" if isinstance(r.get(c), str) else
+                               f"{r[c]:>26.1f}" if c in r else f"{'-':>26}" for c in cols))
+    return "\n".join(lines)
+
+
+def _ratio(rows: list[dict], num: str, den: str) -> str:
+    a = [r["output_tok_s"] for r in rows if r["name"] == num]
+    b = [r["output_tok_s"] for r in rows if r["name"] == den]
+    ratios = sorted(x / statistics.median(b) for x in a)
+    return (f"{num}/{den} output tok/s: median {statistics.median(a) / statistics.median(b):.3f}"
+            f" (each {num} run over the median {den}: {', '.join(f'{x:.3f}' for x in ratios)})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/default.yaml", help="base serving YAML (made collocated, 1 worker)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", help="overrides the config's dtype")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="measured runs of each (one server each)")
+    p.add_argument("--skip", action="append", default=[], choices=["offline", "pdserve", "vllm"])
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments, e.g. '--dtype float32'")
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="vLLM start-up, seconds")
+    args = p.parse_args()
+    config = _serving_config(args)
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if "offline" not in args.skip:
+            rows += offline_runs(args, config, Path(tmp))
+        if "pdserve" not in args.skip:
+            rows += pdserve_runs(args, config, Path(tmp))
+        if has_vllm and "vllm" not in args.skip:
+            rows += vllm_runs(args, Path(tmp))
+    print(f"{args.model} on {args.device}: {args.num_prompts} prompts of {args.input_len} random ids, "
+          f"{args.output_len} tokens each (ignore_eos, greedy), concurrency {args.concurrency}")
+    print(_table(rows))
+    names = {r["name"] for r in rows}
+    if {"pdserve", "offline"} <= names:
+        print(_ratio(rows, "pdserve", "offline"))
+    if {"pdserve", "vllm"} <= names:
+        print(_ratio(rows, "pdserve", "vllm"))
+    elif not has_vllm:
+        print("vllm is not importable here: no pdserve/vLLM ratio (install vLLM to get it; this program does not)")
+
+
+if __name__ == "__main__":
+    main()
