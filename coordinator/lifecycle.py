@@ -6,16 +6,19 @@ Owns:
   Shutdown sequence for `pdserve serve` on SIGTERM: `lc.begin_drain(); await lc.wait_idle(drain_timeout_s)`,
   then stop uvicorn (`server.should_exit = True`); the app's lifespan then shuts the backend down.
 - `Generation`: one admitted request from the first backend call to its end. Every `next_piece()` is bounded by
-  the request's deadline; `close()` always closes the backend iterator (which aborts the request on the workers
-  and frees its blocks unless it already finished), shielded from cancellation, and records the outcome. With a
-  PhaseTrace (coordinator.phases) it marks `ingress` when the backend stream opens, and `close()` observes the
-  final phases, closed at the same instant as the end-to-end latency, so their sum equals it.
+  the request's deadline (one timer per request, armed at the first wait, which cancels a wait still under way at
+  the deadline: not a cancel scope and a timer per delta, a quarter of the coordinator's CPU per token);
+  `close()` always closes the backend iterator (which aborts the request on the workers and frees its blocks
+  unless it already finished), shielded from cancellation, and records the outcome. With a PhaseTrace
+  (coordinator.phases) it marks `ingress` when the backend stream opens, and `close()` observes the final phases,
+  closed at the same instant as the end-to-end latency, so their sum equals it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
@@ -110,6 +113,10 @@ class Generation:
         self._last_token_at: float | None = None
         self._stream = None
         self._closed = False
+        self._timer: asyncio.TimerHandle | None = None  # fires at the deadline
+        self._waiter: asyncio.Task | None = None        # the task waiting for the next delta, if one is
+        self._expired = False
+        self._cancelled_waiter = False                  # the timer cancelled the waiter
         self._grant = grant  # the tenant's charge, settled in close()
         # False for choices 1.. of an n>1 request: one request, one prompt and one TTFT/e2e sample per prompt
         self._counts_request = counts_request
@@ -157,16 +164,14 @@ class Generation:
         return pieces
 
     async def _next_delta(self) -> TokenDelta:
-        remaining = self.deadline - time.monotonic()
         try:
-            if remaining <= 0:
+            if self._expired or time.monotonic() >= self.deadline:
                 raise TimeoutError
-            with anyio.fail_after(remaining):
-                if self._stream is None:
-                    if self.trace is not None:
-                        self.trace.mark("ingress")
-                    self._stream = self._backend.generate(self.request)
-                return await self._stream.__anext__()
+            if self._stream is None:
+                if self.trace is not None:
+                    self.trace.mark("ingress")
+                self._stream = self._backend.generate(self.request)
+            return await self._until_deadline(self._stream)
         except TimeoutError:
             raise errors.timeout(self._timeout_s) from None
         except Overloaded as e:
@@ -179,12 +184,43 @@ class Generation:
         except StopAsyncIteration:
             raise errors.backend_failure("the token stream ended without a finish reason") from None
 
+    async def _until_deadline(self, stream: AsyncIterator[TokenDelta]) -> TokenDelta:
+        """The stream's next delta, or TimeoutError if the deadline passes first (as asyncio.timeout decides it:
+        only a cancellation of ours, with no other one pending, becomes the TimeoutError)."""
+        loop = asyncio.get_running_loop()
+        if self._timer is None:
+            self._timer = loop.call_at(loop.time() + self.deadline - time.monotonic(), self._expire)
+        task = asyncio.current_task()
+        cancelling = task.cancelling()
+        self._waiter = task
+        try:
+            return await stream.__anext__()
+        except asyncio.CancelledError:
+            if self._cancelled_waiter:
+                self._cancelled_waiter = False
+                if task.uncancel() <= cancelling:
+                    raise TimeoutError from None
+            raise
+        finally:
+            self._waiter = None
+            if self._cancelled_waiter:  # the stream swallowed our cancellation: undo its count
+                self._cancelled_waiter = False
+                task.uncancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiter is not None:
+            self._cancelled_waiter = True
+            self._waiter.cancel()
+
     async def close(self, outcome: str) -> None:
         """End the request: close the backend stream (an abort unless it finished) and record `outcome`
         (finished, aborted, failed, timeout). Safe to call from a cancelled task, and more than once."""
         if self._closed:
             return
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         if outcome == "aborted" and time.monotonic() >= self.deadline:
             outcome = "timeout"  # cut by the response's deadline (a client that stopped reading)
         with anyio.CancelScope(shield=True) as scope:

@@ -1,15 +1,23 @@
 """Request life cycle against a real uvicorn server: a client that goes away mid-stream or mid-request gets its
 request aborted in the engine (blocks freed), timeouts end requests, draining refuses new work but lets running
-streams finish, and /metrics counts all of it."""
+streams finish, and /metrics counts all of it; and a Generation's deadline against a real in-process backend."""
 
+import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
 from coordinator.app import create_app
+from coordinator.backend import GenerateRequest
+from coordinator.errors import APIError
+from coordinator.lifecycle import Generation
+from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
+from coordinator.text_output import TextOutput
 from engine import LLM
+from engine.sampling_params import SamplingParams
 from tests.inprocess_backend import InProcessBackend, ServerThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,3 +140,59 @@ def test_metrics_report_latencies_outcomes_and_backend_load(server):
     assert "pdserve_generation_tokens_total 10" in text
     assert 'pdserve_worker_total_blocks{role="both",worker="inprocess-0"}' in text  # prometheus_client sorts labels
     assert "pdserve_queue_length 0" in text and "pdserve_transfer_bytes_total 0" in text
+
+
+def _generation(engine, checkpoints, timeout_s: float):
+    backend = InProcessBackend(engine, checkpoints.tiny())
+    prompt = engine.tokenizer.encode("The old lighthouse")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    gen = Generation(backend, GenerateRequest("gen-1", prompt, params), TextOutput(engine.tokenizer, prompt),
+                     Metrics("tiny"), timeout_s, False, time.monotonic())
+    return backend, gen
+
+
+def test_a_deadline_that_passes_during_a_wait_is_a_504_and_leaves_the_task_uncancelled(engine, checkpoints):
+    """One timer per request cancels the wait under way at the deadline: the caller sees the 504, and its task
+    carries no cancellation on (it goes on to send the error event)."""
+    async def main():
+        backend, gen = _generation(engine, checkpoints, 0.5)
+        await backend.start()
+        try:
+            assert (await gen.next_piece()).text is not None  # the first token
+            backend.pause()
+            with pytest.raises(APIError) as e:
+                await gen.next_piece()
+            assert e.value.status == 504 and e.value.kind == "timeout"
+            assert asyncio.current_task().cancelling() == 0
+            await asyncio.sleep(0)  # no cancellation left to deliver
+            with pytest.raises(APIError) as again:  # past the deadline: at once, without waiting
+                await gen.next_piece()
+            assert again.value.status == 504
+            await gen.close("timeout")
+            backend.resume()
+            assert await asyncio.to_thread(wait_until, lambda: backend.idle) and backend.aborted == ["gen-1"]
+        finally:
+            backend.resume()
+            await backend.shutdown()
+    asyncio.run(main())
+
+
+def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation(engine, checkpoints):
+    """A client gone (its task cancelled) while the request waits for a token: no 504, the cancellation goes on."""
+    async def main():
+        backend, gen = _generation(engine, checkpoints, 30.0)
+        await backend.start()
+        try:
+            await gen.next_piece()
+            backend.pause()
+            waiting = asyncio.ensure_future(gen.next_piece())
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await gen.close("aborted")
+            assert backend.aborted == ["gen-1"]
+        finally:
+            backend.resume()
+            await backend.shutdown()
+    asyncio.run(main())
