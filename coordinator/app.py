@@ -35,7 +35,7 @@ from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.metrics import Metrics
 from coordinator.phases import PhaseTrace
 from coordinator.settings import ServerSettings
-from coordinator.sse import DONE, Formatter, SSEResponse, event
+from coordinator.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
 from coordinator.tenants import Tenant, TenantRegistry, TenantsConfig
 from coordinator.text_output import TextOutput
 from coordinator.tool_stream import ToolStream, shape_response, tool_chunks
@@ -59,7 +59,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
         yield
         app.state.lifecycle.begin_drain()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = DirectStreamAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
     app.state.settings = settings
     app.state.model_name = settings.served_model_name or backend.model_name
@@ -218,9 +218,12 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         piece = first
         for body in _chunks(fmt, tools, piece, want_lp, first=True):
             yield event(body)
+        plain = tools is None and not want_lp  # text chunks take Formatter.text_event's fixed bytes
         while piece.finish_reason is None:
             piece = await gen.next_piece()
-            if piece.text or piece.tokens or piece.finish_reason:
+            if plain and piece.text and piece.finish_reason is None:
+                yield fmt.text_event(piece.text)
+            elif piece.text or piece.tokens or piece.finish_reason:
                 for body in _chunks(fmt, tools, piece, want_lp):
                     yield event(body)
         if fmt.include_usage:

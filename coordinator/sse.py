@@ -7,6 +7,12 @@ and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`
 of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk (with `phases`, seconds per
 phase of coordinator.phases, when the request asked for them), and non-streamed responses, all with the body id
 derived from the request id.
+
+Per-chunk costs, paid once per token by a busy coordinator, are kept small: the middle chunks of a stream go to
+the ASGI server's own `send` (scope[SERVER_SEND], put there by `DirectStreamAPI`), past the middleware layers, which
+only act on a response's start and end (those still go through them; a middleware that rewrites response bodies,
+such as compression, would have to see every chunk and must not be added); and a chunk of plain text is the
+request's fixed bytes around the JSON-encoded text (`Formatter.text_event`), the same bytes as `event(chunk(...))`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from contextlib import aclosing
 from typing import Any
 
 import anyio
+from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -27,10 +34,21 @@ from coordinator.phases import wire
 from coordinator.text_output import TokenInfo
 
 DONE = b"data: [DONE]\n\n"
+SERVER_SEND = "pdserve.server_send"  # scope key: the ASGI server's send, under every middleware's wrapper
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # one encoder, not one per event
+_TEXT_MARK = "\ufdd0pdserve-text\ufdd0"  # where a text chunk's text goes; noncharacters, unlike any real text
 
 
 def event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(obj).encode() + b"\n\n"
+
+
+class DirectStreamAPI(FastAPI):
+    """FastAPI that also hands its routes the ASGI server's own `send` (scope[SERVER_SEND]), for SSEResponse."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 class SSEResponse(Response):
@@ -57,9 +75,10 @@ class SSEResponse(Response):
             if self.deadline is not None:
                 tg.cancel_scope.deadline = anyio.current_time() + self.deadline - time.monotonic()
             tg.start_soon(watch)
+            send_chunk = scope.get(SERVER_SEND, send)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             tg.cancel_scope.cancel()
 
@@ -79,6 +98,7 @@ class Formatter:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         self.id = rid if rid.startswith(prefix) else prefix + rid
         self.created = int(time.time())
+        self._text_template: tuple[bytes, bytes] | None = None
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -101,6 +121,16 @@ class Formatter:
         if self.include_usage:
             body["usage"] = None
         return body
+
+    def text_event(self, text: str) -> bytes:
+        """`event(self.chunk(Piece(text), False))` for a chunk of text without logprobs or finish reason (for chat,
+        neither the first chunk nor an empty one): the text encoded between the request's fixed bytes."""
+        if self._text_template is None:
+            whole, mark = event(self.chunk(Piece(_TEXT_MARK), False)), _encode(_TEXT_MARK).encode()
+            head, _, tail = whole.rpartition(mark)  # the text comes after the id and the model name
+            self._text_template = (head, tail)
+        head, tail = self._text_template
+        return head + _encode(text).encode() + tail
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, phases: dict[str, float] | None = None) -> dict:
         body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],

@@ -1,15 +1,18 @@
 """Units of the HTTP layer without a server: stop strings and hold-back in TextOutput, ServerSettings validation,
-Lifecycle drain, and a stream cut at its deadline (the Prometheus exposition: tests/test_metrics.py)."""
+Lifecycle drain, a stream cut at its deadline, stream chunks past the middleware stack, and text chunks built from a
+template equal to the JSON of the chunk (the Prometheus exposition: tests/test_metrics.py)."""
 
 import asyncio
+import json
 import random
 import time
 
+import httpx
 import pytest
 
-from coordinator.lifecycle import Lifecycle
+from coordinator.lifecycle import Lifecycle, Piece
 from coordinator.settings import ServerSettings
-from coordinator.sse import SSEResponse
+from coordinator.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
 from coordinator.text_output import TextOutput
 from engine.text.tokenizer import Tokenizer
 
@@ -166,3 +169,50 @@ def test_a_stream_blocked_on_a_reader_that_never_reads_is_cut_at_its_deadline():
 
     sent = asyncio.run(main())
     assert closed == [True] and sent[0]["status"] == 200 and len(sent) == 2
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_text_chunk_from_the_template_is_the_chunk_json_byte_for_byte(chat, include_usage):
+    texts = ["Hello", " world", 'say "hi"\n', "back\\slash", "tab\there", "\x00\x1f control", "é ü 漢字 🙂",
+             "\u2028\u2029", "\ufdd0pdserve-text\ufdd0", "</script>", "{}[],:"]
+    for model, rid in (("tiny", "abc"), ('m"\ufdd0pdserve-text\ufdd0', "chatcmpl-x"), ("/models/Llama-3", None)):
+        fmt = Formatter(chat, model, include_usage, rid)
+        for text in texts:
+            expected = event(fmt.chunk(Piece(text), False))
+            assert fmt.text_event(text) == expected
+            assert json.loads(expected[6:])["choices"][0]["delta" if chat else "text"] == (
+                {"content": text} if chat else text)
+
+
+def test_stream_chunks_skip_the_middleware_stack_which_still_sees_the_start_and_the_end():
+    seen = []
+
+    class Spy:  # a pure ASGI middleware that records what passes its send
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def spy(message):
+                seen.append((message["type"], message.get("more_body")))
+                await send(message)
+            await self.app(scope, receive, spy)
+
+    app = DirectStreamAPI()
+    app.add_middleware(Spy)
+
+    async def events():
+        for i in range(3):
+            yield event({"i": i})
+        yield DONE
+
+    app.add_api_route("/s", lambda: SSEResponse(events()), methods=["GET"])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get("/s")
+
+    r = asyncio.run(main())
+    assert r.status_code == 200 and r.content == b"".join(
+        [b'data: {"i":0}\n\n', b'data: {"i":1}\n\n', b'data: {"i":2}\n\n', DONE])
+    assert seen == [("http.response.start", None), ("http.response.body", False)]
