@@ -53,6 +53,7 @@ class DecodeWorker:
         self._timing = RequestTiming()
         self._phases: dict[str, Durations] = {}  # request id -> its durations here, sent with its first output
         self._outbox_ready = asyncio.Event()
+        self._step_load: EngineLoad | None = None  # the load right after the last step that had outputs
         self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._group_prefills: dict[str, asyncio.Future] = {}  # collocated group prefills awaiting their first tokens
         self.loop: AsyncEngine | None = None
@@ -214,7 +215,8 @@ class DecodeWorker:
         return await self.load()
 
     async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad, dict[str, Durations]]:
-        """Every delta since the last poll (waits up to timeout_s for one), the current load, and the phase
+        """Every delta since the last poll (waits up to timeout_s for one), the load as of their last step (asking
+        the loop now would hold the deltas back until the step under way ends) or, with none, now, and the phase
         durations here of the timed requests whose first output is among those deltas."""
         if not self._outbox:
             try:
@@ -224,7 +226,7 @@ class DecodeWorker:
         out, self._outbox = self._outbox, []
         phases, self._phases = self._phases, {}
         self._outbox_ready.clear()
-        return out, await self.load(), phases
+        return out, (self._step_load if out and self._step_load is not None else await self.load()), phases
 
     async def abort(self, request_id: str) -> bool:
         self._timing.drop(request_id)
@@ -266,6 +268,7 @@ class DecodeWorker:
             await asyncio.sleep(RESERVE_RETRY_S)
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        self._step_load = self.loop.engine.load()  # on the engine loop, between two steps
         if self._group_prefills:
             rest = []
             for out in outputs:
