@@ -1,8 +1,9 @@
 """`pdserve serve`: start the pools on Ray, serve HTTP, and drain on Ctrl-C / SIGTERM.
 
 Order: load and validate the YAML -> bind the listening socket -> start the workers (every one loaded, KV
-capacity reported) -> accept connections. Binding first means a port in use fails in a second, before any
-worker starts, and Ray's own port allocations (GCS, workers, object store) cannot take the port meanwhile.
+capacity reported) -> freeze the start-up objects out of the garbage collector's way -> accept connections.
+Binding first means a port in use fails in a second, before any worker starts, and Ray's own port allocations
+(GCS, workers, object store) cannot take the port meanwhile.
 On the first signal: new requests get 503, running streams get up to `server.drain_timeout_s` to finish, then
 HTTP stops and the actors are shut down. A second signal skips the wait.
 
@@ -15,6 +16,7 @@ line carries the request id (`[%(request_id)s]`, "-" outside a request).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -167,6 +169,9 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
                     config.server.host, config.server.port)
         if ready is not None:
             ready.set()
+        # what start-up built (Ray, torch, the app: ~0.2-0.5 M objects) lives as long as the server: collections
+        # skip it from now on. A full collection over it stalled every stream ~0.1 s and cost ~9% of the CPU/token.
+        gc.freeze()
         await server.serve(sockets=[listener])
     finally:
         listener.close()
