@@ -10,8 +10,9 @@ Its TPOT comes from the engine's step timestamps (every step is timed; generatio
 Each server gets a discarded warm-up of `--concurrency` requests (another seed, so no prefix-cache hit) first.
 
 Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
-output tok/s, TPOT p50, and for pdserve the CPU time its coordinator and its engine worker spent per output token
-(/proc, Linux), then the served/offline ratio and, with vLLM, pdserve/vLLM.
+output tok/s, TPOT p50, and CPU time per output token of the process running the engine (offline: this one; pdserve:
+its engine worker) and of pdserve's coordinator (/proc, Linux; on a shared machine these move less than the rates),
+then the served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its API server process).
 
     python benchmarks/serving_overhead.py                                  # tiny, on the CPU
     python benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --device cuda
@@ -98,12 +99,12 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict
     rows = []
     for _ in range(args.repeats):
         stamps.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         tokens = sum(len(o.token_ids) for o in outputs)
         rows.append({"name": "offline", "output_tok_s": tokens / wall, "tpot_p50_ms": _offline_tpot(stamps) * 1000,
-                     "tokens": tokens})
+                     "tokens": tokens, "engine_cpu_us_per_tok": cpu * 1e6 / tokens})
     del llm  # its engine and timed_step form a cycle: collected below
     gc.collect()
     if args.device != "cpu":
@@ -152,7 +153,7 @@ def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, i
 def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
     with running_server(tmp / "pdserve", config) as server:
         workers = worker_pids(server, "DecodeWorker")
-        pids = {"coordinator": server.pid} | ({"worker": workers[0]} if len(workers) == 1 else {})
+        pids = {"coordinator": server.pid} | ({"engine": workers[0]} if len(workers) == 1 else {})
         return served_runs("pdserve", server.url, args, pids)
 
 
@@ -168,14 +169,14 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, url, log_path, args.start_timeout)
-        return served_runs("vllm", url, args, {"vllm": proc.pid})
+        return served_runs("vllm", url, args, {"vllm_api": proc.pid})
     finally:
         _stop(proc, 60)
 
 
 def _table(rows: list[dict]) -> str:
-    cols = ["name", "output_tok_s", "tpot_p50_ms", "coordinator_cpu_us_per_tok", "worker_cpu_us_per_tok",
-            "vllm_cpu_us_per_tok"]
+    cols = ["name", "output_tok_s", "tpot_p50_ms", "engine_cpu_us_per_tok", "coordinator_cpu_us_per_tok",
+            "vllm_api_cpu_us_per_tok"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>26}" for c in cols)]
     for r in rows:
@@ -202,7 +203,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="measured runs of each (one server each)")
+    p.add_argument("--repeats", type=int, default=1, help="measured runs of each, back to back")
     p.add_argument("--skip", action="append", default=[], choices=["offline", "pdserve", "vllm"])
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments, e.g. '--dtype float32'")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
