@@ -1,16 +1,15 @@
 """create_app: the coordinator's OpenAI-compatible HTTP API over a ServingBackend.
 
 Owns the HTTP edge: auth (one server key, or tenants' keys with their rate limits and priority: coordinator.tenants),
-body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never
-reaches the backend), tokenization (once, here; chat template for chat requests), the context-length check, and
-turning a Generation into a JSON response or an SSE stream (its final usage chunk carries the request's phases when
+body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never reaches the backend),
+tokenization (once, here; chat template for chat requests), the context-length check, and turning a Generation into a
+JSON response or an SSE stream (its final usage chunk carries the request's phases when
 `stream_options.include_phases` asks: coordinator.phases). Routes: POST /v1/completions, POST /v1/chat/completions,
-GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api
-is on (coordinator.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize (coordinator.model_api).
+GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api is
+on (coordinator.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize (coordinator.model_api).
 State lives on app.state: backend, settings, tokenizer, lifecycle (drain API, see coordinator.lifecycle), metrics,
-tenants. The caller owns the backend: it awaits
-`backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.lifecycle); the
-app's lifespan only marks the server draining when uvicorn shuts down.
+tenants. The caller owns the backend: it awaits `backend.start()` before serving and `backend.shutdown()` after, and
+drains first (coordinator.lifecycle); the app's lifespan only marks the server draining when uvicorn shuts down.
 """
 
 from __future__ import annotations
@@ -216,16 +215,13 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
     outcome = "aborted"  # unless the stream gets to its end
     try:
         piece = first
-        for body in _chunks(fmt, tools, piece, want_lp, first=True):
-            yield event(body)
-        plain = tools is None and not want_lp  # text chunks take Formatter.text_event's fixed bytes
+        for chunk in _chunks(fmt, tools, piece, want_lp, first=True):
+            yield chunk
         while piece.finish_reason is None:
             piece = await gen.next_piece()
-            if plain and piece.text and piece.finish_reason is None:
-                yield fmt.text_event(piece.text)
-            elif piece.text or piece.tokens or piece.finish_reason:
-                for body in _chunks(fmt, tools, piece, want_lp):
-                    yield event(body)
+            if piece.text or piece.tokens or piece.finish_reason:
+                for chunk in _chunks(fmt, tools, piece, want_lp):
+                    yield chunk
         if fmt.include_usage:
             phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
             yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases))
@@ -247,6 +243,7 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         ticket.release()
 
 
-def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, want_lp: bool, first: bool = False) -> list[dict]:
-    base = fmt.chunk(piece, want_lp, first=first)
-    return [base] if tools is None else tool_chunks(base, tools, piece.text, piece.finish_reason, first)
+def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, lp: bool, first: bool = False) -> list[bytes]:
+    if tools is None:
+        return [fmt.chunk_event(piece, lp, first)]  # from a template for a plain text chunk (coordinator.sse)
+    return list(map(event, tool_chunks(fmt.chunk(piece, lp, first), tools, piece.text, piece.finish_reason, first)))

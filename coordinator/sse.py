@@ -122,6 +122,12 @@ class Formatter:
             body["usage"] = None
         return body
 
+    def chunk_event(self, piece: Piece, logprobs: bool, first: bool = False) -> bytes:
+        """`event(self.chunk(piece, logprobs, first))`; a plain text chunk (most of a stream) from its template."""
+        if logprobs or first or not piece.text or piece.finish_reason is not None:
+            return event(self.chunk(piece, logprobs, first))
+        return self.text_event(piece.text)
+
     def text_event(self, text: str) -> bytes:
         """`event(self.chunk(Piece(text), False))` for a chunk of text without logprobs or finish reason (for chat,
         neither the first chunk nor an empty one): the text encoded between the request's fixed bytes."""

@@ -180,9 +180,11 @@ def test_a_text_chunk_from_the_template_is_the_chunk_json_byte_for_byte(chat, in
         fmt = Formatter(chat, model, include_usage, rid)
         for text in texts:
             expected = event(fmt.chunk(Piece(text), False))
-            assert fmt.text_event(text) == expected
+            assert fmt.text_event(text) == fmt.chunk_event(Piece(text), False) == expected
             assert json.loads(expected[6:])["choices"][0]["delta" if chat else "text"] == (
                 {"content": text} if chat else text)
+        for piece, first in ((Piece("a"), True), (Piece("", [], None), False), (Piece("end", [], "length"), False)):
+            assert fmt.chunk_event(piece, False, first) == event(fmt.chunk(piece, False, first))
 
 
 def test_stream_chunks_skip_the_middleware_stack_which_still_sees_the_start_and_the_end():
