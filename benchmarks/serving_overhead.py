@@ -76,8 +76,7 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict
     """LLM.generate over the measured prompts, `--repeats` times, with the served worker's engine settings."""
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine import LLM, SamplingParams
 
     path = tmp / "offline.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -16,8 +16,7 @@ from coordinator.lifecycle import Generation
 from coordinator.metrics import Metrics
 from coordinator.settings import ServerSettings
 from coordinator.text_output import TextOutput
-from engine import LLM
-from engine.sampling_params import SamplingParams
+from engine import LLM, SamplingParams
 from tests.inprocess_backend import InProcessBackend, ServerThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
