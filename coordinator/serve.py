@@ -174,5 +174,7 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
         gc.freeze()
         await server.serve(sockets=[listener])
     finally:
+        gc.unfreeze()  # exit as an unfrozen process: frozen objects are never freed at exit, and native bindings
+        # (triton's nanobind) then print hundreds of "leaked" lines over the log's drain messages
         listener.close()
         await backend.shutdown()
