@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -140,10 +141,14 @@ def streams_with_a_kill(url: str, bodies: list[dict], kill: Callable[[], Awaitab
 
 
 async def admin_kill(url: str, worker: str) -> None:
-    """POST /admin/workers/{worker}/kill (needs server.admin_api)."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.post(f"{url}/admin/workers/{worker}/kill")
-        assert r.status_code == 200, r.text
+    """POST /admin/workers/{worker}/kill (needs server.admin_api), from a thread with a plain HTTP request: a new
+    httpx client builds an SSL context, which under CI load blocked the streams' event loop for up to half a
+    second (their client-side latencies grew, and short streams finished before the kill)."""
+    def post() -> int:
+        request = urllib.request.Request(f"{url}/admin/workers/{worker}/kill", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status
+    assert await asyncio.to_thread(post) == 200
 
 def wait_for_idle_workers(url: str, timeout_s: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s

@@ -2,6 +2,8 @@
 uvicorn) over HTTP: outputs equal the single engine's, load spreads, prefix affinity, cancellation, worker death."""
 
 import asyncio
+import os
+import signal
 
 import httpx
 import pytest
@@ -10,19 +12,19 @@ from engine import SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
-    admin_kill,
     complete,
     metric_values,
     running_server,
     streams_with_a_kill,
     wait_for_idle_workers,
+    worker_pids,
 )
 
 
 @pytest.fixture(scope="module")
 def server_2p2d(llama, tmp_path_factory):
     config = {"model": str(llama), "prefill": {**HALF_CPU, "workers": 2, "chunk_size": 32},
-              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}, "server": {"admin_api": True}}
+              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}}
     with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as server:
         yield server
 
@@ -93,10 +95,10 @@ def test_a_decode_worker_killed_mid_stream_its_streams_move_and_finish_exactly(s
     prompts = random_prompts([20] * 6, 2000, seed=27)
     expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
 
-    async def kill_one_decode_worker() -> None:  # the one holding more of the streams (it holds some)
-        booked = metric_values(server_2p2d.url, "pdserve_worker_booked_kv_blocks")
-        decode = {w: booked.get(f'{{role="decode",worker="{w}"}}', 0) for w in ("decode-0", "decode-1")}
-        await admin_kill(server_2p2d.url, max(decode, key=decode.get))
+    async def kill_one_decode_worker() -> None:
+        pids = worker_pids(server_2p2d, "DecodeWorker")
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signal.SIGKILL)
     bodies = [{"model": str(llama), "prompt": p, "max_tokens": 240, "ignore_eos": True, "temperature": 0,
                "stream": True} for p in prompts]
     results = streams_with_a_kill(server_2p2d.url, bodies, kill_one_decode_worker, timeout_s=240)
