@@ -172,7 +172,7 @@ class RayBackend:
                     else:  # the worker's durations up to its first token, inside the interval since the last mark
                         trace.split(self._worker_phases.pop(attempt, ()))
                         joined = True
-                    reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
+                        reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
