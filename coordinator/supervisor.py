@@ -90,6 +90,7 @@ class Supervisor:
 
     def states(self) -> list[dict]:
         return [{"name": w.name, "role": w.info.role, "state": w.state, "restarts": self.restarts.get(w.name, 0),
+                 "pid": w.info.pid, "host": w.info.host,
                  **({"last_failure": self.reasons[w.name]} if w.name in self.reasons else {}),
                  **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {})}
                 for w in self.pools.all_workers]

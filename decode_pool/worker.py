@@ -18,6 +18,8 @@ request's first output, its phase durations on this worker, for the coordinator'
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections.abc import Sequence
 
@@ -77,7 +79,8 @@ class DecodeWorker:
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
-                           ("agent", time.monotonic() - started - engine_s)))
+                           ("agent", time.monotonic() - started - engine_s)),
+                          pid=os.getpid(), host=socket.gethostname())
 
     async def add_peer(self, agent_metadata: bytes) -> str:
         return await asyncio.to_thread(self.agent.add_remote, agent_metadata)

@@ -41,6 +41,8 @@ class WorkerInfo:
     vocab_size: int
     agent_metadata: bytes | None  # the worker's kvtransfer agent, serialized (None when it has none)
     startup_s: tuple[tuple[str, float], ...] = ()  # seconds per start-up phase: (("engine", 3.1), ("agent", 0.2))
+    pid: int = 0     # the worker's process (rank 0 of a TP group), for operators' drills and /health
+    host: str = ""   # the node it runs on
 
 
 class PhaseClock:

@@ -14,7 +14,9 @@ engine.core.request_timing), for the coordinator's per-request phase tracing.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,7 +79,8 @@ class PrefillWorker:
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agent.metadata().to_bytes(),
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
-                           ("agent", time.monotonic() - started - engine_s)))
+                           ("agent", time.monotonic() - started - engine_s)),
+                          pid=os.getpid(), host=socket.gethostname())
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prior_output_ids: Sequence[int] = (), priority: int = 0,

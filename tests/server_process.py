@@ -52,6 +52,17 @@ def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
     return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
 
 
+def busiest_worker_pid(server: LaunchedServer, role: str) -> int:
+    """The pid of the live `role` worker holding the most booked KV blocks now (the coordinator's own ledger, so
+    a kill through it always hits running streams), from /health's per-worker pid."""
+    booked = metric_values(server.url, "pdserve_worker_booked_kv_blocks")
+    workers = [w for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
+               if w["role"] == role and w["state"] == "live"]
+    busiest = max(workers, key=lambda w: booked.get(f'{{worker="{w["name"]}",role="{role}"}}', 0))
+    assert busiest["pid"] in worker_pids(server, "DecodeWorker" if role == "decode" else "PrefillWorker"), busiest
+    return busiest["pid"]
+
+
 class LabelSets(dict):
     """{labels text: value}, looked up by label set: '{a="1",b="2"}' and '{b="2",a="1"}' are the same key
     (Prometheus compares label sets; prometheus_client prints label names sorted)."""
