@@ -12,13 +12,13 @@ from engine import SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
-    busiest_worker_pid,
+    busiest_worker,
     complete,
+    live_worker_pids,
     metric_values,
     running_server,
     streams_with_a_kill,
     wait_for_idle_workers,
-    worker_pids,
 )
 
 
@@ -93,18 +93,21 @@ def test_cancelled_streams_free_every_block(server_2p2d, llama):
 
 def test_a_decode_worker_killed_mid_stream_its_streams_move_and_finish_exactly(server_2p2d, reference, llama):
     """Runs last on this server: it kills one decode worker (its replacement starts in the background)."""
+    tokens = 480  # the longest the 512-position model allows: the kill must land while streams still run
     prompts = random_prompts([20] * 6, 2000, seed=27)
-    expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
+    expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    pids = live_worker_pids(server_2p2d, "decode")
+    assert len(pids) == 2, pids
 
     async def kill_one_decode_worker() -> None:
-        assert len(worker_pids(server_2p2d, "DecodeWorker")) == 2
         # one holding streams, never an idle one; looked up from a thread (blocking HTTP would stall the streams)
-        os.kill(await asyncio.to_thread(busiest_worker_pid, server_2p2d, "decode"), signal.SIGKILL)
-    bodies = [{"model": str(llama), "prompt": p, "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+        name = await asyncio.to_thread(busiest_worker, server_2p2d.url, "decode", list(pids))
+        os.kill(pids[name], signal.SIGKILL)
+    bodies = [{"model": str(llama), "prompt": p, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
                "stream": True} for p in prompts]
-    results = streams_with_a_kill(server_2p2d.url, bodies, kill_one_decode_worker, timeout_s=240)
+    results = streams_with_a_kill(server_2p2d.url, bodies, kill_one_decode_worker, after_chunks=1, timeout_s=240)
     for got, want in zip(results, expected, strict=True):
-        assert (got["text"], got["completion_tokens"], got["finish_reason"]) == (want.text, 240, "length")
+        assert (got["text"], got["completion_tokens"], got["finish_reason"]) == (want.text, tokens, "length")
     moved = metric_values(server_2p2d.url, "pdserve_migrations_total")
     assert moved['{event="attempted"}'] >= 1 and moved.get('{event="outcome_failed"}', 0) == 0, moved
     r = httpx.post(f"{server_2p2d.url}/v1/completions", timeout=60,
