@@ -55,19 +55,22 @@ def ceilings() -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False) -> None:
-        self.profile = profile
+    def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False,
+                 tensor_parallel_size: int = 1, load_format: str = "auto") -> None:
+        """With TP, every figure is rank 0's: its shard of the weights and KV heads against one GPU's bandwidth."""
+        self.profile, self.tp = profile, tensor_parallel_size
         self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
                                              max_num_batched_tokens=8192, enable_prefix_caching=False,
-                                             kv_cache_memory_bytes=kv_bytes, max_model_len=8192))
+                                             kv_cache_memory_bytes=kv_bytes, max_model_len=8192,
+                                             tensor_parallel_size=tensor_parallel_size, load_format=load_format))
         self.bandwidth, self.flops = bandwidth, flops
         e = self.engine
         self.cfg = e.model_config
         self.kv_token_bytes = e.kv_spec.block_bytes // e.kv_spec.block_size  # all layers, K and V
         params = dict(e.model.named_parameters())
         self.embed_params = params["model.embed_tokens.weight"].numel()
-        self.head_params = self.cfg.vocab_size * self.cfg.hidden_size
-        total = sum(p.numel() for p in params.values())
+        self.head_params = self.cfg.vocab_size * self.cfg.hidden_size // self.tp  # vocab-parallel
+        total = sum(p.numel() for p in params.values())  # rank 0's shard
         if self.cfg.tie_word_embeddings:
             self.layer_params = total - self.embed_params
         else:
@@ -105,7 +108,9 @@ class Bench:
                           "static_tables": graphs.block_tables[:2, :6].tolist()}), flush=True)
         if self.profile:  # the live steps' GPU time (kernels + copies) next to a bare replay's
             _print_kernel_profile(self.engine.step, f"live step, decode batch {batch}, overlap {overlap}")
-        replay_ms = _events_ms(graph.replay)  # the same step on the GPU alone (it rewrites the same K/V)
+        # the same step on the GPU alone (it rewrites the same K/V); not with TP: a replay on rank 0 alone would
+        # wait forever in its all-reduce for followers that replay only what rank 0's engine plans
+        replay_ms = _events_ms(graph.replay) if self.tp == 1 else float("nan")
         if self.profile:
             _print_kernel_profile(graph.replay, f"bare replay, decode batch {batch}")
         self._drain()

@@ -6,6 +6,8 @@
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
+# tp (2 GPUs): TP=2 kernel/graph tests, P TP=2 <-> D TP=1 over NCCL + cuda_ipc, 8B decode step at TP=1 vs TP=2.
+# tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -34,6 +36,19 @@ for step in "$@"; do
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
+    tp)
+      timeout 240 python3 -m pytest -q tests/test_tp_cuda.py -rs 2>&1 | tee "$OUT/tp_tests.log" | tail -5
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      timeout 240 python3 benchmarks/tp_transfer_gpu.py --model /tmp/l1b 2>&1 | tee "$OUT/tp_transfer.log" | grep "^{"
+      [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
+      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8b 2>&1 | tee "$OUT/tp_scaling.log" | grep "^{" ;;
+    tp70b)
+      [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
+      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l70b --only-tp 2 --load-format dummy \
+        --kv-gib 4 --cases 1:1024,8:2048 2>&1 | tee "$OUT/tp70b.log" | grep "^{"
+      timeout 300 python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
+        --set decode.tensor_parallel_size=2 --set load_format=dummy --set decode.max_num_seqs=16 --requests 1 \
+        --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/tp70b_serve.log" | grep "^{" ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

@@ -71,8 +71,9 @@ def plan_shards(shape: dict[str, Any], shard_bytes: int = SHARD_BYTES) -> list[l
 
 
 def write_checkpoint(folder: Path, shape: dict[str, Any], device: str = "cpu", seed: int = 0,
-                     shard_bytes: int = SHARD_BYTES) -> None:
-    """config.json, generation_config.json, tokenizer files and safetensors weights of `shape` into `folder`."""
+                     shard_bytes: int = SHARD_BYTES, weights: bool = True) -> None:
+    """config.json, generation_config.json, tokenizer files and (`weights`) safetensors weights of `shape` into
+    `folder`. Without weights the folder serves only with `load_format: dummy` (random weights drawn in place)."""
     folder.mkdir(parents=True, exist_ok=True)
     stale = sorted(f.name for f in folder.glob("model*.safetensors*"))
     if stale:  # a leftover index or shard would be loaded with (or instead of) the new weights
@@ -84,6 +85,8 @@ def write_checkpoint(folder: Path, shape: dict[str, Any], device: str = "cpu", s
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "generation_config.json").write_text(
         json.dumps({"bos_token_id": ids.bos, "eos_token_id": ids.eos_ids}, indent=2) + "\n")
+    if not weights:
+        return
     gen = torch.Generator(device=device).manual_seed(seed)
     shards = plan_shards(shape, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
@@ -112,9 +115,11 @@ def main() -> None:
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is much faster)")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config and tokenizer only, for load_format: dummy (a 70B shape without 141 GB of disk)")
     args = parser.parse_args()
     try:
-        write_checkpoint(args.folder, PRESETS[args.preset], args.device)
+        write_checkpoint(args.folder, PRESETS[args.preset], args.device, weights=not args.no_weights)
     except FileExistsError as e:
         parser.error(str(e))
     print(f"wrote {args.preset} to {args.folder}")

@@ -301,7 +301,8 @@ class RayBackend:
             live = [w for w in self.pools.all_workers if w.alive]
             snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
                                            return_exceptions=True)
-            self.transfer_totals = transfer_totals([m for m in snapshots if isinstance(m, dict)])
+            self.transfer_totals = transfer_totals([m for ranks in snapshots if isinstance(ranks, list)
+                                                    for m in ranks if isinstance(m, dict)])  # every rank's
             self._capacity_freed()  # waiting requests also look again on a timer
 
     # ---- figures

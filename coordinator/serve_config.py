@@ -176,9 +176,6 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
         raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
                           "server's keys (move the key to a tenant)")
     for pool in ("prefill", "decode"):  # the engine's own checks, now rather than inside a worker
-        if config.mode == "disaggregated" and getattr(config, pool).tensor_parallel_size > 1:
-            raise ConfigError(f"{path}: {pool}.tensor_parallel_size > 1 needs mode: collocated for now (moving KV "
-                              "between tensor-parallel workers' ranks is not wired into serving yet)")
         try:
             config.engine_config(getattr(config, pool))
         except ValueError as e:

@@ -33,8 +33,9 @@ from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
-from kvtransfer import AgentConfig, KVAgent
-from kvtransfer.worker_setup import prepare_process, start_agent
+from kvtransfer import AgentConfig
+from kvtransfer.worker_agents import RankAgents, WorkerAgents
+from kvtransfer.worker_setup import prepare_process
 
 RESERVE_RETRY_S = 0.01
 
@@ -59,23 +60,25 @@ class DecodeWorker:
         self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._group_prefills: dict[str, asyncio.Future] = {}  # collocated group prefills awaiting their first tokens
         self.loop: AsyncEngine | None = None
-        self.agent: KVAgent | None = None
+        self.agents: WorkerAgents | None = None  # one KV agent per TP rank, driven as one
         self._task: asyncio.Task | None = None
 
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()
-        engine = LLMEngine(self._engine_config)  # weights, KV cache, CUDA graphs
+        tp = self._engine_config.tensor_parallel_size
+        rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
+        engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
         meta = None
         if self._agent_config is not None:
-            self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)
-            meta = self.agent.metadata().to_bytes()
-        role = "decode" if self.agent else "collocated"
+            self.agents = WorkerAgents(self.name, self._agent_config, engine)
+            meta = self.agents.metadata()
+        role = "decode" if self.agents else "collocated"
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
@@ -83,19 +86,20 @@ class DecodeWorker:
                           pid=os.getpid(), host=socket.gethostname())
 
     async def add_peer(self, agent_metadata: bytes) -> str:
-        return await asyncio.to_thread(self.agent.add_remote, agent_metadata)
+        """Connect every rank to the ranks of a prefill worker (its GroupMetadata) it will pull from."""
+        return await asyncio.to_thread(self.agents.add_peer, agent_metadata)
 
     async def drop_peer(self, name: str) -> bool:
         """A prefill worker died: forget its agent now (pulls in flight from it fail with PeerLost) and unmap its
         cache, so nothing here keeps the dead worker's GPU memory alive for its replacement to find taken."""
-        return await asyncio.to_thread(self.agent.remove_remote, name)
+        return await asyncio.to_thread(self.agents.remove_peer, name)
 
     async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
         """A prefill worker was replaced: drop the connection to its dead agent (pulls still in flight from it
         fail with PeerLost), then connect to the new one under the same name."""
         def swap() -> str:
-            self.agent.remove_remote(name)
-            return self.agent.add_remote(agent_metadata)
+            self.agents.remove_peer(name)
+            return self.agents.add_peer(agent_metadata)
         return await asyncio.to_thread(swap)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
@@ -112,8 +116,7 @@ class DecodeWorker:
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
-            handle = self.agent.read(peer, peer_block_ids[:n], blocks)
-            await asyncio.wrap_future(handle.future)
+            await asyncio.wrap_future(self.agents.read(peer, peer_block_ids[:n], blocks))
             self._timing.kv_ready(request_id)
         except BaseException:
             self._transferring.pop(request_id, None)
@@ -183,7 +186,7 @@ class DecodeWorker:
         try:
             if peer is not None:
                 blocks = await self._reserve(group_id, n_tok)
-                await asyncio.wrap_future(self.agent.read(peer, peer_block_ids[:len(blocks)], blocks).future)
+                await asyncio.wrap_future(self.agents.read(peer, peer_block_ids[:len(blocks)], blocks))
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:
                 while not await self.loop.call(lambda e, c=cid: e.fork_reservation(group_id, c, n_tok)):
@@ -246,17 +249,18 @@ class DecodeWorker:
 
     async def set_faults(self, kv: dict) -> None:
         """Inject the transfer agent's `kv` faults from now on (drills and tests)."""
-        if self.agent is not None:
-            self.agent.set_faults(kv)
+        if self.agents is not None:
+            await asyncio.to_thread(self.agents.set_faults, kv)
 
-    async def transfer_metrics(self) -> dict:
-        return self.agent.metrics() if self.agent else {}
+    async def transfer_metrics(self) -> list[dict]:
+        """Every rank's transfer figures (none in collocated mode)."""
+        return await asyncio.to_thread(self.agents.metrics) if self.agents else []
 
     async def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.close()
-        if self.agent is not None:
-            self.agent.close()
+        if self.agents is not None:
+            self.agents.close()
 
     # ---- internals
     async def _reserve(self, request_id: str, num_tokens: int) -> list[int]:

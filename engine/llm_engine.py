@@ -46,11 +46,16 @@ from engine.text.tokenizer import Tokenizer
 from engine.tiny import resolve_model_path
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from engine.runner.rank_service import RankServiceFactory
     from engine.sampling.grammar import GrammarManager
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
+        """`rank_service`: with TP, an object to start in every follower beside its cache shard (reached with
+        `rank_call`; engine.runner.rank_service); ignored at TP=1, where the caller holds rank 0's cache itself."""
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(path)
         self.tokenizer = Tokenizer.from_folder(path)
@@ -70,7 +75,7 @@ class LLMEngine:
         if n > 1:
             from engine.runner.tp_leader import TPFollowers, rank_devices
             self.device = rank_devices(self.config)[0]
-            self.followers = TPFollowers(self.config, path, mc)
+            self.followers = TPFollowers(self.config, path, mc, rank_service)
         else:
             self.device = torch.device(config.device)
         clock = PhaseClock()  # build_rank's phases: weights, kv_cache, cuda_graphs
@@ -288,6 +293,15 @@ class LLMEngine:
                   "in_use": len(active), "total": counts["total"]}
         assert result["free"] + result["cached"] + result["pinned"] + result["in_use"] == result["total"]
         return result
+
+    def rank_call(self, rank: int, method: str, *args) -> Future:
+        """Call `method` of follower `rank`'s rank service (LLMEngine(rank_service=...)); thread-safe, unlike the
+        rest of the engine: it touches no engine state, only the call pipes."""
+        if self.followers is None or self.followers.calls is None:
+            raise RuntimeError("this engine has no tensor-parallel rank services")
+        if not 1 <= rank < self.config.tensor_parallel_size:
+            raise ValueError(f"rank {rank} is not a follower rank of TP size {self.config.tensor_parallel_size}")
+        return self.followers.calls.call(rank, method, *args)
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (nothing to do at TP=1); the engine cannot step afterwards."""

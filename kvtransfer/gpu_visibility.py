@@ -3,6 +3,7 @@
 Ray gives each `num_gpus=1` actor CUDA_VISIBLE_DEVICES = its own GPU. Then a peer's GPU is invisible, CUDA
 IPC handles of its memory cannot be mapped with NVLink peer access, and the agent falls back to UCX
 (measured on 2 H200: ~220 GB/s for 1 GiB instead of ~310 over cuda_ipc; docs/benchmarks.md).
+A tensor-parallel worker's follower processes inherit the list and put their own GPU first (`put_first`).
 `expose_peer_gpus()` in the actor's __init__, before any CUDA call, shows every GPU of the host with the
 actor's own first: its GPU stays cuda:0 (for torch and for ucxx's progress thread, which makes its CUDA
 context on device 0), and peers become reachable.
@@ -24,20 +25,44 @@ def own_gpu(default: int = 0) -> int:
     return int(ids[0]) if ids else default
 
 
-def set_visible_gpus(own: int, total: int, visible: str = "all") -> None:
-    """Before CUDA initializes: "all" shows `total` GPUs with `own` first, "one" only `own`, "ray" leaves
-    CUDA_VISIBLE_DEVICES as it is."""
+def own_gpus() -> list[int]:
+    """Every GPU (physical id) Ray assigned this actor, in Ray's order (a tensor-parallel worker has several)."""
+    try:
+        import ray
+
+        return [int(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+    except ImportError:
+        return []
+
+
+def set_visible_gpus(own: int | list[int], total: int, visible: str = "all") -> None:
+    """Before CUDA initializes: "all" shows `total` GPUs with `own` (one id, or a TP worker's ids in rank order)
+    first, "one" only `own`, "ray" leaves CUDA_VISIBLE_DEVICES as it is."""
     if visible == "ray":
         return
-    order = [own] + [i for i in range(total) if i != own] if visible == "all" else [own]
+    own = [own] if isinstance(own, int) else list(own)
+    order = own + [i for i in range(total) if i not in own] if visible == "all" else own
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in order)
 
 
-def expose_peer_gpus(total: int) -> int:
-    """In a Ray actor, before CUDA starts: see all `total` GPUs of the host, own first. Returns own id."""
-    own = own_gpu()
+def expose_peer_gpus(total: int) -> list[int]:
+    """In a Ray actor, before CUDA starts: see all `total` GPUs of the host, its own first (rank r of a TP
+    worker stays cuda:r). Returns its own ids."""
+    own = own_gpus() or [own_gpu()]
     set_visible_gpus(own, total, "all")
     return own
+
+
+def put_first(index: int) -> int:
+    """In a TP follower process, before CUDA starts: make visible GPU `index` cuda:0 (the others keep their
+    order after it), so the ucxx progress thread's CUDA context (made on device 0) is on the rank's own GPU.
+    Returns the rank's new device index: 0, or `index` when CUDA_VISIBLE_DEVICES is unset (left alone)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return index
+    ids = visible.split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([ids[index]] + ids[:index] + ids[index + 1:])
+    return 0
 
 
 def node_gpu_count() -> int:

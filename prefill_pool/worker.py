@@ -31,8 +31,9 @@ from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
-from kvtransfer import AgentConfig, KVAgent
-from kvtransfer.worker_setup import prepare_process, start_agent
+from kvtransfer import AgentConfig
+from kvtransfer.worker_agents import RankAgents, WorkerAgents
+from kvtransfer.worker_setup import prepare_process
 
 
 class InjectedFault(RuntimeError):
@@ -62,22 +63,24 @@ class PrefillWorker:
         self._waiting: dict[str, asyncio.Future] = {}
         self._timing = RequestTiming()
         self.loop: AsyncEngine | None = None
-        self.agent: KVAgent | None = None
+        self.agents: WorkerAgents | None = None  # one KV agent per TP rank (decode workers pull from them)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> WorkerInfo:
         torch.set_num_threads(self._num_threads)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()
-        engine = LLMEngine(self._engine_config)  # weights, KV cache, CUDA graphs
+        tp = self._engine_config.tensor_parallel_size
+        rank_agents = RankAgents(self.name, tp, self._agent_config) if tp > 1 else None
+        engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
-        self.agent = start_agent(self.name, self._agent_config, engine.kv_cache, engine.kv_spec)
+        self.agents = WorkerAgents(self.name, self._agent_config, engine)
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
-                          self.agent.metadata().to_bytes(),
+                          self.agents.metadata(),
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
                            ("agent", time.monotonic() - started - engine_s)),
                           pid=os.getpid(), host=socket.gethostname())
@@ -126,16 +129,17 @@ class PrefillWorker:
         """Inject failures from now on: this fraction of prefill calls fail, and the transfer agent's `kv` faults."""
         self._error_fraction = prefill_error_fraction
         self._fault_rng = random.Random(seed)
-        self.agent.set_faults(kv)
+        await asyncio.to_thread(self.agents.set_faults, kv)
 
-    async def transfer_metrics(self) -> dict:
-        return self.agent.metrics()
+    async def transfer_metrics(self) -> list[dict]:
+        """Every rank's transfer figures."""
+        return await asyncio.to_thread(self.agents.metrics)
 
     async def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.close()
-        if self.agent is not None:
-            self.agent.close()
+        if self.agents is not None:
+            self.agents.close()
 
     # ---- internals
     async def _abort(self, request_id: str) -> bool:

@@ -52,15 +52,26 @@ def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
     return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
 
 
-def busiest_worker_pid(server: LaunchedServer, role: str) -> int:
-    """The pid of the live `role` worker holding the most booked KV blocks now (the coordinator's own ledger, so
-    a kill through it always hits running streams), from /health's per-worker pid."""
-    booked = metric_values(server.url, "pdserve_worker_booked_kv_blocks")
-    workers = [w for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
-               if w["role"] == role and w["state"] == "live"]
-    busiest = max(workers, key=lambda w: booked.get(f'{{worker="{w["name"]}",role="{role}"}}', 0))
-    assert busiest["pid"] in worker_pids(server, "DecodeWorker" if role == "decode" else "PrefillWorker"), busiest
-    return busiest["pid"]
+def tp_followers(actor_pid: int) -> list[int]:
+    """A tensor-parallel worker's follower processes: its spawned children (not multiprocessing's tracker)."""
+    table = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in table.splitlines()]
+    return [int(pid) for pid, ppid, *cmd in rows if int(ppid) == actor_pid and "spawn_main" in " ".join(cmd)]
+
+
+def live_worker_pids(server: LaunchedServer, role: str) -> dict[str, int]:
+    """{worker name: pid} of the live `role` workers, from /health (checked against the process table)."""
+    workers = {w["name"]: w["pid"] for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
+               if w["role"] == role and w["state"] == "live"}
+    assert set(workers.values()) <= set(worker_pids(server, "DecodeWorker" if role == "decode" else "PrefillWorker"))
+    return workers
+
+
+def busiest_worker(url: str, role: str, names: list[str]) -> str:
+    """Which of `names` holds the most booked KV blocks now (the coordinator's own ledger: one quick /metrics
+    read, so a kill right after it hits running streams)."""
+    booked = metric_values(url, "pdserve_worker_booked_kv_blocks")
+    return max(names, key=lambda name: booked.get(f'{{worker="{name}",role="{role}"}}', 0))
 
 
 class LabelSets(dict):
@@ -89,7 +100,8 @@ def _canonical(labels: str | None) -> str | None:
 
 def metric_values(url: str, name: str) -> LabelSets:
     """{labels text: value} of one metric family from /metrics, keyed by label set (any label order finds it)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:  # no client to build: quick under load
+        text = r.read().decode()
     return LabelSets({m.group(1): float(m.group(2))
                       for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)})
 

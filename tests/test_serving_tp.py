@@ -4,7 +4,6 @@ rank replaces the whole worker while its streams migrate and still end exactly."
 import asyncio
 import os
 import signal
-import subprocess
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from tests.server_process import (
     complete,
     running_server,
     streams_with_a_kill,
+    tp_followers,
     wait_for_health,
     wait_for_idle_workers,
     worker_pids,
@@ -46,13 +46,6 @@ def _expected(reference, bodies: list[dict]) -> list[str]:
             for b in bodies]
 
 
-def _followers(actor_pid: int) -> list[int]:
-    """The worker's tensor-parallel follower processes: its spawned children (not multiprocessing's tracker)."""
-    table = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in table.splitlines()]
-    return [int(pid) for pid, ppid, *cmd in rows if int(ppid) == actor_pid and "spawn_main" in " ".join(cmd)]
-
-
 def test_a_tp2_worker_serves_the_single_engine_outputs(server_tp, reference, llama):
     bodies = _bodies(llama, 4, seed=41)
 
@@ -65,7 +58,7 @@ def test_a_tp2_worker_serves_the_single_engine_outputs(server_tp, reference, lla
 
 def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_tp, reference, llama):
     [actor] = worker_pids(server_tp, "DecodeWorker")
-    [follower] = _followers(actor)
+    [follower] = tp_followers(actor)
     bodies = [{**b, "stream": True} for b in _bodies(llama, 4, seed=42)]
     expected = _expected(reference, bodies)
 
@@ -82,11 +75,8 @@ def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_t
     assert admin_integrity(server_tp.url)["ok"]
 
 
-def test_disaggregated_tp_is_refused_with_the_key_named(tmp_path):
+def test_tp_on_fractions_of_a_gpu_is_refused_with_the_key_named(tmp_path):
     path = tmp_path / "tp.yaml"
-    path.write_text("mode: disaggregated\ndecode:\n  tensor_parallel_size: 2\n")
-    with pytest.raises(ConfigError, match="decode.tensor_parallel_size"):
-        load_serve_config(path)
     path.write_text("mode: collocated\ndecode:\n  tensor_parallel_size: 2\n  num_gpus: 0.5\n")
     with pytest.raises(ConfigError, match="whole GPUs"):
         load_serve_config(path)

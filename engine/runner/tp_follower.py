@@ -5,6 +5,8 @@ Protocol over its pipe from rank 0 (engine.runner.tp_leader): ("ready", affordab
 down, ("started", None) up, then a stream of ("step", StepPlan), ("copy", [(src, dst)]), ("warmup", (max_num_seqs,
 max_blocks_per_seq)) and ("close", None) down.
 Any failure goes up as ("error", traceback) before the process exits; a closed pipe (rank 0 gone) ends it.
+With a rank service (engine.runner.rank_service), its object is started once the cache exists, before "started",
+and answers rank 0's calls on a second pipe.
 Invariant: a follower's block tables are rank 0's, because it runs rank 0's SchedulerOutput as received; its
 collectives come in the same order as rank 0's because it makes the same graph/eager and logits decisions
 (`follow` mirrors ModelRunner.launch).
@@ -26,6 +28,7 @@ from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
 from engine.runner.model_runner import ModelRunner
+from engine.runner.rank_service import RankServiceFactory, serve_calls
 from engine.runner.step_extras import token_offsets
 from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import decode_variants
@@ -78,10 +81,13 @@ def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
 
 
 def follower_main(rank: int, size: int, store_path: str, device: str, config: EngineConfig, path: str,
-                  mc: ModelConfig, conn) -> None:
-    """Entry point of a spawned follower process."""
+                  mc: ModelConfig, conn, service: RankServiceFactory | None = None, calls_conn=None) -> None:
+    """Entry point of a spawned follower process; `service` (with its pipe `calls_conn`): see rank_service."""
     from engine.runner.rank_setup import build_rank
+    running = None
     try:
+        if service is not None:
+            device = service.prepare(device)  # before CUDA starts
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -97,6 +103,9 @@ def follower_main(rank: int, size: int, store_path: str, device: str, config: En
 
         state = build_rank(mc, Path(path), config, dev, tp, agree)
         runner = ModelRunner(state.model, state.kv_cache, config.block_size, None, state.graphs)
+        if service is not None:
+            running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range)
+            serve_calls(calls_conn, running)
         conn.send(("started", None))
         with torch.inference_mode():
             while True:
@@ -116,3 +125,6 @@ def follower_main(rank: int, size: int, store_path: str, device: str, config: En
             conn.send(("error", traceback.format_exc()))
         finally:
             raise
+    finally:
+        if running is not None and hasattr(running, "close"):
+            running.close()

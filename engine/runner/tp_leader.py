@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.rank_service import RankCalls, RankServiceFactory
 from engine.runner.step_extras import StepExtras
 from engine.runner.tp_follower import COLLECTIVE_TIMEOUT_S, StepPlan, follower_main, open_group
 
@@ -46,24 +47,32 @@ def rank_devices(config: EngineConfig) -> list[torch.device]:
 
 
 class TPFollowers:
-    """The follower processes of one engine and their pipes; `tp` is rank 0's TPGroup."""
+    """The follower processes of one engine and their pipes; `tp` is rank 0's TPGroup; `calls` reaches the
+    object `service` started in each follower (engine.runner.rank_service), None without one."""
 
-    def __init__(self, config: EngineConfig, path: Path, mc: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, path: Path, mc: ModelConfig,
+                 service: RankServiceFactory | None = None) -> None:
         size, devices = config.tensor_parallel_size, rank_devices(config)
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         store = str(Path(self._dir) / "store")
         ctx = mp.get_context("spawn")
-        self.procs, self.conns = [], []
+        self.procs, self.conns, call_conns = [], [], []
         self.failure: str | None = None
         for rank in range(1, size):
             parent, child = ctx.Pipe()
+            calls_parent, calls_child = ctx.Pipe() if service is not None else (None, None)
             proc = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
-                               args=(rank, size, store, str(devices[rank]), config, str(path), mc, child))
+                               args=(rank, size, store, str(devices[rank]), config, str(path), mc, child,
+                                     service, calls_child))
             proc.start()
             child.close()
+            if calls_child is not None:
+                calls_child.close()
+                call_conns.append(calls_parent)
             self.procs.append(proc)
             self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), self._dir)
+        self.calls = RankCalls(call_conns) if service is not None else None  # the followers' services
+        self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), self._dir, call_conns)
         self.tp = open_group(store, 0, size, devices[0])
 
     def agree_blocks(self, mine: int) -> int:
@@ -164,8 +173,9 @@ def _pending_error(conn) -> str | None:
     return None
 
 
-def _stop(procs: list, conns: list, folder: str) -> None:
-    """Ask each follower to stop, then terminate (and kill) those that do not within STOP_TIMEOUT_S."""
+def _stop(procs: list, conns: list, folder: str, call_conns: list) -> None:
+    """Ask each follower to stop, then terminate (and kill) those that do not within STOP_TIMEOUT_S; then close
+    every pipe (the rank-service pipes only close: their threads end at EOF)."""
     for conn in conns:
         try:
             conn.send(("close", None))
@@ -180,6 +190,6 @@ def _stop(procs: list, conns: list, folder: str) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    for conn in conns:
+    for conn in conns + call_conns:
         conn.close()
     shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,191 @@
+"""WorkerAgents: the KV agents of one pool worker, one per tensor-parallel rank, driven as one.
+
+A worker of TP size N has N caches (each rank's shard, holding its KV heads: engine.kv_heads) and so N agents:
+rank 0's lives here, in the worker's process; rank r's lives in follower r's process (`RankAgents`, started there
+through the engine's rank services: engine.runner.rank_service). Rank r's agent is named "<worker>.rank<r>", or
+just "<worker>" at TP=1. The worker's metadata is a GroupMetadata (kvtransfer.tp_group) listing every rank.
+
+Pulls: `read(peer, ...)` has every local rank pull exactly the heads it holds from the peer's ranks that hold
+them (`read_from_group`, spread by rank so replicated heads are served by different peer ranks), all at once, and
+resolves once every rank's pieces have ended, so on failure no rank is still writing into the blocks the caller
+is about to free. Connections: a local rank connects only to the peer ranks it will pull from.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.kv_heads import KVHeadRange
+from engine.kv_layout import KVCacheSpec
+
+from .agent import AgentConfig, KVAgent
+from .errors import BadDescriptor
+from .gpu_visibility import put_first
+from .metadata import AgentMetadata
+from .tp_group import GroupMetadata, read_from_group
+from .worker_setup import start_agent
+
+CALL_TIMEOUT_S = 120.0  # a follower's metadata or connection answer (a connect has its own shorter deadline)
+
+
+def rank_agent_name(worker: str, rank: int, tp_size: int) -> str:
+    return worker if tp_size == 1 else f"{worker}.rank{rank}"
+
+
+class RankAgent:
+    """One rank's agent and the peer groups it pulls from (the object behind a follower's rank service, and
+    rank 0's local part). Thread-safe as KVAgent is; `add_group`/`remove_group` run one at a time per peer."""
+
+    def __init__(self, agent: KVAgent, rank: int) -> None:
+        self.agent, self.rank = agent, rank
+        self._groups: dict[str, GroupMetadata] = {}
+
+    def metadata(self) -> bytes:
+        return self.agent.metadata().to_bytes()
+
+    def add_group(self, data: bytes) -> str:
+        group = GroupMetadata.from_bytes(data)
+        own = self.agent.metadata().cache
+        for rank, _ in group.pieces_for(own.head_range, spread=self.rank):
+            if rank.name not in self.agent.remotes():
+                self.agent.add_remote(rank)
+        self._groups[group.name] = group
+        return group.name
+
+    def remove_group(self, name: str) -> bool:
+        group = self._groups.pop(name, None)
+        if group is None:
+            return False
+        for rank in group.ranks:
+            self.agent.remove_remote(rank.name)
+        return True
+
+    def start_read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
+                   timeout: float | None) -> list[concurrent.futures.Future]:
+        group = self._groups.get(peer)
+        if group is None:
+            raise BadDescriptor(f"agent {self.agent.name!r} is not connected to worker {peer!r}")
+        return [h.future for h in read_from_group(self.agent, group, remote_ids, local_ids, timeout=timeout,
+                                                  spread=self.rank)]
+
+    def read_group(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
+                   timeout: float | None) -> None:
+        """Blocking: pull this rank's heads; raises the first piece's failure once every piece has ended."""
+        _first_failure(self.start_read(peer, remote_ids, local_ids, timeout))
+
+    def set_faults(self, kv: Mapping | None) -> None:
+        self.agent.set_faults(kv)
+
+    def metrics(self) -> dict:
+        return self.agent.metrics()
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+@dataclass(frozen=True)
+class RankAgents:
+    """The rank-service factory (engine.runner.rank_service) that starts a RankAgent in each TP follower."""
+
+    worker: str
+    tp_size: int
+    config: AgentConfig
+
+    def prepare(self, device: str) -> str:
+        dev = torch.device(device)
+        return f"cuda:{put_first(dev.index or 0)}" if dev.type == "cuda" else device
+
+    def start(self, rank: int, kv_cache: torch.Tensor, kv_spec: KVCacheSpec, kv_head_range: KVHeadRange) -> RankAgent:
+        name = rank_agent_name(self.worker, rank, self.tp_size)
+        return RankAgent(start_agent(name, self.config, kv_cache, kv_spec, kv_head_range), rank)
+
+
+class WorkerAgents:
+    """Rank 0's handle on every rank's agent of one worker. `engine` is the worker's LLMEngine, built with
+    `rank_service=RankAgents(...)` when its TP size is above 1."""
+
+    def __init__(self, name: str, config: AgentConfig, engine: Any) -> None:
+        self.name, self._engine = name, engine
+        self.tp_size = engine.config.tensor_parallel_size
+        agent = start_agent(rank_agent_name(name, 0, self.tp_size), config, engine.kv_cache, engine.kv_spec,
+                            engine.kv_head_range)
+        self.local = RankAgent(agent, 0)
+        try:
+            ranks = [agent.metadata()] + [AgentMetadata.from_bytes(f.result(CALL_TIMEOUT_S))
+                                          for f in self._followers("metadata")]
+            self.group = GroupMetadata(name, tuple(ranks))
+        except BaseException:
+            agent.close()
+            raise
+
+    def metadata(self) -> bytes:
+        return self.group.to_bytes()
+
+    def add_peer(self, data: bytes) -> str:
+        """Blocking: every rank connects to the ranks of peer worker `data` (GroupMetadata) it pulls from."""
+        followers = self._followers("add_group", data)  # they connect while rank 0 does
+        _first_failure([self._local(self.local.add_group, data), *followers], CALL_TIMEOUT_S)
+        return GroupMetadata.from_bytes(data).name
+
+    def remove_peer(self, name: str) -> bool:
+        """Blocking: every rank forgets worker `name`'s ranks (pulls in flight from them fail with PeerLost)."""
+        found = self.local.remove_group(name)
+        _first_failure(self._followers("remove_group", name), CALL_TIMEOUT_S)
+        return found
+
+    def read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
+             timeout: float | None = None) -> concurrent.futures.Future:
+        """Every rank pulls its heads of `remote_ids` from worker `peer` into `local_ids` (the same block ids on
+        every rank). The future resolves when every rank's pull has ended: None, or the first failure."""
+        futures = self.local.start_read(peer, remote_ids, local_ids, timeout)
+        futures += self._followers("read_group", peer, list(remote_ids), list(local_ids), timeout)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(_: concurrent.futures.Future) -> None:
+            if all(f.done() for f in futures) and not done.done():
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    done.set_exception(errors[0])
+                else:
+                    done.set_result(None)
+        for f in futures:
+            f.add_done_callback(settle)
+        return done
+
+    def set_faults(self, kv: Mapping | None) -> None:
+        self.local.set_faults(kv)
+        _first_failure(self._followers("set_faults", kv), CALL_TIMEOUT_S)
+
+    def metrics(self) -> list[dict]:
+        """Every rank's transfer metrics (rank order)."""
+        return [self.local.metrics(), *(f.result(CALL_TIMEOUT_S) for f in self._followers("metrics"))]
+
+    def close(self) -> None:
+        self.local.close()  # the followers' agents close when their processes stop (engine close)
+
+    def _followers(self, method: str, *args: Any) -> list[concurrent.futures.Future]:
+        return [self._engine.rank_call(r, method, *args) for r in range(1, self.tp_size)]
+
+    @staticmethod
+    def _local(fn, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
+
+
+def _first_failure(futures: list[concurrent.futures.Future], timeout: float | None = None) -> None:
+    """Wait for every future; raise the first one's exception (in list order), if any."""
+    concurrent.futures.wait(futures, timeout)
+    for f in futures:
+        if not f.done():
+            raise TimeoutError(f"a rank did not answer within {timeout} s")
+        if f.exception() is not None:
+            raise f.exception()
