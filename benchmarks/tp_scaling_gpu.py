@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--only-tp", type=int, default=None)
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument("--cases", default="1:1024,64:2048", help="batch:context of each decode case")
+    parser.add_argument("--all-reduce", action="store_true", help="also time NCCL's all-reduce against a peer copy")
     args = parser.parse_args()
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
     if torch.cuda.device_count() < 2:
@@ -128,6 +129,8 @@ def main() -> None:
             t1, t2 = steps[1][batch]["step_ms"], steps[2][batch]["step_ms"]
             print(json.dumps({"case": f"TP scaling, decode batch {batch}", "tp1_step_ms": t1, "tp2_step_ms": t2,
                               "speedup": round(t1 / t2, 3), "efficiency": round(t1 / t2 / 2, 3)}), flush=True)
+    if not args.all_reduce:
+        return
     config = json.loads((Path(args.model) / "config.json").read_text())
     print(json.dumps(all_reduce_vs_peer_copy(config["hidden_size"], config["num_hidden_layers"])), flush=True)
 

@@ -75,7 +75,9 @@ def _load_model(mc: ModelConfig, path: Path, config: EngineConfig, device: torch
                 tp: TPGroup | None) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(mc, config.max_model_len, tp)
-    model = model.to_empty(device=device).to(TORCH_DTYPES[config.dtype])
+    # the dtype first, on the meta device: to_empty() then allocates the weights once, in their own dtype (a
+    # float32 allocation converted afterwards would need twice the memory: a 70B shard would not fit an 80 GB GPU)
+    model = model.to(TORCH_DTYPES[config.dtype]).to_empty(device=device)
     model.rope.build(device)  # float32 tables, not converted
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
