@@ -50,6 +50,10 @@ class WorkerLost(BackendError):
     request that ran out of moves reaches the client as an error."""
 
 
+class TransferFailed(BackendError):
+    """The decode worker could not pull the request's KV (it freed what it had reserved)."""
+
+
 class Overloaded(BackendError):
     """No capacity now and the admission queue is full: 503 with Retry-After."""
 

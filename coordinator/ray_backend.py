@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
 from coordinator.admission import Admission, Placement
-from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, WorkerLost
+from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
 from coordinator.backend_stats import backend_stats, transfer_totals
 from coordinator.phases import PhaseTrace
 from coordinator.pools import Pools, worker_faults
@@ -45,10 +45,6 @@ from kvtransfer.errors import TransferError
 log = logging.getLogger("pdserve")
 POLL_TIMEOUT_S = 0.5
 STATS_PERIOD_S = 1.0
-
-
-class TransferFailed(BackendError):
-    """The decode worker could not pull the request's KV (it freed what it had reserved)."""
 
 
 class RayBackend:
@@ -96,8 +92,11 @@ class RayBackend:
         await self.pools.shutdown()
 
     # ---- one request
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        if len(self._ids) >= self.config.admission.max_queue:
+    async def generate(self, request: GenerateRequest, moved_after: Sequence[int] | None = None
+                       ) -> AsyncIterator[TokenDelta]:
+        """The request's new tokens. `moved_after`: it was moved here after streaming these tokens elsewhere (a
+        choice of a group whose worker died, coordinator.ray_group): it resumes after them and counts as moved."""
+        if len(self._ids) >= self.config.admission.max_queue and moved_after is None:
             raise Overloaded(f"{len(self._ids)} requests in flight (admission.max_queue)", retry_after_s=1.0)
         rid = request.request_id
         while rid in self._ids:  # the id on the workers; a client reusing one in flight gets a suffix
@@ -105,8 +104,8 @@ class RayBackend:
         self._ids.add(rid)
         reservation = self.ledger.open(rid)
         trace = request.trace or PhaseTrace.now()
-        sent: list[int] = []  # every token streamed so far: where a moved request resumes
-        moves = 0
+        sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
+        moves = 0 if moved_after is None else 1
         try:
             while True:
                 try:

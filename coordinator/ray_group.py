@@ -9,25 +9,34 @@ decode worker pulls the KV once and forks it per choice (DecodeWorker.decode_gro
 its own worker id `<group>#<j>`; `stop(j)` aborts one choice (a stop string matched), the others go on.
 
 Every exit path runs one `finally`: every unfinished choice and the group's prefill are aborted on live workers
-and the Reservation is released, exactly once. Not moved on a worker's death: a group (n > 1, or one asking for
-prompt logprobs) whose worker dies ends with a BackendError (an in-band error for the client) instead of resuming
-elsewhere as single requests do; likewise a failed KV transfer fails the group (no recompute).
+and the Reservation is released, exactly once.
+Migration: when a worker under the group dies (or its KV transfer fails, with transfer.on_failure: recompute),
+the group's own placement ends (the finally above) and every unfinished choice goes on alone as a single request
+resumed after the tokens it already streamed (RayBackend.generate(..., moved_after=...): prompt + those tokens
+prefilled elsewhere, the choice's own seeded params, so the continuation is the uninterrupted one). The prompt's
+KV is then no longer shared between the choices: the price of a rare failure, for code that reuses the single
+requests' migration path instead of a second one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from coordinator.backend import BackendError, GenerateRequest, TokenDelta, WorkerLost
+from coordinator.backend import BackendError, GenerateRequest, TokenDelta, TransferFailed, WorkerLost
 from coordinator.router import WorkerState
 from engine.core.choices import choice_params
 
 if TYPE_CHECKING:
     from coordinator.ray_backend import RayBackend
+
+log = logging.getLogger(__name__)
 
 
 class GroupRun:
@@ -39,6 +48,9 @@ class GroupRun:
         self._done: set[int] = set()
         self._decode: WorkerState | None = None
         self._ids: list[str] = []
+        self._sent: list[list[int]] = [[] for _ in range(request.n)]  # per choice: every token streamed
+        self._prompt_logprobs_sent = False
+        self._resumed: dict[int, asyncio.Task] = {}  # choice -> its task after a migration
         self._gen = self._run()
 
     def __aiter__(self) -> GroupRun:
@@ -51,13 +63,76 @@ class GroupRun:
         if index in self._stopped or index in self._done:
             return
         self._stopped.add(index)
-        if self._decode is not None and self._decode.alive and self._ids:
+        if index in self._resumed:
+            self._resumed[index].cancel()  # closing its stream aborts it on its worker
+        elif self._decode is not None and self._decode.alive and self._ids:
             self._backend._spawn(_quietly(self._decode.handle.abort.remote(self._ids[index])))
 
     async def aclose(self) -> None:
         await self._gen.aclose()
 
     async def _run(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        try:  # aclosing: a consumer that stops early runs each stage's cleanup now, not at garbage collection
+            async with aclosing(self._grouped()) as grouped:
+                async for j, delta in grouped:
+                    yield self._record(j, delta)
+            return
+        except WorkerLost as e:
+            lost: BackendError = e
+        except TransferFailed as e:
+            if self._backend.config.transfer.on_failure == "fail":
+                raise BackendError(f"{e} (transfer.on_failure: fail)") from None
+            lost = e
+        async with aclosing(self._resume(lost)) as resumed:
+            async for j, delta in resumed:
+                yield self._record(j, delta)
+
+    def _record(self, j: int, delta: TokenDelta) -> tuple[int, TokenDelta]:
+        self._sent[j].extend(delta.token_ids)
+        self._prompt_logprobs_sent |= delta.prompt_logprobs is not None
+        return j, delta
+
+    async def _resume(self, lost: BackendError) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """Every unfinished choice as its own resumed single request; their deltas merged in arrival order."""
+        b, request = self._backend, self._request
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def run(j: int) -> None:
+            params = self._params[j]
+            if self._prompt_logprobs_sent or j > 0:  # they went out with the first tokens, or go with choice 0's
+                params = replace(params, prompt_logprobs=None)
+            alone = replace(request, request_id=f"{request.request_id}#{j}", params=params, n=1, trace=None)
+            try:
+                async with aclosing(b.generate(alone, moved_after=self._sent[j])) as deltas:
+                    async for delta in deltas:
+                        merged.put_nowait((j, delta))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - it ends the group's stream
+                merged.put_nowait((j, e))
+        pending = [j for j in range(request.n) if j not in self._done and j not in self._stopped]
+        log.warning("group %s: %s; resuming %d choices alone", request.request_id, lost, len(pending))
+        for j in pending:
+            b._count(b.migrations, "attempted")
+            self._resumed[j] = asyncio.get_running_loop().create_task(run(j))
+        try:
+            while len(self._done | self._stopped) < request.n:
+                j, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if j in self._stopped or j in self._done:
+                    continue
+                if item.finish_reason is not None:
+                    self._done.add(j)
+                yield j, item
+        finally:
+            for task in self._resumed.values():
+                task.cancel()
+            await asyncio.gather(*self._resumed.values(), return_exceptions=True)
+
+    async def _grouped(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """The group's own placement: prefilled once, forked on one decode worker. WorkerLost or TransferFailed
+        out of it (after its cleanup) means: resume the unfinished choices alone."""
         b, request = self._backend, self._request
         rid = request.request_id
         while rid in b._ids:
@@ -98,9 +173,6 @@ class GroupRun:
             b._spawn(self._handoff(rid, decode, prefill, firsts, peer, blocks, queue))
             while len(self._done | self._stopped) < request.n:
                 out = await queue.get()
-                if isinstance(out, WorkerLost):
-                    raise BackendError(f"{out}; a request with n > 1 or prompt logprobs is not moved to another "
-                                       "worker") from None
                 if isinstance(out, BaseException):
                     raise out
                 j = index[out.request_id]

@@ -3,6 +3,7 @@ replaced by itself, its requests move and finish with exactly the output of an u
 truth meanwhile, and nothing leaks (coordinator bookings and every engine's blocks) after any of it."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from engine import SamplingParams
+from engine.core.choices import choice_seed
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
@@ -115,6 +117,63 @@ def test_the_only_decode_worker_killed_mid_stream_every_stream_finishes_exactly(
     assert moved['{event="attempted"}'] >= 1 and moved.get('{event="outcome_failed"}', 0) == 0, moved
     restarts = metric_values(healing_server.url, "pdserve_worker_restarts_total")
     assert restarts['{worker="decode-0",role="decode"}'] >= 1, restarts
+
+
+async def _stream_choices(client, url: str, body: dict, on_chunk) -> dict:
+    """A streamed request with n choices: {"texts": per index, "finish": per index, "tokens": usage total}."""
+    texts, finish, tokens, chunks = {}, {}, 0, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk.get("choices", []):
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                if c.get("finish_reason"):
+                    finish[c["index"]] = c["finish_reason"]
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            chunks += 1
+            on_chunk(chunks)
+    return {"texts": [texts[i] for i in sorted(texts)], "finish": [finish[i] for i in sorted(finish)],
+            "tokens": tokens}
+
+
+def test_the_decode_worker_killed_under_n_choice_groups_every_choice_finishes_exactly(healing_server, reference,
+                                                                                      llama):
+    """A group (n > 1) whose decode worker dies: each unfinished choice goes on alone from its last streamed
+    token, with its own seed, so every choice equals the uninterrupted run's."""
+    n, prompts = 3, random_prompts([14, 30, 22], 2000, seed=33)
+    bodies = [{"model": str(llama), "prompt": p, "max_tokens": MID_STREAM, "ignore_eos": True, "n": n,
+               "temperature": 0.9, "top_p": 0.95, "seed": 40 + i, "stream": True,
+               "stream_options": {"include_usage": True}} for i, p in enumerate(prompts)]
+    expected = [[reference.generate([b["prompt"]], SamplingParams(
+        temperature=0.9, top_p=0.95, seed=choice_seed(b["seed"], j), max_tokens=MID_STREAM, ignore_eos=True))[0].text
+        for j in range(n)] for b in bodies]
+    decoding, started = asyncio.Event(), []
+
+    def progress(n_chunks):
+        if n_chunks == 2 * n:  # past the first tokens (from the prefill worker): every choice is decoding
+            started.append(1)
+            if len(started) == len(bodies):
+                decoding.set()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            _, *results = await asyncio.gather(
+                _kill_when(healing_server, "DecodeWorker", decoding),
+                *[_stream_choices(client, healing_server.url, b, progress) for b in bodies])
+        return results
+    before = metric_values(healing_server.url, "pdserve_migrations_total")
+    results = asyncio.run(asyncio.wait_for(run(), 300))
+    for got, want in zip(results, expected, strict=True):
+        assert got["texts"] == want and got["finish"] == ["length"] * n and got["tokens"] == n * MID_STREAM, got
+    _check_clean(healing_server)
+    moved = metric_values(healing_server.url, "pdserve_migrations_total")
+    attempted = moved['{event="attempted"}'] - before.get('{event="attempted"}', 0)
+    assert attempted >= n and moved.get('{event="outcome_failed"}', 0) == before.get('{event="outcome_failed"}', 0)
 
 
 def test_the_only_prefill_worker_killed_with_prompts_queued_every_request_finishes(healing_server, reference, llama):
