@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import AsyncEngine, exit_process_on_failure
+from engine.async_engine import AsyncEngine, exit_process, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
@@ -33,6 +33,7 @@ from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
+from engine.runner.rank_service import RankCallError
 from kvtransfer import AgentConfig
 from kvtransfer.worker_agents import RankAgents, WorkerAgents
 from kvtransfer.worker_setup import prepare_process
@@ -116,7 +117,7 @@ class DecodeWorker:
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
-            await asyncio.wrap_future(self.agents.read(peer, peer_block_ids[:n], blocks))
+            await self._pull(peer, peer_block_ids[:n], blocks)
             self._timing.kv_ready(request_id)
         except BaseException:
             self._transferring.pop(request_id, None)
@@ -186,7 +187,7 @@ class DecodeWorker:
         try:
             if peer is not None:
                 blocks = await self._reserve(group_id, n_tok)
-                await asyncio.wrap_future(self.agents.read(peer, peer_block_ids[:len(blocks)], blocks))
+                await self._pull(peer, peer_block_ids[:len(blocks)], blocks)
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:
                 while not await self.loop.call(lambda e, c=cid: e.fork_reservation(group_id, c, n_tok)):
@@ -263,6 +264,15 @@ class DecodeWorker:
             self.agents.close()
 
     # ---- internals
+    async def _pull(self, peer: str, remote_ids: list[int], local_ids: list[int]) -> None:
+        """Every rank pulls its KV heads. A rank that cannot even answer (its process died) means this worker's
+        TP group is broken for good: the process exits, so the request moves and the worker is replaced, instead
+        of failing this request and waiting for the next step to notice."""
+        try:
+            await asyncio.wrap_future(self.agents.read(peer, remote_ids, local_ids))
+        except RankCallError as e:
+            exit_process(self.name, str(e))
+
     async def _reserve(self, request_id: str, num_tokens: int) -> list[int]:
         deadline = time.monotonic() + self._admission_timeout_s
         while True:

@@ -98,8 +98,12 @@ def exit_process_on_failure(task: asyncio.Task, name: str) -> None:
     rank), and a live-looking worker that fails every call would never be replaced. Cancellation is not failure."""
     def done(t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is not None:
-            print(f"{name}: the engine loop failed, exiting so the pool replaces this worker: {t.exception()!r}",
-                  file=sys.stderr, flush=True)
-            os._exit(70)  # not sys.exit: Ray actors catch SystemExit
+            exit_process(name, f"the engine loop failed: {t.exception()!r}")
     task.add_done_callback(done)
+
+
+def exit_process(name: str, why: str) -> None:
+    """End a pool worker's process at once (its supervisor replaces it; its requests move elsewhere)."""
+    print(f"{name}: {why}; exiting so the pool replaces this worker", file=sys.stderr, flush=True)
+    os._exit(70)  # not sys.exit: Ray actors catch SystemExit
 
