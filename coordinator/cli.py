@@ -63,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_main(args: argparse.Namespace) -> int:
-    from coordinator.serve_config import ConfigError, load_serve_config
+    from coordinator.serve_config import ConfigError, check_tensor_parallel, load_serve_config
     overrides = {k: v for k, v in (("server.host", args.host), ("server.port", args.port),
                                    ("ray_address", args.ray_address)) if v is not None}
     try:
         config = load_serve_config(args.config, overrides)
+        check_tensor_parallel(config, args.config)
     except ConfigError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

@@ -183,6 +183,23 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
     return config
 
 
+def check_tensor_parallel(config: ServeConfig, path: Path | str) -> None:
+    """ConfigError naming the key when a pool's tensor_parallel_size cannot split the model in `config.model`
+    (checked where its config.json is on disk, before any worker starts; elsewhere the workers report it)."""
+    from engine.model.model_config import ModelConfig
+    from engine.model.parallel import FIELD, TPLayout
+    folder = Path(config.model)
+    if not (folder / "config.json").is_file():
+        return
+    model = ModelConfig.from_folder(folder)
+    for pool in (("prefill", "decode") if config.mode == "disaggregated" else ("decode",)):
+        try:
+            TPLayout.check(model, getattr(config, pool).tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {str(e).replace(FIELD, f'{pool}.tensor_parallel_size')} "
+                              f"({folder}/config.json)") from None
+
+
 def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(raw) - set(known))

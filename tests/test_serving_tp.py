@@ -4,6 +4,8 @@ rank replaces the whole worker while its streams migrate and still end exactly."
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -80,3 +82,12 @@ def test_tp_on_fractions_of_a_gpu_is_refused_with_the_key_named(tmp_path):
     path.write_text("mode: collocated\ndecode:\n  tensor_parallel_size: 2\n  num_gpus: 0.5\n")
     with pytest.raises(ConfigError, match="whole GPUs"):
         load_serve_config(path)
+
+
+def test_a_tp_size_the_model_cannot_split_is_refused_before_any_worker_starts(llama, tmp_path):
+    path = tmp_path / "tp3.yaml"
+    path.write_text(f"model: {llama}\nprefill:\n  tensor_parallel_size: 3\n")
+    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", str(path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "prefill.tensor_parallel_size 3 must divide the model's 4 attention heads" in result.stderr, result.stderr
