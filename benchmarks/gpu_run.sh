@@ -7,6 +7,7 @@
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs): TP=2 kernel/graph tests, P TP=2 <-> D TP=1 over NCCL + cuda_ipc, 8B decode step at TP=1 vs TP=2.
+# handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -52,6 +53,10 @@ for step in "$@"; do
       timeout 300 python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
         --set decode.tensor_parallel_size=2 --set load_format=dummy --set decode.max_num_seqs=16 --requests 1 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/tp70b_serve.log" | grep "^{" ;;
+    handoff)
+      [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
+      timeout 400 python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8b \
+        2>&1 | tee "$OUT/handoff.log" | grep "^{" ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

@@ -1,0 +1,181 @@
+"""The KV handoff inside real serving (`pdserve serve`, disaggregated): the wait between a request's prefill and its
+first decode step against the raw transfer time of its KV, and how much running streams slow while transfers land.
+
+    python benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8b   # 2 GPUs
+    python benchmarks/handoff_serving.py --model /tmp/tiny-llama --device cpu --prompt-len 400 \\
+        --stream-tokens 400 --window-s 3        # a smoke run of the program (UCX on loopback; figures mean little)
+
+Prints JSON lines, each figure next to its reference measured in the same run:
+- `handoff`: requests of `--prompt-len` tokens sent one at a time (none queues behind another); per request the
+  workers' phases (coordinator.phases): `kv_transfer` (reserve + pull) and `decode_join` (KV landed -> its first
+  decode step starts), medians and p90; the raw time of the same KV bytes at the peer-copy rate measured before the
+  server starts (GPU 0 -> GPU 1, 1 GiB; on the CPU a host copy); `handoff_x_raw` = (kv_transfer + decode_join) /
+  raw (issue 13's goal: at most 1.5) and the effective rate bytes / kv_transfer against the peer-copy rate (goal:
+  at least 0.5 of it).
+- `decode_during_transfers`: `--streams` streams decoding; the time per output token of each, first in a window
+  with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
+  worker); the ratio (goal: at most 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import yaml
+
+from tests.server_process import running_server
+
+WITH_PHASES = {"stream": True, "stream_options": {"include_usage": True, "include_phases": True}}
+
+
+def peer_copy_rate(device: str) -> tuple[float, str]:
+    """Bytes/s of one 1 GiB copy: GPU 0 -> GPU 1 (what cuda_ipc moves over), or host memory on the CPU."""
+    n = 1 << 29  # bf16 elements: 1 GiB
+    if device == "cuda":
+        src = torch.empty(n, dtype=torch.bfloat16, device="cuda:0")
+        dst = torch.empty(n, dtype=torch.bfloat16, device="cuda:1")
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        rate, what = 5 * 2 * n / (time.perf_counter() - start), "cuda:0 -> cuda:1 copy"
+        del src, dst
+        torch.cuda.empty_cache()
+        return rate, what
+    src, dst = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    dst.copy_(src)
+    start = time.perf_counter()
+    dst.copy_(src)
+    return 2 * n / (time.perf_counter() - start), "host memory copy"
+
+
+def kv_bytes_per_token(model: str) -> int:
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.get("torch_dtype", "bfloat16")]
+    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * itemsize
+
+
+async def one_with_phases(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0, **WITH_PHASES}
+    phases = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                phases = chunk.get("phases") or phases
+    return phases or {}
+
+
+async def handoff(url: str, model: str, prompts: list[list[int]]) -> list[dict]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one_with_phases(client, url, model, prompts[0][:16])  # warm-up
+        return [await one_with_phases(client, url, model, p) for p in prompts]
+
+
+async def stream_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                        stamps: list[float]) -> None:
+    """Stream one request, appending one timestamp per output token (tokens counted from the chunks' logprobs)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "logprobs": 0, "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    now = time.perf_counter()
+                    stamps.extend([now] * len((choice.get("logprobs") or {}).get("tokens") or [0]))
+
+
+def tpot_in(stamps: list[float], start: float, end: float) -> float | None:
+    inside = [t for t in stamps if start <= t < end]
+    return (inside[-1] - inside[0]) / (len(inside) - 1) if len(inside) > 2 else None
+
+
+async def decode_during_transfers(url: str, model: str, args: argparse.Namespace, vocab: int) -> dict:
+    rng = random.Random(1)
+    stamps: list[list[float]] = [[] for _ in range(args.streams)]
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        background = [asyncio.create_task(stream_tokens(client, url, model, [rng.randrange(3, vocab) for _ in range(16)],
+                                                        args.stream_tokens, s)) for s in stamps]
+        while not all(len(s) >= 3 for s in stamps):
+            await asyncio.sleep(0.05)
+        quiet_start = time.perf_counter()
+        await asyncio.sleep(args.window_s)
+        busy_start = time.perf_counter()
+        arrivals = []
+        while time.perf_counter() - busy_start < args.window_s:
+            prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+            arrivals.append(asyncio.create_task(one_with_phases(client, url, model, prompt)))
+            await asyncio.sleep(args.arrival_interval_s)
+        busy_end = time.perf_counter()
+        await asyncio.gather(*arrivals)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    quiet = [x for s in stamps if (x := tpot_in(s, quiet_start, busy_start)) is not None]
+    busy = [x for s in stamps if (x := tpot_in(s, busy_start, busy_end)) is not None]
+    if not quiet or not busy:
+        return {"case": "decode_during_transfers", "error": "the streams ended before both windows closed: "
+                "raise --stream-tokens or lower --window-s"}
+    q, b = statistics.median(quiet), statistics.median(busy)
+    return {"case": "decode_during_transfers", "streams": args.streams, "arrivals": len(arrivals),
+            "prompt_len": args.prompt_len, "tpot_ms_quiet": round(q * 1e3, 3), "tpot_ms_transfers": round(b * 1e3, 3),
+            "slowdown": round(b / q, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--model", required=True, help="a local checkpoint folder")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--streams", type=int, default=32, help="streams decoding in the slowdown windows")
+    parser.add_argument("--stream-tokens", type=int, default=4000)
+    parser.add_argument("--window-s", type=float, default=5.0)
+    parser.add_argument("--arrival-interval-s", type=float, default=0.25)
+    args = parser.parse_args()
+    rate, what = peer_copy_rate(args.device)
+    print(json.dumps({"reference": what, "gb_per_s": round(rate / 1e9, 1)}), flush=True)
+    config = yaml.safe_load(Path(args.config).read_text())
+    config.pop("ray_address", None)
+    config |= {"model": args.model, "mode": "disaggregated"}
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    per_token = kv_bytes_per_token(args.model)
+    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
+        phases = asyncio.run(handoff(server.url, args.model, prompts))
+        slowdown = asyncio.run(decode_during_transfers(server.url, args.model, args, vocab))
+    kv = [p.get("kv_transfer", 0.0) for p in phases]
+    join = [p.get("decode_join", 0.0) for p in phases]
+    both = sorted(a + b for a, b in zip(kv, join, strict=True))
+    nbytes = args.prompt_len * per_token
+    raw = nbytes / rate
+    print(json.dumps({"case": "handoff", "requests": len(phases), "prompt_len": args.prompt_len, "kv_bytes": nbytes,
+                      "kv_transfer_ms_p50": round(statistics.median(kv) * 1e3, 3),
+                      "decode_join_ms_p50": round(statistics.median(join) * 1e3, 3),
+                      "handoff_ms_p50": round(statistics.median(both) * 1e3, 3),
+                      "handoff_ms_p90": round(both[int(0.9 * (len(both) - 1))] * 1e3, 3),
+                      "raw_ms": round(raw * 1e3, 3), "handoff_x_raw": round(statistics.median(both) / raw, 2),
+                      "effective_gb_per_s": round(nbytes / statistics.median(kv) / 1e9, 2),
+                      "effective_x_peer": round(nbytes / statistics.median(kv) / rate, 3)}), flush=True)
+    print(json.dumps(slowdown), flush=True)
+
+
+if __name__ == "__main__":
+    main()
