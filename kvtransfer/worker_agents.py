@@ -148,7 +148,7 @@ class WorkerAgents:
 
         def settle(_: concurrent.futures.Future) -> None:
             if all(f.done() for f in futures) and not done.done():
-                errors = [f.exception() for f in futures if f.exception() is not None]
+                errors = [e for e in map(_error, futures) if e is not None]
                 if errors:
                     done.set_exception(errors[0])
                 else:
@@ -187,5 +187,10 @@ def _first_failure(futures: list[concurrent.futures.Future], timeout: float | No
     for f in futures:
         if not f.done():
             raise TimeoutError(f"a rank did not answer within {timeout} s")
-        if f.exception() is not None:
-            raise f.exception()
+        if (error := _error(f)) is not None:
+            raise error
+
+
+def _error(f: concurrent.futures.Future) -> BaseException | None:
+    """A done future's exception (a cancelled one's is CancelledError), or None."""
+    return concurrent.futures.CancelledError() if f.cancelled() else f.exception()
