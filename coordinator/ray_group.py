@@ -11,7 +11,8 @@ its own worker id `<group>#<j>`; `stop(j)` aborts one choice (a stop string matc
 Every exit path runs one `finally`: every unfinished choice and the group's prefill are aborted on live workers
 and the Reservation is released, exactly once.
 Migration: when a worker under the group dies (or its KV transfer fails, with transfer.on_failure: recompute),
-the group's own placement ends (the finally above) and every unfinished choice goes on alone as a single request
+the group's own placement ends (the finally above). If nothing was streamed yet, the whole group starts again
+(up to recovery.max_migrations times). Otherwise every unfinished choice goes on alone as a single request
 resumed after the tokens it already streamed (RayBackend.generate(..., moved_after=...): prompt + those tokens
 prefilled elsewhere, the choice's own seeded params, so the continuation is the uninterrupted one). The prompt's
 KV is then no longer shared between the choices: the price of a rare failure, for code that reuses the single
@@ -49,7 +50,6 @@ class GroupRun:
         self._decode: WorkerState | None = None
         self._ids: list[str] = []
         self._sent: list[list[int]] = [[] for _ in range(request.n)]  # per choice: every token streamed
-        self._prompt_logprobs_sent = False
         self._resumed: dict[int, asyncio.Task] = {}  # choice -> its task after a migration
         self._gen = self._run()
 
@@ -72,24 +72,37 @@ class GroupRun:
         await self._gen.aclose()
 
     async def _run(self) -> AsyncIterator[tuple[int, TokenDelta]]:
-        try:  # aclosing: a consumer that stops early runs each stage's cleanup now, not at garbage collection
-            async with aclosing(self._grouped()) as grouped:
-                async for j, delta in grouped:
-                    yield self._record(j, delta)
-            return
-        except WorkerLost as e:
-            lost: BackendError = e
-        except TransferFailed as e:
-            if self._backend.config.transfer.on_failure == "fail":
-                raise BackendError(f"{e} (transfer.on_failure: fail)") from None
-            lost = e
+        b, restarts = self._backend, 0
+        while True:
+            try:  # aclosing: a consumer that stops early runs each stage's cleanup now, not at garbage collection
+                async with aclosing(self._grouped()) as grouped:
+                    async for j, delta in grouped:
+                        yield self._record(j, delta)
+                if restarts:
+                    b._count(b.migrations, "outcome_completed")
+                return
+            except WorkerLost as e:
+                lost: BackendError = e
+            except TransferFailed as e:
+                if b.config.transfer.on_failure == "fail":
+                    raise BackendError(f"{e} (transfer.on_failure: fail)") from None
+                lost = e
+            if any(self._sent):
+                break
+            # nothing streamed yet: the whole group starts again (prefilled once, prompt logprobs included)
+            b._count(b.migrations, "attempted")
+            if restarts >= b.config.recovery.max_migrations:
+                b._count(b.migrations, "outcome_failed")
+                raise BackendError(f"{lost}; the group was moved {restarts} times already "
+                                   "(recovery.max_migrations)") from None
+            restarts += 1
+            log.warning("group %s: %s; starting it again", self._request.request_id, lost)
         async with aclosing(self._resume(lost)) as resumed:
             async for j, delta in resumed:
                 yield self._record(j, delta)
 
     def _record(self, j: int, delta: TokenDelta) -> tuple[int, TokenDelta]:
         self._sent[j].extend(delta.token_ids)
-        self._prompt_logprobs_sent |= delta.prompt_logprobs is not None
         return j, delta
 
     async def _resume(self, lost: BackendError) -> AsyncIterator[tuple[int, TokenDelta]]:
@@ -98,9 +111,7 @@ class GroupRun:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def run(j: int) -> None:
-            params = self._params[j]
-            if self._prompt_logprobs_sent or j > 0:  # they went out with the first tokens, or go with choice 0's
-                params = replace(params, prompt_logprobs=None)
+            params = replace(self._params[j], prompt_logprobs=None)  # they went out with the first tokens
             alone = replace(request, request_id=f"{request.request_id}#{j}", params=params, n=1, trace=None)
             try:
                 async with aclosing(b.generate(alone, moved_after=self._sent[j])) as deltas:

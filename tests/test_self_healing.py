@@ -187,14 +187,29 @@ def test_the_only_prefill_worker_killed_with_prompts_queued_every_request_finish
                 await asyncio.sleep(0.02)
         queued.set()
 
+    # and a group asking for prompt logprobs, queued with them: nothing of it is sent before the kill, so the
+    # whole group starts again (its prompt logprobs included) instead of its choices moving one by one
+    group_prompt = random_prompts([230], 2000, seed=34)[0]
+    group = {"model": str(llama), "prompt": group_prompt, "max_tokens": 8, "ignore_eos": True, "n": 2,
+             "temperature": 0.9, "seed": 5, "prompt_logprobs": 1}
+    group_expected = [reference.generate([group_prompt], SamplingParams(
+        temperature=0.9, seed=choice_seed(5, j), max_tokens=8, ignore_eos=True))[0].text for j in range(2)]
+
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
-            _, _, *results = await asyncio.gather(watch_queue(), _kill_when(healing_server, "PrefillWorker", queued),
-                                                  *[complete(client, healing_server.url, b) for b in bodies])
-        return results
-    results = asyncio.run(asyncio.wait_for(run(), 300))
+            _, _, grouped, *results = await asyncio.gather(
+                watch_queue(), _kill_when(healing_server, "PrefillWorker", queued),
+                client.post(f"{healing_server.url}/v1/completions", json=group),
+                *[complete(client, healing_server.url, b) for b in bodies])
+        return grouped, results
+    grouped, results = asyncio.run(asyncio.wait_for(run(), 300))
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"]) == (want, 8)
+    assert grouped.status_code == 200, grouped.text
+    choices = sorted(grouped.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == group_expected
+    for c in choices:
+        assert len(c["prompt_logprobs"]) == len(group_prompt) and c["prompt_logprobs"][0] is None, c
     _check_clean(healing_server)
 
 
