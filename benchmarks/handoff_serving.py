@@ -109,8 +109,9 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
     rng = random.Random(1)
     stamps: list[list[float]] = [[] for _ in range(args.streams)]
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
-        background = [asyncio.create_task(stream_tokens(client, url, model, [rng.randrange(3, vocab) for _ in range(16)],
-                                                        args.stream_tokens, s)) for s in stamps]
+        short = [[rng.randrange(3, vocab) for _ in range(16)] for _ in stamps]
+        background = [asyncio.create_task(stream_tokens(client, url, model, p, args.stream_tokens, s))
+                      for p, s in zip(short, stamps, strict=True)]
         while not all(len(s) >= 3 for s in stamps):
             await asyncio.sleep(0.05)
         quiet_start = time.perf_counter()
