@@ -8,6 +8,7 @@
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs): TP=2 kernel/graph tests, P TP=2 <-> D TP=1 over NCCL + cuda_ipc, 8B decode step at TP=1 vs TP=2.
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
+# x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -57,6 +58,15 @@ for step in "$@"; do
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       timeout 400 python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8b \
         2>&1 | tee "$OUT/handoff.log" | grep "^{" ;;
+    x4)
+      [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
+      timeout 590 python3 -m coordinator.cli sweep configs/sweeps/gpu-4x-llama3-70b-tp2.yaml 2>&1 \
+        | tee "$OUT/sweep70b.log" | tail -20 ;;
+    x4kill)
+      [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
+      timeout 590 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
+        --set load_format=dummy --kill decode-0:1 --recovery-timeout-s 400 2>&1 | tee "$OUT/recovery70b.log" \
+        | grep -v "^(" | tail -10 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

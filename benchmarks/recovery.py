@@ -8,6 +8,8 @@ from /health (`last_recovery_s`: backoff, actor start = process + engine, engine
 graphs, agent, peer exchange). The reference is the same run's chunk gap p50 before the kill.
 
     python benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --kill decode-0 prefill-0
+    python benchmarks/recovery.py configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b --set load_format=dummy \
+        --kill decode-0:1      # one rank of the decode TP group (4 GPUs): the group is replaced whole
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from coordinator.serve_config import set_dotted
 from tests.server_process import running_server
 
 
@@ -68,14 +71,16 @@ async def _until_health(client: httpx.AsyncClient, code: int, timeout_s: float) 
 async def drive(url: str, model: str, args) -> list[dict]:
     rows = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as admin:
-        for name in args.kill:
+        for target in args.kill:
+            name, _, rank = target.partition(":")  # "decode-0:1": rank 1 of decode-0's tensor-parallel group
+            query = f"?rank={rank}" if rank else ""
             stop, results = asyncio.Event(), []
             load = asyncio.create_task(_load(url, model, args, stop, results))
             await asyncio.sleep(args.settle_s)
             before = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
             killed = time.perf_counter()
-            assert (await admin.post(f"/admin/workers/{name}/kill")).status_code == 200
-            print(f"killed {name} after {len(results)} finished requests", flush=True)
+            assert (await admin.post(f"/admin/workers/{name}/kill{query}")).status_code == 200
+            print(f"killed {target} after {len(results)} finished requests", flush=True)
             noticed = await _until_health(admin, 503, args.recovery_timeout_s)
             back = await _until_health(admin, 200, args.recovery_timeout_s)
             print(f"{name} back after {back - killed:.2f} s", flush=True)
@@ -87,7 +92,7 @@ async def drive(url: str, model: str, args) -> list[dict]:
             spanning = [r for r in results if r["stamps"] and r["stamps"][0] < killed < r["stamps"][-1]]
             gaps = [b - a for r in spanning for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
             failed = sum(1 for r in results if r["error"] or r["status"] != 200)
-            rows.append({"worker": name, "streams_through_kill": len(spanning), "requests": len(results),
+            rows.append({"worker": target, "streams_through_kill": len(spanning), "requests": len(results),
                          "failed": failed,
                          "exact_token_counts": all(r["tokens"] == args.max_tokens for r in results),
                          "death_noticed_s": round(noticed - killed, 3), "healthy_again_s": round(back - killed, 3),
@@ -101,7 +106,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("config")
     p.add_argument("--model", help="overrides the config's model")
-    p.add_argument("--kill", nargs="+", default=["decode-0"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. load_format=dummy (YAML value syntax)")
+    p.add_argument("--kill", nargs="+", default=["decode-0"],
+                   help="workers to kill in turn; NAME:RANK kills one rank of a tensor-parallel worker")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -113,6 +121,7 @@ def main() -> None:
     config.pop("ray_address", None)
     if args.model:
         config["model"] = args.model
+    set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     config.setdefault("server", {})["admin_api"] = True
     config.setdefault("recovery", {}).setdefault("backoff_initial_s", 0.1)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(args.workdir or tmp), config) as server:

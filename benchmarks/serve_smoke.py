@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from coordinator.serve_config import set_dotted
 from tests.server_process import metric_values, running_server
 
 
@@ -80,13 +81,7 @@ def main() -> None:
     config = yaml.safe_load(Path(args.config).read_text())
     config.pop("ray_address", None)
     config |= {k: v for k, v in (("model", args.model), ("mode", args.mode)) if v}
-    for item in args.set:
-        key, value = item.split("=", 1)
-        *parents, leaf = key.split(".")
-        node = config
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
+    set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
         url = server.url
         figures = asyncio.run(drive(url, config["model"], args))

@@ -35,12 +35,17 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
     backend = app.state.backend
 
     @app.post("/admin/workers/{name}/kill")
-    async def kill_worker(name: str, request: Request) -> JSONResponse:
+    async def kill_worker(name: str, request: Request, rank: int | None = None) -> JSONResponse:
+        """Kill worker `name`'s process, or (`?rank=r`) only its tensor-parallel rank r (a lost GPU of a group)."""
         check_auth(request)
-        if not backend.kill_worker(name):
+        try:
+            found = backend.kill_worker(name) if rank is None else await backend.kill_rank(name, rank)
+        except ValueError as e:
+            raise errors.APIError(400, str(e), "invalid_request_error", "invalid_value", "rank") from None
+        if not found:
             raise errors.APIError(404, f"no live worker named {name!r}", "invalid_request_error", "not_found",
                                   "name")
-        return JSONResponse({"killed": name})
+        return JSONResponse({"killed": name, **({"rank": rank} if rank is not None else {})})
 
     @app.post("/admin/faults")
     async def set_faults(request: Request) -> JSONResponse:

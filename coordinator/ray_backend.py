@@ -333,6 +333,18 @@ class RayBackend:
     def kill_worker(self, name: str) -> bool:
         return self.supervisor.kill(name)
 
+    async def kill_rank(self, name: str, rank: int) -> bool:
+        """Kill one tensor-parallel rank of live worker `name` (the worker then dies and is replaced whole).
+        False if no live worker has that name; ValueError if it has no such rank."""
+        worker = next((w for w in self.pools.all_workers if w.name == name and w.alive), None)
+        if worker is None:
+            return False
+        try:
+            await worker.handle.kill_rank.remote(rank)
+        except RayTaskError as e:
+            raise ValueError(str(e.cause)) from None
+        return True
+
     async def set_faults(self, faults: FaultsConfig) -> None:
         """Inject `faults` on every live worker now, and on every replacement from now on."""
         self.faults = faults

@@ -153,6 +153,17 @@ _CHOICES = {"mode": ("disaggregated", "collocated"), "placement": ("pack", "spre
             "on_failure": ("recompute", "fail")}
 
 
+def set_dotted(raw: dict, overrides: dict[str, Any]) -> dict:
+    """Set each {"server.port": 8001, ...} override in a raw (YAML) config mapping, in place; returned."""
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return raw
+
+
 def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
     """Read and validate a YAML file; `overrides` ({"server.port": 8001, ...}) win over the file."""
     path = Path(path)
@@ -164,12 +175,7 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
-    for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+    set_dotted(raw, overrides or {})
     tenants = parse_tenants(raw.pop("tenants", None), path)
     config = replace(_build(ServeConfig, raw, path, ""), tenants=tenants)
     if tenants.tenants and config.server.api_key is not None:

@@ -248,6 +248,13 @@ class DecodeWorker:
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())
 
+    async def kill_rank(self, rank: int) -> int:
+        """Drills: SIGKILL tensor-parallel rank `rank` (1..N-1) of this worker; its pid. ValueError without it."""
+        followers = self.loop.engine.followers
+        if followers is None:
+            raise ValueError(f"worker {self.name} has no tensor-parallel ranks (tensor_parallel_size 1)")
+        return followers.kill(rank)
+
     async def set_faults(self, kv: dict) -> None:
         """Inject the transfer agent's `kv` faults from now on (drills and tests)."""
         if self.agents is not None:

@@ -163,12 +163,13 @@ def streams_with_a_kill(url: str, bodies: list[dict], kill: Callable[[], Awaitab
     return results
 
 
-async def admin_kill(url: str, worker: str) -> None:
-    """POST /admin/workers/{worker}/kill (needs server.admin_api), from a thread with a plain HTTP request: a new
-    httpx client builds an SSL context, which under CI load blocked the streams' event loop for up to half a
-    second (their client-side latencies grew, and short streams finished before the kill)."""
+async def admin_kill(url: str, worker: str, rank: int | None = None) -> None:
+    """POST /admin/workers/{worker}/kill[?rank=r] (needs server.admin_api), from a thread with a plain HTTP
+    request: a new httpx client builds an SSL context, which under CI load blocked the streams' event loop for up
+    to half a second (their client-side latencies grew, and short streams finished before the kill)."""
     def post() -> int:
-        request = urllib.request.Request(f"{url}/admin/workers/{worker}/kill", method="POST")
+        query = "" if rank is None else f"?rank={rank}"
+        request = urllib.request.Request(f"{url}/admin/workers/{worker}/kill{query}", method="POST")
         with urllib.request.urlopen(request, timeout=30) as r:
             return r.status
     assert await asyncio.to_thread(post) == 200

@@ -2,8 +2,6 @@
 rank replaces the whole worker while its streams migrate and still end exactly."""
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 
@@ -15,6 +13,7 @@ from engine import SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     admin_integrity,
+    admin_kill,
     complete,
     running_server,
     streams_with_a_kill,
@@ -64,8 +63,11 @@ def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_t
     bodies = [{**b, "stream": True} for b in _bodies(llama, 4, seed=42)]
     expected = _expected(reference, bodies)
 
+    bad = httpx.post(f"{server_tp.url}/admin/workers/decode-0/kill?rank=2", timeout=30)
+    assert bad.status_code == 400 and "rank" in bad.json()["error"]["message"], bad.text  # TP=2: rank 1 only
+
     async def kill() -> None:
-        os.kill(follower, signal.SIGKILL)  # rank 1 of the worker's group
+        await admin_kill(server_tp.url, "decode-0", rank=1)  # SIGKILL of rank 1 of the worker's group
     results = streams_with_a_kill(server_tp.url, bodies, kill, timeout_s=400)
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"]) == (want, TOKENS)

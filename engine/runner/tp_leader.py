@@ -13,7 +13,9 @@ while waiting for a step's tokens, and when a collective errors); every wait is 
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
 import time
 import weakref
@@ -101,6 +103,15 @@ class TPFollowers:
                     break
         if self.failure is not None:
             raise TPError(self.failure)
+
+    def kill(self, rank: int) -> int:
+        """SIGKILL follower `rank` (operators' drills: a lost rank); returns its pid. The engine then fails at its
+        next step or collective, as with any lost rank."""
+        if not 1 <= rank <= len(self.procs):
+            raise ValueError(f"no tensor-parallel rank {rank}: the followers are ranks 1..{len(self.procs)}")
+        pid = self.procs[rank - 1].pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def close(self) -> None:
         self._finalizer()
