@@ -32,6 +32,7 @@ import httpx
 import torch
 import yaml
 
+from coordinator.serve_config import set_dotted
 from tests.server_process import running_server
 
 WITH_PHASES = {"stream": True, "stream_options": {"include_usage": True, "include_phases": True}}
@@ -149,12 +150,15 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=4000)
     parser.add_argument("--window-s", type=float, default=5.0)
     parser.add_argument("--arrival-interval-s", type=float, default=0.25)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. load_format=dummy (YAML value syntax)")
     args = parser.parse_args()
     rate, what = peer_copy_rate(args.device)
     print(json.dumps({"reference": what, "gb_per_s": round(rate / 1e9, 1)}), flush=True)
     config = yaml.safe_load(Path(args.config).read_text())
     config.pop("ray_address", None)
     config |= {"model": args.model, "mode": "disaggregated"}
+    set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
