@@ -103,7 +103,9 @@ def test_a_migrated_stream_names_the_time_it_lost_and_its_phases_still_sum(serve
     moved = [r for r in results if "migration" in (r["phases"] or {})]
     assert len(moved) == 1, [r["phases"] for r in results]
     for r in results:
-        assert_partition(r, COLLOCATED | ({"migration"} if r in moved else set()))
+        # a worker's death and the migration load the 2-core runner just when this happens: a CI run saw the
+        # client wait 0.17 s outside the server's window (5.3% of 3.2 s) while the phases covered the rest
+        assert_partition(r, COLLOCATED | ({"migration"} if r in moved else set()), unseen_s=0.25)
     counts, _ = phase_histograms(url, before + 2)
     assert counts["migration"] >= 1
     wait_for_health(url, 200)
