@@ -25,9 +25,6 @@ import ucxx
 from .. import wire
 from ..errors import PeerLost, TransferTimeout
 
-RECONNECT_MIN_S = 1.0     # a failed connection attempt is tried again while this much of its deadline remains
-RECONNECT_PAUSE_S = 0.2
-
 
 def use_python_futures() -> None:
     """Opt this process into ucxx's Python-future request completion, before its first ucxx call.
@@ -106,24 +103,6 @@ class UcxConnection:
 
     @classmethod
     async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
-        """Connect and say hello, again while the deadline allows (a loaded machine may answer a handshake after
-        ucxx's own ~5 s wait, or drop the first one): only the deadline decides that the peer is unreachable."""
-        lost: PeerLost | None = None
-        while True:
-            try:
-                return await cls._open_once(address, port, peer, hello, deadline)
-            except PeerLost as e:
-                lost = lost or e
-                if _remaining(deadline) < RECONNECT_MIN_S:
-                    raise lost from None
-            except TransferTimeout:
-                if lost is not None:  # the peer refused before: say so, not that the last try ran out of time
-                    raise lost from None
-                raise
-            await asyncio.sleep(RECONNECT_PAUSE_S)
-
-    @classmethod
-    async def _open_once(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(address, port), _remaining(deadline))
         except (asyncio.TimeoutError, ucxx.exceptions.UCXError) as e:
