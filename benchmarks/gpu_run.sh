@@ -6,7 +6,9 @@
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
-# tp (2 GPUs): TP=2 kernel/graph tests, P TP=2 <-> D TP=1 over NCCL + cuda_ipc, 8B decode step at TP=1 vs TP=2.
+# tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
+#   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2).
+# oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
@@ -38,15 +40,27 @@ for step in "$@"; do
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
-    tp)
-      timeout 240 python3 -m pytest -q tests/test_tp_cuda.py -rs 2>&1 | tee "$OUT/tp_tests.log" | tail -5
+    tp) bash "$0" tpcuda tptransfer allreduce tpscale ;;
+    tpcuda)  # pytest-timeout dumps every thread's stack if a test hangs
+      timeout 200 python3 -m pytest -v -x --timeout 170 tests/test_tp_cuda.py -rs 2>&1 | tee "$OUT/tp_tests.log" \
+        | tail -25 ;;
+    tptransfer)
       # exactness needs float32 (bf16 sums in another order under TP flip near-tied greedy choices): tests' tiny Llama
       [ -d /tmp/tinyl ] || python3 -c "from pathlib import Path; from tests.hf_checkpoints import make_hf_checkpoint; \
         make_hf_checkpoint('LlamaForCausalLM', Path('/tmp/tinyl'))" >/dev/null 2>&1
       timeout 200 python3 benchmarks/tp_transfer_gpu.py --model /tmp/tinyl --kv-gib 0.25 --prompt-len 200 2>&1 \
-        | tee "$OUT/tp_transfer.log" | grep "^{"
+        | tee "$OUT/tp_transfer.log" | grep "^{" ;;
+    allreduce)
+      timeout 120 python3 benchmarks/tp_scaling_gpu.py --all-reduce-only --hidden ${HIDDEN:-4096} --layers ${LAYERS:-32} \
+        2>&1 | tee "$OUT/all_reduce.log" | grep "^{" ;;
+    oneshot)  # the one-shot all-reduce against NCCL: alone, then in the 8B shape's TP=2 decode step (dummy weights)
+      bash "$0" allreduce
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy --only-tp 2 \
+        --compare-one-shot 2>&1 | tee "$OUT/oneshot.log" | grep "^{" ;;
+    tpscale)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
-      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8b 2>&1 | tee "$OUT/tp_scaling.log" | grep "^{" ;;
+      timeout 360 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8b 2>&1 | tee "$OUT/tp_scaling.log" | grep "^{" ;;
     tp70b)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
       timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l70b --only-tp 2 --load-format dummy \

@@ -121,3 +121,12 @@ def test_close_stops_the_followers(llama_tp2):
     assert all(p.exitcode == 0 for p in procs)
     with pytest.raises(TPError):
         llama_tp2.generate([[5, 6, 7]], greedy(1))
+
+
+def test_the_all_reduce_choice_is_validated_and_gloo_has_no_one_shot(llama_tp2):
+    from engine.engine_config import EngineConfig
+    with pytest.raises(ValueError, match=r"EngineConfig.tp_all_reduce must be one of \('nccl', 'one_shot'\)"):
+        EngineConfig(tp_all_reduce="nvls")
+    with pytest.raises(ValueError, match="EngineConfig.tp_all_reduce .*'one_shot' needs a cuda device"):
+        EngineConfig(tp_all_reduce="one_shot", tensor_parallel_size=2)
+    assert llama_tp2.engine.followers.tp.one_shot is None  # gloo sums every tensor itself

@@ -37,9 +37,13 @@ class TPGroup:
     rank: int
     size: int
     pg: Any
+    one_shot: Any = None  # engine.model.symmetric_all_reduce.OneShotAllReduce: small sums on CUDA, or None
 
     def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
-        """Sum (or `op`) over the ranks, in place; returns x."""
+        """Sum (or `op`) over the ranks, in place; returns x. Small sums take the one-shot kernel when the group
+        has one (engine.model.symmetric_all_reduce), the rest NCCL or gloo."""
+        if op is None and self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot.all_reduce(x)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM if op is None else op
         self.pg.allreduce([x], opts).wait()

@@ -27,6 +27,8 @@ from engine.core.scheduler import SchedulerOutput
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
+from engine.model.symmetric_all_reduce import open_one_shot
+from engine.runner.kv_cache import TORCH_DTYPES
 from engine.runner.model_runner import ModelRunner
 from engine.runner.rank_service import RankServiceFactory, serve_calls
 from engine.runner.step_extras import token_offsets
@@ -46,17 +48,20 @@ class StepPlan:
     prompt_rows: dict[str, int]  # request id -> rows of prompt logprobs rank 0 computes (one logits call each)
 
 
-def open_group(store_path: str, rank: int, size: int, device: torch.device) -> TPGroup:
-    """The TP process group over a file store: gloo on the CPU, NCCL on CUDA (a standalone group object)."""
+def open_group(store_path: str, rank: int, size: int, device: torch.device, config: EngineConfig) -> TPGroup:
+    """The TP process group over a file store: gloo on the CPU, NCCL on CUDA (a standalone group object), with
+    the one-shot all-reduce for small sums on CUDA when config.tp_all_reduce is "one_shot". Collective."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.FileStore(store_path, size)
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
-    else:
-        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return TPGroup(rank, size, pg)
+    if device.type != "cuda":
+        return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    if config.tp_all_reduce != "one_shot":
+        return TPGroup(rank, size, pg)
+    return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
+                                                 store_path))
 
 
 def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
@@ -93,7 +98,7 @@ def follower_main(rank: int, size: int, store_path: str, device: str, config: En
             torch.cuda.set_device(dev)
         else:  # ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        tp = open_group(store_path, rank, size, dev)
+        tp = open_group(store_path, rank, size, dev, config)
 
         def agree(blocks: int) -> int:
             conn.send(("ready", blocks))

@@ -75,7 +75,7 @@ class TPFollowers:
             self.conns.append(parent)
         self.calls = RankCalls(call_conns) if service is not None else None  # the followers' services
         self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), self._dir, call_conns)
-        self.tp = open_group(store, 0, size, devices[0])
+        self.tp = open_group(store, 0, size, devices[0], config)
 
     def agree_blocks(self, mine: int) -> int:
         """Start-up: the fewest blocks any rank can hold; every rank allocates that many."""
