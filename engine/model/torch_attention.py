@@ -49,11 +49,13 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
 
 
 def _gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tables [B, nb] -> K, V [B, KVH, nb * bs, D]."""
-    blocks = kv_layer[tables]  # [B, nb, 2, bs, KVH, D]
-    b, nb, _, bs, kvh, d = blocks.shape
-    k = blocks[:, :, 0].reshape(b, nb * bs, kvh, d).transpose(1, 2)
-    v = blocks[:, :, 1].reshape(b, nb * bs, kvh, d).transpose(1, 2)
+    """tables [B, nb] -> K, V [B, KVH, nb * bs, D] (views of one gathered copy each: gathering K and V apart
+    yields contiguous [B, nb, bs, KVH, D] tensors whose token axes merge for free; gathering whole blocks and
+    slicing K and V out of them cost a second copy, a third of a CPU decode step on `tiny`)."""
+    b, nb = tables.shape
+    _, _, bs, kvh, d = kv_layer.shape
+    k = kv_layer[:, 0][tables].view(b, nb * bs, kvh, d).transpose(1, 2)
+    v = kv_layer[:, 1][tables].view(b, nb * bs, kvh, d).transpose(1, 2)
     return k, v
 
 
