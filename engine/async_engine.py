@@ -64,6 +64,14 @@ class AsyncEngine:
         self._closed = True
         self._wakeup.set()
 
+    def kill_rank(self, rank: int) -> int:
+        """Drills: SIGKILL tensor-parallel rank `rank` (1..N-1) of the engine; its pid (the engine then fails at its
+        next step, and its worker is replaced). ValueError for a rank the engine does not have."""
+        followers = self.engine.followers
+        if followers is None:
+            raise ValueError(f"no tensor-parallel rank {rank}: this worker runs tensor_parallel_size 1")
+        return followers.kill(rank)
+
     # ---- internals
     async def _idle(self) -> None:
         try:

@@ -4,12 +4,10 @@ prompt logprobs and overlapped decode steps work across ranks, and a killed foll
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
 from engine.runner.tp_leader import TPError
 from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
@@ -102,7 +100,10 @@ def test_killed_follower_fails_the_engine(checkpoints):
     try:
         assert llm.generate([[5, 6, 7]], greedy(1))[0].token_ids
         follower = llm.engine.followers.procs[0]
-        os.kill(follower.pid, signal.SIGKILL)
+        loop = AsyncEngine(llm.engine, lambda outputs: None)
+        with pytest.raises(ValueError, match="no tensor-parallel rank 2"):
+            loop.kill_rank(2)
+        assert loop.kill_rank(1) == follower.pid  # the drill's SIGKILL (POST /admin/workers/{name}/kill?rank=1)
         follower.join(10)
         with pytest.raises(TPError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
             llm.generate([[5, 6, 7]], greedy(1))
@@ -130,3 +131,8 @@ def test_the_all_reduce_choice_is_validated_and_gloo_has_no_one_shot(llama_tp2):
     with pytest.raises(ValueError, match="EngineConfig.tp_all_reduce .*'one_shot' needs a cuda device"):
         EngineConfig(tp_all_reduce="one_shot", tensor_parallel_size=2)
     assert llama_tp2.engine.followers.tp.one_shot is None  # gloo sums every tensor itself
+
+
+def test_a_rank_kill_needs_tensor_parallel_ranks():
+    with pytest.raises(ValueError, match="no tensor-parallel rank 1: this worker runs tensor_parallel_size 1"):
+        AsyncEngine(LLM("tiny").engine, lambda outputs: None).kill_rank(1)
