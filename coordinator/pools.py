@@ -196,15 +196,6 @@ def _threads(pool: PoolConfig) -> int:
     return max(1, int(pool.num_cpus))
 
 
-def worker_faults(faults, role: str) -> dict:
-    """The keyword arguments of a worker's set_faults() for the drill config `faults` (a FaultsConfig)."""
-    kv = {"fail_fraction": faults.transfer_fail_fraction, "stall_fraction": faults.transfer_stall_fraction,
-          "stall_s": faults.transfer_stall_s, "seed": faults.seed}
-    if role != "prefill":
-        return {"kv": kv}
-    return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed}
-
-
 async def _connecting(call: Callable[[], Any], what: str) -> None:
     """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
     be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times."""

@@ -32,8 +32,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from coordinator.admission import Admission, Placement
 from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
 from coordinator.backend_stats import backend_stats, transfer_totals
+from coordinator.drills import Drills
 from coordinator.phases import PhaseTrace
-from coordinator.pools import Pools, worker_faults
+from coordinator.pools import Pools
 from coordinator.ray_group import GroupRun
 from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
@@ -65,7 +66,7 @@ class RayBackend:
         self.transfer_totals: dict[str, float] = {}
         self.errors: dict[str, int] = {}
         self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
-        self.faults = config.faults
+        self.drills = Drills(self.pools, self.supervisor, config.faults)
 
     async def start(self) -> None:
         await self.pools.start()
@@ -79,8 +80,8 @@ class RayBackend:
         self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
         for w in self.pools.decode:
             self._spawn(self._poll_loop(w))
-        if self.faults != FaultsConfig():
-            await self.set_faults(self.faults)
+        if self.drills.injecting:
+            await self.drills.set_faults(self.drills.faults)
         self._spawn(self._stats_loop())
 
     async def shutdown(self) -> None:
@@ -269,8 +270,8 @@ class RayBackend:
     def _worker_live(self, worker: WorkerState) -> None:
         if worker.info.role != "prefill":
             self._spawn(self._poll_loop(worker))
-        if self.faults != FaultsConfig():
-            self._spawn(self._apply_faults(worker))
+        if self.drills.injecting:
+            self._spawn(self.drills.on_worker_live(worker))
         self._capacity_freed()
 
     def _capacity_freed(self) -> None:
@@ -330,31 +331,15 @@ class RayBackend:
                 report["workers"][w.name] = check
         return report
 
+    # ---- drills (coordinator.drills; the admin routes call them here)
     def kill_worker(self, name: str) -> bool:
-        return self.supervisor.kill(name)
+        return self.drills.kill_worker(name)
 
     async def kill_rank(self, name: str, rank: int) -> bool:
-        """Kill one tensor-parallel rank of live worker `name` (the worker then dies and is replaced whole).
-        False if no live worker has that name; ValueError if it has no such rank."""
-        worker = next((w for w in self.pools.all_workers if w.name == name and w.alive), None)
-        if worker is None:
-            return False
-        try:
-            await worker.handle.kill_rank.remote(rank)
-        except RayTaskError as e:
-            raise ValueError(str(e.cause)) from None
-        return True
+        return await self.drills.kill_rank(name, rank)
 
     async def set_faults(self, faults: FaultsConfig) -> None:
-        """Inject `faults` on every live worker now, and on every replacement from now on."""
-        self.faults = faults
-        await asyncio.gather(*[self._apply_faults(w) for w in self.pools.all_workers if w.alive])
-
-    async def _apply_faults(self, worker: WorkerState) -> None:
-        try:
-            await worker.handle.set_faults.remote(**worker_faults(self.faults, worker.info.role))
-        except (RayActorError, RayTaskError) as e:
-            log.warning("could not set faults on %s: %s", worker.name, e)
+        await self.drills.set_faults(faults)
 
     def stats(self) -> dict:
         return backend_stats(self)
