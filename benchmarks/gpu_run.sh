@@ -41,8 +41,8 @@ for step in "$@"; do
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
     tp) bash "$0" tpcuda tptransfer allreduce tpscale ;;
-    tpcuda)  # pytest-timeout dumps every thread's stack if a test hangs
-      timeout 200 python3 -m pytest -v -x --timeout 170 tests/test_tp_cuda.py -rs 2>&1 | tee "$OUT/tp_tests.log" \
+    tpcuda)  # on a hang pytest-timeout (thread method: even inside C calls) dumps every thread's stack
+      timeout 230 python3 -m pytest -v -x --timeout 200 --timeout-method=thread tests/test_tp_cuda.py -rs 2>&1 | tee "$OUT/tp_tests.log" \
         | tail -25 ;;
     tptransfer)
       # exactness needs float32 (bf16 sums in another order under TP flip near-tied greedy choices): tests' tiny Llama
