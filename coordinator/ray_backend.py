@@ -193,6 +193,11 @@ class RayBackend:
         to the decode worker is under way (in its own task, which owns the prefill side from then on)."""
         prefill, decode = placement.prefill, placement.decode
         cleanup.append((prefill, "abort"))
+        # the decode worker books the KV's blocks while the prompt is prefilled, so the handoff starts with the
+        # pull (decode_pool.reservations); its abort gives them back if no handoff comes
+        cleanup.append((decode, "abort"))
+        decode.requests.add(attempt)
+        self._spawn(_quietly(decode.handle.reserve.remote(attempt, len(request.prompt_token_ids) + len(prior))))
         result = await self._call(prefill, prefill.handle.prefill.remote(
             attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority))
         trace.split(result.phases)
@@ -202,9 +207,12 @@ class RayBackend:
         first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
                            result.finish_reason)
         if result.finish_reason is None:
-            cleanup.append((decode, "abort"))
-            decode.requests.add(attempt)
             self._spawn(self._handoff(attempt, request, prior, result, placement))
+        else:  # the first token ended it: no handoff takes the early booking
+            cleanup.remove((decode, "abort"))
+            decode.requests.discard(attempt)
+            if decode.alive:
+                self._spawn(_quietly(decode.handle.abort.remote(attempt)))
         return first
 
     async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,

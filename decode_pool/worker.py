@@ -3,8 +3,9 @@ runs whole requests.
 
 Owns one engine stepped by one AsyncEngine loop and one KVAgent that pulls from prefill workers. Tokens leave in
 batches: every step's deltas go to an outbox that the coordinator drains with one long-poll per worker, never
-one call per token. Block ownership: reserve -> (transfer in flight: nobody else may touch them) -> running
-request -> freed on finish or abort; an abort during a transfer is applied once the transfer has ended.
+one call per token. Block ownership: reserve (booked early, while the prompt is prefilled elsewhere:
+decode_pool.reservations) -> (transfer in flight: nobody else may touch them) -> running request -> freed on finish
+or abort; an abort during a transfer is applied once the transfer has ended.
 Every entry point takes `prior_output_ids` for a request resumed after its worker died: the outputs it already
 delivered, whose KV comes (transferred or recomputed) with the prompt's; only new tokens come out of poll().
 Groups (n choices of one prompt, engine.choices): `decode_group` pulls the prompt's KV ONCE into a reservation
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
 from engine.async_engine import AsyncEngine, exit_process, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
@@ -37,12 +39,6 @@ from engine.runner.rank_service import RankCallError
 from kvtransfer import AgentConfig
 from kvtransfer.worker_agents import RankAgents, WorkerAgents
 from kvtransfer.worker_setup import prepare_process
-
-RESERVE_RETRY_S = 0.01
-
-
-class NoCapacity(RuntimeError):
-    """The worker's KV cache stayed full for the whole admission timeout."""
 
 
 class DecodeWorker:
@@ -61,6 +57,7 @@ class DecodeWorker:
         self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._group_prefills: dict[str, asyncio.Future] = {}  # collocated group prefills awaiting their first tokens
         self.loop: AsyncEngine | None = None
+        self.reservations: Reservations | None = None  # blocks booked for KV pulled from prefill workers
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank, driven as one
         self._task: asyncio.Task | None = None
 
@@ -73,6 +70,7 @@ class DecodeWorker:
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         engine_s = time.monotonic() - started
         self.loop = AsyncEngine(engine, self._on_outputs)
+        self.reservations = Reservations(self.loop, self.name, self._admission_timeout_s)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
         meta = None
@@ -103,6 +101,11 @@ class DecodeWorker:
             return self.agents.add_peer(agent_metadata)
         return await asyncio.to_thread(swap)
 
+    async def reserve(self, request_id: str, num_tokens: int) -> None:
+        """Book the blocks of a request's KV while its prompt is still prefilled elsewhere (decode_pool.reservations);
+        its decode() takes them, its abort() gives them back."""
+        self.reservations.book_early(request_id, num_tokens)
+
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
                      prior_output_ids: Sequence[int] = ()) -> EngineLoad:
@@ -110,9 +113,9 @@ class DecodeWorker:
         decode from the first token (output len(prior_output_ids))."""
         prior = list(prior_output_ids)
         self._timing.received(request_id)
+        self._transferring[request_id] = False  # from here an abort is applied when the transfer has ended
         try:
-            blocks = await self._reserve(request_id, len(prompt_token_ids) + len(prior))
-            self._transferring[request_id] = False
+            blocks = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
             n = len(blocks)
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
@@ -186,7 +189,7 @@ class DecodeWorker:
             self._transferring[cid] = False
         try:
             if peer is not None:
-                blocks = await self._reserve(group_id, n_tok)
+                blocks = await self.reservations.book(group_id, n_tok)
                 await self._pull(peer, peer_block_ids[:len(blocks)], blocks)
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:
@@ -237,6 +240,8 @@ class DecodeWorker:
 
     async def abort(self, request_id: str) -> bool:
         self._timing.drop(request_id)
+        if await self.reservations.cancel(request_id):  # booked early, never handed off
+            return True
         if request_id in self._transferring:
             self._transferring[request_id] = True  # decode() frees the blocks once the transfer has ended
             return True
@@ -276,17 +281,6 @@ class DecodeWorker:
             await asyncio.wrap_future(self.agents.read(peer, remote_ids, local_ids))
         except RankCallError as e:
             exit_process(self.name, str(e))
-
-    async def _reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        deadline = time.monotonic() + self._admission_timeout_s
-        while True:
-            blocks = await self.loop.call(lambda e: e.reserve_blocks(request_id, num_tokens))
-            if blocks is not None:
-                return blocks
-            if time.monotonic() > deadline:
-                raise NoCapacity(f"decode worker {self.name}: no room for {num_tokens} tokens of KV within "
-                                 f"{self._admission_timeout_s} s")
-            await asyncio.sleep(RESERVE_RETRY_S)
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         self._step_load = self.loop.engine.load()  # on the engine loop, between two steps

@@ -128,3 +128,14 @@ def test_saturation_gets_503_with_retry_after_and_nothing_leaks(server):
     assert _booked(url, "pdserve_worker_engine_preemptions_total") == preempted_before  # no preemption at all
     assert_nothing_booked(server.url)
     _serves_every_size(url)
+
+
+def test_a_request_ended_by_its_first_token_gives_back_the_decode_blocks_booked_during_its_prefill(server):
+    # the decode worker books a request's KV blocks while its prompt is prefilled (decode_pool.reservations); a
+    # request whose first token ends it never reaches the handoff that would take them
+    for n in (17, 600, 1800):
+        prompt = random_prompts([n], VOCAB, seed=n + 7)[0]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    assert_nothing_booked(server.url)

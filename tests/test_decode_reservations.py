@@ -1,0 +1,63 @@
+"""decode_pool.reservations on a real engine loop (tiny model): an early booking is taken by the handoff or given
+back by cancel, whatever moment the cancel lands at, and a full cache ends an untaken booking without a leak."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_pool.reservations import NoCapacity, Reservations
+from engine import LLM
+from engine.async_engine import AsyncEngine
+
+
+def run_with_loop(body, **engine_kwargs):
+    """body(reservations, engine) on a running AsyncEngine loop; then the engine's integrity check."""
+    engine = LLM("tiny", **engine_kwargs).engine
+
+    async def main():
+        loop = AsyncEngine(engine, lambda outputs: None)
+        task = asyncio.create_task(loop.run())
+        try:
+            return await body(Reservations(loop, "decode-test", timeout_s=0.3), engine)
+        finally:
+            loop.close()
+            await task
+    result = asyncio.run(main())
+    assert engine.check_integrity()["in_use"] == 0
+    return result
+
+
+def test_an_early_booking_is_taken_by_the_handoff():
+    async def body(res: Reservations, engine):
+        res.book_early("a", 40)
+        blocks = await res.take("a", 40)
+        assert len(blocks) == 3 and engine.load().num_reserved == 1 and len(res) == 0
+        await res.loop.call(lambda e: e.abort("a"))
+    run_with_loop(body)
+
+
+@pytest.mark.parametrize("wait_s", [None, 0.0, 0.05])  # before the loop applied it, just after, long after
+def test_a_cancelled_early_booking_gives_its_blocks_back(wait_s):
+    async def body(res: Reservations, engine):
+        res.book_early("b", 40)
+        if wait_s is not None:
+            await asyncio.sleep(wait_s)
+        if wait_s == 0.05:  # the booking was made: the cancel must free it
+            assert engine.load().num_reserved == 1
+        assert await res.cancel("b")
+        assert not await res.cancel("b")  # once
+        assert engine.load().num_reserved == 0 and len(res) == 0
+    run_with_loop(body)
+
+
+def test_a_booking_that_finds_no_room_ends_in_no_capacity_and_leaks_nothing():
+    async def body(res: Reservations, engine):
+        whole = engine.num_kv_blocks * engine.config.block_size
+        res.book_early("big", whole + 1)
+        with pytest.raises(NoCapacity, match="decode-test: no room for"):
+            await res.take("big", whole + 1)
+        res.book_early("big2", whole + 1)
+        assert await res.cancel("big2")  # ended while it was still retrying
+    run_with_loop(body, num_kv_blocks=8)
