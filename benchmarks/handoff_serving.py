@@ -14,7 +14,8 @@ Prints JSON lines, each figure next to its reference measured in the same run:
   at least 0.5 of it).
 - `decode_during_transfers`: `--streams` streams decoding; the time per output token of each, first in a window
   with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
-  worker); the ratio (goal: at most 1.05).
+  worker); the ratio (goal: at most 1.05); and those arrivals' own `kv_transfer` and handoff medians (joining a
+  running batch, where waits for step boundaries show).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
             arrivals.append(asyncio.create_task(one_with_phases(client, url, model, prompt)))
             await asyncio.sleep(args.arrival_interval_s)
         busy_end = time.perf_counter()
-        await asyncio.gather(*arrivals)
+        landed = await asyncio.gather(*arrivals)
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -134,9 +135,13 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
         return {"case": "decode_during_transfers", "error": "the streams ended before both windows closed: "
                 "raise --stream-tokens or lower --window-s"}
     q, b = statistics.median(quiet), statistics.median(busy)
+    kv = [p.get("kv_transfer", 0.0) for p in landed]
+    handoff = [p.get("kv_transfer", 0.0) + p.get("decode_join", 0.0) for p in landed]
     return {"case": "decode_during_transfers", "streams": args.streams, "arrivals": len(arrivals),
             "prompt_len": args.prompt_len, "tpot_ms_quiet": round(q * 1e3, 3), "tpot_ms_transfers": round(b * 1e3, 3),
-            "slowdown": round(b / q, 3)}
+            "slowdown": round(b / q, 3),  # and the arrivals' own handoff, joining a running batch
+            "arrivals_kv_transfer_ms_p50": round(statistics.median(kv) * 1e3, 3),
+            "arrivals_handoff_ms_p50": round(statistics.median(handoff) * 1e3, 3)}
 
 
 def main() -> None:
