@@ -78,7 +78,9 @@ def test_warm_up_leaves_the_engine_as_it_was(llama):
     prompts = [[5, 9, 13, 200, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42, 43, 44]]
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]  # unseeded: the engine's own RNG
-    options = dict(device=DEVICE, kernels="triton", max_num_seqs=4, max_model_len=64, warmup=False)
+    # a 64-token step budget keeps the warm-up prompts at 16 tokens (the interpreter runs every kernel)
+    options = dict(device=DEVICE, kernels="triton", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+                   warmup=False)
     cold = LLM(str(llama), **options)
     expected = [o.token_ids for o in cold.generate(prompts, params)]
     warm = LLM(str(llama), **options)

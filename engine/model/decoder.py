@@ -168,7 +168,9 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.model = nn.Module()
         if tp is None:
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # a weight given: no random init (its normal_ on the meta device costs ~2 s of torch imports)
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                                   _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
             vocab_rows = cfg.vocab_size
         else:
             layout = TPLayout(cfg, tp.rank, tp.size)
