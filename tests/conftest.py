@@ -40,17 +40,3 @@ def reference(llama):
     """The single engine on `llama`: what served outputs must equal."""
     from engine import LLM
     return LLM(str(llama))
-
-
-# The files that take longest on the 2-core CI machine (servers started, kills and recoveries, Triton's interpreter),
-# longest first, from `pytest --durations` of a CI-like run. With `--dist loadfile` the workers take files in
-# collection order, so these go first: a long file handed out last would keep one worker busy alone at the end.
-LONGEST_FIRST = ("test_self_healing.py", "test_engine_kernel_path.py", "test_cluster_node_loss.py", "test_warmup.py",
-                 "test_serving_choices.py", "test_cluster_ray_up.py", "test_serving_2p2d.py", "test_sweep_cpu_smoke.py",
-                 "test_admission_leaks.py", "test_serving_penalties.py", "test_structured_serving.py",
-                 "test_serving_tp_disaggregated.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
