@@ -11,11 +11,15 @@
 # oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
+# sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
 [ -f .devsite/.unpacked ] || { tar xf .devbundle/site.tar.xz -C .devsite && touch .devsite/.unpacked; }
+# extra.tar.xz (optional): wheels the shared bundle script cannot fetch for its platforms (llguidance, manylinux_2_31)
+[ ! -f .devbundle/extra.tar.xz ] || [ -f .devsite/.extra ] || { tar xf .devbundle/extra.tar.xz -C .devsite && touch .devsite/.extra; }
+python3 -c "import llguidance, prometheus_client" || echo "warning: llguidance or prometheus_client missing on this machine"
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 PDSERVE_CACHE=/tmp/pdc
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for step in "$@"; do
@@ -42,8 +46,9 @@ for step in "$@"; do
         --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
     tp) bash "$0" tpcuda tptransfer allreduce tpscale ;;
     tpcuda)  # on a hang pytest-timeout (thread method: even inside C calls) dumps every thread's stack
-      timeout 230 python3 -m pytest -v -x --timeout 200 --timeout-method=thread tests/test_tp_cuda.py -rs 2>&1 | tee "$OUT/tp_tests.log" \
-        | tail -25 ;;
+      # the log goes straight to $OUT (no pipe), so a run cut short still brings back what it printed
+      timeout ${TPCUDA_TIMEOUT:-480} python3 -m pytest -v -s -x --timeout $(( ${TPCUDA_TIMEOUT:-480} - 30 )) \
+        --timeout-method=thread tests/test_tp_cuda.py -rs > "$OUT/tp_tests.log" 2>&1; tail -40 "$OUT/tp_tests.log" ;;
     tptransfer)
       # exactness needs float32 (bf16 sums in another order under TP flip near-tied greedy choices): tests' tiny Llama
       [ -d /tmp/tinyl ] || python3 -c "from pathlib import Path; from tests.hf_checkpoints import make_hf_checkpoint; \
@@ -58,6 +63,10 @@ for step in "$@"; do
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy --only-tp 2 \
         --compare-one-shot 2>&1 | tee "$OUT/oneshot.log" | grep "^{" ;;
+    sampling)  # issue 14: penalties, logit bias and a JSON-schema mask at batch 64 on the 8B shape (128k vocabulary)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_overhead.py --model /tmp/l8bd \
+        --load-format dummy --device cuda 2>&1 | tee "$OUT/sampling.log" | grep "^{" ;;
     tpscale)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       timeout 360 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8b 2>&1 | tee "$OUT/tp_scaling.log" | grep "^{" ;;

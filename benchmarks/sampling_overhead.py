@@ -8,7 +8,8 @@ row is still running:
 - logit_bias: 64 random token ids biased by -5..5;
 - json_schema: an object with one free string field (engine.sampling.grammar, llguidance): the string keeps most
   of the vocabulary allowed, so rows stay alive; a row the grammar ends early is reported in `rows_min`.
-Prints one JSON line per case with step_ms, the ratio to plain, and the rows running at the smallest step.
+The cases run `--rounds` times, interleaved; each prints one JSON line with the median step over its rounds (each
+round's median in `rounds_ms`), the ratio to plain's, and the fewest rows running at any timed step.
 
     python benchmarks/sampling_overhead.py --model /tmp/l8b --device cuda
     python benchmarks/sampling_overhead.py --preset small-128k --device cpu --batch 8 --context 64 --steps 4
@@ -94,11 +95,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights in place (a --no-weights checkpoint: config and tokenizer only)")
+    p.add_argument("--rounds", type=int, default=5, help="each case this many times, interleaved; medians")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = EngineConfig(model=_model_folder(args, tmp), device=args.device,
                               dtype="bfloat16" if args.device == "cuda" else "float32", max_num_seqs=args.batch,
-                              max_num_batched_tokens=8192, enable_prefix_caching=False,
+                              max_num_batched_tokens=8192, enable_prefix_caching=False, load_format=args.load_format,
                               kv_cache_memory_bytes=(16 << 30) if args.device == "cuda" else (256 << 20))
         engine = LLMEngine(config)
         gen = torch.Generator().manual_seed(0)
@@ -107,13 +111,19 @@ def main() -> None:
         regular = torch.tensor([i for i in range(vocab) if i not in specials])
         prompts = [regular[torch.randint(len(regular), (args.context,), generator=gen)].tolist()
                    for _ in range(args.batch)]
-        reference = None
-        for name, extra in _cases(vocab, gen).items():
-            result = measure(engine, prompts, extra, args.steps, name, args.device)
-            reference = reference or result["step_ms"]
+        cases = _cases(vocab, gen)
+        runs: dict[str, list[dict]] = {name: [] for name in cases}
+        for r in range(args.rounds):  # the cases interleaved, so a drift of the machine touches them all alike
+            for name, extra in cases.items():
+                runs[name].append(measure(engine, prompts, extra, args.steps, f"{name}-{r}", args.device))
+        reference = statistics.median(run["step_ms"] for run in runs["plain"])
+        for name, results in runs.items():
+            step = statistics.median(run["step_ms"] for run in results)
             print(json.dumps({"case": name, "batch": args.batch, "context": args.context,
-                              "vocab": vocab, "tokenizer_vocab": engine.tokenizer.vocab_size, **result,
-                              "plain_step_ms": reference, "ratio_to_plain": round(result["step_ms"] / reference, 3),
+                              "vocab": vocab, "tokenizer_vocab": engine.tokenizer.vocab_size, "step_ms": round(step, 3),
+                              "rounds_ms": [run["step_ms"] for run in results],
+                              "rows_min": min(run["rows_min"] for run in results),
+                              "plain_step_ms": reference, "ratio_to_plain": round(step / reference, 3),
                               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}),
                   flush=True)
 
