@@ -39,8 +39,9 @@ def test_kernel_path_matches_transformers(checkpoints, arch):
 
 def test_kernel_path_chunked_prefill_and_prefix_hits(checkpoints):
     """8-token chunks put decode rows and prefill chunks (with a cached prefix) in one step; the second pass
-    reads every full prompt block from the prefix cache."""
-    folder = checkpoints.get("LlamaForCausalLM")
+    reads every full prompt block from the prefix cache. One layer: the interpreter runs every kernel program in
+    Python, and chunking and prefix reuse are the same in every layer."""
+    folder = checkpoints.get("LlamaForCausalLM", num_hidden_layers=1)
     prompts = random_prompts(LENGTHS, vocab_size_of(folder), seed=4)
     refs = hf_greedy(folder, prompts, NEW_TOKENS)
     llm = LLM(str(folder), device=DEVICE, kernels="triton", max_num_batched_tokens=8, block_size=8)
