@@ -222,6 +222,8 @@ class RayBackend:
         Errors go into the attempt's stream."""
         prefill, decode = placement.prefill, placement.decode
         try:
+            if attempt not in self._streams:  # the request ended before this task ran: its abort is already sent,
+                return                        # and a decode() behind it would run a request nobody reads
             decode.load = await self._call(decode, decode.handle.decode.remote(
                 attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
                 prefill.name, result.block_ids, prior_output_ids=prior))

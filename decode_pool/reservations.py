@@ -6,16 +6,26 @@ the prefill worker (`book_early`), so when the prefill ends the handoff finds it
 to the pull, instead of first waiting for the decode step under way to end. Owns the early bookings in flight
 (request id -> task); the engine owns the blocks. Every early booking ends in exactly one of: `take` (the handoff
 uses it), `cancel` (the request ended first: whatever it booked is given back).
+A cancelled id is remembered for ENDED_TTL_S: an abort can overtake its request's handoff (the coordinator sends
+the abort as the client leaves, the handoff from its own task), and a handoff arriving after it must not book
+blocks and decode, to max_tokens, a request nobody reads (`take` raises RequestEnded).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 
 from engine.async_engine import AsyncEngine
 
 RESERVE_RETRY_S = 0.01
+ENDED_TTL_S = 600.0  # how long an aborted id is refused: far beyond any handoff's delay
+ENDED_MAX = 100_000  # and at most this many (the oldest forgotten first)
+
+
+class RequestEnded(RuntimeError):
+    """The request was aborted here before its handoff arrived."""
 
 
 class NoCapacity(RuntimeError):
@@ -26,6 +36,7 @@ class Reservations:
     def __init__(self, loop: AsyncEngine, worker: str, timeout_s: float) -> None:
         self.loop, self.worker, self.timeout_s = loop, worker, timeout_s
         self._early: dict[str, asyncio.Task] = {}
+        self._ended: OrderedDict[str, float] = OrderedDict()  # cancelled id -> when, oldest first
 
     async def book(self, request_id: str, num_tokens: int) -> list[int]:
         """The blocks of `num_tokens` tokens of KV, booked under `request_id`; NoCapacity after the timeout."""
@@ -41,18 +52,23 @@ class Reservations:
 
     def book_early(self, request_id: str, num_tokens: int) -> None:
         """Start booking now, for a `take` later (a second early booking of the same id is ignored)."""
-        if request_id not in self._early:
+        if request_id not in self._early and request_id not in self._ended:
             self._early[request_id] = asyncio.ensure_future(self.book(request_id, num_tokens))
 
     async def take(self, request_id: str, num_tokens: int) -> list[int]:
-        """The request's early booking once it is made (its NoCapacity raised here), or a booking made now."""
+        """The request's early booking once it is made (its NoCapacity raised here), or a booking made now;
+        RequestEnded if the request was cancelled first."""
+        if request_id in self._ended:
+            raise RequestEnded(f"request {request_id} was aborted before its handoff arrived")
         task = self._early.pop(request_id, None)
         if task is None:
             return await self.book(request_id, num_tokens)
         return await task
 
     async def cancel(self, request_id: str) -> bool:
-        """End an early booking that no handoff will take, giving back what it booked; False if there is none."""
+        """End an early booking that no handoff will take, giving back what it booked; False if there is none.
+        Either way a handoff of `request_id` arriving later is refused."""
+        self._remember_ended(request_id)
         task = self._early.pop(request_id, None)
         if task is None:
             return False
@@ -61,6 +77,13 @@ class Reservations:
         # one made before the cancel landed is freed here: this call runs on the loop after the booking's
         await self.loop.call(lambda e: e.abort(request_id))
         return True
+
+    def _remember_ended(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._ended[request_id] = now
+        self._ended.move_to_end(request_id)
+        while self._ended and (len(self._ended) > ENDED_MAX or next(iter(self._ended.values())) < now - ENDED_TTL_S):
+            self._ended.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._early)

@@ -61,3 +61,20 @@ def test_a_booking_that_finds_no_room_ends_in_no_capacity_and_leaks_nothing():
         res.book_early("big2", whole + 1)
         assert await res.cancel("big2")  # ended while it was still retrying
     run_with_loop(body, num_kv_blocks=8)
+
+
+def test_a_handoff_arriving_after_its_abort_books_nothing():
+    """The abort overtook the handoff (the client left as the prefill ended): the late take is refused, and a late
+    early booking is not made, so no request runs to max_tokens with nobody reading it."""
+    from decode_pool.reservations import RequestEnded
+
+    async def body(res: Reservations, engine):
+        assert not await res.cancel("late")  # nothing booked yet: the abort still remembers the id
+        res.book_early("late", 40)
+        with pytest.raises(RequestEnded, match="late was aborted before its handoff"):
+            await res.take("late", 40)
+        assert engine.load().num_reserved == 0 and len(res) == 0
+        blocks = await res.take("other", 40)  # other requests are untouched
+        assert len(blocks) == 3
+        await res.loop.call(lambda e: e.abort("other"))
+    run_with_loop(body)
