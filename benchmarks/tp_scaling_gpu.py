@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,8 +54,9 @@ def all_reduce_vs_peer_copy(hidden: int, layers: int) -> list[dict]:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    store = tempfile.mkdtemp(prefix="pdserve-tp-scaling-") + "/store"
-    procs = [ctx.Process(target=_all_reduce_rank, args=(r, hidden, 2 * layers, store, queue)) for r in range(2)]
+    from engine.runner.tp_follower import host_store
+    server, address = host_store(2, "pdserve-tp-scaling")  # the ranks connect to this process's store
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, hidden, 2 * layers, address, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=180) for _ in procs]
@@ -111,15 +111,15 @@ def _graph_us(graph: torch.cuda.CUDAGraph, per_replay: int, reps: int = 50) -> f
     return round(start.elapsed_time(end) * 1e3 / reps / per_replay, 2)
 
 
-def _all_reduce_rank(rank: int, hidden: int, count: int, store_path: str, queue) -> None:
+def _all_reduce_rank(rank: int, hidden: int, count: int, address, queue) -> None:
     """One rank: the engine's own TP groups (engine.runner.tp_follower.open_group), NCCL and one-shot."""
     from engine.engine_config import EngineConfig
     from engine.runner.tp_follower import open_group
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     config = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=2)
-    nccl = open_group(store_path + ".nccl", rank, 2, device, config)
-    one_shot = open_group(store_path, rank, 2, device, replace(config, tp_all_reduce="one_shot"))
+    nccl = open_group(replace(address, name=address.name + "-nccl"), rank, 2, device, config)
+    one_shot = open_group(address, rank, 2, device, replace(config, tp_all_reduce="one_shot"))
     rows = []
     for batch in (1, 16, 64):
         gen = torch.Generator("cuda").manual_seed(rank)
@@ -133,6 +133,8 @@ def _all_reduce_rank(rank: int, hidden: int, count: int, store_path: str, queue)
             row["one_shot_us"] = _time_in_graph(lambda x=x: one_shot.all_reduce(x), count, nccl)
         rows.append(row)
     queue.put(rows)
+    one_shot.close()
+    nccl.close()
 
 
 def _time_in_graph(op, count: int, group) -> float:

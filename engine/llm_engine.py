@@ -20,6 +20,7 @@ processes (engine.runner.tp_leader) until close(); `kv_spec` and `kv_head_range`
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -306,6 +307,9 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel followers (nothing to do at TP=1); the engine cannot step afterwards."""
         if self.followers is not None:
+            if getattr(self, "runner", None) is not None:  # CUDA graphs that captured NCCL kernels go before the
+                self.runner.graphs = None                   # communicator: tearing it down under them hangs
+                gc.collect()                                # (pytorch#115388)
             self.followers.close()
 
     # ---- internals

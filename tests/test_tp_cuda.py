@@ -3,6 +3,8 @@ graphs that capture the all-reduces and overlapped scheduling on, gives TP=1's g
 NCCL for every sum (the default) and with the one-shot all-reduce for small ones.
 Runs where two GPUs exist (the lent nvidia-h200-x2)."""
 
+import time
+
 import pytest
 import torch
 
@@ -19,13 +21,21 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
     # a fixed KV budget: a share of the free memory would depend on what else holds the GPUs
     kw = dict(device="cuda", max_num_batched_tokens=32, max_num_seqs=8, kv_cache_memory_bytes=256 << 20)
+    start = time.monotonic()
+
+    def progress(what: str) -> None:  # shown with -s: on a lent GPU a silent, slow phase looked like a hang
+        print(f"[{time.monotonic() - start:7.1f} s] {what}", flush=True)
+
     one = LLM(folder, **kw)
+    progress("TP=1 engine started")
     want = [o.token_ids for o in one.generate(prompts, params)]
     want_seeded = [o.token_ids for o in one.generate(prompts, seeded)]
     del one
+    progress("TP=1 reference generated")
     # NCCL (the default) with and without graphs; then small sums by the one-shot kernel
     for graphs, all_reduce in ((True, "nccl"), (False, "nccl"), (True, "one_shot")):
         llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, tp_all_reduce=all_reduce, **kw)
+        progress(f"TP=2 engine started (graphs={graphs}, all-reduce {all_reduce})")
         try:
             assert llm.engine.uses_kernels
             assert (llm.engine.followers.tp.one_shot is not None) == (all_reduce == "one_shot")
@@ -33,5 +43,6 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
             assert [o.token_ids for o in llm.generate(prompts, seeded)] == want_seeded
             assert (llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0) == graphs
             assert llm.engine.check_integrity()["in_use"] == 0
+            progress("TP=2 outputs equal TP=1's")
         finally:
             llm.engine.close()

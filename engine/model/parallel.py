@@ -61,6 +61,14 @@ class TPGroup:
         self.pg.broadcast([x], opts).wait()
         return x
 
+    def close(self) -> None:
+        """Tear this rank's side of the group down at once, without waiting for the peers (one may be gone).
+        Left to garbage collection, an NCCL group whose peer had exited blocked its owner for the collective
+        timeout (5 min) on two H200s."""
+        if self.one_shot is not None:
+            self.one_shot.close()
+        self.pg.abort()
+
     def row_parallel(self, layer: nn.Linear, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A row-parallel layer: partial products summed over the ranks, the bias added once after the sum.
         `out`: the partial product already computed (by a kernel) without the bias."""

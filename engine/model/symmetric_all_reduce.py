@@ -4,8 +4,9 @@ symmetric buffer, then a barrier through peer-mapped signal pads, read every pee
 barrier (so the buffer may be rewritten by the next call). For a decode step's messages (batch x hidden, a few KB
 to 1 MB) it costs a third to a half of NCCL's latency through the same TP group inside a CUDA graph on two H200s:
 7.6 us against 22.9 us at 8 KB, 11.2 against 24.6 us at 512 KB (benchmarks/tp_scaling_gpu.py --all-reduce-only,
-docs/benchmarks.md). Larger tensors go to NCCL. Opt-in (EngineConfig.tp_all_reduce = "one_shot") until the whole
-engine is verified with it on GPUs (tests/test_tp_cuda.py; the kernel alone equals NCCL's sums bitwise).
+docs/benchmarks.md). Larger tensors go to NCCL. Opt-in (EngineConfig.tp_all_reduce = "one_shot"): those NCCL figures
+came from TP groups set up over a file store; over a TCP store (since 2026-11-26) NCCL took 7.3 us at 8 KB on
+two H200s, the same as this kernel, so it is not the default (tests/test_tp_cuda.py checks the engine with it).
 
 Owns the symmetric buffer of one TP group on one rank and the group's registration under a name (torch's kernel
 looks the group up by name); `open_one_shot` is collective: every rank of the group calls it at start-up, in the
@@ -15,12 +16,14 @@ outputs do not change with the choice.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.distributed as dist
 
 ONE_SHOT_MAX_BYTES = 1 << 20  # a decode batch of 64 at hidden 8192 in bf16; larger messages: NCCL
+
+
+class OneShotUnavailable(RuntimeError):
+    """Every rank of the group failed or declined to set up symmetric memory (they agree on it)."""
 
 
 class OneShotAllReduce:
@@ -28,6 +31,11 @@ class OneShotAllReduce:
         self.buffer = buffer          # [max elements] symmetric memory, rendezvoused over the group
         self.group_name = group_name
         self.group = group            # the registered c10d group: torch's registry holds only a weak reference
+
+    def close(self) -> None:
+        """Drop the group's registration (torch's registry is process-wide); the buffer goes with this object."""
+        from torch._C._distributed_c10d import _unregister_process_group
+        _unregister_process_group(self.group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buffer.dtype and x.is_contiguous() and 0 < x.numel() <= self.buffer.numel()
@@ -42,12 +50,12 @@ class OneShotAllReduce:
 
 
 def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dtype: torch.dtype,
-                  store_key: str) -> OneShotAllReduce:
-    """The one-shot all-reduce over the NCCL `backend` of a TP group. Raises RuntimeError naming
-    EngineConfig.tp_all_reduce where symmetric memory cannot be set up (no peer access between the GPUs, an
-    unsupported driver or dtype). The ranks agree on the outcome through one NCCL all-reduce of a flag: a rank that
-    failed while another succeeded would otherwise leave the other waiting in its first all-reduce."""
-    name = "pdserve-tp-" + hashlib.sha1(store_key.encode()).hexdigest()[:16]
+                  name: str) -> OneShotAllReduce:
+    """The one-shot all-reduce over the NCCL `backend` of a TP group. Raises OneShotUnavailable on every rank where
+    symmetric memory cannot be set up on any (no peer access between the GPUs, an unsupported driver or dtype).
+    The ranks agree on the outcome through one NCCL all-reduce of a flag: a rank that failed while another
+    succeeded would otherwise leave the other waiting in its first all-reduce. `name`: the group's, unique in the
+    process (torch's registry of groups is process-wide)."""
     one_shot, why = None, ""
     try:
         if dtype not in (torch.bfloat16, torch.float32):
@@ -66,9 +74,8 @@ def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dt
     if int(ok.item()) == 1:
         assert one_shot is not None
         return one_shot
-    raise RuntimeError(f"EngineConfig.tp_all_reduce 'one_shot': tensor-parallel rank {rank} could not set up the "
-                       f"symmetric memory of the one-shot all-reduce ({why or 'another rank failed'}); "
-                       "use 'nccl'")
+    raise OneShotUnavailable(f"tensor-parallel rank {rank} could not set up the symmetric memory of the one-shot "
+                             f"all-reduce ({why or 'another rank failed'})")
 
 
 def _register_group(name: str, backend, store, rank: int, size: int):

@@ -15,6 +15,7 @@ collectives come in the same order as rank 0's because it makes the same graph/e
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import traceback
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
-from engine.model.symmetric_all_reduce import open_one_shot
+from engine.model.symmetric_all_reduce import OneShotUnavailable, open_one_shot
 from engine.runner.kv_cache import TORCH_DTYPES
 from engine.runner.model_runner import ModelRunner
 from engine.runner.rank_service import RankServiceFactory, serve_calls
@@ -48,20 +49,46 @@ class StepPlan:
     prompt_rows: dict[str, int]  # request id -> rows of prompt logprobs rank 0 computes (one logits call each)
 
 
-def open_group(store_path: str, rank: int, size: int, device: torch.device, config: EngineConfig) -> TPGroup:
-    """The TP process group over a file store: gloo on the CPU, NCCL on CUDA (a standalone group object), with
-    the one-shot all-reduce for small sums on CUDA when config.tp_all_reduce is "one_shot". Collective."""
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where a TP group's ranks meet: rank 0's TCP store on this host, and the group's name (unique on the host:
+    the key prefix in the store and the one-shot kernel's registration)."""
+
+    host: str
+    port: int
+    name: str
+
+
+def host_store(size: int, name_prefix: str = "pdserve-tp") -> tuple[dist.TCPStore, GroupAddress]:
+    """Rank 0's store server on a free loopback port, and the address its followers connect to. A TCP store lives
+    exactly as long as rank 0: a file store's file vanished under NCCL's heartbeat monitor when a follower
+    exited, and the monitor then blocked its process group's teardown for the store timeout (5 min)."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = dist.FileStore(store_path, size)
+    server = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
+    return server, GroupAddress("127.0.0.1", server.port, f"{name_prefix}-{os.getpid()}-{server.port}")
+
+
+def open_group(address: GroupAddress, rank: int, size: int, device: torch.device, config: EngineConfig,
+               store: dist.Store | None = None) -> TPGroup:
+    """The TP process group: gloo on the CPU, NCCL on CUDA (a standalone group object), with the one-shot
+    all-reduce for small sums on CUDA when config.tp_all_reduce is "one_shot". `store`: rank 0's server (from
+    host_store); other ranks connect to `address`. Collective."""
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if store is None:
+        store = dist.TCPStore(address.host, address.port, size, False, timeout)
+    store = dist.PrefixStore(address.name + "/", store)
     if device.type != "cuda":
         return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     pg = dist.ProcessGroupNCCL(store, rank, size, opts)
-    if config.tp_all_reduce != "one_shot":
+    if config.tp_all_reduce == "nccl":
         return TPGroup(rank, size, pg)
-    return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
-                                                 store_path))
+    try:
+        return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
+                                                     address.name))
+    except OneShotUnavailable as e:
+        raise RuntimeError(f"EngineConfig.tp_all_reduce 'one_shot': {e}; use 'nccl'") from e
 
 
 def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
@@ -85,11 +112,11 @@ def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
         runner.model.compute_logits(hidden[step.sample_index])
 
 
-def follower_main(rank: int, size: int, store_path: str, device: str, config: EngineConfig, path: str,
+def follower_main(rank: int, size: int, address: GroupAddress, device: str, config: EngineConfig, path: str,
                   mc: ModelConfig, conn, service: RankServiceFactory | None = None, calls_conn=None) -> None:
     """Entry point of a spawned follower process; `service` (with its pipe `calls_conn`): see rank_service."""
     from engine.runner.rank_setup import build_rank
-    running = None
+    running, tp, state, runner = None, None, None, None
     try:
         if service is not None:
             device = service.prepare(device)  # before CUDA starts
@@ -98,7 +125,7 @@ def follower_main(rank: int, size: int, store_path: str, device: str, config: En
             torch.cuda.set_device(dev)
         else:  # ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        tp = open_group(store_path, rank, size, dev, config)
+        tp = open_group(address, rank, size, dev, config)
 
         def agree(blocks: int) -> int:
             conn.send(("ready", blocks))
@@ -133,3 +160,7 @@ def follower_main(rank: int, size: int, store_path: str, device: str, config: En
     finally:
         if running is not None and hasattr(running, "close"):
             running.close()
+        if tp is not None:  # explicitly, while rank 0 tears its side down too (engine.runner.tp_leader._stop);
+            state = runner = None  # CUDA graphs that captured NCCL kernels first (pytorch#115388)
+            gc.collect()
+            tp.close()

@@ -14,9 +14,7 @@ while waiting for a step's tokens, and when a collective errors); every wait is 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -26,10 +24,11 @@ import torch.multiprocessing as mp
 
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
+from engine.model.parallel import TPGroup
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_service import RankCalls, RankServiceFactory
 from engine.runner.step_extras import StepExtras
-from engine.runner.tp_follower import COLLECTIVE_TIMEOUT_S, StepPlan, follower_main, open_group
+from engine.runner.tp_follower import COLLECTIVE_TIMEOUT_S, StepPlan, follower_main, host_store, open_group
 
 POLL_S = 0.05
 STOP_TIMEOUT_S = 10.0
@@ -55,8 +54,7 @@ class TPFollowers:
     def __init__(self, config: EngineConfig, path: Path, mc: ModelConfig,
                  service: RankServiceFactory | None = None) -> None:
         size, devices = config.tensor_parallel_size, rank_devices(config)
-        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
-        store = str(Path(self._dir) / "store")
+        store, address = host_store(size)
         ctx = mp.get_context("spawn")
         self.procs, self.conns, call_conns = [], [], []
         self.failure: str | None = None
@@ -64,7 +62,7 @@ class TPFollowers:
             parent, child = ctx.Pipe()
             calls_parent, calls_child = ctx.Pipe() if service is not None else (None, None)
             proc = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
-                               args=(rank, size, store, str(devices[rank]), config, str(path), mc, child,
+                               args=(rank, size, address, str(devices[rank]), config, str(path), mc, child,
                                      service, calls_child))
             proc.start()
             child.close()
@@ -74,8 +72,10 @@ class TPFollowers:
             self.procs.append(proc)
             self.conns.append(parent)
         self.calls = RankCalls(call_conns) if service is not None else None  # the followers' services
-        self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), self._dir, call_conns)
-        self.tp = open_group(store, 0, size, devices[0], config)
+        groups: list[TPGroup] = []  # rank 0's group once open, torn down with the followers
+        self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), call_conns, groups)
+        self.tp = open_group(address, 0, size, devices[0], config, store)
+        groups.append(self.tp)
 
     def agree_blocks(self, mine: int) -> int:
         """Start-up: the fewest blocks any rank can hold; every rank allocates that many."""
@@ -184,14 +184,20 @@ def _pending_error(conn) -> str | None:
     return None
 
 
-def _stop(procs: list, conns: list, folder: str, call_conns: list) -> None:
-    """Ask each follower to stop, then terminate (and kill) those that do not within STOP_TIMEOUT_S; then close
-    every pipe (the rank-service pipes only close: their threads end at EOF)."""
+def _stop(procs: list, conns: list, call_conns: list, groups: list[TPGroup]) -> None:
+    """Ask each follower to stop and tear rank 0's side of the group down meanwhile (NCCL's teardown may wait for
+    every rank's, and each follower tears its own down on "close"); then wait for the followers, terminating (and
+    killing) those that do not exit within STOP_TIMEOUT_S, and close every pipe (the rank-service pipes only
+    close: their threads end at EOF). With a follower already dead, rank 0's group is left to the process's exit:
+    its teardown could wait for that rank forever."""
     for conn in conns:
         try:
             conn.send(("close", None))
         except (OSError, ValueError):
             pass
+    if all(proc.is_alive() for proc in procs):
+        for group in groups:
+            group.close()
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -203,4 +209,3 @@ def _stop(procs: list, conns: list, folder: str, call_conns: list) -> None:
             proc.join()
     for conn in conns + call_conns:
         conn.close()
-    shutil.rmtree(folder, ignore_errors=True)
