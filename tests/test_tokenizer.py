@@ -228,7 +228,7 @@ def test_detokenizer_holds_back_partial_emoji(tiny: Path) -> None:
 
 def test_detokenizer_decode_window_stays_small(tiny: Path) -> None:
     tok = Tokenizer.from_folder(tiny)
-    counting = mock.Mock(wraps=tok)
+    counting = mock.Mock(spec=["decode"], wraps=tok)  # no decode_stream: the detokenizer's own decode window
     output = tok.encode(" and a long answer that keeps going" * 30, add_special_tokens=False)
     detok = IncrementalDetokenizer(counting, tok.encode("A long prompt " * 50))
     for i in output:
@@ -236,6 +236,22 @@ def test_detokenizer_decode_window_stays_small(tiny: Path) -> None:
     assert detok.text == tok.decode(output)
     sizes = [len(call.args[0]) for call in counting.decode.call_args_list]
     assert len(sizes) == 2 * len(output) and max(sizes) <= 8  # context + pending ids, never the whole sequence
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_the_rust_decode_stream_gives_the_decode_windows_deltas(tiny: Path, tmp_path: Path, kind: str) -> None:
+    """IncrementalDetokenizer steps through tokenizers' DecodeStream when the tokenizer has one; its deltas are
+    those of the two-decode window, delta for delta, and the flush after them the same too."""
+    folder = tiny if kind == "byte-level" else make_sentencepiece_style_tokenizer(tmp_path / "sp")
+    tok, rng = Tokenizer.from_folder(folder), random.Random(7)
+    decode_only = mock.Mock(spec=["decode"], wraps=tok)
+    for case in range(100):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 8))]
+        output = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 40))]
+        skip = case % 2 == 0
+        rust, window = (IncrementalDetokenizer(t, prompt, skip_special_tokens=skip) for t in (tok, decode_only))
+        assert [rust.step([i]) for i in output] == [window.step([i]) for i in output], (case, prompt, output)
+        assert rust.flush() == window.flush() and rust.text == window.text
 
 
 def test_detokenizer_sentencepiece_leading_space(tmp_path: Path) -> None:

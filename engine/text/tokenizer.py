@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -35,6 +35,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
+from tokenizers.decoders import DecodeStream
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -222,6 +223,13 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """Incremental decoding in tokenizers' DecodeStream (Rust), after `context` ids whose text it does not
+        return: step(id) -> the text that id completes, or None while it completes none (engine.text.detokenizer)."""
+        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        backend = self._backend
+        return lambda token_id: stream.step(backend, token_id)
 
     @property
     def has_chat_template(self) -> bool:
