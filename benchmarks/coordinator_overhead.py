@@ -1,0 +1,174 @@
+"""The coordinator alone: its CPU per streamed token, and a probe request's TTFT while a flood of streams runs.
+
+The real app (`coordinator.app.create_app` under `coordinator.serve.uvicorn_config`: FastAPI, the h11 protocol with
+its head timeout, tokenizer, detokenizer, SSE, metrics) serves, in a subprocess of its own, over PacedBackend: one
+token to every running stream per tick, as an engine's decode step gives one to every running request, and exactly
+max_tokens of them. No engine and no Ray: what is measured is the coordinator's own work per token (issue 13,
+serving overhead; issue 16, a high-priority request's TTFT behind a flood's per-token work).
+
+Prints one JSON line per window: the probe's TTFT p50/p99 (Poisson `--probe-rate`, short outputs), the flood's
+output tokens/s, and the server process's CPU (seconds per second, and microseconds per output token); the first
+window has no flood (the reference), the others `--flood` streams each.
+
+    python benchmarks/coordinator_overhead.py --flood 16,48 --duration 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchclient.arrivals import ArrivalSpec  # noqa: E402
+from benchclient.client import Target  # noqa: E402
+from benchclient.run import RunConfig, run_load  # noqa: E402
+from benchclient.stats import SLO, summarize  # noqa: E402
+from benchclient.workload import WorkloadSpec  # noqa: E402
+from coordinator.backend import GenerateRequest, TokenDelta  # noqa: E402
+
+
+class PacedBackend:
+    """A ServingBackend whose every stream gains one random token per tick (all streams on one ticker task)."""
+
+    def __init__(self, model_path: str, tick_s: float, vocab_size: int) -> None:
+        self.model_name, self.model_path, self.max_model_len, self.vocab_size = "tiny", model_path, 4096, vocab_size
+        self.tick_s = tick_s
+        self._streams: dict[str, tuple[asyncio.Queue, list[int]]] = {}  # id -> (queue, [tokens left])
+        self._ticker: asyncio.Task | None = None
+        self._rng = random.Random(0)
+
+    async def start(self) -> None:
+        pass
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (queue, [request.params.max_tokens])
+        return self._stream(request.request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenDelta]:
+        try:
+            while True:
+                delta = await queue.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            for queue, left in list(self._streams.values()):
+                if left[0] <= 0:  # ended; its consumer has not closed the stream yet
+                    continue
+                left[0] -= 1
+                queue.put_nowait(TokenDelta([self._rng.randrange(10, self.vocab_size)], [],
+                                            "length" if left[0] <= 0 else None))
+
+    def generate_group(self, request: GenerateRequest):
+        raise NotImplementedError("n > 1 is not part of this benchmark")
+
+    def health(self) -> tuple[bool, list[dict]]:
+        return True, []
+
+    def stats(self) -> dict:
+        return {"workers": [], "transfer": {}, "queue_length": 0}
+
+    async def shutdown(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+
+
+def serve(port: int, tick_s: float) -> None:
+    """The server subprocess: the real app over PacedBackend on 127.0.0.1:port."""
+    import uvicorn
+
+    from coordinator.app import create_app
+    from coordinator.serve import uvicorn_config
+    from coordinator.settings import ServerSettings
+    from engine.tiny import ensure_tiny_model
+    folder = ensure_tiny_model()
+    settings = ServerSettings(port=port)
+    app = create_app(PacedBackend(str(folder), tick_s, 2048), settings)
+    uvicorn.Server(uvicorn_config(app, settings, log_config=None, log_level="warning")).run()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run(url: str, key: str, arrival: ArrivalSpec, output_len: int, duration: float) -> RunConfig:
+    return RunConfig(Target(url, "tiny", ignore_eos=True),
+                     WorkloadSpec(kind="fixed", input_len=32, output_len=output_len, prompt_format="text",
+                                  seed=1 if key == "probe" else 2),
+                     arrival, SLO(), duration_s=duration, warmup_s=0.0, timeout_s=120)
+
+
+async def window(url: str, pid: int, args: argparse.Namespace, flood: int) -> dict:
+    runs = [run_load(_run(url, "probe", ArrivalSpec(rate=args.probe_rate, seed=1), 8, args.duration))]
+    if flood:
+        runs.append(run_load(_run(url, "flood", ArrivalSpec(kind="concurrency", concurrency=flood),
+                                  args.flood_output_len, args.duration)))
+    cpu, started = _cpu_s(pid), time.monotonic()
+    results = await asyncio.gather(*runs)
+    cpu_per_s = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
+    probe = summarize(results[0], SLO())
+    out = {"flood": flood, "probe_ttft_p50_ms": round(probe["ttft_p50_ms"], 1),
+           "probe_ttft_p99_ms": round(probe["ttft_p99_ms"], 1), "probe_failed": probe["failed"],
+           "coordinator_cpu_s_per_s": round(cpu_per_s, 3)}
+    if flood:
+        low = summarize(results[1], SLO())
+        tok_s = low["output_token_throughput"]
+        out |= {"flood_output_tok_s": round(tok_s, 1), "cpu_us_per_token": round(1e6 * cpu_per_s / tok_s, 1)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--flood", default="16,48", help="streams in flight per window (comma-separated)")
+    p.add_argument("--tick-ms", type=float, default=10.0, help="one token to every stream this often")
+    p.add_argument("--flood-output-len", type=int, default=128)
+    p.add_argument("--probe-rate", type=float, default=4.0, help="probe requests per second (Poisson)")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per window")
+    p.add_argument("--port", type=int, default=18093)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.port, args.tick_ms / 1e3)
+        return
+    server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port),
+                               "--tick-ms", str(args.tick_ms)])
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        import httpx
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("the coordinator did not start")
+            time.sleep(0.2)
+        asyncio.run(window(url, server.pid, argparse.Namespace(**{**vars(args), "duration": 3.0}), 8))  # warm
+        for flood in [0] + [int(x) for x in args.flood.split(",")]:
+            print(json.dumps(asyncio.run(window(url, server.pid, args, flood))), flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    main()
