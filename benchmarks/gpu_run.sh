@@ -17,10 +17,11 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
 [ -f .devsite/.unpacked ] || { tar xf .devbundle/site.tar.xz -C .devsite && touch .devsite/.unpacked; }
-# extra.tar.xz (optional): wheels the shared bundle script cannot fetch for its platforms (llguidance, manylinux_2_31)
+# extra.tar.xz (optional, bash benchmarks/make_extra_bundle.sh): llguidance, prometheus-client and httptools, which
+# the shared bundle lacks
 [ ! -f .devbundle/extra.tar.xz ] || [ -f .devsite/.extra ] || { tar xf .devbundle/extra.tar.xz -C .devsite && touch .devsite/.extra; }
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 PDSERVE_CACHE=/tmp/pdc
-python3 -c "import llguidance, prometheus_client" || echo "warning: llguidance or prometheus_client missing on this machine"
+python3 -c "import llguidance, prometheus_client, httptools" || echo "warning: llguidance, prometheus_client or httptools missing"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for step in "$@"; do
   case $step in

@@ -7,81 +7,28 @@ Binding first means a port in use fails in a second, before any worker starts, a
 On the first signal: new requests get 503, running streams get up to `server.drain_timeout_s` to finish, then
 HTTP stops and the actors are shut down. A second signal skips the wait.
 
-`uvicorn_config()` is the HTTP server's configuration: uvicorn's h11 protocol with a request-head timeout added
-(`server.header_timeout_s`; uvicorn has none, so a connection that sends half a request head, or nothing,
-would stay open forever), `server.keep_alive_timeout_s` for idle keep-alive connections, and logging whose every
-line carries the request id (`[%(request_id)s]`, "-" outside a request).
+`uvicorn_config()` is the HTTP server's configuration: uvicorn's httptools protocol with a request-head timeout
+added (coordinator.http_protocol, `server.header_timeout_s`), `server.keep_alive_timeout_s` for idle keep-alive
+connections, and logging whose every line carries the request id (`[%(request_id)s]`, "-" outside a request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import socket
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coordinator.app import create_app
-from coordinator.errors import APIError
+from coordinator.http_protocol import HeadTimeoutProtocol
 from coordinator.serve_config import ServeConfig
 from coordinator.settings import ServerSettings
 
 log = logging.getLogger("pdserve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
-
-
-class HeadTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus: a connection gets `header_timeout_s` from its start, and from the first byte
-    of each later request, to deliver a complete request head; otherwise it gets a 408 and is closed."""
-
-    header_timeout_s: float = 10.0
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._arm_head_timer()
-
-    def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self.conn.their_state is h11.IDLE:
-            self._arm_head_timer()  # the first bytes of a new request on a kept-alive connection
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the whole head arrived
-            self._cancel_head_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        pipelined, _ = self.conn.trailing_data  # part of the next head, sent before this response ended
-        if pipelined and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._unset_keepalive_if_required()  # not idle: a request has begun, and has the head timeout
-            self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
-
-    def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-            return
-        body = json.dumps(APIError(408, f"The request head was not received within {self.header_timeout_s:g} s",
-                                   "invalid_request_error", "request_timeout", code="request_timeout").body()).encode()
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        self.transport.close()
 
 
 def log_config() -> dict[str, Any]:
@@ -105,8 +52,7 @@ def log_config() -> dict[str, Any]:
 
 def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> uvicorn.Config:
     """The uvicorn.Config pdserve serves `app` with (`overrides`: tests pass log_config=None)."""
-    protocol = type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,),
-                    {"header_timeout_s": settings.header_timeout_s})
+    protocol = type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"header_timeout_s": settings.header_timeout_s})
     kwargs: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level="info", log_config=log_config(),
                                   timeout_graceful_shutdown=5, http=protocol,
                                   timeout_keep_alive=settings.keep_alive_timeout_s)

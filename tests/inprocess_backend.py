@@ -24,6 +24,8 @@ import httpx
 import uvicorn
 
 from coordinator.backend import BackendError, GenerateRequest, TokenDelta
+from coordinator.serve import uvicorn_config
+from coordinator.settings import ServerSettings
 from engine.llm_engine import LLMEngine
 
 
@@ -175,7 +177,9 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        # the product's HTTP protocol and timeouts (coordinator.serve.uvicorn_config), default settings
+        self.server = uvicorn.Server(uvicorn_config(app, ServerSettings(), log_config=None, log_level="warning",
+                                                    lifespan="on"))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 

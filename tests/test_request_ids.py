@@ -126,7 +126,7 @@ def test_every_error_response_carries_the_id(client, server):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("bad", [b"", b"has space", b"x" * 129, b"tab\there", b"caf\xc3\xa9", b"nul\x7f"])
+@pytest.mark.parametrize("bad", [b"", b"has space", b"x" * 129, b"tab\there", b"caf\xc3\xa9"])
 def test_a_malformed_request_id_is_a_400_naming_the_header(client, server, bad):
     calls = server.backend.generate_calls
     r = client.post(COMP, json=BODY, headers=[(b"X-Request-Id", bad)])
@@ -134,6 +134,16 @@ def test_a_malformed_request_id_is_a_400_naming_the_header(client, server, bad):
     err = r.json()["error"]
     assert err["param"] == "X-Request-Id" and "X-Request-Id" in err["message"]
     assert r.headers["x-request-id"].startswith("cmpl-") and r.headers["x-request-id"].encode() != bad
+    assert server.backend.generate_calls == calls
+
+
+def test_a_control_character_in_a_header_is_a_400_json_error_from_the_http_layer(client, server):
+    """DEL is not allowed in any header value (RFC 9110): the HTTP parser refuses the request before the app, with
+    OpenAI's error JSON, and the connection closes."""
+    calls = server.backend.generate_calls
+    r = client.post(COMP, json=BODY, headers=[(b"X-Request-Id", b"nul\x7f")])
+    assert r.status_code == 400 and r.headers["connection"] == "close"
+    assert r.json()["error"]["code"] == "invalid_http_request" and "header" in r.json()["error"]["message"]
     assert server.backend.generate_calls == calls
 
 
