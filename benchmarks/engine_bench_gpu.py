@@ -115,7 +115,7 @@ class Bench:
             _print_kernel_profile(self.engine.step, f"live step, decode batch {batch}, overlap {overlap}")
         # the same step on the GPU alone (it rewrites the same K/V); not with TP: a replay on rank 0 alone would
         # wait forever in its all-reduce for followers that replay only what rank 0's engine plans
-        replay_ms = _events_ms(graph.replay) if self.tp == 1 else float("nan")
+        replay_ms = _events_ms(graph.replay) if self.tp == 1 else None  # null in the JSON (NaN is not JSON)
         if self.profile:
             _print_kernel_profile(graph.replay, f"bare replay, decode batch {batch}")
         self._drain()
@@ -127,7 +127,8 @@ class Bench:
         return {"case": f"decode batch {batch}, {context} context", "overlap": overlap,
                 "step_ms": round(step_s * 1e3, 3),
                 "floor_ms": round(floor_s * 1e3, 3), "x_floor": round(step_s / floor_s, 3),
-                "gpu_replay_ms": round(replay_ms, 3), "replay_x_floor": round(replay_ms / 1e3 / floor_s, 3),
+                "gpu_replay_ms": None if replay_ms is None else round(replay_ms, 3),
+                "replay_x_floor": None if replay_ms is None else round(replay_ms / 1e3 / floor_s, 3),
                 "tokens_per_s": round(batch / step_s, 1), "bytes_per_step": int(weight_bytes + kv_bytes),
                 "copy_gb_per_s": round(self.bandwidth / 1e9, 1)}
 
