@@ -181,10 +181,11 @@ def _init_ray(address: str | None) -> None:
     """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
     for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
     env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
+    # a local Ray's workers inherit this process's environment; a runtime_env would add ~1 s to the start
+    runtime_env = {"env_vars": env} if env and address is not None else None
     for attempt in (1, 2):
         try:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING",
-                     runtime_env={"env_vars": env} if env else None)
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env)
             return
         except Exception as e:  # Ray raises a bare Exception for this
             if address is not None or attempt == 2 or "timed out during startup" not in str(e):
