@@ -35,7 +35,6 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
-from tokenizers.decoders import DecodeStream
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -224,10 +223,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
-    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+    def decode_stream(self, context: Sequence[int],
+                      skip_special_tokens: bool = True) -> Callable[[int], str | None] | None:
         """Incremental decoding in tokenizers' DecodeStream (Rust), after `context` ids whose text it does not
-        return: step(id) -> the text that id completes, or None while it completes none (engine.text.detokenizer)."""
-        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        return: step(id) -> the text that id completes, or None while it completes none (engine.text.detokenizer).
+        None where the installed tokenizers has no DecodeStream taking `ids` (before 0.22): decode instead."""
+        try:
+            from tokenizers.decoders import DecodeStream
+            stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        except (ImportError, TypeError):
+            return None
         backend = self._backend
         return lambda token_id: stream.step(backend, token_id)
 
