@@ -22,10 +22,6 @@ import torch.distributed as dist
 ONE_SHOT_MAX_BYTES = 1 << 20  # a decode batch of 64 at hidden 8192 in bf16; larger messages: NCCL
 
 
-class OneShotUnavailable(RuntimeError):
-    """Every rank of the group failed or declined to set up symmetric memory (they agree on it)."""
-
-
 class OneShotAllReduce:
     def __init__(self, buffer: torch.Tensor, group_name: str, group) -> None:
         self.buffer = buffer          # [max elements] symmetric memory, rendezvoused over the group
@@ -51,8 +47,9 @@ class OneShotAllReduce:
 
 def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dtype: torch.dtype,
                   name: str) -> OneShotAllReduce:
-    """The one-shot all-reduce over the NCCL `backend` of a TP group. Raises OneShotUnavailable on every rank where
-    symmetric memory cannot be set up on any (no peer access between the GPUs, an unsupported driver or dtype).
+    """The one-shot all-reduce over the NCCL `backend` of a TP group. Raises RuntimeError naming
+    EngineConfig.tp_all_reduce on every rank where symmetric memory cannot be set up on any (no peer access between
+    the GPUs, an unsupported driver or dtype).
     The ranks agree on the outcome through one NCCL all-reduce of a flag: a rank that failed while another
     succeeded would otherwise leave the other waiting in its first all-reduce. `name`: the group's, unique in the
     process (torch's registry of groups is process-wide)."""
@@ -74,8 +71,8 @@ def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dt
     if int(ok.item()) == 1:
         assert one_shot is not None
         return one_shot
-    raise OneShotUnavailable(f"tensor-parallel rank {rank} could not set up the symmetric memory of the one-shot "
-                             f"all-reduce ({why or 'another rank failed'})")
+    raise RuntimeError(f"EngineConfig.tp_all_reduce 'one_shot': tensor-parallel rank {rank} could not set up the "
+                       f"symmetric memory of the one-shot all-reduce ({why or 'another rank failed'}); use 'nccl'")
 
 
 def _register_group(name: str, backend, store, rank: int, size: int):

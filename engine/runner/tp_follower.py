@@ -28,7 +28,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
-from engine.model.symmetric_all_reduce import OneShotUnavailable, open_one_shot
+from engine.model.symmetric_all_reduce import open_one_shot
 from engine.runner.kv_cache import TORCH_DTYPES
 from engine.runner.model_runner import ModelRunner
 from engine.runner.rank_service import RankServiceFactory, serve_calls
@@ -84,11 +84,8 @@ def open_group(address: GroupAddress, rank: int, size: int, device: torch.device
     pg = dist.ProcessGroupNCCL(store, rank, size, opts)
     if config.tp_all_reduce == "nccl":
         return TPGroup(rank, size, pg)
-    try:
-        return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
-                                                     address.name))
-    except OneShotUnavailable as e:
-        raise RuntimeError(f"EngineConfig.tp_all_reduce 'one_shot': {e}; use 'nccl'") from e
+    return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
+                                                 address.name))
 
 
 def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
