@@ -169,14 +169,17 @@ def main() -> None:
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     per_token = kv_bytes_per_token(args.model)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
-        phases = asyncio.run(handoff(server.url, args.model, prompts))
-        slowdown = asyncio.run(decode_during_transfers(server.url, args.model, args, vocab))
+        print_handoff(asyncio.run(handoff(server.url, args.model, prompts)), args.prompt_len, per_token, rate)
+        print(json.dumps(asyncio.run(decode_during_transfers(server.url, args.model, args, vocab))), flush=True)
+
+
+def print_handoff(phases: list[dict], prompt_len: int, per_token: int, rate: float) -> None:
+    nbytes = prompt_len * per_token
     kv = [p.get("kv_transfer", 0.0) for p in phases]
     join = [p.get("decode_join", 0.0) for p in phases]
     both = sorted(a + b for a, b in zip(kv, join, strict=True))
-    nbytes = args.prompt_len * per_token
     raw = nbytes / rate
-    print(json.dumps({"case": "handoff", "requests": len(phases), "prompt_len": args.prompt_len, "kv_bytes": nbytes,
+    print(json.dumps({"case": "handoff", "requests": len(phases), "prompt_len": prompt_len, "kv_bytes": nbytes,
                       "kv_transfer_ms_p50": round(statistics.median(kv) * 1e3, 3),
                       "decode_join_ms_p50": round(statistics.median(join) * 1e3, 3),
                       "handoff_ms_p50": round(statistics.median(both) * 1e3, 3),
@@ -184,7 +187,6 @@ def main() -> None:
                       "raw_ms": round(raw * 1e3, 3), "handoff_x_raw": round(statistics.median(both) / raw, 2),
                       "effective_gb_per_s": round(nbytes / statistics.median(kv) / 1e9, 2),
                       "effective_x_peer": round(nbytes / statistics.median(kv) / rate, 3)}), flush=True)
-    print(json.dumps(slowdown), flush=True)
 
 
 if __name__ == "__main__":

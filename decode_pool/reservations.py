@@ -6,6 +6,8 @@ the prefill worker (`book_early`), so when the prefill ends the handoff finds it
 to the pull, instead of first waiting for the decode step under way to end. Owns the early bookings in flight
 (request id -> task); the engine owns the blocks. Every early booking ends in exactly one of: `take` (the handoff
 uses it), `cancel` (the request ended first: whatever it booked is given back).
+A booking carries its launch fence (LLMEngine.launch_fence): the pull into its blocks waits for that, the steps
+launched before the booking, not for the decode steps queued on the engine's stream by the time the pull starts.
 A cancelled id is remembered for ENDED_TTL_S: an abort can overtake its request's handoff (the coordinator sends
 the abort as the client leaves, the handoff from its own task), and a handoff arriving after it must not book
 blocks and decode, to max_tokens, a request nobody reads (`take` raises RequestEnded).
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
 
 from engine.async_engine import AsyncEngine
 
@@ -32,19 +36,31 @@ class NoCapacity(RuntimeError):
     """The worker's KV cache stayed full for the whole admission timeout."""
 
 
+@dataclass(frozen=True)
+class Booking:
+    """Blocks booked for KV written from outside, and the fence a write into them waits for on the device."""
+
+    blocks: list[int]
+    fence: Any  # torch.cuda.Event | None (the CPU): completes after every step launched before the booking
+
+
 class Reservations:
     def __init__(self, loop: AsyncEngine, worker: str, timeout_s: float) -> None:
         self.loop, self.worker, self.timeout_s = loop, worker, timeout_s
         self._early: dict[str, asyncio.Task] = {}
         self._ended: OrderedDict[str, float] = OrderedDict()  # cancelled id -> when, oldest first
 
-    async def book(self, request_id: str, num_tokens: int) -> list[int]:
+    async def book(self, request_id: str, num_tokens: int) -> Booking:
         """The blocks of `num_tokens` tokens of KV, booked under `request_id`; NoCapacity after the timeout."""
         deadline = time.monotonic() + self.timeout_s
+
+        def reserve(e) -> Booking | None:
+            blocks = e.reserve_blocks(request_id, num_tokens)
+            return None if blocks is None else Booking(blocks, e.launch_fence())
         while True:
-            blocks = await self.loop.call(lambda e: e.reserve_blocks(request_id, num_tokens))
-            if blocks is not None:
-                return blocks
+            booking = await self.loop.call(reserve)
+            if booking is not None:
+                return booking
             if time.monotonic() > deadline:
                 raise NoCapacity(f"decode worker {self.worker}: no room for {num_tokens} tokens of KV within "
                                  f"{self.timeout_s} s")
@@ -55,7 +71,7 @@ class Reservations:
         if request_id not in self._early and request_id not in self._ended:
             self._early[request_id] = asyncio.ensure_future(self.book(request_id, num_tokens))
 
-    async def take(self, request_id: str, num_tokens: int) -> list[int]:
+    async def take(self, request_id: str, num_tokens: int) -> Booking:
         """The request's early booking once it is made (its NoCapacity raised here), or a booking made now;
         RequestEnded if the request was cancelled first."""
         if request_id in self._ended:

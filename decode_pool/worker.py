@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
+from decode_pool.reservations import RESERVE_RETRY_S, Booking, NoCapacity, Reservations
 from engine.async_engine import AsyncEngine, exit_process, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
@@ -115,12 +115,12 @@ class DecodeWorker:
         self._timing.received(request_id)
         self._transferring[request_id] = False  # from here an abort is applied when the transfer has ended
         try:
-            blocks = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
-            n = len(blocks)
+            booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
+            n = len(booking.blocks)
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
-            await self._pull(peer, peer_block_ids[:n], blocks)
+            await self._pull(peer, peer_block_ids[:n], booking)
             self._timing.kv_ready(request_id)
         except BaseException:
             self._transferring.pop(request_id, None)
@@ -189,8 +189,8 @@ class DecodeWorker:
             self._transferring[cid] = False
         try:
             if peer is not None:
-                blocks = await self.reservations.book(group_id, n_tok)
-                await self._pull(peer, peer_block_ids[:len(blocks)], blocks)
+                booking = await self.reservations.book(group_id, n_tok)
+                await self._pull(peer, peer_block_ids[:len(booking.blocks)], booking)
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:
                 while not await self.loop.call(lambda e, c=cid: e.fork_reservation(group_id, c, n_tok)):
@@ -273,12 +273,13 @@ class DecodeWorker:
             self.agents.close()
 
     # ---- internals
-    async def _pull(self, peer: str, remote_ids: list[int], local_ids: list[int]) -> None:
-        """Every rank pulls its KV heads. A rank that cannot even answer (its process died) means this worker's
-        TP group is broken for good: the process exits, so the request moves and the worker is replaced, instead
-        of failing this request and waiting for the next step to notice."""
+    async def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
+        """Every rank pulls its KV heads into the booked blocks (rank 0 after the booking's fence; a follower, whose
+        stream the fence is not on, after the steps it has queued). A rank that cannot even answer (its process
+        died) means this worker's TP group is broken for good: the process exits, so the request moves and the
+        worker is replaced, instead of failing this request and waiting for the next step to notice."""
         try:
-            await asyncio.wrap_future(self.agents.read(peer, remote_ids, local_ids))
+            await asyncio.wrap_future(self.agents.read(peer, remote_ids, booking.blocks, ready=booking.fence))
         except RankCallError as e:
             exit_process(self.name, str(e))
 

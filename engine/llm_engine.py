@@ -161,6 +161,17 @@ class LLMEngine:
         self._reserved.add(request_id)
         return list(self.block_manager.table(request_id))
 
+    def launch_fence(self) -> torch.cuda.Event | None:
+        """An event behind every device launch queued so far on this rank (None on the CPU). A block is freed only
+        once every step naming it has been launched (async scheduling queues the next step before applying the
+        current one), so blocks reserved now are touched by nothing launched later: when this event completes
+        they may be written from outside, whatever steps were queued since."""
+        if self.device.type != "cuda":
+            return None
+        fence = torch.cuda.Event()
+        fence.record(torch.cuda.current_stream(self.device))
+        return fence
+
     def fork_reservation(self, src_id: str, dst_id: str, num_tokens: int) -> bool:
         """Reserve blocks for `dst_id` holding a copy-on-write fork of the first `num_tokens` tokens of KV of
         `src_id` (a reservation whose KV has arrived, or a pinned group prefill): full blocks are shared (ref

@@ -192,10 +192,14 @@ class KVAgent:
     # ---- transfers -----------------------------------------------------------------------------------
     def read(self, remote: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
              layers: tuple[int, int] | None = None, notify: bytes | None = None,
-             timeout: float | None = None, heads: tuple[int, int] | None = None) -> TransferHandle:
+             timeout: float | None = None, heads: tuple[int, int] | None = None,
+             ready: torch.cuda.Event | None = None) -> TransferHandle:
         """Pull remote blocks into local blocks (pairwise), layers [l0, l1) or all, the global KV heads [h0, h1)
-        (held by both caches; see kvtransfer.head_slices) or all (equal head ranges); then send `notify`."""
-        return self._submit("read", remote, local_block_ids, remote_block_ids, layers, notify, timeout, heads)
+        (held by both caches; see kvtransfer.head_slices) or all (equal head ranges); then send `notify`. On CUDA
+        the copies start after `ready` (an event on the cache's device: the local blocks' last writer), or with
+        None after everything the caller's current stream has queued now."""
+        return self._submit("read", remote, local_block_ids, remote_block_ids, layers, notify, timeout, heads,
+                            ready)
 
     def write(self, remote: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
               layers: tuple[int, int] | None = None, notify: bytes | None = None,
@@ -252,7 +256,7 @@ class KVAgent:
 
     def _submit(self, op: str, remote: str, local_ids: Sequence[int], remote_ids: Sequence[int],
                 layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None,
-                heads: tuple[int, int] | None) -> TransferHandle:
+                heads: tuple[int, int] | None, ready: torch.cuda.Event | None = None) -> TransferHandle:
         def check() -> tuple[Remote, list[Chunk]]:
             r = self._remote(remote)
             if self._info is None or r.meta.cache is None:
@@ -266,7 +270,8 @@ class KVAgent:
         assert cache is not None
         nbytes = sum(c.nbytes(cache.spec) for c in chunks)
         fault = self._faults.decide(remote) if r.lost is None else NO_FAULT
-        ready = cache.caller_event()
+        if ready is None:
+            ready = cache.caller_event()
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.config.timeout_s)
         gpu_done = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv_heads import KVHeadRange
 
@@ -20,6 +21,9 @@ from .agent import KVAgent
 from .errors import BadDescriptor, IncompatibleLayout
 from .handle import TransferHandle
 from .metadata import AgentMetadata, check_compatible
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -112,12 +116,14 @@ class GroupMetadata:
 
 def read_from_group(agent: KVAgent, group: GroupMetadata, remote_block_ids: Sequence[int],
                     local_block_ids: Sequence[int], layers: tuple[int, int] | None = None,
-                    timeout: float | None = None, spread: int = 0) -> list[TransferHandle]:
+                    timeout: float | None = None, spread: int = 0,
+                    ready: torch.cuda.Event | None = None) -> list[TransferHandle]:
     """Pull the heads `agent`'s cache holds, of blocks `remote_block_ids` (the same ids on every rank) x `layers`,
     from the ranks of `group` (each already added with `add_remote`) into `local_block_ids`: one head-sliced read
-    per piece, all started at once. Wait on every handle (or `agent.notify_after` them) before using the blocks."""
+    per piece, all started at once (after `ready`, as `KVAgent.read`). Wait on every handle (or
+    `agent.notify_after` them) before using the blocks."""
     own = agent.metadata().cache
     if own is None:
         raise BadDescriptor(f"agent {agent.name!r} has no registered cache to pull into")
-    return [agent.read(rank.name, remote_block_ids, local_block_ids, layers=layers, timeout=timeout, heads=heads)
-            for rank, heads in group.pieces_for(own.head_range, spread)]
+    return [agent.read(rank.name, remote_block_ids, local_block_ids, layers=layers, timeout=timeout, heads=heads,
+                       ready=ready) for rank, heads in group.pieces_for(own.head_range, spread)]

@@ -66,12 +66,12 @@ class RankAgent:
         return True
 
     def start_read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
-                   timeout: float | None) -> list[concurrent.futures.Future]:
+                   timeout: float | None, ready: torch.cuda.Event | None = None) -> list[concurrent.futures.Future]:
         group = self._groups.get(peer)
         if group is None:
             raise BadDescriptor(f"agent {self.agent.name!r} is not connected to worker {peer!r}")
         return [h.future for h in read_from_group(self.agent, group, remote_ids, local_ids, timeout=timeout,
-                                                  spread=self.rank)]
+                                                  spread=self.rank, ready=ready)]
 
     def read_group(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
                    timeout: float | None) -> None:
@@ -139,10 +139,12 @@ class WorkerAgents:
         return found
 
     def read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
-             timeout: float | None = None) -> concurrent.futures.Future:
+             timeout: float | None = None, ready: torch.cuda.Event | None = None) -> concurrent.futures.Future:
         """Every rank pulls its heads of `remote_ids` from worker `peer` into `local_ids` (the same block ids on
-        every rank). The future resolves when every rank's pull has ended: None, or the first failure."""
-        futures = self.local.start_read(peer, remote_ids, local_ids, timeout)
+        every rank): rank 0 after `ready` (an event on its device; None: after what its stream has queued now), the
+        followers after what their streams have queued. The future resolves when every rank's pull has ended: None,
+        or the first failure."""
+        futures = self.local.start_read(peer, remote_ids, local_ids, timeout, ready)
         futures += self._followers("read_group", peer, list(remote_ids), list(local_ids), timeout)
         done: concurrent.futures.Future = concurrent.futures.Future()
 

@@ -32,8 +32,9 @@ def run_with_loop(body, **engine_kwargs):
 def test_an_early_booking_is_taken_by_the_handoff():
     async def body(res: Reservations, engine):
         res.book_early("a", 40)
-        blocks = await res.take("a", 40)
-        assert len(blocks) == 3 and engine.load().num_reserved == 1 and len(res) == 0
+        booking = await res.take("a", 40)
+        assert len(booking.blocks) == 3 and engine.load().num_reserved == 1 and len(res) == 0
+        assert booking.fence is None  # the CPU has no stream to fence
         await res.loop.call(lambda e: e.abort("a"))
     run_with_loop(body)
 
@@ -74,7 +75,7 @@ def test_a_handoff_arriving_after_its_abort_books_nothing():
         with pytest.raises(RequestEnded, match="late was aborted before its handoff"):
             await res.take("late", 40)
         assert engine.load().num_reserved == 0 and len(res) == 0
-        blocks = await res.take("other", 40)  # other requests are untouched
-        assert len(blocks) == 3
+        booking = await res.take("other", 40)  # other requests are untouched
+        assert len(booking.blocks) == 3
         await res.loop.call(lambda e: e.abort("other"))
     run_with_loop(body)
