@@ -4,8 +4,9 @@
    kernels and capture graphs), a high-priority tenant's steady load (Poisson, `--rate`) alone, then the same
    load while a low-priority tenant floods the server (closed loop, each size in `--flood` requests in flight).
    Prints the high tenant's TTFT p50/p99 per window, the ratio to the window without a flood (the reference,
-   same run), the low tenant's throughput, and the coordinator process's CPU use (seconds of CPU per second:
-   1.0 is one core saturated, where queueing in its event loop, which priority cannot reorder, sets in).
+   same run), where its time went (the server's phases, means), the low tenant's throughput, and the coordinator
+   process's CPU use (seconds of CPU per second: 1.0 is one core saturated, where queueing in its event loop,
+   which priority cannot reorder, sets in).
 2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the largest flood, with
    `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
 
@@ -29,6 +30,7 @@ import yaml
 
 from benchclient.arrivals import ArrivalSpec
 from benchclient.client import Target
+from benchclient.phase_table import phase_summary
 from benchclient.run import RunConfig, run_load
 from benchclient.stats import SLO, summarize
 from benchclient.workload import WorkloadSpec
@@ -39,7 +41,7 @@ TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
 
 
 def _load(url: str, key: str, arrival: ArrivalSpec, args, output_len: int, duration: float) -> RunConfig:
-    return RunConfig(Target(url, args.model, api_key=key, ignore_eos=True),
+    return RunConfig(Target(url, args.model, api_key=key, ignore_eos=True, phases=key == "k-high"),
                      WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=output_len,
                                   prompt_format=args.prompt_format, seed=1 if key == "k-high" else 2),
                      arrival, SLO(), duration_s=duration, warmup_s=0.0, timeout_s=600)
@@ -61,8 +63,10 @@ async def _window(url: str, pid: int, args, flood: int, duration: float) -> dict
     results = await asyncio.gather(*runs)
     cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
     summary = summarize(results[0], SLO())
+    phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
     out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {
-        "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2)}
+        "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2),
+        "high_phases_mean_ms": {name: round(row["mean_ms"], 2) for name, row in phases.items()}}
     if flood:
         low = summarize(results[1], SLO())
         out |= {"low_requests": low["requests"], "low_output_tok_s": round(low["output_token_throughput"], 1)}
