@@ -1,6 +1,6 @@
 """The penalties kernel (engine/kernels/penalties.py) against the torch path it replaces on CUDA
-(LogitsProcessing._penalise), bitwise: in Triton's interpreter at a small vocabulary on the CPU, and at 128k
-entries, batch 64, where a GPU exists. Rows not penalised and entries past the vocabulary stay untouched."""
+(LogitsProcessing._penalise), bitwise: at a small vocabulary (on the CPU in Triton's interpreter, else on the GPU),
+and at 128k entries, batch 64, where a GPU exists. Rows not penalised and entries past the vocabulary stay untouched."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from engine.kernels.penalties import apply_penalties
 from engine.sampling.logits_processing import LogitsProcessing, ProcessingBatch
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # the CPU runs Triton's interpreter (tests/conftest.py)
 
 
 def _case(batch: int, vocab: int, slots: int, device: str, seed: int):
@@ -41,7 +42,7 @@ def _torch_path(logits, rows, slots, counts, prompt, penalties) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [300, 2048 + 5])  # one partial block; several blocks and a ragged end
 def test_the_kernel_is_bitwise_the_torch_path(vocab):
-    logits, rows, slots, counts, prompt, penalties = _case(5, vocab, 9, "cpu", vocab)
+    logits, rows, slots, counts, prompt, penalties = _case(5, vocab, 9, DEVICE, vocab)
     want = _torch_path(logits, rows, slots, counts, prompt, penalties)
     out = apply_penalties(logits.clone(), rows, slots, counts, prompt, penalties)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
