@@ -14,8 +14,9 @@ Prints JSON lines, each figure next to its reference measured in the same run:
   at least 0.5 of it).
 - `decode_during_transfers`: `--streams` streams decoding; the time per output token of each, first in a window
   with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
-  worker); the ratio (goal: at most 1.05); and those arrivals' own `kv_transfer` and handoff medians (joining a
-  running batch, where waits for step boundaries show).
+  worker), then in a second window with no arrivals; the ratio to the mean of the quiet windows on both sides (a
+  step's KV reads grow with the streams' contexts; goal: at most 1.05); and those arrivals' own `kv_transfer` and
+  handoff medians (joining a running batch, where waits for step boundaries show).
 """
 
 from __future__ import annotations
@@ -126,19 +127,26 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
             await asyncio.sleep(args.arrival_interval_s)
         busy_end = time.perf_counter()
         landed = await asyncio.gather(*arrivals)
+        after_start = time.perf_counter()  # a quiet window after, too: the streams' contexts grow all along
+        await asyncio.sleep(args.window_s)
+        after_end = time.perf_counter()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
-    quiet = [x for s in stamps if (x := tpot_in(s, quiet_start, busy_start)) is not None]
+    before = [x for s in stamps if (x := tpot_in(s, quiet_start, busy_start)) is not None]
     busy = [x for s in stamps if (x := tpot_in(s, busy_start, busy_end)) is not None]
-    if not quiet or not busy:
-        return {"case": "decode_during_transfers", "error": "the streams ended before both windows closed: "
+    after = [x for s in stamps if (x := tpot_in(s, after_start, after_end)) is not None]
+    if not before or not busy or not after:
+        return {"case": "decode_during_transfers", "error": "the streams ended before the three windows closed: "
                 "raise --stream-tokens or lower --window-s"}
-    q, b = statistics.median(quiet), statistics.median(busy)
+    # the reference: the quiet windows on both sides (a step reads more KV as the streams' contexts grow)
+    q, b = (statistics.median(before) + statistics.median(after)) / 2, statistics.median(busy)
     kv = [p.get("kv_transfer", 0.0) for p in landed]
     handoff = [p.get("kv_transfer", 0.0) + p.get("decode_join", 0.0) for p in landed]
     return {"case": "decode_during_transfers", "streams": args.streams, "arrivals": len(arrivals),
-            "prompt_len": args.prompt_len, "tpot_ms_quiet": round(q * 1e3, 3), "tpot_ms_transfers": round(b * 1e3, 3),
+            "prompt_len": args.prompt_len, "tpot_ms_quiet": round(q * 1e3, 3),
+            "tpot_ms_quiet_before": round(statistics.median(before) * 1e3, 3),
+            "tpot_ms_quiet_after": round(statistics.median(after) * 1e3, 3), "tpot_ms_transfers": round(b * 1e3, 3),
             "slowdown": round(b / q, 3),  # and the arrivals' own handoff, joining a running batch
             "arrivals_kv_transfer_ms_p50": round(statistics.median(kv) * 1e3, 3),
             "arrivals_handoff_ms_p50": round(statistics.median(handoff) * 1e3, 3)}
