@@ -68,9 +68,10 @@ for step in "$@"; do
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_overhead.py --model /tmp/l8bd \
         --load-format dummy --device cuda 2>&1 | tee "$OUT/sampling.log" | grep "^{" ;;
-    tpscale)
-      [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
-      timeout 360 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8b 2>&1 | tee "$OUT/tp_scaling.log" | grep "^{" ;;
+    tpscale)  # random weights made on the GPUs (no 16 GB checkpoint to write)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout 360 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy 2>&1 \
+        | tee "$OUT/tp_scaling.log" | grep "^{" ;;
     tp70b)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
       timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l70b --only-tp 2 --load-format dummy \
