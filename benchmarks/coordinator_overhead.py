@@ -1,6 +1,6 @@
 """The coordinator alone: its CPU per streamed token, and a probe request's TTFT while a flood of streams runs.
 
-The real app (`coordinator.app.create_app` under `coordinator.serve.uvicorn_config`: FastAPI, the h11 protocol with
+The real app (`coordinator.app.create_app` under `coordinator.serve.uvicorn_config`: FastAPI, httptools with
 its head timeout, tokenizer, detokenizer, SSE, metrics) serves, in a subprocess of its own, over PacedBackend: one
 token to every running stream per tick, as an engine's decode step gives one to every running request, and exactly
 max_tokens of them. No engine and no Ray: what is measured is the coordinator's own work per token (issue 13,
