@@ -116,6 +116,10 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
         background = [asyncio.create_task(stream_tokens(client, url, model, p, args.stream_tokens, s))
                       for p, s in zip(short, stamps, strict=True)]
         while not all(len(s) >= 3 for s in stamps):
+            for task in background:
+                if task.done():  # a stream refused (e.g. past the model's length) or ended: say so, never hang
+                    task.result()
+                    raise SystemExit("a stream ended before the windows: raise --stream-tokens")
             await asyncio.sleep(0.05)
         quiet_start = time.perf_counter()
         await asyncio.sleep(args.window_s)
