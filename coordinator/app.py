@@ -165,7 +165,7 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     trace = PhaseTrace(arrival)
     gen = Generation(app.state.backend, GenerateRequest(request_id, prompt, params, priority, trace=trace), text,
                      app.state.metrics, settings.request_timeout_s, num_logprobs is not None, arrival, grant,
-                     trace=trace)
+                     trace=trace, stream_interval=tenant.stream_interval(settings.stream_interval))
     return req, gen, fmt, ticket
 
 

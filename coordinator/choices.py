@@ -110,8 +110,10 @@ class Choice:
         return sum(t.logprob for p in self.pieces for t in p.tokens)
 
 
-def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arrival: float) -> list[Choice]:
-    """Every choice of the request (each group starts with its first read: admit before reading)."""
+def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arrival: float,
+          stream_interval: int = 1) -> list[Choice]:
+    """Every choice of the request (each group starts with its first read: admit before reading); each streams
+    `stream_interval` tokens per chunk after its first."""
     backend, settings, tok = app.state.backend, app.state.settings, app.state.tokenizer
     prompts = [None] if chat else req.prompts
     n, fan = req.n or 1, (getattr(req, "best_of", None) or req.n or 1)
@@ -136,7 +138,7 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
                                 req.min_tokens)
             gen = Generation(fanout.choice(j), GenerateRequest(f"{rid}#{j}", ids, params, priority), output,
                              app.state.metrics, settings.request_timeout_s, params.logprobs is not None, arrival,
-                             counts_request=j == 0)
+                             counts_request=j == 0, stream_interval=stream_interval)
             out.append(Choice(i * fan + j, gen, fanout, text if echo else "", ids))
     return out
 

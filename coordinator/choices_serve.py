@@ -20,7 +20,8 @@ from coordinator.sse import DONE, Formatter, SSEResponse, event
 async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arrival: float, *, chat: bool,
                         until_disconnect: Callable[..., Awaitable[Any]], grace_s: float) -> Response:
     request_id: str = request.state.request_id
-    choices = await asyncio.to_thread(build, app, req, chat, request_id, tenant.priority_for(req.priority), arrival)
+    choices = await asyncio.to_thread(build, app, req, chat, request_id, tenant.priority_for(req.priority), arrival,
+                                      tenant.stream_interval(app.state.settings.stream_interval))
     fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
     ticket = app.state.lifecycle.admit()
     try:

@@ -101,8 +101,9 @@ class Generation:
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
                  timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
-                 counts_request: bool = True, trace: PhaseTrace | None = None) -> None:
+                 counts_request: bool = True, trace: PhaseTrace | None = None, stream_interval: int = 1) -> None:
         self._backend = backend
+        self._stream_interval = stream_interval  # tokens per piece after the first (ServerSettings.stream_interval)
         self.request = request
         self.text = text
         self._metrics = metrics
@@ -132,10 +133,26 @@ class Generation:
         return self.text.num_tokens
 
     async def next_piece(self) -> Piece:
-        """The next piece of output; raises APIError (503 overloaded, 502 backend failure, 504 timeout)."""
+        """The next piece of output: one backend delta's tokens, or with stream_interval n > 1 (after the first
+        token) those of as many deltas as make n tokens or reach the end. Raises APIError (503 overloaded, 502
+        backend failure, 504 timeout)."""
         if self.finish_reason is not None:
             raise RuntimeError("Generation.next_piece after the end")
-        delta = await self._next_delta()
+        first = self._last_token_at is None
+        parts: list[str] = []
+        infos: list[TokenInfo] = []
+        count = 0
+        while True:
+            delta = await self._next_delta()
+            finish = self._take(delta, parts, infos)
+            count += len(delta.token_ids)
+            if finish is not None or first or count >= self._stream_interval:
+                break
+        self.finish_reason = finish
+        return Piece("".join(parts), infos, finish)
+
+    def _take(self, delta: TokenDelta, parts: list[str], infos: list[TokenInfo]) -> str | None:
+        """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`); its finish."""
         now = time.monotonic()
         if delta.token_ids:
             if self._last_token_at is None:
@@ -144,7 +161,6 @@ class Generation:
             else:
                 self._metrics.itl.observe(now - self._last_token_at)
             self._last_token_at = now
-        parts, infos = [], []
         for i, token_id in enumerate(delta.token_ids):
             parts.append(self.text.add_token(token_id))
             if self._want_logprobs and i < len(delta.logprobs):
@@ -154,8 +170,7 @@ class Generation:
         finish = "stop" if self.text.stopped else delta.finish_reason
         if finish is not None and not self.text.stopped:
             parts.append(self.text.finish())
-        self.finish_reason = finish
-        return Piece("".join(parts), infos, finish)
+        return finish
 
     async def collect(self) -> list[Piece]:
         pieces = [await self.next_piece()]

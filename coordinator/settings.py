@@ -28,6 +28,9 @@ class ServerSettings:
     allow_special_tokens_in_content: bool = False
     # how `tool_choice: auto` reads the model's tool calls: the chat-template family (coordinator.tool_calls.PARSERS)
     tool_call_parser: str = "llama3_json"
+    # a streamed response sends a chunk per this many new tokens (the first token and the end at once): larger
+    # values trade smoothness for the coordinator's CPU per token (vLLM's and SGLang's --stream-interval)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,6 +50,8 @@ class ServerSettings:
             ("allow_special_tokens_in_content", isinstance(self.allow_special_tokens_in_content, bool),
              "must be true or false"),
             ("tool_call_parser", self.tool_call_parser in PARSERS, f"must be one of {list(PARSERS)}"),
+            ("stream_interval", _is_int(self.stream_interval) and 1 <= self.stream_interval <= 1024,
+             "must be an integer in [1, 1024]"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -3,9 +3,11 @@
     tenants:                           # a list, or a mapping by name
       - {name: acme, api_keys: [sk-1, sk-2], requests_per_minute: 600, tokens_per_minute: 200000, priority: high}
 
-Limits absent or null are unlimited; priority is high, normal (default) or low. With tenants configured their keys
-are the auth (no key, a malformed header or an unknown key: 401; no anonymous tenant; `server.api_key` may not be
-set too). With none, all is as before: one unlimited tenant "default" (normal), behind `server.api_key` when set.
+Limits absent or null are unlimited; priority is high, normal (default) or low; `stream_interval` (tokens per
+streamed chunk) overrides `server.stream_interval` for the tenant's requests (e.g. a bulk tenant's, so its flood
+costs the coordinator less per token). With tenants configured their keys are the auth (no key, a malformed
+header or an unknown key: 401; no anonymous tenant; `server.api_key` may not be set too). With none, all is as
+before: one unlimited tenant "default" (normal), behind `server.api_key` when set.
 A key's SHA-256 digest is compared (hmac.compare_digest) with every configured key's, with no early exit.
 
 Limits are token buckets, full at start and refilled continuously (per_minute / 60 per second, never above
@@ -65,6 +67,7 @@ class TenantConfig:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     priority: str = "normal"
+    stream_interval: int | None = None  # tokens per streamed chunk for this tenant (None: server.stream_interval)
 
     def __post_init__(self) -> None:
         keys = self.api_keys
@@ -76,6 +79,9 @@ class TenantConfig:
             ("requests_per_minute", _limit(self.requests_per_minute), "must be a positive integer or None"),
             ("tokens_per_minute", _limit(self.tokens_per_minute), "must be a positive integer or None"),
             ("priority", self.priority in PRIORITY_CLASSES, f"must be one of {tuple(PRIORITY_CLASSES)}"),
+            ("stream_interval", self.stream_interval is None or (
+                _is_int(self.stream_interval) and 1 <= self.stream_interval <= 1024),
+             "must be None or an integer in [1, 1024]"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -174,6 +180,10 @@ class Tenant:
         self._tokens = _Bucket(config.tokens_per_minute, now) if config.tokens_per_minute else None
         self.counters: dict[str, float] = {"in_flight": 0, "prompt_tokens": 0, "completion_tokens": 0,
                                            "rate_limited": 0}
+
+    def stream_interval(self, server_default: int) -> int:
+        """Tokens per streamed chunk for this tenant's requests: its own setting, else the server's."""
+        return self.config.stream_interval or server_default
 
     def priority_for(self, requested: object = None) -> int:
         """The admission priority of a request of this tenant that asked for `requested` (None: the class's)."""
