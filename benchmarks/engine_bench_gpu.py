@@ -56,13 +56,14 @@ def ceilings() -> tuple[float, float]:
 
 class Bench:
     def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False,
-                 tensor_parallel_size: int = 1, load_format: str = "auto") -> None:
+                 tensor_parallel_size: int = 1, load_format: str = "auto", tp_all_reduce: str = "nccl") -> None:
         """With TP, every figure is rank 0's: its shard of the weights and KV heads against one GPU's bandwidth."""
         self.profile, self.tp = profile, tensor_parallel_size
         self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
                                              max_num_batched_tokens=8192, enable_prefix_caching=False,
                                              kv_cache_memory_bytes=kv_bytes, max_model_len=8192,
-                                             tensor_parallel_size=tensor_parallel_size, load_format=load_format))
+                                             tensor_parallel_size=tensor_parallel_size, load_format=load_format,
+                                             tp_all_reduce=tp_all_reduce))
         self.bandwidth, self.flops = bandwidth, flops
         e = self.engine
         self.cfg = e.model_config

@@ -7,7 +7,8 @@
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
-#   (NCCL vs torch's one-shot all-reduce, benchmarks/one_shot_all_reduce.py) + tpscale (the 8B decode step at TP=1 vs TP=2).
+#   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2).
+# oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
 # sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
@@ -58,6 +59,11 @@ for step in "$@"; do
     allreduce)
       timeout 120 python3 benchmarks/tp_scaling_gpu.py --all-reduce-only --hidden ${HIDDEN:-4096} --layers ${LAYERS:-32} \
         2>&1 | tee "$OUT/all_reduce.log" | grep "^{" ;;
+    oneshot)  # the one-shot all-reduce against NCCL: alone, then in the 8B shape's TP=2 decode step (dummy weights)
+      bash "$0" allreduce
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy --only-tp 2 \
+        --compare-one-shot 2>&1 | tee "$OUT/oneshot.log" | grep "^{" ;;
     sampling)  # issue 14: penalties, logit bias and a JSON-schema mask at batch 64 on the 8B shape (128k vocabulary)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_overhead.py --model /tmp/l8bd \

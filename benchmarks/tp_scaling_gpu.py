@@ -4,10 +4,10 @@ For TP = 1 and 2 (two GPUs), the engine's decode step (engine.step(), CUDA graph
 overlapped scheduling) at batch 1 (1k context) and batch 64 (2k context), each next to its floor measured in the
 same run: rank 0's bytes per step (its shard of the weights and of the KV heads) / one GPU's copy bandwidth.
 Then the scaling efficiency: (TP=1 step / TP=2 step) / 2 (1.0 = perfect).
+`--compare-one-shot`: the TP=2 steps again with EngineConfig.tp_all_reduce "one_shot", and the speedup over NCCL.
 `--all-reduce` / `--all-reduce-only`: the all-reduces a TP=2 decode step makes (2 per layer, batch x hidden bf16)
-inside a CUDA graph through the engine's own TP group (NCCL) against torch's one-shot kernel over the same group
-(benchmarks/one_shot_all_reduce.py, not in the engine: it did not win), and the peer copy of the same bytes (a
-lower bound on any one-shot sum).
+inside a CUDA graph through the engine's own TP groups, NCCL against the one-shot kernel
+(engine.model.symmetric_all_reduce), and the peer copy of the same bytes (a lower bound on any one-shot sum).
 `--only-tp 2 --load-format dummy` serves a model too large for one GPU (the Llama-3-70B shape).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,14 +25,17 @@ from benchmarks.engine_bench_gpu import Bench, ceilings
 
 
 def decode_steps(model: str, tp: int, bandwidth: float, flops: float, kv_gib: float, load_format: str,
-                 cases: list[tuple[int, int]]) -> dict:
+                 cases: list[tuple[int, int]], all_reduce: str = "nccl") -> dict:
     bench = Bench(model, bandwidth, flops, int(kv_gib * (1 << 30)), tensor_parallel_size=tp,
-                  load_format=load_format)
+                  load_format=load_format, tp_all_reduce=all_reduce)
     try:
+        one_shot = tp > 1 and bench.engine.followers.tp.one_shot is not None
         out = {}
         for batch, context in cases:
             row = bench.decode(batch, context)
             row["tp"] = tp
+            if tp > 1:
+                row["all_reduce"] = "one-shot <= 1 MiB, NCCL above" if one_shot else "NCCL"  # as configured
             print(json.dumps(row), flush=True)
             out[batch] = row
         return out
@@ -44,9 +48,9 @@ def decode_steps(model: str, tp: int, bandwidth: float, flops: float, kv_gib: fl
 
 def all_reduce_vs_peer_copy(hidden: int, layers: int) -> list[dict]:
     """Microseconds per all-reduce of a decode step's message (batch x hidden, bf16) on 2 GPUs inside a CUDA
-    graph, as a decode step makes 2 per layer: the engine's TPGroup (NCCL) against the one-shot kernel over the
-    same group (benchmarks/one_shot_all_reduce.py), at batch 1, 16 and 64; at batch 1 also the peer copy of the same
-    bytes alone (a lower bound on any one-shot all-reduce)."""
+    graph, as a decode step makes 2 per layer: the engine's TPGroup with every sum on NCCL against one with
+    tp_all_reduce "one_shot" (engine.model.symmetric_all_reduce), at batch 1, 16 and 64; at batch 1 also the peer
+    copy of the same bytes alone (a lower bound on any one-shot all-reduce)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -108,24 +112,20 @@ def _graph_us(graph: torch.cuda.CUDAGraph, per_replay: int, reps: int = 50) -> f
 
 
 def _all_reduce_rank(rank: int, hidden: int, count: int, address, queue) -> None:
-    """One rank: the engine's own TP group (engine.runner.tp_follower.open_group, NCCL) and the one-shot kernel
-    set up over its NCCL backend."""
-    import torch.distributed as dist
-
-    from benchmarks.one_shot_all_reduce import open_one_shot
+    """One rank: the engine's own TP groups (engine.runner.tp_follower.open_group), NCCL and one-shot."""
+    from engine.engine_config import EngineConfig
     from engine.runner.tp_follower import open_group
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    nccl = open_group(address, rank, 2, device)
-    store = dist.TCPStore(address.host, address.port, 2, False)
-    one_shot = open_one_shot(nccl.pg, dist.PrefixStore(address.name + "-one-shot/", store), rank, 2, device,
-                             torch.bfloat16, address.name + "-one-shot")
+    config = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=2)
+    nccl = open_group(replace(address, name=address.name + "-nccl"), rank, 2, device, config)
+    one_shot = open_group(address, rank, 2, device, replace(config, tp_all_reduce="one_shot"))
     rows = []
     for batch in (1, 16, 64):
         gen = torch.Generator("cuda").manual_seed(rank)
         x = torch.randn(batch * hidden, device=device, dtype=torch.bfloat16, generator=gen)
         row = {"batch": batch, "nccl_us": _time_in_graph(lambda x=x: nccl.all_reduce(x), count, nccl)}
-        if one_shot.fits(x):
+        if one_shot.one_shot.fits(x):
             a, b = x.clone(), x.clone()
             one_shot.all_reduce(a)
             nccl.all_reduce(b)
@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--all-reduce", action="store_true",
                         help="also time NCCL's all-reduce against a one-shot all-reduce and a peer copy")
     parser.add_argument("--all-reduce-only", action="store_true", help="only the all-reduce comparison")
+    parser.add_argument("--compare-one-shot", action="store_true",
+                        help="also run TP=2 with tp_all_reduce=one_shot and print the speedup over NCCL")
     args = parser.parse_args()
     if not args.model and not (args.all_reduce_only and args.hidden and args.layers):
         parser.error("--model is required (or --all-reduce-only with --hidden and --layers)")
@@ -177,6 +179,12 @@ def main() -> None:
     sizes = [] if args.all_reduce_only else [args.only_tp] if args.only_tp else [1, 2]
     steps = {tp: decode_steps(args.model, tp, bandwidth, flops, args.kv_gib, args.load_format, cases)
              for tp in sizes}
+    if 2 in steps and args.compare_one_shot:  # the same TP=2 steps with small sums by the one-shot kernel
+        one_shot = decode_steps(args.model, 2, bandwidth, flops, args.kv_gib, args.load_format, cases, "one_shot")
+        for batch, _ in cases:
+            t, t1 = steps[2][batch]["step_ms"], one_shot[batch]["step_ms"]
+            print(json.dumps({"case": f"TP=2 decode batch {batch}: one-shot all-reduce vs NCCL",
+                              "nccl_step_ms": t, "one_shot_step_ms": t1, "speedup": round(t / t1, 3)}), flush=True)
     if 1 in steps and 2 in steps:
         for batch, _ in cases:
             t1, t2 = steps[1][batch]["step_ms"], steps[2][batch]["step_ms"]

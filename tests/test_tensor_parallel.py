@@ -124,6 +124,15 @@ def test_close_stops_the_followers(llama_tp2):
         llama_tp2.generate([[5, 6, 7]], greedy(1))
 
 
+def test_the_all_reduce_choice_is_validated_and_gloo_has_no_one_shot(llama_tp2):
+    from engine.engine_config import EngineConfig
+    with pytest.raises(ValueError, match=r"EngineConfig.tp_all_reduce must be one of \('nccl', 'one_shot'\)"):
+        EngineConfig(tp_all_reduce="nvls")
+    with pytest.raises(ValueError, match="EngineConfig.tp_all_reduce .*'one_shot' needs a cuda device"):
+        EngineConfig(tp_all_reduce="one_shot", tensor_parallel_size=2)
+    assert llama_tp2.engine.followers.tp.one_shot is None  # gloo sums every tensor itself
+
+
 def test_a_rank_kill_needs_tensor_parallel_ranks():
     with pytest.raises(ValueError, match="no tensor-parallel rank 1: this worker runs tensor_parallel_size 1"):
         AsyncEngine(LLM("tiny").engine, lambda outputs: None).kill_rank(1)

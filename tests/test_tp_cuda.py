@@ -1,6 +1,6 @@
 """Tensor parallelism on two CUDA devices (NCCL): the kernel path at TP=2, with decode steps replayed from CUDA
-graphs that capture the all-reduces and overlapped scheduling on, gives TP=1's greedy tokens and eager TP=2's (NCCL
-for every sum); each engine closes at once (the teardown order of engine.runner.tp_leader).
+graphs that capture the all-reduces and overlapped scheduling on, gives TP=1's greedy tokens and eager TP=2's, with
+NCCL for every sum (the default) and with the one-shot all-reduce for small ones.
 Runs where two GPUs exist (the lent nvidia-h200-x2)."""
 
 import time
@@ -32,11 +32,13 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
     want_seeded = [o.token_ids for o in one.generate(prompts, seeded)]
     del one
     progress("TP=1 reference generated")
-    for graphs in (True, False):
-        llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, **kw)
-        progress(f"TP=2 engine started (graphs={graphs})")
+    # NCCL (the default) with and without graphs; then small sums by the one-shot kernel
+    for graphs, all_reduce in ((True, "nccl"), (False, "nccl"), (True, "one_shot")):
+        llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, tp_all_reduce=all_reduce, **kw)
+        progress(f"TP=2 engine started (graphs={graphs}, all-reduce {all_reduce})")
         try:
             assert llm.engine.uses_kernels
+            assert (llm.engine.followers.tp.one_shot is not None) == (all_reduce == "one_shot")
             assert [o.token_ids for o in llm.generate(prompts, params)] == want
             assert [o.token_ids for o in llm.generate(prompts, seeded)] == want_seeded
             assert (llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0) == graphs

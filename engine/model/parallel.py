@@ -37,10 +37,13 @@ class TPGroup:
     rank: int
     size: int
     pg: Any
+    one_shot: Any = None  # engine.model.symmetric_all_reduce.OneShotAllReduce: small sums on CUDA, or None
 
     def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
-        """Sum (or `op`) over the ranks, in place; returns x. (A one-shot kernel for small sums did not beat NCCL:
-        benchmarks/one_shot_all_reduce.py.)"""
+        """Sum (or `op`) over the ranks, in place; returns x. Small sums take the one-shot kernel when the group
+        has one (engine.model.symmetric_all_reduce), the rest NCCL or gloo."""
+        if op is None and self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot.all_reduce(x)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM if op is None else op
         self.pg.allreduce([x], opts).wait()
@@ -62,6 +65,8 @@ class TPGroup:
         """Tear this rank's side of the group down at once, without waiting for the peers (one may be gone).
         Left to garbage collection, an NCCL group whose peer had exited blocked its owner for the collective
         timeout (5 min) on two H200s."""
+        if self.one_shot is not None:
+            self.one_shot.close()
         self.pg.abort()
 
     def row_parallel(self, layer: nn.Linear, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

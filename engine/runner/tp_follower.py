@@ -28,6 +28,8 @@ from engine.core.scheduler import SchedulerOutput
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
+from engine.model.symmetric_all_reduce import open_one_shot
+from engine.runner.kv_cache import TORCH_DTYPES
 from engine.runner.model_runner import ModelRunner
 from engine.runner.rank_service import RankServiceFactory, serve_calls
 from engine.runner.step_extras import token_offsets
@@ -50,7 +52,7 @@ class StepPlan:
 @dataclass(frozen=True)
 class GroupAddress:
     """Where a TP group's ranks meet: rank 0's TCP store on this host, and the group's name (unique on the host:
-    the key prefix in the store)."""
+    the key prefix in the store and the one-shot kernel's registration)."""
 
     host: str
     port: int
@@ -66,10 +68,11 @@ def host_store(size: int, name_prefix: str = "pdserve-tp") -> tuple[dist.TCPStor
     return server, GroupAddress("127.0.0.1", server.port, f"{name_prefix}-{os.getpid()}-{server.port}")
 
 
-def open_group(address: GroupAddress, rank: int, size: int, device: torch.device,
+def open_group(address: GroupAddress, rank: int, size: int, device: torch.device, config: EngineConfig,
                store: dist.Store | None = None) -> TPGroup:
-    """The TP process group: gloo on the CPU, NCCL on CUDA (a standalone group object). `store`: rank 0's server
-    (from host_store); other ranks connect to `address`. Collective."""
+    """The TP process group: gloo on the CPU, NCCL on CUDA (a standalone group object), with the one-shot
+    all-reduce for small sums on CUDA when config.tp_all_reduce is "one_shot". `store`: rank 0's server (from
+    host_store); other ranks connect to `address`. Collective."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(address.host, address.port, size, False, timeout)
@@ -78,7 +81,11 @@ def open_group(address: GroupAddress, rank: int, size: int, device: torch.device
         return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return TPGroup(rank, size, dist.ProcessGroupNCCL(store, rank, size, opts))
+    pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    if config.tp_all_reduce == "nccl":
+        return TPGroup(rank, size, pg)
+    return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
+                                                 address.name))
 
 
 def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
@@ -115,7 +122,7 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
             torch.cuda.set_device(dev)
         else:  # ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        tp = open_group(address, rank, size, dev)
+        tp = open_group(address, rank, size, dev, config)
 
         def agree(blocks: int) -> int:
             conn.send(("ready", blocks))

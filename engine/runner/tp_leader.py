@@ -74,7 +74,7 @@ class TPFollowers:
         self.calls = RankCalls(call_conns) if service is not None else None  # the followers' services
         groups: list[TPGroup] = []  # rank 0's group once open, torn down with the followers
         self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), call_conns, groups)
-        self.tp = open_group(address, 0, size, devices[0], store)
+        self.tp = open_group(address, 0, size, devices[0], config, store)
         groups.append(self.tp)
 
     def agree_blocks(self, mine: int) -> int:

@@ -1,14 +1,12 @@
-"""The one-shot all-reduce of small tensors over NVLink, measured against NCCL and not shipped in the engine.
-
-torch's symmetric-memory kernel (`torch.ops.symm_mem.one_shot_all_reduce_out`), which each rank runs on its own
-stream: copy the input into its symmetric buffer, a barrier through peer-mapped signal pads, read every peer's
-buffer and add, and a closing barrier (so the buffer may be rewritten by the next call). Issue 12 asked whether it
-beats NCCL for a decode step's small messages at TP=2 and to ship it only if it measurably wins. Over the engine's
-TP groups on rank 0's TCP store it does not: 7.5 / 8.8 / 10.9 us against NCCL's 7.3 / 8.8 / 11.3 us at 1 / 16 /
-64 x 4096 bf16 inside a CUDA graph on two H200s (`benchmarks/tp_scaling_gpu.py --all-reduce-only`,
-docs/benchmarks.md), and the 8B TP=2 decode step did not change with it. (Over the file store the groups used
-before, NCCL took ~25 us and this kernel won threefold.) So the engine sums with NCCL only, and this module serves
-the benchmark that keeps that comparison reproducible.
+"""The one-shot all-reduce of small tensors over NVLink: torch's symmetric-memory kernel
+(`torch.ops.symm_mem.one_shot_all_reduce_out`), which each rank runs on its own stream: copy the input into its
+symmetric buffer, then a barrier through peer-mapped signal pads, read every peer's buffer and add, and a closing
+barrier (so the buffer may be rewritten by the next call). For a decode step's messages (batch x hidden, a few KB
+to 1 MB) it costs a third to a half of NCCL's latency through the same TP group inside a CUDA graph on two H200s:
+7.6 us against 22.9 us at 8 KB, 11.2 against 24.6 us at 512 KB (benchmarks/tp_scaling_gpu.py --all-reduce-only,
+docs/benchmarks.md). Larger tensors go to NCCL. Opt-in (EngineConfig.tp_all_reduce = "one_shot"): those NCCL figures
+came from TP groups set up over a file store; over a TCP store (since 2026-11-26) NCCL took 7.3 us at 8 KB on
+two H200s, the same as this kernel, so it is not the default (tests/test_tp_cuda.py checks the engine with it).
 
 Owns the symmetric buffer of one TP group on one rank and the group's registration under a name (torch's kernel
 looks the group up by name); `open_one_shot` is collective: every rank of the group calls it at start-up, in the
@@ -49,8 +47,9 @@ class OneShotAllReduce:
 
 def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dtype: torch.dtype,
                   name: str) -> OneShotAllReduce:
-    """The one-shot all-reduce over the NCCL `backend` of a TP group. Raises RuntimeError on every rank where
-    symmetric memory cannot be set up on any (no peer access between the GPUs, an unsupported driver or dtype).
+    """The one-shot all-reduce over the NCCL `backend` of a TP group. Raises RuntimeError naming
+    EngineConfig.tp_all_reduce on every rank where symmetric memory cannot be set up on any (no peer access between
+    the GPUs, an unsupported driver or dtype).
     The ranks agree on the outcome through one NCCL all-reduce of a flag: a rank that failed while another
     succeeded would otherwise leave the other waiting in its first all-reduce. `name`: the group's, unique in the
     process (torch's registry of groups is process-wide)."""
@@ -72,8 +71,8 @@ def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dt
     if int(ok.item()) == 1:
         assert one_shot is not None
         return one_shot
-    raise RuntimeError(f"tensor-parallel rank {rank} could not set up the symmetric memory of the one-shot "
-                       f"all-reduce ({why or 'another rank failed'})")
+    raise RuntimeError(f"EngineConfig.tp_all_reduce 'one_shot': tensor-parallel rank {rank} could not set up the "
+                       f"symmetric memory of the one-shot all-reduce ({why or 'another rank failed'}); use 'nccl'")
 
 
 def _register_group(name: str, backend, store, rank: int, size: int):
