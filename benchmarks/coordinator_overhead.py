@@ -89,7 +89,7 @@ class PacedBackend:
             self._ticker.cancel()
 
 
-def serve(port: int, tick_s: float) -> None:
+def serve(port: int, tick_s: float, stream_interval: int) -> None:
     """The server subprocess: the real app over PacedBackend on 127.0.0.1:port."""
     import uvicorn
 
@@ -98,7 +98,7 @@ def serve(port: int, tick_s: float) -> None:
     from coordinator.settings import ServerSettings
     from engine.tiny import ensure_tiny_model
     folder = ensure_tiny_model()
-    settings = ServerSettings(port=port)
+    settings = ServerSettings(port=port, stream_interval=stream_interval)
     app = create_app(PacedBackend(str(folder), tick_s, 2048), settings)
     uvicorn.Server(uvicorn_config(app, settings, log_config=None, log_level="warning")).run()
 
@@ -142,12 +142,14 @@ def main() -> None:
     p.add_argument("--probe-rate", type=float, default=4.0, help="probe requests per second (Poisson)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per window")
     p.add_argument("--port", type=int, default=18093)
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's stream_interval (tokens per chunk)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(args.port, args.tick_ms / 1e3)
+        serve(args.port, args.tick_ms / 1e3, args.stream_interval)
         return
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port),
+                               "--stream-interval", str(args.stream_interval),
                                "--tick-ms", str(args.tick_ms)])
     url = f"http://127.0.0.1:{args.port}"
     try:
