@@ -44,7 +44,7 @@ for step in "$@"; do
     tenants)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
-        --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/tenants.log" | grep "^{" ;;
+        --prompt-format ids --decode-blocks 0 ${TENANT_ARGS:-} 2>&1 | tee "$OUT/${TENANT_LOG:-tenants}.log" | grep "^{" ;;
     tp) bash "$0" tpcuda tptransfer allreduce tpscale ;;
     tpcuda)  # on a hang pytest-timeout (thread method: even inside C calls) dumps every thread's stack
       # the log goes straight to $OUT (no pipe), so a run cut short still brings back what it printed

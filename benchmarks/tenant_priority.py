@@ -7,6 +7,7 @@
    same run), where its time went (the server's phases, means), the low tenant's throughput, and the coordinator
    process's CPU use (seconds of CPU per second: 1.0 is one core saturated, where queueing in its event loop,
    which priority cannot reorder, sets in).
+   `--low-stream-interval N` streams the flood N tokens a chunk (the tenant's stream_interval).
 2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the largest flood, with
    `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
 
@@ -77,7 +78,8 @@ def _config(args, reserve_output: float) -> dict:
     config = copy.deepcopy(yaml.safe_load(Path(args.config).read_text()))
     config.pop("ray_address", None)
     config["model"] = args.model
-    config["tenants"] = TENANTS
+    config["tenants"] = [t | {"stream_interval": args.low_stream_interval} if t["priority"] == "low" else t
+                         for t in TENANTS]
     config.setdefault("admission", {}).update(reserve_output=reserve_output, reserved_for_high=args.reserved_for_high,
                                               timeout_s=120)
     if args.decode_blocks:
@@ -99,6 +101,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--decode-blocks", type=int, default=384, help="decode KV blocks (0: the engine's own sizing)")
     p.add_argument("--reserved-for-high", type=float, default=0.25)
+    p.add_argument("--low-stream-interval", type=int, default=1,
+                   help="the low-priority tenant's stream_interval (tokens per streamed chunk)")
     args = p.parse_args()
     floods = [int(x) for x in args.flood.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
-TP_ALL_REDUCES = ("nccl", "one_shot")
+TP_ALL_REDUCES = ("auto", "nccl", "one_shot")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
     device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
     load_format: str = "auto"           # "auto": the checkpoint's safetensors; "dummy": random weights, no files
-    tp_all_reduce: str = "nccl"         # CUDA TP: "nccl", or "one_shot": sums <= 1 MiB by the one-shot kernel
+    # CUDA TP sums <= 1 MiB: "auto" by the one-shot kernel where every rank can set it up (else NCCL, logged),
+    # "one_shot" (required), "nccl"; larger sums and gloo (CPU) always by the process group
+    tp_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -58,7 +60,7 @@ class EngineConfig:
              "must name tensor_parallel_size distinct CUDA devices (with a cuda device)"),
             ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
             ("tp_all_reduce", self.tp_all_reduce in TP_ALL_REDUCES and (
-                self.tp_all_reduce == "nccl" or self.device.startswith("cuda")),
+                self.tp_all_reduce != "one_shot" or self.device.startswith("cuda")),
              f"must be one of {TP_ALL_REDUCES} ('one_shot' needs a cuda device)"),
         ]
         for name, ok, why in checks:

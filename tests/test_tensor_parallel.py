@@ -126,7 +126,7 @@ def test_close_stops_the_followers(llama_tp2):
 
 def test_the_all_reduce_choice_is_validated_and_gloo_has_no_one_shot(llama_tp2):
     from engine.engine_config import EngineConfig
-    with pytest.raises(ValueError, match=r"EngineConfig.tp_all_reduce must be one of \('nccl', 'one_shot'\)"):
+    with pytest.raises(ValueError, match=r"EngineConfig.tp_all_reduce must be one of \('auto', 'nccl', 'one_shot'\)"):
         EngineConfig(tp_all_reduce="nvls")
     with pytest.raises(ValueError, match="EngineConfig.tp_all_reduce .*'one_shot' needs a cuda device"):
         EngineConfig(tp_all_reduce="one_shot", tensor_parallel_size=2)

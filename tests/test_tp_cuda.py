@@ -1,6 +1,6 @@
 """Tensor parallelism on two CUDA devices (NCCL): the kernel path at TP=2, with decode steps replayed from CUDA
 graphs that capture the all-reduces and overlapped scheduling on, gives TP=1's greedy tokens and eager TP=2's, with
-NCCL for every sum (the default) and with the one-shot all-reduce for small ones.
+the one-shot all-reduce for small sums (the default) and with NCCL alone, and a float16 model that falls back to NCCL.
 Runs where two GPUs exist (the lent nvidia-h200-x2)."""
 
 import time
@@ -32,13 +32,13 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
     want_seeded = [o.token_ids for o in one.generate(prompts, seeded)]
     del one
     progress("TP=1 reference generated")
-    # NCCL (the default) with and without graphs; then small sums by the one-shot kernel
-    for graphs, all_reduce in ((True, "nccl"), (False, "nccl"), (True, "one_shot")):
+    # the default ("auto": small sums by the one-shot kernel) with and without graphs; then NCCL alone
+    for graphs, all_reduce in ((True, "auto"), (False, "auto"), (True, "nccl")):
         llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, tp_all_reduce=all_reduce, **kw)
         progress(f"TP=2 engine started (graphs={graphs}, all-reduce {all_reduce})")
         try:
             assert llm.engine.uses_kernels
-            assert (llm.engine.followers.tp.one_shot is not None) == (all_reduce == "one_shot")
+            assert (llm.engine.followers.tp.one_shot is not None) == (all_reduce == "auto")  # NVLink H200s
             assert [o.token_ids for o in llm.generate(prompts, params)] == want
             assert [o.token_ids for o in llm.generate(prompts, seeded)] == want_seeded
             assert (llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0) == graphs
@@ -47,3 +47,11 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
         finally:
             llm.engine.close()
             progress("TP=2 engine closed")
+    # float16, which torch's one-shot kernel does not sum: "auto" falls back to NCCL on every rank and serves
+    llm = LLM(folder, tensor_parallel_size=2, tp_all_reduce="auto", **(kw | {"dtype": "float16"}))
+    try:
+        assert llm.engine.followers.tp.one_shot is None
+        assert all(len(o.token_ids) == 24 for o in llm.generate(prompts, params))
+        progress("TP=2 float16: NCCL alone")
+    finally:
+        llm.engine.close()

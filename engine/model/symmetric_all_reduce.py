@@ -4,9 +4,11 @@ symmetric buffer, then a barrier through peer-mapped signal pads, read every pee
 barrier (so the buffer may be rewritten by the next call). For a decode step's messages (batch x hidden, a few KB
 to 1 MB) it costs a third to a half of NCCL's latency through the same TP group inside a CUDA graph on two H200s:
 7.6 us against 22.9 us at 8 KB, 11.2 against 24.6 us at 512 KB (benchmarks/tp_scaling_gpu.py --all-reduce-only,
-docs/benchmarks.md). Larger tensors go to NCCL. Opt-in (EngineConfig.tp_all_reduce = "one_shot"): those NCCL figures
-came from TP groups set up over a file store; over a TCP store (since 2026-11-26) NCCL took 7.3 us at 8 KB on
-two H200s, the same as this kernel, so it is not the default (tests/test_tp_cuda.py checks the engine with it).
+docs/benchmarks.md). Larger tensors go to NCCL. NCCL's latency for these messages varied between runs on the same
+kind of machine (7 to 61 us at 8 KB), this kernel's did not (7.6 us); in one call the 8B shape's TP=2 decode step
+took 3.252 ms with it against 3.517 ms with NCCL alone at batch 1 (1.081x) and 6.386 against 6.709 ms at batch 64
+(1.051x). So it is the default on CUDA (EngineConfig.tp_all_reduce "auto", NCCL alone where it cannot be set up);
+tests/test_tp_cuda.py checks the engine with and without it.
 
 Owns the symmetric buffer of one TP group on one rank and the group's registration under a name (torch's kernel
 looks the group up by name); `open_one_shot` is collective: every rank of the group calls it at start-up, in the
@@ -53,12 +55,13 @@ def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dt
     The ranks agree on the outcome through one NCCL all-reduce of a flag: a rank that failed while another
     succeeded would otherwise leave the other waiting in its first all-reduce. `name`: the group's, unique in the
     process (torch's registry of groups is process-wide)."""
-    one_shot, why = None, ""
+    one_shot, why, registered = None, "", False
     try:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"torch's one-shot kernel sums bfloat16 and float32, not {dtype}")
         import torch.distributed._symmetric_memory as symm_mem
         group = _register_group(name, backend, store, rank, size)
+        registered = True
         buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(buffer, name)
         one_shot = OneShotAllReduce(buffer, name, group)
@@ -71,8 +74,11 @@ def open_one_shot(backend, store, rank: int, size: int, device: torch.device, dt
     if int(ok.item()) == 1:
         assert one_shot is not None
         return one_shot
-    raise RuntimeError(f"EngineConfig.tp_all_reduce 'one_shot': tensor-parallel rank {rank} could not set up the "
-                       f"symmetric memory of the one-shot all-reduce ({why or 'another rank failed'}); use 'nccl'")
+    if registered:  # the registry is process-wide: a group NCCL alone will serve must not stay in it
+        from torch._C._distributed_c10d import _unregister_process_group
+        _unregister_process_group(name)
+    raise RuntimeError(f"EngineConfig.tp_all_reduce: tensor-parallel rank {rank} could not set up the symmetric "
+                       f"memory of the one-shot all-reduce ({why or 'another rank failed'})")
 
 
 def _register_group(name: str, backend, store, rank: int, size: int):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from engine.runner.rank_service import RankServiceFactory, serve_calls
 from engine.runner.step_extras import token_offsets
 from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import decode_variants
+
+log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300  # a collective waits at most this long for its peers (start-up included)
 
@@ -71,8 +74,9 @@ def host_store(size: int, name_prefix: str = "pdserve-tp") -> tuple[dist.TCPStor
 def open_group(address: GroupAddress, rank: int, size: int, device: torch.device, config: EngineConfig,
                store: dist.Store | None = None) -> TPGroup:
     """The TP process group: gloo on the CPU, NCCL on CUDA (a standalone group object), with the one-shot
-    all-reduce for small sums on CUDA when config.tp_all_reduce is "one_shot". `store`: rank 0's server (from
-    host_store); other ranks connect to `address`. Collective."""
+    all-reduce for small sums on CUDA unless config.tp_all_reduce is "nccl" ("auto": NCCL alone where symmetric
+    memory cannot be set up; every rank agrees on the outcome). `store`: rank 0's server (from host_store); other
+    ranks connect to `address`. Collective."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(address.host, address.port, size, False, timeout)
@@ -84,8 +88,15 @@ def open_group(address: GroupAddress, rank: int, size: int, device: torch.device
     pg = dist.ProcessGroupNCCL(store, rank, size, opts)
     if config.tp_all_reduce == "nccl":
         return TPGroup(rank, size, pg)
-    return TPGroup(rank, size, pg, open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype],
-                                                 address.name))
+    try:
+        one_shot = open_one_shot(pg, store, rank, size, device, TORCH_DTYPES[config.dtype], address.name)
+    except RuntimeError as e:
+        if config.tp_all_reduce == "one_shot":
+            raise
+        if rank == 0:
+            log.warning("%s; tp_all_reduce 'auto' sums with NCCL alone", e)
+        return TPGroup(rank, size, pg)
+    return TPGroup(rank, size, pg, one_shot)
 
 
 def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
