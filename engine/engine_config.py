@@ -33,9 +33,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
     device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
     load_format: str = "auto"           # "auto": the checkpoint's safetensors; "dummy": random weights, no files
-    # CUDA TP sums <= 1 MiB: "auto" by the one-shot kernel where every rank can set it up (else NCCL, logged),
-    # "one_shot" (required), "nccl"; larger sums and gloo (CPU) always by the process group
-    tp_all_reduce: str = "auto"
+    # CUDA TP sums <= 1 MiB: "nccl"; "auto" by the one-shot kernel where every rank can set it up (else NCCL,
+    # logged); "one_shot" (required). Larger sums and gloo (CPU) always by the process group. Not the default:
+    # a second engine's one-shot set-up in one process hung (engine.model.symmetric_all_reduce)
+    tp_all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
         checks = [

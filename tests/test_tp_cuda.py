@@ -1,6 +1,7 @@
 """Tensor parallelism on two CUDA devices (NCCL): the kernel path at TP=2, with decode steps replayed from CUDA
 graphs that capture the all-reduces and overlapped scheduling on, gives TP=1's greedy tokens and eager TP=2's, with
-the one-shot all-reduce for small sums (the default) and with NCCL alone, and a float16 model that falls back to NCCL.
+NCCL for every sum (the default) and with the one-shot all-reduce for small ones, and a float16 model whose "auto"
+falls back to NCCL.
 Runs where two GPUs exist (the lent nvidia-h200-x2)."""
 
 import time
@@ -32,8 +33,9 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
     want_seeded = [o.token_ids for o in one.generate(prompts, seeded)]
     del one
     progress("TP=1 reference generated")
-    # the default ("auto": small sums by the one-shot kernel) with and without graphs; then NCCL alone
-    for graphs, all_reduce in ((True, "auto"), (False, "auto"), (True, "nccl")):
+    # NCCL (the default) with and without graphs; then small sums by the one-shot kernel, once per process (a
+    # second one-shot set-up in one process hung: engine.model.symmetric_all_reduce)
+    for graphs, all_reduce in ((True, "nccl"), (False, "nccl"), (True, "auto")):
         llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, tp_all_reduce=all_reduce, **kw)
         progress(f"TP=2 engine started (graphs={graphs}, all-reduce {all_reduce})")
         try:

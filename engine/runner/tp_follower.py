@@ -74,7 +74,7 @@ def host_store(size: int, name_prefix: str = "pdserve-tp") -> tuple[dist.TCPStor
 def open_group(address: GroupAddress, rank: int, size: int, device: torch.device, config: EngineConfig,
                store: dist.Store | None = None) -> TPGroup:
     """The TP process group: gloo on the CPU, NCCL on CUDA (a standalone group object), with the one-shot
-    all-reduce for small sums on CUDA unless config.tp_all_reduce is "nccl" ("auto": NCCL alone where symmetric
+    all-reduce for small sums on CUDA when config.tp_all_reduce asks for it ("auto": NCCL alone where symmetric
     memory cannot be set up; every rank agrees on the outcome). `store`: rank 0's server (from host_store); other
     ranks connect to `address`. Collective."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
