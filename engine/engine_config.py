@@ -35,7 +35,7 @@ class EngineConfig:
     load_format: str = "auto"           # "auto": the checkpoint's safetensors; "dummy": random weights, no files
     # CUDA TP sums <= 1 MiB: "nccl"; "auto" by the one-shot kernel where every rank can set it up (else NCCL,
     # logged); "one_shot" (required). Larger sums and gloo (CPU) always by the process group. Not the default:
-    # a second engine's one-shot set-up in one process hung (engine.model.symmetric_all_reduce)
+    # after a one-shot engine, a further TP engine in the process hung (engine.model.symmetric_all_reduce)
     tp_all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:

@@ -7,8 +7,9 @@ to 1 MB) it costs a third to a half of NCCL's latency through the same TP group 
 docs/benchmarks.md). Larger tensors go to NCCL. NCCL's latency for these messages varied between runs on the same
 kind of machine (7 to 61 us at 8 KB), this kernel's did not (7.6 us); in one call the 8B shape's TP=2 decode step
 took 3.252 ms with it against 3.517 ms with NCCL alone at batch 1 (1.081x) and 6.386 against 6.709 ms at batch 64
-(1.051x). It is not the default, though: made the default, a process that built a second TP engine after closing
-a first hung in the second's set-up (on two H200s, holding the GIL; not yet understood). So it is opt-in
+(1.051x). It is not the default, though: after a TP engine with it had closed, the next TP engine in the same
+process hung on two H200s, once in its set-up (holding the GIL) and once, with NCCL alone (float16, "auto" falling
+back), in its close's pg.abort(); not yet understood. So it is opt-in
 (EngineConfig.tp_all_reduce "auto": where every rank can set it up, else NCCL alone; "one_shot": required) for a
 process that builds one TP engine, as a serving worker does; tests/test_tp_cuda.py checks the engine with it once.
 
