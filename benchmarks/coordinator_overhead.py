@@ -33,14 +33,19 @@ from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec  # noqa: E402
 from coordinator.backend import GenerateRequest, TokenDelta  # noqa: E402
+from coordinator.held_queue import HeldQueue  # noqa: E402
+from coordinator.ray_backend import _coalesced  # noqa: E402
+from engine.core.scheduler import StepOutput  # noqa: E402
 
 
 class PacedBackend:
-    """A ServingBackend whose every stream gains one random token per tick (all streams on one ticker task)."""
+    """A ServingBackend whose every stream gains one random token per tick (all streams on one ticker task). Its
+    streams take step outputs as RayBackend's do: through a HeldQueue when the request streams n > 1 tokens a chunk
+    (unless `hold` is off), coalesced by the reader."""
 
-    def __init__(self, model_path: str, tick_s: float, vocab_size: int) -> None:
+    def __init__(self, model_path: str, tick_s: float, vocab_size: int, hold: bool = True) -> None:
         self.model_name, self.model_path, self.max_model_len, self.vocab_size = "tiny", model_path, 4096, vocab_size
-        self.tick_s = tick_s
+        self.tick_s, self.hold = tick_s, hold
         self._streams: dict[str, tuple[asyncio.Queue, list[int]]] = {}  # id -> (queue, [tokens left])
         self._ticker: asyncio.Task | None = None
         self._rng = random.Random(0)
@@ -51,14 +56,15 @@ class PacedBackend:
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        queue: asyncio.Queue = asyncio.Queue()
+        held = self.hold and request.stream_interval > 1
+        queue = HeldQueue(request.stream_interval) if held else asyncio.Queue()
         self._streams[request.request_id] = (queue, [request.params.max_tokens])
         return self._stream(request.request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenDelta]:
         try:
             while True:
-                delta = await queue.get()
+                delta, _ = _coalesced(await queue.get(), queue)
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -72,7 +78,7 @@ class PacedBackend:
                 if left[0] <= 0:  # ended; its consumer has not closed the stream yet
                     continue
                 left[0] -= 1
-                queue.put_nowait(TokenDelta([self._rng.randrange(10, self.vocab_size)], [],
+                queue.put_nowait(StepOutput("paced", [self._rng.randrange(10, self.vocab_size)], [],
                                             "length" if left[0] <= 0 else None))
 
     def generate_group(self, request: GenerateRequest):
@@ -89,7 +95,7 @@ class PacedBackend:
             self._ticker.cancel()
 
 
-def serve(port: int, tick_s: float, stream_interval: int) -> None:
+def serve(port: int, tick_s: float, stream_interval: int, hold: bool) -> None:
     """The server subprocess: the real app over PacedBackend on 127.0.0.1:port."""
     import uvicorn
 
@@ -99,7 +105,7 @@ def serve(port: int, tick_s: float, stream_interval: int) -> None:
     from engine.tiny import ensure_tiny_model
     folder = ensure_tiny_model()
     settings = ServerSettings(port=port, stream_interval=stream_interval)
-    app = create_app(PacedBackend(str(folder), tick_s, 2048), settings)
+    app = create_app(PacedBackend(str(folder), tick_s, 2048, hold), settings)
     uvicorn.Server(uvicorn_config(app, settings, log_config=None, log_level="warning")).run()
 
 
@@ -143,13 +149,15 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=15.0, help="seconds per window")
     p.add_argument("--port", type=int, default=18093)
     p.add_argument("--stream-interval", type=int, default=1, help="the server's stream_interval (tokens per chunk)")
+    p.add_argument("--no-hold", action="store_true",
+                   help="the backend wakes each stream every tick, whatever its stream_interval (no HeldQueue)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(args.port, args.tick_ms / 1e3, args.stream_interval)
+        serve(args.port, args.tick_ms / 1e3, args.stream_interval, not args.no_hold)
         return
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port),
-                               "--stream-interval", str(args.stream_interval),
+                               "--stream-interval", str(args.stream_interval), *(["--no-hold"] * args.no_hold),
                                "--tick-ms", str(args.tick_ms)])
     url = f"http://127.0.0.1:{args.port}"
     try:

@@ -24,6 +24,9 @@ class GenerateRequest:
     params: SamplingParams  # stop_token_ids already merged in; stop strings stay with the coordinator
     priority: int = 2       # admission order, lower first: 0 migrations, 1-3 tenants' high/normal/low (tenants.py)
     n: int = 1              # choices of this prompt (engine.choices), prefilled once: ServingBackend.generate_group
+    # the reader takes tokens this many at a time after the first (ServerSettings.stream_interval): a backend may
+    # hold outputs back until a chunk's worth is in, to wake the reader less often (coordinator.held_queue)
+    stream_interval: int = 1
     trace: PhaseTrace | None = field(default=None, compare=False, repr=False)  # its phases (generate() marks them)
 
 

@@ -33,6 +33,7 @@ from coordinator.admission import Admission, Placement
 from coordinator.backend import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
 from coordinator.backend_stats import backend_stats, transfer_totals
 from coordinator.drills import Drills
+from coordinator.held_queue import HeldQueue
 from coordinator.phases import PhaseTrace
 from coordinator.pools import Pools
 from coordinator.ray_group import GroupRun
@@ -146,7 +147,7 @@ class RayBackend:
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = HeldQueue(request.stream_interval) if request.stream_interval > 1 else asyncio.Queue()
         self._streams[attempt] = queue
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
         finished = joined = False  # joined: a token came from the decode stream

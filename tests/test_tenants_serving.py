@@ -1,9 +1,11 @@
 """Tenants on the real server (`pdserve serve`, tiny, 1 prefill + 1 decode): keys map to tenants, a tenant's
 rate limit answers 429 with Retry-After, and a flood from a low-priority tenant does not hold back a high-priority
 one: once the high requests arrive, no waiting low request starts before them (counted in the order first tokens
-arrive, no clock). Per-tenant usage in /metrics is exact."""
+arrive, no clock). Per-tenant usage in /metrics is exact. A tenant's stream_interval chunks its streams (the decode
+poll holds its outputs back, coordinator.held_queue) without changing what they say."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -22,7 +24,8 @@ def server(tmp_path_factory):
               "admission": {"timeout_s": 120, "priority_aging_s": 1000, "reserved_for_high": 0.25},
               "tenants": [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
                           {"name": "bulk", "api_keys": ["k-low"], "priority": "low"},
-                          {"name": "metered", "api_keys": ["k-rpm"], "requests_per_minute": 2}]}
+                          {"name": "metered", "api_keys": ["k-rpm"], "requests_per_minute": 2},
+                          {"name": "chunky", "api_keys": ["k-chunky"], "stream_interval": 4}]}
     with running_server(tmp_path_factory.mktemp("tenants"), config) as srv:
         yield srv
 
@@ -88,3 +91,24 @@ def test_a_low_priority_flood_does_not_hold_back_high_priority_requests(server):
     prompt = metric_values(url, "pdserve_tenant_prompt_tokens_total")
     assert prompt['{tenant="interactive"}'] == 8 * PROMPT_LEN
     wait_for_idle_workers(url)
+
+
+def test_a_tenants_stream_interval_chunks_its_streams_through_the_ray_backend(server):
+    body = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 30, "ignore_eos": True, "temperature": 0,
+            "stream": True, "logprobs": 0}
+
+    def chunks(key: str) -> tuple[list[int], str]:
+        counts, text = [], ""
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    counts.append(len(choice["logprobs"]["tokens"]))
+                    text += choice["text"]
+        return counts, text
+    chunky, chunky_text = chunks("k-chunky")
+    plain, plain_text = chunks("k-high")
+    assert sum(chunky) == sum(plain) == 30 and chunky_text == plain_text
+    assert chunky[0] == 1 and all(c >= 4 for c in chunky[1:-1]) and len(chunky) <= 1 + -(-29 // 4)
+    assert len(plain) > len(chunky)
