@@ -5,7 +5,8 @@ loopback port) is written next to its log in the cell's folder; a server that ex
 `start_timeout_s` raises `LaunchError` with the log's tail. A free port can be taken by another process before
 the server binds it, so a server that reports its port taken starts again on another (PORT_ATTEMPTS times).
 On leaving, SIGTERM drains it and, if it has not exited within `stop_timeout_s`, its whole process group is
-killed, so no server outlives the sweep.
+killed, so no server outlives the sweep, also when the sweep itself gets SIGTERM (a scheduler, `timeout`): while a
+server runs, that signal raises SystemExit in the main thread, as Ctrl-C raises KeyboardInterrupt, so the stop runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,14 +72,33 @@ def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
     """Runs `pdserve serve` until the block ends; `config`'s server.port None means a free loopback port.
     Raises LaunchError if it does not start, or does not drain and exit with status 0 after SIGTERM."""
     workdir.mkdir(parents=True, exist_ok=True)
-    proc, url = _start(config, workdir, start_timeout_s)
-    try:
-        yield LaunchedServer(url, proc.pid)
-    finally:
-        stopped = _stop(proc, stop_timeout_s)
+    with _sigterm_as_exit():
+        proc, url = _start(config, workdir, start_timeout_s)
+        try:
+            yield LaunchedServer(url, proc.pid)
+        finally:
+            stopped = _stop(proc, stop_timeout_s)
     if not stopped:
         raise LaunchError(f"the server did not exit with status 0 within {stop_timeout_s:g} s of SIGTERM; "
                           f"see {workdir / 'server.log'}")
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit (status 143) instead of ending the process on the spot, so the
+    blocks that stop the server run. Only in the main thread (where Python runs signal handlers) and only where
+    SIGTERM still has its default action: a program's own handler is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def raise_exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _start(config: dict, workdir: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
