@@ -33,8 +33,8 @@ def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):
     want_seeded = [o.token_ids for o in one.generate(prompts, seeded)]
     del one
     progress("TP=1 reference generated")
-    # NCCL (the default) with and without graphs; then small sums by the one-shot kernel, once per process (a
-    # second one-shot set-up in one process hung: engine.model.symmetric_all_reduce)
+    # NCCL (the default) with and without graphs; then small sums by the one-shot kernel, last (a TP engine built
+    # after a one-shot one in the same process hung: engine.model.symmetric_all_reduce)
     for graphs, all_reduce in ((True, "nccl"), (False, "nccl"), (True, "auto")):
         llm = LLM(folder, tensor_parallel_size=2, cuda_graphs=graphs, tp_all_reduce=all_reduce, **kw)
         progress(f"TP=2 engine started (graphs={graphs}, all-reduce {all_reduce})")
