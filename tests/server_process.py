@@ -217,3 +217,17 @@ def assert_nothing_booked(url: str) -> dict:
     booked = metric_values(url, "pdserve_worker_booked_kv_blocks")
     assert booked and all(v == 0 for v in booked.values()), booked
     return integrity
+
+
+def streamed_chunks(url: str, body: dict, key: str | None = None) -> tuple[list[int], str]:
+    """Tokens per SSE chunk (counted from the chunks' logprob entries) and the text of one streamed completion."""
+    counts, text = [], ""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True, "logprobs": 0},
+                      headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                counts.append(len(choice["logprobs"]["tokens"]))
+                text += choice["text"]
+    return counts, text

@@ -18,6 +18,7 @@ from coordinator.settings import ServerSettings
 from coordinator.text_output import TextOutput
 from engine import LLM, SamplingParams
 from tests.inprocess_backend import InProcessBackend, ServerThread, wait_until
+from tests.server_process import streamed_chunks
 
 pytestmark = pytest.mark.timeout(60)
 LONG = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
@@ -197,23 +198,9 @@ def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation(engine, ch
     asyncio.run(main())
 
 
-def _streamed_tokens_per_chunk(url: str, body: dict, key: str | None = None) -> tuple[list[int], str]:
-    """Tokens per SSE chunk (from the chunks' logprob entries) and the text, of one streamed completion."""
-    counts, text = [], ""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True, "logprobs": 0},
-                      headers=headers, timeout=30) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                counts.append(len(choice["logprobs"]["tokens"]))
-                text += choice["text"]
-    return counts, text
-
-
 @pytest.mark.parametrize("server", [{"stream_interval": 4}], indirect=True)
 def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(server):
-    counts, text = _streamed_tokens_per_chunk(server.url, LONG)
+    counts, text = streamed_chunks(server.url, LONG)
     assert sum(counts) == LONG["max_tokens"] and counts[0] == 1
     assert all(c >= 4 for c in counts[1:-1]) and counts[-1] >= 1  # the end goes out with what is left
     assert len(counts) <= 1 + -(-(LONG["max_tokens"] - 1) // 4)
@@ -222,7 +209,7 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
 
 
 def test_without_stream_interval_every_token_is_its_own_chunk(server):
-    counts, _ = _streamed_tokens_per_chunk(server.url, LONG)
+    counts, _ = streamed_chunks(server.url, LONG)
     assert sum(counts) == LONG["max_tokens"] and len(counts) > LONG["max_tokens"] // 2
 
 
@@ -232,8 +219,8 @@ def test_a_tenants_stream_interval_applies_to_its_requests_only(engine, checkpoi
                              TenantConfig("chat", ("k-chat",), priority="high")))
     backend = InProcessBackend(engine, checkpoints.tiny())
     with ServerThread(create_app(backend, ServerSettings(), tenants), backend) as srv:
-        bulk, _ = _streamed_tokens_per_chunk(srv.url, LONG, "k-bulk")
-        chat, _ = _streamed_tokens_per_chunk(srv.url, LONG, "k-chat")
+        bulk, _ = streamed_chunks(srv.url, LONG, "k-bulk")
+        chat, _ = streamed_chunks(srv.url, LONG, "k-chat")
     assert sum(bulk) == sum(chat) == LONG["max_tokens"]
     assert bulk[0] == 1 and all(c >= 8 for c in bulk[1:-1]) and len(bulk) <= 1 + -(-39 // 8)
     assert len(chat) > len(bulk)

@@ -5,13 +5,12 @@ arrive, no clock). Per-tenant usage in /metrics is exact. A tenant's stream_inte
 poll holds its outputs back, coordinator.held_queue) without changing what they say."""
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
 from tests.engine_helpers import random_prompts
-from tests.server_process import HALF_CPU, metric_values, running_server, wait_for_idle_workers
+from tests.server_process import HALF_CPU, metric_values, running_server, streamed_chunks, wait_for_idle_workers
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT_LEN, MAX_TOKENS = 32, 80  # 8 KV blocks booked each: 7 low requests fill the 60 blocks low may book
@@ -94,21 +93,9 @@ def test_a_low_priority_flood_does_not_hold_back_high_priority_requests(server):
 
 
 def test_a_tenants_stream_interval_chunks_its_streams_through_the_ray_backend(server):
-    body = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 30, "ignore_eos": True, "temperature": 0,
-            "stream": True, "logprobs": 0}
-
-    def chunks(key: str) -> tuple[list[int], str]:
-        counts, text = [], ""
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {key}"}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    choice = json.loads(line[6:])["choices"][0]
-                    counts.append(len(choice["logprobs"]["tokens"]))
-                    text += choice["text"]
-        return counts, text
-    chunky, chunky_text = chunks("k-chunky")
-    plain, plain_text = chunks("k-high")
+    body = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+    chunky, chunky_text = streamed_chunks(server.url, body, "k-chunky")
+    plain, plain_text = streamed_chunks(server.url, body, "k-high")
     assert sum(chunky) == sum(plain) == 30 and chunky_text == plain_text
     assert chunky[0] == 1 and all(c >= 4 for c in chunky[1:-1]) and len(chunky) <= 1 + -(-29 // 4)
     assert len(plain) > len(chunky)
