@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +72,12 @@ def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
     """Runs `pdserve serve` until the block ends; `config`'s server.port None means a free loopback port.
     Raises LaunchError if it does not start, or does not drain and exit with status 0 after SIGTERM."""
     workdir.mkdir(parents=True, exist_ok=True)
-    with _sigterm_as_exit():
+    with _sigterm_as_exit() as shield:
         proc, url = _start(config, workdir, start_timeout_s)
         try:
             yield LaunchedServer(url, proc.pid)
         finally:
+            shield()  # a second SIGTERM must not cut the stop short (and leave a draining server behind)
             stopped = _stop(proc, stop_timeout_s)
     if not stopped:
         raise LaunchError(f"the server did not exit with status 0 within {stop_timeout_s:g} s of SIGTERM; "
@@ -84,19 +85,20 @@ def launched_server(config: dict, workdir: Path, start_timeout_s: float = 600.0,
 
 
 @contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
+def _sigterm_as_exit() -> Iterator[Callable[[], None]]:
     """Within the block, SIGTERM raises SystemExit (status 143) instead of ending the process on the spot, so the
-    blocks that stop the server run. Only in the main thread (where Python runs signal handlers) and only where
-    SIGTERM still has its default action: a program's own handler is left alone."""
+    blocks that stop the server run; the function it gives ignores further SIGTERMs (call it before stopping). Only
+    in the main thread (where Python runs signal handlers) and only where SIGTERM still has its default action: a
+    program's own handler is left alone. The default action is back after the block."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
+        yield lambda: None
         return
 
     def raise_exit(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, raise_exit)
     try:
-        yield
+        yield lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

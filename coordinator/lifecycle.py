@@ -117,6 +117,7 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None  # fires at the deadline
         self._waiter: asyncio.Task | None = None        # the task waiting for the next delta, if one is
         self._expired = False
+        self._pending_error: errors.APIError | None = None  # met while gathering a piece: raised after it
         self._cancelled_waiter = False                  # the timer cancelled the waiter
         self._grant = grant  # the tenant's charge, settled in close()
         # False for choices 1.. of an n>1 request: one request, one prompt and one TTFT/e2e sample per prompt
@@ -135,15 +136,25 @@ class Generation:
     async def next_piece(self) -> Piece:
         """The next piece of output: one backend delta's tokens, or with stream_interval n > 1 (after the first
         token) those of as many deltas as make n tokens or reach the end. Raises APIError (503 overloaded, 502
-        backend failure, 504 timeout)."""
+        backend failure, 504 timeout); one that comes while a piece is being gathered is raised by the next call,
+        after that piece is returned (the client gets every token it was charged for)."""
         if self.finish_reason is not None:
             raise RuntimeError("Generation.next_piece after the end")
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
         first = self._last_token_at is None
         parts: list[str] = []
         infos: list[TokenInfo] = []
         count = 0
         while True:
-            delta = await self._next_delta()
+            try:
+                delta = await self._next_delta()
+            except errors.APIError as e:
+                if not count:
+                    raise
+                self._pending_error = e
+                return Piece("".join(parts), infos, None)
             finish = self._take(delta, parts, infos)
             count += len(delta.token_ids)
             if finish is not None or first or count >= self._stream_interval:

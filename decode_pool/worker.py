@@ -275,7 +275,9 @@ class DecodeWorker:
     # ---- internals
     async def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
         """Every rank pulls its KV heads into the booked blocks (rank 0 after the booking's fence; a follower, whose
-        stream the fence is not on, after the steps it has queued). A rank that cannot even answer (its process
+        stream the fence is not on, after the steps it has launched when the pull reaches it: a follower a step
+        behind rank 0 at a booking pulled at once, not booked early, could let that step write into a booked block
+        after the pull; not seen, not yet fenced). A rank that cannot even answer (its process
         died) means this worker's TP group is broken for good: the process exits, so the request moves and the
         worker is replaced, instead of failing this request and waiting for the next step to notice."""
         try:

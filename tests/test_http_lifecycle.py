@@ -142,13 +142,35 @@ def test_metrics_report_latencies_outcomes_and_backend_load(server):
     assert "pdserve_queue_length 0" in text and "pdserve_transfer_bytes_total 0" in text
 
 
-def _generation(engine, checkpoints, timeout_s: float):
+def _generation(engine, checkpoints, timeout_s: float, stream_interval: int = 1):
     backend = InProcessBackend(engine, checkpoints.tiny())
     prompt = engine.tokenizer.encode("The old lighthouse")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     gen = Generation(backend, GenerateRequest("gen-1", prompt, params), TextOutput(engine.tokenizer, prompt),
-                     Metrics("tiny"), timeout_s, False, time.monotonic())
+                     Metrics("tiny"), timeout_s, False, time.monotonic(), stream_interval=stream_interval)
     return backend, gen
+
+
+def test_an_error_while_a_chunk_gathers_comes_after_the_tokens_already_taken(engine, checkpoints):
+    """stream_interval 8: the deadline passes with a few tokens of the next chunk taken; the client gets them
+    (every token it is charged for), then the 504."""
+    async def main():
+        backend, gen = _generation(engine, checkpoints, 1.0, stream_interval=8)
+        await backend.start()
+        try:
+            pieces = [await gen.next_piece()]  # the first token, at once
+            backend.pause_after(3)             # a few more tokens, then none: the deadline passes mid-chunk
+            with pytest.raises(APIError) as e:
+                while True:
+                    pieces.append(await gen.next_piece())
+            assert e.value.status == 504
+            assert len(pieces) >= 2 and pieces[-1].finish_reason is None  # the partial chunk came out first
+            assert "".join(p.text for p in pieces) == gen.text.text and gen.completion_tokens > 1
+            await gen.close("timeout")
+        finally:
+            backend.resume()
+            await backend.shutdown()
+    asyncio.run(main())
 
 
 def test_a_deadline_that_passes_during_a_wait_is_a_504_and_leaves_the_task_uncancelled(engine, checkpoints):

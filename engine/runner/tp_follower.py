@@ -93,8 +93,7 @@ def open_group(address: GroupAddress, rank: int, size: int, device: torch.device
     except RuntimeError as e:
         if config.tp_all_reduce == "one_shot":
             raise
-        if rank == 0:
-            log.warning("%s; tp_all_reduce 'auto' sums with NCCL alone", e)
+        log.warning("%s; tp_all_reduce 'auto' sums with NCCL alone", e)  # every rank: each says its own reason
         return TPGroup(rank, size, pg)
     return TPGroup(rank, size, pg, one_shot)
 
