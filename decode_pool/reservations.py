@@ -19,9 +19,9 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from engine.async_engine import AsyncEngine
+from engine.llm_engine import LaunchFence
 
 RESERVE_RETRY_S = 0.01
 ENDED_TTL_S = 600.0  # how long an aborted id is refused: far beyond any handoff's delay
@@ -41,7 +41,7 @@ class Booking:
     """Blocks booked for KV written from outside, and the fence a write into them waits for on the device."""
 
     blocks: list[int]
-    fence: Any  # torch.cuda.Event | None (the CPU): completes after every step launched before the booking
+    fence: LaunchFence  # after every step launched before the booking, on every rank
 
 
 class Reservations:

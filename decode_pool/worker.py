@@ -274,14 +274,15 @@ class DecodeWorker:
 
     # ---- internals
     async def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
-        """Every rank pulls its KV heads into the booked blocks (rank 0 after the booking's fence; a follower, whose
-        stream the fence is not on, after the steps it has launched when the pull reaches it: a follower a step
-        behind rank 0 at a booking pulled at once, not booked early, could let that step write into a booked block
-        after the pull; not seen, not yet fenced). A rank that cannot even answer (its process
-        died) means this worker's TP group is broken for good: the process exits, so the request moves and the
-        worker is replaced, instead of failing this request and waiting for the next step to notice."""
+        """Every rank pulls its KV heads into the booked blocks, after the booking's fence: rank 0 after its event,
+        each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A rank that
+        cannot even answer (its process died) means this worker's TP group is broken for good: the process exits,
+        so the request moves and the worker is replaced, instead of failing this request and waiting for the next
+        step to notice."""
         try:
-            await asyncio.wrap_future(self.agents.read(peer, remote_ids, booking.blocks, ready=booking.fence))
+            fence = booking.fence
+            await asyncio.wrap_future(self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
+                                                       after_launches=fence.follower_launches))
         except RankCallError as e:
             exit_process(self.name, str(e))
 

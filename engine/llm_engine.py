@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +52,14 @@ if TYPE_CHECKING:
     from engine.runner.rank_service import RankServiceFactory
     from engine.sampling.grammar import GrammarManager
 
+
+
+@dataclass(frozen=True)
+class LaunchFence:
+    """Where a write from outside into blocks reserved now may start (LLMEngine.launch_fence)."""
+
+    event: torch.cuda.Event | None  # rank 0: after every launch queued so far on its stream (None on the CPU)
+    follower_launches: int | None   # TP: rank 0's launches sent to its followers so far (None without followers)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
@@ -161,16 +169,16 @@ class LLMEngine:
         self._reserved.add(request_id)
         return list(self.block_manager.table(request_id))
 
-    def launch_fence(self) -> torch.cuda.Event | None:
-        """An event behind every device launch queued so far on this rank (None on the CPU). A block is freed only
-        once every step naming it has been launched (async scheduling queues the next step before applying the
-        current one), so blocks reserved now are touched by nothing launched later: when this event completes
-        they may be written from outside, whatever steps were queued since."""
-        if self.device.type != "cuda":
-            return None
-        fence = torch.cuda.Event()
-        fence.record(torch.cuda.current_stream(self.device))
-        return fence
+    def launch_fence(self) -> LaunchFence:
+        """The point behind every device launch queued so far. A block is freed only once every step naming it has
+        been launched (async scheduling queues the next step before applying the current one), so blocks reserved
+        now are touched by nothing launched later: past this point they may be written from outside, whatever
+        steps were queued since. On each TP follower the point lies after as many of rank 0's launches."""
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return LaunchFence(event, self.followers.launches if self.followers is not None else None)
 
     def fork_reservation(self, src_id: str, dst_id: str, num_tokens: int) -> bool:
         """Reserve blocks for `dst_id` holding a copy-on-write fork of the first `num_tokens` tokens of KV of

@@ -24,7 +24,7 @@ from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 
 from .agent import AgentConfig, KVAgent
-from .errors import BadDescriptor
+from .errors import BadDescriptor, TransferTimeout
 from .gpu_visibility import put_first
 from .metadata import AgentMetadata
 from .tp_group import GroupMetadata, read_from_group
@@ -41,8 +41,9 @@ class RankAgent:
     """One rank's agent and the peer groups it pulls from (the object behind a follower's rank service, and
     rank 0's local part). Thread-safe as KVAgent is; `add_group`/`remove_group` run one at a time per peer."""
 
-    def __init__(self, agent: KVAgent, rank: int) -> None:
+    def __init__(self, agent: KVAgent, rank: int, clock: Any = None) -> None:
         self.agent, self.rank = agent, rank
+        self.clock = clock  # a follower's engine.runner.tp_follower.LaunchClock (None on rank 0)
         self._groups: dict[str, GroupMetadata] = {}
 
     def metadata(self) -> bytes:
@@ -74,8 +75,14 @@ class RankAgent:
                                                   spread=self.rank, ready=ready)]
 
     def read_group(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
-                   timeout: float | None) -> None:
-        """Blocking: pull this rank's heads; raises the first piece's failure once every piece has ended."""
+                   timeout: float | None, after_launches: int | None = None) -> None:
+        """Blocking: pull this rank's heads; raises the first piece's failure once every piece has ended. With
+        `after_launches` (rank 0's launch count at the booking), first wait until this follower has launched as
+        much, so its pull is queued after every step that may still name the booked blocks."""
+        if after_launches is not None and self.clock is not None:
+            if not self.clock.wait_for(after_launches, CALL_TIMEOUT_S):
+                raise TransferTimeout(f"rank {self.rank} launched {self.clock.count} of rank 0's {after_launches} "
+                                      f"launches within {CALL_TIMEOUT_S:g} s")
         _first_failure(self.start_read(peer, remote_ids, local_ids, timeout))
 
     def set_faults(self, kv: Mapping | None) -> None:
@@ -100,9 +107,10 @@ class RankAgents:
         dev = torch.device(device)
         return f"cuda:{put_first(dev.index or 0)}" if dev.type == "cuda" else device
 
-    def start(self, rank: int, kv_cache: torch.Tensor, kv_spec: KVCacheSpec, kv_head_range: KVHeadRange) -> RankAgent:
+    def start(self, rank: int, kv_cache: torch.Tensor, kv_spec: KVCacheSpec, kv_head_range: KVHeadRange,
+              clock: Any = None) -> RankAgent:
         name = rank_agent_name(self.worker, rank, self.tp_size)
-        return RankAgent(start_agent(name, self.config, kv_cache, kv_spec, kv_head_range), rank)
+        return RankAgent(start_agent(name, self.config, kv_cache, kv_spec, kv_head_range), rank, clock)
 
 
 class WorkerAgents:
@@ -139,13 +147,14 @@ class WorkerAgents:
         return found
 
     def read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
-             timeout: float | None = None, ready: torch.cuda.Event | None = None) -> concurrent.futures.Future:
+             timeout: float | None = None, ready: torch.cuda.Event | None = None,
+             after_launches: int | None = None) -> concurrent.futures.Future:
         """Every rank pulls its heads of `remote_ids` from worker `peer` into `local_ids` (the same block ids on
-        every rank): rank 0 after `ready` (an event on its device; None: after what its stream has queued now), the
-        followers after what their streams have queued. The future resolves when every rank's pull has ended: None,
-        or the first failure."""
+        every rank): rank 0 after `ready` (an event on its device; None: after what its stream has queued now), each
+        follower once it has launched `after_launches` of rank 0's launches (None: at once) and after what its
+        stream has queued then. The future resolves when every rank's pull has ended: None, or the first failure."""
         futures = self.local.start_read(peer, remote_ids, local_ids, timeout, ready)
-        futures += self._followers("read_group", peer, list(remote_ids), list(local_ids), timeout)
+        futures += self._followers("read_group", peer, list(remote_ids), list(local_ids), timeout, after_launches)
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def settle(_: concurrent.futures.Future) -> None:

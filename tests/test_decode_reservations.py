@@ -34,7 +34,7 @@ def test_an_early_booking_is_taken_by_the_handoff():
         res.book_early("a", 40)
         booking = await res.take("a", 40)
         assert len(booking.blocks) == 3 and engine.load().num_reserved == 1 and len(res) == 0
-        assert booking.fence is None  # the CPU has no stream to fence
+        assert booking.fence.event is None and booking.fence.follower_launches is None  # CPU, no followers
         await res.loop.call(lambda e: e.abort("a"))
     run_with_loop(body)
 

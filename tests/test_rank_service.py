@@ -1,6 +1,7 @@
 """Calls from rank 0 to a follower's rank service (engine.runner.rank_service), over a real pipe and threads:
 answers come back matched to their calls whatever their order, a raised exception is re-raised in the caller,
-and a call pending when the follower's end closes fails instead of hanging."""
+and a call pending when the follower's end closes fails instead of hanging; a follower's LaunchClock lets a call wait
+for its launches."""
 
 import multiprocessing
 import threading
@@ -48,3 +49,13 @@ def test_a_call_pending_when_the_follower_goes_away_fails():
     theirs.close()
     with pytest.raises(RankCallError, match="rank 1 stopped before answering"):
         pending.result(10)
+
+
+def test_a_launch_clock_waits_for_the_followers_launches():
+    from engine.runner.tp_follower import LaunchClock
+    clock = LaunchClock()
+    assert clock.wait_for(0, 0.01) and not clock.wait_for(1, 0.01)  # nothing launched yet: times out
+    ticker = threading.Thread(target=lambda: [clock.tick() for _ in range(3)])
+    ticker.start()
+    assert clock.wait_for(3, 10) and clock.count == 3
+    ticker.join()

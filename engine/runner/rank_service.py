@@ -33,8 +33,10 @@ class RankServiceFactory(Protocol):
     def prepare(self, device: str) -> str:
         """In the follower, before CUDA starts; returns the device the rank should use (it may renumber)."""
 
-    def start(self, rank: int, kv_cache: torch.Tensor, kv_spec: KVCacheSpec, kv_head_range: KVHeadRange) -> Any:
-        """In the follower once its cache exists: the object whose methods rank 0 calls."""
+    def start(self, rank: int, kv_cache: torch.Tensor, kv_spec: KVCacheSpec, kv_head_range: KVHeadRange,
+              clock: Any) -> Any:
+        """In the follower once its cache exists: the object whose methods rank 0 calls. `clock`: the follower's
+        engine.runner.tp_follower.LaunchClock (how much of rank 0's device work it has launched)."""
 
 
 class RankCallError(RuntimeError):

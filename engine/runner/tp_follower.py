@@ -18,6 +18,7 @@ import datetime
 import gc
 import logging
 import os
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,25 @@ from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import decode_variants
 
 log = logging.getLogger(__name__)
+LAUNCHES = ("step", "copy", "warmup")  # the messages that queue device work on a follower, counted on both sides
+
+
+class LaunchClock:
+    """How many of rank 0's launch messages this follower has launched (its main thread ticks; a call thread may
+    wait). Rank 0's count at a booking is where the follower's own fence for that booking lies."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._cond = threading.Condition()
+
+    def tick(self) -> None:
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count >= count, timeout)
 
 COLLECTIVE_TIMEOUT_S = 300  # a collective waits at most this long for its peers (start-up included)
 
@@ -142,8 +162,9 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
 
         state = build_rank(mc, Path(path), config, dev, tp, agree)
         runner = ModelRunner(state.model, state.kv_cache, config.block_size, None, state.graphs)
+        clock = LaunchClock()
         if service is not None:
-            running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range)
+            running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range, clock)
             serve_calls(calls_conn, running)
         conn.send(("started", None))
         with torch.inference_mode():
@@ -157,6 +178,8 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
                     decode_variants(runner.model, runner.kv_cache, *arg)
                 elif kind == "close":
                     return
+                if kind in LAUNCHES:
+                    clock.tick()
     except EOFError:
         return  # rank 0 is gone
     except BaseException:

@@ -28,7 +28,14 @@ from engine.model.parallel import TPGroup
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_service import RankCalls, RankServiceFactory
 from engine.runner.step_extras import StepExtras
-from engine.runner.tp_follower import COLLECTIVE_TIMEOUT_S, StepPlan, follower_main, host_store, open_group
+from engine.runner.tp_follower import (
+    COLLECTIVE_TIMEOUT_S,
+    LAUNCHES,
+    StepPlan,
+    follower_main,
+    host_store,
+    open_group,
+)
 
 POLL_S = 0.05
 STOP_TIMEOUT_S = 10.0
@@ -58,6 +65,7 @@ class TPFollowers:
         ctx = mp.get_context("spawn")
         self.procs, self.conns, call_conns = [], [], []
         self.failure: str | None = None
+        self.launches = 0  # device work sent ("step", "copy", "warmup"): each follower launches it in this order
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             calls_parent, calls_child = ctx.Pipe() if service is not None else (None, None)
@@ -90,6 +98,8 @@ class TPFollowers:
         self.check()
         for conn in self.conns:
             conn.send(message)
+        if message[0] in LAUNCHES:
+            self.launches += 1
 
     def check(self, read_pipes: bool = True) -> None:
         """Raise TPError if a follower has died or (`read_pipes`: a step runs) reported an error, and from then on."""
