@@ -163,10 +163,10 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
         ticket.release()
         raise
     trace = PhaseTrace(arrival)
-    interval = tenant.stream_interval(settings.stream_interval)
-    generate = GenerateRequest(request_id, prompt, params, priority, trace=trace, stream_interval=interval)
+    generate = GenerateRequest(request_id, prompt, params, priority, trace=trace,
+                               stream_interval=tenant.stream_interval(settings.stream_interval))
     gen = Generation(app.state.backend, generate, text, app.state.metrics, settings.request_timeout_s,
-                     num_logprobs is not None, arrival, grant, trace=trace, stream_interval=interval)
+                     num_logprobs is not None, arrival, grant, trace=trace)
     return req, gen, fmt, ticket
 
 

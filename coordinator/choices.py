@@ -136,9 +136,9 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
         for j in range(fan):
             output = TextOutput(tok, ids, req.stop_strings, req.include_stop_str_in_output, req.skip_special_tokens,
                                 req.min_tokens)
-            gen = Generation(fanout.choice(j), GenerateRequest(f"{rid}#{j}", ids, params, priority), output,
-                             app.state.metrics, settings.request_timeout_s, params.logprobs is not None, arrival,
-                             counts_request=j == 0, stream_interval=stream_interval)
+            choice = GenerateRequest(f"{rid}#{j}", ids, params, priority, stream_interval=stream_interval)
+            gen = Generation(fanout.choice(j), choice, output, app.state.metrics, settings.request_timeout_s,
+                             params.logprobs is not None, arrival, counts_request=j == 0)
             out.append(Choice(i * fan + j, gen, fanout, text if echo else "", ids))
     return out
 

@@ -101,9 +101,8 @@ class Generation:
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
                  timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
-                 counts_request: bool = True, trace: PhaseTrace | None = None, stream_interval: int = 1) -> None:
+                 counts_request: bool = True, trace: PhaseTrace | None = None) -> None:
         self._backend = backend
-        self._stream_interval = stream_interval  # tokens per piece after the first (ServerSettings.stream_interval)
         self.request = request
         self.text = text
         self._metrics = metrics
@@ -134,8 +133,8 @@ class Generation:
         return self.text.num_tokens
 
     async def next_piece(self) -> Piece:
-        """The next piece of output: one backend delta's tokens, or with stream_interval n > 1 (after the first
-        token) those of as many deltas as make n tokens or reach the end. Raises APIError (503 overloaded, 502
+        """The next piece of output: one backend delta's tokens, or with the request's stream_interval n > 1 (after
+        the first token) those of as many deltas as make n tokens or reach the end. Raises APIError (503 overloaded, 502
         backend failure, 504 timeout); one that comes while a piece is being gathered is raised by the next call,
         after that piece is returned (the client gets every token it was charged for)."""
         if self.finish_reason is not None:
@@ -157,7 +156,7 @@ class Generation:
                 return Piece("".join(parts), infos, None)
             finish = self._take(delta, parts, infos)
             count += len(delta.token_ids)
-            if finish is not None or first or count >= self._stream_interval:
+            if finish is not None or first or count >= self.request.stream_interval:
                 break
         self.finish_reason = finish
         return Piece("".join(parts), infos, finish)

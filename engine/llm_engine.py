@@ -53,13 +53,13 @@ if TYPE_CHECKING:
     from engine.sampling.grammar import GrammarManager
 
 
-
 @dataclass(frozen=True)
 class LaunchFence:
     """Where a write from outside into blocks reserved now may start (LLMEngine.launch_fence)."""
 
     event: torch.cuda.Event | None  # rank 0: after every launch queued so far on its stream (None on the CPU)
     follower_launches: int | None   # TP: rank 0's launches sent to its followers so far (None without followers)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:

@@ -146,8 +146,8 @@ def _generation(engine, checkpoints, timeout_s: float, stream_interval: int = 1)
     backend = InProcessBackend(engine, checkpoints.tiny())
     prompt = engine.tokenizer.encode("The old lighthouse")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    gen = Generation(backend, GenerateRequest("gen-1", prompt, params), TextOutput(engine.tokenizer, prompt),
-                     Metrics("tiny"), timeout_s, False, time.monotonic(), stream_interval=stream_interval)
+    gen = Generation(backend, GenerateRequest("gen-1", prompt, params, stream_interval=stream_interval),
+                     TextOutput(engine.tokenizer, prompt), Metrics("tiny"), timeout_s, False, time.monotonic())
     return backend, gen
 
 

@@ -59,6 +59,7 @@ class LaunchClock:
         with self._cond:
             return self._cond.wait_for(lambda: self.count >= count, timeout)
 
+
 COLLECTIVE_TIMEOUT_S = 300  # a collective waits at most this long for its peers (start-up included)
 
 

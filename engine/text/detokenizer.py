@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         # a context that decodes to part of a character (the window began inside one) starts DecodeStream off
         # differently from the window scheme: such requests keep the window
         clean = stream is not None and REPLACEMENT_CHAR not in self._decode(0)
-        self._stream = stream(context, skip_special_tokens) if clean else None  # None: none to be had
+        self._stream = stream(context, skip_special_tokens) if clean else None  # None: the window scheme
 
     @property
     def text(self) -> str:
