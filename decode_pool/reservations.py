@@ -88,10 +88,12 @@ class Reservations:
         task = self._early.pop(request_id, None)
         if task is None:
             return False
-        task.cancel()  # a booking still queued on the loop is then never made
+        task.cancel()  # from here no booking is made: one still queued on the loop is skipped, no retry runs
+        # one made before the cancel landed is freed by this abort, queued before this call first waits, so any
+        # engine call reaching the worker after the cancel (an integrity check) finds the blocks given back
+        freed = self.loop.submit(lambda e: e.abort(request_id))
         await asyncio.gather(task, return_exceptions=True)
-        # one made before the cancel landed is freed here: this call runs on the loop after the booking's
-        await self.loop.call(lambda e: e.abort(request_id))
+        await freed
         return True
 
     def _remember_ended(self, request_id: str) -> None:

@@ -33,12 +33,17 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the loop between steps; returns its result or raises its exception."""
+        return await self.submit(fn)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future:
+        """Queue fn(engine) now, before anything the caller awaits next; the future of its result. Calls run in
+        the order they were queued; a cancelled future's call is skipped."""
         if self._closed:
             raise RuntimeError("the engine loop has stopped")
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._calls.append((fn, future))
         self._wakeup.set()
-        return await future
+        return future
 
     async def run(self) -> None:
         try:

@@ -174,7 +174,10 @@ async def admin_kill(url: str, worker: str, rank: int | None = None) -> None:
             return r.status
     assert await asyncio.to_thread(post) == 200
 
-def wait_for_idle_workers(url: str, timeout_s: float = 20.0) -> dict[str, float]:
+IDLE_TIMEOUT_S = 20.0
+
+
+def wait_for_idle_workers(url: str, timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         free = metric_values(url, "pdserve_worker_free_blocks")
@@ -207,9 +210,16 @@ def admin_integrity(url: str) -> dict:
 
 def assert_nothing_booked(url: str) -> dict:
     """Once the workers are idle: integrity holds, the coordinator books nothing and no engine holds a block in
-    use or pinned (needs server.admin_api). Returns the integrity report."""
+    use or pinned (needs server.admin_api). Returns the integrity report. The load metrics lag a poll behind, so
+    idle means: the engines report nothing in use or pinned, for up to `IDLE_TIMEOUT_S` (a leak stays)."""
     wait_for_idle_workers(url)
-    integrity = admin_integrity(url)
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        integrity = admin_integrity(url)
+        held = [c for c in integrity["workers"].values() if c["in_use"] or c["pinned"]]
+        if not held or not integrity["ok"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert integrity["ok"], integrity
     assert all(v == 0 for kinds in integrity["coordinator"].values() for v in kinds.values()), integrity
     for name, counts in integrity["workers"].items():

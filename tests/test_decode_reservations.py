@@ -79,3 +79,18 @@ def test_a_handoff_arriving_after_its_abort_books_nothing():
         assert len(booking.blocks) == 3
         await res.loop.call(lambda e: e.abort("other"))
     run_with_loop(body)
+
+
+@pytest.mark.parametrize("wait_s", [None, 0.05])  # the booking still queued on the loop, or made
+def test_an_engine_call_arriving_after_a_cancel_finds_the_blocks_given_back(wait_s):
+    """The abort is queued on the loop before the cancel first waits: a call that reaches the worker after it (the
+    admin integrity check after the coordinator's aborts) never sees the cancelled booking."""
+    async def body(res: Reservations, engine):
+        res.book_early("c", 40)
+        if wait_s is not None:
+            await asyncio.sleep(wait_s)
+        cancel = asyncio.create_task(res.cancel("c"))
+        await asyncio.sleep(0)  # the cancel runs up to its first wait
+        assert (await res.loop.call(lambda e: e.load())).num_reserved == 0
+        assert await cancel
+    run_with_loop(body)
