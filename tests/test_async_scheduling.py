@@ -94,3 +94,67 @@ def test_a_lone_request_overlaps_and_its_last_token_ends_the_pipeline(checkpoint
     assert [len(s) for s in per_step] == [1, 0, 1, 1, 1, 1, 1]
     assert per_step[-1][0][1] == "length" and engine._in_flight is None
     assert isinstance(engine.runner, ModelRunner) and engine.check_integrity()["in_use"] == 0
+
+
+def test_a_handed_over_request_joins_the_next_overlapped_step_and_equals_step_by_step(checkpoints):
+    """Decode side of a handoff: requests whose KV arrives from a prefill engine (add_prefilled_request) while
+    decode steps overlap join the step queued right after (their first token is known), not the one after the
+    in-flight step's tokens are read, and give exactly what step-by-step scheduling gives: greedy, seeded with
+    logprobs, and penalties (which read the joining request's history)."""
+    folder = str(checkpoints.tiny())
+    prompts = random_prompts((9, 33, 20, 45, 17), VOCAB, seed=13)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=4, max_tokens=15, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=15, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.5, presence_penalty=0.2)]
+    prefill = LLM(folder).engine
+    for i in (2, 3, 4):
+        prefill.add_request(f"r{i}", prompts[i], params[i], prefill_only=True)
+    firsts = {}
+    while prefill.has_unfinished():
+        firsts.update({o.request_id: o for o in prefill.step()})
+
+    def drive(overlap: bool) -> tuple[dict, list[int]]:
+        engine = LLM(folder, async_scheduling=overlap, max_num_seqs=8).engine
+        calls, joined_at = [0], {}
+        launch = engine.runner.launch
+
+        def spy(sched, params, after=None, on_layer_done=None, **extras):
+            for c in sched.chunks:
+                joined_at.setdefault(c.request_id, calls[0])
+            return launch(sched, params, after=after, on_layer_done=on_layer_done, **extras)
+        engine.runner.launch = spy
+        for i in (0, 1):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(5)}
+        logprobs: list = []
+        pending = {4: 2, 7: 3, 10: 4}  # r0's token count -> the request handed over then
+        added_at = {}
+        while engine.has_unfinished():
+            calls[0] += 1
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+                if out.request_id == "r3":
+                    logprobs += [(lp.token_id, round(lp.logprob, 4)) for lp in out.new_logprobs]
+            for at, i in list(pending.items()):
+                if len(got["r0"]) >= at:
+                    rid, first = f"r{i}", firsts[f"r{i}"]
+                    dst = engine.reserve_blocks(rid, len(prompts[i]))
+                    engine.kv_cache[dst] = prefill.kv_cache[first.pinned_block_ids]  # what kvtransfer does
+                    engine.add_prefilled_request(rid, prompts[i], first.new_token_ids[0], params[i],
+                                                 first.new_logprobs[0] if first.new_logprobs else None)
+                    got[rid] += first.new_token_ids
+                    added_at[rid] = calls[0]
+                    del pending[at]
+        counts = engine.check_integrity()
+        assert counts["in_use"] == 0 and counts["pinned"] == 0
+        return {**got, "r3 logprobs": logprobs}, [joined_at[r] - added_at[r] for r in ("r2", "r3", "r4")]
+
+    sync, sync_join = drive(False)
+    overlapped, overlapped_join = drive(True)
+    assert overlapped == sync
+    assert [len(overlapped[f"r{i}"]) for i in (2, 3, 4)] == [12, 15, 15]
+    assert sync_join == [1, 1, 1]
+    assert overlapped_join == [1, 1, 1]  # launched by the very next step() call, which overlaps r0 and r1's step

@@ -165,12 +165,16 @@ class Scheduler:
 
     def schedule_after(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The decode step after `prev` (a plain decode step not yet updated): each row continues with the token
-        it is sampling, except rows that end by length with it. None when the plan would depend on prev's
-        tokens or could differ from schedule()'s: a request waits or joined, or blocks are short."""
+        it is sampling, except rows that end by length with it; a running request outside `prev` whose next input
+        token is already known (one whose KV was handed over and that starts from its first token) joins it here,
+        one step sooner than after prev's update. None when the plan would depend on prev's tokens or could differ
+        from schedule()'s: a request waits, a running one has more than its next token to compute, or blocks are
+        short."""
         if self.waiting or not prev.all_decodes:
             return None
         in_prev = {c.request_id for c in prev.chunks}
-        if any(r.request_id not in in_prev for r in self.running):
+        joining = [r for r in self.running if r.request_id not in in_prev]
+        if any(r.num_pending_tokens != 1 or r.prefill_only or r.fork_params for r in joining):
             return None
         chunks = []
         for c in prev.chunks:
@@ -185,6 +189,12 @@ class Scheduler:
                 return None  # schedule() will preempt, with the tokens known
             chunks.append(ScheduledChunk(req.request_id, [PENDING_TOKEN], c.start_pos + 1,
                                          list(self.bm.table(req.request_id)), True, c.output_index + 1))
+        if len(chunks) + len(joining) > self.max_num_batched_tokens:
+            return None
+        for req in joining:
+            if not self.bm.allocate(req.request_id, req.num_tokens):
+                return None
+            chunks.append(self._chunk(req, 1))
         if not chunks:
             return None
         self.num_scheduled_tokens += len(chunks)

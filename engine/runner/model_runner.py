@@ -18,7 +18,7 @@ import torch
 
 from engine.core.request import PromptLogprob, TokenLogprob
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from engine.model.decoder import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
@@ -105,14 +105,29 @@ class ModelRunner:
             self.kv_cache[b].copy_(self.kv_cache[a])  # [L, 2, bs, KVH, D]
 
     def _ids_after(self, after: LaunchedStep, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """[T] int64 input ids gathered on the device from `after`'s sampled tokens, one per decode chunk."""
+        """[T] int64 input ids, one per decode chunk: gathered on the device from `after`'s sampled tokens for the
+        pending ones (PENDING_TOKEN), the chunk's own token for a request joining with its token known."""
         if after.sampled is None or any(len(c.token_ids) != 1 for c in chunks):
-            raise ValueError("a step launched after another must be all decodes of requests that step samples")
+            raise ValueError("a step launched after another must be all decodes")
         row = {c.request_id: i for i, c in enumerate(after.sampling)}
-        rows = torch.tensor([row[c.request_id] for c in chunks], dtype=torch.int64)
+        n = len(after.sampling)
+        known = [c.token_ids[0] for c in chunks if c.token_ids[0] != PENDING_TOKEN]
+        rows, j = [], n  # a known token's row: its place after `after`'s rows
+        for c in chunks:
+            if c.token_ids[0] == PENDING_TOKEN:
+                if c.request_id not in row:
+                    raise ValueError(f"request {c.request_id!r} waits for a token the step before does not sample")
+                rows.append(row[c.request_id])
+            else:
+                rows.append(j)
+                j += 1
+        host = torch.tensor(rows + known, dtype=torch.int64)  # [T + K]: the rows, then the known tokens
         if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
-        return after.sampled.tokens.index_select(0, rows)
+            host = host.pin_memory()
+        both = host.to(self.device, non_blocking=True)
+        tokens = after.sampled.tokens  # [n]
+        pool = tokens if not known else torch.cat([tokens, both[len(rows):].to(tokens.dtype)])  # [n + K]
+        return pool.index_select(0, both[:len(rows)])
 
     def _graph_fits(self, num_tokens: int, decode_only: bool, num_sampling: int,
                     on_layer_done: Callable | None) -> bool:
