@@ -16,7 +16,8 @@ Prints JSON lines, each figure next to its reference measured in the same run:
   with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
   worker), then in a second window with no arrivals; the ratio to the mean of the quiet windows on both sides (a
   step's KV reads grow with the streams' contexts; goal: at most 1.05); and those arrivals' own `kv_transfer` and
-  handoff medians (joining a running batch, where waits for step boundaries show).
+  handoff medians, and their `decode_join` in ms and in the streams' steps (joining a running batch, where waits
+  for step boundaries show).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
     # the reference: the quiet windows on both sides (a step reads more KV as the streams' contexts grow)
     q, b = (statistics.median(before) + statistics.median(after)) / 2, statistics.median(busy)
     kv = [p.get("kv_transfer", 0.0) for p in landed]
+    join = statistics.median(p.get("decode_join", 0.0) for p in landed)
     handoff = [p.get("kv_transfer", 0.0) + p.get("decode_join", 0.0) for p in landed]
     return {"case": "decode_during_transfers", "streams": args.streams, "arrivals": len(arrivals),
             "prompt_len": args.prompt_len, "tpot_ms_quiet": round(q * 1e3, 3),
@@ -153,7 +155,9 @@ async def decode_during_transfers(url: str, model: str, args: argparse.Namespace
             "tpot_ms_quiet_after": round(statistics.median(after) * 1e3, 3), "tpot_ms_transfers": round(b * 1e3, 3),
             "slowdown": round(b / q, 3),  # and the arrivals' own handoff, joining a running batch
             "arrivals_kv_transfer_ms_p50": round(statistics.median(kv) * 1e3, 3),
-            "arrivals_handoff_ms_p50": round(statistics.median(handoff) * 1e3, 3)}
+            "arrivals_handoff_ms_p50": round(statistics.median(handoff) * 1e3, 3),
+            "arrivals_decode_join_ms_p50": round(join * 1e3, 3),
+            "arrivals_decode_join_in_steps": round(join / b, 2)}  # b: the streams' time per token, one step
 
 
 def main() -> None:
