@@ -193,7 +193,7 @@ def check_tensor_parallel(config: ServeConfig, path: Path | str) -> None:
     """ConfigError naming the key when a pool's tensor_parallel_size cannot split the model in `config.model`
     (checked where its config.json is on disk, before any worker starts; elsewhere the workers report it)."""
     from engine.model.model_config import ModelConfig
-    from engine.model.parallel import FIELD, TPLayout
+    from engine.model.tp_layout import FIELD, TPLayout
     folder = Path(config.model)
     if not (folder / "config.json").is_file():
         return

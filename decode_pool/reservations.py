@@ -19,9 +19,11 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LaunchFence
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LaunchFence
 
 RESERVE_RETRY_S = 0.01
 ENDED_TTL_S = 600.0  # how long an aborted id is refused: far beyond any handoff's delay

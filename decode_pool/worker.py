@@ -23,8 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from decode_pool.reservations import RESERVE_RETRY_S, Booking, NoCapacity, Reservations
 from engine.async_engine import AsyncEngine, exit_process, exit_process_on_failure
@@ -33,12 +32,13 @@ from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
 from engine.runner.rank_service import RankCallError
 from kvtransfer import AgentConfig
-from kvtransfer.worker_agents import RankAgents, WorkerAgents
-from kvtransfer.worker_setup import prepare_process
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.worker_agents import WorkerAgents
 
 
 class DecodeWorker:
@@ -62,6 +62,14 @@ class DecodeWorker:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> WorkerInfo:
+        # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
+        # imports this class to start actors from it, then needs none of them
+        import torch
+
+        from engine.llm_engine import LLMEngine
+        from kvtransfer.worker_agents import RankAgents, WorkerAgents
+        from kvtransfer.worker_setup import prepare_process
+
         torch.set_num_threads(self._num_threads)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()

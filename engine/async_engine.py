@@ -12,10 +12,12 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.core.scheduler import StepOutput
-from engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # the type only: a process that merely hosts the worker class (the coordinator) needs no torch
+    from engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 

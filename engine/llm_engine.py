@@ -37,7 +37,7 @@ from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 from engine.load import EngineLoad, PhaseClock
 from engine.model.model_config import ModelConfig
-from engine.model.parallel import TPLayout
+from engine.model.tp_layout import TPLayout
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
 from engine.runner.step_extras import plan_extras, record_extras, with_extras

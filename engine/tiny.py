@@ -15,10 +15,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_MODEL_NAME = "tiny"
 TINY_VERSION = "tiny-v1"
@@ -109,6 +111,8 @@ def _train_tokenizer() -> Tokenizer:
 
 def _weights(vocab_size: int) -> dict[str, torch.Tensor]:
     """Seeded N(0, 0.02) matrices and all-ones norms, in a fixed order, under Hugging Face Llama names."""
+    import torch  # here: resolving an already built model (the coordinator does) needs no torch
+
     gen = torch.Generator().manual_seed(SEED)
     h, inter, hd = LLAMA["hidden_size"], LLAMA["intermediate_size"], LLAMA["head_dim"]
     q, kv = LLAMA["num_attention_heads"] * hd, LLAMA["num_key_value_heads"] * hd
@@ -149,6 +153,8 @@ def build_tiny_model(folder: Path) -> None:
         "bos_token_id": bos, "eos_token_id": [eos, eot], "initializer_range": 0.02,
     })
     _write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, eot]})
+    from safetensors.torch import save_file
+
     save_file(_weights(vocab_size), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

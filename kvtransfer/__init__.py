@@ -5,21 +5,29 @@ Public API: `KVAgent` (+ `AgentConfig`), `AgentMetadata`, `GroupMetadata` and `r
 faults; env `PDSERVE_KV_FAULTS`). Depends on `engine.kv_layout`; nothing in engine imports this.
 """
 
-from .agent import AgentConfig, KVAgent
-from .errors import (
-    BadDescriptor,
-    IncompatibleLayout,
-    PeerLost,
-    RemoteError,
-    TransferError,
-    TransferTimeout,
-)
-from .faults import ENV_VAR as FAULTS_ENV_VAR
-from .faults import FaultConfig
-from .handle import TransferHandle, TransferState
-from .metadata import AgentMetadata, CacheInfo
-from .streaming import LayerStreamer
-from .tp_group import GroupMetadata, read_from_group
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {  # public name -> the submodule defining it, imported on first use (PEP 562): a process that only
+    # configures agents or catches their errors (the coordinator) imports no torch
+    "AgentConfig": "agent_config", "KVAgent": "agent", "AgentMetadata": "metadata", "CacheInfo": "metadata",
+    "BadDescriptor": "errors", "IncompatibleLayout": "errors", "PeerLost": "errors", "RemoteError": "errors",
+    "TransferError": "errors", "TransferTimeout": "errors", "FaultConfig": "faults", "TransferHandle": "handle",
+    "TransferState": "handle", "LayerStreamer": "streaming", "GroupMetadata": "tp_group",
+    "read_from_group": "tp_group",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FAULTS_ENV_VAR":
+        return importlib.import_module(".faults", __name__).ENV_VAR
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{home}", __name__), name)
+
 
 __all__ = [
     "AgentConfig",

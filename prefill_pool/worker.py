@@ -20,8 +20,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import PromptLogprob, TokenLogprob
@@ -29,11 +28,12 @@ from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
-from kvtransfer.worker_agents import RankAgents, WorkerAgents
-from kvtransfer.worker_setup import prepare_process
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.worker_agents import WorkerAgents
 
 
 class InjectedFault(RuntimeError):
@@ -67,6 +67,14 @@ class PrefillWorker:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> WorkerInfo:
+        # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
+        # imports this class to start actors from it, then needs none of them
+        import torch
+
+        from engine.llm_engine import LLMEngine
+        from kvtransfer.worker_agents import RankAgents, WorkerAgents
+        from kvtransfer.worker_setup import prepare_process
+
         torch.set_num_threads(self._num_threads)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()

@@ -13,7 +13,8 @@ from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
 from engine.model.decoder import CausalLM
 from engine.model.model_config import ModelConfig
-from engine.model.parallel import TPGroup, TPLayout
+from engine.model.parallel import TPGroup
+from engine.model.tp_layout import TPLayout
 from engine.model.weights import checkpoint_files, load_weights
 from tests.test_weights import saved_tensors
 

@@ -24,9 +24,10 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, attend
 from engine.model.model_config import ModelConfig
-from engine.model.parallel import TPGroup, TPLayout, VocabParallelEmbedding
+from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model.torch_attention import write_kv
+from engine.model.tp_layout import TPLayout
 
 SKINNY_ROWS = 2  # kernel path: steps of at most this many tokens use engine.kernels.skinny_gemm (see _linear)
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
+
+if TYPE_CHECKING:
+    import torch
 
 CALL_THREADS = 8  # calls a follower runs at once (pulls of different requests overlap)
 

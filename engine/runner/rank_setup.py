@@ -21,7 +21,8 @@ from engine.kv_layout import KVCacheSpec
 from engine.load import PhaseClock
 from engine.model.decoder import CausalLM
 from engine.model.model_config import ModelConfig
-from engine.model.parallel import TPGroup, TPLayout
+from engine.model.parallel import TPGroup
+from engine.model.tp_layout import TPLayout
 from engine.model.weights import init_dummy_weights, load_weights
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
