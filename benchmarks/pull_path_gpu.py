@@ -11,7 +11,7 @@ one prompt) it prints, p50 over `--repeat` pulls:
   `future` (today's serving: the agent's loop completes a future after a thread blocks in cudaEventSynchronize,
   then the actor's loop is woken), `event` (the actor's loop polls the copy's CUDA event itself, yielding between
   polls), `thread` (one executor thread of the actor's loop blocks on the event);
-- each with and without `--busy` load: a thread of the actor that, like an engine's step thread, holds the GIL
+- each without and then with a busy thread in the actor that, like an engine's step thread, holds the GIL
   launching small kernels for a few ms, then waits on the GPU;
 against the raw time of the same bytes at the GPU 0 -> GPU 1 copy rate measured in the same run.
 """
