@@ -3,7 +3,8 @@
 step() = schedule, run, update. Plain decode steps overlap (EngineConfig.async_scheduling): step() queues the
 next decode step on the device before it waits for the current one's tokens, so the host's scheduling and
 bookkeeping hide behind the device's work; a step's tokens are then returned by the step() call after the one
-that launched it. Besides plain requests it offers the two disaggregation entry points:
+that launched it. A request started between steps with its next token known (add_prefilled_request) joins the
+step queued next (Scheduler.schedule_after). Besides plain requests it offers the two disaggregation entry points:
 - prefill side: add_request(..., prefill_only=True) computes the prompt, samples the first token, then keeps the
   request's blocks pinned (reported in StepOutput.pinned_block_ids) until release() or the pin lease expires;
 - decode side: reserve_blocks() hands out blocks for a prompt's KV to be written into by the transfer layer, and
