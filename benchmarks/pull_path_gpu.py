@@ -66,6 +66,9 @@ class PullSide(BenchWorker):
 
         torch = self.torch
         ipc = self.agent._remotes[remote].ipc  # the transfer stream, to time the copy alone
+        if ipc is None:
+            raise RuntimeError(f"the agents chose {self.agent.remotes()[remote]!r}, not cuda_ipc: this program "
+                               "times the cuda_ipc pull (both GPUs must be visible and peer-accessible)")
         out = []
         for _ in range(repeat):
             self.poison(local_ids)

@@ -25,7 +25,8 @@ from pathlib import Path
 from tests.server_process import running_server
 config = yaml.safe_load(Path(sys.argv[1]).read_text())
 if sys.argv[2] == "half":
-    config["prefill"]["num_cpus"] = config["decode"]["num_cpus"] = 0.5
+    for pool in ("prefill", "decode"):
+        config.setdefault(pool, {})["num_cpus"] = 0.5
 with tempfile.TemporaryDirectory() as tmp:
     t = time.perf_counter()
     with running_server(Path(tmp), config):

@@ -2,6 +2,8 @@
 tokens, and must give exactly what step-by-step scheduling gives, whatever happens between steps (requests
 joining, stopping on a token, aborted, preempted), leaving every block accounted for."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -158,3 +160,20 @@ def test_a_handed_over_request_joins_the_next_overlapped_step_and_equals_step_by
     assert [len(overlapped[f"r{i}"]) for i in (2, 3, 4)] == [12, 15, 15]
     assert sync_join == [1, 1, 1]
     assert overlapped_join == [1, 1, 1]  # launched by the very next step() call, which overlaps r0 and r1's step
+
+
+def test_a_joining_row_takes_its_own_token_when_the_step_before_sampled_fork_rows():
+    """The step in flight may have sampled a group's extra choices after its rows (engine.step_extras.fork_rows):
+    a joining request's known token is placed after all of them, not after the sampling rows only (found in
+    review: it read a fork's token)."""
+    import torch
+
+    from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk
+
+    def chunk(rid, token):
+        return ScheduledChunk(rid, [token], 10, [0], True, 1)
+    after = SimpleNamespace(sampling=[chunk("r0", PENDING_TOKEN), chunk("g", PENDING_TOKEN)],
+                            sampled=SimpleNamespace(tokens=torch.tensor([11, 22, 33, 44])))  # r0, g, g's 2 forks
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    ids = ModelRunner._ids_after(runner, after, [chunk("r0", PENDING_TOKEN), chunk("j", 99)])
+    assert ids.tolist() == [11, 99]

@@ -110,9 +110,9 @@ class ModelRunner:
         if after.sampled is None or any(len(c.token_ids) != 1 for c in chunks):
             raise ValueError("a step launched after another must be all decodes")
         row = {c.request_id: i for i, c in enumerate(after.sampling)}
-        n = len(after.sampling)
+        tokens = after.sampled.tokens  # [S + F]: `after`'s sampling rows, then its fork rows (engine.step_extras)
         known = [c.token_ids[0] for c in chunks if c.token_ids[0] != PENDING_TOKEN]
-        rows, j = [], n  # a known token's row: its place after `after`'s rows
+        rows, j = [], tokens.shape[0]  # a known token's row: its place after all of `after`'s rows
         for c in chunks:
             if c.token_ids[0] == PENDING_TOKEN:
                 if c.request_id not in row:
@@ -125,8 +125,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()
         both = host.to(self.device, non_blocking=True)
-        tokens = after.sampled.tokens  # [n]
-        pool = tokens if not known else torch.cat([tokens, both[len(rows):].to(tokens.dtype)])  # [n + K]
+        pool = tokens if not known else torch.cat([tokens, both[len(rows):].to(tokens.dtype)])  # [S + F + K]
         return pool.index_select(0, both[:len(rows)])
 
     def _graph_fits(self, num_tokens: int, decode_only: bool, num_sampling: int,
