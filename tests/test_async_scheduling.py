@@ -177,3 +177,41 @@ def test_a_joining_row_takes_its_own_token_when_the_step_before_sampled_fork_row
     runner = SimpleNamespace(device=torch.device("cpu"))
     ids = ModelRunner._ids_after(runner, after, [chunk("r0", PENDING_TOKEN), chunk("j", 99)])
     assert ids.tolist() == [11, 99]
+
+
+def test_a_request_joining_while_a_group_prefill_is_in_flight_equals_step_by_step(checkpoints):
+    """Collocated mode: a one-token group prefill (its extra choices sampled after its rows) is in flight when a
+    handed-over request joins; the joiner decodes exactly as step by step (it once read a fork's token)."""
+    folder = str(checkpoints.tiny())
+    prompts = random_prompts((9, 20), VOCAB, seed=13)
+    forks = (SamplingParams(temperature=1.0, seed=11, max_tokens=5, ignore_eos=True),
+             SamplingParams(temperature=1.0, seed=12, max_tokens=5, ignore_eos=True))
+    joiner = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prefill = LLM(folder).engine
+    prefill.add_request("j", prompts[1], joiner, prefill_only=True)
+    first = [o for _ in range(3) for o in prefill.step()][0]
+
+    def drive(overlap: bool) -> list[int]:
+        engine = LLM(folder, async_scheduling=overlap, max_num_seqs=8).engine
+        engine.add_request("r0", prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        engine.add_request("g", [7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                           prefill_only=True, fork_params=forks)
+        out, added = list(first.new_token_ids), False
+        while engine.has_unfinished():
+            steps = engine.step()
+            out += [t for o in steps if o.request_id == "j" for t in o.new_token_ids]
+            in_flight = engine._in_flight is not None and "g" in {c.request_id for c in engine._in_flight.sched.chunks}
+            if not added and (in_flight or not overlap and any(o.request_id == "g" for o in steps)):
+                dst = engine.reserve_blocks("j", len(prompts[1]))
+                engine.kv_cache[dst] = prefill.kv_cache[first.pinned_block_ids]
+                engine.add_prefilled_request("j", prompts[1], first.new_token_ids[0], joiner)
+                added = True
+            if "g" in engine.scheduler.requests and engine.scheduler.requests["g"].status.value == "pinned":
+                engine.release("g")
+        assert added and engine.check_integrity()["in_use"] == 0
+        return out
+
+    overlapped, sync = drive(True), drive(False)
+    assert len(overlapped) == 8 and overlapped == sync
