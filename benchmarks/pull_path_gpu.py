@@ -14,6 +14,10 @@ one prompt) it prints, p50 over `--repeat` pulls:
 - each without and then with a busy thread in the actor that, like an engine's step thread, holds the GIL
   launching small kernels for a few ms, then waits on the GPU;
 against the raw time of the same bytes at the GPU 0 -> GPU 1 copy rate measured in the same run.
+Then `launch_stages`: the host time of each piece of a launch, p50 over `--repeat` (each alone, the GPU idle):
+`plan` (plan_transfer: validate and chunk), `ids` (the block ids to the GPU), `kernel` (the copy_blocks launch,
+ids ready), `ipc_launch` (CudaIpcPeer.launch: all of them plus the stream wait and the event), `read` (KVAgent.read:
+that plus the agent's bookkeeping and its loop's task).
 """
 
 from __future__ import annotations
@@ -93,6 +97,47 @@ class PullSide(BenchWorker):
         return out
 
 
+    async def launch_stages(self, remote: str, local_ids: list[int], remote_ids: list[int],
+                            repeat: int) -> dict[str, float]:
+        """Median host seconds of each stage of a cuda_ipc read's launch (see the module docstring)."""
+        from engine.kernels.block_copy import copy_blocks
+        from kvtransfer.backends.cuda_ipc import _pinned
+        from kvtransfer.head_slices import plan_transfer
+
+        torch, agent = self.torch, self.agent
+        r = agent._remotes[remote]
+        ipc = r.ipc
+
+        def plan() -> list:
+            return plan_transfer("read", local_ids, remote_ids, None, None, agent._info, r.meta.cache, remote,
+                                 agent.config.max_chunk_bytes)
+        chunk = plan()[0]
+        n = len(chunk.remote_ids)
+        ids = _pinned(chunk.remote_ids + chunk.local_ids).to(self.device, non_blocking=True)
+
+        def kernel() -> None:
+            with torch.cuda.stream(ipc._stream):
+                copy_blocks(ipc.remote.kv, ids[:n], ipc.local.kv, ids[n:], 0, None)
+        stages = {"plan": plan,
+                  "ids": lambda: _pinned(chunk.remote_ids + chunk.local_ids).to(self.device, non_blocking=True),
+                  "kernel": kernel,
+                  "ipc_launch": lambda: ipc.launch("read", [chunk], None),
+                  "read": lambda: agent.read(remote, remote_ids, local_ids)}
+        out = {}
+        for name, fn in stages.items():
+            times = []
+            for _ in range(repeat + 3):
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                result = fn()
+                times.append(time.perf_counter() - t0)
+                if name == "read":
+                    await asyncio.wrap_future(result.future)
+            torch.cuda.synchronize(self.device)
+            out[name] = statistics.median(times[3:])
+        return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="2048,8192")
@@ -138,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
                                   "total_x_raw": round(total / raw_ms, 2), "gpu_x_raw": round(gpu / raw_ms, 2)}),
                       flush=True)
         ray.get(dst.set_busy.remote(False))
+        stages = ray.get(dst.launch_stages.remote("prefill", d_ids, s_ids, args.repeat))
+        print(json.dumps({"tokens": n_tok, "launch_stages_ms": {k: round(v * 1e3, 3) for k, v in stages.items()}}),
+              flush=True)
     correct = ray.get(src.digest.remote(s_ids)) == ray.get(dst.digest.remote(d_ids))
     print(json.dumps({"last_pull_correct": correct}))
 

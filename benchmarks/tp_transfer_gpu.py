@@ -65,7 +65,7 @@ def _decode_main(model, device, tp, kv_bytes, prompts, conn) -> None:
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         blocks = engine.reserve_blocks(f"r{i}", len(p))
-        reads.append(agents.read(peer, pinned[f"r{i}"][1][:len(blocks)], blocks))
+        reads.append(agents.read(peer, pinned[f"r{i}"][1][:len(blocks)], blocks).future)
         blocks_moved += len(blocks)
     for r in reads:
         r.result(120)

@@ -289,8 +289,8 @@ class DecodeWorker:
         step to notice."""
         try:
             fence = booking.fence
-            await asyncio.wrap_future(self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
-                                                       after_launches=fence.follower_launches))
+            await self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
+                                   after_launches=fence.follower_launches).landed()
         except RankCallError as e:
             exit_process(self.name, str(e))
 

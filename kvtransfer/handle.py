@@ -43,6 +43,12 @@ class TransferHandle:
         """The underlying future (completes on the agent's loop thread)."""
         return self._future
 
+    @property
+    def gpu_done(self) -> Any:
+        """The torch.cuda.Event whose completion is the transfer's (a cuda_ipc read or write without a
+        notification), or None."""
+        return self._gpu_done
+
     def poll(self) -> TransferState:
         """PENDING, DONE or FAILED; never blocks."""
         if not self._future.done():
