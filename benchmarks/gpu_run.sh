@@ -14,6 +14,7 @@
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
 # sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
+# sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -86,6 +87,10 @@ for step in "$@"; do
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout ${HANDOFF_TIMEOUT:-400} python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l8bd --set load_format=dummy ${HANDOFF_ARGS:-} 2>&1 | tee "$OUT/handoff.log" | grep "^{" ;;
+    sweep1b)
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      timeout 450 python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama1b.yaml --out "$OUT/sweep" 2>&1 \
+        | tee "$OUT/sweep.log" | grep -v "^(" | tail -15 ;;
     x4)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
       timeout 590 python3 -m coordinator.cli sweep configs/sweeps/gpu-4x-llama3-70b-tp2.yaml 2>&1 \
