@@ -22,6 +22,10 @@ mkdir -p .devsite "$OUT"
 # extra.tar.xz (optional, bash benchmarks/make_extra_bundle.sh): llguidance, prometheus-client and httptools, which
 # the shared bundle lacks
 [ ! -f .devbundle/extra.tar.xz ] || [ -f .devsite/.extra ] || { tar xf .devbundle/extra.tar.xz -C .devsite && touch .devsite/.extra; }
+# py-spy.xz (optional: `xz -c $(which py-spy) > .devbundle/py-spy.xz`, a static binary): tenants' --profile
+[ ! -f .devbundle/py-spy.xz ] || [ -x .devsite/bin/py-spy ] || { mkdir -p .devsite/bin && xz -dc .devbundle/py-spy.xz \
+  > .devsite/bin/py-spy && chmod +x .devsite/bin/py-spy; }
+export PATH=$PWD/.devsite/bin:$PATH
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 PDSERVE_CACHE=/tmp/pdc
 python3 -c "import llguidance, prometheus_client, httptools" || echo "warning: llguidance, prometheus_client or httptools missing"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"

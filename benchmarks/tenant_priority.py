@@ -10,6 +10,8 @@
    `--low-stream-interval N` streams the flood N tokens a chunk (the tenant's stream_interval).
 2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the largest flood, with
    `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
+`--profile FILE`: py-spy (on PATH) samples the coordinator process through the largest flood window, into FILE
+(collapsed stacks, idle frames left out), to see where its CPU goes.
 
     python benchmarks/tenant_priority.py --config configs/default.yaml --duration 30
     python benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
@@ -23,6 +25,7 @@ import asyncio
 import copy
 import json
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -87,6 +90,13 @@ def _config(args, reserve_output: float) -> dict:
     return config
 
 
+def _profiler(pid: int, out: str | None, seconds: float) -> subprocess.Popen | None:
+    if out is None:
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--duration",
+                             str(max(1, int(seconds))), "--format", "raw", "--nonblocking", "--output", out])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/default.yaml")
@@ -103,6 +113,7 @@ def main() -> None:
     p.add_argument("--reserved-for-high", type=float, default=0.25)
     p.add_argument("--low-stream-interval", type=int, default=1,
                    help="the low-priority tenant's stream_interval (tokens per streamed chunk)")
+    p.add_argument("--profile", metavar="FILE", help="py-spy samples the coordinator during the largest flood")
     args = p.parse_args()
     floods = [int(x) for x in args.flood.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +123,10 @@ def main() -> None:
             print(json.dumps({"high_alone": alone}), flush=True)
             for flood in floods:
                 before = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values())
+                spy = _profiler(server.pid, args.profile, args.duration) if flood == max(floods) else None
                 flooded = asyncio.run(_window(server.url, server.pid, args, flood, args.duration))
+                if spy is not None:
+                    print(json.dumps({"profile": args.profile, "py_spy_exit": spy.wait(60)}), flush=True)
                 preempted = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()) - before
                 print(json.dumps({"high_with_low_flood": flooded,
                                   "ttft_p50_ratio": round(flooded["ttft_p50_ms"] / alone["ttft_p50_ms"], 3),
