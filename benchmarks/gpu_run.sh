@@ -15,6 +15,7 @@
 # sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
+# overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -91,6 +92,14 @@ for step in "$@"; do
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout ${HANDOFF_TIMEOUT:-400} python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l8bd --set load_format=dummy ${HANDOFF_ARGS:-} 2>&1 | tee "$OUT/handoff.log" | grep "^{" ;;
+    overhead)
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      for model in /tmp/l1b "/tmp/l8bd --set load_format=dummy"; do
+        timeout ${OVERHEAD_TIMEOUT:-280} python3 benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml \
+          --model $model --device cuda --num-prompts 256 --input-len 1024 --output-len 256 --concurrency 64 \
+          ${OVERHEAD_ARGS:-} 2>&1 | tee -a "$OUT/overhead.log" | grep -v "^(" | tail -8
+      done ;;
     sweep1b)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 450 python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama1b.yaml --out "$OUT/sweep" 2>&1 \

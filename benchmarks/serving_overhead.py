@@ -16,6 +16,8 @@ then the served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its A
 
     python benchmarks/serving_overhead.py                                  # tiny, on the CPU
     python benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --device cuda
+    python benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8bd --device cuda \
+        --set load_format=dummy      # a --no-weights checkpoint: random weights made on the GPU
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from benchclient.launcher import _stop, _wait_healthy, free_port  # noqa: E402
 from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
-from coordinator.serve_config import load_serve_config  # noqa: E402
+from coordinator.serve_config import load_serve_config, set_dotted  # noqa: E402
 from tests.server_process import running_server, worker_pids  # noqa: E402
 
 
@@ -52,6 +54,7 @@ def _serving_config(args: argparse.Namespace) -> dict:
     config = yaml.safe_load(Path(args.config).read_text()) or {}
     config.pop("ray_address", None)
     config.update(model=args.model, mode="collocated", **({"dtype": args.dtype} if args.dtype else {}))
+    set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     decode = config.setdefault("decode", {})
     decode["workers"] = 1
     if args.device == "cpu":
@@ -198,6 +201,8 @@ def main() -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", help="overrides the config's dtype")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (dotted key, YAML value), e.g. load_format=dummy; offline gets it too")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
