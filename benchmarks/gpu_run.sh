@@ -15,6 +15,7 @@
 # sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
+# coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2.
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -92,6 +93,12 @@ for step in "$@"; do
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout ${HANDOFF_TIMEOUT:-400} python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l8bd --set load_format=dummy ${HANDOFF_ARGS:-} 2>&1 | tee "$OUT/handoff.log" | grep "^{" ;;
+    coldstart)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start_serving.py configs/gpu-1p1d-llama3-8b.yaml \
+        --model /tmp/l8bd --rate 4 --layout "1P+1D:load_format=dummy" \
+        --layout "collocated x2:mode=collocated,decode.workers=2,load_format=dummy" 2>&1 \
+        | tee "$OUT/coldstart.log" | grep -v "^(" | tail -20 ;;
     overhead)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
