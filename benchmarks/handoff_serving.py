@@ -8,10 +8,11 @@ first decode step against the raw transfer time of its KV, and how much running 
 Prints JSON lines, each figure next to its reference measured in the same run:
 - `handoff`: requests of `--prompt-len` tokens sent one at a time (none queues behind another); per request the
   workers' phases (coordinator.phases): `kv_transfer` (reserve + pull) and `decode_join` (KV landed -> its first
-  decode step starts), medians and p90; the raw time of the same KV bytes at the peer-copy rate measured before the
-  server starts (GPU 0 -> GPU 1, 1 GiB; on the CPU a host copy); `handoff_x_raw` = (kv_transfer + decode_join) /
-  raw (issue 13's goal: at most 1.5) and the effective rate bytes / kv_transfer against the peer-copy rate (goal:
-  at least 0.5 of it).
+  decode step starts; at TP=1 over cuda_ipc a request joins the batch before its copies end and the device runs its
+  first step after them, so this is what is left after the copies are seen to end), medians and p90; the raw time
+  of the same KV bytes at the peer-copy rate measured before the server starts (GPU 0 -> GPU 1, 1 GiB; on the CPU
+  a host copy); `handoff_x_raw` = (kv_transfer + decode_join) / raw (issue 13's goal: at most 1.5) and the
+  effective rate bytes / kv_transfer against the peer-copy rate (goal: at least 0.5 of it).
 - `decode_during_transfers`: `--streams` streams decoding; the time per output token of each, first in a window
   with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
   worker), then in a second window with no arrivals; the ratio to the mean of the quiet windows on both sides (a

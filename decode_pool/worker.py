@@ -38,7 +38,7 @@ from kvtransfer import AgentConfig
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
-    from kvtransfer.worker_agents import WorkerAgents
+    from kvtransfer.worker_agents import GroupRead, WorkerAgents
 
 
 class DecodeWorker:
@@ -118,29 +118,50 @@ class DecodeWorker:
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
                      prior_output_ids: Sequence[int] = ()) -> EngineLoad:
         """Pull the KV of the prompt (then the prior outputs) from `peer`'s blocks into reserved blocks, then
-        decode from the first token (output len(prior_output_ids))."""
+        decode from the first token (output len(prior_output_ids)). Returns once the KV has landed (the peer may
+        then free its copy); at TP=1 over cuda_ipc the request joins the batch as soon as the pull is queued, and
+        the device runs its first step after the copies (`LLMEngine.order_after`)."""
         prior = list(prior_output_ids)
         self._timing.received(request_id)
         self._transferring[request_id] = False  # from here an abort is applied when the transfer has ended
+        landing: tuple = ()  # the pull's copy events, once the request has joined before they ended
+        done = None
         try:
             booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
             n = len(booking.blocks)
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
-            await self._pull(peer, peer_block_ids[:n], booking)
+            pull = self._pull(peer, peer_block_ids[:n], booking)
+            if pull.gpu_done is not None:
+                landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
+                self._timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
+                done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
+                                                          first_logprob, prior, landing))
+            await self._landed(pull)
             self._timing.kv_ready(request_id)
         except BaseException:
             self._transferring.pop(request_id, None)
             self._timing.drop(request_id)
-            await self.loop.call(lambda e: e.abort(request_id))
+            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
             raise
         if self._transferring.pop(request_id):
             self._timing.drop(request_id)
-            await self.loop.call(lambda e: e.abort(request_id))
+            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
+        if not landing:
+            done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
+                                                      first_logprob, prior, ()))
+        if done is not None:
+            self._push([done])
+        return await self.load()
 
+    def _starter(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+                 first_logprob: TokenLogprob | None, prior: list[int], landing: tuple):
+        """The engine call that starts a handed-over request (its StepOutput if its first token ends it); with
+        `landing`, its KV copies may still be running: everything launched after it waits for them."""
         def start(e: LLMEngine) -> StepOutput | None:
+            e.order_after(landing)
             try:
                 done = e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
                                                prior_output_ids=prior)
@@ -150,10 +171,7 @@ class DecodeWorker:
                 raise
             self._timing.attach(request_id, e.scheduler.requests.get(request_id))
             return done
-        done = await self.loop.call(start)
-        if done is not None:
-            self._push([done])
-        return await self.load()
+        return start
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prior_output_ids: Sequence[int] = (), priority: int = 0) -> EngineLoad:
@@ -198,7 +216,7 @@ class DecodeWorker:
         try:
             if peer is not None:
                 booking = await self.reservations.book(group_id, n_tok)
-                await self._pull(peer, peer_block_ids[:len(booking.blocks)], booking)
+                await self._landed(self._pull(peer, peer_block_ids[:len(booking.blocks)], booking))
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:
                 while not await self.loop.call(lambda e, c=cid: e.fork_reservation(group_id, c, n_tok)):
@@ -281,7 +299,7 @@ class DecodeWorker:
             self.agents.close()
 
     # ---- internals
-    async def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
+    def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> GroupRead:
         """Every rank pulls its KV heads into the booked blocks, after the booking's fence: rank 0 after its event,
         each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A rank that
         cannot even answer (its process died) means this worker's TP group is broken for good: the process exits,
@@ -289,8 +307,16 @@ class DecodeWorker:
         step to notice."""
         try:
             fence = booking.fence
-            await self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
-                                   after_launches=fence.follower_launches).landed()
+            return self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
+                                    after_launches=fence.follower_launches)
+        except RankCallError as e:
+            exit_process(self.name, str(e))
+            raise
+
+    async def _landed(self, pull: GroupRead) -> None:
+        """Wait for a pull to land; a follower that cannot answer ends the process (as in _pull)."""
+        try:
+            await pull.landed()
         except RankCallError as e:
             exit_process(self.name, str(e))
 
@@ -315,3 +341,9 @@ class DecodeWorker:
                     self._phases[out.request_id] = durations
         self._outbox.extend(outputs)
         self._outbox_ready.set()
+
+
+def _abort_after(e: LLMEngine, request_id: str, landing: tuple) -> bool:
+    """Abort a request whose KV copies may still be running: its blocks are reused only after them."""
+    e.order_after(landing)
+    return e.abort(request_id)

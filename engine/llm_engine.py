@@ -181,6 +181,19 @@ class LLMEngine:
             event.record(torch.cuda.current_stream(self.device))
         return LaunchFence(event, self.followers.launches if self.followers is not None else None)
 
+    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
+        """Every device launch from now on (steps, block copies, later launch fences) runs after `events`: the copies
+        of KV still landing in blocks reserved here, so their request can be started, or its blocks freed, before
+        the copies end (a step that reads them, or a later write into them, waits on the device). TP=1 only: a
+        follower's launches are not ordered by rank 0's stream."""
+        if not events:
+            return
+        if self.followers is not None:
+            raise ValueError("order_after: a tensor-parallel engine's followers launch on their own streams")
+        stream = torch.cuda.current_stream(self.device)
+        for event in events:
+            stream.wait_event(event)
+
     def fork_reservation(self, src_id: str, dst_id: str, num_tokens: int) -> bool:
         """Reserve blocks for `dst_id` holding a copy-on-write fork of the first `num_tokens` tokens of KV of
         `src_id` (a reservation whose KV has arrived, or a pinned group prefill): full blocks are shared (ref

@@ -50,18 +50,17 @@ class GroupRead:
 
     async def landed(self) -> None:
         """Wait until the blocks hold the pulled KV; raise the pull's failure. With `gpu_done`, the copies'
-        completion is the pull's: their events are polled here, which spares the hop through the agent's loop
-        thread (~0.3 ms of a 1.4 ms pull on H200: docs/benchmarks.md); a failure the agent reported by then is
-        still raised, and a timeout is left to the agent, which reports it once its copies have settled."""
+        completion is the pull's (as for TransferHandle.done()): once queued they read the peer's mapped memory
+        whatever the agent hears of the peer later. Their events are polled here, which spares the hop through the
+        agent's loop thread (~0.3 ms of a 1.4 ms pull on H200: docs/benchmarks.md); a copy still running at the
+        deadline is left to the agent, which reports the timeout once its copies have settled."""
         if self.gpu_done is not None:
             try:
                 for event in self.gpu_done:
                     await event_done(event, self.deadline, spin_s=SPIN_S)
+                return
             except TransferTimeout:
                 pass
-            else:
-                if not self.future.done() or self.future.exception() is None:
-                    return
         await asyncio.wrap_future(self.future)
 
 

@@ -50,11 +50,10 @@ def test_landed_once_the_copies_are_done_without_the_agents_future() -> None:
     assert not future.done()  # the agent's loop has not reported yet: the copies' events were enough
 
 
-def test_a_failure_reported_by_the_time_the_copies_end_is_raised() -> None:
+def test_copies_that_ended_landed_whatever_the_agent_heard_of_the_peer_since() -> None:
     read, future = _read((CopyEvent(),))
-    future.set_exception(PeerLost("the remote was lost"))
-    with pytest.raises(PeerLost):
-        asyncio.run(read.landed())
+    future.set_exception(PeerLost("the remote was lost"))  # after the copies were queued: they read mapped memory
+    asyncio.run(asyncio.wait_for(read.landed(), 5))
 
 
 def test_without_events_the_agents_future_decides() -> None:

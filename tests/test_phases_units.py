@@ -131,3 +131,22 @@ def test_request_timing_of_a_computed_and_of_a_pulled_request():
     timing.drop("gone")  # aborted: nothing kept, nothing reported
     assert timing.first_output("gone") is None and len(timing) == 0
     assert timing.first_output("never-timed") is None
+
+
+def test_request_timing_of_a_request_that_joined_before_its_kv_landed():
+    """decode_pool starts a request whose KV copies are still landing (the device orders them before its first
+    step): the stamp moves from the launch to the landing, and the phases still add up to the total."""
+    now = [0.0]
+    timing = RequestTiming(clock=lambda: now[0])
+    req = _request("early")
+    timing.received("early")
+    now[0] = 0.5
+    timing.kv_ready("early")  # provisional: the copies are queued
+    timing.attach("early", req)
+    req.first_scheduled_at = 0.75  # its first step is queued behind the copies
+    now[0] = 1.25
+    timing.kv_ready("early")  # the copies were seen to end
+    now[0] = 3.0
+    phases = timing.first_output("early")
+    assert phases == (("kv_transfer", 1.25), ("decode_join", 0.0), ("first_decode_step", 1.75))
+    assert math.fsum(d for _, d in phases) == 3.0

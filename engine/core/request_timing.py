@@ -8,6 +8,8 @@ into durations, in time order:
   `prefill_queue` (received -> first engine step that runs it) and `prefill_compute` (-> its first token out);
 - a request whose KV was pulled here (decode worker): `kv_transfer` (received -> KV landed: reserving blocks and
   the pull), `decode_join` (-> the first engine step that runs it) and `first_decode_step` (-> its first token out).
+  A request may join before its KV is seen to land (a copy the device orders before its first step: decode_pool);
+  then decode_join is 0 and first_decode_step runs from the landing, so the phases still add up to the total.
 Only durations leave the worker, so clocks of different machines are never compared. An entry ends at the first
 output or with `drop()` (abort, failure): nothing is kept for a request that is gone. Used by the worker's event
 loop only, between engine steps.
@@ -43,6 +45,7 @@ class RequestTiming:
         self._open[request_id] = _Stamps(self._clock())
 
     def kv_ready(self, request_id: str) -> None:
+        """The KV landed now (a later call moves the stamp: a provisional one, then the landing)."""
         stamps = self._open.get(request_id)
         if stamps is not None:
             stamps.kv_ready_at = self._clock()
@@ -70,4 +73,5 @@ class RequestTiming:
         transfer = ("kv_transfer", stamps.kv_ready_at - stamps.received_at)
         if scheduled is None:  # ended as it joined (its first token ended it): no decode step ran
             return transfer, ("decode_join", now - stamps.kv_ready_at)
-        return transfer, ("decode_join", scheduled - stamps.kv_ready_at), ("first_decode_step", now - scheduled)
+        joined = max(scheduled, stamps.kv_ready_at)
+        return transfer, ("decode_join", joined - stamps.kv_ready_at), ("first_decode_step", now - joined)
