@@ -13,6 +13,9 @@ Prints JSON lines, each figure next to its reference measured in the same run:
   of the same KV bytes at the peer-copy rate measured before the server starts (GPU 0 -> GPU 1, 1 GiB; on the CPU
   a host copy); `handoff_x_raw` = (kv_transfer + decode_join) / raw (issue 13's goal: at most 1.5) and the
   effective rate bytes / kv_transfer against the peer-copy rate (goal: at least 0.5 of it).
+- `handoff_stages`: the same requests' stages inside the decode worker's decode() (PDSERVE_TRACE_HANDOFF, set here):
+  ms from the call to its blocks booked, the pull launched, the request joined (TP=1 over cuda_ipc) and the KV seen
+  to land, medians.
 - `decode_during_transfers`: `--streams` streams decoding; the time per output token of each, first in a window
   with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
   worker), then in a second window with no arrivals; the ratio to the mean of the quiet windows on both sides (a
@@ -26,7 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -185,9 +190,24 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     per_token = kv_bytes_per_token(args.model)
+    os.environ["PDSERVE_TRACE_HANDOFF"] = "1"  # the decode worker logs each handoff's stages (decode_pool.worker)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
         print_handoff(asyncio.run(handoff(server.url, args.model, prompts)), args.prompt_len, per_token, rate)
+        print_stages(Path(tmp) / "server.log", args.requests)
         print(json.dumps(asyncio.run(decode_during_transfers(server.url, args.model, args, vocab))), flush=True)
+
+
+def print_stages(log: Path, requests: int) -> None:
+    """Medians of the decode worker's handoff stages (ms since its decode() began) over the measured requests: the
+    log's first handoff lines after the warm-up's."""
+    rows = [json.loads(m.group(0)) for m in re.finditer(r'\{"handoff_trace".*\}', log.read_text(errors="replace"))]
+    rows = rows[1:1 + requests]
+    if not rows:
+        print(json.dumps({"case": "handoff_stages", "error": f"no handoff_trace line in {log}"}), flush=True)
+        return
+    stages = [k for k in rows[0] if k != "handoff_trace"]
+    print(json.dumps({"case": "handoff_stages", "requests": len(rows), "since_decode_call_ms_p50": {
+        k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in stages}}), flush=True)
 
 
 def print_handoff(phases: list[dict], prompt_len: int, per_token: int, rate: float) -> None:

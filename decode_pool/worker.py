@@ -14,13 +14,17 @@ into one reservation per choice (LLMEngine.fork_reservation), drops the group's 
 from its first token; each choice is then an ordinary request under its own id (abort one, the others go on).
 Requests started by `decode` or `generate` are timed here (engine.core.request_timing): poll() returns, beside a
 request's first output, its phase durations on this worker, for the coordinator's per-request phase tracing.
+With PDSERVE_TRACE_HANDOFF=1 in the environment every decode() also prints its stages (booked, pull launched,
+joined, landed: ms since the call) as one JSON line on stderr, for benchmarks/handoff_serving.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -60,6 +64,7 @@ class DecodeWorker:
         self.reservations: Reservations | None = None  # blocks booked for KV pulled from prefill workers
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank, driven as one
         self._task: asyncio.Task | None = None
+        self._trace_handoffs = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
 
     async def start(self) -> WorkerInfo:
         # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
@@ -123,23 +128,32 @@ class DecodeWorker:
         the device runs its first step after the copies (`LLMEngine.order_after`)."""
         prior = list(prior_output_ids)
         self._timing.received(request_id)
+        stages = [("received", time.monotonic())] if self._trace_handoffs else None
         self._transferring[request_id] = False  # from here an abort is applied when the transfer has ended
         landing: tuple = ()  # the pull's copy events, once the request has joined before they ended
         done = None
         try:
             booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
+            _stage(stages, "booked")
             n = len(booking.blocks)
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
             pull = self._pull(peer, peer_block_ids[:n], booking)
+            _stage(stages, "launched")
             if pull.gpu_done is not None:
                 landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
                 self._timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
                 done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
                                                           first_logprob, prior, landing))
+                _stage(stages, "joined")
             await self._landed(pull)
             self._timing.kv_ready(request_id)
+            _stage(stages, "landed")
+            if stages is not None:
+                t0 = stages[0][1]
+                print(json.dumps({"handoff_trace": request_id} | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}),
+                      file=sys.stderr, flush=True)
         except BaseException:
             self._transferring.pop(request_id, None)
             self._timing.drop(request_id)
@@ -347,3 +361,8 @@ def _abort_after(e: LLMEngine, request_id: str, landing: tuple) -> bool:
     """Abort a request whose KV copies may still be running: its blocks are reused only after them."""
     e.order_after(landing)
     return e.abort(request_id)
+
+
+def _stage(stages: list | None, name: str) -> None:
+    if stages is not None:
+        stages.append((name, time.monotonic()))

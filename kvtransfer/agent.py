@@ -102,6 +102,12 @@ class KVAgent:
     def metadata(self) -> AgentMetadata:
         return AgentMetadata(self.name, self._address, self._port, host_identity(), os.getpid(), self._info)
 
+    @property
+    def cache_info(self) -> CacheInfo | None:
+        """The registered cache's description (None before register_cache): metadata().cache without building the
+        rest, which reads the host's identity from /proc (kept off every transfer's path)."""
+        return self._info
+
     # ---- faults --------------------------------------------------------------------------------------
     @property
     def faults(self) -> FaultConfig:

@@ -122,7 +122,7 @@ def read_from_group(agent: KVAgent, group: GroupMetadata, remote_block_ids: Sequ
     from the ranks of `group` (each already added with `add_remote`) into `local_block_ids`: one head-sliced read
     per piece, all started at once (after `ready`, as `KVAgent.read`). Wait on every handle (or
     `agent.notify_after` them) before using the blocks."""
-    own = agent.metadata().cache
+    own = agent.cache_info
     if own is None:
         raise BadDescriptor(f"agent {agent.name!r} has no registered cache to pull into")
     return [agent.read(rank.name, remote_block_ids, local_block_ids, layers=layers, timeout=timeout, heads=heads,

@@ -82,7 +82,7 @@ class RankAgent:
 
     def add_group(self, data: bytes) -> str:
         group = GroupMetadata.from_bytes(data)
-        own = self.agent.metadata().cache
+        own = self.agent.cache_info
         for rank, _ in group.pieces_for(own.head_range, spread=self.rank):
             if rank.name not in self.agent.remotes():
                 self.agent.add_remote(rank)
