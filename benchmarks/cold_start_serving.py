@@ -56,7 +56,8 @@ def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Pa
         ready_s = time.perf_counter() - launched
         cfg = RunConfig(Target(server.url, args.model, ignore_eos=True),
                         WorkloadSpec(kind="chat", input_len=args.input_len, output_len=args.output_len,
-                                     max_input_len=args.max_input_len, prompt_format="ids"),
+                                     max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                                     prompt_format="ids"),
                         ArrivalSpec(kind="gamma", rate=args.rate, burstiness=50), slo,
                         duration_s=2 * args.window, warmup_s=0)
         t0 = time.perf_counter()
@@ -82,7 +83,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--window", type=float, default=18.0)
     ap.add_argument("--input-len", type=int, default=2048)
-    ap.add_argument("--max-input-len", type=int, default=7936)  # + output within an 8k context
+    ap.add_argument("--max-input-len", type=int, default=7168)  # + the longest output: within an 8k context
+    ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--tpot-ms", type=float, default=100.0)

@@ -1,7 +1,8 @@
 """DecodeWorker: a Ray actor (one GPU, or CPUs) that pulls prefilled KV and generates, or (collocated mode)
 runs whole requests.
 
-Owns one engine stepped by one AsyncEngine loop and one KVAgent that pulls from prefill workers. Tokens leave in
+Owns one engine stepped by one AsyncEngine loop, one KVAgent per rank that pulls from prefill workers, and the
+handoffs in flight (decode_pool.handoff: the pull and the join of a request prefilled elsewhere). Tokens leave in
 batches: every step's deltas go to an outbox that the coordinator drains with one long-poll per worker, never
 one call per token. Block ownership: reserve (booked early, while the prompt is prefilled elsewhere:
 decode_pool.reservations) -> (transfer in flight: nobody else may touch them) -> running request -> freed on finish
@@ -14,35 +15,31 @@ into one reservation per choice (LLMEngine.fork_reservation), drops the group's 
 from its first token; each choice is then an ordinary request under its own id (abort one, the others go on).
 Requests started by `decode` or `generate` are timed here (engine.core.request_timing): poll() returns, beside a
 request's first output, its phase durations on this worker, for the coordinator's per-request phase tracing.
-With PDSERVE_TRACE_HANDOFF=1 in the environment every decode() also prints its stages (booked, pull launched,
-joined, landed: ms since the call) as one JSON line on stderr, for benchmarks/handoff_serving.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from decode_pool.reservations import RESERVE_RETRY_S, Booking, NoCapacity, Reservations
-from engine.async_engine import AsyncEngine, exit_process, exit_process_on_failure
+from decode_pool.handoff import Handoffs
+from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
 from engine.load import EngineLoad, WorkerInfo
-from engine.runner.rank_service import RankCallError
 from kvtransfer import AgentConfig
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
-    from kvtransfer.worker_agents import GroupRead, WorkerAgents
+    from kvtransfer.worker_agents import WorkerAgents
 
 
 class DecodeWorker:
@@ -58,13 +55,12 @@ class DecodeWorker:
         self._phases: dict[str, Durations] = {}  # request id -> its durations here, sent with its first output
         self._outbox_ready = asyncio.Event()
         self._step_load: EngineLoad | None = None  # the load right after the last step that had outputs
-        self._transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._group_prefills: dict[str, asyncio.Future] = {}  # collocated group prefills awaiting their first tokens
         self.loop: AsyncEngine | None = None
         self.reservations: Reservations | None = None  # blocks booked for KV pulled from prefill workers
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank, driven as one
+        self.handoffs: Handoffs | None = None  # requests whose KV is in flight to here
         self._task: asyncio.Task | None = None
-        self._trace_handoffs = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
 
     async def start(self) -> WorkerInfo:
         # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
@@ -90,6 +86,7 @@ class DecodeWorker:
         if self._agent_config is not None:
             self.agents = WorkerAgents(self.name, self._agent_config, engine)
             meta = self.agents.metadata()
+        self.handoffs = Handoffs(self.name, self.loop, self.agents, self.reservations, self._timing)
         role = "decode" if self.agents else "collocated"
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
@@ -123,69 +120,13 @@ class DecodeWorker:
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
                      prior_output_ids: Sequence[int] = ()) -> EngineLoad:
         """Pull the KV of the prompt (then the prior outputs) from `peer`'s blocks into reserved blocks, then
-        decode from the first token (output len(prior_output_ids)). Returns once the KV has landed (the peer may
-        then free its copy); at TP=1 over cuda_ipc the request joins the batch as soon as the pull is queued, and
-        the device runs its first step after the copies (`LLMEngine.order_after`)."""
-        prior = list(prior_output_ids)
-        self._timing.received(request_id)
-        stages = [("received", time.monotonic())] if self._trace_handoffs else None
-        self._transferring[request_id] = False  # from here an abort is applied when the transfer has ended
-        landing: tuple = ()  # the pull's copy events, once the request has joined before they ended
-        done = None
-        try:
-            booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
-            _stage(stages, "booked")
-            n = len(booking.blocks)
-            if len(peer_block_ids) < n:
-                raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
-                                 f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
-            pull = self._pull(peer, peer_block_ids[:n], booking)
-            _stage(stages, "launched")
-            if pull.gpu_done is not None:
-                landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
-                self._timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
-                done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                          first_logprob, prior, landing))
-                _stage(stages, "joined")
-            await self._landed(pull)
-            self._timing.kv_ready(request_id)
-            _stage(stages, "landed")
-            if stages is not None:
-                t0 = stages[0][1]
-                print(json.dumps({"handoff_trace": request_id} | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}),
-                      file=sys.stderr, flush=True)
-        except BaseException:
-            self._transferring.pop(request_id, None)
-            self._timing.drop(request_id)
-            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
-            raise
-        if self._transferring.pop(request_id):
-            self._timing.drop(request_id)
-            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
-            raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
-        if not landing:
-            done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                      first_logprob, prior, ()))
+        decode from the first token (output len(prior_output_ids)); returns once the KV has landed
+        (decode_pool.handoff)."""
+        done = await self.handoffs.take_over(request_id, prompt_token_ids, params, first_token_id, first_logprob,
+                                             peer, peer_block_ids, list(prior_output_ids))
         if done is not None:
             self._push([done])
         return await self.load()
-
-    def _starter(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-                 first_logprob: TokenLogprob | None, prior: list[int], landing: tuple):
-        """The engine call that starts a handed-over request (its StepOutput if its first token ends it); with
-        `landing`, its KV copies may still be running: everything launched after it waits for them."""
-        def start(e: LLMEngine) -> StepOutput | None:
-            e.order_after(landing)
-            try:
-                done = e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
-                                               prior_output_ids=prior)
-            except Exception:
-                self._timing.drop(request_id)
-                e.abort(request_id)  # a refused request gives its reservation back
-                raise
-            self._timing.attach(request_id, e.scheduler.requests.get(request_id))
-            return done
-        return start
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prior_output_ids: Sequence[int] = (), priority: int = 0) -> EngineLoad:
@@ -225,12 +166,13 @@ class DecodeWorker:
         """Start every choice of a group from its first token: the prompt's KV pulled once from `peer` (or, with
         peer None, the group pinned here), forked per choice. A choice aborted meanwhile is not started."""
         n_tok = len(prompt_token_ids)
+        transferring = self.handoffs.transferring
         for cid in choice_ids:
-            self._transferring[cid] = False
+            transferring[cid] = False
         try:
             if peer is not None:
                 booking = await self.reservations.book(group_id, n_tok)
-                await self._landed(self._pull(peer, peer_block_ids[:len(booking.blocks)], booking))
+                await self.handoffs.pull_into(peer, peer_block_ids[:len(booking.blocks)], booking)
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:
                 while not await self.loop.call(lambda e, c=cid: e.fork_reservation(group_id, c, n_tok)):
@@ -241,7 +183,7 @@ class DecodeWorker:
             await self.loop.call(lambda e: [e.abort(i) for i in [group_id, *choice_ids]])
             raise
         finally:
-            aborted = {cid for cid in choice_ids if self._transferring.pop(cid, False)}
+            aborted = {cid for cid in choice_ids if transferring.pop(cid, False)}
 
         def start(e: LLMEngine) -> list[StepOutput]:
             e.abort(group_id)  # its blocks live on in the choices' tables
@@ -282,8 +224,7 @@ class DecodeWorker:
         self._timing.drop(request_id)
         if await self.reservations.cancel(request_id):  # booked early, never handed off
             return True
-        if request_id in self._transferring:
-            self._transferring[request_id] = True  # decode() frees the blocks once the transfer has ended
+        if self.handoffs.abort(request_id):  # its KV in flight: freed once the transfer has ended
             return True
         return await self.loop.call(lambda e: e.abort(request_id))
 
@@ -313,27 +254,6 @@ class DecodeWorker:
             self.agents.close()
 
     # ---- internals
-    def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> GroupRead:
-        """Every rank pulls its KV heads into the booked blocks, after the booking's fence: rank 0 after its event,
-        each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A rank that
-        cannot even answer (its process died) means this worker's TP group is broken for good: the process exits,
-        so the request moves and the worker is replaced, instead of failing this request and waiting for the next
-        step to notice."""
-        try:
-            fence = booking.fence
-            return self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
-                                    after_launches=fence.follower_launches)
-        except RankCallError as e:
-            exit_process(self.name, str(e))
-            raise
-
-    async def _landed(self, pull: GroupRead) -> None:
-        """Wait for a pull to land; a follower that cannot answer ends the process (as in _pull)."""
-        try:
-            await pull.landed()
-        except RankCallError as e:
-            exit_process(self.name, str(e))
-
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         self._step_load = self.loop.engine.load()  # on the engine loop, between two steps
         if self._group_prefills:
@@ -356,13 +276,3 @@ class DecodeWorker:
         self._outbox.extend(outputs)
         self._outbox_ready.set()
 
-
-def _abort_after(e: LLMEngine, request_id: str, landing: tuple) -> bool:
-    """Abort a request whose KV copies may still be running: its blocks are reused only after them."""
-    e.order_after(landing)
-    return e.abort(request_id)
-
-
-def _stage(stages: list | None, name: str) -> None:
-    if stages is not None:
-        stages.append((name, time.monotonic()))

@@ -1,0 +1,152 @@
+"""Handoffs: the decode side of a KV handoff, from the request's booked blocks to the request started.
+
+Owns the requests whose KV is in flight (`transferring`: request id -> aborted meanwhile), their pulls and their
+joins; the engine owns the blocks (decode_pool.reservations booked them). Every rank pulls its KV heads into the
+booked blocks after the booking's fence (WorkerAgents.read). At TP=1 over cuda_ipc the copies run on this worker's
+GPU, so the request joins the batch as soon as they are queued, with the engine's stream ordered after them
+(LLMEngine.order_after): its first step runs on the device right behind the copies, no host round trip between.
+Otherwise it starts once the pull has landed. Either way `take_over` returns only once the KV has landed (the
+prefill worker then frees its copy). An abort while the KV is in flight is applied when the transfer has ended;
+anything that frees the blocks of a request joined early waits for its copies on the device.
+With PDSERVE_TRACE_HANDOFF=1 in the environment every take_over prints its stages (blocks booked, pull launched,
+joined, KV seen landed: ms since the call) as one JSON line on stderr, for benchmarks/handoff_serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.async_engine import AsyncEngine, exit_process
+from engine.core.request import TokenLogprob
+from engine.core.request_timing import RequestTiming
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import StepOutput
+from engine.runner.rank_service import RankCallError
+
+if TYPE_CHECKING:
+    from decode_pool.reservations import Booking, Reservations
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.worker_agents import GroupRead, WorkerAgents
+
+
+class Handoffs:
+    def __init__(self, worker: str, loop: AsyncEngine, agents: WorkerAgents | None, reservations: Reservations,
+                 timing: RequestTiming) -> None:
+        self.worker, self.loop, self.agents, self.reservations, self.timing = worker, loop, agents, reservations, timing
+        self.transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
+        self._trace = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
+
+    async def take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
+                        peer_block_ids: list[int], prior: list[int]) -> StepOutput | None:
+        """Pull the request's KV (prompt, then prior outputs) from `peer`'s blocks into its booked blocks and start
+        it from its first token; its StepOutput if that token already ends it. Raises if the pull failed or the
+        request was aborted meanwhile (asyncio.CancelledError); either way its blocks are given back."""
+        self.timing.received(request_id)
+        stages = [("received", time.monotonic())] if self._trace else None
+        self.transferring[request_id] = False  # from here an abort is applied when the transfer has ended
+        landing: tuple = ()  # the pull's copy events, once the request has joined before they ended
+        done = None
+        try:
+            booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
+            _stage(stages, "booked")
+            n = len(booking.blocks)
+            if len(peer_block_ids) < n:
+                raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
+                                 f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
+            pull = self._pull(peer, peer_block_ids[:n], booking)
+            _stage(stages, "launched")
+            if pull.gpu_done is not None:
+                landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
+                self.timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
+                done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
+                                                          first_logprob, prior, landing))
+                _stage(stages, "joined")
+            await self._landed(pull)
+            self.timing.kv_ready(request_id)
+            _stage(stages, "landed")
+        except BaseException:
+            self.transferring.pop(request_id, None)
+            self.timing.drop(request_id)
+            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
+            raise
+        if self.transferring.pop(request_id):
+            self.timing.drop(request_id)
+            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
+            raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
+        if stages is not None:
+            t0 = stages[0][1]
+            print(json.dumps({"handoff_trace": request_id} | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}),
+                  file=sys.stderr, flush=True)
+        if not landing:
+            done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
+                                                      first_logprob, prior, ()))
+        return done
+
+    async def pull_into(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
+        """Pull blocks of `peer` into `booking`'s and wait until they have landed (a group's prompt: decode_group)."""
+        await self._landed(self._pull(peer, remote_ids, booking))
+
+    def abort(self, request_id: str) -> bool:
+        """Flag a request whose KV is in flight (its take_over frees the blocks once the transfer has ended);
+        False if it has none in flight."""
+        if request_id not in self.transferring:
+            return False
+        self.transferring[request_id] = True
+        return True
+
+    # ---- internals
+    def _starter(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+                 first_logprob: TokenLogprob | None, prior: list[int],
+                 landing: tuple) -> Callable[[LLMEngine], StepOutput | None]:
+        """The engine call that starts a handed-over request; with `landing`, its KV copies may still be running:
+        everything launched after it waits for them."""
+        def start(e: LLMEngine) -> StepOutput | None:
+            e.order_after(landing)
+            try:
+                done = e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
+                                               prior_output_ids=prior)
+            except Exception:
+                self.timing.drop(request_id)
+                e.abort(request_id)  # a refused request gives its reservation back
+                raise
+            self.timing.attach(request_id, e.scheduler.requests.get(request_id))
+            return done
+        return start
+
+    def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> GroupRead:
+        """Every rank pulls its KV heads into the booked blocks, after the booking's fence: rank 0 after its event,
+        each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A rank that
+        cannot even answer (its process died) means this worker's TP group is broken for good: the process exits,
+        so the request moves and the worker is replaced, instead of failing this request and waiting for the next
+        step to notice."""
+        try:
+            fence = booking.fence
+            return self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
+                                    after_launches=fence.follower_launches)
+        except RankCallError as e:
+            exit_process(self.worker, str(e))
+            raise
+
+    async def _landed(self, pull: GroupRead) -> None:
+        try:
+            await pull.landed()
+        except RankCallError as e:  # as in _pull
+            exit_process(self.worker, str(e))
+
+
+def _abort_after(e: LLMEngine, request_id: str, landing: tuple) -> bool:
+    """Abort a request whose KV copies may still be running: its blocks are reused only after them."""
+    e.order_after(landing)
+    return e.abort(request_id)
+
+
+def _stage(stages: list | None, name: str) -> None:
+    if stages is not None:
+        stages.append((name, time.monotonic()))
