@@ -190,7 +190,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     per_token = kv_bytes_per_token(args.model)
-    os.environ["PDSERVE_TRACE_HANDOFF"] = "1"  # the decode worker logs each handoff's stages (decode_pool.worker)
+    os.environ["PDSERVE_TRACE_HANDOFF"] = "1"  # the decode worker logs each handoff's stages (decode_pool.handoff)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
         print_handoff(asyncio.run(handoff(server.url, args.model, prompts)), args.prompt_len, per_token, rate)
         print_stages(Path(tmp) / "server.log", args.requests)

@@ -96,7 +96,6 @@ class PullSide(BenchWorker):
             out.append((t1 - t0, t2 - t0, start.elapsed_time(end) / 1e3))
         return out
 
-
     async def launch_stages(self, remote: str, local_ids: list[int], remote_ids: list[int],
                             repeat: int) -> dict[str, float]:
         """Median host seconds of each stage of a cuda_ipc read's launch (see the module docstring)."""

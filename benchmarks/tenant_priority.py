@@ -126,7 +126,12 @@ def main() -> None:
                 spy = _profiler(server.pid, args.profile, args.duration) if flood == max(floods) else None
                 flooded = asyncio.run(_window(server.url, server.pid, args, flood, args.duration))
                 if spy is not None:
-                    print(json.dumps({"profile": args.profile, "py_spy_exit": spy.wait(60)}), flush=True)
+                    try:
+                        status = spy.wait(60)
+                    except subprocess.TimeoutExpired:
+                        spy.kill()
+                        status = "killed: still running 60 s after the window"
+                    print(json.dumps({"profile": args.profile, "py_spy_exit": status}), flush=True)
                 preempted = sum(metric_values(server.url, "pdserve_worker_engine_preemptions_total").values()) - before
                 print(json.dumps({"high_with_low_flood": flooded,
                                   "ttft_p50_ratio": round(flooded["ttft_p50_ms"] / alone["ttft_p50_ms"], 3),

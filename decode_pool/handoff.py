@@ -28,6 +28,7 @@ from engine.core.request_timing import RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.runner.rank_service import RankCallError
+from kvtransfer.errors import TransferTimeout
 
 if TYPE_CHECKING:
     from decode_pool.reservations import Booking, Reservations
@@ -51,6 +52,7 @@ class Handoffs:
         self.timing.received(request_id)
         stages = [("received", time.monotonic())] if self._trace else None
         self.transferring[request_id] = False  # from here an abort is applied when the transfer has ended
+        pull: GroupRead | None = None
         landing: tuple = ()  # the pull's copy events, once the request has joined before they ended
         done = None
         try:
@@ -74,17 +76,19 @@ class Handoffs:
         except BaseException:
             self.transferring.pop(request_id, None)
             self.timing.drop(request_id)
-            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
+            await _queued(self.loop.submit(lambda e: _abort_after(e, request_id, landing)))
+            if landing:  # the peer frees its copy once this call ends: not while ours still reads it
+                await self._settle(pull)
             raise
         if self.transferring.pop(request_id):
             self.timing.drop(request_id)
-            await self.loop.call(lambda e: _abort_after(e, request_id, landing))
+            await _queued(self.loop.submit(lambda e: _abort_after(e, request_id, landing)))
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
         if stages is not None:
             t0 = stages[0][1]
             print(json.dumps({"handoff_trace": request_id} | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}),
                   file=sys.stderr, flush=True)
-        if not landing:
+        if pull.gpu_done is None:  # not joined yet: it starts now
             done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
                                                       first_logprob, prior, ()))
         return done
@@ -140,11 +144,30 @@ class Handoffs:
         except RankCallError as e:  # as in _pull
             exit_process(self.worker, str(e))
 
+    async def _settle(self, pull: GroupRead) -> None:
+        """After a joined request failed: wait on the host until its copies have ended, so the peer does not reuse
+        the blocks they read. Copies still running at the pull's deadline have wedged this GPU's stream (every
+        launch since the join waits for them): the process exits, and the pool replaces it."""
+        from kvtransfer.cache import event_done  # torch: this module is imported by the torch-free coordinator
+
+        try:
+            for event in pull.gpu_done or ():
+                await asyncio.shield(event_done(event, pull.deadline, spin_s=0.0))
+        except TransferTimeout:
+            exit_process(self.worker, "a KV pull's copies did not end by their deadline; this GPU's stream waits "
+                                      "for them")
+
 
 def _abort_after(e: LLMEngine, request_id: str, landing: tuple) -> bool:
     """Abort a request whose KV copies may still be running: its blocks are reused only after them."""
     e.order_after(landing)
     return e.abort(request_id)
+
+
+async def _queued(call: asyncio.Future) -> None:
+    """Await an engine call queued already (AsyncEngine.submit), shielded: AsyncEngine skips a call whose future was
+    cancelled, and a cancellation of this task while it waits must not skip a release."""
+    await asyncio.shield(call)
 
 
 def _stage(stages: list | None, name: str) -> None:

@@ -185,12 +185,16 @@ class LLMEngine:
         """Every device launch from now on (steps, block copies, later launch fences) runs after `events`: the copies
         of KV still landing in blocks reserved here, so their request can be started, or its blocks freed, before
         the copies end (a step that reads them, or a later write into them, waits on the device). TP=1 only: a
-        follower's launches are not ordered by rank 0's stream."""
-        if not events:
+        follower's launches are not ordered by rank 0's stream. Relies on every launch (steps from the step thread,
+        calls from the loop) going to the device's default stream: no step runs under `torch.cuda.stream(...)`.
+        On the CPU there is no device queue to order (and no event to wait for)."""
+        if not events or self.device.type != "cuda":
             return
         if self.followers is not None:
             raise ValueError("order_after: a tensor-parallel engine's followers launch on their own streams")
         stream = torch.cuda.current_stream(self.device)
+        if stream != torch.cuda.default_stream(self.device):
+            raise RuntimeError(f"order_after: the engine launches on the device's default stream, not {stream!r}")
         for event in events:
             stream.wait_event(event)
 

@@ -69,10 +69,19 @@ def test_without_events_the_agents_future_decides() -> None:
 def test_a_copy_past_the_deadline_is_left_to_the_agent_which_reports_the_timeout() -> None:
     stuck = CopyEvent(polls=10**9)
     read, future = _read((stuck,), timeout_s=0.05)
-
-    def agent_gives_up() -> None:  # as the agent does: its copies settle, then it reports the timeout
-        stuck.set()
-        future.set_exception(TransferTimeout("GPU copy did not finish before the deadline"))
-    threading.Timer(0.3, agent_gives_up).start()
+    timeout = TransferTimeout("GPU copy did not finish before the deadline")
+    threading.Timer(0.3, future.set_exception, (timeout,)).start()  # the agent gives up; the copy runs on
+    threading.Timer(1.0, stuck.set).start()  # then ends: the loop's executor thread blocked on it may go
     with pytest.raises(TransferTimeout):
         asyncio.run(asyncio.wait_for(read.landed(), 5))
+
+
+def test_a_copy_that_ended_while_the_agent_settled_it_has_landed() -> None:
+    late = CopyEvent(polls=10**9)
+    read, future = _read((late,), timeout_s=0.05)
+
+    def agent_gives_up() -> None:  # as the agent does: its copies settle, then it reports the timeout
+        late.set()
+        future.set_exception(TransferTimeout("GPU copy did not finish before the deadline"))
+    threading.Timer(0.3, agent_gives_up).start()
+    asyncio.run(asyncio.wait_for(read.landed(), 5))

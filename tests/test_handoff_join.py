@@ -1,0 +1,111 @@
+"""Handoffs.take_over's early join (decode_pool.handoff) on the real tiny engine and its AsyncEngine loop: at TP=1
+over cuda_ipc a request joins as soon as its pull is queued, take_over returns once the copies have ended, an abort
+while they run is applied after them, and copies that never end take the process down (its GPU's stream would
+wait for them forever). CUDA copies do not exist on this machine: the pull is a stand-in (a GroupRead whose events
+complete when the test says), and LLMEngine.order_after has no device queue to order on the CPU."""
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from decode_pool import handoff as handoff_module
+from decode_pool.handoff import Handoffs
+from decode_pool.reservations import Reservations
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.core.request_timing import RequestTiming
+from kvtransfer.errors import TransferTimeout
+from kvtransfer.worker_agents import GroupRead
+
+PROMPT = list(range(3, 3 + 64))  # 4 full blocks of 16
+PARAMS = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # still running when the test looks
+
+
+class CopyEvent:
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def query(self) -> bool:
+        return self.ended.is_set()
+
+    def synchronize(self) -> None:
+        self.ended.wait()
+
+
+class QueuedPull:
+    """WorkerAgents' stand-in: every read returns the same GroupRead (copies queued, ending when the test says)."""
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.event, self.future = CopyEvent(), concurrent.futures.Future()
+        self.timeout_s = timeout_s
+
+    def read(self, peer, remote_ids, local_ids, ready=None, after_launches=None) -> GroupRead:
+        return GroupRead(self.future, (self.event,), time.monotonic() + self.timeout_s)
+
+
+def run(body, pull: QueuedPull):
+    engine = LLM("tiny").engine
+
+    async def main():
+        loop = AsyncEngine(engine, lambda outputs: None)
+        task = asyncio.create_task(loop.run())
+        handoffs = Handoffs("decode-t", loop, pull, Reservations(loop, "decode-t", 1.0), RequestTiming())
+        try:
+            return await body(loop, handoffs)
+        finally:
+            loop.close()
+            await task
+    return asyncio.run(main()), engine
+
+
+def test_joins_before_its_copies_end_and_returns_once_they_have():
+    pull = QueuedPull()
+
+    async def body(loop, handoffs):
+        task = asyncio.create_task(handoffs.take_over("r", PROMPT, PARAMS, 5, None, "prefill-0", list(range(8)), []))
+        await asyncio.sleep(0.2)
+        joined = await loop.call(lambda e: "r" in e.scheduler.requests)
+        returned_early = task.done()
+        pull.event.ended.set()
+        await asyncio.wait_for(task, 10)
+        return joined, returned_early
+    (joined, returned_early), _ = run(body, pull)
+    assert joined and not returned_early  # in the batch while its KV lands; the peer's copy is freed only after
+
+
+def test_an_abort_while_its_copies_run_is_applied_after_them():
+    pull = QueuedPull()
+
+    async def body(loop, handoffs):
+        task = asyncio.create_task(handoffs.take_over("r", PROMPT, PARAMS, 5, None, "prefill-0", list(range(8)), []))
+        await asyncio.sleep(0.2)
+        assert handoffs.abort("r")  # flagged: take_over frees the blocks once the copies have ended
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        pull.event.ended.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        return await loop.call(lambda e: e.check_integrity())
+    integrity, engine = run(body, pull)
+    assert integrity["in_use"] == 0 and "r" not in engine.scheduler.requests
+
+
+def test_copies_that_never_end_take_the_process_down(monkeypatch):
+    pull = QueuedPull(timeout_s=0.05)
+    exits: list[str] = []
+
+    def exit_process(worker: str, why: str) -> None:  # the real one ends the process (os._exit)
+        exits.append(why)
+        raise SystemExit(70)
+    monkeypatch.setattr(handoff_module, "exit_process", exit_process)
+    threading.Timer(0.2, pull.future.set_exception, (TransferTimeout("GPU copy did not finish"),)).start()
+    threading.Timer(1.0, pull.event.ended.set).start()  # at last: the loop's executor thread waiting on it may go
+
+    async def body(loop, handoffs):
+        with pytest.raises(SystemExit):
+            await handoffs.take_over("r", PROMPT, PARAMS, 5, None, "prefill-0", list(range(8)), [])
+    run(body, pull)
+    assert exits and "did not end" in exits[0]
