@@ -8,8 +8,11 @@
    process's CPU use (seconds of CPU per second: 1.0 is one core saturated, where queueing in its event loop,
    which priority cannot reorder, sets in).
    `--low-stream-interval N` streams the flood N tokens a chunk (the tenant's stream_interval).
-2. Preemptions: the decode engines' preemption counter per 1,000 finished requests under the largest flood, with
-   `admission.reserve_output` 1.0 (the whole output booked at admission) and 0.5 (half, the rest grown on demand).
+   `--loop-lag-limit-ms X` sets admission.loop_lag_limit_ms (bulk work waits while the coordinator's event loop runs
+   X ms late on average; each window prints `bulk_held_s`, the seconds it did).
+2. Preemptions (`--skip-preemptions` leaves it out): the decode engines' preemption counter per 1,000 finished
+   requests under the largest flood, with `admission.reserve_output` 1.0 (the whole output booked at admission) and
+   0.5 (half, the rest grown on demand).
 `--profile FILE`: py-spy (on PATH) samples the coordinator process through the largest flood window, into FILE
 (collapsed stacks, idle frames left out), to see where its CPU goes.
 
@@ -57,19 +60,27 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _loop_busy_s(url: str) -> float:
+    """Seconds admission has held bulk work for the coordinator's loop so far (admission.loop_lag_limit_ms)."""
+    return sum(metric_values(url, "pdserve_coordinator_loop_busy_seconds_total").values())
+
+
 async def _window(url: str, pid: int, args, flood: int, duration: float) -> dict:
     high = _load(url, "k-high", ArrivalSpec(rate=args.rate, seed=1), args, args.output_len, duration)
     runs = [run_load(high)]
     if flood:
         runs.append(run_load(_load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args,
                                    args.flood_output_len, duration)))
+    busy = _loop_busy_s(url)
     cpu, started = _cpu_s(pid), time.monotonic()
     results = await asyncio.gather(*runs)
     cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
+    busy = _loop_busy_s(url) - busy
     summary = summarize(results[0], SLO())
     phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
     out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {
         "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2),
+        "bulk_held_s": round(busy, 1),
         "high_phases_mean_ms": {name: round(row["mean_ms"], 2) for name, row in phases.items()}}
     if flood:
         low = summarize(results[1], SLO())
@@ -84,7 +95,7 @@ def _config(args, reserve_output: float) -> dict:
     config["tenants"] = [t | {"stream_interval": args.low_stream_interval} if t["priority"] == "low" else t
                          for t in TENANTS]
     config.setdefault("admission", {}).update(reserve_output=reserve_output, reserved_for_high=args.reserved_for_high,
-                                              timeout_s=120)
+                                              timeout_s=120, loop_lag_limit_ms=args.loop_lag_limit_ms)
     if args.decode_blocks:
         config.setdefault("decode", {})["num_kv_blocks"] = args.decode_blocks
     return config
@@ -113,6 +124,9 @@ def main() -> None:
     p.add_argument("--reserved-for-high", type=float, default=0.25)
     p.add_argument("--low-stream-interval", type=int, default=1,
                    help="the low-priority tenant's stream_interval (tokens per streamed chunk)")
+    p.add_argument("--loop-lag-limit-ms", type=float, default=None,
+                   help="admission.loop_lag_limit_ms: bulk work waits while the coordinator's loop runs this late")
+    p.add_argument("--skip-preemptions", action="store_true", help="leave out part 2 (the second server)")
     p.add_argument("--profile", metavar="FILE", help="py-spy samples the coordinator during the largest flood")
     args = p.parse_args()
     floods = [int(x) for x in args.flood.split(",")]
@@ -138,6 +152,8 @@ def main() -> None:
                                   "ttft_p99_ratio": round(flooded["ttft_p99_ms"] / alone["ttft_p99_ms"], 3)}),
                       flush=True)
         rows = [(1.0, preempted, flooded["high_requests"] + flooded["low_requests"])]
+        if args.skip_preemptions:
+            return
         with running_server(Path(tmp) / "b", _config(args, 0.5)) as server:
             asyncio.run(_window(server.url, server.pid, args, max(floods), args.duration))
             done = sum(metric_values(server.url, "pdserve_requests_total").values())

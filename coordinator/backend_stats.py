@@ -3,7 +3,9 @@
 Per worker: its state, restarts and bookings always; its last reported engine load (every numeric EngineLoad
 field) only while it is live, so a dead worker's gauges disappear instead of freezing at their last value.
 Backend-wide: the admission queue's length (requests waiting for room, not those running), requests in flight,
-errors and migrations by kind, seconds each pool spent with no live worker, transfer totals of the live agents.
+errors and migrations by kind, seconds each pool spent with no live worker, transfer totals of the live agents, and
+the coordinator's event-loop lag (coordinator.loop_lag: its mean lateness, whether admission holds bulk work for it,
+and the seconds it has).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def backend_stats(backend: Any) -> dict:
             "waiting_by_priority": admission.queue.waiting_by_priority() if admission else {},
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
-            "prefix_affinity_hits": admission.router.affinity_hits if admission else 0}
+            "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
+            "coordinator": backend.loop_lag.stats()}
 
 
 def transfer_totals(snapshots: list[dict]) -> dict[str, float]:

@@ -4,7 +4,8 @@ Owns the families built afresh from the backend's figures at every scrape (nothi
 scrapes, so a dead or removed worker's gauges disappear instead of freezing at their last value; backend_stats
 leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend_stats shapes it (queue length,
 per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
-`pdserve_worker_engine_<key>`, errors, migrations, pool downtime, prefix-affinity hits, every numeric transfer
+`pdserve_worker_engine_<key>`, errors, migrations, pool downtime, prefix-affinity hits, the coordinator's event-loop
+lag (`pdserve_coordinator_loop_*`), every numeric transfer
 total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the lifecycle's requests
 in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself never fails for
 it), tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
@@ -27,6 +28,11 @@ _WORKER_HELP = {
     "restarts_total": "Times the worker's slot was replaced after a death",
     "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget)",
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled"}
+
+_LOOP_HELP = {
+    "loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean of a 5 ms timer's lateness)",
+    "loop_busy": "1 while admission holds requests below high for the coordinator's loop (admission.loop_lag_limit_ms)",
+    "loop_busy_seconds_total": "Seconds admission held requests below high for the coordinator's loop"}
 
 
 class BackendCollector:
@@ -114,6 +120,10 @@ def backend_families(stats: dict) -> list[Metric]:
         if isinstance(table, dict):
             out.append(_family(name, help, [({label: k}, _number(v)) for k, v in sorted(table.items())
                                             if _number(v) is not None]))
+    loop = stats.get("coordinator")
+    if isinstance(loop, dict):
+        out += [_family(_name("pdserve_coordinator_", key), _LOOP_HELP.get(key, key), [({}, v)])
+                for key, value in sorted(loop.items()) if (v := _number(value)) is not None]
     hits = _number(stats.get("prefix_affinity_hits"))
     if hits is not None:
         out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",

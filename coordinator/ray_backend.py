@@ -34,6 +34,7 @@ from coordinator.backend import BackendError, GenerateRequest, Overloaded, Token
 from coordinator.backend_stats import backend_stats, transfer_totals
 from coordinator.drills import Drills
 from coordinator.held_queue import HeldQueue
+from coordinator.loop_lag import LoopLag
 from coordinator.phases import PhaseTrace
 from coordinator.pools import Pools
 from coordinator.ray_group import GroupRun
@@ -68,6 +69,8 @@ class RayBackend:
         self.errors: dict[str, int] = {}
         self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
         self.drills = Drills(self.pools, self.supervisor, config.faults)
+        limit_ms = config.admission.loop_lag_limit_ms
+        self.loop_lag = LoopLag(None if limit_ms is None else limit_ms / 1e3, on_idle=self._capacity_freed)
 
     async def start(self) -> None:
         await self.pools.start()
@@ -78,7 +81,9 @@ class RayBackend:
         capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
-        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
+        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger,
+                                   self.loop_lag)
+        self.loop_lag.start()
         for w in self.pools.decode:
             self._spawn(self._poll_loop(w))
         if self.drills.injecting:
@@ -86,6 +91,7 @@ class RayBackend:
         self._spawn(self._stats_loop())
 
     async def shutdown(self) -> None:
+        self.loop_lag.stop()
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.shutdown()
