@@ -263,10 +263,11 @@ class KVAgent:
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.config.timeout_s)
         gpu_done = None
-        if r.ipc is not None and fault.none and r.lost is None:  # queue the GPU copies now, from this thread
-            done = gpu_done = r.ipc.launch(op, chunks, ready)
+        ipc = r.ipc  # read once: the agent's loop may drop the remote meanwhile (then launch raises PeerLost)
+        if ipc is not None and fault.none and r.lost is None:  # queue the GPU copies now, from this thread
+            done = gpu_done = self._refused(op, lambda: ipc.launch(op, chunks, ready))
             work = lambda: self._finish_ipc(op, r, done, nbytes, notify, deadline, t0)  # noqa: E731
-        elif r.ipc is not None:  # a faulted cuda_ipc transfer launches (if at all) from the loop, after its fault
+        elif ipc is not None:  # a faulted cuda_ipc transfer launches (if at all) from the loop, after its fault
             work = lambda: self._launch_ipc(op, r, chunks, ready, nbytes, notify, deadline, t0)  # noqa: E731
         else:
             work = lambda: self._transfer(op, r, cache, chunks, ready, notify, deadline, t0)  # noqa: E731

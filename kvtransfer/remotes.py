@@ -70,8 +70,11 @@ class Remote:
         if tasks:
             await asyncio.wait(tasks, timeout=DROP_WAIT_S)
         if me not in self.tasks and self.ipc is not None:  # a transfer dropping its own remote leaves it mapped
-            self.ipc.close()
-            self.ipc = None
+            # close() waits for the copies queued on the mapping, also one launched from a caller's thread before
+            # its task reached the loop (not in `tasks`); a GPU that never finishes them leaves it mapped, not hung
+            ipc, self.ipc = self.ipc, None
+            closing = asyncio.get_running_loop().run_in_executor(None, ipc.close)
+            await asyncio.wait({closing}, timeout=DROP_WAIT_S)
 
     async def close(self) -> None:
         """Agent shutdown: close the connection gracefully (what was sent is delivered) and unmap."""

@@ -7,6 +7,7 @@ scattered blocks, with no staging buffer; a head-sliced read (`Chunk.heads`) ins
 from the mapped tensor (`kvtransfer.head_slices.copy_heads`), no staging either. The kernel runs on our GPU: a read
 pulls the peer's blocks over NVLink, a write pushes ours. `launch()` queues the work from the caller's thread, so a
 transfer costs one kernel launch and an event of host time; only the completion wait goes to the agent's loop.
+`close()` (the remote dropped or the agent closing) unmaps the peer's cache only after every copy queued on it ended.
 Ordering with the owner's compute is the protocol's job: a reader reads after the owner's "blocks ready"
 notification; a writer notifies after its copies completed (the agent sends the notify over UCX).
 """
@@ -14,12 +15,14 @@ notification; a writer notifies after its copies completed (the agent sends the 
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from ..cache import RegisteredCache
 from ..descriptors import Chunk
+from ..errors import PeerLost
 from ..metadata import CacheInfo
 
 
@@ -81,11 +84,22 @@ class CudaIpcPeer:
         kv = rebuild_cuda_tensor(*args)  # [num_blocks, num_layers, 2, block_size, heads, head_dim]
         self.remote = RegisteredCache(kv, remote.spec, remote.heads)
         self.local = local
-        self._stream = torch.cuda.Stream(local.device)
+        self._stream = torch.cuda.Stream(local.device)  # every copy with this peer runs on it, in launch order
+        # launch() runs on callers' threads, close() on the agent's loop: the lock orders them, so a copy is either
+        # queued before close looks (and close waits for it) or refused
+        self._lock = threading.Lock()
+        self._closed = False
 
     def launch(self, op: str, chunks: Sequence[Chunk], ready: torch.cuda.Event | None) -> torch.cuda.Event:
         """Queue the copies of a read (remote -> local) or write (local -> remote), after `ready` (the caller's
-        stream event); returns the event that completes with the last copy. Called from the caller's thread."""
+        stream event); returns the event that completes with the last copy. Called from the caller's thread.
+        PeerLost once close() began."""
+        with self._lock:
+            if self._closed:
+                raise PeerLost("the peer's cache is no longer mapped here (its remote was dropped)")
+            return self._launch(op, chunks, ready)
+
+    def _launch(self, op: str, chunks: Sequence[Chunk], ready: torch.cuda.Event | None) -> torch.cuda.Event:
         from engine.kernels.block_copy import copy_blocks
 
         from ..head_slices import copy_heads
@@ -109,6 +123,11 @@ class CudaIpcPeer:
         return done
 
     def close(self) -> None:
+        """Unmap the peer's cache once every copy queued on it has ended (one launched from another thread an
+        instant before included); later launches raise PeerLost. Blocks the calling thread until then."""
+        with self._lock:
+            self._closed = True
+        self._stream.synchronize()
         self.remote = None  # type: ignore[assignment]  # drops the mapping of the peer's cache
 
 
