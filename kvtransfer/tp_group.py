@@ -10,6 +10,7 @@ the piece's heads straight between the two ranks (no gather through one device).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from .agent import KVAgent
 from .errors import BadDescriptor, IncompatibleLayout
 from .handle import TransferHandle
 from .metadata import AgentMetadata, check_compatible
+from .remotes import DROP_WAIT_S
 
 if TYPE_CHECKING:
     import torch
@@ -121,9 +123,19 @@ def read_from_group(agent: KVAgent, group: GroupMetadata, remote_block_ids: Sequ
     """Pull the heads `agent`'s cache holds, of blocks `remote_block_ids` (the same ids on every rank) x `layers`,
     from the ranks of `group` (each already added with `add_remote`) into `local_block_ids`: one head-sliced read
     per piece, all started at once (after `ready`, as `KVAgent.read`). Wait on every handle (or
-    `agent.notify_after` them) before using the blocks."""
+    `agent.notify_after` them) before using the blocks. A piece refused at its start raises only after the pieces
+    started before it have ended: their copies write our blocks and read the peer's, so neither side may free or
+    reuse them until then."""
     own = agent.cache_info
     if own is None:
         raise BadDescriptor(f"agent {agent.name!r} has no registered cache to pull into")
-    return [agent.read(rank.name, remote_block_ids, local_block_ids, layers=layers, timeout=timeout, heads=heads,
-                       ready=ready) for rank, heads in group.pieces_for(own.head_range, spread)]
+    handles: list[TransferHandle] = []
+    try:
+        for rank, heads in group.pieces_for(own.head_range, spread):
+            handles.append(agent.read(rank.name, remote_block_ids, local_block_ids, layers=layers, timeout=timeout,
+                                      heads=heads, ready=ready))
+    except BaseException:
+        # each started piece ends by its own deadline (a copy still queued then settles within DROP_WAIT_S)
+        concurrent.futures.wait([h.future for h in handles], (timeout or agent.config.timeout_s) + DROP_WAIT_S)
+        raise
+    return handles

@@ -173,3 +173,20 @@ def test_failed_sliced_reads_release_staging() -> None:
             assert m["BadDescriptor"] == 1 and m["TransferTimeout"] == 1 and m["PeerLost"] >= 1
         finally:
             peer.kill()
+
+
+def test_a_piece_refused_at_its_start_raises_after_the_pieces_started_before_it_ended() -> None:
+    """The decode rank holds all 8 heads and pulls [0, 4) from p0 and [4, 8) from p1, but only p0 was added: the
+    second piece is refused (PeerLost) while the first, held back by an injected stall, is still in flight. The error
+    must come only once that first piece has ended, so that the caller may free the blocks it was writing."""
+    source = random_cache(SOURCE, 24, seed=3)
+    with _group("p", 2, 8, source, 0) as prefill, _group("d", 1, 8, None, 60) as decode:
+        agent, kv, _ = decode[0]
+        group = GroupMetadata("prefill-0", tuple(a.metadata() for a, _, _ in prefill))
+        agent.add_remote(prefill[0][0].metadata())
+        agent.set_faults({"stall_fraction": 1.0, "stall_s": 0.5})
+        with pytest.raises(PeerLost, match="no remote 'p1'"):
+            read_from_group(agent, group, REMOTE_IDS, LOCAL_IDS)
+        m = agent.metrics()
+        assert m["in_flight"] == 0 and m["ops"]["read"]["count"] == 1  # the first piece ended, and it succeeded
+        assert torch.equal(bits(kv[LOCAL_IDS][..., 0:4, :]), bits(source[REMOTE_IDS][..., 0:4, :]))
