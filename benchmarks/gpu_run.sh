@@ -102,7 +102,8 @@ for step in "$@"; do
     overhead)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      for model in /tmp/l1b "/tmp/l8bd --set load_format=dummy"; do
+      models=(/tmp/l1b "/tmp/l8bd --set load_format=dummy"); [ -z "${OVERHEAD_1B_ONLY:-}" ] || models=(/tmp/l1b)
+      for model in "${models[@]}"; do
         timeout ${OVERHEAD_TIMEOUT:-280} python3 benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml \
           --model $model --device cuda --num-prompts 256 --input-len 1024 --output-len 256 --concurrency 64 \
           ${OVERHEAD_ARGS:-} 2>&1 | tee -a "$OUT/overhead.log" | grep -v "^(" | tail -8

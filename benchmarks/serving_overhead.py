@@ -8,6 +8,9 @@ served worker's engine settings (built from the same YAML) and `max_num_seqs` = 
 batches the closed loop keeps in flight: the served/offline ratio is what the HTTP, Ray and coordinator layers cost.
 Its TPOT comes from the engine's step timestamps (every step is timed; generation itself is LLM.generate's).
 Each server gets a discarded warm-up of `--concurrency` requests (another seed, so no prefix-cache hit) first.
+The load client is Python too, and near a core at GPU token rates it becomes the limit: `client_cpu` (seconds of
+CPU per second, every client process) shows it, and `--client-processes N` shares the closed loop out over N
+processes (each with its own prompts of the same shape).
 
 Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
 output tok/s, TPOT p50, and CPU time per output token of the process running the engine (offline: this one; pdserve:
@@ -34,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import yaml
@@ -123,11 +128,27 @@ def _offline_tpot(stamps: list) -> float:
     return statistics.median((last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1)
 
 
-async def _measure(url: str, args: argparse.Namespace, seed: int, num: int) -> dict:
+def _client_load(cfg: RunConfig) -> tuple[list, float]:
+    """One client process's share of the load: its results and the CPU seconds it used."""
+    cpu = time.process_time()
+    results = asyncio.run(run_load(cfg))
+    return results, time.process_time() - cpu
+
+
+def _measure(url: str, args: argparse.Namespace, seed: int, num: int, clients: ProcessPoolExecutor | None) -> dict:
+    """The closed loop's summary, with the load client's CPU use (seconds per second, every client process): split
+    over `clients` (num and concurrency shared out, each process its own prompts' seed) when given."""
     target = Target(url, first_model(url), ignore_eos=True, temperature=0.0)
-    cfg = RunConfig(target, _workload(args, seed), ArrivalSpec(kind="concurrency", concurrency=args.concurrency),
-                    SLO(), warmup_s=0.0, num_requests=num, timeout_s=args.timeout)
-    return summarize(await run_load(cfg), SLO())
+    parts = 1 if clients is None else args.client_processes
+    cfgs = [RunConfig(target, _workload(args, seed if parts == 1 else 1000 * (seed + 1) + i),
+                      ArrivalSpec(kind="concurrency", concurrency=len(range(i, args.concurrency, parts))), SLO(),
+                      warmup_s=0.0, num_requests=len(range(i, num, parts)), timeout_s=args.timeout)
+            for i in range(parts)]
+    start = time.perf_counter()
+    shares = [_client_load(cfgs[0])] if clients is None else list(clients.map(_client_load, cfgs))
+    summary = summarize([r for results, _ in shares for r in results], SLO())
+    summary["client_cpu"] = sum(cpu for _, cpu in shares) / (time.perf_counter() - start)
+    return summary
 
 
 def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[str, float]) -> dict:
@@ -136,18 +157,26 @@ def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[st
                          f"{summary['completion_tokens_mean']} tokens per request, expected {args.output_len}")
     tokens = summary["completion_tokens_mean"] * summary["completed"]
     row = {"name": name, "output_tok_s": summary["output_token_throughput"], "tpot_p50_ms": summary["tpot_p50_ms"],
-           "tokens": tokens}
+           "tokens": tokens, "client_cpu": summary["client_cpu"]}
     return row | {f"{k}_cpu_us_per_tok": v * 1e6 / tokens for k, v in cpu.items()}
 
 
 def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, int]) -> list[dict]:
-    asyncio.run(_measure(url, args, 1, args.concurrency))  # warm-up, discarded
-    rows = []
-    for _ in range(args.repeats):
-        before = {k: _cpu_s(p) for k, p in pids.items()}
-        summary = asyncio.run(_measure(url, args, 0, args.num_prompts))
-        rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
-    return rows
+    clients = None
+    if args.client_processes > 1:
+        clients = ProcessPoolExecutor(args.client_processes, mp_context=get_context("spawn"))
+        list(clients.map(int, range(args.client_processes)))  # started before the clock runs
+    try:
+        _measure(url, args, 1, args.concurrency, clients)  # warm-up, discarded
+        rows = []
+        for _ in range(args.repeats):
+            before = {k: _cpu_s(p) for k, p in pids.items()}
+            summary = _measure(url, args, 0, args.num_prompts, clients)
+            rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
+        return rows
+    finally:
+        if clients is not None:
+            clients.shutdown()
 
 
 def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
@@ -176,7 +205,7 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 def _table(rows: list[dict]) -> str:
     cols = ["name", "output_tok_s", "tpot_p50_ms", "engine_cpu_us_per_tok", "coordinator_cpu_us_per_tok",
-            "vllm_api_cpu_us_per_tok"]
+            "vllm_api_cpu_us_per_tok", "client_cpu"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>26}" for c in cols)]
     for r in rows:
@@ -205,6 +234,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="load client processes sharing the closed loop (one Python client tops out near a core)")
     p.add_argument("--repeats", type=int, default=1, help="measured runs of each, back to back")
     p.add_argument("--skip", action="append", default=[], choices=["offline", "pdserve", "vllm"])
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments, e.g. '--dtype float32'")
