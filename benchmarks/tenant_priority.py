@@ -8,8 +8,6 @@
    process's CPU use (seconds of CPU per second: 1.0 is one core saturated, where queueing in its event loop,
    which priority cannot reorder, sets in).
    `--low-stream-interval N` streams the flood N tokens a chunk (the tenant's stream_interval).
-   `--loop-lag-limit-ms X` sets admission.loop_lag_limit_ms (bulk work waits while the coordinator's event loop runs
-   X ms late on average; each window prints `bulk_held_s`, the seconds it did).
 2. Preemptions (`--skip-preemptions` leaves it out): the decode engines' preemption counter per 1,000 finished
    requests under the largest flood, with `admission.reserve_output` 1.0 (the whole output booked at admission) and
    0.5 (half, the rest grown on demand).
@@ -62,11 +60,6 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _loop_busy_s(url: str) -> float:
-    """Seconds admission has held bulk work for the coordinator's loop so far (admission.loop_lag_limit_ms)."""
-    return sum(metric_values(url, "pdserve_coordinator_loop_busy_seconds_total").values())
-
-
 def _load_in_process(cfg: RunConfig) -> list:
     return asyncio.run(run_load(cfg))
 
@@ -80,16 +73,15 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
         low = _load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args, args.flood_output_len,
                     duration)
         runs.append(asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
-    busy = _loop_busy_s(url)
     cpu, started = _cpu_s(pid), time.monotonic()
     results = await asyncio.gather(*runs)
     cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
-    busy = _loop_busy_s(url) - busy
+    lag_ms = 1e3 * sum(metric_values(url, "pdserve_coordinator_loop_lag_seconds").values())  # the last ~50 ms
     summary = summarize(results[0], SLO())
     phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
     out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {
         "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2),
-        "bulk_held_s": round(busy, 1),
+        "coordinator_loop_lag_ms_at_end": round(lag_ms, 2),
         "high_phases_mean_ms": {name: round(row["mean_ms"], 2) for name, row in phases.items()}}
     if flood:
         low = summarize(results[1], SLO())
@@ -104,7 +96,7 @@ def _config(args, reserve_output: float) -> dict:
     config["tenants"] = [t | {"stream_interval": args.low_stream_interval} if t["priority"] == "low" else t
                          for t in TENANTS]
     config.setdefault("admission", {}).update(reserve_output=reserve_output, reserved_for_high=args.reserved_for_high,
-                                              timeout_s=120, loop_lag_limit_ms=args.loop_lag_limit_ms)
+                                              timeout_s=120)
     if args.decode_blocks:
         config.setdefault("decode", {})["num_kv_blocks"] = args.decode_blocks
     return config
@@ -133,8 +125,6 @@ def main() -> None:
     p.add_argument("--reserved-for-high", type=float, default=0.25)
     p.add_argument("--low-stream-interval", type=int, default=1,
                    help="the low-priority tenant's stream_interval (tokens per streamed chunk)")
-    p.add_argument("--loop-lag-limit-ms", type=float, default=None,
-                   help="admission.loop_lag_limit_ms: bulk work waits while the coordinator's loop runs this late")
     p.add_argument("--skip-preemptions", action="store_true", help="leave out part 2 (the second server)")
     p.add_argument("--profile", metavar="FILE", help="py-spy samples the coordinator during the largest flood")
     args = p.parse_args()

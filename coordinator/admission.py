@@ -9,11 +9,7 @@ What a request books (in its Reservation, see coordinator.reservation):
   back when the prefill returns, so a prefill worker's backlog stays under `admission.max_prefill_backlog_tokens`.
 Capacity is the worker's whole KV cache minus what is booked, never the load it last reported (which lags).
 Requests below the high priority class may book only 1 - `admission.reserved_for_high` of each worker's KV blocks
-and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once. With
-`admission.loop_lag_limit_ms`, the coordinator's own event loop is capacity too: while it runs that late
-(coordinator.loop_lag), requests below high wait (unless nothing is placed at all, so something always runs),
-and high ones keep the loop's headroom. Both rules go by a waiter's aged priority, so aging still lifts a
-long-waiting request past them.
+and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once.
 
 A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
@@ -28,7 +24,6 @@ from dataclasses import dataclass
 
 from coordinator.admission_queue import AdmissionQueue, AdmissionTimeout
 from coordinator.backend import GenerateRequest, Overloaded, RequestTooLarge
-from coordinator.loop_lag import LoopLag
 from coordinator.reservation import Reservation
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import ServeConfig
@@ -47,13 +42,11 @@ class Placement:
 
 
 class Admission:
-    def __init__(self, config: ServeConfig, supervisor: Supervisor, router: Router, ledger,
-                 loop_lag: LoopLag | None = None) -> None:
+    def __init__(self, config: ServeConfig, supervisor: Supervisor, router: Router, ledger) -> None:
         self.config = config
         self.supervisor = supervisor
         self.router = router
         self.ledger = ledger
-        self.loop_lag = loop_lag  # busy: requests below high wait (admission.loop_lag_limit_ms)
         self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s)
 
     def kv_blocks(self, request: GenerateRequest, num_prior: int) -> int:
@@ -80,13 +73,11 @@ class Admission:
             raise RequestTooLarge(f"the request needs {blocks} KV blocks of {self.router.block_size} tokens "
                                   f"(prompt, max_tokens) but a decode worker holds at most {largest}")
         tokens = len(request.prompt_token_ids) + num_prior
-        arrived = time.monotonic()
-        deadline = arrived + self.config.admission.timeout_s
+        deadline = time.monotonic() + self.config.admission.timeout_s
         priority = MIGRATION_PRIORITY if migrating else request.priority
         try:
             return await self.queue.acquire(priority, deadline, lambda: self._try_place(
-                request, tokens, blocks, reservation,
-                self.queue.effective_priority(priority, time.monotonic() - arrived)))
+                request, tokens, blocks, reservation, priority))
         except AdmissionTimeout:
             raise self._why_not(blocks, tokens) from None
 
@@ -97,9 +88,6 @@ class Admission:
     # ---- internals
     def _try_place(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
                    priority: int) -> Placement | None:
-        """Book the request's capacity and say where it runs, or None if it must wait; `priority`: its aged one."""
-        if priority > HIGH_PRIORITY and self._loop_busy():
-            return None
         share = 1.0 if priority <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
         prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
         backlog_ok = [w for w in self.supervisor.live(prefill_role) if self._backlog_allows(w, tokens, share)]
@@ -117,12 +105,6 @@ class Admission:
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
         return Placement(decode, prefill, blocks, priority)
-
-    def _loop_busy(self) -> bool:
-        """The coordinator's loop has no headroom for bulk work, and something is placed already."""
-        if self.loop_lag is None or not self.loop_lag.busy:
-            return False
-        return any(kinds["kv_blocks"] for kinds in self.ledger.snapshot().values())
 
     def _room(self, worker: WorkerState, share: float = 1.0) -> int:
         return int(worker.info.num_kv_blocks * share) - self.ledger.booked(worker.key, "kv_blocks")
@@ -144,10 +126,6 @@ class Admission:
                 self._backlog_allows(w, tokens) for w in self.supervisor.live("prefill")):
             return Overloaded(f"every prefill worker's backlog is full (admission.max_prefill_backlog_tokens "
                               f"{self.config.admission.max_prefill_backlog_tokens})", retry_after_s=1.0)
-        if self._loop_busy():
-            return Overloaded(f"the coordinator is saturated (its event loop runs over "
-                              f"admission.loop_lag_limit_ms {self.config.admission.loop_lag_limit_ms:g} ms late) and "
-                              "keeps its headroom for high-priority requests", retry_after_s=1.0)
         return Overloaded(f"no decode worker has room for this request's KV cache ({blocks} blocks) within "
                           f"{self.config.admission.timeout_s:g} s", retry_after_s=1.0)
 

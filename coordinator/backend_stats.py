@@ -4,8 +4,7 @@ Per worker: its state, restarts and bookings always; its last reported engine lo
 field) only while it is live, so a dead worker's gauges disappear instead of freezing at their last value.
 Backend-wide: the admission queue's length (requests waiting for room, not those running), requests in flight,
 errors and migrations by kind, seconds each pool spent with no live worker, transfer totals of the live agents, and
-the coordinator's event-loop lag (coordinator.loop_lag: its mean lateness, whether admission holds bulk work for it,
-and the seconds it has).
+the coordinator's event-loop lag (coordinator.loop_lag).
 """
 
 from __future__ import annotations

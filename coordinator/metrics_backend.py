@@ -29,10 +29,8 @@ _WORKER_HELP = {
     "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget)",
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled"}
 
-_LOOP_HELP = {
-    "loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean of a 5 ms timer's lateness)",
-    "loop_busy": "1 while admission holds requests below high for the coordinator's loop (admission.loop_lag_limit_ms)",
-    "loop_busy_seconds_total": "Seconds admission held requests below high for the coordinator's loop"}
+_LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
+                                  "timer): near 0 idle, milliseconds when every stream's work queues behind others'"}
 
 
 class BackendCollector:

@@ -69,8 +69,7 @@ class RayBackend:
         self.errors: dict[str, int] = {}
         self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
         self.drills = Drills(self.pools, self.supervisor, config.faults)
-        limit_ms = config.admission.loop_lag_limit_ms
-        self.loop_lag = LoopLag(None if limit_ms is None else limit_ms / 1e3, on_idle=self._capacity_freed)
+        self.loop_lag = LoopLag()  # how late the coordinator's event loop runs, for /metrics
 
     async def start(self) -> None:
         await self.pools.start()
@@ -81,8 +80,7 @@ class RayBackend:
         capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
-        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger,
-                                   self.loop_lag)
+        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
         self.loop_lag.start()
         for w in self.pools.decode:
             self._spawn(self._poll_loop(w))

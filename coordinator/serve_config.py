@@ -66,9 +66,6 @@ class AdmissionConfig:
     max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
     priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
     reserved_for_high: float = 0.0  # share of each worker's KV and prefill backlog only high-priority requests book
-    # requests below high wait while the coordinator's event loop runs this late on average (None: they never do):
-    # its headroom is kept for high-priority requests, whose every step queues behind the loop's work
-    loop_lag_limit_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.reserve_output <= 1:
@@ -79,8 +76,6 @@ class AdmissionConfig:
             raise ValueError(f"reserved_for_high must be in [0, 1), got {self.reserved_for_high}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
-        if self.loop_lag_limit_ms is not None and not self.loop_lag_limit_ms > 0:
-            raise ValueError(f"loop_lag_limit_ms must be > 0 or null, got {self.loop_lag_limit_ms}")
 
 
 @dataclass(frozen=True)

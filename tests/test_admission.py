@@ -7,7 +7,6 @@ import pytest
 
 from coordinator.admission import Admission
 from coordinator.backend import GenerateRequest, Overloaded, RequestTooLarge
-from coordinator.loop_lag import LoopLag
 from coordinator.pools import Pools
 from coordinator.reservation import Ledger
 from coordinator.router import Router, WorkerState
@@ -17,7 +16,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.load import WorkerInfo
 
 
-def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, loop_lag=None, **admission):
+def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, **admission):
     config = ServeConfig(mode=mode, admission=AdmissionConfig(timeout_s=0.3, **admission))
     pools = Pools(config)
     pools.decode = [WorkerState(WorkerInfo(f"decode-{i}", "decode" if mode == "disaggregated" else "collocated", n,
@@ -26,7 +25,7 @@ def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, loop_lag=None
                      for i in range(prefills if mode == "disaggregated" else 0)]
     ledger = Ledger()
     supervisor = Supervisor(pools, RecoveryConfig(), on_dead=lambda w, r: None, on_live=lambda w: None)
-    admission = Admission(config, supervisor, Router(16), ledger, loop_lag)
+    admission = Admission(config, supervisor, Router(16), ledger)
     ledger._on_release = admission.notify
     return admission, ledger, pools
 
@@ -157,48 +156,4 @@ def test_reserved_for_high_keeps_room_that_only_high_priority_requests_book():
             await admission.place(_request(300, 15, priority=3), 0, ledger.open("low"))
         await admission.place(_request(300, 15, priority=1), 0, ledger.open("high"))  # into the reserved 30
         assert ledger.booked("decode-0#0", "kv_blocks") == 84
-    asyncio.run(run())
-
-
-def test_a_busy_coordinator_loop_holds_requests_below_high_until_it_is_idle_again():
-    lag = LoopLag(limit_s=0.002)
-    admission, ledger, _ = _setup(decode_blocks=(100,), loop_lag=lag, loop_lag_limit_ms=2)
-    lag._on_idle = admission.notify
-    order = []
-
-    async def wait(name, priority):
-        await admission.place(_request(32, 16, priority), 0, ledger.open(name))
-        order.append(name)
-
-    async def run():
-        await admission.place(_request(32, 16, priority=3), 0, ledger.open("first"))  # an idle loop: placed
-        for _ in range(40):
-            lag.observe(0.010)                     # the loop runs 10 ms late, tick after tick
-        assert lag.busy
-        low = asyncio.create_task(wait("low", 3))
-        normal = asyncio.create_task(wait("normal", 2))
-        await asyncio.sleep(0.02)
-        assert order == [] and len(admission.queue) == 2
-        await wait("high", 1)                      # high priority is not held, though the KV has room for all
-        assert order == ["high"]
-        while lag.busy:
-            lag.observe(0.0)                       # idle again: on_idle lets the waiting requests look again
-        await asyncio.gather(low, normal)
-        assert order == ["high", "normal", "low"]
-        ledger.check_integrity()
-    asyncio.run(run())
-
-
-def test_a_busy_loop_never_holds_the_only_request_and_a_timeout_names_the_loop():
-    lag = LoopLag(limit_s=0.002)
-    admission, ledger, _ = _setup(decode_blocks=(100,), loop_lag=lag, loop_lag_limit_ms=2)
-    for _ in range(40):
-        lag.observe(0.010)
-
-    async def run():
-        first = ledger.open("first")
-        await admission.place(_request(32, 16, priority=3), 0, first)  # nothing placed: it runs
-        with pytest.raises(Overloaded, match="loop_lag_limit_ms"):
-            await admission.place(_request(32, 16, priority=3), 0, ledger.open("second"))
-        first.release()
     asyncio.run(run())

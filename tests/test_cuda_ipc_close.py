@@ -41,7 +41,9 @@ def test_close_waits_for_queued_copies_and_later_launches_are_refused():
         peer = CudaIpcPeer(local, remote_info)
         src, dst = list(range(0, 32)), list(range(32, 64))
         chunks = plan_transfer("read", dst, src, None, None, local.info(), remote_info, "owner", 1 << 30)
-        torch.cuda._sleep(1 << 31)  # ~1 s of GPU time on the caller's stream: the copies wait behind it
+        peer.launch("read", chunks, None).synchronize()  # the copy kernel compiled, so the launch below is quick
+        local.kv.zero_()
+        torch.cuda._sleep(1 << 32)  # ~2 s of GPU time on the caller's stream: the copies wait behind it
         ready = torch.cuda.Event()
         ready.record()
         done = peer.launch("read", chunks, ready)
