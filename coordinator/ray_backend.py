@@ -42,6 +42,7 @@ from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import FaultsConfig, ServeConfig
 from coordinator.supervisor import Supervisor
+from decode_pool.step_delta import StepDelta
 from engine.core.request_timing import Durations
 from kvtransfer.errors import TransferError
 
@@ -304,10 +305,10 @@ class RayBackend:
             for attempt, durations in phases.items():  # before its output: the attempt takes them with it
                 if attempt in self._streams:
                     self._worker_phases[attempt] = durations
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
+            for fields in outputs:
+                queue = self._streams.get(fields[0])
                 if queue is not None:  # else: the attempt ended already; the worker was told to abort it
-                    queue.put_nowait(out)
+                    queue.put_nowait(StepDelta(*fields))
 
     async def _stats_loop(self) -> None:
         while True:

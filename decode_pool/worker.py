@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from decode_pool.handoff import Handoffs
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
+from decode_pool.step_delta import StepDelta
 from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
@@ -206,10 +207,11 @@ class DecodeWorker:
             self._push(done)
         return await self.load()
 
-    async def poll(self, timeout_s: float) -> tuple[list[StepOutput], EngineLoad, dict[str, Durations]]:
-        """Every delta since the last poll (waits up to timeout_s for one), the load as of their last step (asking
-        the loop now would hold the deltas back until the step under way ends) or, with none, now, and the phase
-        durations here of the timed requests whose first output is among those deltas."""
+    async def poll(self, timeout_s: float) -> tuple[list[tuple], EngineLoad, dict[str, Durations]]:
+        """Every delta since the last poll (waits up to timeout_s for one), as plain tuples (decode_pool.step_delta:
+        `StepDelta(*t)` reads them), the load as of their last step (asking the loop now would hold the deltas back
+        until the step under way ends) or, with none, now, and the phase durations here of the timed requests whose
+        first output is among those deltas."""
         if not self._outbox:
             try:
                 await asyncio.wait_for(self._outbox_ready.wait(), timeout_s)
@@ -218,7 +220,8 @@ class DecodeWorker:
         out, self._outbox = self._outbox, []
         phases, self._phases = self._phases, {}
         self._outbox_ready.clear()
-        return out, (self._step_load if out and self._step_load is not None else await self.load()), phases
+        load = self._step_load if out and self._step_load is not None else await self.load()
+        return StepDelta.wire(out), load, phases
 
     async def abort(self, request_id: str) -> bool:
         self._timing.drop(request_id)

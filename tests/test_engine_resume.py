@@ -226,6 +226,7 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
 
     import ray
 
+    from decode_pool.step_delta import StepDelta
     from decode_pool.worker import DecodeWorker
     from engine.engine_config import EngineConfig
     from kvtransfer import AgentConfig
@@ -265,7 +266,7 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
         while finish is None:
             outs, _, durations = ray.get(decode.poll.remote(1.0), timeout=30)
             timed += [durations[rid]] if rid in durations else []
-            for out in outs:
+            for out in (StepDelta(*fields) for fields in outs):  # poll sends plain tuples
                 assert out.request_id == rid
                 tokens, logprobs, finish = tokens + out.new_token_ids, logprobs + out.new_logprobs, out.finish_reason
         assert_continues(refs[name, i], k, tokens, logprobs, finish)
