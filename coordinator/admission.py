@@ -9,7 +9,8 @@ What a request books (in its Reservation, see coordinator.reservation):
   back when the prefill returns, so a prefill worker's backlog stays under `admission.max_prefill_backlog_tokens`.
 Capacity is the worker's whole KV cache minus what is booked, never the load it last reported (which lags).
 Requests below the high priority class may book only 1 - `admission.reserved_for_high` of each worker's KV blocks
-and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once.
+and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once; a request
+whose wait has aged it into the high class (`admission.priority_aging_s`) books as high.
 
 A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
@@ -73,11 +74,13 @@ class Admission:
             raise RequestTooLarge(f"the request needs {blocks} KV blocks of {self.router.block_size} tokens "
                                   f"(prompt, max_tokens) but a decode worker holds at most {largest}")
         tokens = len(request.prompt_token_ids) + num_prior
-        deadline = time.monotonic() + self.config.admission.timeout_s
+        arrived = time.monotonic()
+        deadline = arrived + self.config.admission.timeout_s
         priority = MIGRATION_PRIORITY if migrating else request.priority
         try:
             return await self.queue.acquire(priority, deadline, lambda: self._try_place(
-                request, tokens, blocks, reservation, priority))
+                request, tokens, blocks, reservation, priority,
+                self.queue.effective_priority(priority, time.monotonic() - arrived)))
         except AdmissionTimeout:
             raise self._why_not(blocks, tokens) from None
 
@@ -87,8 +90,11 @@ class Admission:
 
     # ---- internals
     def _try_place(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
-                   priority: int) -> Placement | None:
-        share = 1.0 if priority <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
+                   priority: int, aged: int) -> Placement | None:
+        """Book the request's capacity and say where it runs, or None if it must wait. `aged`: the priority its wait
+        has lifted it to, which decides its share; the queue put it first by that, and a head that could never take
+        what its class may book would hold up everyone behind it (strict head of line)."""
+        share = 1.0 if aged <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
         prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
         backlog_ok = [w for w in self.supervisor.live(prefill_role) if self._backlog_allows(w, tokens, share)]
         decode_live = self.supervisor.live("decode")

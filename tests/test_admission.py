@@ -17,7 +17,7 @@ from engine.load import WorkerInfo
 
 
 def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, **admission):
-    config = ServeConfig(mode=mode, admission=AdmissionConfig(timeout_s=0.3, **admission))
+    config = ServeConfig(mode=mode, admission=AdmissionConfig(**{"timeout_s": 0.3, **admission}))
     pools = Pools(config)
     pools.decode = [WorkerState(WorkerInfo(f"decode-{i}", "decode" if mode == "disaggregated" else "collocated", n,
                                            16, 4096, 1000, None), handle=None) for i, n in enumerate(decode_blocks)]
@@ -155,5 +155,20 @@ def test_reserved_for_high_keeps_room_that_only_high_priority_requests_book():
         with pytest.raises(Overloaded):
             await admission.place(_request(300, 15, priority=3), 0, ledger.open("low"))
         await admission.place(_request(300, 15, priority=1), 0, ledger.open("high"))  # into the reserved 30
+        assert ledger.booked("decode-0#0", "kv_blocks") == 84
+    asyncio.run(run())
+
+
+def test_a_request_aged_into_the_high_class_books_as_high_and_does_not_block_the_queue():
+    admission, ledger, _ = _setup(decode_blocks=(100,), reserved_for_high=0.3, priority_aging_s=0.05, timeout_s=30)
+
+    async def run():
+        for i in range(3):  # 63 of the 70 blocks that requests below high may book
+            await admission.place(_request(300, 15), 0, ledger.open(f"normal-{i}"))
+        low = asyncio.create_task(admission.place(_request(300, 15, priority=3), 0, ledger.open("low")))
+        await asyncio.sleep(0.3)   # several aging periods: now the head of the queue, in the high class
+        assert not low.done()
+        admission.notify()         # the server's stats loop does this every second
+        await asyncio.wait_for(low, 10)  # booked into the share kept for high, as a high request would be
         assert ledger.booked("decode-0#0", "kv_blocks") == 84
     asyncio.run(run())
