@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from decode_pool.handoff import Handoffs
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
 from decode_pool.step_delta import StepDelta
-from engine.async_engine import AsyncEngine, exit_process_on_failure
+from engine.async_engine import AsyncEngine, exit_process_on_failure, freeze_startup_objects
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
@@ -89,6 +89,7 @@ class DecodeWorker:
             meta = self.agents.metadata()
         self.handoffs = Handoffs(self.name, self.loop, self.agents, self.reservations, self._timing)
         role = "decode" if self.agents else "collocated"
+        freeze_startup_objects()
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),

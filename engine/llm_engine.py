@@ -346,7 +346,8 @@ class LLMEngine:
         if self.followers is not None:
             if getattr(self, "runner", None) is not None:  # CUDA graphs that captured NCCL kernels go before the
                 self.runner.graphs = None                   # communicator: tearing it down under them hangs
-                gc.collect()                                # (pytorch#115388)
+                gc.unfreeze()                               # (pytorch#115388); a pool worker froze them at
+                gc.collect()                                # start-up (engine.async_engine.freeze_startup_objects)
             self.followers.close()
 
     # ---- internals

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.async_engine import AsyncEngine, exit_process_on_failure
+from engine.async_engine import AsyncEngine, exit_process_on_failure, freeze_startup_objects
 from engine.core.request import PromptLogprob, TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
@@ -86,6 +86,7 @@ class PrefillWorker:
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
         self.agents = WorkerAgents(self.name, self._agent_config, engine)
+        freeze_startup_objects()
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agents.metadata(),

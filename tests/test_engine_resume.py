@@ -278,6 +278,9 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
         prefill, info = start_prefill()
         ray.get(decode.start.remote(), timeout=120)
         ray.get(decode.add_peer.remote(info.agent_metadata), timeout=60)
+        for worker in (prefill, decode):  # start-up's objects are kept out of later collections (no GC stalls)
+            assert ray.get(worker.__ray_call__.remote(lambda _: __import__("gc").get_freeze_count()),
+                           timeout=30) > 10_000
         run_disaggregated(prefill, "a", "greedy", 0, 9)
         run_disaggregated(prefill, "b", "seeded", 1, 16)
         ray.kill(prefill, no_restart=True)
