@@ -168,6 +168,8 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
             running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range, clock)
             serve_calls(calls_conn, running)
         conn.send(("started", None))
+        gc.collect()  # start-up's objects out of every later collection, as rank 0's worker
+        gc.freeze()   # (engine.async_engine.freeze_startup_objects): no full collection stalls a step
         with torch.inference_mode():
             while True:
                 kind, arg = conn.recv()
@@ -193,5 +195,6 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
             running.close()
         if tp is not None:  # explicitly, while rank 0 tears its side down too (engine.runner.tp_leader._stop);
             state = runner = None  # CUDA graphs that captured NCCL kernels first (pytorch#115388)
+            gc.unfreeze()
             gc.collect()
             tp.close()
