@@ -24,6 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from decode_pool.handoff import Handoffs
@@ -35,6 +36,7 @@ from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
+from engine.gc_pauses import GcPauses
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 
@@ -53,6 +55,7 @@ class DecodeWorker:
         self._admission_timeout_s = admission_timeout_s
         self._outbox: list[StepOutput] = []
         self._timing = RequestTiming()
+        self._gc = GcPauses()  # this process's collector pauses, reported with every load
         self._phases: dict[str, Durations] = {}  # request id -> its durations here, sent with its first output
         self._outbox_ready = asyncio.Event()
         self._step_load: EngineLoad | None = None  # the load right after the last step that had outputs
@@ -90,6 +93,7 @@ class DecodeWorker:
         self.handoffs = Handoffs(self.name, self.loop, self.agents, self.reservations, self._timing)
         role = "decode" if self.agents else "collocated"
         freeze_startup_objects()
+        self._gc.install()
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
@@ -233,7 +237,7 @@ class DecodeWorker:
         return await self.loop.call(lambda e: e.abort(request_id))
 
     async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load())
+        return self._reported(await self.loop.call(lambda e: e.load()))
 
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())
@@ -258,8 +262,12 @@ class DecodeWorker:
             self.agents.close()
 
     # ---- internals
+    def _reported(self, load: EngineLoad) -> EngineLoad:
+        """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
+        return replace(load, **self._gc.figures())
+
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        self._step_load = self.loop.engine.load()  # on the engine loop, between two steps
+        self._step_load = self._reported(self.loop.engine.load())  # on the engine loop, between two steps
         if self._group_prefills:
             rest = []
             for out in outputs:

@@ -29,6 +29,12 @@ class EngineLoad:
     prefix_query_tokens_total: int = 0  # tokens of requests admitted (each admission looks up the prefix cache)
     prefix_hit_tokens_total: int = 0    # of those, tokens whose KV the prefix cache supplied
     preemptions_total: int = 0          # running requests sent back to the queue for lack of blocks
+    # the hosting process's garbage collector (engine.gc_pauses; a pool worker fills them in): collections, full ones,
+    # their summed and longest pause (the step thread waits through each)
+    gc_pauses_total: int = 0
+    gc_full_collections_total: int = 0
+    gc_pause_seconds_total: float = 0.0
+    gc_pause_max_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import random
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.async_engine import AsyncEngine, exit_process_on_failure, freeze_startup_objects
@@ -28,6 +28,7 @@ from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
+from engine.gc_pauses import GcPauses
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 
@@ -62,6 +63,7 @@ class PrefillWorker:
         self._fault_rng = random.Random(0)
         self._waiting: dict[str, asyncio.Future] = {}
         self._timing = RequestTiming()
+        self._gc = GcPauses()  # this process's collector pauses, reported with every load
         self.loop: AsyncEngine | None = None
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank (decode workers pull from them)
         self._task: asyncio.Task | None = None
@@ -87,6 +89,7 @@ class PrefillWorker:
         exit_process_on_failure(self._task, self.name)
         self.agents = WorkerAgents(self.name, self._agent_config, engine)
         freeze_startup_objects()
+        self._gc.install()
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agents.metadata(),
@@ -129,7 +132,7 @@ class PrefillWorker:
         return await self._abort(request_id)
 
     async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load())
+        return self._reported(await self.loop.call(lambda e: e.load()))
 
     async def check_integrity(self) -> dict[str, int]:
         return await self.loop.call(lambda e: e.check_integrity())
@@ -154,12 +157,16 @@ class PrefillWorker:
         if self.agents is not None:
             self.agents.close()
 
+    def _reported(self, load: EngineLoad) -> EngineLoad:
+        """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
+        return replace(load, **self._gc.figures())
+
     # ---- internals
     async def _abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda e: e.abort(request_id))
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        load = self.loop.engine.load()
+        load = self._reported(self.loop.engine.load())
         for out in outputs:
             future = self._waiting.pop(out.request_id, None)
             if future is None or future.done():

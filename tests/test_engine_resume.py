@@ -281,6 +281,8 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
         for worker in (prefill, decode):  # start-up's objects are kept out of later collections (no GC stalls)
             assert ray.get(worker.__ray_call__.remote(lambda _: __import__("gc").get_freeze_count()),
                            timeout=30) > 10_000
+            ray.get(worker.__ray_call__.remote(lambda _: __import__("gc").collect()), timeout=30)
+            assert ray.get(worker.load.remote(), timeout=30).gc_full_collections_total >= 1  # reported with loads
         run_disaggregated(prefill, "a", "greedy", 0, 9)
         run_disaggregated(prefill, "b", "seeded", 1, 16)
         ray.kill(prefill, no_restart=True)

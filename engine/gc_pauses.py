@@ -1,0 +1,45 @@
+"""GcPauses: the garbage collector's pauses in one process, for a pool worker's load report.
+
+A collection runs under the GIL: while it does, the engine's step thread and the worker's event loop both wait, so
+every request in flight there stalls. The callback (gc.callbacks) times each collection from start to stop and
+counts the full ones (generation 2, which walk every tracked object not frozen at start-up). A worker installs one
+for its process's life; its figures go out with every EngineLoad it reports (`gc_*` fields).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+class GcPauses:
+    def __init__(self) -> None:
+        self.pauses = 0          # collections of any generation
+        self.full = 0            # of those, generation 2
+        self.seconds = 0.0       # summed pause
+        self.max_s = 0.0         # the longest pause
+        self._started: float | None = None
+
+    def install(self) -> None:
+        gc.callbacks.append(self._on_gc)
+
+    def remove(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def figures(self) -> dict[str, float]:
+        return {"gc_pauses_total": self.pauses, "gc_full_collections_total": self.full,
+                "gc_pause_seconds_total": self.seconds, "gc_pause_max_s": self.max_s}
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:  # installed during a collection
+            return
+        pause, self._started = time.perf_counter() - self._started, None
+        self.pauses += 1
+        self.seconds += pause
+        self.max_s = max(self.max_s, pause)
+        if info.get("generation") == 2:
+            self.full += 1
