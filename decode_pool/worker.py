@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 from decode_pool.handoff import Handoffs
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
 from decode_pool.step_delta import StepDelta
-from engine.async_engine import AsyncEngine, exit_process_on_failure, freeze_startup_objects
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
-from engine.gc_pauses import GcPauses
+from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 

@@ -9,7 +9,6 @@ pending call gets the error, so owners notice instead of hanging.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import sys
 from collections.abc import Callable
@@ -116,16 +115,6 @@ def exit_process_on_failure(task: asyncio.Task, name: str) -> None:
         if not t.cancelled() and t.exception() is not None:
             exit_process(name, f"the engine loop failed: {t.exception()!r}")
     task.add_done_callback(done)
-
-
-def freeze_startup_objects() -> None:
-    """For a pool worker at the end of its start-up: what start-up built (torch, Ray, Triton, the model, its graphs:
-    ~0.3 M objects with `tiny` on the CPU, more on a GPU) lives as long as the process, and a full collection over it
-    (~0.1 s on the 2-core machine) stalls the step thread under the GIL, a latency spike for every request in flight.
-    Freezing it keeps it out of every later collection, as the coordinator does (coordinator.serve) and vLLM's engine
-    core after start-up. LLMEngine.close() unfreezes before the collection its teardown needs."""
-    gc.collect()
-    gc.freeze()
 
 
 def exit_process(name: str, why: str) -> None:

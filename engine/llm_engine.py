@@ -347,7 +347,7 @@ class LLMEngine:
             if getattr(self, "runner", None) is not None:  # CUDA graphs that captured NCCL kernels go before the
                 self.runner.graphs = None                   # communicator: tearing it down under them hangs
                 gc.unfreeze()                               # (pytorch#115388); a pool worker froze them at
-                gc.collect()                                # start-up (engine.async_engine.freeze_startup_objects)
+                gc.collect()                                # start-up (engine.gc_pauses.freeze_startup_objects)
             self.followers.close()
 
     # ---- internals

@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.async_engine import AsyncEngine, exit_process_on_failure, freeze_startup_objects
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import PromptLogprob, TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import StepOutput
 from engine.engine_config import EngineConfig
-from engine.gc_pauses import GcPauses
+from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from engine.core.scheduler import SchedulerOutput
 from engine.engine_config import EngineConfig
+from engine.gc_pauses import freeze_startup_objects
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
 from engine.model.symmetric_all_reduce import open_one_shot
@@ -168,8 +169,7 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
             running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range, clock)
             serve_calls(calls_conn, running)
         conn.send(("started", None))
-        gc.collect()  # start-up's objects out of every later collection, as rank 0's worker
-        gc.freeze()   # (engine.async_engine.freeze_startup_objects): no full collection stalls a step
+        freeze_startup_objects()  # as rank 0's worker: no full collection over start-up's objects stalls a step
         with torch.inference_mode():
             while True:
                 kind, arg = conn.recv()
