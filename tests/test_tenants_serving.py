@@ -70,9 +70,11 @@ def test_a_low_priority_flood_does_not_hold_back_high_priority_requests(server):
             while metric_values(url, "pdserve_queue_length").get(None, 0) < 20:  # the flood is queued
                 await asyncio.sleep(0.05)
             highs = [asyncio.create_task(stream(client, p, "k-high", "high")) for p in high_prompts]
-            # mark once the server holds all 8 highs (queued or placed): a low that finishes while they are still
-            # on the wire lets the next low in, and that one is not the priority rule's to stop
-            while metric_values(url, "pdserve_tenant_in_flight").get('{tenant="interactive"}', 0) < 8:
+            # mark once every high is in the admission queue or has its first token: a low that finishes while a
+            # high is still on the wire or in ingress (counted in flight, not yet queued) lets the next low in, and
+            # that one is not the priority rule's to stop
+            while (metric_values(url, "pdserve_queue_length_by_priority").get('{priority="1"}', 0)
+                   + order.count("high")) < 8:
                 await asyncio.sleep(0.01)
             high_sent_at[0] = len(order)
             await asyncio.gather(*lows, *highs)
