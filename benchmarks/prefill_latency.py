@@ -1,11 +1,13 @@
-"""Prefill latency of one short prompt on the engine alone, against the serving phases that contain it.
+"""Prefill latency of short prompts on the engine alone: prefill CUDA graphs against the eager forward.
 
-The tenants benchmark (tenant_priority.py) puts ~11-12 ms of a 64-token prompt's TTFT on the 1B shape in the prefill
-worker's `prefill_compute` phase (its first step -> first token out), far above the forward's compute. This program
-times the same work with no server around it: `LLMEngine` with the YAML's prefill-pool settings, one prompt of
-`--prompt-len` random ids added, stepped until its first token (max_tokens 1), `--iters` times, and the same with
-`--batch` prompts at once; each line prints the p50 wall time of the whole request and of its `step()` calls, and the
-decode step of the same engine (one token for `--batch` running requests) as the reference measured in the same run.
+A short prompt's prefill step is host-bound (one H100, 1B shape: 7.8 ms for 64 tokens, eager, against a 1.7 ms
+decode step of eight from a CUDA graph), and that step is on every short request's critical path. This program
+builds `LLMEngine` with the YAML's prefill-pool settings twice, in turn: prefill graphs off (`prefill_graph_tokens`
+0: the reference, measured in the same run) and on (the config's bound, 512 by default). For each prompt length in
+`--prompt-lens` and for 1 and `--batch` prompts at once, it adds the prompts, steps until every first token (max_tokens
+1), `--iters` times, and prints the p50 wall time of the whole request and of its `step()` calls, the ratio to the
+eager engine's, each engine's start-up phases (the graphs' capture time), and the decode step of the same engine
+(one token for `--batch` running requests).
 
     python benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --device cuda
 """
@@ -72,12 +74,24 @@ def _decode_step(engine: LLMEngine, prompts: list[list[int]], device: str, steps
     return statistics.median(times[2:] or times)
 
 
+def _measure(engine: LLMEngine, args, length: int, batch: int) -> dict:
+    vocab = engine.model_config.vocab_size
+    for i in range(3):  # warm-up
+        _prefill(engine, _prompts(batch, length, vocab, 100 + i), f"w{length}-{batch}-{i}", args.device)
+    walls, steps = [], []
+    for i in range(args.iters):
+        wall, stepping = _prefill(engine, _prompts(batch, length, vocab, i), f"m{length}-{batch}-{i}", args.device)
+        walls.append(wall)
+        steps.append(stepping)
+    return {"prefill_ms_p50": 1e3 * statistics.median(walls), "step_calls_ms_p50": 1e3 * statistics.median(steps)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--prompt-lens", default="64,256")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args()
@@ -91,25 +105,29 @@ def main() -> None:
     config = serve.engine_config(serve.prefill)
     if args.device == "cpu":
         config = dataclasses.replace(config, device="cpu")
-    engine = LLMEngine(config)
-    vocab = engine.model_config.vocab_size
-    rows = {}
-    for batch in (1, args.batch):
-        for i in range(3):  # warm-up: kernels specialise per shape
-            _prefill(engine, _prompts(batch, args.prompt_len, vocab, 100 + i), f"w{batch}-{i}", args.device)
-        walls, steps = [], []
-        for i in range(args.iters):
-            wall, stepping = _prefill(engine, _prompts(batch, args.prompt_len, vocab, i), f"m{batch}-{i}", args.device)
-            walls.append(wall)
-            steps.append(stepping)
-        rows[batch] = {"prefill_ms_p50": 1e3 * statistics.median(walls),
-                       "step_calls_ms_p50": 1e3 * statistics.median(steps)}
-    decode = 1e3 * _decode_step(engine, _prompts(args.batch, args.prompt_len, vocab, 999), args.device)
-    for batch, row in rows.items():
-        print(json.dumps({"model": args.model, "prompt_len": args.prompt_len, "prompts": batch,
-                          **{k: round(v, 3) for k, v in row.items()},
-                          f"decode_step_ms_batch_{args.batch}": round(decode, 3),
-                          "prefill_over_decode_step": round(row["prefill_ms_p50"] / decode, 2)}), flush=True)
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    eager: dict[tuple[int, int], dict] = {}
+    for tokens in (0, config.prefill_graph_tokens):
+        engine = LLMEngine(dataclasses.replace(config, prefill_graph_tokens=tokens))
+        vocab = engine.model_config.vocab_size
+        graphs = engine.runner.prefill_graphs
+        decode = 1e3 * _decode_step(engine, _prompts(args.batch, 64, vocab, 999), args.device)
+        for length in lengths:
+            for batch in (1, args.batch):
+                before = graphs.replays if graphs else 0
+                row = _measure(engine, args, length, batch)
+                ref = eager.setdefault((length, batch), row)
+                print(json.dumps({"model": args.model, "prefill_graph_tokens": tokens, "prompt_len": length,
+                                  "prompts": batch, **{k: round(v, 3) for k, v in row.items()},
+                                  "eager_prefill_ms_p50": round(ref["prefill_ms_p50"], 3),
+                                  "over_eager": round(row["prefill_ms_p50"] / ref["prefill_ms_p50"], 3),
+                                  "graph_replays": (graphs.replays - before) if graphs else 0,
+                                  f"decode_step_ms_batch_{args.batch}": round(decode, 3),
+                                  "prefill_over_decode_step": round(row["prefill_ms_p50"] / decode, 2)}), flush=True)
+        print(json.dumps({"prefill_graph_tokens": tokens, "startup_s": dict(engine.startup_s)}), flush=True)
+        del engine, graphs
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from benchclient.phase_table import phase_summary
 from benchclient.run import RunConfig, run_load
 from benchclient.stats import SLO, summarize
 from benchclient.workload import WorkloadSpec
+from coordinator.serve_config import set_dotted
 from tests.server_process import metric_values, running_server
 
 TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
@@ -99,6 +100,7 @@ def _config(args, reserve_output: float) -> dict:
                                               timeout_s=120)
     if args.decode_blocks:
         config.setdefault("decode", {})["num_kv_blocks"] = args.decode_blocks
+    set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     return config
 
 
@@ -113,6 +115,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--model", default="tiny", help="overrides the config's model")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. prefill.prefill_graph_tokens=0 (YAML value syntax)")
     p.add_argument("--prompt-format", default="text", choices=["text", "ids"])
     p.add_argument("--rate", type=float, default=2.0, help="high-priority requests/s")
     p.add_argument("--flood", default="48", help="low-priority requests in flight (comma-separated sizes)")

@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0                       # for requests without a seed of their own
     kernels: str = "auto"               # "auto" = Triton kernels on CUDA, torch elsewhere; or "triton" / "torch"
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
+    prefill_graph_tokens: int = 512     # with cuda_graphs, prefill-only steps up to this many tokens too (0: none)
     async_scheduling: bool = True       # queue decode step N+1 before reading step N's tokens (see LLMEngine)
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
@@ -44,6 +45,9 @@ class EngineConfig:
             ("block_size", self.block_size > 0, "must be positive"),
             ("max_num_seqs", self.max_num_seqs > 0, "must be positive"),
             ("max_num_batched_tokens", self.max_num_batched_tokens > 0, "must be positive"),
+            ("prefill_graph_tokens", isinstance(self.prefill_graph_tokens, int)
+             and not isinstance(self.prefill_graph_tokens, bool) and self.prefill_graph_tokens >= 0,
+             "must be an integer >= 0"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("max_model_len", self.max_model_len is None or self.max_model_len > 0, "must be positive"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks > 0, "must be positive"),

@@ -88,7 +88,7 @@ class LLMEngine:
             self.followers = TPFollowers(self.config, path, mc, rank_service)
         else:
             self.device = torch.device(config.device)
-        clock = PhaseClock()  # build_rank's phases: weights, kv_cache, cuda_graphs
+        clock = PhaseClock()  # build_rank's phases: weights, kv_cache, cuda_graphs, prefill_graphs
         try:
             rank = build_rank(mc, path, self.config, self.device, self.followers and self.followers.tp,
                               self.followers.agree_blocks if self.followers else int, clock)
@@ -105,11 +105,12 @@ class LLMEngine:
                                    max_prefill_chunk=config.max_prefill_chunk)
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
         if self.followers is None:
-            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs)
+            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
+                                      rank.prefill_graphs)
         else:
             from engine.runner.tp_leader import TPModelRunner
             self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
-                                        followers=self.followers)
+                                        rank.prefill_graphs, followers=self.followers)
         self._reserved: set[str] = set()
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
@@ -345,9 +346,11 @@ class LLMEngine:
         """Stop the tensor-parallel followers (nothing to do at TP=1); the engine cannot step afterwards."""
         if self.followers is not None:
             if getattr(self, "runner", None) is not None:  # CUDA graphs that captured NCCL kernels go before the
-                self.runner.graphs = None                   # communicator: tearing it down under them hangs
-                gc.unfreeze()                               # (pytorch#115388); a pool worker froze them at
-                gc.collect()                                # start-up (engine.gc_pauses.freeze_startup_objects)
+                # communicator: tearing it down under them hangs (pytorch#115388); a pool worker froze them at
+                # start-up (engine.gc_pauses.freeze_startup_objects)
+                self.runner.graphs = self.runner.prefill_graphs = None
+                gc.unfreeze()
+                gc.collect()
             self.followers.close()
 
     # ---- internals

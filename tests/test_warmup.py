@@ -11,6 +11,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.kernels.decode_attention import SPLIT_CHOICES, num_splits_for
+from engine.runner.prefill_graphs import PrefillBuckets
 from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import plan, step_variants, warm_up
 
@@ -26,7 +27,8 @@ def test_the_plan_covers_every_step_the_scheduler_emits(max_seqs, budget, max_le
     rng = random.Random(max_seqs)
     bm = BlockManager(max_seqs * max_len // BLOCK // 2, BLOCK)
     sched = Scheduler(bm, max_seqs, budget)
-    expected = plan(max_seqs, -(-max_len // BLOCK), graphs)
+    prefill_buckets = PrefillBuckets(min(512, budget), max_seqs) if graphs else None
+    expected = plan(max_seqs, -(-max_len // BLOCK), graphs, prefill_buckets)
     allowed = expected.variants()
     seen: set[tuple] = set()
     for step in range(3000):
@@ -36,11 +38,12 @@ def test_the_plan_covers_every_step_the_scheduler_emits(max_seqs, budget, max_le
             sched.add(Request(f"r{step}", [rng.randrange(3, 1000) for _ in range(n)], params, (0,), max_len))
         out = sched.schedule()
         if out.chunks:
-            shapes = step_variants(out, BLOCK, kv_heads, sms, expected.graph_buckets)
+            shapes = step_variants(out, BLOCK, kv_heads, sms, expected.graph_buckets, prefill_buckets)
             assert shapes <= allowed, f"step {step} launches {shapes - allowed}, not in the warm-up plan"
             seen |= shapes
         sched.update(out, {c.request_id: (rng.randrange(3, 1000), None) for c in out.chunks if c.sample}, 60.0)
     assert ("prefill",) in seen and any(v[0] == "decode" for v in seen)  # the workload exercised mixed steps
+    assert any(v[0] == "prefill_graph" for v in seen) == graphs  # and prefill-only steps short enough for a graph
 
 
 def test_decode_splits_are_always_one_of_the_planned_choices():

@@ -2,7 +2,8 @@
 
 Input: the scheduler's plain SchedulerOutput. Output: {request_id: (token, logprob)} for the chunks that sample.
 It knows nothing of request life cycles; the scheduler knows nothing of tensors. On the GPU path, decode-only
-steps replay CUDA graphs (engine.cuda_graphs); other steps run eagerly.
+steps replay CUDA graphs (engine.runner.cuda_graphs), short prefill-only steps too (engine.runner.prefill_graphs);
+other steps run eagerly.
 
 `launch` queues a step and returns a LaunchedStep whose tokens are still on the device; `run` = launch + result.
 A decode step may take its input ids from the LaunchedStep before it (`after`), still on the device, which lets
@@ -21,8 +22,9 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from engine.model.decoder import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.prefill_graphs import PrefillGraphs
 from engine.runner.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
-from engine.runner.step_inputs import build_step_inputs
+from engine.runner.step_inputs import StepInputs, build_step_inputs
 from engine.sampling.sampler import SampledTokens, Sampler
 
 
@@ -50,13 +52,14 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler | None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None) -> None:
         """`sampler`: None on a tensor-parallel follower, which never samples (engine.runner.tp_follower)."""
         self.model = model
         self.kv_cache = kv_cache  # [NB, L, 2, bs, KVH, D]
         self.block_size = block_size
         self.sampler = sampler
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.device = kv_cache.device
         # called as hook(sampling chunks, logits [S, V], after) before sampling, to mask logits in place
         # (engine.grammar); None: no request has a structured output spec
@@ -80,7 +83,7 @@ class ModelRunner:
         if not extras and self._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
             logits = self.graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
         else:
-            hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)  # [T, h]
+            hidden = self.forward(input_ids, step, on_layer_done, eager=bool(extras))  # [T, h]
             if extras and extras.prompt:
                 prompt = compute_prompt_logprobs(self.model, hidden, sched, extras.prompt)
             if not step.sampling:
@@ -98,6 +101,15 @@ class ModelRunner:
         sampled = self.sampler.launch(logits, row_params, [c.output_index for c in chunks],
                                       [c.request_id for c in chunks])
         return LaunchedStep(sched, chunks, sampled, prompt_logprobs=prompt)
+
+    def forward(self, input_ids: torch.Tensor, step: StepInputs, on_layer_done: Callable[[int], None] | None,
+                eager: bool) -> torch.Tensor:
+        """The step's final hidden states [T, h]: a prefill graph's replay where one fits (no hook, not `eager`),
+        else the eager forward. TP followers call it alike, so every rank makes the same choice."""
+        graphs = self.prefill_graphs
+        if not eager and on_layer_done is None and graphs is not None and graphs.fits(input_ids.shape[0], step.meta):
+            return graphs.run(input_ids, step.positions, step.meta)
+        return self.model(input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers), queued after any step in flight."""

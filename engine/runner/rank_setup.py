@@ -26,6 +26,7 @@ from engine.model.tp_layout import TPLayout
 from engine.model.weights import init_dummy_weights, load_weights
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
+from engine.runner.prefill_graphs import PrefillGraphs
 
 CPU_KV_CACHE_BYTES = 1 << 30
 GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
@@ -40,12 +41,13 @@ class RankState:
     num_kv_blocks: int
     kv_cache: torch.Tensor           # [NB, L, 2, bs, KVH local, D]
     graphs: DecodeGraphs | None
+    prefill_graphs: PrefillGraphs | None
 
 
 def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.device, tp: TPGroup | None,
                agree: Callable[[int], int] = int, clock: PhaseClock | None = None) -> RankState:
     """`config` is resolved (dtype and max_model_len set). `agree(blocks this rank can hold)` -> blocks to use.
-    `clock` laps "weights", "kv_cache" and "cuda_graphs"."""
+    `clock` laps "weights", "kv_cache", "cuda_graphs" and "prefill_graphs"."""
     clock = clock or PhaseClock()
     model = _load_model(mc, path, config, device, tp)
     clock.lap("weights")
@@ -60,12 +62,20 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
         raise ValueError(f"KV cache budget holds only {blocks} blocks of {spec.block_bytes} bytes")
     kv_cache = allocate_kv_cache(spec, blocks, device)
     clock.lap("kv_cache")
-    graphs = None
+    graphs = prefill_graphs = None
     if uses_kernels and config.cuda_graphs and device.type == "cuda":
-        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs,
-                              blocks_for(config.max_model_len, config.block_size))
+        width = blocks_for(config.max_model_len, config.block_size)
+        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, width)
         clock.lap("cuda_graphs")
-    return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs)
+        if prefill_graph_tokens(config):
+            prefill_graphs = PrefillGraphs(model, kv_cache, prefill_graph_tokens(config), config.max_num_seqs, width)
+            clock.lap("prefill_graphs")
+    return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs, prefill_graphs)
+
+
+def prefill_graph_tokens(config: EngineConfig) -> int:
+    """The largest prefill-only step replayed from a graph: the config's bound within the step budget."""
+    return min(config.prefill_graph_tokens, config.max_num_batched_tokens)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -131,7 +131,7 @@ def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
     if not plan.eager and fits:
         runner.graphs.run(input_ids, step.positions, step.meta)
         return
-    hidden = runner.model(input_ids, step.positions, runner.kv_cache, step.meta)
+    hidden = runner.forward(input_ids, step, None, plan.eager)  # rank 0's choice of prefill graph, made alike
     offsets = token_offsets(sched)
     for c in sched.chunks:  # engine.step_extras.compute_prompt_logprobs's calls, in its order
         n = plan.prompt_rows.get(c.request_id)
@@ -163,7 +163,8 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
             return agreed
 
         state = build_rank(mc, Path(path), config, dev, tp, agree)
-        runner = ModelRunner(state.model, state.kv_cache, config.block_size, None, state.graphs)
+        runner = ModelRunner(state.model, state.kv_cache, config.block_size, None, state.graphs,
+                             state.prefill_graphs)
         clock = LaunchClock()
         if service is not None:
             running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range, clock)

@@ -8,7 +8,8 @@ few values, and this module runs each of them once at start:
 - step metadata pointers: engine.runner.step_inputs aligns every part to 16 bytes (one variant);
 - block-table row stride: not specialised (the attention kernels' `do_not_specialize`);
 - decode splits, a constexpr of the eager decode kernel: a power of two (SPLIT_CHOICES), each run here directly;
-- decode-only steps of graph buckets: compiled when DecodeGraphs captures them;
+- decode-only steps of graph buckets: compiled when DecodeGraphs captures them; prefill-only steps of its buckets
+  likewise when PrefillGraphs does;
 - prefill and mixed steps, rms_norm with and without residual, the fused decode GEMVs, the sampler's options
   (penalties, bias, top-k/p, min-p, logprobs, seeded): a few real requests through the engine.
 Everything else is fixed by the model and the config. `plan()` names the variants; `step_variants()` says which ones
@@ -28,6 +29,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.kernels.decode_attention import SPLIT_CHOICES, decode_attention, num_splits_for
 from engine.runner.cuda_graphs import bucket_sizes
+from engine.runner.prefill_graphs import PrefillBuckets
 
 SAMPLER_OPTIONS = (  # one warm-up request each: every sampler and logits-processing path
     dict(temperature=0.0),
@@ -45,21 +47,26 @@ class WarmupPlan:
     graph_buckets: tuple[int, ...]   # decode-only steps replayed as CUDA graphs (captured at start)
     decode_splits: tuple[int, ...]   # eager decode steps (mixed steps, steps with extras)
     prefill: bool = True
+    prefill_graphs: tuple[tuple[int, int], ...] = ()  # (tokens, chunks) buckets of prefill-only steps' graphs
 
     def variants(self) -> set[tuple]:
         return ({("graph", b) for b in self.graph_buckets} | {("decode", s) for s in self.decode_splits}
-                | ({("prefill",)} if self.prefill else set()))
+                | ({("prefill",)} if self.prefill else set())
+                | {("prefill_graph", t, n) for t, n in self.prefill_graphs})
 
 
-def plan(max_num_seqs: int, max_blocks_per_seq: int, graphs: bool) -> WarmupPlan:
+def plan(max_num_seqs: int, max_blocks_per_seq: int, graphs: bool,
+         prefill_buckets: PrefillBuckets | None = None) -> WarmupPlan:
+    """`prefill_buckets`: those of the engine's PrefillGraphs (None: prefill steps run eagerly)."""
     cap = min(max_blocks_per_seq, SPLIT_CHOICES[-1])
     return WarmupPlan(tuple(bucket_sizes(max_num_seqs)) if graphs else (),
-                      tuple(s for s in SPLIT_CHOICES if s <= cap))
+                      tuple(s for s in SPLIT_CHOICES if s <= cap),
+                      prefill_graphs=tuple(prefill_buckets.all()) if graphs and prefill_buckets else ())
 
 
 def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sms: int,
-                  graph_buckets: tuple[int, ...]) -> set[tuple]:
-    """The variants a scheduled step launches (mirrors ModelRunner's graph choice and attend()'s kernels)."""
+                  graph_buckets: tuple[int, ...], prefill_buckets: PrefillBuckets | None = None) -> set[tuple]:
+    """The variants a scheduled step launches (mirrors ModelRunner's graph choices and attend()'s kernels)."""
     decodes = [c for c in sched.chunks if len(c.token_ids) == 1]
     prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
     sampling = sum(1 for c in sched.chunks if c.sample)
@@ -67,6 +74,10 @@ def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sm
         bucket = next((b for b in graph_buckets if b >= len(decodes)), None)
         if bucket is not None:
             return {("graph", bucket)}
+    if prefills and not decodes and prefill_buckets is not None:
+        key = prefill_buckets.bucket_for(sum(len(c.token_ids) for c in prefills), len(prefills))
+        if key is not None:
+            return {("prefill_graph", *key)}
     out: set[tuple] = {("prefill",)} if prefills else set()
     if decodes:
         width = max(-(-(c.start_pos + 1) // block_size) for c in decodes)
