@@ -26,6 +26,7 @@ import asyncio
 import copy
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -61,6 +62,41 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _slowest(results: list, n: int) -> list[dict]:
+    """The n high requests with the longest TTFT: when each started (seconds into the window: a periodic stall
+    shows as regular starts) and the server's phases (ms; `overhead` includes the tail after the last token)."""
+    done = [r for r in results if r.ok and r.ttft is not None]
+    first = min((r.start for r in done), default=0.0)
+    return [{"ttft_ms": round(1e3 * r.ttft, 1), "start_s": round(r.start - first, 2),
+             "phases_ms": {k: round(1e3 * v, 1) for k, v in (r.phases or {}).items()}}
+            for r in sorted(done, key=lambda r: r.ttft, reverse=True)[:n]]
+
+
+BEFORE_FIRST_TOKEN = ("ingress", "admission", "prefill_queue", "prefill_compute")  # disaggregated: the first token
+# comes from the prefill worker, before the KV handoff
+
+
+def _outside_phases(results: list) -> float | None:
+    """p50 of TTFT minus the server's phases before the first token: the client's and HTTP's share, the Ray calls
+    to and from the prefill worker, and the coordinator's work until the first chunk is written."""
+    gaps = [r.ttft - sum(r.phases.get(p, 0.0) for p in BEFORE_FIRST_TOKEN)
+            for r in results if r.ok and r.ttft is not None and r.phases]
+    return round(1e3 * statistics.median(gaps), 2) if gaps else None
+
+
+STALL_COUNTERS = {"coordinator_loop_stalls": "pdserve_coordinator_loop_stalls_total",
+                  "coordinator_gc_full": "pdserve_coordinator_gc_full_collections_total",
+                  "coordinator_gc_s": "pdserve_coordinator_gc_pause_seconds_total",
+                  "workers_gc_full": "pdserve_worker_engine_gc_full_collections_total",
+                  "workers_gc_s": "pdserve_worker_engine_gc_pause_seconds_total"}
+
+
+def _stall_counts(url: str) -> dict[str, float]:
+    """What can stall every request at once, so far: the coordinator loop's stalls (ticks >= 10 ms late) and the
+    garbage collectors' full collections and pause seconds (coordinator; all workers summed)."""
+    return {k: sum(metric_values(url, name).values()) for k, name in STALL_COUNTERS.items()}
+
+
 def _load_in_process(cfg: RunConfig) -> list:
     return asyncio.run(run_load(cfg))
 
@@ -74,16 +110,19 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
         low = _load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args, args.flood_output_len,
                     duration)
         runs.append(asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
-    cpu, started = _cpu_s(pid), time.monotonic()
+    cpu, started, stalls = _cpu_s(pid), time.monotonic(), _stall_counts(url)
     results = await asyncio.gather(*runs)
     cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
+    stalls = {k: round(v - stalls.get(k, 0.0), 3) for k, v in _stall_counts(url).items()}
     lag_ms = 1e3 * sum(metric_values(url, "pdserve_coordinator_loop_lag_seconds").values())  # the last ~50 ms
     summary = summarize(results[0], SLO())
     phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
     out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {
         "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2),
-        "coordinator_loop_lag_ms_at_end": round(lag_ms, 2),
+        "coordinator_loop_lag_ms_at_end": round(lag_ms, 2), "stalls_in_window": stalls,
         "high_phases_mean_ms": {name: round(row["mean_ms"], 2) for name, row in phases.items()}}
+    out["high_slowest"] = _slowest(results[0], 3)
+    out["high_ttft_outside_phases_ms_p50"] = _outside_phases(results[0])
     if flood:
         low = summarize(results[1], SLO())
         out |= {"low_requests": low["requests"], "low_output_tok_s": round(low["output_token_throughput"], 1)}

@@ -4,7 +4,7 @@ Per worker: its state, restarts and bookings always; its last reported engine lo
 field) only while it is live, so a dead worker's gauges disappear instead of freezing at their last value.
 Backend-wide: the admission queue's length (requests waiting for room, not those running), requests in flight,
 errors and migrations by kind, seconds each pool spent with no live worker, transfer totals of the live agents, and
-the coordinator's event-loop lag (coordinator.loop_lag).
+the coordinator's event-loop lag and stalls (coordinator.loop_lag) and its process's garbage-collector pauses.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def backend_stats(backend: Any) -> dict:
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
-            "coordinator": backend.loop_lag.stats()}
+            "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}
 
 
 def transfer_totals(snapshots: list[dict]) -> dict[str, float]:

@@ -4,7 +4,10 @@ The coordinator is one event loop: every stream's parsing, admission, Ray calls,
 in arrival order, whatever the request's priority. When it saturates, each of a request's loop hops waits behind
 the others' work, and that shows here before it shows in latencies: a timer asks to fire every `period_s`, and each
 tick's lateness (the loop was busy past its due time) goes into an exponentially weighted mean (weight `alpha`: a
-time constant of period / alpha), exported as `pdserve_coordinator_loop_lag_seconds`. Runs on the loop's thread.
+time constant of period / alpha), exported as `pdserve_coordinator_loop_lag_seconds`. The mean hides a single long
+stall (a full garbage collection, one slow callback) that delays every request arriving meanwhile, so the ticks at
+least STALL_S late are also counted (`pdserve_coordinator_loop_stalls_total`) and the latest tick's worst lateness
+kept (`pdserve_coordinator_loop_lag_max_seconds`). Runs on the loop's thread.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 
 PERIOD_S = 0.005
 ALPHA = 0.1  # time constant ~50 ms at the default period: one slow callback barely moves it, a saturated loop does
+STALL_S = 0.01
 
 
 class LoopLag:
@@ -20,6 +24,8 @@ class LoopLag:
         self.period_s = period_s
         self.alpha = alpha
         self.mean_s = 0.0  # weighted mean lateness of the ticks
+        self.stalls = 0    # ticks at least STALL_S late
+        self.max_s = 0.0   # the latest tick's lateness, at most
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
 
@@ -36,6 +42,8 @@ class LoopLag:
     def observe(self, lateness_s: float) -> None:
         """Fold one tick's lateness into the mean (the timer calls it; tests may too)."""
         self.mean_s += self.alpha * (lateness_s - self.mean_s)
+        self.stalls += lateness_s >= STALL_S
+        self.max_s = max(self.max_s, lateness_s)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
@@ -44,4 +52,4 @@ class LoopLag:
         self._handle = loop.call_at(self._due, self._tick, loop)
 
     def stats(self) -> dict[str, float]:
-        return {"loop_lag_seconds": self.mean_s}
+        return {"loop_lag_seconds": self.mean_s, "loop_stalls_total": self.stalls, "loop_lag_max_seconds": self.max_s}

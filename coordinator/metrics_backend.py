@@ -5,10 +5,10 @@ scrapes, so a dead or removed worker's gauges disappear instead of freezing at t
 leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend_stats shapes it (queue length,
 per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
 `pdserve_worker_engine_<key>`, errors, migrations, pool downtime, prefix-affinity hits, the coordinator's event-loop
-lag (`pdserve_coordinator_loop_*`), every numeric transfer
-total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the lifecycle's requests
-in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself never fails for
-it), tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
+lag and stalls (`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every
+numeric transfer total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the
+lifecycle's requests in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape
+itself never fails for it), tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
 `vllm:num_requests_waiting` (the admission queue) and `vllm:kv_cache_usage_perc` (per worker, labelled `engine`).
 """
 
@@ -30,7 +30,13 @@ _WORKER_HELP = {
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled"}
 
 _LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
-                                  "timer): near 0 idle, milliseconds when every stream's work queues behind others'"}
+                                  "timer): near 0 idle, milliseconds when every stream's work queues behind others'",
+              "loop_stalls_total": "Ticks of that timer at least 10 ms late: stalls of every request on the loop",
+              "loop_lag_max_seconds": "The latest tick of that timer, at most, since start",
+              "gc_pauses_total": "Garbage collections in the coordinator's process (each pauses its event loop)",
+              "gc_full_collections_total": "Of those, full (generation 2) collections",
+              "gc_pause_seconds_total": "Seconds the coordinator's process spent in garbage collections",
+              "gc_pause_max_s": "The longest garbage-collection pause of the coordinator's process, seconds"}
 
 
 class BackendCollector:

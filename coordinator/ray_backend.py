@@ -44,6 +44,7 @@ from coordinator.serve_config import FaultsConfig, ServeConfig
 from coordinator.supervisor import Supervisor
 from decode_pool.step_delta import StepDelta
 from engine.core.request_timing import Durations
+from engine.gc_pauses import GcPauses
 from kvtransfer.errors import TransferError
 
 log = logging.getLogger("pdserve")
@@ -71,6 +72,7 @@ class RayBackend:
         self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
         self.drills = Drills(self.pools, self.supervisor, config.faults)
         self.loop_lag = LoopLag()  # how late the coordinator's event loop runs, for /metrics
+        self.gc_pauses = GcPauses()  # the coordinator process's collector pauses (each stalls the loop), likewise
 
     async def start(self) -> None:
         await self.pools.start()
@@ -83,6 +85,7 @@ class RayBackend:
         self.vocab_size = min(i.vocab_size for i in infos)
         self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
         self.loop_lag.start()
+        self.gc_pauses.install()
         for w in self.pools.decode:
             self._spawn(self._poll_loop(w))
         if self.drills.injecting:
@@ -91,6 +94,7 @@ class RayBackend:
 
     async def shutdown(self) -> None:
         self.loop_lag.stop()
+        self.gc_pauses.remove()
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.shutdown()

@@ -21,7 +21,7 @@ WORKER = {"name": "p0", "role": "prefill", "running": 1, "queued_prompt_tokens":
 STATS = {"queue_length": 2, "in_flight": 4, "transfer": {"bytes_total": 4096, "last latency s": 0.01, "peer": "x"},
          "workers": [WORKER, {**WORKER, "name": "d0", "role": "decode", "free_blocks": 90}],
          "errors": {"transfer": 2}, "prefix_affinity_hits": 5, "mode": "disaggregated",
-         "coordinator": {"loop_lag_seconds": 0.004},
+         "coordinator": {"loop_lag_seconds": 0.004, "loop_stalls_total": 3, "gc_pause_max_s": 0.02},
          "migrations": {"attempted": 1}, "waiting_by_priority": {1: 2}}
 
 
@@ -74,6 +74,8 @@ def test_exposition_parses_with_the_names_labels_and_buckets_of_pdserve():
     assert got[("pdserve_migrations_total", frozenset({"event": "attempted"}.items()))] == 1
     assert got[("pdserve_prefix_affinity_hits_total", frozenset())] == 5 and "disaggregated" not in text
     assert got[("pdserve_coordinator_loop_lag_seconds", frozenset())] == 0.004
+    assert got[("pdserve_coordinator_loop_stalls_total", frozenset())] == 3
+    assert got[("pdserve_coordinator_gc_pause_max_s", frozenset())] == 0.02
     assert got[("pdserve_queue_length_by_priority", frozenset({"priority": "1"}.items()))] == 2
     assert got[("pdserve_tenant_requests_total", frozenset({"tenant": "bulk", "outcome": "finished"}.items()))] == 2
     assert got[("pdserve_tenant_prompt_tokens_total", frozenset({"tenant": "bulk"}.items()))] == 10
