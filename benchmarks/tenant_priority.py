@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import gc
 import json
 import os
 import statistics
@@ -43,6 +44,7 @@ from benchclient.run import RunConfig, run_load
 from benchclient.stats import SLO, summarize
 from benchclient.workload import WorkloadSpec
 from coordinator.serve_config import set_dotted
+from engine.gc_pauses import GcPauses
 from tests.server_process import metric_values, running_server
 
 TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
@@ -111,15 +113,24 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
                     duration)
         runs.append(asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
     cpu, started, stalls = _cpu_s(pid), time.monotonic(), _stall_counts(url)
-    results = await asyncio.gather(*runs)
+    client_gc = GcPauses()  # this process's collections delay the high tenant's chunk stamps: counted apart
+    client_gc.install()
+    try:
+        results = await asyncio.gather(*runs)
+    finally:
+        client_gc.remove()
     cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
     stalls = {k: round(v - stalls.get(k, 0.0), 3) for k, v in _stall_counts(url).items()}
     lag_ms = 1e3 * sum(metric_values(url, "pdserve_coordinator_loop_lag_seconds").values())  # the last ~50 ms
     summary = summarize(results[0], SLO())
     phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
-    out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms")} | {
+    out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                                                                "itl_p99_ms") if k in summary} | {
         "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2),
         "coordinator_loop_lag_ms_at_end": round(lag_ms, 2), "stalls_in_window": stalls,
+        "coordinator_gc_max_ms_so_far": round(1e3 * max(
+            metric_values(url, "pdserve_coordinator_gc_pause_max_s").values(), default=0.0), 1),
+        "client_gc": {"full": client_gc.full, "max_ms": round(1e3 * client_gc.max_s, 1)},
         "high_phases_mean_ms": {name: round(row["mean_ms"], 2) for name, row in phases.items()}}
     out["high_slowest"] = _slowest(results[0], 3)
     out["high_ttft_outside_phases_ms_p50"] = _outside_phases(results[0])
@@ -172,6 +183,8 @@ def main() -> None:
     p.add_argument("--profile", metavar="FILE", help="py-spy samples the coordinator during the largest flood")
     args = p.parse_args()
     floods = [int(x) for x in args.flood.split(",")]
+    gc.collect()  # the load client's start-up objects stay out of its collections during the windows
+    gc.freeze()
     flood_client = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
     flood_client.submit(int).result()  # started (and its imports done) before any window's clock runs
     with flood_client, tempfile.TemporaryDirectory() as tmp:

@@ -88,9 +88,13 @@ class ListenError(OSError):
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (uvicorn serves on it); ListenError names the address and the cause."""
+    """A listening TCP socket on host:port (uvicorn serves on it); ListenError names the address and the cause.
+    Its protocol is named (IPPROTO_TCP): asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
+    proto says TCP, and a socket made with proto 0 passes that 0 to every connection it accepts. With Nagle on, a
+    stream's small writes (the response head, then each token's chunk) wait for the client's delayed ACK: up to
+    ~40 ms added to a first token or an inter-token gap, now and then."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebinding over TIME_WAIT is fine
     try:
         sock.bind((host, port))
