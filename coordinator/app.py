@@ -144,8 +144,11 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
                                          "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
                                          "stream_options.include_phases")
         return req, tenant, arrival
-    prompt = await asyncio.to_thread(protocol.prompt_token_ids, req, app.state.tokenizer, backend.vocab_size,
-                                     settings.allow_special_tokens_in_content)
+    args = (req, app.state.tokenizer, backend.vocab_size, settings.allow_special_tokens_in_content)
+    if protocol.tokenize_inline(req):  # cheaper here than a hop to a thread
+        prompt = protocol.prompt_token_ids(*args)
+    else:  # a long prompt: off the loop, so it does not stall every stream
+        prompt = await asyncio.to_thread(protocol.prompt_token_ids, *args)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
