@@ -37,6 +37,7 @@ from coordinator.held_queue import HeldQueue
 from coordinator.loop_lag import LoopLag
 from coordinator.phases import PhaseTrace
 from coordinator.pools import Pools
+from coordinator.ray_calls import quietly
 from coordinator.ray_group import GroupRun
 from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
@@ -195,7 +196,7 @@ class RayBackend:
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
                 if worker.alive and (action == "release" or not finished):
-                    self._spawn(_quietly(getattr(worker.handle, action).remote(attempt)))
+                    self._spawn(quietly(getattr(worker.handle, action).remote(attempt)))
 
     async def _prefill(self, attempt: str, request: GenerateRequest, prior: list[int], placement: Placement,
                        reservation: Reservation, cleanup: list, trace: PhaseTrace) -> TokenDelta:
@@ -207,7 +208,7 @@ class RayBackend:
         # pull (decode_pool.reservations); its abort gives them back if no handoff comes
         cleanup.append((decode, "abort"))
         decode.requests.add(attempt)
-        self._spawn(_quietly(decode.handle.reserve.remote(attempt, len(request.prompt_token_ids) + len(prior))))
+        self._spawn(quietly(decode.handle.reserve.remote(attempt, len(request.prompt_token_ids) + len(prior))))
         result = await self._call(prefill, prefill.handle.prefill.remote(
             attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority))
         trace.split(result.phases)
@@ -222,7 +223,7 @@ class RayBackend:
             cleanup.remove((decode, "abort"))
             decode.requests.discard(attempt)
             if decode.alive:
-                self._spawn(_quietly(decode.handle.abort.remote(attempt)))
+                self._spawn(quietly(decode.handle.abort.remote(attempt)))
         return first
 
     async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,
@@ -248,7 +249,7 @@ class RayBackend:
             self._fail(attempt, e)
         finally:
             if prefill.alive:
-                self._spawn(_quietly(prefill.handle.release.remote(attempt)))
+                self._spawn(quietly(prefill.handle.release.remote(attempt)))
 
     async def _recompute(self, attempt: str, request: GenerateRequest, prior: list[int],
                          placement: Placement) -> None:
@@ -261,7 +262,7 @@ class RayBackend:
             self._fail(attempt, e)
             return
         if attempt not in self._streams and decode.alive:  # the request ended meanwhile: its abort may have
-            self._spawn(_quietly(decode.handle.abort.remote(attempt)))  # arrived first
+            self._spawn(quietly(decode.handle.abort.remote(attempt)))  # arrived first
 
     def _fail(self, attempt: str, error: BaseException) -> None:
         queue = self._streams.get(attempt)
@@ -389,9 +390,3 @@ def _coalesced(first: Any, queue: asyncio.Queue) -> tuple[TokenDelta | None, Bas
         finish = out.finish_reason
     return TokenDelta(tokens, logprobs, finish), None
 
-
-async def _quietly(ref: Any) -> None:
-    try:
-        await ref
-    except (RayActorError, RayTaskError, asyncio.CancelledError):
-        pass

@@ -28,9 +28,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ray.exceptions import RayActorError, RayTaskError
-
 from coordinator.backend import BackendError, GenerateRequest, TokenDelta, TransferFailed, WorkerLost
+from coordinator.ray_calls import quietly
 from coordinator.router import WorkerState
 from engine.core.choices import choice_params
 
@@ -66,7 +65,7 @@ class GroupRun:
         if index in self._resumed:
             self._resumed[index].cancel()  # closing its stream aborts it on its worker
         elif self._decode is not None and self._decode.alive and self._ids:
-            self._backend._spawn(_quietly(self._decode.handle.abort.remote(self._ids[index])))
+            self._backend._spawn(quietly(self._decode.handle.abort.remote(self._ids[index])))
 
     async def aclose(self) -> None:
         await self._gen.aclose()
@@ -198,12 +197,12 @@ class GroupRun:
             for worker, action in cleanup:
                 if action == "abort_group":
                     if worker.alive:
-                        b._spawn(_quietly(worker.handle.abort.remote(rid)))
+                        b._spawn(quietly(worker.handle.abort.remote(rid)))
                     continue
                 for j, cid in enumerate(ids):
                     worker.requests.discard(cid)
                     if worker.alive and j not in self._done:
-                        b._spawn(_quietly(worker.handle.abort.remote(cid)))
+                        b._spawn(quietly(worker.handle.abort.remote(cid)))
             reservation.release()
             b._ids.discard(rid)
 
@@ -220,15 +219,9 @@ class GroupRun:
             queue.put_nowait(e)
         finally:
             if prefill is not None and prefill.alive:
-                b._spawn(_quietly(prefill.handle.release.remote(rid)))
+                b._spawn(quietly(prefill.handle.release.remote(rid)))
         ended = self._ids[0] not in b._streams  # the group's stream closed while the choices were starting
         for j, cid in enumerate(self._ids):  # an abort sent before a choice existed there found nothing
             if decode.alive and (j in self._stopped or (ended and j not in self._done)):
-                b._spawn(_quietly(decode.handle.abort.remote(cid)))
+                b._spawn(quietly(decode.handle.abort.remote(cid)))
 
-
-async def _quietly(ref: Any) -> None:
-    try:
-        await ref
-    except (RayActorError, RayTaskError, asyncio.CancelledError):
-        pass
