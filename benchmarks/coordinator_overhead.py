@@ -8,7 +8,8 @@ serving overhead; issue 16, a high-priority request's TTFT behind a flood's per-
 
 Prints one JSON line per window: the probe's TTFT p50/p99 (Poisson `--probe-rate`, short outputs), the flood's
 output tokens/s, and the server process's CPU (seconds per second, and microseconds per output token); the first
-window has no flood (the reference), the others `--flood` streams each.
+window has no flood (the reference), the others `--flood` streams each. `--tenants`: the probe is a high-priority
+tenant's, the flood a low-priority one's (API keys), and the flood's client runs in a process of its own.
 
     python benchmarks/coordinator_overhead.py --flood 16,48 --duration 15
 """
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -95,7 +98,7 @@ class PacedBackend:
             self._ticker.cancel()
 
 
-def serve(port: int, tick_s: float, stream_interval: int, hold: bool) -> None:
+def serve(port: int, tick_s: float, stream_interval: int, hold: bool, tenants: bool = False) -> None:
     """The server subprocess: the real app over PacedBackend on 127.0.0.1:port."""
     import uvicorn
 
@@ -104,8 +107,10 @@ def serve(port: int, tick_s: float, stream_interval: int, hold: bool) -> None:
     from coordinator.settings import ServerSettings
     from engine.tiny import ensure_tiny_model
     folder = ensure_tiny_model()
+    from coordinator.tenants import parse_tenants
     settings = ServerSettings(port=port, stream_interval=stream_interval)
-    app = create_app(PacedBackend(str(folder), tick_s, 2048, hold), settings)
+    app = create_app(PacedBackend(str(folder), tick_s, 2048, hold), settings,
+                     parse_tenants(TENANTS) if tenants else None)
     uvicorn.Server(uvicorn_config(app, settings, log_config=None, log_level="warning")).run()
 
 
@@ -114,18 +119,31 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _run(url: str, key: str, arrival: ArrivalSpec, output_len: int, duration: float) -> RunConfig:
-    return RunConfig(Target(url, "tiny", ignore_eos=True),
+TENANTS = [{"name": "interactive", "api_keys": ["k-probe"], "priority": "high"},
+           {"name": "bulk", "api_keys": ["k-flood"], "priority": "low"}]
+
+
+def _run(url: str, key: str, arrival: ArrivalSpec, output_len: int, duration: float,
+         tenants: bool = False) -> RunConfig:
+    return RunConfig(Target(url, "tiny", ignore_eos=True, api_key=f"k-{key}" if tenants else None),
                      WorkloadSpec(kind="fixed", input_len=32, output_len=output_len, prompt_format="text",
                                   seed=1 if key == "probe" else 2),
                      arrival, SLO(), duration_s=duration, warmup_s=0.0, timeout_s=120)
 
 
-async def window(url: str, pid: int, args: argparse.Namespace, flood: int) -> dict:
-    runs = [run_load(_run(url, "probe", ArrivalSpec(rate=args.probe_rate, seed=1), 8, args.duration))]
+def _load_in_process(cfg: RunConfig) -> list:
+    return asyncio.run(run_load(cfg))
+
+
+async def window(url: str, pid: int, args: argparse.Namespace, flood: int, flood_client=None) -> dict:
+    """`flood_client` (with --tenants): a process of its own for the flood's closed loop, so that its chunks do not
+    delay the probe's timestamps on a shared event loop."""
+    runs = [run_load(_run(url, "probe", ArrivalSpec(rate=args.probe_rate, seed=1), 8, args.duration, args.tenants))]
     if flood:
-        runs.append(run_load(_run(url, "flood", ArrivalSpec(kind="concurrency", concurrency=flood),
-                                  args.flood_output_len, args.duration)))
+        low = _run(url, "flood", ArrivalSpec(kind="concurrency", concurrency=flood), args.flood_output_len,
+                   args.duration, args.tenants)
+        runs.append(run_load(low) if flood_client is None else
+                    asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
     cpu, started = _cpu_s(pid), time.monotonic()
     results = await asyncio.gather(*runs)
     cpu_per_s = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
@@ -143,6 +161,9 @@ async def window(url: str, pid: int, args: argparse.Namespace, flood: int) -> di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--flood", default="16,48", help="streams in flight per window (comma-separated)")
+    p.add_argument("--tenants", action="store_true",
+                   help="the probe as a high-priority tenant, the flood as a low-priority one (its client in its own "
+                        "process)")
     p.add_argument("--tick-ms", type=float, default=10.0, help="one token to every stream this often")
     p.add_argument("--flood-output-len", type=int, default=128)
     p.add_argument("--probe-rate", type=float, default=4.0, help="probe requests per second (Poisson)")
@@ -154,10 +175,11 @@ def main() -> None:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(args.port, args.tick_ms / 1e3, args.stream_interval, not args.no_hold)
+        serve(args.port, args.tick_ms / 1e3, args.stream_interval, not args.no_hold, args.tenants)
         return
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port),
                                "--stream-interval", str(args.stream_interval), *(["--no-hold"] * args.no_hold),
+                               *(["--tenants"] * args.tenants),
                                "--tick-ms", str(args.tick_ms)])
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -172,9 +194,16 @@ def main() -> None:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise SystemExit("the coordinator did not start")
             time.sleep(0.2)
-        asyncio.run(window(url, server.pid, argparse.Namespace(**{**vars(args), "duration": 3.0}), 8))  # warm
+        flood_client = None
+        if args.tenants:
+            flood_client = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
+            flood_client.submit(int).result()  # started before any window's clock runs
+        asyncio.run(window(url, server.pid, argparse.Namespace(**{**vars(args), "duration": 3.0}), 8,
+                           flood_client))  # warm
         for flood in [0] + [int(x) for x in args.flood.split(",")]:
-            print(json.dumps(asyncio.run(window(url, server.pid, args, flood))), flush=True)
+            print(json.dumps(asyncio.run(window(url, server.pid, args, flood, flood_client))), flush=True)
+        if flood_client is not None:
+            flood_client.shutdown()
     finally:
         server.terminate()
         server.wait(30)
