@@ -6,8 +6,8 @@ the others' work, and that shows here before it shows in latencies: a timer asks
 tick's lateness (the loop was busy past its due time) goes into an exponentially weighted mean (weight `alpha`: a
 time constant of period / alpha), exported as `pdserve_coordinator_loop_lag_seconds`. The mean hides a single long
 stall (a full garbage collection, one slow callback) that delays every request arriving meanwhile, so the ticks at
-least STALL_S late are also counted (`pdserve_coordinator_loop_stalls_total`) and the latest tick's worst lateness
-kept (`pdserve_coordinator_loop_lag_max_seconds`). Runs on the loop's thread.
+least STALL_S late are also counted (`pdserve_coordinator_loop_stalls_total`) and the worst tick's lateness since
+start kept (`pdserve_coordinator_loop_lag_max_seconds`). Runs on the loop's thread.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class LoopLag:
         self.alpha = alpha
         self.mean_s = 0.0  # weighted mean lateness of the ticks
         self.stalls = 0    # ticks at least STALL_S late
-        self.max_s = 0.0   # the latest tick's lateness, at most
+        self.max_s = 0.0   # the worst tick's lateness since start
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
 

@@ -32,7 +32,7 @@ _WORKER_HELP = {
 _LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
                                   "timer): near 0 idle, milliseconds when every stream's work queues behind others'",
               "loop_stalls_total": "Ticks of that timer at least 10 ms late: stalls of every request on the loop",
-              "loop_lag_max_seconds": "The latest tick of that timer, at most, since start",
+              "loop_lag_max_seconds": "The worst lateness of that timer's ticks since start, seconds",
               "gc_pauses_total": "Garbage collections in the coordinator's process (each pauses its event loop)",
               "gc_full_collections_total": "Of those, full (generation 2) collections",
               "gc_pause_seconds_total": "Seconds the coordinator's process spent in garbage collections",

@@ -107,8 +107,10 @@ class ModelRunner:
         """The step's final hidden states [T, h]: a prefill graph's replay where one fits (no hook, not `eager`),
         else the eager forward. TP followers call it alike, so every rank makes the same choice."""
         graphs = self.prefill_graphs
-        if not eager and on_layer_done is None and graphs is not None and graphs.fits(input_ids.shape[0], step.meta):
-            return graphs.run(input_ids, step.positions, step.meta)
+        if not eager and on_layer_done is None and graphs is not None:
+            key = graphs.bucket(input_ids.shape[0], step.meta)
+            if key is not None:
+                return graphs.run(key, input_ids, step.positions, step.meta)
         return self.model(input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -36,25 +36,29 @@ class PrefillBuckets:
                 self.tokens.append(t)
                 t *= 2
             self.tokens.append(max_tokens)
-        self.max_seqs = max_seqs
+        self._seqs = {t: _seq_buckets(max(1, min(t // 2, max_seqs))) for t in self.tokens}
 
     def seqs(self, tokens: int) -> list[int]:
-        cap = max(1, min(tokens // 2, self.max_seqs))
-        out, n = [], 1
-        while n < cap:
-            out.append(n)
-            n *= 2
-        return out + [cap]
+        return self._seqs[tokens]
 
     def all(self) -> list[tuple[int, int]]:
-        return [(t, n) for t in self.tokens for n in self.seqs(t)]
+        return [(t, n) for t in self.tokens for n in self._seqs[t]]
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
         t = next((b for b in self.tokens if b >= num_tokens), None)
         if t is None or num_seqs < 1:
             return None
-        n = next((b for b in self.seqs(t) if b >= num_seqs), None)
+        n = next((b for b in self._seqs[t] if b >= num_seqs), None)
         return None if n is None else (t, n)
+
+
+def _seq_buckets(cap: int) -> list[int]:
+    """1, 2, 4, ... below cap, then cap."""
+    out, n = [], 1
+    while n < cap:
+        out.append(n)
+        n *= 2
+    return out + [cap]
 
 
 class PrefillGraphs:
@@ -77,18 +81,19 @@ class PrefillGraphs:
         if capture:
             self._capture()
 
-    def fits(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        return meta.num_decode == 0 and self.buckets.bucket_for(num_tokens, len(meta.prefill_lens)) is not None
+    def bucket(self, num_tokens: int, meta: AttentionMetadata) -> tuple[int, int] | None:
+        """The (tokens, chunks) graph a step replays; None for a step with decode rows or above the bound."""
+        return None if meta.num_decode else self.buckets.bucket_for(num_tokens, len(meta.prefill_lens))
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A prefill-only step that `fits` -> final hidden states [T, hidden]. input_ids, positions [T] and meta
-        are the step's device tensors."""
+    def run(self, key: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """A prefill-only step in graph `key` (from bucket()) -> final hidden states [T, hidden]. input_ids,
+        positions [T] and meta are the step's device tensors."""
         t, n = input_ids.shape[0], len(meta.prefill_lens)
-        key = self.buckets.bucket_for(t, n)
-        if meta.num_decode or key is None:
-            raise ValueError(f"no prefill graph for {t} tokens in {n} chunks with {meta.num_decode} decode rows")
         tb, nb = key
+        if meta.num_decode or t > tb or n > nb:
+            raise ValueError(f"graph {key} cannot run {t} tokens in {n} chunks with {meta.num_decode} decode rows")
         width = meta.prefill_block_tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a prefill chunk has {width} blocks; the graphs were captured for at most "
