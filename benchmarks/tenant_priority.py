@@ -6,7 +6,8 @@
    Prints the high tenant's TTFT p50/p99 per window, the ratio to the window without a flood (the reference,
    same run), where its time went (the server's phases, means), the low tenant's throughput, and the coordinator
    process's CPU use (seconds of CPU per second: 1.0 is one core saturated, where queueing in its event loop,
-   which priority cannot reorder, sets in).
+   which priority cannot reorder, sets in); with `--set server.api_processes=N` (N > 1), the core's and the HTTP
+   frontends' together (`frontends_cpu`).
    `--low-stream-interval N` streams the flood N tokens a chunk (the tenant's stream_interval).
 2. Preemptions (`--skip-preemptions` leaves it out): the decode engines' preemption counter per 1,000 finished
    requests under the largest flood, with `admission.reserve_output` 1.0 (the whole output booked at admission) and
@@ -64,6 +65,24 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _frontends(pid: int) -> list[int]:
+    """The server's HTTP frontend processes (server.api_processes > 1), children of its core process."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"coordinator.frontends.main" in (entry / "cmdline").read_bytes() and \
+                    int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _server_cpu_s(pid: int, frontends: list[int]) -> tuple[float, float]:
+    """(the core process's CPU seconds, its HTTP frontends' together); one process serves both without frontends."""
+    return _cpu_s(pid), sum(_cpu_s(f) for f in frontends)
+
+
 def _slowest(results: list, n: int) -> list[dict]:
     """The n high requests with the longest TTFT: when each started (seconds into the window: a periodic stall
     shows as regular starts) and the server's phases (ms; `overhead` includes the tail after the last token)."""
@@ -112,21 +131,24 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
         low = _load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args, args.flood_output_len,
                     duration)
         runs.append(asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
-    cpu, started, stalls = _cpu_s(pid), time.monotonic(), _stall_counts(url)
+    frontends = _frontends(pid)
+    cpu, started, stalls = _server_cpu_s(pid, frontends), time.monotonic(), _stall_counts(url)
     client_gc = GcPauses()  # this process's collections delay the high tenant's chunk stamps: counted apart
     client_gc.install()
     try:
         results = await asyncio.gather(*runs)
     finally:
         client_gc.remove()
-    cpu = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
+    elapsed = time.monotonic() - started
+    cpu = [round((now - then) / elapsed, 2) for now, then in zip(_server_cpu_s(pid, frontends), cpu, strict=True)]
     stalls = {k: round(v - stalls.get(k, 0.0), 3) for k, v in _stall_counts(url).items()}
     lag_ms = 1e3 * sum(metric_values(url, "pdserve_coordinator_loop_lag_seconds").values())  # the last ~50 ms
     summary = summarize(results[0], SLO())
     phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
     out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                                                 "itl_p99_ms") if k in summary} | {
-        "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": round(cpu, 2),
+        "high_requests": summary["requests"], "high_failed": summary["failed"], "coordinator_cpu": cpu[0],
+        "frontends_cpu": cpu[1] if frontends else None,
         "coordinator_loop_lag_ms_at_end": round(lag_ms, 2), "stalls_in_window": stalls,
         "coordinator_gc_max_ms_so_far": round(1e3 * max(
             metric_values(url, "pdserve_coordinator_gc_pause_max_s").values(), default=0.0), 1),

@@ -12,6 +12,7 @@ draining; otherwise 503 with each worker's state).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +23,18 @@ from coordinator import errors
 
 
 def health_response(backend: Any, draining: bool) -> JSONResponse:
+    """ok / draining / unavailable, with the workers; with several HTTP processes, also which one answered
+    (`http_process`, its index: coordinator.frontends)."""
     healthy, workers = backend.health() if hasattr(backend, "health") else (True, [])
+    process = getattr(backend, "process_index", None)
+    extra = {} if process is None else {"http_process": process}
     if draining:
-        return JSONResponse({"status": "draining", "workers": workers}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "draining", "workers": workers, **extra}, status_code=503,
+                            headers={"Retry-After": "1"})
     if not healthy:
-        return JSONResponse({"status": "unavailable", "workers": workers}, status_code=503,
+        return JSONResponse({"status": "unavailable", "workers": workers, **extra}, status_code=503,
                             headers={"Retry-After": "5"})
-    return JSONResponse({"status": "ok", "workers": workers})
+    return JSONResponse({"status": "ok", "workers": workers, **extra})
 
 
 def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) -> None:
@@ -40,6 +46,8 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
         check_auth(request)
         try:
             found = backend.kill_worker(name) if rank is None else await backend.kill_rank(name, rank)
+            if inspect.isawaitable(found):  # a frontend process asks the core (coordinator.frontends)
+                found = await found
         except ValueError as e:
             raise errors.APIError(400, str(e), "invalid_request_error", "invalid_value", "rank") from None
         if not found:

@@ -52,7 +52,10 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     return Tokenizer.from_folder(model_path)
 
 
-def create_app(backend: ServingBackend, settings: ServerSettings, tenants: TenantsConfig | None = None) -> FastAPI:
+def create_app(backend: ServingBackend, settings: ServerSettings, tenants: TenantsConfig | None = None,
+               registry: TenantRegistry | None = None) -> FastAPI:
+    """The app over `backend`. `registry`: the tenants' live state, when it is not this process's own (an HTTP
+    frontend process charges the core's: coordinator.frontends); by default one made from `tenants`."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -65,7 +68,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics(app.state.model_name)
-    app.state.tenants = TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one server key, or tenants'
+    app.state.tenants = registry or TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one key, or tenants'
     app.state.metrics.watch(backend, app.state.lifecycle, app.state.tenants)  # read afresh at each scrape
     errors.install_handlers(app, app.state.metrics.errors.inc)
 
@@ -78,7 +81,9 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(app.state.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+        refresh = getattr(backend, "refresh", None)  # an HTTP frontend process: the core's figures and the other
+        others = await refresh() if refresh is not None else ()  # frontends' shares (coordinator.frontends)
+        return Response(app.state.metrics.exposition(others), media_type=METRICS_CONTENT_TYPE)
 
     app.include_router(model_api.router)  # /v1/models, /version, /tokenize, /detokenize
 
@@ -161,7 +166,7 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
                       req.skip_special_tokens, req.min_tokens)
     ticket = app.state.lifecycle.admit()
     try:
-        grant = app.state.tenants.admit(tenant, len(prompt), max_tokens)  # 429 past the tenant's limits
+        grant = await app.state.tenants.charge(tenant, len(prompt), max_tokens)  # 429 past the tenant's limits
     except BaseException:
         ticket.release()
         raise

@@ -25,8 +25,9 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
     fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
     ticket = app.state.lifecycle.admit()
     try:
-        grant = app.state.tenants.admit(tenant, sum({id(c.fanout): len(c.prompt_ids) for c in choices}.values()),
-                                        sum(c.gen.request.params.max_tokens for c in choices))
+        grant = await app.state.tenants.charge(tenant,
+                                               sum({id(c.fanout): len(c.prompt_ids) for c in choices}.values()),
+                                               sum(c.gen.request.params.max_tokens for c in choices))
     except BaseException:
         ticket.release()
         raise

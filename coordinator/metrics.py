@@ -14,10 +14,13 @@ flips a global for every registry in the process), and vLLM-compatible aliases (
 `model_name` as vLLM labels them) of the histograms and token counters, so a dashboard built for vLLM reads
 pdserve. Label names print in sorted order (generate_latest sorts them); Prometheus compares label sets, not order.
 
-Multiprocess mode (PROMETHEUS_MULTIPROC_DIR) is not needed and not used: it exists for servers that fork several
-processes each holding a copy of the metrics. The coordinator is one process with one event loop; the workers'
-figures reach it over Ray as backend.stats(), which the collector reads at scrape time, so there is nothing to
-merge across processes. prometheus_client's metric objects lock internally, so a thread may observe too.
+Several HTTP processes (`server.api_processes` > 1, coordinator.frontends): each frontend counts its own requests;
+the one a scrape reaches asks the core for every other frontend's `local_families()` (its request figures and
+lifecycle gauges) and `exposition(others)` adds them in, sample by sample (counters, histograms and in-flight
+gauges sum; the draining flag takes the maximum), so /metrics reads the same whichever process answers. The
+backend's and tenants' figures come from the core once (CoreBackend.refresh). prometheus_client's multiprocess
+mode (PROMETHEUS_MULTIPROC_DIR, a process-wide switch over shared files) is not used. Its metric objects lock
+internally, so a thread may observe too.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 
-from coordinator.metrics_backend import BackendCollector
+from coordinator.metrics_backend import BackendCollector, lifecycle_families
 from coordinator.phases import PHASES
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -39,6 +42,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 # phases range from tens of microseconds (ingress, a decode join) to minutes (decode of a long output)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0, 20.0, 40.0, 80.0)
+MAX_GAUGES = {"pdserve_draining"}  # merged across HTTP processes by their maximum, not their sum
 OUTCOMES = ("finished", "aborted", "failed", "timeout", "rejected")
 # family -> vLLM's name for the same figure (the gauges vllm:num_requests_* and vllm:kv_cache_usage_perc come
 # from coordinator.metrics_backend)
@@ -85,25 +89,39 @@ class Metrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated for clients", registry=reg)
 
+        self._local = [self.ttft, self.itl, self.e2e, self.phases, self.requests._counter, self.errors._counter,
+                       self.prompt_tokens, self.generation_tokens]
+        self._lifecycle: Any = None
+
     def watch(self, backend: Any, lifecycle: Any, tenants: Any = None) -> BackendCollector:
         """Export, at each scrape, `backend.stats()`, `lifecycle.in_flight` / `.draining` and `tenants.usage()`."""
         collector = BackendCollector(backend, lifecycle, tenants, self.model_name)
         self.registry.register(collector)
+        self._lifecycle = lifecycle
         return collector
 
-    def exposition(self) -> bytes:
-        """The Prometheus text exposition of everything on the registry, without `_created`, with vLLM aliases."""
-        return generate_latest(_Exported(self.registry, self.model_name))  # type: ignore[arg-type]
+    def local_families(self) -> list[Metric]:
+        """This process's own request figures and lifecycle gauges: what another HTTP process adds to its scrape."""
+        families = [f for metric in self._local for f in metric.collect()]
+        if self._lifecycle is not None:
+            families += lifecycle_families(self._lifecycle)
+        return families
+
+    def exposition(self, others: Iterable[list[Metric]] = ()) -> bytes:
+        """The Prometheus text exposition of everything on the registry, without `_created`, with vLLM aliases;
+        `others`: other HTTP processes' local_families(), added in."""
+        return generate_latest(_Exported(self.registry, self.model_name, list(others)))  # type: ignore[arg-type]
 
 
 class _Exported:
-    """What /metrics prints: the registry's families, `_created` samples dropped, VLLM_ALIASES added."""
+    """What /metrics prints: the registry's families (plus other processes' shares), `_created` samples dropped,
+    VLLM_ALIASES added."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.registry, self.model_name = registry, model_name
+    def __init__(self, registry: CollectorRegistry, model_name: str, others: list[list[Metric]]) -> None:
+        self.registry, self.model_name, self.others = registry, model_name, others
 
     def collect(self) -> Iterator[Metric]:
-        for family in self.registry.collect():
+        for family in merged(self.registry.collect(), self.others):
             samples = [s for s in family.samples if s.name != family.name + "_created"]
             yield _family(family, family.name, samples)
             alias = VLLM_ALIASES.get(family.name)
@@ -111,6 +129,29 @@ class _Exported:
                 yield _family(family, alias, [s._replace(name=alias + s.name[len(family.name):],
                                                          labels={**s.labels, "model_name": self.model_name})
                                               for s in samples])
+
+
+def merged(own: Iterable[Metric], others: list[list[Metric]]) -> Iterator[Metric]:
+    """`own` families with the samples of the same names in `others` added (MAX_GAUGES take the largest)."""
+    extra: dict[str, list[Metric]] = {}
+    for families in others:
+        for family in families:
+            extra.setdefault(family.name, []).append(family)
+    for family in own:
+        if family.name not in extra:
+            yield family
+            continue
+        values: dict[tuple, Any] = {}
+        for f in (family, *extra[family.name]):
+            for sample in f.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = values.get(key)
+                if old is None:
+                    values[key] = sample
+                else:
+                    value = max(old.value, sample.value) if family.name in MAX_GAUGES else old.value + sample.value
+                    values[key] = old._replace(value=value)
+        yield _family(family, family.name, list(values.values()))
 
 
 def _family(like: Metric, name: str, samples: list) -> Metric:

@@ -49,12 +49,8 @@ class BackendCollector:
             stats = self.backend.stats()
         except Exception:  # noqa: BLE001 - a scrape must not fail because the backend's figures did
             stats, self.stats_errors = None, self.stats_errors + 1
-        families = [_family("pdserve_requests_in_flight", "Requests admitted and not yet ended",
-                            [({}, self.lifecycle.in_flight)]),
-                    _family("pdserve_draining", "1 while the server refuses new requests",
-                            [({}, int(self.lifecycle.draining))]),
-                    _family("pdserve_backend_stats_errors", "Scrapes where backend.stats() failed",
-                            [({}, self.stats_errors)])]
+        families = lifecycle_families(self.lifecycle) + [
+            _family("pdserve_backend_stats_errors", "Scrapes where backend.stats() failed", [({}, self.stats_errors)])]
         if isinstance(stats, dict):
             families += backend_families(stats) + self._vllm_families(stats)
         usage = self.tenants.usage() if self.tenants is not None else None
@@ -79,6 +75,12 @@ class BackendCollector:
                  if (free := _number(w.get("free_blocks"))) is not None and (total := _number(w.get("total_blocks")))]
         return out + [_family("vllm:kv_cache_usage_perc", "Fraction of each worker's KV blocks in use (vLLM's name)",
                               usage)]
+
+
+def lifecycle_families(lifecycle: Any) -> list[Metric]:
+    """The HTTP process's requests in flight and its draining flag."""
+    return [_family("pdserve_requests_in_flight", "Requests admitted and not yet ended", [({}, lifecycle.in_flight)]),
+            _family("pdserve_draining", "1 while the server refuses new requests", [({}, int(lifecycle.draining))])]
 
 
 def backend_families(stats: dict) -> list[Metric]:

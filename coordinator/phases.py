@@ -98,6 +98,22 @@ class PhaseTrace:
             self._final = self.snapshot(now)
         return dict(self._final)
 
+    def state(self) -> tuple[float, dict[str, float], float]:
+        """(start, seconds per phase so far, cursor): what another process needs to go on with this trace."""
+        return self.start, dict(self._seconds), self._cursor
+
+    @classmethod
+    def restored(cls, state: tuple[float, dict[str, float], float]) -> PhaseTrace:
+        trace = cls(state[0])
+        trace.adopt(state)
+        return trace
+
+    def adopt(self, state: tuple[float, dict[str, float], float]) -> None:
+        """Take over another process's copy of this trace (it went on marking it): its phases and cursor. Both
+        read the same clock (time.monotonic is system-wide on a host). A finished trace does not change."""
+        if self._final is None and state[2] >= self._cursor:
+            self._seconds, self._cursor = dict(state[1]), state[2]
+
     def _add(self, phase: str, seconds: float) -> None:
         if self._final is None:
             self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds

@@ -59,7 +59,7 @@ def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> uvic
     return uvicorn.Config(app, **{**kwargs, **overrides})
 
 
-class _DrainingServer(uvicorn.Server):
+class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose exit signal first drains in-flight requests."""
 
     def __init__(self, config: uvicorn.Config, lifecycle, drain_timeout_s: float) -> None:
@@ -111,12 +111,14 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
     backend = RayBackend(config)
     try:
         await backend.start()
+        if config.server.api_processes > 1:
+            from coordinator.frontends.core_process import serve_core
+            await serve_core(config, backend, listener, ready)
+            return
         app = create_app(backend, config.server, config.tenants)
         uv_config = uvicorn_config(app, config.server)
-        server = _DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
-        log.warning("pdserve: %s mode, %d prefill + %d decode workers, serving %s on http://%s:%d",
-                    config.mode, len(backend.pools.prefill), len(backend.pools.decode), backend.model_name,
-                    config.server.host, config.server.port)
+        server = DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
+        _log_serving(config, backend)
         if ready is not None:
             ready.set()
         # what start-up built (Ray, torch, the app: ~0.2-0.5 M objects) lives as long as the server: collections
@@ -128,3 +130,10 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
         # (triton's nanobind) then print hundreds of "leaked" lines over the log's drain messages
         listener.close()
         await backend.shutdown()
+
+
+def _log_serving(config: ServeConfig, backend: Any) -> None:
+    processes = f", {config.server.api_processes} HTTP processes" if config.server.api_processes > 1 else ""
+    log.warning("pdserve: %s mode, %d prefill + %d decode workers%s, serving %s on http://%s:%d", config.mode,
+                len(backend.pools.prefill), len(backend.pools.decode), processes, backend.model_name,
+                config.server.host, config.server.port)

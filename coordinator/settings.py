@@ -31,6 +31,9 @@ class ServerSettings:
     # a streamed response sends a chunk per this many new tokens (the first token and the end at once): larger
     # values trade smoothness for the coordinator's CPU per token (vLLM's and SGLang's --stream-interval)
     stream_interval: int = 1
+    # HTTP processes: above 1, each serves connections (parsing, tokenization, detokenization, SSE) while one core
+    # process keeps the workers, admission and tenants' limits (coordinator.frontends; vLLM's --api-server-count)
+    api_processes: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +55,8 @@ class ServerSettings:
             ("tool_call_parser", self.tool_call_parser in PARSERS, f"must be one of {list(PARSERS)}"),
             ("stream_interval", _is_int(self.stream_interval) and 1 <= self.stream_interval <= 1024,
              "must be an integer in [1, 1024]"),
+            ("api_processes", _is_int(self.api_processes) and 1 <= self.api_processes <= 64,
+             "must be an integer in [1, 64]"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -209,12 +209,8 @@ class Grant:
     def settle(self, completion_tokens: int, outcome: str = "ok", prompt_processed: bool = True) -> bool:
         """Correct the token charge to prompt + `completion_tokens` (the prompt too is given back when it was
         never processed) and count the request under `outcome`. Only the first call acts; it returns True."""
-        _check_count("completion_tokens", completion_tokens)
-        if not isinstance(outcome, str) or not _OUTCOME.fullmatch(outcome):
-            raise ValueError(f"outcome must be a lowercase identifier, got {outcome!r}")
-        if self.settled:
+        if not self._first_settle(completion_tokens, outcome):
             return False
-        self.settled = True
         tenant = self.tenant
         if tenant._tokens is not None:
             refund = self.max_tokens - completion_tokens + (0 if prompt_processed else self.prompt_tokens)
@@ -224,6 +220,17 @@ class Grant:
         counters["prompt_tokens"] += self.prompt_tokens if prompt_processed else 0
         counters["completion_tokens"] += completion_tokens
         counters[f"requests_{outcome}"] = counters.get(f"requests_{outcome}", 0) + 1
+        return True
+
+
+    def _first_settle(self, completion_tokens: int, outcome: str) -> bool:
+        """Check settle()'s arguments; True the first time (the grant is then settled), False after."""
+        _check_count("completion_tokens", completion_tokens)
+        if not isinstance(outcome, str) or not _OUTCOME.fullmatch(outcome):
+            raise ValueError(f"outcome must be a lowercase identifier, got {outcome!r}")
+        if self.settled:
+            return False
+        self.settled = True
         return True
 
 
@@ -280,6 +287,11 @@ class TenantRegistry:
                 bucket.level -= amount
         tenant.counters["in_flight"] += 1
         return Grant(tenant, prompt_tokens, max_tokens)
+
+    async def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
+        """admit(), as the HTTP layer calls it: an HTTP frontend process charges the core's buckets instead
+        (coordinator.frontends.remote_tenants), so every process shares one set of limits."""
+        return self.admit(tenant, prompt_tokens, max_tokens)
 
     def usage(self) -> dict[str, dict[str, float]]:
         """Per tenant: in_flight, prompt_tokens and completion_tokens (of ended requests), rate_limited (refused

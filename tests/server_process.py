@@ -201,21 +201,21 @@ def wait_for_health(url: str, code: int, timeout_s: float = 120.0) -> dict:
         time.sleep(0.1)
 
 
-def admin_integrity(url: str) -> dict:
+def admin_integrity(url: str, key: str | None = None) -> dict:
     """GET /admin/integrity (needs server.admin_api): the coordinator's bookings and every engine's blocks."""
-    r = httpx.get(f"{url}/admin/integrity", timeout=30)
+    r = httpx.get(f"{url}/admin/integrity", timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def assert_nothing_booked(url: str) -> dict:
+def assert_nothing_booked(url: str, key: str | None = None) -> dict:
     """Once the workers are idle: integrity holds, the coordinator books nothing and no engine holds a block in
     use or pinned (needs server.admin_api). Returns the integrity report. The load metrics lag a poll behind, so
     idle means: the engines report nothing in use or pinned, for up to `IDLE_TIMEOUT_S` (a leak stays)."""
     wait_for_idle_workers(url)
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
-        integrity = admin_integrity(url)
+        integrity = admin_integrity(url, key)
         held = [c for c in integrity["workers"].values() if c["in_use"] or c["pinned"]]
         if not held or not integrity["ok"] or time.monotonic() > deadline:
             break

@@ -3,7 +3,7 @@
 5xx bodies carry no pid, IP, actor id or namespace; chat content's special-token text never becomes control
 tokens (unless allowed); only documented chat_template_kwargs; infinite floats, unknown roles, null content and
 non-JSON content types refused; `pdserve --help` lists every command; a SIGKILLed `pdserve serve` (the real one)
-leaves no process of its Ray behind."""
+leaves no process of its Ray (or of its HTTP processes, `server.api_processes`) behind."""
 
 import json
 import os
@@ -302,8 +302,8 @@ def test_sigkill_of_pdserve_serve_leaves_no_process_of_its_ray_behind(tmp_path):
     from tests.server_process import HALF_CPU
     port = free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text(json.dumps({"model": "tiny", "prefill": HALF_CPU, "decode": HALF_CPU,
-                                  "server": {"host": "127.0.0.1", "port": port}}))  # JSON is YAML
+    config.write_text(json.dumps({"model": "tiny", "prefill": HALF_CPU, "decode": HALF_CPU,  # JSON is YAML
+                                  "server": {"host": "127.0.0.1", "port": port, "api_processes": 2}}))
     with open(tmp_path / "server.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(config)], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -319,6 +319,7 @@ def test_sigkill_of_pdserve_serve_leaves_no_process_of_its_ray_behind(tmp_path):
         tree = _tree(proc.pid)
         commands = [cmd for _, cmd in tree.values()]
         assert any("raylet" in c for c in commands) and any("ray::DashboardAgent" in c for c in commands), commands
+        assert sum("coordinator.frontends.main" in c for c in commands) == 2, commands  # its HTTP processes too
         watchdogs = [pid for pid, (_, cmd) in tree.items() if "watchdog_main" in cmd]
         assert len(watchdogs) == 1, commands
         proc.kill()  # SIGKILL: no handler, no atexit, no drain

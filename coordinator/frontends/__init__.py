@@ -1,0 +1,3 @@
+"""HTTP frontends: `server.api_processes` > 1 serves HTTP from several processes in front of one core process that keeps
+the workers (core_process, core_service), over one Link each (link, wire); a frontend's backend is the core
+(core_client) and its tenants' limits are the core's (remote_tenants); processes starts and restarts them."""

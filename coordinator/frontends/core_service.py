@@ -1,0 +1,248 @@
+"""CoreService: the core process's side of the HTTP frontends (`server.api_processes` > 1).
+
+The core owns the ServingBackend (the Ray pools, admission, routing, every booking) and the tenants' rate-limit
+buckets; each frontend process owns HTTP for its connections (parsing, tokenization, detokenization, SSE) and talks to
+the core over one Link. Per frontend message:
+- ("open", sid, group, request, trace_state): run backend.generate (group: generate_group) in a task of its own and
+  send ("delta", sid, delta, trace_state | None) per delta (a group's delta is (choice index, delta)), the trace on a
+  single stream's first and last delta; then ("end", sid, error | None, trace_state). A stream the frontend closes
+  early sends nothing more.
+- ("close", sid): cancel that task: the backend's own exit path aborts the request and releases what it booked.
+- ("stop", sid, index): the group's choice `index` is over (GroupStream.stop).
+- ("call", cid, name, args): one of CALLS; answered ("reply", cid, error | None, value) unless cid is None.
+- ("collected", cid, families): a frontend's own metrics, asked for with ("collect", cid) when another frontend
+  answers a scrape (`metrics_state`).
+Every 0.5 s (and when the frontend connects) it sends ("state", health, stats): the frontends answer /health and
+read the backend's figures from it.
+A frontend whose link ends (it exited or died) has every stream it opened cancelled and every tenant charge it held
+settled as aborted, so nothing it started stays booked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any
+
+from coordinator.backend import BackendError, ServingBackend
+from coordinator.errors import APIError
+from coordinator.frontends.link import Link, LinkClosed
+from coordinator.frontends.wire import encode_error, trace_from, trace_state
+from coordinator.serve_config import FaultsConfig
+from coordinator.tenants import Grant, TenantRegistry
+
+log = logging.getLogger("pdserve")
+STATE_PERIOD_S = 0.5
+COLLECT_TIMEOUT_S = 2.0  # a frontend too busy to send its metrics in this long is left out of that scrape
+
+
+class _Frontend:
+    """One connected frontend: its link, its streams' tasks and groups, its tenants' open charges."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.groups: dict[int, Any] = {}
+        self.grants: dict[int, Grant] = {}
+        self.collecting: dict[int, asyncio.Future] = {}  # its metrics asked for, by call id
+        self.index: int | None = None  # its index among the frontends, once it said it is ready
+
+
+class CoreService:
+    CALLS = ("integrity", "kill_worker", "kill_rank", "set_faults", "tenant_admit", "tenant_settle", "metrics_state",
+             "frontend_ready")
+
+    def __init__(self, backend: ServingBackend, tenants: TenantRegistry, model_name: str) -> None:
+        self.backend, self.tenants, self.model_name = backend, tenants, model_name
+        self._frontends: set[_Frontend] = set()
+        self._grant_ids = itertools.count()
+        self._server: asyncio.AbstractServer | None = None
+        self._pusher: asyncio.Task | None = None
+        self._ready: set[int] = set()  # frontends accepting connections (by index)
+        self._ready_changed = asyncio.Event()
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path, limit=1 << 30)
+        self._pusher = asyncio.get_running_loop().create_task(self._push_state())
+
+    async def close(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+        if self._server is not None:
+            self._server.close()
+        for fe in list(self._frontends):
+            fe.link.close()
+            await self._forget(fe)
+
+    async def wait_ready(self, count: int, timeout: float) -> bool:
+        """Until `count` frontends accept connections (True), or `timeout` passes (False)."""
+        async def all_ready() -> None:
+            while len(self._ready) < count:
+                self._ready_changed.clear()
+                await self._ready_changed.wait()
+        try:
+            await asyncio.wait_for(all_ready(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def hello(self) -> dict:
+        b = self.backend
+        return {"model_name": b.model_name, "model_path": b.model_path, "max_model_len": b.max_model_len,
+                "vocab_size": b.vocab_size}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        fe = _Frontend(Link(reader, writer))
+        self._frontends.add(fe)
+        try:
+            fe.link.send(("hello", self.hello()))
+            self._send_state(fe)
+            async for batch in fe.link.batches():
+                for message in batch:
+                    self._handle(fe, message)
+        finally:
+            await self._forget(fe)
+
+    def _handle(self, fe: _Frontend, message: tuple) -> None:
+        kind = message[0]
+        if kind == "open":
+            _, sid, group, request, state = message
+            fe.tasks[sid] = asyncio.get_running_loop().create_task(self._stream(fe, sid, group, request, state))
+        elif kind == "close":
+            task = fe.tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        elif kind == "stop":
+            group = fe.groups.get(message[1])
+            if group is not None:
+                group.stop(message[2])
+        elif kind == "collected":
+            future = fe.collecting.get(message[1])
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == "call":
+            asyncio.get_running_loop().create_task(self._call(fe, *message[1:]))
+        else:
+            log.error("frontend link: unknown message %r", kind)
+
+    async def _stream(self, fe: _Frontend, sid: int, group: bool, request: Any, state: Any) -> None:
+        trace = trace_from(state)
+        request = replace(request, trace=trace)
+        send = fe.link.send
+        try:
+            if group:
+                run = fe.groups[sid] = self.backend.generate_group(request)
+                async with aclosing(run):
+                    async for pair in run:
+                        send(("delta", sid, pair, None))
+            else:
+                first = True
+                async with aclosing(self.backend.generate(request)) as deltas:
+                    async for delta in deltas:
+                        last = delta.finish_reason is not None
+                        send(("delta", sid, delta, trace_state(trace) if first or last else None))
+                        first = False
+            send(("end", sid, None, trace_state(trace)))
+        except LinkClosed:
+            pass  # the frontend is gone: _forget cancels the rest
+        except Exception as e:  # noqa: BLE001 - every failure ends the stream with an error, never silently
+            if not isinstance(e, (BackendError, APIError)):
+                log.exception("request %s failed in the core", getattr(request, "request_id", sid))
+            if not fe.link.closed:
+                send(("end", sid, encode_error(e), trace_state(trace)))
+        finally:
+            fe.tasks.pop(sid, None)
+            fe.groups.pop(sid, None)
+
+    async def _call(self, fe: _Frontend, cid: int | None, name: str, args: tuple) -> None:
+        try:
+            if name not in self.CALLS:
+                raise ValueError(f"unknown call {name!r}")
+            value = getattr(self, f"_call_{name}")(fe, *args)
+            if asyncio.iscoroutine(value):
+                value = await value
+            reply = ("reply", cid, None, value)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error
+            reply = ("reply", cid, encode_error(e), None)
+        if cid is not None and not fe.link.closed:
+            fe.link.send(reply)
+
+    # ---- calls
+    async def _call_integrity(self, fe: _Frontend) -> dict:
+        return await self.backend.integrity()
+
+    def _call_kill_worker(self, fe: _Frontend, name: str) -> bool:
+        return self.backend.kill_worker(name)
+
+    async def _call_kill_rank(self, fe: _Frontend, name: str, rank: int) -> bool:
+        return await self.backend.kill_rank(name, rank)  # a ValueError (no such rank) reaches the caller
+
+    async def _call_set_faults(self, fe: _Frontend, faults: FaultsConfig) -> None:
+        await self.backend.set_faults(faults)
+
+    def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
+        grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429
+        gid = next(self._grant_ids)
+        fe.grants[gid] = grant
+        return gid
+
+    def _call_tenant_settle(self, fe: _Frontend, gid: int, completion_tokens: int, outcome: str,
+                            prompt_processed: bool) -> None:
+        grant = fe.grants.pop(gid, None)
+        if grant is not None:
+            grant.settle(completion_tokens, outcome, prompt_processed)
+
+    def _call_frontend_ready(self, fe: _Frontend, index: int) -> None:
+        fe.index = index
+        self._ready.add(index)
+        self._ready_changed.set()
+
+    async def _call_metrics_state(self, fe: _Frontend) -> dict:
+        """For `fe`'s /metrics: the backend's and tenants' figures, and every other frontend's own share."""
+        others = [other for other in self._frontends if other is not fe]
+        shares = await asyncio.gather(*[self._collect(other) for other in others])
+        return {"stats": self.backend.stats(), "tenants": self.tenants.usage(),
+                "others": [share for share in shares if share is not None]}
+
+    async def _collect(self, fe: _Frontend) -> list | None:
+        cid = next(self._grant_ids)
+        future = fe.collecting[cid] = asyncio.get_running_loop().create_future()
+        try:
+            fe.link.send(("collect", cid))
+            return await asyncio.wait_for(future, COLLECT_TIMEOUT_S)
+        except (TimeoutError, LinkClosed):
+            log.warning("an HTTP frontend did not send its metrics within %.0f s", COLLECT_TIMEOUT_S)
+            return None
+        finally:
+            fe.collecting.pop(cid, None)
+
+    # ---- state and cleanup
+    def _send_state(self, fe: _Frontend) -> None:
+        try:
+            fe.link.send(("state", self.backend.health(), None))
+        except LinkClosed:
+            pass
+
+    async def _push_state(self) -> None:
+        while True:
+            await asyncio.sleep(STATE_PERIOD_S)
+            for fe in list(self._frontends):
+                self._send_state(fe)
+
+    async def _forget(self, fe: _Frontend) -> None:
+        if fe not in self._frontends:
+            return
+        self._frontends.discard(fe)
+        self._ready.discard(fe.index)
+        tasks = list(fe.tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for grant in fe.grants.values():
+            grant.settle(0, "aborted", prompt_processed=False)
+        fe.grants.clear()
+
