@@ -51,7 +51,7 @@ from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
 from coordinator.serve_config import load_serve_config, set_dotted  # noqa: E402
-from tests.server_process import running_server, worker_pids  # noqa: E402
+from tests.server_process import frontend_pids, running_server, worker_pids  # noqa: E402
 
 
 def _serving_config(args: argparse.Namespace) -> dict:
@@ -158,6 +158,9 @@ def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[st
     tokens = summary["completion_tokens_mean"] * summary["completed"]
     row = {"name": name, "output_tok_s": summary["output_token_throughput"], "tpot_p50_ms": summary["tpot_p50_ms"],
            "tokens": tokens, "client_cpu": summary["client_cpu"]}
+    frontends = [v for k, v in cpu.items() if k.startswith("frontend")]  # HTTP processes (server.api_processes)
+    cpu = {k: v for k, v in cpu.items() if not k.startswith("frontend")} | (
+        {"frontends": sum(frontends)} if frontends else {})
     return row | {f"{k}_cpu_us_per_tok": v * 1e6 / tokens for k, v in cpu.items()}
 
 
@@ -182,7 +185,8 @@ def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, i
 def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
     with running_server(tmp / "pdserve", config) as server:
         workers = worker_pids(server, "DecodeWorker")
-        pids = {"coordinator": server.pid} | ({"engine": workers[0]} if len(workers) == 1 else {})
+        pids = {"coordinator": server.pid} | ({"engine": workers[0]} if len(workers) == 1 else {}) | {
+            f"frontend{i}": pid for i, pid in frontend_pids(server.pid).items()}  # server.api_processes > 1
         return served_runs("pdserve", server.url, args, pids)
 
 
@@ -205,7 +209,7 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 def _table(rows: list[dict]) -> str:
     cols = ["name", "output_tok_s", "tpot_p50_ms", "engine_cpu_us_per_tok", "coordinator_cpu_us_per_tok",
-            "vllm_api_cpu_us_per_tok", "client_cpu"]
+            "frontends_cpu_us_per_tok", "vllm_api_cpu_us_per_tok", "client_cpu"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>26}" for c in cols)]
     for r in rows:

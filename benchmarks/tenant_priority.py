@@ -46,7 +46,7 @@ from benchclient.stats import SLO, summarize
 from benchclient.workload import WorkloadSpec
 from coordinator.serve_config import set_dotted
 from engine.gc_pauses import GcPauses
-from tests.server_process import metric_values, running_server
+from tests.server_process import frontend_pids, metric_values, running_server
 
 TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
            {"name": "bulk", "api_keys": ["k-low"], "priority": "low"}]
@@ -63,19 +63,6 @@ def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of one process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _frontends(pid: int) -> list[int]:
-    """The server's HTTP frontend processes (server.api_processes > 1), children of its core process."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"coordinator.frontends.main" in (entry / "cmdline").read_bytes() and \
-                    int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def _server_cpu_s(pid: int, frontends: list[int]) -> tuple[float, float]:
@@ -131,7 +118,7 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
         low = _load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args, args.flood_output_len,
                     duration)
         runs.append(asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
-    frontends = _frontends(pid)
+    frontends = list(frontend_pids(pid).values())
     cpu, started, stalls = _server_cpu_s(pid, frontends), time.monotonic(), _stall_counts(url)
     client_gc = GcPauses()  # this process's collections delay the high tenant's chunk stamps: counted apart
     client_gc.install()

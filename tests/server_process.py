@@ -52,6 +52,21 @@ def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
     return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
 
 
+def frontend_pids(server_pid: int) -> dict[int, int]:
+    """{index: pid} of a server's HTTP frontend processes (`server.api_processes` > 1: children of its core process,
+    coordinator.frontends); empty for a one-process server."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"coordinator.frontends.main" in cmd:
+            found[int(cmd[cmd.index(b"--index") + 1])] = int(entry.name)
+    return found
+
+
 def tp_followers(actor_pid: int) -> list[int]:
     """A tensor-parallel worker's follower processes: its spawned children (not multiprocessing's tracker)."""
     table = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout

@@ -7,13 +7,12 @@ held is freed (the core aborts them when its link ends)."""
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.inprocess_backend import wait_until
-from tests.server_process import HALF_CPU, assert_nothing_booked, metric_values, running_server
+from tests.server_process import HALF_CPU, assert_nothing_booked, frontend_pids, metric_values, running_server
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 1500  # the killed process's streams: far from done when it dies
@@ -47,20 +46,6 @@ def _pinned(url: str, key: str = "k-open", want: dict[int, int] | None = None) -
             return clients
         time.sleep(0.01)
     raise AssertionError(f"connections per HTTP process after 400 tries: { {i: len(c) for i, c in clients.items()} }")
-
-
-def _frontend_pids(server_pid: int) -> dict[int, int]:
-    """{index: pid} of the server's HTTP processes (children of its core process)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-        if ppid == server_pid and b"coordinator.frontends.main" in cmd:
-            found[int(cmd[cmd.index(b"--index") + 1])] = int(entry.name)
-    return found
 
 
 def _completion(client: httpx.Client, max_tokens: int = 6, **extra) -> httpx.Response:
@@ -103,7 +88,7 @@ def test_a_tenants_limit_is_one_limit_across_the_processes(server):
 
 
 def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(server):
-    pids = _frontend_pids(server.pid)
+    pids = frontend_pids(server.pid)
     assert sorted(pids) == [0, 1]
     clients = _pinned(server.url, want={0: 4, 1: 1})  # four streams' connections on process 0, one client on 1
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
@@ -123,7 +108,7 @@ def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(se
             cut += 1
     assert cut == len(responses)
     assert _completion(clients[1][0]).status_code == 200  # the other process serves meanwhile
-    assert wait_until(lambda: set(_frontend_pids(server.pid)) == {0, 1} and _frontend_pids(server.pid)[0] != pids[0],
+    assert wait_until(lambda: set(frontend_pids(server.pid)) == {0, 1} and frontend_pids(server.pid)[0] != pids[0],
                       60, 0.2)
     assert_nothing_booked(server.url, "k-open")
     # the core aborted the dead process's streams, rather than letting them run to their end

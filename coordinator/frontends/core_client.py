@@ -174,9 +174,11 @@ class CoreBackend:
     def _dispatch(self, batch: list) -> None:
         for message in batch:
             kind = message[0]
-            if kind in ("delta", "end"):
+            if kind in ("tokens", "delta", "end"):
                 queue = self._streams.get(message[1])
                 if queue is not None:
+                    if kind == "tokens":
+                        message = ("delta", message[1], TokenDelta(message[2], [], message[3]), message[4])
                     queue.put_nowait(message)
             elif kind == "reply":
                 future = self._calls.get(message[1])

@@ -4,8 +4,9 @@ The core owns the ServingBackend (the Ray pools, admission, routing, every booki
 buckets; each frontend process owns HTTP for its connections (parsing, tokenization, detokenization, SSE) and talks to
 the core over one Link. Per frontend message:
 - ("open", sid, group, request, trace_state): run backend.generate (group: generate_group) in a task of its own and
-  send ("delta", sid, delta, trace_state | None) per delta (a group's delta is (choice index, delta)), the trace on a
-  single stream's first and last delta; then ("end", sid, error | None, trace_state). A stream the frontend closes
+  send ("delta", sid, delta, trace_state | None) per delta (a group's delta is (choice index, delta); a single
+  stream's delta without logprobs goes as ("tokens", sid, token ids, finish reason, trace_state | None)), the trace
+  on a single stream's first and last delta; then ("end", sid, error | None, trace_state). A stream the frontend closes
   early sends nothing more.
 - ("close", sid): cancel that task: the backend's own exit path aborts the request and releases what it booked.
 - ("stop", sid, index): the group's choice `index` is over (GroupStream.stop).
@@ -142,8 +143,11 @@ class CoreService:
                 first = True
                 async with aclosing(self.backend.generate(request)) as deltas:
                     async for delta in deltas:
-                        last = delta.finish_reason is not None
-                        send(("delta", sid, delta, trace_state(trace) if first or last else None))
+                        state = trace_state(trace) if first or delta.finish_reason is not None else None
+                        if delta.logprobs or delta.prompt_logprobs is not None:
+                            send(("delta", sid, delta, state))
+                        else:  # the common case as plain data: a dataclass costs ~8x more to pickle
+                            send(("tokens", sid, delta.token_ids, delta.finish_reason, state))
                         first = False
             send(("end", sid, None, trace_state(trace)))
         except LinkClosed:
