@@ -100,6 +100,11 @@ class Metrics:
         self._lifecycle = lifecycle
         return collector
 
+    def add_local(self, collector: Any) -> None:
+        """Export `collector` here and count it among this process's own figures (an HTTP process's loop lag)."""
+        self.registry.register(collector)
+        self._local.append(collector)
+
     def local_families(self) -> list[Metric]:
         """This process's own request figures and lifecycle gauges: what another HTTP process adds to its scrape."""
         families = [f for metric in self._local for f in metric.collect()]

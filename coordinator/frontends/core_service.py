@@ -99,7 +99,7 @@ class CoreService:
         fe = _Frontend(Link(reader, writer))
         self._frontends.add(fe)
         try:
-            fe.link.send(("hello", self.hello()))
+            fe.link.send(("hello", self.hello()))  # the link is fresh: open, unless the frontend died already
             self._send_state(fe)
             async for batch in fe.link.batches():
                 for message in batch:

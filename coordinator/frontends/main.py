@@ -18,7 +18,9 @@ import sys
 
 from coordinator.app import create_app
 from coordinator.frontends.core_client import CoreBackend
+from coordinator.frontends.http_loop import HttpLoopCollector
 from coordinator.frontends.remote_tenants import RemoteTenants
+from coordinator.loop_lag import LoopLag
 from coordinator.serve import DrainingServer, log_config, uvicorn_config
 
 log = logging.getLogger("pdserve")
@@ -39,6 +41,8 @@ async def run(link_path: str, fd: int, settings_path: str, index: int) -> None:
     backend = CoreBackend(link_path, index)
     await backend.start()
     app = create_app(backend, settings, tenants, registry=RemoteTenants(tenants, settings.api_key, backend))
+    lag = LoopLag()  # this process's loop, in /metrics per process (the core's is pdserve_coordinator_loop_*)
+    app.state.metrics.add_local(HttpLoopCollector(lag, index))
     backend.local_metrics = app.state.metrics.local_families
     server = FrontendServer(uvicorn_config(app, settings), app.state.lifecycle, settings.drain_timeout_s)
 
@@ -54,11 +58,13 @@ async def run(link_path: str, fd: int, settings_path: str, index: int) -> None:
     backend.on_lost = core_lost
     ready = asyncio.get_running_loop().create_task(tell_ready())
     sock = socket.socket(fileno=fd)
+    lag.start()
     gc.freeze()  # as the one-process server: what start-up built stays out of full collections
     try:
         await server.serve(sockets=[sock])
     finally:
         ready.cancel()
+        lag.stop()
         gc.unfreeze()
         await backend.shutdown()
 

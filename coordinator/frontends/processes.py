@@ -2,7 +2,8 @@
 
 Each is `python -m coordinator.frontends.main`, given the listening socket (inherited: every frontend accepts on the
 same socket, and whichever is free first takes a new connection), the core's link path and the server settings.
-A frontend that exits while the server is not stopping is restarted (after RESTART_DELAY_S; its streams were
+A frontend that exits while the server is not stopping is restarted (after RESTART_DELAY_S, doubling up to
+MAX_RESTART_DELAY_S while it keeps dying within STABLE_S of its start; its streams were
 already ended by the core when its link closed, and its clients see their connections close). stop() sends each
 SIGTERM (a frontend drains: new requests 503, running streams get `server.drain_timeout_s`), a second stop() sends
 it again (stop now), and kill() ends what is left. Frontends stay in the core's process group (a signal to the
@@ -26,6 +27,8 @@ from coordinator.serve_config import ServeConfig
 
 log = logging.getLogger("pdserve")
 RESTART_DELAY_S = 1.0
+MAX_RESTART_DELAY_S = 30.0
+STABLE_S = 60.0  # a frontend that ran this long before it exited is restarted after RESTART_DELAY_S again
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,13 +58,19 @@ class Frontends:
             cwd=str(ROOT), env={**os.environ, "PYTHONPATH": _python_path()})
 
     async def _watch(self, index: int) -> None:
+        delay = RESTART_DELAY_S
         while True:
+            started = asyncio.get_running_loop().time()
             code = await self._procs[index].wait()
             if self._stopping:
                 return
             self.restarts += 1
-            log.error("HTTP frontend %d exited (status %s); restarting it", index, code)
-            await asyncio.sleep(RESTART_DELAY_S)
+            # one that keeps failing at once is retried less and less often (up to MAX_RESTART_DELAY_S apart)
+            lived = asyncio.get_running_loop().time() - started
+            delay = RESTART_DELAY_S if lived > STABLE_S else min(2 * delay, MAX_RESTART_DELAY_S)
+            log.error("HTTP frontend %d exited (status %s) after %.0f s; restarting it in %.0f s", index, code, lived,
+                      delay)
+            await asyncio.sleep(delay)
             if self._stopping:
                 return
             await self._spawn(index)
