@@ -13,8 +13,8 @@ the core over one Link. Per frontend message:
 - ("call", cid, name, args): one of CALLS; answered ("reply", cid, error | None, value) unless cid is None.
 - ("collected", cid, families): a frontend's own metrics, asked for with ("collect", cid) when another frontend
   answers a scrape (`metrics_state`).
-Every 0.5 s (and when the frontend connects) it sends ("state", health, stats): the frontends answer /health and
-read the backend's figures from it.
+Every 0.5 s (and when the frontend connects) it sends ("state", backend.health()), which the frontends' /health
+answers from.
 A frontend whose link ends (it exited or died) has every stream it opened cancelled and every tenant charge it held
 settled as aborted, so nothing it started stays booked.
 """
@@ -59,10 +59,9 @@ class CoreService:
     def __init__(self, backend: ServingBackend, tenants: TenantRegistry, model_name: str) -> None:
         self.backend, self.tenants, self.model_name = backend, tenants, model_name
         self._frontends: set[_Frontend] = set()
-        self._grant_ids = itertools.count()
+        self._ids = itertools.count()  # tenant charges' and metrics collections' ids
         self._server: asyncio.AbstractServer | None = None
         self._pusher: asyncio.Task | None = None
-        self._ready: set[int] = set()  # frontends accepting connections (by index)
         self._ready_changed = asyncio.Event()
 
     async def start(self, path: str) -> None:
@@ -81,7 +80,7 @@ class CoreService:
     async def wait_ready(self, count: int, timeout: float) -> bool:
         """Until `count` frontends accept connections (True), or `timeout` passes (False)."""
         async def all_ready() -> None:
-            while len(self._ready) < count:
+            while len({fe.index for fe in self._frontends if fe.index is not None}) < count:
                 self._ready_changed.clear()
                 await self._ready_changed.wait()
         try:
@@ -189,7 +188,7 @@ class CoreService:
 
     def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
         grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429
-        gid = next(self._grant_ids)
+        gid = next(self._ids)
         fe.grants[gid] = grant
         return gid
 
@@ -201,7 +200,6 @@ class CoreService:
 
     def _call_frontend_ready(self, fe: _Frontend, index: int) -> None:
         fe.index = index
-        self._ready.add(index)
         self._ready_changed.set()
 
     async def _call_metrics_state(self, fe: _Frontend) -> dict:
@@ -212,7 +210,7 @@ class CoreService:
                 "others": [share for share in shares if share is not None]}
 
     async def _collect(self, fe: _Frontend) -> list | None:
-        cid = next(self._grant_ids)
+        cid = next(self._ids)
         future = fe.collecting[cid] = asyncio.get_running_loop().create_future()
         try:
             fe.link.send(("collect", cid))
@@ -226,7 +224,7 @@ class CoreService:
     # ---- state and cleanup
     def _send_state(self, fe: _Frontend) -> None:
         try:
-            fe.link.send(("state", self.backend.health(), None))
+            fe.link.send(("state", self.backend.health()))
         except LinkClosed:
             pass
 
@@ -240,7 +238,6 @@ class CoreService:
         if fe not in self._frontends:
             return
         self._frontends.discard(fe)
-        self._ready.discard(fe.index)
         tasks = list(fe.tasks.values())
         for task in tasks:
             task.cancel()
