@@ -118,7 +118,7 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
         app = create_app(backend, config.server, config.tenants)
         uv_config = uvicorn_config(app, config.server)
         server = DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
-        _log_serving(config, backend)
+        log_serving(config, backend)
         if ready is not None:
             ready.set()
         # what start-up built (Ray, torch, the app: ~0.2-0.5 M objects) lives as long as the server: collections
@@ -132,7 +132,7 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
         await backend.shutdown()
 
 
-def _log_serving(config: ServeConfig, backend: Any) -> None:
+def log_serving(config: ServeConfig, backend: Any) -> None:
     processes = f", {config.server.api_processes} HTTP processes" if config.server.api_processes > 1 else ""
     log.warning("pdserve: %s mode, %d prefill + %d decode workers%s, serving %s on http://%s:%d", config.mode,
                 len(backend.pools.prefill), len(backend.pools.decode), processes, backend.model_name,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -22,7 +21,6 @@ from coordinator.backend import BackendError, GenerateRequest, TokenDelta
 from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import decode_error, trace_state
 
-log = logging.getLogger("pdserve")
 LOST = ("BackendError", "the server's core process is gone")
 
 

@@ -33,7 +33,7 @@ EXIT_GRACE_S = 10.0  # beyond the drain, for a frontend to close its connections
 
 async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
                      ready: asyncio.Event | None = None) -> None:
-    from coordinator.serve import _log_serving
+    from coordinator.serve import log_serving
     settings = config.server
     workdir = tempfile.mkdtemp(prefix="pdserve-core-")
     service = CoreService(backend, TenantRegistry(config.tenants, settings.api_key),
@@ -60,7 +60,7 @@ async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
                                f"{READY_TIMEOUT_S:.0f} s (see their log lines above)")
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        _log_serving(config, backend)
+        log_serving(config, backend)
         if ready is not None:
             ready.set()
         gc.freeze()
