@@ -13,7 +13,8 @@
    requests under the largest flood, with `admission.reserve_output` 1.0 (the whole output booked at admission) and
    0.5 (half, the rest grown on demand).
 `--profile FILE`: py-spy (on PATH) samples the coordinator process through the largest flood window, into FILE
-(collapsed stacks, idle frames left out), to see where its CPU goes.
+(collapsed stacks, idle frames left out), to see where its CPU goes. `--keep-log FILE` keeps the server's log (with
+`--set server.stall_report_ms=10`: each process's event-loop stalls and the stack that ran in each).
 
     python benchmarks/tenant_priority.py --config configs/default.yaml --duration 30
     python benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
@@ -28,6 +29,7 @@ import copy
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -190,6 +192,8 @@ def main() -> None:
                    help="the low-priority tenant's stream_interval (tokens per streamed chunk)")
     p.add_argument("--skip-preemptions", action="store_true", help="leave out part 2 (the second server)")
     p.add_argument("--profile", metavar="FILE", help="py-spy samples the coordinator during the largest flood")
+    p.add_argument("--keep-log", metavar="FILE", help="copy the (first) server's log here: with --set "
+                   "server.stall_report_ms=10 it holds every process's loop stalls and what ran in them")
     args = p.parse_args()
     floods = [int(x) for x in args.flood.split(",")]
     gc.collect()  # the load client's start-up objects stay out of its collections during the windows
@@ -217,6 +221,8 @@ def main() -> None:
                                   "ttft_p50_ratio": round(flooded["ttft_p50_ms"] / alone["ttft_p50_ms"], 3),
                                   "ttft_p99_ratio": round(flooded["ttft_p99_ms"] / alone["ttft_p99_ms"], 3)}),
                       flush=True)
+        if args.keep_log:
+            shutil.copyfile(Path(tmp) / "a" / "server.log", args.keep_log)
         rows = [(1.0, preempted, flooded["high_requests"] + flooded["low_requests"])]
         if args.skip_preemptions:
             return

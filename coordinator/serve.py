@@ -26,6 +26,7 @@ from coordinator.app import create_app
 from coordinator.http_protocol import HeadTimeoutProtocol
 from coordinator.serve_config import ServeConfig
 from coordinator.settings import ServerSettings
+from coordinator.stall_reporter import StallReporter
 
 log = logging.getLogger("pdserve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
@@ -109,12 +110,14 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
     from coordinator.ray_backend import RayBackend  # Ray only for the real server (tests build the HTTP config alone)
     listener = bind_listener(config.server.host, config.server.port)
     backend = RayBackend(config)
+    stalls = None
     try:
         await backend.start()
         if config.server.api_processes > 1:
             from coordinator.frontends.core_process import serve_core
             await serve_core(config, backend, listener, ready)
             return
+        stalls = start_stall_reporter(config.server, "coordinator")
         app = create_app(backend, config.server, config.tenants)
         uv_config = uvicorn_config(app, config.server)
         server = DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
@@ -126,10 +129,21 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
         gc.freeze()
         await server.serve(sockets=[listener])
     finally:
+        if stalls is not None:
+            stalls.stop()
         gc.unfreeze()  # exit as an unfrozen process: frozen objects are never freed at exit, and native bindings
         # (triton's nanobind) then print hundreds of "leaked" lines over the log's drain messages
         listener.close()
         await backend.shutdown()
+
+
+def start_stall_reporter(settings: ServerSettings, name: str) -> StallReporter | None:
+    """The running loop's StallReporter when `server.stall_report_ms` is set (started), else None."""
+    if not settings.stall_report_ms:
+        return None
+    reporter = StallReporter(settings.stall_report_ms / 1000, name)
+    reporter.start()
+    return reporter
 
 
 def log_serving(config: ServeConfig, backend: Any) -> None:

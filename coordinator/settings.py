@@ -34,6 +34,9 @@ class ServerSettings:
     # HTTP processes: above 1, each serves connections (parsing, tokenization, detokenization, SSE) while one core
     # process keeps the workers, admission and tenants' limits (coordinator.frontends; vLLM's --api-server-count)
     api_processes: int = 1
+    # above 0: log the event loop's stack whenever it stalls this many ms (coordinator.stall_reporter), in every
+    # process that serves; a diagnostic for latency tails, off by default
+    stall_report_ms: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,6 +60,8 @@ class ServerSettings:
              "must be an integer in [1, 1024]"),
             ("api_processes", _is_int(self.api_processes) and 1 <= self.api_processes <= 64,
              "must be an integer in [1, 64]"),
+            ("stall_report_ms", _is_number(self.stall_report_ms) and 0 <= self.stall_report_ms <= 60000,
+             "must be a number in [0, 60000] (0: off)"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -33,7 +33,7 @@ EXIT_GRACE_S = 10.0  # beyond the drain, for a frontend to close its connections
 
 async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
                      ready: asyncio.Event | None = None) -> None:
-    from coordinator.serve import log_serving
+    from coordinator.serve import log_serving, start_stall_reporter
     settings = config.server
     workdir = tempfile.mkdtemp(prefix="pdserve-core-")
     service = CoreService(backend, TenantRegistry(config.tenants, settings.api_key),
@@ -41,6 +41,7 @@ async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
     frontends = Frontends(config, listener, os.path.join(workdir, "core.sock"), workdir)
     stop = asyncio.Event()
     signals = 0
+    stalls = None
 
     def on_signal() -> None:
         nonlocal signals
@@ -60,6 +61,7 @@ async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
                                f"{READY_TIMEOUT_S:.0f} s (see their log lines above)")
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        stalls = start_stall_reporter(settings, "core")
         log_serving(config, backend)
         if ready is not None:
             ready.set()
@@ -68,6 +70,8 @@ async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
         if not await frontends.wait(settings.drain_timeout_s + EXIT_GRACE_S):
             log.warning("HTTP processes still running after the drain: killing them")
     finally:
+        if stalls is not None:
+            stalls.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         frontends.kill()

@@ -21,7 +21,7 @@ from coordinator.frontends.core_client import CoreBackend
 from coordinator.frontends.http_loop import HttpLoopCollector
 from coordinator.frontends.remote_tenants import RemoteTenants
 from coordinator.loop_lag import LoopLag
-from coordinator.serve import DrainingServer, log_config, uvicorn_config
+from coordinator.serve import DrainingServer, log_config, start_stall_reporter, uvicorn_config
 
 log = logging.getLogger("pdserve")
 
@@ -59,12 +59,15 @@ async def run(link_path: str, fd: int, settings_path: str, index: int) -> None:
     ready = asyncio.get_running_loop().create_task(tell_ready())
     sock = socket.socket(fileno=fd)
     lag.start()
+    stalls = start_stall_reporter(settings, f"HTTP process {index}")
     gc.freeze()  # as the one-process server: what start-up built stays out of full collections
     try:
         await server.serve(sockets=[sock])
     finally:
         ready.cancel()
         lag.stop()
+        if stalls is not None:
+            stalls.stop()
         gc.unfreeze()
         await backend.shutdown()
 
