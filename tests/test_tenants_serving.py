@@ -7,9 +7,10 @@ first tokens arrive, no clock). Per-tenant usage in /metrics is exact. A tenant'
 The HTTP processes: each keep-alive connection stays with the process that accepted it, and /health says which one
 (`http_process`), so the last tests pin a client to each: both serve; a scrape of either counts every request of
 both; a SIGKILLed HTTP process is replaced, and what its streams held is freed (the core aborts them when its link
-ends)."""
+ends); choices (n > 1), token logprobs and echoed prompt logprobs cross the processes whole."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -218,3 +219,28 @@ def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(se
     for (client,) in fresh.values():
         assert _completion(client).status_code == 200
         client.close()
+
+
+def test_choices_and_logprobs_cross_the_http_processes(server):
+    """n > 1 (the core's group stream), per-token logprobs and echoed prompt logprobs through an HTTP process."""
+    headers = {"Authorization": "Bearer k-high"}
+    body = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 8, "ignore_eos": True, "n": 2,
+            "logprobs": 1, "seed": 3}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert all(len(c["logprobs"]["tokens"]) == 8 and c["finish_reason"] == "length" for c in choices)
+    tokens = {0: 0, 1: 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    tokens[c["index"]] += len(c["logprobs"]["tokens"])
+    assert tokens == {0: 8, 1: 8}
+    echo = httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=60,
+                      json={"model": "tiny", "prompt": "hello there", "max_tokens": 2, "echo": True, "logprobs": 0})
+    assert echo.status_code == 200, echo.text
+    lp = echo.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) > 2  # the prompt's tokens, then the two new ones
