@@ -12,7 +12,6 @@ draining; otherwise 503 with each worker's state).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -45,9 +44,7 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
         """Kill worker `name`'s process, or (`?rank=r`) only its tensor-parallel rank r (a lost GPU of a group)."""
         check_auth(request)
         try:
-            found = backend.kill_worker(name) if rank is None else await backend.kill_rank(name, rank)
-            if inspect.isawaitable(found):  # a frontend process asks the core (coordinator.frontends)
-                found = await found
+            found = await (backend.kill_worker(name) if rank is None else backend.kill_rank(name, rank))
         except ValueError as e:
             raise errors.APIError(400, str(e), "invalid_request_error", "invalid_value", "rank") from None
         if not found:

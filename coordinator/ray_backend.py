@@ -353,7 +353,7 @@ class RayBackend:
         return report
 
     # ---- drills (coordinator.drills; the admin routes call them here)
-    def kill_worker(self, name: str) -> bool:
+    async def kill_worker(self, name: str) -> bool:
         return self.drills.kill_worker(name)
 
     async def kill_rank(self, name: str, rank: int) -> bool:

@@ -141,8 +141,8 @@ class CoreBackend:
             self._figures = {"stats": None, "tenants": {}, "others": []}
         return self._figures["others"]
 
-    def kill_worker(self, name: str) -> Any:
-        return self.call("kill_worker", name)  # the admin route awaits it
+    async def kill_worker(self, name: str) -> bool:
+        return await self.call("kill_worker", name)
 
     async def kill_rank(self, name: str, rank: int) -> bool:
         return await self.call("kill_rank", name, rank)

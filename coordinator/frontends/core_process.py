@@ -36,8 +36,7 @@ async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
     from coordinator.serve import log_serving, start_stall_reporter
     settings = config.server
     workdir = tempfile.mkdtemp(prefix="pdserve-core-")
-    service = CoreService(backend, TenantRegistry(config.tenants, settings.api_key),
-                          settings.served_model_name or backend.model_name)
+    service = CoreService(backend, TenantRegistry(config.tenants, settings.api_key))
     frontends = Frontends(config, listener, os.path.join(workdir, "core.sock"), workdir)
     stop = asyncio.Event()
     signals = 0

@@ -56,8 +56,8 @@ class CoreService:
     CALLS = ("integrity", "kill_worker", "kill_rank", "set_faults", "tenant_admit", "tenant_settle", "metrics_state",
              "frontend_ready")
 
-    def __init__(self, backend: ServingBackend, tenants: TenantRegistry, model_name: str) -> None:
-        self.backend, self.tenants, self.model_name = backend, tenants, model_name
+    def __init__(self, backend: ServingBackend, tenants: TenantRegistry) -> None:
+        self.backend, self.tenants = backend, tenants
         self._frontends: set[_Frontend] = set()
         self._ids = itertools.count()  # tenant charges' and metrics collections' ids
         self._server: asyncio.AbstractServer | None = None
@@ -177,8 +177,8 @@ class CoreService:
     async def _call_integrity(self, fe: _Frontend) -> dict:
         return await self.backend.integrity()
 
-    def _call_kill_worker(self, fe: _Frontend, name: str) -> bool:
-        return self.backend.kill_worker(name)
+    async def _call_kill_worker(self, fe: _Frontend, name: str) -> bool:
+        return await self.backend.kill_worker(name)
 
     async def _call_kill_rank(self, fe: _Frontend, name: str, rank: int) -> bool:
         return await self.backend.kill_rank(name, rank)  # a ValueError (no such rank) reaches the caller

@@ -52,11 +52,6 @@ class Link:
             body = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             self._writer.write(HEADER.pack(len(body)) + body)
 
-    async def drain(self) -> None:
-        """Wait until what was sent is handed to the kernel (back-pressure for a slow peer)."""
-        self._flush()
-        await self._writer.drain()
-
     async def batches(self) -> AsyncIterator[list[Any]]:
         """Each received frame's messages, in order, until the peer closes the link."""
         try:

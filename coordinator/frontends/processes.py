@@ -43,7 +43,6 @@ class Frontends:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
         self._watchers: list[asyncio.Task] = []
-        self.restarts = 0
 
     async def start(self) -> None:
         for index in range(self.count):
@@ -64,7 +63,6 @@ class Frontends:
             code = await self._procs[index].wait()
             if self._stopping:
                 return
-            self.restarts += 1
             # one that keeps failing at once is retried less and less often (up to MAX_RESTART_DELAY_S apart)
             lived = asyncio.get_running_loop().time() - started
             delay = RESTART_DELAY_S if lived > STABLE_S else min(2 * delay, MAX_RESTART_DELAY_S)
