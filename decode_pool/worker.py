@@ -266,8 +266,8 @@ class DecodeWorker:
         """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
         return replace(load, **self._gc.figures())
 
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        self._step_load = self._reported(self.loop.engine.load())  # on the engine loop, between two steps
+    def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
+        self._step_load = self._reported(load)  # taken on the engine thread right after the step
         if self._group_prefills:
             rest = []
             for out in outputs:

@@ -1,9 +1,11 @@
-"""AsyncEngine: the one loop that owns an LLMEngine inside an asyncio program (a Ray actor, a test server).
+"""AsyncEngine: the one thread that owns an LLMEngine inside an asyncio program (a Ray actor, a test server).
 
-Rule: only the loop touches the engine. Callers `call(fn)` to run `fn(engine)` between two steps and await its
-result; steps run in a worker thread (so the event loop keeps serving RPCs while the model computes). Every
-step's outputs go to `on_outputs`, on the event loop. A failing step fails the loop: `run()` raises and every
-pending call gets the error, so owners notice instead of hanging.
+Rule: only the engine thread touches the engine. It steps the engine back to back and, between two steps, runs
+the calls queued by `call(fn)` / `submit(fn)` (in the order queued), whose results come back to the event loop as
+futures. Every step's outputs go to `on_outputs(outputs, load)` on the event loop, with the engine's load taken
+right after that step. The event loop is never on the stepping path: a step does not wait for it to run a
+callback, so serving RPCs and shipping outputs overlap the next step instead of delaying it. A failing step fails
+the thread: `run()` raises and every pending call gets the error, so owners notice instead of hanging.
 """
 
 from __future__ import annotations
@@ -11,35 +13,39 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.core.scheduler import StepOutput
 
-if TYPE_CHECKING:  # the type only: a process that merely hosts the worker class (the coordinator) needs no torch
+if TYPE_CHECKING:  # the types only: a process that merely hosts the worker class (the coordinator) needs no torch
     from engine.llm_engine import LLMEngine
+    from engine.load import EngineLoad
 
 T = TypeVar("T")
 
-IDLE_WAKEUP_S = 0.05  # an idle loop still wakes up to expire pinned blocks' leases
+IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' leases
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None]) -> None:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput], EngineLoad], None]) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
-        self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
-        self._wakeup = asyncio.Event()
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = deque()
+        self._wakeup = threading.Event()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) on the loop between steps; returns its result or raises its exception."""
+        """Run fn(engine) on the engine thread between steps; returns its result or raises its exception."""
         return await self.submit(fn)
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future:
         """Queue fn(engine) now, before anything the caller awaits next; the future of its result. Calls run in
-        the order they were queued; a cancelled future's call is skipped."""
+        the order they were queued; a call whose future is cancelled before its turn is skipped."""
         if self._closed:
             raise RuntimeError("the engine loop has stopped")
         future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -48,23 +54,17 @@ class AsyncEngine:
         return future
 
     async def run(self) -> None:
+        """Step on the engine thread until close() or a failure (raised here)."""
+        self._loop = asyncio.get_running_loop()
+        ended: asyncio.Future = self._loop.create_future()
+        threading.Thread(target=self._thread, args=(ended,), name="engine-step", daemon=True).start()
         try:
-            while not self._closed:
-                self._apply_calls()
-                if self.engine.has_unfinished() or self._has_pins():
-                    outputs = await asyncio.to_thread(self.engine.step)
-                    self.steps += 1
-                    if outputs:
-                        self._on_outputs(outputs)
-                    if not self.engine.has_unfinished():
-                        await self._idle()
-                else:
-                    await self._idle()
-        except BaseException as e:
-            self._fail_pending(e)
+            await ended
+        except Exception as e:
+            self._fail_pending(e)  # the calls queued behind the failed step get its error
             raise
         finally:
-            self._closed = True
+            self.close()
             self._fail_pending(RuntimeError("the engine loop has stopped"))
 
     def close(self) -> None:
@@ -79,32 +79,71 @@ class AsyncEngine:
             raise ValueError(f"no tensor-parallel rank {rank}: this worker runs tensor_parallel_size 1")
         return followers.kill(rank)
 
-    # ---- internals
-    async def _idle(self) -> None:
+    # ---- the engine thread
+    def _thread(self, ended: asyncio.Future) -> None:
+        error: BaseException | None = None
         try:
-            await asyncio.wait_for(self._wakeup.wait(), IDLE_WAKEUP_S)
-        except TimeoutError:
-            pass
-        self._wakeup.clear()
+            while not self._closed:
+                self._apply_calls()
+                if self.engine.has_unfinished() or self._has_pins():
+                    outputs = self.engine.step()
+                    self.steps += 1
+                    if outputs:
+                        self._post(self._on_outputs, outputs, self.engine.load())
+                    if self.engine.has_unfinished():
+                        continue
+                self._idle()
+        except BaseException as e:  # handed to run(), which raises it on the event loop
+            error = e
+        self._closed = True
+        self._post(_end, ended, error)
+
+    def _idle(self) -> None:
+        self._wakeup.wait(IDLE_WAKEUP_S)
+        self._wakeup.clear()  # before the calls are read: a call queued from here on sets it again
 
     def _has_pins(self) -> bool:
         return bool(self.engine.scheduler.expired_pins())
 
     def _apply_calls(self) -> None:
-        calls, self._calls = self._calls, []
-        for fn, future in calls:
-            if future.done():
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if future.done():  # cancelled by its caller
                 continue
             try:
-                future.set_result(fn(self.engine))
-            except Exception as e:  # the caller gets its own error; the loop goes on
-                future.set_exception(e)
+                self._post(_resolve, future, fn(self.engine), None)
+            except Exception as e:  # the caller gets its own error; the thread goes on
+                self._post(_resolve, future, None, e)
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop has closed: nobody is left to tell
+            self._closed = True
 
     def _fail_pending(self, error: BaseException) -> None:
-        calls, self._calls = self._calls, []
-        for _, future in calls:
+        while self._calls:
+            _, future = self._calls.popleft()
             if not future.done():
-                future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
+                future.set_exception(error)
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # its caller gave up meanwhile
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+def _end(ended: asyncio.Future, error: BaseException | None) -> None:
+    if ended.done():
+        return
+    if error is None:
+        ended.set_result(None)
+    else:
+        ended.set_exception(error if isinstance(error, Exception) else RuntimeError(repr(error)))
 
 
 def exit_process_on_failure(task: asyncio.Task, name: str) -> None:
@@ -121,4 +160,3 @@ def exit_process(name: str, why: str) -> None:
     """End a pool worker's process at once (its supervisor replaces it; its requests move elsewhere)."""
     print(f"{name}: {why}; exiting so the pool replaces this worker", file=sys.stderr, flush=True)
     os._exit(70)  # not sys.exit: Ray actors catch SystemExit
-

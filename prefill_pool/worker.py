@@ -165,8 +165,8 @@ class PrefillWorker:
     async def _abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda e: e.abort(request_id))
 
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        load = self._reported(self.loop.engine.load())
+    def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
+        load = self._reported(load)  # taken on the engine thread right after the step
         for out in outputs:
             future = self._waiting.pop(out.request_id, None)
             if future is None or future.done():

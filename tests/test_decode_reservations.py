@@ -17,7 +17,7 @@ def run_with_loop(body, **engine_kwargs):
     engine = LLM("tiny", **engine_kwargs).engine
 
     async def main():
-        loop = AsyncEngine(engine, lambda outputs: None)
+        loop = AsyncEngine(engine, lambda outputs, load: None)
         task = asyncio.create_task(loop.run())
         try:
             return await body(Reservations(loop, "decode-test", timeout_s=0.3), engine)

@@ -50,7 +50,7 @@ def run(body, pull: QueuedPull):
     engine = LLM("tiny").engine
 
     async def main():
-        loop = AsyncEngine(engine, lambda outputs: None)
+        loop = AsyncEngine(engine, lambda outputs, load: None)
         task = asyncio.create_task(loop.run())
         handoffs = Handoffs("decode-t", loop, pull, Reservations(loop, "decode-t", 1.0), RequestTiming())
         try:

@@ -100,7 +100,7 @@ def test_killed_follower_fails_the_engine(checkpoints):
     try:
         assert llm.generate([[5, 6, 7]], greedy(1))[0].token_ids
         follower = llm.engine.followers.procs[0]
-        loop = AsyncEngine(llm.engine, lambda outputs: None)
+        loop = AsyncEngine(llm.engine, lambda outputs, load: None)
         with pytest.raises(ValueError, match="no tensor-parallel rank 2"):
             loop.kill_rank(2)
         assert loop.kill_rank(1) == follower.pid  # the drill's SIGKILL (POST /admin/workers/{name}/kill?rank=1)
@@ -135,4 +135,4 @@ def test_the_all_reduce_choice_is_validated_and_gloo_has_no_one_shot(llama_tp2):
 
 def test_a_rank_kill_needs_tensor_parallel_ranks():
     with pytest.raises(ValueError, match="no tensor-parallel rank 1: this worker runs tensor_parallel_size 1"):
-        AsyncEngine(LLM("tiny").engine, lambda outputs: None).kill_rank(1)
+        AsyncEngine(LLM("tiny").engine, lambda outputs, load: None).kill_rank(1)

@@ -12,7 +12,8 @@ into durations, in time order:
   then decode_join is 0 and first_decode_step runs from the landing, so the phases still add up to the total.
 Only durations leave the worker, so clocks of different machines are never compared. An entry ends at the first
 output or with `drop()` (abort, failure): nothing is kept for a request that is gone. Used by the worker's event
-loop only, between engine steps.
+loop and, inside engine calls (`attach`, `drop`), by its engine thread (engine.async_engine); a request's entry is
+touched by one of them at a time (its calls are awaited).
 """
 
 from __future__ import annotations
