@@ -13,9 +13,11 @@ CPU per second, every client process) shows it, and `--client-processes N` share
 processes (each with its own prompts of the same shape).
 
 Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
-output tok/s, TPOT p50, and CPU time per output token of the process running the engine (offline: this one; pdserve:
-its engine worker) and of pdserve's coordinator (/proc, Linux; on a shared machine these move less than the rates),
-then the served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its API server process).
+output tok/s, TPOT p50, tokens sampled per engine step() call (offline: the engine's counters; pdserve: its
+/metrics), and CPU time per output token of the process running the engine (offline: this one; pdserve: its engine
+worker) and of pdserve's coordinator (/proc, Linux; on a shared machine these move less than the rates), then the
+served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its API server process). `--profile DIR` adds
+py-spy samples of each process through its first measured run.
 
     python benchmarks/serving_overhead.py                                  # tiny, on the CPU
     python benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --device cuda
@@ -32,6 +34,7 @@ import gc
 import importlib.util
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +54,7 @@ from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
 from coordinator.serve_config import load_serve_config, set_dotted  # noqa: E402
-from tests.server_process import frontend_pids, running_server, worker_pids  # noqa: E402
+from tests.server_process import frontend_pids, metric_values, running_server, worker_pids  # noqa: E402
 
 
 def _serving_config(args: argparse.Namespace) -> dict:
@@ -80,7 +83,31 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def offline_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
+class Profiler:
+    """`--profile DIR`: py-spy (on PATH) samples a process through the first measured run, into DIR/<name>.txt
+    (raw collapsed stacks, idle frames and thread ids kept, so the engine's step thread can be told from the rest)."""
+
+    def __init__(self, directory: str | None) -> None:
+        self.directory = Path(directory) if directory else None
+        self._taken: set[str] = set()
+
+    def start(self, name: str, pid: int) -> subprocess.Popen | None:
+        if self.directory is None or name in self._taken:
+            return None
+        self._taken.add(name)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--idle", "--threads",
+                                 "--format", "raw", "--nonblocking", "--output", str(self.directory / f"{name}.txt")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    @staticmethod
+    def stop(spy: subprocess.Popen | None) -> None:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            spy.wait(60)
+
+
+def offline_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Profiler) -> list[dict]:
     """LLM.generate over the measured prompts, `--repeats` times, with the served worker's engine settings."""
     import torch
 
@@ -106,12 +133,17 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict
     rows = []
     for _ in range(args.repeats):
         stamps.clear()
+        spy = profiler.start("offline", os.getpid())
+        steps, sampled = llm.engine.num_steps, llm.engine.scheduler.num_sampled_tokens
         start, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        profiler.stop(spy)
         tokens = sum(len(o.token_ids) for o in outputs)
         rows.append({"name": "offline", "output_tok_s": tokens / wall, "tpot_p50_ms": _offline_tpot(stamps) * 1000,
-                     "tokens": tokens, "engine_cpu_us_per_tok": cpu * 1e6 / tokens})
+                     "tokens": tokens, "engine_cpu_us_per_tok": cpu * 1e6 / tokens,
+                     "tok_per_step": (llm.engine.scheduler.num_sampled_tokens - sampled)
+                     / max(1, llm.engine.num_steps - steps)})
     del llm  # its engine and timed_step form a cycle: collected below
     gc.collect()
     return rows
@@ -164,7 +196,8 @@ def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[st
     return row | {f"{k}_cpu_us_per_tok": v * 1e6 / tokens for k, v in cpu.items()}
 
 
-def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, int]) -> list[dict]:
+def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, int],
+                profiler: Profiler | None = None) -> list[dict]:
     clients = None
     if args.client_processes > 1:
         clients = ProcessPoolExecutor(args.client_processes, mp_context=get_context("spawn"))
@@ -174,20 +207,33 @@ def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, i
         rows = []
         for _ in range(args.repeats):
             before = {k: _cpu_s(p) for k, p in pids.items()}
+            counts = _engine_counts(url) if name == "pdserve" else None
+            spies = [profiler.start(f"{name}_{k}", p) for k, p in pids.items()] if profiler else []
             summary = _measure(url, args, 0, args.num_prompts, clients)
+            for spy in spies:
+                Profiler.stop(spy)
             rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
+            if counts is not None:
+                (steps, sampled), (steps0, sampled0) = _engine_counts(url), counts
+                rows[-1]["tok_per_step"] = (sampled - sampled0) / max(1, steps - steps0)
         return rows
     finally:
         if clients is not None:
             clients.shutdown()
 
 
-def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path) -> list[dict]:
+def _engine_counts(url: str) -> tuple[float, float]:
+    """The served engines' steps and sampled tokens so far (every step that sampled counts; /metrics)."""
+    return (sum(metric_values(url, "pdserve_worker_engine_steps").values()),
+            sum(metric_values(url, "pdserve_worker_engine_sampled_tokens_total").values()))
+
+
+def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Profiler) -> list[dict]:
     with running_server(tmp / "pdserve", config) as server:
         workers = worker_pids(server, "DecodeWorker")
         pids = {"coordinator": server.pid} | ({"engine": workers[0]} if len(workers) == 1 else {}) | {
             f"frontend{i}": pid for i, pid in frontend_pids(server.pid).items()}  # server.api_processes > 1
-        return served_runs("pdserve", server.url, args, pids)
+        return served_runs("pdserve", server.url, args, pids, profiler)
 
 
 def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
@@ -208,8 +254,8 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    cols = ["name", "output_tok_s", "tpot_p50_ms", "engine_cpu_us_per_tok", "coordinator_cpu_us_per_tok",
-            "frontends_cpu_us_per_tok", "vllm_api_cpu_us_per_tok", "client_cpu"]
+    cols = ["name", "output_tok_s", "tpot_p50_ms", "tok_per_step", "engine_cpu_us_per_tok",
+            "coordinator_cpu_us_per_tok", "frontends_cpu_us_per_tok", "vllm_api_cpu_us_per_tok", "client_cpu"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>26}" for c in cols)]
     for r in rows:
@@ -244,20 +290,23 @@ def main() -> None:
     p.add_argument("--skip", action="append", default=[], choices=["offline", "pdserve", "vllm"])
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments, e.g. '--dtype float32'")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--profile", metavar="DIR", help="py-spy samples the offline engine and every pdserve process "
+                   "through their first measured run, into DIR")
     p.add_argument("--start-timeout", type=float, default=600.0, help="vLLM start-up, seconds")
     args = p.parse_args()
     config = _serving_config(args)
     has_vllm = importlib.util.find_spec("vllm") is not None
     rows: list[dict] = []
+    profiler = Profiler(args.profile)
     with tempfile.TemporaryDirectory() as tmp:
         # the servers first: their engines live in processes that give the GPU back when they exit, while an engine
         # built in this process may keep its memory (CUDA graphs, the caching allocator) from the servers after it
         if "pdserve" not in args.skip:
-            rows += pdserve_runs(args, config, Path(tmp))
+            rows += pdserve_runs(args, config, Path(tmp), profiler)
         if has_vllm and "vllm" not in args.skip:
             rows += vllm_runs(args, Path(tmp))
         if "offline" not in args.skip:
-            rows += offline_runs(args, config, Path(tmp))
+            rows += offline_runs(args, config, Path(tmp), profiler)
     print(f"{args.model} on {args.device}: {args.num_prompts} prompts of {args.input_len} random ids, "
           f"{args.output_len} tokens each (ignore_eos, greedy), concurrency {args.concurrency}")
     print(_table(rows))
