@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -58,6 +59,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     frontend process charges the core's: coordinator.frontends); by default one made from `tenants`."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        anyio.create_task_group()  # anyio imports its asyncio backend on first use: here, not in the first stream
         yield
         app.state.lifecycle.begin_drain()
 
@@ -83,7 +85,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     async def metrics() -> Response:
         refresh = getattr(backend, "refresh", None)  # an HTTP frontend process: the core's figures and the other
         others = await refresh() if refresh is not None else ()  # frontends' shares (coordinator.frontends)
-        return Response(app.state.metrics.exposition(others), media_type=METRICS_CONTENT_TYPE)
+        return Response(await app.state.metrics.exposition_async(others), media_type=METRICS_CONTENT_TYPE)
 
     app.include_router(model_api.router)  # /v1/models, /version, /tokenize, /detokenize
 

@@ -8,7 +8,8 @@ shows a count of 0), requests by outcome, errors by kind, prompt and generated t
 coordinator.metrics_backend's collector, which builds the backend's load, per-worker gauges, tenants' usage and the
 lifecycle gauges from fresh figures at each scrape.
 
-`exposition()` is prometheus_client's `generate_latest` (text format 0.0.4) over the registry, with two changes made
+`exposition()` is prometheus_client's `generate_latest` (text format 0.0.4) over the registry (`/metrics` renders it
+with `exposition_async`, a family at a time, giving the event loop back every millisecond), with two changes made
 here rather than through process-wide switches: no `_created` series (prometheus_client.disable_created_metrics()
 flips a global for every registry in the process), and vLLM-compatible aliases (VLLM_ALIASES, labelled
 `model_name` as vLLM labels them) of the histograms and token counters, so a dashboard built for vLLM reads
@@ -25,6 +26,8 @@ internally, so a thread may observe too.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -42,6 +45,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 # phases range from tens of microseconds (ingress, a decode join) to minutes (decode of a long output)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0, 20.0, 40.0, 80.0)
+YIELD_EVERY_S = 0.001  # a scrape being rendered gives its event loop back this often
 MAX_GAUGES = {"pdserve_draining"}  # merged across HTTP processes by their maximum, not their sum
 OUTCOMES = ("finished", "aborted", "failed", "timeout", "rejected")
 # family -> vLLM's name for the same figure (the gauges vllm:num_requests_* and vllm:kv_cache_usage_perc come
@@ -116,6 +120,29 @@ class Metrics:
         """The Prometheus text exposition of everything on the registry, without `_created`, with vLLM aliases;
         `others`: other HTTP processes' local_families(), added in."""
         return generate_latest(_Exported(self.registry, self.model_name, list(others)))  # type: ignore[arg-type]
+
+    async def exposition_async(self, others: Iterable[list[Metric]] = ()) -> bytes:
+        """exposition(), rendered a family at a time with the event loop given back about every millisecond: a
+        whole scrape of a busy server is 5-15 ms of Python, which would otherwise delay every request and stream
+        this process serves at that moment (measured on the GPU machine: each scrape stalled an HTTP process's
+        loop by 10-16 ms)."""
+        parts, due = [], time.perf_counter() + YIELD_EVERY_S
+        for family in _Exported(self.registry, self.model_name, list(others)).collect():
+            parts.append(generate_latest(_One(family)))  # type: ignore[arg-type]
+            if time.perf_counter() >= due:
+                await asyncio.sleep(0)
+                due = time.perf_counter() + YIELD_EVERY_S
+        return b"".join(parts)
+
+
+class _One:
+    """A registry of one family, for generate_latest."""
+
+    def __init__(self, family: Metric) -> None:
+        self.family = family
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.family
 
 
 class _Exported:

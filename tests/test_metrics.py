@@ -1,13 +1,16 @@
 """The /metrics exposition through prometheus-client: it parses with prometheus_client's own text parser, keeps the
 names, labels and histogram buckets of pdserve's figures, carries vLLM's names for dashboards, prints no `_created`
 series, builds per-worker gauges afresh at each scrape (a dead worker's gauges disappear), survives a failing
-backend.stats(), and keeps each app's figures apart (one registry per app, several apps in one process)."""
+backend.stats(), keeps each app's figures apart (one registry per app, several apps in one process), and is rendered
+for /metrics a family at a time with the event loop given back in between."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator import metrics as metrics_module
 from coordinator.app import create_app
 from coordinator.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS, Metrics
 from coordinator.phases import PHASES
@@ -179,3 +182,29 @@ def test_phase_histograms_preset_every_phase_with_their_buckets():
     assert les == [*PHASE_BUCKETS, float("inf")]
     assert got[("pdserve_request_phase_seconds_bucket", frozenset({"phase": "decode", "le": "0.25"}.items()))] == 0
     assert got[("pdserve_request_phase_seconds_bucket", frozenset({"phase": "decode", "le": "0.5"}.items()))] == 1
+
+
+def test_the_scrape_rendered_a_family_at_a_time_is_the_same_text_and_gives_the_loop_back(monkeypatch):
+    m = watched(STATS)
+    m.ttft.observe(0.02)
+    m.requests.inc("finished", 2)
+    monkeypatch.setattr(metrics_module, "YIELD_EVERY_S", 0.0)  # give the loop back after every family
+
+    async def scrape_beside_another_task() -> tuple[bytes, int]:
+        turns = 0
+
+        async def other() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        started = turns
+        text = await m.exposition_async()
+        task.cancel()
+        return text, turns - started
+    text, turns = asyncio.run(scrape_beside_another_task())
+    assert text == m.exposition()
+    families = len(list(text_string_to_metric_families(text.decode())))
+    assert turns >= families // 2  # the other task ran while the scrape was rendered, not only after it
