@@ -1,5 +1,6 @@
 """Serving overhead: `pdserve serve` collocated (one worker) against the offline engine on the same prompts, and
-against `vllm serve` on the same checkpoint folder when vLLM is importable (this program installs nothing).
+against `vllm serve` on the same checkpoint folder when a `vllm` command is found (`--vllm`, default the one on PATH;
+this program installs nothing: vLLM may live in a virtual environment of its own).
 
 The load (issue 13): random token-id prompts of `--input-len` (256) tokens, `--output-len` (64) new tokens each with
 ignore_eos and greedy sampling, `--num-prompts` (100) of them, sent by benchclient's closed loop at `--concurrency`
@@ -31,9 +32,9 @@ import argparse
 import asyncio
 import dataclasses
 import gc
-import importlib.util
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -241,7 +242,7 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
     from engine.tiny import resolve_model_path
 
     port, log_path = free_port(), tmp / "vllm.log"
-    command = ["vllm", "serve", str(resolve_model_path(args.model)), "--host", "127.0.0.1", "--port", str(port),
+    command = [args.vllm, "serve", str(resolve_model_path(args.model)), "--host", "127.0.0.1", "--port", str(port),
                *shlex.split(args.vllm_args)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -288,6 +289,8 @@ def main() -> None:
                    help="load client processes sharing the closed loop (one Python client tops out near a core)")
     p.add_argument("--repeats", type=int, default=1, help="measured runs of each, back to back")
     p.add_argument("--skip", action="append", default=[], choices=["offline", "pdserve", "vllm"])
+    p.add_argument("--vllm", default="vllm", help="the `vllm` command to run (e.g. one in a virtual environment of "
+                   "its own)")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments, e.g. '--dtype float32'")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--profile", metavar="DIR", help="py-spy samples the offline engine and every pdserve process "
@@ -295,7 +298,7 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=600.0, help="vLLM start-up, seconds")
     args = p.parse_args()
     config = _serving_config(args)
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_vllm = shutil.which(args.vllm) is not None
     rows: list[dict] = []
     profiler = Profiler(args.profile)
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,7 +319,7 @@ def main() -> None:
     if {"pdserve", "vllm"} <= names:
         print(_ratio(rows, "pdserve", "vllm"))
     elif not has_vllm:
-        print("vllm is not importable here: no pdserve/vLLM ratio (install vLLM to get it; this program does not)")
+        print(f"no {args.vllm} command here: no pdserve/vLLM ratio (install vLLM to get it; this program does not)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 1. Priority: after a warm-up window (flood and high load together, discarded: the first requests compile
    kernels and capture graphs), a high-priority tenant's steady load (Poisson, `--rate`) alone, then the same
-   load while a low-priority tenant floods the server (closed loop, each size in `--flood` requests in flight).
+   load while a low-priority tenant floods the server (closed loop, each size in `--flood` requests in flight,
+   started `--ramp` seconds before the window opens, so the window sees the flood, not its first instant's burst).
    Prints the high tenant's TTFT p50/p99 per window, the ratio to the window without a flood (the reference,
    same run), where its time went (the server's phases, means), the low tenant's throughput, and the coordinator
    process's CPU use (seconds of CPU per second: 1.0 is one core saturated, where queueing in its event loop,
@@ -48,7 +49,7 @@ from benchclient.stats import SLO, summarize
 from benchclient.workload import WorkloadSpec
 from coordinator.serve_config import set_dotted
 from engine.gc_pauses import GcPauses
-from tests.server_process import frontend_pids, metric_values, running_server
+from tests.server_process import frontend_pids, metric_values, running_server, scrape, values_in
 
 TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
            {"name": "bulk", "api_keys": ["k-low"], "priority": "low"}]
@@ -101,10 +102,11 @@ STALL_COUNTERS = {"coordinator_loop_stalls": "pdserve_coordinator_loop_stalls_to
                   "workers_gc_s": "pdserve_worker_engine_gc_pause_seconds_total"}
 
 
-def _stall_counts(url: str) -> dict[str, float]:
+def _stall_counts(text: str) -> dict[str, float]:
     """What can stall every request at once, so far: the coordinator loop's stalls (ticks >= 10 ms late) and the
-    garbage collectors' full collections and pause seconds (coordinator; all workers summed)."""
-    return {k: sum(metric_values(url, name).values()) for k, name in STALL_COUNTERS.items()}
+    garbage collectors' full collections and pause seconds (coordinator; all workers summed), from one /metrics
+    text (each scrape costs the HTTP process that answers it some milliseconds)."""
+    return {k: sum(values_in(text, name).values()) for k, name in STALL_COUNTERS.items()}
 
 
 def _load_in_process(cfg: RunConfig) -> list:
@@ -115,13 +117,16 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
     """One window; the flood's client runs in its own process (`flood_client`): sharing the high tenant's event
     loop, its ~100 chunks a millisecond would delay the high tenant's first chunks on the client, not the server."""
     high = _load(url, "k-high", ArrivalSpec(rate=args.rate, seed=1), args, args.output_len, duration)
-    runs = [run_load(high)]
-    if flood:
+    runs = []
+    if flood:  # the flood first, in full swing before the measured window opens (its first `flood` arrivals come
+        # in one instant: a burst, not the steady flood the window measures)
         low = _load(url, "k-low", ArrivalSpec(kind="concurrency", concurrency=flood), args, args.flood_output_len,
-                    duration)
+                    duration + args.ramp)
         runs.append(asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
+        await asyncio.sleep(args.ramp)
+    runs.insert(0, run_load(high))
     frontends = list(frontend_pids(pid).values())
-    cpu, started, stalls = _server_cpu_s(pid, frontends), time.monotonic(), _stall_counts(url)
+    cpu, started, stalls = _server_cpu_s(pid, frontends), time.monotonic(), _stall_counts(scrape(url))
     client_gc = GcPauses()  # this process's collections delay the high tenant's chunk stamps: counted apart
     client_gc.install()
     try:
@@ -130,8 +135,9 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
         client_gc.remove()
     elapsed = time.monotonic() - started
     cpu = [round((now - then) / elapsed, 2) for now, then in zip(_server_cpu_s(pid, frontends), cpu, strict=True)]
-    stalls = {k: round(v - stalls.get(k, 0.0), 3) for k, v in _stall_counts(url).items()}
-    lag_ms = 1e3 * sum(metric_values(url, "pdserve_coordinator_loop_lag_seconds").values())  # the last ~50 ms
+    text = scrape(url)
+    stalls = {k: round(v - stalls.get(k, 0.0), 3) for k, v in _stall_counts(text).items()}
+    lag_ms = 1e3 * sum(values_in(text, "pdserve_coordinator_loop_lag_seconds").values())  # the last ~50 ms
     summary = summarize(results[0], SLO())
     phases = phase_summary(results[0])["phases"]  # where the high tenant's time went (server-side, means)
     out = {"flood": flood} | {k: round(summary[k], 1) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
@@ -140,7 +146,7 @@ async def _window(url: str, pid: int, args, flood: int, duration: float, flood_c
         "frontends_cpu": cpu[1] if frontends else None,
         "coordinator_loop_lag_ms_at_end": round(lag_ms, 2), "stalls_in_window": stalls,
         "coordinator_gc_max_ms_so_far": round(1e3 * max(
-            metric_values(url, "pdserve_coordinator_gc_pause_max_s").values(), default=0.0), 1),
+            values_in(text, "pdserve_coordinator_gc_pause_max_s").values(), default=0.0), 1),
         "client_gc": {"full": client_gc.full, "max_ms": round(1e3 * client_gc.max_s, 1)},
         "high_phases_mean_ms": {name: round(row["mean_ms"], 2) for name, row in phases.items()}}
     out["high_slowest"] = _slowest(results[0], 3)
@@ -186,6 +192,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--flood-output-len", type=int, default=128)
     p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--ramp", type=float, default=2.0, help="seconds the flood runs before a flood window opens")
     p.add_argument("--decode-blocks", type=int, default=384, help="decode KV blocks (0: the engine's own sizing)")
     p.add_argument("--reserved-for-high", type=float, default=0.25)
     p.add_argument("--low-stream-interval", type=int, default=1,

@@ -113,12 +113,22 @@ def _canonical(labels: str | None) -> str | None:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(pairs)) + "}"
 
 
-def metric_values(url: str, name: str) -> LabelSets:
-    """{labels text: value} of one metric family from /metrics, keyed by label set (any label order finds it)."""
+def scrape(url: str) -> str:
+    """The server's /metrics text."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:  # no client to build: quick under load
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def values_in(text: str, name: str) -> LabelSets:
+    """{labels text: value} of one metric family in a /metrics text, keyed by label set (any label order finds
+    it)."""
     return LabelSets({m.group(1): float(m.group(2))
                       for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)})
+
+
+def metric_values(url: str, name: str) -> LabelSets:
+    """values_in(one scrape of url, name)."""
+    return values_in(scrape(url), name)
 
 
 async def complete(client: httpx.AsyncClient, url: str, body: dict,
