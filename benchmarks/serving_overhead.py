@@ -73,6 +73,12 @@ def _serving_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def _seed(repeat: int) -> int:
+    """The prompts' seed of a measured run: new prompts each repeat (the same ones again would hit the prefix
+    cache), never the warm-up's (1)."""
+    return 0 if repeat == 0 else repeat + 1
+
+
 def _workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
     return WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=args.output_len, prompt_format="ids",
                         seed=seed)
@@ -130,9 +136,9 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Pr
     llm.engine.step = timed_step
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([r.prompt for r in build_requests(_workload(args, 1), args.concurrency)], params)  # warm-up
-    prompts = [r.prompt for r in build_requests(_workload(args, 0), args.num_prompts)]
     rows = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        prompts = [r.prompt for r in build_requests(_workload(args, _seed(repeat)), args.num_prompts)]
         stamps.clear()
         spy = profiler.start("offline", os.getpid())
         steps, sampled = llm.engine.num_steps, llm.engine.scheduler.num_sampled_tokens
@@ -206,11 +212,11 @@ def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, i
     try:
         _measure(url, args, 1, args.concurrency, clients)  # warm-up, discarded
         rows = []
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             before = {k: _cpu_s(p) for k, p in pids.items()}
             counts = _engine_counts(url) if name == "pdserve" else None
             spies = [profiler.start(f"{name}_{k}", p) for k, p in pids.items()] if profiler else []
-            summary = _measure(url, args, 0, args.num_prompts, clients)
+            summary = _measure(url, args, _seed(repeat), args.num_prompts, clients)
             for spy in spies:
                 Profiler.stop(spy)
             rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
