@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# pdserve collocated (one worker) against `vllm serve` on the same checkpoint, both driven by vLLM's own load client
+# (`vllm bench serve`: random prompts of 256 tokens, 64 out, ignore_eos, 100 prompts, concurrency 16: issue 13's
+# CPU comparison). Installs nothing: VLLM names a vllm command (e.g. one in a virtual environment of its own; see
+# ../shared/reference/gpu-facts.md for the three steps vLLM's CPU build needs here); without one it says so and
+# stops. Each server gets a discarded warm-up run, then RUNS measured runs (new prompts each: --seed); pdserve runs
+# again after vLLM, so a drift of the shared machine shows. Prints each run and the ratio of the medians.
+#
+#   VLLM=/tmp/vllmenv/bin/vllm bash benchmarks/vllm_cpu_compare.sh          # tiny on the CPU
+set -uo pipefail
+VLLM=${VLLM:-vllm}
+RUNS=${RUNS:-2}
+MODEL=${MODEL:-tiny}
+command -v "$VLLM" >/dev/null || { echo "no vllm command ($VLLM): no comparison (this program installs nothing)"; exit 0; }
+cd "$(dirname "$0")/.."
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+folder=$(python -c "from engine.tiny import resolve_model_path; print(resolve_model_path('$MODEL'))")
+python - "$work/pdserve.yaml" "$MODEL" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open("configs/default.yaml"))
+config.pop("ray_address", None)
+config.update(model=sys.argv[2], mode="collocated")
+config.setdefault("decode", {}).update(workers=1, num_gpus=0)
+config.setdefault("server", {}).update(host="127.0.0.1", port=18780)
+yaml.safe_dump(config, open(sys.argv[1], "w"))
+PY
+export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-cpu} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+wait_up() { for _ in $(seq 1 600); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+bench() {  # label url seed: prints "label tok/s tpot_ms ttft_ms"
+  PYTHONPATH= "$VLLM" bench serve --backend openai --base-url "$2" --model "$MODEL" --tokenizer "$folder" \
+    --dataset-name random --random-input-len 256 --random-output-len 64 --num-prompts 100 --max-concurrency 16 \
+    --ignore-eos --seed "$3" >"$work/bench.log" 2>&1
+  python - "$1" "$work/bench.log" <<'PY'
+import re, sys
+text = open(sys.argv[2]).read()
+get = lambda label: re.search(label + r"[^:]*:\s+([\d.]+)", text)
+if not get("Output token throughput"):
+    sys.exit(f"{sys.argv[1]}: vllm bench serve failed:\n{text[-2000:]}")
+print(sys.argv[1], *(get(k).group(1) for k in ("Output token throughput", "Median TPOT", "Median TTFT")))
+PY
+}
+serve_and_bench() {  # label: start the server, warm it up, measure RUNS runs, stop it
+  if [ "$1" = vllm ]; then
+    PYTHONPATH= "$VLLM" serve "$folder" --host 127.0.0.1 --port 18781 --served-model-name "$MODEL" >"$work/$1.log" 2>&1 &
+    url=http://127.0.0.1:18781
+  else
+    pdserve serve "$work/pdserve.yaml" >"$work/$1.log" 2>&1 &
+    url=http://127.0.0.1:18780
+  fi
+  pid=$!
+  wait_up $url || { tail -20 "$work/$1.log"; kill $pid; exit 1; }
+  bench warmup $url 99 >/dev/null
+  for i in $(seq 1 "$RUNS"); do bench "$1" $url "$i"; done
+  kill -TERM $pid; wait $pid
+}
+echo "label output_tok_s tpot_p50_ms ttft_p50_ms" > "$work/rows"
+{ serve_and_bench pdserve; serve_and_bench vllm; serve_and_bench pdserve; } | tee -a "$work/rows"
+python - "$work/rows" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1]).read().splitlines()[1:]]
+tok = {name: [float(r[1]) for r in rows if r[0] == name] for name in ("pdserve", "vllm")}
+if all(tok.values()):
+    print(f"pdserve/vllm output tok/s (medians, vllm bench serve): {statistics.median(tok['pdserve']) / statistics.median(tok['vllm']):.3f}")
+PY
