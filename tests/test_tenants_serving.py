@@ -6,8 +6,9 @@ first tokens arrive, no clock). Per-tenant usage in /metrics is exact. A tenant'
 (the decode poll holds its outputs back, coordinator.held_queue) without changing what they say.
 The HTTP processes: each keep-alive connection stays with the process that accepted it, and /health says which one
 (`http_process`), so the last tests pin a client to each: both serve; a scrape of either counts every request of
-both; a SIGKILLed HTTP process is replaced, and what its streams held is freed (the core aborts them when its link
-ends); choices (n > 1), token logprobs and echoed prompt logprobs cross the processes whole."""
+both; a SIGKILLed HTTP process is replaced, what its streams held is freed (the core aborts them when its link
+ends), and what it had counted stays counted; choices (n > 1), token logprobs and echoed prompt logprobs cross the
+processes whole."""
 
 import asyncio
 import json
@@ -191,6 +192,8 @@ def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(se
     clients = _pinned(server.url, want={0: 3, 1: 1})  # three streams' connections on process 0, one client on 1
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
     sampled = sum(metric_values(server.url, "pdserve_worker_engine_sampled_tokens_total").values())
+    assert _completion(clients[0][0]).status_code == 200  # counted by process 0, which dies below
+    counted = _finished(clients[1][0])  # a scrape through process 1 collects process 0's counts too
     responses = [c.send(c.build_request("POST", "/v1/completions", json=body), stream=True) for c in clients[0]]
     lines = [r.iter_lines() for r in responses]
     for r, it in zip(responses, lines, strict=True):  # every stream has begun: each holds a decode booking now
@@ -217,8 +220,16 @@ def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(se
             client.close()
     fresh = _pinned(server.url)  # both processes, the replacement included, serve again
     for (client,) in fresh.values():
+        assert _finished(client) >= counted  # the dead process's counts stay: the merged counter never goes down
         assert _completion(client).status_code == 200
         client.close()
+
+
+def _finished(client: httpx.Client) -> float:
+    """pdserve_requests_total{outcome="finished"} in a scrape through this client's HTTP process."""
+    line = next(x for x in client.get("/metrics").text.splitlines()
+                if x.startswith('pdserve_requests_total{outcome="finished"}'))
+    return float(line.split()[-1])
 
 
 def test_choices_and_logprobs_cross_the_http_processes(server):

@@ -16,7 +16,9 @@ the core over one Link. Per frontend message:
 Every 0.5 s (and when the frontend connects) it sends ("state", backend.health()), which the frontends' /health
 answers from.
 A frontend whose link ends (it exited or died) has every stream it opened cancelled and every tenant charge it held
-settled as aborted, so nothing it started stays booked.
+settled as aborted, so nothing it started stays booked; its counters and histograms as of the last scrape that
+collected them stay in every later scrape (`retired`), so a merged counter never goes down (Prometheus would read a
+drop as a reset); what it counted after that scrape is lost with it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from coordinator.backend import BackendError, ServingBackend
 from coordinator.errors import APIError
 from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import encode_error, trace_from, trace_state
+from coordinator.metrics import merged
 from coordinator.serve_config import FaultsConfig
 from coordinator.tenants import Grant, TenantRegistry
 
@@ -49,6 +52,7 @@ class _Frontend:
         self.groups: dict[int, Any] = {}
         self.grants: dict[int, Grant] = {}
         self.collecting: dict[int, asyncio.Future] = {}  # its metrics asked for, by call id
+        self.last_share: list | None = None  # the metric families it sent for the last scrape
         self.index: int | None = None  # its index among the frontends, once it said it is ready
 
 
@@ -63,6 +67,7 @@ class CoreService:
         self._server: asyncio.AbstractServer | None = None
         self._pusher: asyncio.Task | None = None
         self._ready_changed = asyncio.Event()
+        self._retired: list = []  # departed frontends' counters and histograms, summed (see the module docstring)
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path, limit=1 << 30)
@@ -207,14 +212,15 @@ class CoreService:
         others = [other for other in self._frontends if other is not fe]
         shares = await asyncio.gather(*[self._collect(other) for other in others])
         return {"stats": self.backend.stats(), "tenants": self.tenants.usage(),
-                "others": [share for share in shares if share is not None]}
+                "others": [share for share in shares if share is not None] + ([self._retired] if self._retired else [])}
 
     async def _collect(self, fe: _Frontend) -> list | None:
         cid = next(self._ids)
         future = fe.collecting[cid] = asyncio.get_running_loop().create_future()
         try:
             fe.link.send(("collect", cid))
-            return await asyncio.wait_for(future, COLLECT_TIMEOUT_S)
+            fe.last_share = await asyncio.wait_for(future, COLLECT_TIMEOUT_S)
+            return fe.last_share
         except (TimeoutError, LinkClosed):
             log.warning("an HTTP frontend did not send its metrics within %.0f s", COLLECT_TIMEOUT_S)
             return None
@@ -246,4 +252,7 @@ class CoreService:
         for grant in fe.grants.values():
             grant.settle(0, "aborted", prompt_processed=False)
         fe.grants.clear()
+        if fe.last_share:
+            monotonic = [f for f in fe.last_share if f.type in ("counter", "histogram")]  # not its gauges
+            self._retired = list(merged(self._retired, [monotonic])) if self._retired else monotonic
 
