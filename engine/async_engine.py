@@ -86,13 +86,14 @@ class AsyncEngine:
             while not self._closed:
                 self._apply_calls()
                 if self.engine.has_unfinished() or self._has_pins():
+                    before = self._progress()
                     outputs = self.engine.step()
                     self.steps += 1
                     if outputs:
                         self._post(self._on_outputs, outputs, self.engine.load())
-                    if self.engine.has_unfinished():
+                    if self.engine.has_unfinished() and (outputs or self._progress() != before):
                         continue
-                self._idle()
+                self._idle()  # nothing to do, or nothing that can run until a call (or a lease's end) frees room
         except BaseException as e:  # handed to run(), which raises it on the event loop
             error = e
         self._closed = True
@@ -101,6 +102,13 @@ class AsyncEngine:
     def _idle(self) -> None:
         self._wakeup.wait(IDLE_WAKEUP_S)
         self._wakeup.clear()  # before the calls are read: a call queued from here on sets it again
+
+    def _progress(self) -> tuple[int, int]:
+        """What a step that did anything moved: tokens scheduled, requests preempted. A step that moved neither
+        (its waiting requests have no room: KV booked for transfers, pinned for pulls) is not retried at once,
+        which would spin this thread and hold the GIL the event loop needs to take the calls that free the room."""
+        s = self.engine.scheduler
+        return s.num_scheduled_tokens, s.num_preemptions
 
     def _has_pins(self) -> bool:
         return bool(self.engine.scheduler.expired_pins())

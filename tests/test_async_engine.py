@@ -1,6 +1,7 @@
 """engine.async_engine on a real engine (tiny): the engine thread steps and runs queued calls between steps, in the
 order queued, off the event loop's thread; a call cancelled before its turn is skipped; outputs reach the loop with
-the load taken after their step; a failing step fails run() and every call still queued, with its error."""
+the load taken after their step; a request with no room waits for a call instead of spinning the thread; a failing
+step fails run() and every call still queued, with its error."""
 
 from __future__ import annotations
 
@@ -62,6 +63,30 @@ def test_a_call_cancelled_before_its_turn_is_skipped(engine):
         await task
         return ran
     assert asyncio.run(main()) == ["after"]
+
+
+def test_a_request_without_room_waits_for_a_call_instead_of_spinning_the_thread():
+    small = LLM("tiny", num_kv_blocks=8).engine
+
+    async def main() -> tuple[int, bool]:
+        runner = AsyncEngine(small, lambda outputs, load: None)
+        task = asyncio.create_task(runner.run())
+        held = await runner.call(lambda e: e.reserve_blocks("held", e.block_manager.num_free_blocks * 16))
+        assert held is not None  # every block booked (as for a KV transfer)
+        await runner.call(lambda e: e.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
+        steps = runner.steps
+        await asyncio.sleep(0.3)
+        stuck_steps = runner.steps - steps
+        await runner.call(lambda e: e.abort("held"))  # room again: the request runs at once, woken by the call
+        while await runner.call(lambda e: e.has_unfinished()):
+            await asyncio.sleep(0.01)
+        done = "r" not in small.scheduler.requests
+        runner.close()
+        await task
+        return stuck_steps, done
+    stuck_steps, done = asyncio.run(main())
+    assert done
+    assert stuck_steps < 50, stuck_steps  # a retry at once would step thousands of times in that while
 
 
 def test_a_failing_step_fails_run_and_the_calls_still_queued(engine, monkeypatch):
