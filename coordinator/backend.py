@@ -8,7 +8,7 @@ Everything here is torch-free.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +28,11 @@ class GenerateRequest:
     # hold outputs back until a chunk's worth is in, to wake the reader less often (coordinator.held_queue)
     stream_interval: int = 1
     trace: PhaseTrace | None = field(default=None, compare=False, repr=False)  # its phases (generate() marks them)
+    # a consumer's direct line for a running stream's plain token ids (the core process: the link to the request's
+    # HTTP process): a backend may hand it tokens in the middle of a stream (no logprobs, not the first delta, not
+    # the last) instead of yielding them from generate(), skipping the per-delta generator chain; None: every delta
+    # is yielded
+    sink: Callable[[list[int]], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -65,6 +65,7 @@ class RayBackend:
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
+        self._direct: dict[str, Callable[[list[int]], None]] = {}  # attempt id -> its running stream's sink
         self._worker_phases: dict[str, Durations] = {}  # attempt id -> the decode worker's durations, until taken
         self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
         self._tasks: set[asyncio.Task] = set()
@@ -118,10 +119,12 @@ class RayBackend:
         trace = request.trace or PhaseTrace.now()
         sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
         moves = 0 if moved_after is None else 1
+        direct = None if request.sink is None else _recording(sent, request.sink)
         try:
             while True:
                 try:
-                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
+                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace,
+                                                      direct)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
                             if delta.finish_reason is not None and moves:  # before the yield: the consumer
@@ -152,8 +155,10 @@ class RayBackend:
         return GroupRun(self, request)
 
     async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
-                       reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
-        """One placement of the request: deltas until its end; WorkerLost if a worker under it died."""
+                       reservation: Reservation, trace: PhaseTrace,
+                       direct: Callable[[list[int]], None] | None = None) -> AsyncIterator[TokenDelta]:
+        """One placement of the request: deltas until its end; WorkerLost if a worker under it died. With `direct`,
+        once its first decode token is out, the poll hands the middle of the stream to it (_poll_loop)."""
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
@@ -184,6 +189,8 @@ class RayBackend:
                         trace.split(self._worker_phases.pop(attempt, ()))
                         joined = True
                         reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
+                        if direct is not None and type(queue) is asyncio.Queue:  # not held back in chunks
+                            self._direct[attempt] = _marking(trace, direct)
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
@@ -192,6 +199,7 @@ class RayBackend:
                     raise error
         finally:
             self._streams.pop(attempt, None)
+            self._direct.pop(attempt, None)
             self._worker_phases.pop(attempt, None)
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
@@ -312,8 +320,19 @@ class RayBackend:
                     self._worker_phases[attempt] = durations
             for fields in outputs:
                 queue = self._streams.get(fields[0])
-                if queue is not None:  # else: the attempt ended already; the worker was told to abort it
-                    queue.put_nowait(StepDelta(*fields))
+                if queue is None:  # the attempt ended already; the worker was told to abort it
+                    continue
+                direct = self._direct.get(fields[0])
+                # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
+                # (order kept: an undelivered delta stays in the queue until its reader has sent it on)
+                if direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None:
+                    try:
+                        direct(fields[1])
+                        continue
+                    except Exception:  # never the poll's end: this stream goes back to its reader's path
+                        log.exception("request %s: its stream's sink failed", fields[0])
+                        self._direct.pop(fields[0], None)
+                queue.put_nowait(StepDelta(*fields))
 
     async def _stats_loop(self) -> None:
         while True:
@@ -372,6 +391,22 @@ class RayBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _recording(sent: list[int], sink: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """A request's sink that also records what it streamed (where a moved request resumes)."""
+    def deliver(token_ids: list[int]) -> None:
+        sink(token_ids)
+        sent.extend(token_ids)  # after: a sink that raised has not streamed them (they go the reader's way)
+    return deliver
+
+
+def _marking(trace: PhaseTrace, direct: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """An attempt's sink: its decode phase marked per delta, as for the deltas it yields."""
+    def deliver(token_ids: list[int]) -> None:
+        trace.mark("decode")
+        direct(token_ids)
+    return deliver
 
 
 def _coalesced(first: Any, queue: asyncio.Queue) -> tuple[TokenDelta | None, BaseException | None]:

@@ -1,5 +1,8 @@
 """End to end on the real server (`pdserve serve`: local Ray, 2 prefill + 2 decode actors, UCX KV transfer,
-uvicorn) over HTTP: outputs equal the single engine's, load spreads, prefix affinity, cancellation, worker death."""
+uvicorn) over HTTP: outputs equal the single engine's, load spreads, prefix affinity, cancellation, worker death.
+The server runs two HTTP processes (`server.api_processes: 2`), so every stream here crosses the core process, whose
+poll hands the middle of each stream straight to the HTTP process's link (GenerateRequest.sink): exactness,
+cancellation and a mid-stream move hold on that path (test_self_healing covers them with one process)."""
 
 import asyncio
 import os
@@ -25,7 +28,7 @@ from tests.server_process import (
 @pytest.fixture(scope="module")
 def server_2p2d(llama, tmp_path_factory):
     config = {"model": str(llama), "prefill": {**HALF_CPU, "workers": 2, "chunk_size": 32},
-              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}}
+              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}, "server": {"api_processes": 2}}
     with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as server:
         yield server
 

@@ -135,8 +135,14 @@ class CoreService:
 
     async def _stream(self, fe: _Frontend, sid: int, group: bool, request: Any, state: Any) -> None:
         trace = trace_from(state)
-        request = replace(request, trace=trace)
         send = fe.link.send
+
+        def sink(token_ids: list[int]) -> None:  # the middle of a single stream, sent as its yielded deltas are
+            try:
+                send(("tokens", sid, token_ids, None, None))
+            except LinkClosed:
+                pass  # the frontend is gone: _forget cancels this stream
+        request = replace(request, trace=trace, sink=None if group else sink)
         try:
             if group:
                 run = fe.groups[sid] = self.backend.generate_group(request)
