@@ -1,5 +1,7 @@
 """The coordinator's way of collecting a worker's step outputs, costed: one Ray long-poll call per batch (what
-RayBackend._poll_loop does today) against one Ray streaming-generator call that yields every batch.
+RayBackend._poll_loop does today) against one Ray streaming-generator call that yields every batch, unthrottled and
+with backpressure 1 (the generator pauses until its last item is consumed: what keeps a long-poll's batching when
+the reader falls behind).
 
 An async actor stands in for a decode worker: each item is one step's deltas for `--streams` requests, as the
 plain tuples decode_pool.step_delta sends. Printed per item: wall time and the caller process's CPU time (every
@@ -45,9 +47,14 @@ async def _measure(source, items: int) -> dict[str, float]:
     async for ref in source.stream.remote(items):
         await ref
     stream = (time.perf_counter() - wall, time.process_time() - cpu)
+    wall, cpu = time.perf_counter(), time.process_time()
+    async for ref in source.stream.options(_generator_backpressure_num_objects=1).remote(items):
+        await ref
+    held = (time.perf_counter() - wall, time.process_time() - cpu)
     us = 1e6 / items
     return {"poll_wall_us": poll[0] * us, "poll_cpu_us": poll[1] * us,
-            "stream_wall_us": stream[0] * us, "stream_cpu_us": stream[1] * us}
+            "stream_wall_us": stream[0] * us, "stream_cpu_us": stream[1] * us,
+            "held_wall_us": held[0] * us, "held_cpu_us": held[1] * us}
 
 
 def main() -> None:
@@ -63,8 +70,9 @@ def main() -> None:
         r = asyncio.run(_measure(source, args.items))
         print(f"per item ({args.streams} deltas): long-poll {r['poll_wall_us']:.0f} us wall, "
               f"{r['poll_cpu_us']:.0f} us caller CPU; streaming generator {r['stream_wall_us']:.0f} us wall, "
-              f"{r['stream_cpu_us']:.0f} us caller CPU; stream/poll CPU {r['stream_cpu_us'] / r['poll_cpu_us']:.2f}",
-              flush=True)
+              f"{r['stream_cpu_us']:.0f} us CPU ({r['stream_cpu_us'] / r['poll_cpu_us']:.2f} of the poll's); "
+              f"with backpressure 1 {r['held_wall_us']:.0f} us wall, {r['held_cpu_us']:.0f} us CPU "
+              f"({r['held_cpu_us'] / r['poll_cpu_us']:.2f})", flush=True)
     ray.shutdown()
 
 
