@@ -1,6 +1,7 @@
 """What crosses between the core and the HTTP processes (coordinator.frontends): errors keep what the HTTP layer
 answers with (status, Retry-After, headers), a phase trace taken over keeps its sum identity, a Link delivers a
-turn's messages as one frame in order and ends when the peer goes, and a scrape adds other processes' figures in."""
+turn's messages as one frame in order and ends when the peer goes, a Link whose peer stops reading is cut off instead
+of buffering without end, and a scrape adds other processes' figures in."""
 
 import asyncio
 import socket
@@ -10,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import errors
 from coordinator.backend import BackendError, Overloaded, RequestTooLarge, WorkerLost
-from coordinator.frontends.link import Link
+from coordinator.frontends import link as link_module
+from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import decode_error, encode_error
 from coordinator.lifecycle import Lifecycle
 from coordinator.metrics import Metrics
@@ -69,6 +71,27 @@ def test_a_link_sends_one_turns_messages_as_one_frame_in_order_and_ends_with_its
     first, second, rest = asyncio.run(run())
     assert first == [("delta", i, list(range(i))) for i in range(5)]
     assert second == [("end", 9)] and rest == []
+
+
+def test_a_link_whose_peer_stops_reading_is_cut_off_and_both_ends_see_it_end(monkeypatch):
+    monkeypatch.setattr(link_module, "MAX_BUFFERED_BYTES", 1 << 20)
+
+    async def run() -> tuple[int, list]:
+        a, b = socket.socketpair()
+        left = Link(*await asyncio.open_connection(sock=a))
+        right = Link(*await asyncio.open_connection(sock=b))  # never reads until the end
+        sent = 0
+        with pytest.raises(LinkClosed):
+            for _ in range(10_000):  # 64 KiB a turn: far past the kernel's buffers and the limit
+                left.send(("tokens", sent, b"x" * (64 << 10)))
+                sent += 1
+                await asyncio.sleep(0)
+        received = [batch async for batch in right.batches()]  # what got through, then the end
+        right.close()
+        return sent, received
+    sent, received = asyncio.run(run())
+    assert 16 <= sent < 10_000
+    assert sum(len(batch) for batch in received) < sent  # cut off: what was left unsent never arrives
 
 
 def _values(text: bytes) -> dict[tuple, float]:

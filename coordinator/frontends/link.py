@@ -4,12 +4,16 @@ Owns framing and batching only. A message is any picklable tuple (both ends are 
 started by the same user, on one machine). `send()` queues a message; everything queued during one turn of the
 event loop goes out as one frame (a 4-byte length, then one pickle of the list), so a decode step's outputs for many
 streams cost one write and one unpickle, not one per stream. `batches()` yields the received frames' lists in order
-and ends when the peer closes its end (or the connection breaks). Nothing here knows what the messages mean.
+and ends when the peer closes its end (or the connection breaks). A peer that stops reading while this end keeps
+sending (a wedged HTTP process: its streams' tokens would pile up in this process's memory) is cut off once
+MAX_BUFFERED_BYTES wait unsent: the link aborts, so both ends see it end (the core then cancels that process's
+streams, and the process exits and is replaced). Nothing here knows what the messages mean.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import struct
 from collections.abc import AsyncIterator
@@ -17,6 +21,8 @@ from typing import Any
 
 HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30  # a frame larger than this is a broken peer, not a batch
+MAX_BUFFERED_BYTES = 256 << 20  # unsent bytes beyond this: the peer has stopped reading
+log = logging.getLogger("pdserve")
 
 
 class LinkClosed(ConnectionError):
@@ -51,6 +57,11 @@ class Link:
         if batch and not self.closed:
             body = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             self._writer.write(HEADER.pack(len(body)) + body)
+            if self._writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
+                log.error("a link's peer has stopped reading (%d bytes unsent): cutting it off",
+                          self._writer.transport.get_write_buffer_size())
+                self._writer.transport.abort()
+                self._closed = True
 
     async def batches(self) -> AsyncIterator[list[Any]]:
         """Each received frame's messages, in order, until the peer closes the link."""
