@@ -119,12 +119,10 @@ class RayBackend:
         trace = request.trace or PhaseTrace.now()
         sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
         moves = 0 if moved_after is None else 1
-        direct = None if request.sink is None else _recording(sent, request.sink)
         try:
             while True:
                 try:
-                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace,
-                                                      direct)) as deltas:
+                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
                             if delta.finish_reason is not None and moves:  # before the yield: the consumer
@@ -155,10 +153,10 @@ class RayBackend:
         return GroupRun(self, request)
 
     async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
-                       reservation: Reservation, trace: PhaseTrace,
-                       direct: Callable[[list[int]], None] | None = None) -> AsyncIterator[TokenDelta]:
-        """One placement of the request: deltas until its end; WorkerLost if a worker under it died. With `direct`,
-        once its first decode token is out, the poll hands the middle of the stream to it (_poll_loop)."""
+                       reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
+        """One placement of the request: deltas until its end; WorkerLost if a worker under it died. `prior`: the
+        tokens streamed so far, which generate() extends. With request.sink, once its first decode token is out,
+        the poll hands the middle of the stream to the sink (_poll_loop)."""
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
@@ -166,7 +164,7 @@ class RayBackend:
         self._streams[attempt] = queue
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
         finished = joined = False  # joined: a token came from the decode stream
-        decode, prior = placement.decode, list(prior)
+        decode, streamed, prior = placement.decode, prior, list(prior)
         try:
             if placement.prefill is None:
                 cleanup.append((decode, "abort"))
@@ -189,8 +187,8 @@ class RayBackend:
                         trace.split(self._worker_phases.pop(attempt, ()))
                         joined = True
                         reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
-                        if direct is not None and type(queue) is asyncio.Queue:  # not held back in chunks
-                            self._direct[attempt] = _marking(trace, direct)
+                        if request.sink is not None and type(queue) is asyncio.Queue:  # not held back in chunks
+                            self._direct[attempt] = _direct_sink(trace, streamed, request.sink)
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
@@ -393,19 +391,14 @@ class RayBackend:
         task.add_done_callback(self._tasks.discard)
 
 
-def _recording(sent: list[int], sink: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """A request's sink that also records what it streamed (where a moved request resumes)."""
-    def deliver(token_ids: list[int]) -> None:
-        sink(token_ids)
-        sent.extend(token_ids)  # after: a sink that raised has not streamed them (they go the reader's way)
-    return deliver
-
-
-def _marking(trace: PhaseTrace, direct: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """An attempt's sink: its decode phase marked per delta, as for the deltas it yields."""
+def _direct_sink(trace: PhaseTrace, streamed: list[int],
+                 sink: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """What the poll calls with a stream's middle tokens: what generate() and _attempt do for a delta they yield
+    (the decode mark, the record of what was streamed, where a moved request resumes), then the sink."""
     def deliver(token_ids: list[int]) -> None:
         trace.mark("decode")
-        direct(token_ids)
+        sink(token_ids)
+        streamed.extend(token_ids)  # after: a sink that raised has not streamed them (they go the reader's way)
     return deliver
 
 

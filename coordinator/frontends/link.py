@@ -57,9 +57,9 @@ class Link:
         if batch and not self.closed:
             body = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             self._writer.write(HEADER.pack(len(body)) + body)
-            if self._writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
-                log.error("a link's peer has stopped reading (%d bytes unsent): cutting it off",
-                          self._writer.transport.get_write_buffer_size())
+            unsent = self._writer.transport.get_write_buffer_size()
+            if unsent > MAX_BUFFERED_BYTES:
+                log.error("a link's peer has stopped reading (%d bytes unsent): cutting it off", unsent)
                 self._writer.transport.abort()
                 self._closed = True
 
