@@ -11,16 +11,20 @@ set -uo pipefail
 VLLM=${VLLM:-vllm}
 RUNS=${RUNS:-2}
 MODEL=${MODEL:-tiny}
+# Both servers run one dtype: with "auto" vLLM downcasts a float32 checkpoint (tiny is one) to bfloat16 while pdserve
+# keeps the checkpoint's dtype, which would compare two different computations. CPUS: the pdserve worker's cores.
+DTYPE=${DTYPE:-bfloat16}
+CPUS=${CPUS:-2}
 command -v "$VLLM" >/dev/null || { echo "no vllm command ($VLLM): no comparison (this program installs nothing)"; exit 0; }
 cd "$(dirname "$0")/.."
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 folder=$(python -c "from engine.tiny import resolve_model_path; print(resolve_model_path('$MODEL'))")
-python - "$work/pdserve.yaml" "$MODEL" <<'PY'
+python - "$work/pdserve.yaml" "$MODEL" "$DTYPE" "$CPUS" <<'PY'
 import sys, yaml
 config = yaml.safe_load(open("configs/default.yaml"))
 config.pop("ray_address", None)
-config.update(model=sys.argv[2], mode="collocated")
-config.setdefault("decode", {}).update(workers=1, num_gpus=0)
+config.update(model=sys.argv[2], mode="collocated", dtype=sys.argv[3])
+config.setdefault("decode", {}).update(workers=1, num_gpus=0, num_cpus=float(sys.argv[4]))
 config.setdefault("server", {}).update(host="127.0.0.1", port=18780)
 yaml.safe_dump(config, open(sys.argv[1], "w"))
 PY
@@ -41,7 +45,7 @@ PY
 }
 serve_and_bench() {  # label: start the server, warm it up, measure RUNS runs, stop it
   if [ "$1" = vllm ]; then
-    PYTHONPATH= "$VLLM" serve "$folder" --host 127.0.0.1 --port 18781 --served-model-name "$MODEL" >"$work/$1.log" 2>&1 &
+    PYTHONPATH= "$VLLM" serve "$folder" --host 127.0.0.1 --port 18781 --served-model-name "$MODEL" --dtype "$DTYPE" >"$work/$1.log" 2>&1 &
     url=http://127.0.0.1:18781
   else
     pdserve serve "$work/pdserve.yaml" >"$work/$1.log" 2>&1 &
@@ -53,6 +57,7 @@ serve_and_bench() {  # label: start the server, warm it up, measure RUNS runs, s
   for i in $(seq 1 "$RUNS"); do bench "$1" $url "$i"; done
   kill -TERM $pid; wait $pid
 }
+echo "dtype $DTYPE, pdserve worker on $CPUS CPUs"
 echo "label output_tok_s tpot_p50_ms ttft_p50_ms" > "$work/rows"
 { serve_and_bench pdserve; serve_and_bench vllm; serve_and_bench pdserve; } | tee -a "$work/rows"
 python - "$work/rows" <<'PY'
