@@ -81,7 +81,7 @@ def test_dummy_load_format_needs_no_weights(tmp_path, checkpoints):
     with pytest.raises(ValueError, match="no model.safetensors"):
         LLM(str(tmp_path))
     llm = LLM(str(tmp_path), load_format="dummy")
-    w = llm.engine.model.model.layers[0].self_attn.q_proj.weight
+    w = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight  # q, k and v fused after loading
     assert 0 < w.abs().max().item() <= 1e-3 and w.std().item() > 1e-4
     assert torch.equal(llm.engine.model.model.norm.weight, torch.ones_like(llm.engine.model.model.norm.weight))
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

@@ -29,6 +29,7 @@ class AttentionMetadata:
     prefill_lens: tuple[tuple[int, int], ...]  # host copy of (chunk length, context length) per prefill sequence
     sliding_window: int | None
     decode_semaphores: torch.Tensor | None = None  # [>= Bd, KVH] int32 zeros the decode kernel may keep (graphs)
+    torch_plan: torch_attention.TorchAttentionPlan | None = None  # torch path: the step's masks, built once
 
     @property
     def max_query_len(self) -> int:

@@ -4,11 +4,13 @@ Module and parameter names are exactly the Hugging Face ones, so `engine.model.w
 tensors one to one. Differences between the architectures are config flags: q/k/v bias (Qwen2), q/k RMSNorm
 (Qwen3), tied embeddings, llama3 rope scaling, sliding window (Mistral).
 
-Two paths, one structure. The torch path (CPU) matches transformers op for op. `use_kernels()` switches to the GPU
-path after loading: q/k/v and gate/up become one projection each (one GEMM instead of three and two), and RMSNorm
-with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels. A step of at most
-SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and gate_up projections as GEMVs (engine.kernels.skinny_gemm;
-the down projection's long K suits cuBLAS's split-K better), the qkv one with RoPE and the KV store fused in.
+Two paths, one structure. After loading, `fuse_projections()` makes q/k/v and gate/up one projection each (one GEMM
+instead of three and two; each output element is the same dot product). The torch path (CPU) otherwise matches
+transformers op for op (RoPE rotates q and k together: the same elementwise ops). `use_kernels()` switches to the
+GPU path: RMSNorm with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels.
+A step of at most SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and gate_up projections as GEMVs
+(engine.kernels.skinny_gemm; the down projection's long K suits cuBLAS's split-K better), the qkv one with RoPE
+and the KV store fused in.
 
 With a TPGroup (engine.model.parallel) the layers are built from the rank's local config (its heads and slice of
 the intermediate size) and o/down all-reduce; without one (TP=1) no collective or extra op runs.
@@ -22,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.model import torch_attention
 from engine.model.attention import AttentionMetadata, attend
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
-from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model.rope import RotaryEmbedding, apply_rope, rotate
 from engine.model.torch_attention import write_kv
 from engine.model.tp_layout import TPLayout
 
@@ -79,6 +82,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k and v in one GEMM
+        self.use_kernels = False
 
     def fuse(self) -> None:
         self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -88,12 +92,17 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        use_kernels = self.qkv_proj is not None
+        use_kernels = self.use_kernels
         if use_kernels and t <= SKINNY_ROWS and not self.qk_norm:  # one kernel: projection, RoPE, KV store
             from engine.kernels.qkv_rope import qkv_rope_store
             qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
                                  rope.sin, kv_layer, meta.slots)  # [T, (H + 2 KVH) D]
             q = qkv[:, : h * d].view(t, h, d)
+        elif not use_kernels and self.qkv_proj is not None and not self.qk_norm:  # torch path, fused projection
+            qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+            qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), rope.cos, rope.sin)  # q and k at once
+            q, k = qk[:, :h], qk[:, h:]
+            write_kv(kv_layer, meta.slots, k, qkv[:, (h + kvh) * d:].view(t, kvh, d))
         else:
             q, k, v = self._project_qkv(x)
             if self.qk_norm:
@@ -113,7 +122,8 @@ class Attention(nn.Module):
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is None:
             return self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
-        q, k, v = _linear(self.qkv_proj, x).split([h * d, kvh * d, kvh * d], dim=-1)
+        qkv = _linear(self.qkv_proj, x) if self.use_kernels else self.qkv_proj(x)
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         return q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
 
 
@@ -125,15 +135,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse(): gate and up in one GEMM
+        self.use_kernels = False
 
     def fuse(self) -> None:
         self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
+        if self.use_kernels:
             from engine.kernels.silu_mul import silu_and_mul
             act = silu_and_mul(_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
+        elif self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+            act = nn.functional.silu(gate) * up
         else:
             act = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(act) if self.tp is None else self.tp.row_parallel(self.down_proj, act)
@@ -193,6 +207,7 @@ class CausalLM(nn.Module):
             rope = RopeInputs(positions, self.rope.cos, self.rope.sin)
         else:
             rope = RopeInputs(positions, *self.rope(positions, x.dtype))
+            meta = torch_attention.with_plan(meta, kv_cache.shape[3])
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
@@ -202,15 +217,20 @@ class CausalLM(nn.Module):
 
     @property
     def kernels_enabled(self) -> bool:
-        return self.model.layers[0].self_attn.qkv_proj is not None
+        return self.model.layers[0].self_attn.use_kernels
+
+    def fuse_projections(self) -> None:
+        """After the weights are loaded: q/k/v and gate/up as one projection each (both paths)."""
+        for layer in self.model.layers:
+            if layer.self_attn.qkv_proj is None:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
 
     def use_kernels(self) -> None:
         """Switch to the GPU path (after the weights are loaded): fused projections and Triton kernels."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        self.fuse_projections()
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.use_kernels = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """Paged attention in plain torch: the CPU path and the reference the Triton kernels are tested against.
 
 For each prefill chunk the keys are its whole context (cached prefix plus the new tokens, read back from the
-paged cache), causal. The decode rows are attended together in one padded batch.
+paged cache), causal. The decode rows are attended together in one padded batch. What depends only on the step
+(block indices, masks) is built once per step (`plan`), not once per layer: on a small model on the CPU those
+few ops per layer were a tenth of a decode step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +16,49 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from engine.model.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One prefill chunk: its rows among the step's tokens, the blocks of its context, its causal mask."""
+
+    start: int
+    length: int
+    blocks: torch.Tensor  # [nb] int64
+    mask: torch.Tensor    # [n, nb * bs] bool, True where the query may attend
+
+
+@dataclass(frozen=True)
+class TorchAttentionPlan:
+    """The step's attention inputs for the torch path, shared by every layer."""
+
+    chunks: tuple[ChunkPlan, ...]
+    decode_blocks: torch.Tensor | None  # [Bd * W] int64, the decode rows' block tables flattened
+    decode_mask: torch.Tensor | None    # [Bd, 1, 1, W * bs] bool
+
+
+def plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+    dev = meta.slots.device
+    chunks, start = [], meta.num_decode
+    for i, (n, ctx) in enumerate(meta.prefill_lens):
+        nb = -(-ctx // block_size)
+        positions = torch.arange(ctx - n, ctx, device=dev)
+        mask = _mask(positions[:, None], torch.arange(nb * block_size, device=dev)[None, :], meta.sliding_window)
+        chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
+        start += n
+    blocks = mask = None
+    if meta.num_decode:
+        tables = meta.decode_block_tables
+        blocks = tables.reshape(-1).long()
+        last = (meta.decode_context_lens.long() - 1)[:, None, None, None]  # query position of each row
+        keys = torch.arange(tables.shape[1] * block_size, device=dev)[None, None, None, :]
+        mask = _mask(last, keys, meta.sliding_window)
+    return TorchAttentionPlan(tuple(chunks), blocks, mask)
+
+
+def with_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """`meta` carrying its step's plan, so every layer's paged_attention reuses it."""
+    return replace(meta, torch_plan=plan(meta, block_size))
 
 
 def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -25,39 +71,32 @@ def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]."""
+    step = meta.torch_plan if meta.torch_plan is not None else plan(meta, kv_layer.shape[2])
     out = torch.empty_like(q)
-    bs, dev = kv_layer.shape[2], q.device
-    start = meta.num_decode
-    for i, (n, ctx) in enumerate(meta.prefill_lens):
-        table = meta.prefill_block_tables[i, : -(-ctx // bs)].long()
-        k, v = _gather(kv_layer, table[None])  # [1, KVH, ctx rounded up to blocks, D]
-        positions = torch.arange(ctx - n, ctx, device=dev)
-        mask = _mask(positions[:, None], torch.arange(k.shape[2], device=dev)[None, :], meta.sliding_window)
-        qi = q[start:start + n].transpose(0, 1)[None]  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + n] = o[0].transpose(0, 1)
-        start += n
+    for chunk in step.chunks:
+        k, v = _gather(kv_layer, chunk.blocks, 1)  # [1, KVH, ctx rounded up to blocks, D]
+        qi = q[chunk.start:chunk.start + chunk.length].transpose(0, 1)[None]  # [1, H, n, D]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+        out[chunk.start:chunk.start + chunk.length] = o[0].transpose(0, 1)
     nd = meta.num_decode
     if nd:
-        k, v = _gather(kv_layer, meta.decode_block_tables.long())  # [B, KVH, L, D]
-        last = (meta.decode_context_lens.long() - 1)[:, None, None, None]  # query position of each row
-        keys = torch.arange(k.shape[2], device=dev)[None, None, None, :]
-        mask = _mask(last, keys, meta.sliding_window)  # [B, 1, 1, L]
-        o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        k, v = _gather(kv_layer, step.decode_blocks, nd)  # [B, KVH, L, D]
+        o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=step.decode_mask, scale=scale,
+                                           enable_gqa=True)
         out[:nd] = o[:, :, 0, :]
     return out
 
 
-def _gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tables [B, nb] -> K, V [B, KVH, nb * bs, D] (views of one gathered copy each: gathering K and V apart
-    yields contiguous [B, nb, bs, KVH, D] tensors whose token axes merge for free; gathering whole blocks and
-    slicing K and V out of them cost a second copy, a third of a CPU decode step on `tiny`). index_select, not
-    advanced indexing: on these strided views it copied the same bytes in about half the time (CPU, `tiny`)."""
-    b, nb = tables.shape
+def _gather(kv_layer: torch.Tensor, blocks: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [rows * nb] int64 -> K, V [rows, KVH, nb * bs, D] (views of one gathered copy each: gathering K
+    and V apart yields contiguous [rows, nb, bs, KVH, D] tensors whose token axes merge for free; gathering whole
+    blocks and slicing K and V out of them cost a second copy, a third of a CPU decode step on `tiny`).
+    index_select, not advanced indexing: on these strided views it copied the same bytes in about half the time
+    (CPU, `tiny`)."""
     _, _, bs, kvh, d = kv_layer.shape
-    flat = tables.reshape(-1)
-    k = kv_layer[:, 0].index_select(0, flat).view(b, nb * bs, kvh, d).transpose(1, 2)
-    v = kv_layer[:, 1].index_select(0, flat).view(b, nb * bs, kvh, d).transpose(1, 2)
+    length = blocks.shape[0] // rows * bs
+    k = kv_layer[:, 0].index_select(0, blocks).view(rows, length, kvh, d).transpose(1, 2)
+    v = kv_layer[:, 1].index_select(0, blocks).view(rows, length, kvh, d).transpose(1, 2)
     return k, v
 
 

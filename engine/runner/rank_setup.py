@@ -52,6 +52,7 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
     model = _load_model(mc, path, config, device, tp)
     clock.lap("weights")
     uses_kernels = config.kernels == "triton" or (config.kernels == "auto" and device.type == "cuda")
+    model.fuse_projections()
     if uses_kernels:
         model.use_kernels()
     layout = TPLayout(mc, 0, 1) if tp is None else TPLayout(mc, tp.rank, tp.size)
