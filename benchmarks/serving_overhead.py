@@ -14,11 +14,11 @@ CPU per second, every client process) shows it, and `--client-processes N` share
 processes (each with its own prompts of the same shape).
 
 Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
-output tok/s, TPOT p50, tokens sampled per engine step() call (offline: the engine's counters; pdserve: its
-/metrics), and CPU time per output token of the process running the engine (offline: this one; pdserve: its engine
-worker) and of pdserve's coordinator (/proc, Linux; on a shared machine these move less than the rates), then the
-served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its API server process). `--profile DIR` adds
-py-spy samples of each process through its first measured run.
+output tok/s, TPOT p50, tokens sampled per engine step() call and host milliseconds per step() (offline: the
+engine's counters; pdserve: its /metrics), and CPU time per output token of the process running the engine (offline:
+this one; pdserve: its engine worker) and of pdserve's coordinator (/proc, Linux; on a shared machine these move
+less than the rates), then the served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its API server
+process). `--profile DIR` adds py-spy samples of each process through its first measured run.
 
     python benchmarks/serving_overhead.py                                  # tiny, on the CPU
     python benchmarks/serving_overhead.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --device cuda
@@ -142,6 +142,7 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Pr
         stamps.clear()
         spy = profiler.start("offline", os.getpid())
         steps, sampled = llm.engine.num_steps, llm.engine.scheduler.num_sampled_tokens
+        step_s = llm.engine.step_time_total_s
         start, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -150,7 +151,8 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Pr
         rows.append({"name": "offline", "output_tok_s": tokens / wall, "tpot_p50_ms": _offline_tpot(stamps) * 1000,
                      "tokens": tokens, "engine_cpu_us_per_tok": cpu * 1e6 / tokens,
                      "tok_per_step": (llm.engine.scheduler.num_sampled_tokens - sampled)
-                     / max(1, llm.engine.num_steps - steps)})
+                     / max(1, llm.engine.num_steps - steps),
+                     "step_ms": (llm.engine.step_time_total_s - step_s) * 1000 / max(1, llm.engine.num_steps - steps)})
     del llm  # its engine and timed_step form a cycle: collected below
     gc.collect()
     return rows
@@ -221,18 +223,20 @@ def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, i
                 Profiler.stop(spy)
             rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
             if counts is not None:
-                (steps, sampled), (steps0, sampled0) = _engine_counts(url), counts
+                (steps, sampled, step_s), (steps0, sampled0, step_s0) = _engine_counts(url), counts
                 rows[-1]["tok_per_step"] = (sampled - sampled0) / max(1, steps - steps0)
+                rows[-1]["step_ms"] = (step_s - step_s0) * 1000 / max(1, steps - steps0)
         return rows
     finally:
         if clients is not None:
             clients.shutdown()
 
 
-def _engine_counts(url: str) -> tuple[float, float]:
-    """The served engines' steps and sampled tokens so far (every step that sampled counts; /metrics)."""
+def _engine_counts(url: str) -> tuple[float, float, float]:
+    """The served engines' steps, sampled tokens and seconds in step() so far (/metrics)."""
     return (sum(metric_values(url, "pdserve_worker_engine_steps").values()),
-            sum(metric_values(url, "pdserve_worker_engine_sampled_tokens_total").values()))
+            sum(metric_values(url, "pdserve_worker_engine_sampled_tokens_total").values()),
+            sum(metric_values(url, "pdserve_worker_engine_step_time_total_s").values()))
 
 
 def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Profiler) -> list[dict]:
@@ -261,7 +265,7 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    cols = ["name", "output_tok_s", "tpot_p50_ms", "tok_per_step", "engine_cpu_us_per_tok",
+    cols = ["name", "output_tok_s", "tpot_p50_ms", "tok_per_step", "step_ms", "engine_cpu_us_per_tok",
             "coordinator_cpu_us_per_tok", "frontends_cpu_us_per_tok", "vllm_api_cpu_us_per_tok", "client_cpu"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>26}" for c in cols)]
