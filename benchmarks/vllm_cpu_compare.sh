@@ -14,7 +14,7 @@ MODEL=${MODEL:-tiny}
 # Both servers run one dtype: with "auto" vLLM downcasts a float32 checkpoint (tiny is one) to bfloat16 while pdserve
 # keeps the checkpoint's dtype, which would compare two different computations. CPUS: the pdserve worker's cores.
 DTYPE=${DTYPE:-bfloat16}
-CPUS=${CPUS:-2}
+CPUS=${CPUS:-1}
 command -v "$VLLM" >/dev/null || { echo "no vllm command ($VLLM): no comparison (this program installs nothing)"; exit 0; }
 cd "$(dirname "$0")/.."
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
