@@ -38,6 +38,7 @@ class TorchAttentionPlan:
 
 
 def plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+    """Each prefill chunk's context blocks and causal mask, and the decode rows' blocks and mask."""
     dev = meta.slots.device
     chunks, start = [], meta.num_decode
     for i, (n, ctx) in enumerate(meta.prefill_lens):
