@@ -24,8 +24,8 @@ class ChunkPlan:
 
     start: int
     length: int
-    blocks: torch.Tensor  # [nb] int64
-    mask: torch.Tensor    # [n, nb * bs] bool, True where the query may attend
+    blocks: torch.Tensor        # [nb] int64
+    mask: torch.Tensor | None   # [n, nb * bs] bool, True where the query may attend; None: plain causal from key 0
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,11 @@ def plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
     chunks, start = [], meta.num_decode
     for i, (n, ctx) in enumerate(meta.prefill_lens):
         nb = -(-ctx // block_size)
-        positions = torch.arange(ctx - n, ctx, device=dev)
-        mask = _mask(positions[:, None], torch.arange(nb * block_size, device=dev)[None, :], meta.sliding_window)
+        mask = None  # a whole prompt without a window: SDPA's own causal mask, cheaper and bitwise the same
+        if ctx != n or meta.sliding_window is not None:
+            positions = torch.arange(ctx - n, ctx, device=dev)
+            keys = torch.arange(nb * block_size, device=dev)[None, :]
+            mask = _mask(positions[:, None], keys, meta.sliding_window)
         chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
         start += n
     blocks = mask = None
@@ -77,7 +80,8 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
     for chunk in step.chunks:
         k, v = _gather(kv_layer, chunk.blocks, 1)  # [1, KVH, ctx rounded up to blocks, D]
         qi = q[chunk.start:chunk.start + chunk.length].transpose(0, 1)[None]  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+                                           enable_gqa=True)  # causal from key 0: query j sees keys 0..j
         out[chunk.start:chunk.start + chunk.length] = o[0].transpose(0, 1)
     nd = meta.num_decode
     if nd:
