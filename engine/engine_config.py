@@ -26,7 +26,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     pin_lease_s: float = 60.0           # prefill-only blocks are freed if not released within this time
     seed: int = 0                       # for requests without a seed of their own
-    kernels: str = "auto"               # "auto" = Triton kernels on CUDA, torch elsewhere; or "triton" / "torch"
+    # "auto": Triton kernels on CUDA; on the CPU the torch path with the C decode-attention kernel where a C compiler
+    # builds it (engine.cpu_kernels); or "triton", or "torch" (the plain reference everywhere)
+    kernels: str = "auto"
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
     prefill_graph_tokens: int = 512     # with cuda_graphs, prefill-only steps up to this many tokens too (0: none)
     async_scheduling: bool = True       # queue decode step N+1 before reading step N's tokens (see LLMEngine)

@@ -197,6 +197,7 @@ class CausalLM(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.cpu_decode_kernel = False  # torch path: decode attention by engine.cpu_kernels (use_cpu_decode_kernel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -207,7 +208,7 @@ class CausalLM(nn.Module):
             rope = RopeInputs(positions, self.rope.cos, self.rope.sin)
         else:
             rope = RopeInputs(positions, *self.rope(positions, x.dtype))
-            meta = torch_attention.with_plan(meta, kv_cache.shape[3])
+            meta = torch_attention.with_plan(meta, kv_cache.shape[3], self.cpu_decode_kernel)
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
@@ -225,6 +226,14 @@ class CausalLM(nn.Module):
             if layer.self_attn.qkv_proj is None:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+
+    def use_cpu_decode_kernel(self) -> bool:
+        """On the torch path, attend the decode rows with the C kernel where it builds here (float32 and bfloat16
+        caches); False, and the torch path's gather + SDPA, elsewhere."""
+        from engine.cpu_kernels.paged_decode import DTYPES, load
+        dtype = self.model.embed_tokens.weight.dtype
+        self.cpu_decode_kernel = not self.kernels_enabled and dtype in DTYPES and load() is not None
+        return self.cpu_decode_kernel
 
     def use_kernels(self) -> None:
         """Switch to the GPU path (after the weights are loaded): fused projections and Triton kernels."""

@@ -1,9 +1,10 @@
 """Paged attention in plain torch: the CPU path and the reference the Triton kernels are tested against.
 
 For each prefill chunk the keys are its whole context (cached prefix plus the new tokens, read back from the
-paged cache), causal. The decode rows are attended together in one padded batch. What depends only on the step
-(block indices, masks) is built once per step (`plan`), not once per layer: on a small model on the CPU those
-few ops per layer were a tenth of a decode step.
+paged cache), causal. The decode rows are attended together in one padded batch, or, where the model chose it (the
+CPU's default), by the C kernel of engine.cpu_kernels.paged_decode, which reads each key and value once. What
+depends only on the step (block indices, masks) is built once per step (`plan`), not once per layer: on a small
+model on the CPU those few ops per layer were a tenth of a decode step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_kernels.paged_decode import paged_decode_attention
 
 if TYPE_CHECKING:
     from engine.model.attention import AttentionMetadata
@@ -35,9 +38,10 @@ class TorchAttentionPlan:
     chunks: tuple[ChunkPlan, ...]
     decode_blocks: torch.Tensor | None  # [Bd * W] int64, the decode rows' block tables flattened
     decode_mask: torch.Tensor | None    # [Bd, 1, 1, W * bs] bool
+    decode_kernel: bool = False         # the decode rows go to the C kernel (engine.cpu_kernels.paged_decode)
 
 
-def plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False) -> TorchAttentionPlan:
     """Each prefill chunk's context blocks and causal mask, and the decode rows' blocks and mask."""
     dev = meta.slots.device
     chunks, start = [], meta.num_decode
@@ -51,18 +55,19 @@ def plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
         chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
         start += n
     blocks = mask = None
-    if meta.num_decode:
+    if meta.num_decode and not decode_kernel:
         tables = meta.decode_block_tables
         blocks = tables.reshape(-1).long()
         last = (meta.decode_context_lens.long() - 1)[:, None, None, None]  # query position of each row
         keys = torch.arange(tables.shape[1] * block_size, device=dev)[None, None, None, :]
         mask = _mask(last, keys, meta.sliding_window)
-    return TorchAttentionPlan(tuple(chunks), blocks, mask)
+    return TorchAttentionPlan(tuple(chunks), blocks, mask, decode_kernel)
 
 
-def with_plan(meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
-    """`meta` carrying its step's plan, so every layer's paged_attention reuses it."""
-    return replace(meta, torch_plan=plan(meta, block_size))
+def with_plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False) -> AttentionMetadata:
+    """`meta` carrying its step's plan, so every layer's paged_attention reuses it. `decode_kernel`: the decode
+    rows run engine.cpu_kernels.paged_decode (the caller checked that it loads and takes these tensors)."""
+    return replace(meta, torch_plan=plan(meta, block_size, decode_kernel))
 
 
 def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -84,7 +89,10 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
                                            enable_gqa=True)  # causal from key 0: query j sees keys 0..j
         out[chunk.start:chunk.start + chunk.length] = o[0].transpose(0, 1)
     nd = meta.num_decode
-    if nd:
+    if nd and step.decode_kernel:
+        out[:nd] = paged_decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens,
+                                          scale, meta.sliding_window)
+    elif nd:
         k, v = _gather(kv_layer, step.decode_blocks, nd)  # [B, KVH, L, D]
         o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=step.decode_mask, scale=scale,
                                            enable_gqa=True)

@@ -1,0 +1,93 @@
+"""The CPU decode-attention kernel (paged_decode.c): built with the system's C compiler on first use, loaded with
+ctypes, and called on the decode rows of a step in place of the torch path's gather + SDPA.
+
+Owns building (`load`: compiled once per machine into the pdserve cache, keyed by the source, the compiler and the
+CPU's flags, since it is built for this CPU; written to a temporary name and renamed, so concurrent workers never
+load half a file) and the call's argument checks. Without a C compiler, or if the build fails, `load()` is None and
+the engine keeps the torch path (logged once). No torch headers: a build takes about a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.tiny import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]  # fast-math: vector expf
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built here."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or platform.system() != "Linux":
+        log.warning("no C compiler (cc): CPU decode attention stays on the torch path")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()
+                             + _cpu_flags().encode()).hexdigest()[:16]
+        target = default_cache_dir() / "cpu_kernels" / f"paged_decode-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lmvec", "-lm"], check=True,
+                               capture_output=True, text=True)
+                os.replace(built, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else e
+        log.warning("CPU decode attention kernel not built (%s): staying on the torch path", detail)
+        return None
+    fn = lib.paged_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ctypes.c_int, ptr, ptr]
+    fn.restype = None
+    return lib
+
+
+def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, window: int | None) -> torch.Tensor:
+    """q [B, H, D]; kv_layer [NB, 2, bs, KVH, D] (the new tokens' K/V stored); tables [B, W] int32; context_lens
+    [B] int32 (0: a padding row, left zero) -> [B, H, D] in q's dtype."""
+    b, h, d = q.shape
+    _, _, bs, kvh, kd = kv_layer.shape
+    if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, kv_layer {tuple(kv_layer.shape)}, "
+                         f"tables {tuple(tables.shape)}, context_lens {tuple(context_lens.shape)} do not agree")
+    q = q.contiguous()
+    tables = tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty((b, h, d), dtype=torch.float32)
+    longest = tables.shape[1] * bs
+    scratch = torch.empty(h * longest + (h + kvh) * d, dtype=torch.float32)
+    s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
+    load().paged_decode_attention(
+        q.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok, s_head, tables.data_ptr(), tables.shape[1],
+        context_lens.data_ptr(), b, h, kvh, d, bs, window or 0, scale, DTYPES[q.dtype], out.data_ptr(),
+        scratch.data_ptr())
+    return out.to(q.dtype)
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
