@@ -67,11 +67,25 @@ def test_mismatched_shapes_are_refused():
 def test_engine_uses_the_kernel_by_default_and_not_with_torch_kernels():
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 8] * 9, [9, 10, 11]]
-    default, reference = LLM("tiny"), LLM("tiny", kernels="torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a served worker's (num_cpus 1)
+    try:
+        default, reference = LLM("tiny"), LLM("tiny", kernels="torch")
+    finally:
+        torch.set_num_threads(threads)
     assert default.engine.model.cpu_decode_kernel == (paged_decode.load() is not None)
     assert not reference.engine.model.cpu_decode_kernel
     assert [o.token_ids for o in default.generate(prompts, params)] == \
         [o.token_ids for o in reference.generate(prompts, params)]
+
+
+def test_engines_on_many_threads_keep_the_torch_path():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(paged_decode.MAX_THREADS + 1)
+    try:
+        assert not LLM("tiny").engine.model.cpu_decode_kernel
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_path(monkeypatch):

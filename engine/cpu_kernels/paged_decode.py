@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]  # fast-math: vector expf
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_THREADS = 2  # the kernel is single-threaded: engines with more torch threads keep torch's parallel path
 
 
 @functools.cache

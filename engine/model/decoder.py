@@ -229,10 +229,12 @@ class CausalLM(nn.Module):
 
     def use_cpu_decode_kernel(self) -> bool:
         """On the torch path, attend the decode rows with the C kernel where it builds here (float32 and bfloat16
-        caches); False, and the torch path's gather + SDPA, elsewhere."""
-        from engine.cpu_kernels.paged_decode import DTYPES, load
+        caches) and torch runs on at most MAX_THREADS threads (the kernel runs on one; at one and two threads it
+        was the faster, beyond that torch's parallel gather + SDPA is kept); False, and the torch path, elsewhere."""
+        from engine.cpu_kernels.paged_decode import DTYPES, MAX_THREADS, load
         dtype = self.model.embed_tokens.weight.dtype
-        self.cpu_decode_kernel = not self.kernels_enabled and dtype in DTYPES and load() is not None
+        self.cpu_decode_kernel = (not self.kernels_enabled and dtype in DTYPES
+                                  and torch.get_num_threads() <= MAX_THREADS and load() is not None)
         return self.cpu_decode_kernel
 
     def use_kernels(self) -> None:
