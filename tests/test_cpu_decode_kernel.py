@@ -51,7 +51,7 @@ def test_the_plan_routes_decode_rows_to_the_kernel():
     context_lens = torch.tensor([5, 64, 33], dtype=torch.int32)
     q = torch.randn(3, 4, 32, generator=gen)
     meta = decode_meta(tables, context_lens, None)
-    routed = torch_attention.with_plan(meta, 16, decode_kernel=True)
+    routed = torch_attention.with_plan(meta, cache, decode_kernel=True)
     assert routed.torch_plan.decode_kernel and routed.torch_plan.decode_blocks is None
     want = torch_attention.paged_attention(q, cache, meta, 0.2)
     assert torch.allclose(torch_attention.paged_attention(q, cache, routed, 0.2), want, atol=2e-6)
@@ -62,6 +62,17 @@ def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="do not agree"):
         paged_decode.paged_decode_attention(q, torch.zeros(4, 2, 16, 3, 32), torch.zeros(2, 1, dtype=torch.int32),
                                             torch.ones(2, dtype=torch.int32), 1.0, None)
+
+
+@pytest.mark.parametrize("tables,context_lens,match", [
+    ([[0, 1], [2, 3]], [33, 5], "exceeds its block table"),  # 33 tokens in 2 blocks of 16
+    ([[0, 4], [2, 3]], [20, 5], r"in \[0, 4\)"),  # block 4 of a 4-block cache
+    ([[0, -1], [2, 3]], [20, 5], r"in \[0, 4\)")])
+def test_tables_pointing_outside_the_cache_are_refused(tables, context_lens, match):
+    with pytest.raises(ValueError, match=match):
+        paged_decode.paged_decode_attention(torch.zeros(2, 4, 32), torch.zeros(4, 2, 16, 2, 32),
+                                            torch.tensor(tables, dtype=torch.int32),
+                                            torch.tensor(context_lens, dtype=torch.int32), 1.0, None)
 
 
 def test_engine_uses_the_kernel_by_default_and_not_with_torch_kernels():

@@ -64,15 +64,28 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def check_tables(tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raise ValueError unless every context fits its row of the table and every block id is in the cache: the
+    kernel reads where they point, unchecked."""
+    if context_lens.numel() and int(context_lens.max()) > tables.shape[1] * block_size:
+        raise ValueError(f"a context of {int(context_lens.max())} tokens exceeds its block table "
+                         f"({tables.shape[1]} blocks of {block_size})")
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise ValueError(f"block table ids must be in [0, {num_blocks}), got {int(tables.min())}..{int(tables.max())}")
+
+
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, window: int | None) -> torch.Tensor:
+                           scale: float, window: int | None, checked: bool = False) -> torch.Tensor:
     """q [B, H, D]; kv_layer [NB, 2, bs, KVH, D] (the new tokens' K/V stored); tables [B, W] int32; context_lens
-    [B] int32 (0: a padding row, left zero) -> [B, H, D] in q's dtype."""
+    [B] int32 (0: a padding row, left zero) -> [B, H, D] in q's dtype. `checked`: the caller ran check_tables on
+    these tables (once a step, for every layer)."""
     b, h, d = q.shape
-    _, _, bs, kvh, kd = kv_layer.shape
+    nb, _, bs, kvh, kd = kv_layer.shape
     if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, kv_layer {tuple(kv_layer.shape)}, "
                          f"tables {tuple(tables.shape)}, context_lens {tuple(context_lens.shape)} do not agree")
+    if not checked:
+        check_tables(tables, context_lens, nb, bs)
     q = q.contiguous()
     tables = tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()

@@ -208,7 +208,7 @@ class CausalLM(nn.Module):
             rope = RopeInputs(positions, self.rope.cos, self.rope.sin)
         else:
             rope = RopeInputs(positions, *self.rope(positions, x.dtype))
-            meta = torch_attention.with_plan(meta, kv_cache.shape[3], self.cpu_decode_kernel)
+            meta = torch_attention.with_plan(meta, kv_cache, self.cpu_decode_kernel)
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache[:, i], meta)

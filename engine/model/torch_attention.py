@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels.paged_decode import paged_decode_attention
+from engine.cpu_kernels.paged_decode import check_tables, paged_decode_attention
 
 if TYPE_CHECKING:
     from engine.model.attention import AttentionMetadata
@@ -41,7 +41,8 @@ class TorchAttentionPlan:
     decode_kernel: bool = False         # the decode rows go to the C kernel (engine.cpu_kernels.paged_decode)
 
 
-def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False) -> TorchAttentionPlan:
+def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False,
+         num_blocks: int | None = None) -> TorchAttentionPlan:
     """Each prefill chunk's context blocks and causal mask, and the decode rows' blocks and mask."""
     dev = meta.slots.device
     chunks, start = [], meta.num_decode
@@ -55,7 +56,9 @@ def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False) 
         chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
         start += n
     blocks = mask = None
-    if meta.num_decode and not decode_kernel:
+    if meta.num_decode and decode_kernel:
+        check_tables(meta.decode_block_tables, meta.decode_context_lens, num_blocks, block_size)
+    elif meta.num_decode:
         tables = meta.decode_block_tables
         blocks = tables.reshape(-1).long()
         last = (meta.decode_context_lens.long() - 1)[:, None, None, None]  # query position of each row
@@ -64,10 +67,10 @@ def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False) 
     return TorchAttentionPlan(tuple(chunks), blocks, mask, decode_kernel)
 
 
-def with_plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False) -> AttentionMetadata:
+def with_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, decode_kernel: bool = False) -> AttentionMetadata:
     """`meta` carrying its step's plan, so every layer's paged_attention reuses it. `decode_kernel`: the decode
     rows run engine.cpu_kernels.paged_decode (the caller checked that it loads and takes these tensors)."""
-    return replace(meta, torch_plan=plan(meta, block_size, decode_kernel))
+    return replace(meta, torch_plan=plan(meta, kv_cache.shape[-3], decode_kernel, kv_cache.shape[0]))
 
 
 def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,7 +94,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
     nd = meta.num_decode
     if nd and step.decode_kernel:
         out[:nd] = paged_decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens,
-                                          scale, meta.sliding_window)
+                                          scale, meta.sliding_window, checked=True)
     elif nd:
         k, v = _gather(kv_layer, step.decode_blocks, nd)  # [B, KVH, L, D]
         o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=step.decode_mask, scale=scale,
