@@ -82,11 +82,12 @@ def live_worker_pids(server: LaunchedServer, role: str) -> dict[str, int]:
     return workers
 
 
-def busiest_worker(url: str, role: str, names: list[str]) -> str:
-    """Which of `names` holds the most booked KV blocks now (the coordinator's own ledger: one quick /metrics
-    read, so a kill right after it hits running streams)."""
+def busiest_worker(url: str, role: str, names: list[str]) -> str | None:
+    """Which of `names` holds the most booked KV blocks now (the coordinator's own ledger, one /metrics read);
+    None while none holds any."""
     booked = metric_values(url, "pdserve_worker_booked_kv_blocks")
-    return max(names, key=lambda name: booked.get(f'{{worker="{name}",role="{role}"}}', 0))
+    holding = {name: booked.get(f'{{worker="{name}",role="{role}"}}', 0) for name in names}
+    return max(holding, key=holding.get) if any(holding.values()) else None
 
 
 class LabelSets(dict):

@@ -7,6 +7,8 @@ cancellation and a mid-stream move hold on that path (test_self_healing covers t
 import asyncio
 import os
 import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -102,15 +104,35 @@ def test_a_decode_worker_killed_mid_stream_its_streams_move_and_finish_exactly(s
     pids = live_worker_pids(server_2p2d, "decode")
     assert len(pids) == 2, pids
 
+    # the worker to kill: one holding streams, never an idle one, by the coordinator's bookings, read over and over
+    # from a thread while the streams start, so the kill itself waits for no HTTP round trip (these streams last
+    # about a second on the CPU: a /metrics read at kill time let them finish first under CI load)
+    busiest: list[str] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            name = busiest_worker(server_2p2d.url, "decode", list(pids))
+            if name is not None:  # once the streams are admitted
+                busiest.append(name)
+            time.sleep(0.01)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
     async def kill_one_decode_worker() -> None:
-        # one holding streams, never an idle one; looked up from a thread (blocking HTTP would stall the streams)
-        name = await asyncio.to_thread(busiest_worker, server_2p2d.url, "decode", list(pids))
-        os.kill(pids[name], signal.SIGKILL)
+        while not busiest:  # no reading since the streams were admitted yet (a slow first /metrics)
+            await asyncio.sleep(0.005)
+        os.kill(pids[busiest[-1]], signal.SIGKILL)
+        watching.set()
     bodies = [{"model": str(llama), "prompt": p, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
                "stream": True} for p in prompts]
     # after 3 chunks: the first token comes from the prefill worker, so after only 1 a stream may still be in its
     # handoff, and a kill then re-places it without a migration (CI saw moved == {})
-    results = streams_with_a_kill(server_2p2d.url, bodies, kill_one_decode_worker, after_chunks=3, timeout_s=240)
+    try:
+        results = streams_with_a_kill(server_2p2d.url, bodies, kill_one_decode_worker, after_chunks=3, timeout_s=240)
+    finally:
+        watching.set()
+        watcher.join()
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"], got["finish_reason"]) == (want.text, tokens, "length")
     moved = metric_values(server_2p2d.url, "pdserve_migrations_total")
