@@ -41,10 +41,10 @@ class TorchAttentionPlan:
     decode_kernel: bool = False         # the decode rows go to the C kernel (engine.cpu_kernels.paged_decode)
 
 
-def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False,
-         num_blocks: int | None = None) -> TorchAttentionPlan:
-    """Each prefill chunk's context blocks and causal mask, and the decode rows' blocks and mask."""
-    dev = meta.slots.device
+def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False) -> TorchAttentionPlan:
+    """Each prefill chunk's context blocks and causal mask, and the decode rows' blocks and mask (`kv`: the cache
+    [NB, L, 2, bs, KVH, D] or one layer of it [NB, 2, bs, KVH, D])."""
+    dev, num_blocks, block_size = meta.slots.device, kv.shape[0], kv.shape[-3]
     chunks, start = [], meta.num_decode
     for i, (n, ctx) in enumerate(meta.prefill_lens):
         nb = -(-ctx // block_size)
@@ -70,7 +70,7 @@ def plan(meta: AttentionMetadata, block_size: int, decode_kernel: bool = False,
 def with_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, decode_kernel: bool = False) -> AttentionMetadata:
     """`meta` carrying its step's plan, so every layer's paged_attention reuses it. `decode_kernel`: the decode
     rows run engine.cpu_kernels.paged_decode (the caller checked that it loads and takes these tensors)."""
-    return replace(meta, torch_plan=plan(meta, kv_cache.shape[-3], decode_kernel, kv_cache.shape[0]))
+    return replace(meta, torch_plan=plan(meta, kv_cache, decode_kernel))
 
 
 def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -83,7 +83,7 @@ def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]."""
-    step = meta.torch_plan if meta.torch_plan is not None else plan(meta, kv_layer.shape[2])
+    step = meta.torch_plan if meta.torch_plan is not None else plan(meta, kv_layer)
     out = torch.empty_like(q)
     for chunk in step.chunks:
         k, v = _gather(kv_layer, chunk.blocks, 1)  # [1, KVH, ctx rounded up to blocks, D]
