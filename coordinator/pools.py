@@ -78,6 +78,17 @@ class Pools:
         self.decode = [w for w in started if w.info.role != "prefill"]
         await asyncio.gather(*[_connecting(lambda d=d, p=p: d.handle.add_peer.remote(p.info.agent_metadata),
                                            f"{d.name} to {p.name}") for d in self.decode for p in self.prefill])
+        if self.pushes:
+            await asyncio.gather(*[_connecting(lambda d=d, p=p: p.handle.add_peer.remote(d.info.agent_metadata),
+                                               f"{p.name} to {d.name}") for d in self.decode for p in self.prefill])
+
+    @property
+    def pushes(self) -> bool:
+        """Prefill workers write the KV into decode workers' blocks (transfer.push, both pools at TP=1), so they
+        connect to every decode worker as well."""
+        cfg = self.config
+        return (cfg.mode == "disaggregated" and cfg.transfer.push and cfg.prefill.tensor_parallel_size == 1
+                and cfg.decode.tensor_parallel_size == 1)
 
     async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
         """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model. On any
@@ -94,25 +105,33 @@ class Pools:
     async def connect(self, worker: WorkerState) -> None:
         """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull
         from prefill workers, so a new decode worker adds every live prefill agent, and every live decode worker
-        drops the old prefill agent of that name and adds the new one."""
+        drops the old prefill agent of that name and adds the new one. With pushes, the other way round as well."""
         if self.config.mode != "disaggregated":
             return
         if worker.info.role == "decode":
             peers = [p for p in self.prefill if p.alive]
-            await asyncio.gather(*[_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
-                                               f"{worker.name} to {p.name}") for p in peers])
+            calls = [_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
+                                 f"{worker.name} to {p.name}") for p in peers]
+            if self.pushes:
+                calls += [_connecting(lambda p=p: p.handle.replace_peer.remote(
+                    worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}") for p in peers]
         else:
             peers = [d for d in self.decode if d.alive]
-            await asyncio.gather(*[_connecting(lambda d=d: d.handle.replace_peer.remote(
-                worker.name, worker.info.agent_metadata), f"{d.name} to {worker.name}") for d in peers])
+            calls = [_connecting(lambda d=d: d.handle.replace_peer.remote(
+                worker.name, worker.info.agent_metadata), f"{d.name} to {worker.name}") for d in peers]
+            if self.pushes:
+                calls += [_connecting(lambda d=d: worker.handle.add_peer.remote(d.info.agent_metadata),
+                                      f"{worker.name} to {d.name}") for d in peers]
+        await asyncio.gather(*calls)
 
     async def disconnect(self, dead: WorkerState) -> None:
         """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
-        mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken)."""
-        if self.config.mode != "disaggregated" or dead.info.role != "prefill":
+        mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken); with
+        pushes, every live prefill worker a dead decode worker's."""
+        if self.config.mode != "disaggregated" or (dead.info.role != "prefill" and not self.pushes):
             return
-        peers = [d for d in self.decode if d.alive]
-        await asyncio.gather(*[d.handle.drop_peer.remote(dead.name) for d in peers], return_exceptions=True)
+        peers = [w for w in (self.decode if dead.info.role == "prefill" else self.prefill) if w.alive]
+        await asyncio.gather(*[w.handle.drop_peer.remote(dead.name) for w in peers], return_exceptions=True)
 
     def install(self, worker: WorkerState) -> None:
         """Put `worker` into its slot (replacing the dead incarnation of the same name)."""

@@ -199,10 +199,16 @@ class RayBackend:
             self._streams.pop(attempt, None)
             self._direct.pop(attempt, None)
             self._worker_phases.pop(attempt, None)
+            ends = []
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
                 if worker.alive and (action == "release" or not finished):
-                    self._spawn(quietly(getattr(worker.handle, action).remote(attempt)))
+                    ends.append(getattr(worker.handle, action))
+            if self.pools.pushes and len(ends) > 1:  # the prefill's abort first: the decode worker's blocks are
+                self._spawn(_in_order(attempt, ends))  # freed only once no push writes into them
+            else:
+                for end in ends:
+                    self._spawn(quietly(end.remote(attempt)))
 
     async def _prefill(self, attempt: str, request: GenerateRequest, prior: list[int], placement: Placement,
                        reservation: Reservation, cleanup: list, trace: PhaseTrace) -> TokenDelta:
@@ -214,9 +220,14 @@ class RayBackend:
         # pull (decode_pool.reservations); its abort gives them back if no handoff comes
         cleanup.append((decode, "abort"))
         decode.requests.add(attempt)
-        self._spawn(quietly(decode.handle.reserve.remote(attempt, len(request.prompt_token_ids) + len(prior))))
+        num_tokens = len(request.prompt_token_ids) + len(prior)
+        if self.pools.pushes:
+            self._spawn(self._push_target(attempt, num_tokens, prefill, decode))
+        else:
+            self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
         result = await self._call(prefill, prefill.handle.prefill.remote(
-            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority))
+            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
+            push=self.pools.pushes))
         trace.split(result.phases)
         reservation.unbook(prefill.key, "prompt_tokens")
         cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
@@ -232,6 +243,16 @@ class RayBackend:
                 self._spawn(quietly(decode.handle.abort.remote(attempt)))
         return first
 
+    @staticmethod
+    async def _push_target(attempt: str, num_tokens: int, prefill: WorkerState, decode: WorkerState) -> None:
+        """Book the KV's blocks on the decode worker and name them to the prefill worker, which then writes the KV
+        into them during its forward (prefill_pool.kv_push). A failure here leaves the handoff to a pull."""
+        try:
+            agent, blocks = await decode.handle.reserve_for_push.remote(attempt, num_tokens)
+            await prefill.handle.push_to.remote(attempt, agent, blocks)
+        except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
+            log.debug("request %s: no push target: %s", attempt, e)
+
     async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,
                        placement: Placement) -> None:
         """The decode worker pulls the KV (or recomputes it, per transfer.on_failure), then the prefill worker
@@ -243,7 +264,7 @@ class RayBackend:
                 return                        # and a decode() behind it would run a request nobody reads
             decode.load = await self._call(decode, decode.handle.decode.remote(
                 attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
-                prefill.name, result.block_ids, prior_output_ids=prior))
+                prefill.name, result.block_ids, prior_output_ids=prior, pushed=result.pushed))
         except TransferFailed as e:
             self._count(self.errors, "transfer_failed")
             if self.config.transfer.on_failure == "fail":
@@ -389,6 +410,12 @@ class RayBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _in_order(attempt: str, ends: list[Any]) -> None:
+    """End an attempt on its workers one after the other (each call's failure ignored)."""
+    for end in ends:
+        await quietly(end.remote(attempt))
 
 
 def _direct_sink(trace: PhaseTrace, streamed: list[int],

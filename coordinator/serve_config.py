@@ -55,6 +55,10 @@ class TransferConfig:
     timeout_s: float = 30.0
     pin_lease_s: float = 60.0
     on_failure: str = "recompute"  # a failed KV transfer: the decode worker recomputes the prompt, or the request fails
+    # the prefill worker writes each prompt's KV into the blocks its decode worker booked, layer group by layer
+    # group during the forward (prefill_pool.kv_push), so decode only joins; false: decode pulls it after the prefill.
+    # Pools of tensor_parallel_size 1 only (larger ones pull)
+    push: bool = True
 
 
 @dataclass(frozen=True)

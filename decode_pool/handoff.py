@@ -45,10 +45,11 @@ class Handoffs:
 
     async def take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
-                        peer_block_ids: list[int], prior: list[int]) -> StepOutput | None:
+                        peer_block_ids: list[int], prior: list[int], pushed: bool = False) -> StepOutput | None:
         """Pull the request's KV (prompt, then prior outputs) from `peer`'s blocks into its booked blocks and start
         it from its first token; its StepOutput if that token already ends it. Raises if the pull failed or the
-        request was aborted meanwhile (asyncio.CancelledError); either way its blocks are given back."""
+        request was aborted meanwhile (asyncio.CancelledError); either way its blocks are given back. `pushed`: the
+        KV is in the booked blocks already (written by the prefill worker): no pull, the request only joins."""
         self.timing.received(request_id)
         stages = [("received", time.monotonic())] if self._trace else None
         self.transferring[request_id] = False  # from here an abort is applied when the transfer has ended
@@ -62,15 +63,16 @@ class Handoffs:
             if len(peer_block_ids) < n:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
-            pull = self._pull(peer, peer_block_ids[:n], booking)
-            _stage(stages, "launched")
-            if pull.gpu_done is not None:
-                landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
-                self.timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
-                done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                          first_logprob, prior, landing))
-                _stage(stages, "joined")
-            await self._landed(pull)
+            if not pushed:
+                pull = self._pull(peer, peer_block_ids[:n], booking)
+                _stage(stages, "launched")
+                if pull.gpu_done is not None:
+                    landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
+                    self.timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
+                    done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
+                                                              first_logprob, prior, landing))
+                    _stage(stages, "joined")
+                await self._landed(pull)
             self.timing.kv_ready(request_id)
             _stage(stages, "landed")
         except BaseException:
@@ -84,13 +86,14 @@ class Handoffs:
             self.timing.drop(request_id)
             await _queued(self.loop.submit(lambda e: _abort_after(e, request_id, landing)))
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
-        if stages is not None:
-            t0 = stages[0][1]
-            print(json.dumps({"handoff_trace": request_id} | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}),
-                  file=sys.stderr, flush=True)
-        if pull.gpu_done is None:  # not joined yet: it starts now
+        if pull is None or pull.gpu_done is None:  # not joined yet: it starts now
             done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
                                                       first_logprob, prior, ()))
+            _stage(stages, "joined")
+        if stages is not None:
+            t0 = stages[0][1]
+            print(json.dumps({"handoff_trace": request_id, "pushed": pushed}
+                             | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}), file=sys.stderr, flush=True)
         return done
 
     async def pull_into(self, peer: str, remote_ids: list[int], booking: Booking) -> None:

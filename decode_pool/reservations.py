@@ -73,6 +73,21 @@ class Reservations:
         if request_id not in self._early and request_id not in self._ended:
             self._early[request_id] = asyncio.ensure_future(self.book(request_id, num_tokens))
 
+    async def settled(self, request_id: str, num_tokens: int) -> list[int]:
+        """Book early (unless booked already) and wait until the booking is made and its fence has passed on the
+        device: from then on the blocks may be written from another process (a pushed handoff) with no ordering
+        on this device. The booking stays for `take` (or `cancel`); its NoCapacity is raised here as well."""
+        self.book_early(request_id, num_tokens)
+        task = self._early.get(request_id)
+        if task is None:
+            raise RequestEnded(f"request {request_id} was aborted before its blocks were booked")
+        booking = await asyncio.shield(task)
+        if booking.fence.event is not None:
+            from kvtransfer.cache import event_done  # torch: this module is imported by the torch-free coordinator
+
+            await event_done(booking.fence.event, time.monotonic() + self.timeout_s, spin_s=0.0)
+        return booking.blocks
+
     async def take(self, request_id: str, num_tokens: int) -> Booking:
         """The request's early booking once it is made (its NoCapacity raised here), or a booking made now;
         RequestEnded if the request was cancelled first."""

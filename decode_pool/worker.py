@@ -112,24 +112,29 @@ class DecodeWorker:
     async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
         """A prefill worker was replaced: drop the connection to its dead agent (pulls still in flight from it
         fail with PeerLost), then connect to the new one under the same name."""
-        def swap() -> str:
-            self.agents.remove_peer(name)
-            return self.agents.add_peer(agent_metadata)
-        return await asyncio.to_thread(swap)
+        return await asyncio.to_thread(self.agents.replace_peer, name, agent_metadata)
 
     async def reserve(self, request_id: str, num_tokens: int) -> None:
         """Book the blocks of a request's KV while its prompt is still prefilled elsewhere (decode_pool.reservations);
         its decode() takes them, its abort() gives them back."""
         self.reservations.book_early(request_id, num_tokens)
 
+    async def reserve_for_push(self, request_id: str, num_tokens: int) -> tuple[str, list[int]]:
+        """Book the blocks of a request's KV for its prefill worker to write into (prefill_pool.kv_push): (this
+        worker's agent, the block ids), once nothing launched here before the booking can touch them. TP=1."""
+        if self.agents is None or self.agents.tp_size != 1:
+            raise ValueError(f"decode worker {self.name}: pushed handoffs need a tensor_parallel_size 1 worker")
+        return self.agents.local.agent.name, await self.reservations.settled(request_id, num_tokens)
+
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
-                     prior_output_ids: Sequence[int] = ()) -> EngineLoad:
+                     prior_output_ids: Sequence[int] = (), pushed: bool = False) -> EngineLoad:
         """Pull the KV of the prompt (then the prior outputs) from `peer`'s blocks into reserved blocks, then
         decode from the first token (output len(prior_output_ids)); returns once the KV has landed
-        (decode_pool.handoff)."""
+        (decode_pool.handoff). `pushed`: the prefill worker wrote it into the blocks booked by reserve_for_push
+        already, so the request only joins."""
         done = await self.handoffs.take_over(request_id, prompt_token_ids, params, first_token_id, first_logprob,
-                                             peer, peer_block_ids, list(prior_output_ids))
+                                             peer, peer_block_ids, list(prior_output_ids), pushed)
         if done is not None:
             self._push([done])
         return await self.load()

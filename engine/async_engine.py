@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from engine.core.scheduler import StepOutput
 
 if TYPE_CHECKING:  # the types only: a process that merely hosts the worker class (the coordinator) needs no torch
-    from engine.llm_engine import LLMEngine
+    from engine.llm_engine import LayerHook, LLMEngine
     from engine.load import EngineLoad
 
 T = TypeVar("T")
@@ -30,9 +30,11 @@ IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' l
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput], EngineLoad], None]) -> None:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput], EngineLoad], None],
+                 layer_hook: LayerHook | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
+        self._layer_hook = layer_hook  # passed to every step (LLMEngine.step), run on the engine thread
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = deque()
         self._wakeup = threading.Event()
         self._closed = False
@@ -87,7 +89,7 @@ class AsyncEngine:
                 self._apply_calls()
                 if self.engine.has_unfinished() or self._has_pins():
                     before = self._progress()
-                    outputs = self.engine.step()
+                    outputs = self.engine.step(self._layer_hook)
                     self.steps += 1
                     if outputs:
                         self._post(self._on_outputs, outputs, self.engine.load())

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from engine.sampling.grammar import GrammarManager
 
 
+LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]  # see LLMEngine.step
+
+
 @dataclass(frozen=True)
 class LaunchFence:
     """Where a write from outside into blocks reserved now may start (LLMEngine.launch_fence)."""
@@ -240,21 +243,24 @@ class LLMEngine:
         return None
 
     # ---- stepping
-    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[StepOutput]:
+    def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
+        """One step. `layer_hook(sched)`, called once the step is scheduled, may return a callback that runs after
+        each layer has written its K/V (layer-wise KV pushes: prefill_pool.kv_push); such a step runs eagerly."""
         start = time.perf_counter()
         try:
-            return self._step(on_layer_done)
+            return self._step(layer_hook)
         finally:
             self.num_steps += 1
             self.step_time_last_s = time.perf_counter() - start
             self.step_time_total_s += self.step_time_last_s
 
-    def _step(self, on_layer_done: Callable[[int], None] | None) -> list[StepOutput]:
+    def _step(self, layer_hook: LayerHook | None) -> list[StepOutput]:
         outputs = [StepOutput(rid, [], [], "expired") for rid in self.scheduler.expired_pins()
                    if self.scheduler.finish(rid, "expired")]
         if self._in_flight is not None:
-            return outputs + self._overlapped_step(may_continue=on_layer_done is None)
+            return outputs + self._overlapped_step(may_continue=layer_hook is None)
         sched = self.scheduler.schedule()
+        on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
         launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done,
                                       extras=plan_extras(sched, self.scheduler.requests))
         if self.config.async_scheduling and on_layer_done is None and sched.all_decodes:

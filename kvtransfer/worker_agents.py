@@ -183,6 +183,11 @@ class WorkerAgents:
         _first_failure(self._followers("remove_group", name), CALL_TIMEOUT_S)
         return found
 
+    def replace_peer(self, name: str, data: bytes) -> str:
+        """Blocking: forget worker `name`'s ranks (a dead incarnation), then connect to `data`'s."""
+        self.remove_peer(name)
+        return self.add_peer(data)
+
     def read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
              timeout: float | None = None, ready: torch.cuda.Event | None = None,
              after_launches: int | None = None) -> GroupRead:

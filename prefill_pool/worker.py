@@ -9,6 +9,10 @@ A group prefill (`fork_params`, n choices of one prompt: engine.request) also re
 tokens (`fork_first`) and stays pinned whatever they are; requests with params.prompt_logprobs return them too.
 Every result carries the call's phase durations on this worker (`phases`: prefill_queue, prefill_compute; see
 engine.core.request_timing), for the coordinator's per-request phase tracing.
+Pushed handoffs (TP=1; prefill_pool.kv_push): `push_to` names the blocks the decode worker booked for a request
+whose prompt is under way here; its KV is then written into them layer group by layer group during the forward, and
+the result says `pushed` once every write has landed (the wait is its `kv_transfer` phase here), so decode only
+joins. Otherwise (no target in time, a failed write) the result is as before and decode pulls.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from engine.engine_config import EngineConfig
 from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
+from prefill_pool.kv_push import KVPushes
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -50,7 +55,8 @@ class PrefillResult:
     load: EngineLoad
     fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1
     prompt_logprobs: list[PromptLogprob] | None = None  # when params.prompt_logprobs is set
-    phases: Durations = ()  # (phase, seconds) measured here: prefill_queue, prefill_compute
+    phases: Durations = ()  # (phase, seconds) measured here: prefill_queue, prefill_compute (, kv_transfer)
+    pushed: bool = False  # the KV is in the decode worker's booked blocks already (push_to): no pull
 
 
 class PrefillWorker:
@@ -66,6 +72,8 @@ class PrefillWorker:
         self._gc = GcPauses()  # this process's collector pauses, reported with every load
         self.loop: AsyncEngine | None = None
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank (decode workers pull from them)
+        self.pushes: KVPushes | None = None  # KV written into decode workers' booked blocks (TP=1 only)
+        self._finishing: set[asyncio.Task] = set()  # pushed prefills waiting for their writes
         self._task: asyncio.Task | None = None
 
     async def start(self) -> WorkerInfo:
@@ -84,10 +92,13 @@ class PrefillWorker:
         rank_agents = RankAgents(self.name, tp, self._agent_config) if tp > 1 else None
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         engine_s = time.monotonic() - started
-        self.loop = AsyncEngine(engine, self._on_outputs)
+        self.agents = WorkerAgents(self.name, self._agent_config, engine)
+        if tp == 1:
+            self.pushes = KVPushes(self.agents.local.agent, engine.config.block_size,
+                                   engine.model_config.num_layers, self._agent_config.timeout_s)
+        self.loop = AsyncEngine(engine, self._on_outputs, self.pushes.hook if self.pushes else None)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
-        self.agents = WorkerAgents(self.name, self._agent_config, engine)
         freeze_startup_objects()
         self._gc.install()
         return WorkerInfo(self.name, "prefill", engine.num_kv_blocks, engine.config.block_size,
@@ -99,7 +110,9 @@ class PrefillWorker:
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prior_output_ids: Sequence[int] = (), priority: int = 0,
-                      fork_params: Sequence[SamplingParams] | None = None) -> PrefillResult:
+                      fork_params: Sequence[SamplingParams] | None = None, push: bool = False) -> PrefillResult:
+        """Prefill and sample the first token; its blocks stay pinned for decode. `push`: a target for its KV may
+        come (push_to) while it runs."""
         if self._error_fraction and self._fault_rng.random() < self._error_fraction:
             raise InjectedFault(f"prefill of {request_id} failed: an injected fault (faults.prefill_error_fraction)")
         future = asyncio.get_running_loop().create_future()
@@ -110,6 +123,8 @@ class PrefillWorker:
         def add(e: LLMEngine) -> None:
             e.add_request(request_id, prompt_token_ids, params, prefill_only=True, prior_output_ids=prior,
                           priority=priority, fork_params=fork_params)
+            if push and self.pushes is not None:
+                self.pushes.expect(e, request_id)
             self._timing.attach(request_id, e.scheduler.requests.get(request_id))
         try:
             await self.loop.call(add)
@@ -119,6 +134,24 @@ class PrefillWorker:
             self._timing.drop(request_id)
             await self._abort(request_id)
             raise
+
+    async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int]) -> bool:
+        """Write `request_id`'s KV into `remote_block_ids` of decode agent `remote` as its prefill runs (from the
+        next layer group on: not a step boundary); False if it expects no push. Too late for its last layer, it
+        is pulled: the prefill's result says which (`pushed`)."""
+        return self.pushes is not None and self.pushes.target(request_id, remote, remote_block_ids)
+
+    async def add_peer(self, agent_metadata: bytes) -> str:
+        """Connect to a decode worker's agents (its GroupMetadata), to push KV into its blocks."""
+        return await asyncio.to_thread(self.agents.add_peer, agent_metadata)
+
+    async def drop_peer(self, name: str) -> bool:
+        """A decode worker died: forget its agent and unmap its cache (pushes in flight to it fail)."""
+        return await asyncio.to_thread(self.agents.remove_peer, name)
+
+    async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
+        """A decode worker was replaced: drop the dead agent of that name, connect to the new one."""
+        return await asyncio.to_thread(self.agents.replace_peer, name, agent_metadata)
 
     async def release(self, request_id: str) -> bool:
         """Decode has the KV: free the pinned blocks."""
@@ -148,8 +181,11 @@ class PrefillWorker:
         await asyncio.to_thread(self.agents.set_faults, kv)
 
     async def transfer_metrics(self) -> list[dict]:
-        """Every rank's transfer figures."""
-        return await asyncio.to_thread(self.agents.metrics)
+        """Every rank's transfer figures (rank 0's with the push counters: KVPushes.counters)."""
+        ranks = await asyncio.to_thread(self.agents.metrics)
+        if self.pushes is not None:
+            ranks[0] = ranks[0] | self.pushes.counters()
+        return ranks
 
     async def shutdown(self) -> None:
         if self.loop is not None:
@@ -163,6 +199,8 @@ class PrefillWorker:
 
     # ---- internals
     async def _abort(self, request_id: str) -> bool:
+        if self.pushes is not None:  # its blocks are freed only once no write reads them
+            await self.pushes.settle(self.loop.call, request_id)
         return await self.loop.call(lambda e: e.abort(request_id))
 
     def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
@@ -171,6 +209,21 @@ class PrefillWorker:
             future = self._waiting.pop(out.request_id, None)
             if future is None or future.done():
                 continue  # an expired pin, or an aborted request
-            future.set_result(PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
-                                            out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
-                                            out.prompt_logprobs, self._timing.first_output(out.request_id) or ()))
+            result = PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
+                                   out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
+                                   out.prompt_logprobs, self._timing.first_output(out.request_id) or ())
+            if self.pushes is not None and out.request_id in self.pushes:
+                task = asyncio.ensure_future(self._after_push(out.request_id, future, result))
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
+            else:
+                if self.pushes is not None:
+                    self.pushes.forget(out.request_id)
+                future.set_result(result)
+
+    async def _after_push(self, request_id: str, future: asyncio.Future, result: PrefillResult) -> None:
+        """Resolve a pushed request's prefill once its writes have ended (decode then only joins). An abort
+        meanwhile waits for the same writes (KVPushes.settle) before it frees the blocks."""
+        pushed, waited = await self.pushes.finish(request_id)
+        if not future.done():
+            future.set_result(replace(result, pushed=pushed, phases=(*result.phases, ("kv_transfer", waited))))

@@ -270,6 +270,7 @@ def test_five_percent_of_transfers_failed_every_request_ends_exact(healing_serve
     prompt instead, so 200 requests all end 200 with the engine's exact output, and every failure is counted."""
     url = healing_server.url
     recomputed_before = _transfer_failed(url)  # earlier kills on this server failed transfers too
+    counts_before = _transfer_counts(url)
     r = httpx.post(f"{url}/admin/faults", json={"transfer_fail_fraction": 0.05, "seed": 3}, timeout=30)
     assert r.status_code == 200, r.text
     prompts = random_prompts([8 + (i * 7) % 40 for i in range(200)], 2000, seed=34)
@@ -293,8 +294,17 @@ def test_five_percent_of_transfers_failed_every_request_ends_exact(healing_serve
     time.sleep(2.5)  # transfer counters are collected every second
     injected = sum(metric_values(url, "pdserve_transfer_injected_failures_total").values())
     recomputed = _transfer_failed(url) - recomputed_before
-    assert injected >= 1 and recomputed == injected, (injected, recomputed)
+    counts = {k: v - counts_before[k] for k, v in _transfer_counts(url).items()}
+    # a failed pull is recomputed; a failed push (prefill_pool.kv_push) is pulled instead
+    assert injected >= 1 and injected == counts["read_failures"] + counts["write_failures"], (injected, counts)
+    assert recomputed == counts["read_failures"], (recomputed, counts)
+    assert counts["push_fallbacks_total"] >= (counts["write_failures"] > 0), counts
     _check_clean(healing_server)
+
+
+def _transfer_counts(url: str) -> dict[str, float]:
+    keys = ("read_failures", "write_failures", "push_fallbacks_total")
+    return {k: sum(metric_values(url, f"pdserve_transfer_{k}").values()) for k in keys}
 
 
 def _transfer_failed(url: str) -> float:
