@@ -172,13 +172,15 @@ async def stream_events(client: httpx.AsyncClient, url: str, body: dict,
 
 
 def transfer_metrics(url: str, timeout_s: float = 20) -> dict[str, float]:
-    """pdserve_transfer_* from /metrics once they count a read (the server refreshes them every second or so)."""
+    """pdserve_transfer_* from /metrics once they count a read or a write (the server refreshes them every second or
+    so)."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         found = {name: float(value) for name, value in (line.split()[:2] for line in text.splitlines()
                                                         if line.startswith("pdserve_transfer_"))}
-        if found.get("pdserve_transfer_read_count", 0) >= 1 or time.monotonic() > deadline:
+        moved = found.get("pdserve_transfer_read_count", 0) + found.get("pdserve_transfer_write_count", 0)
+        if moved >= 1 or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
 

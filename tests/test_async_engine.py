@@ -94,7 +94,7 @@ def test_a_failing_step_fails_run_and_the_calls_still_queued(engine, monkeypatch
         runner = AsyncEngine(engine, lambda outputs, load: None)
         inside, release = threading.Event(), threading.Event()
 
-        def failing_step():
+        def failing_step(layer_hook=None):
             inside.set()
             release.wait(10)
             raise RuntimeError("boom")

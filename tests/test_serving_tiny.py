@@ -3,6 +3,7 @@ the openai client, the chat template, a streamed request's phases."""
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -11,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.phase_checks import DISAGGREGATED, assert_partition, e2e_count, phase_histograms, stream_with_phases
-from tests.server_process import HALF_CPU, complete, running_server, wait_for_idle_workers
+from tests.server_process import HALF_CPU, complete, metric_values, running_server, wait_for_idle_workers
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,36 @@ def test_a_streamed_request_reports_its_phases_and_they_sum_to_its_latency(serve
     counts, sums = phase_histograms(url, before + 2)
     assert all(counts[p] >= 1 and sums[p] >= 0 for p in DISAGGREGATED), counts
     assert counts["migration"] == 0
+
+
+def test_prompts_pushed_during_their_prefill_decode_exactly(server_tiny):
+    """transfer.push (the default): the prefill worker writes each prompt's KV into the decode worker's booked blocks
+    during its forward (prefill_pool.kv_push); concurrent greedy prompts then generate exactly the offline engine's
+    tokens, most of them pushed (a target that comes after a short prompt's last layer is pulled), none failed."""
+    url = server_tiny.url
+    before = {k: sum(metric_values(url, f"pdserve_transfer_{k}").values()) for k in PUSH_COUNTERS}
+    prompts = random_prompts([200 + (i * 61) % 500 for i in range(16)], 2000, seed=26)
+    want = LLM("tiny").generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*[complete(client, url, {"model": "tiny", "prompt": p, "max_tokens": 10,
+                                                                 "ignore_eos": True, "temperature": 0,
+                                                                 "stream": i % 2 == 0})
+                                          for i, p in enumerate(prompts)])
+    results = asyncio.run(run())
+    assert [r["text"] for r in results] == [w.text for w in want]
+    deadline = time.monotonic() + 20  # transfer figures are collected every second or so
+    while True:
+        now = {k: sum(metric_values(url, f"pdserve_transfer_{k}").values()) for k in PUSH_COUNTERS}
+        done = now["push_completed_total"] + now["push_late_total"] - before["push_completed_total"] - \
+            before["push_late_total"]
+        if done >= len(prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert now["push_completed_total"] - before["push_completed_total"] >= len(prompts) // 2, (before, now)
+    assert now["push_fallbacks_total"] == before["push_fallbacks_total"], (before, now)
+    wait_for_idle_workers(url)
+
+
+PUSH_COUNTERS = ("push_completed_total", "push_late_total", "push_fallbacks_total")
