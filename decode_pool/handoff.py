@@ -8,8 +8,12 @@ GPU, so the request joins the batch as soon as they are queued, with the engine'
 Otherwise it starts once the pull has landed. Either way `take_over` returns only once the KV has landed (the
 prefill worker then frees its copy). An abort while the KV is in flight is applied when the transfer has ended;
 anything that frees the blocks of a request joined early waits for its copies on the device.
+A pushed handoff (`pushed`: the prefill worker wrote the KV into the booked blocks already, prefill_pool.kv_push)
+skips the pull: the request only joins.
 With PDSERVE_TRACE_HANDOFF=1 in the environment every take_over prints its stages (blocks booked, pull launched,
-joined, KV seen landed: ms since the call) as one JSON line on stderr, for benchmarks/handoff_serving.py.
+the join's engine call taken by the engine thread, the request added, joined as the event loop sees it, KV seen
+landed, the request's first step scheduled: ms since the call) as one JSON line on stderr, for
+benchmarks/handoff_serving.py.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class Handoffs:
                     landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
                     self.timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
                     done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                              first_logprob, prior, landing))
+                                                              first_logprob, prior, landing, stages))
                     _stage(stages, "joined")
                 await self._landed(pull)
             self.timing.kv_ready(request_id)
@@ -88,12 +92,10 @@ class Handoffs:
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
         if pull is None or pull.gpu_done is None:  # not joined yet: it starts now
             done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                      first_logprob, prior, ()))
+                                                      first_logprob, prior, (), stages))
             _stage(stages, "joined")
         if stages is not None:
-            t0 = stages[0][1]
-            print(json.dumps({"handoff_trace": request_id, "pushed": pushed}
-                             | {k: round((t - t0) * 1e3, 3) for k, t in stages[1:]}), file=sys.stderr, flush=True)
+            _print_stages(request_id, pushed, stages)
         return done
 
     async def pull_into(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
@@ -110,11 +112,13 @@ class Handoffs:
 
     # ---- internals
     def _starter(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-                 first_logprob: TokenLogprob | None, prior: list[int],
-                 landing: tuple) -> Callable[[LLMEngine], StepOutput | None]:
+                 first_logprob: TokenLogprob | None, prior: list[int], landing: tuple,
+                 stages: list | None = None) -> Callable[[LLMEngine], StepOutput | None]:
         """The engine call that starts a handed-over request; with `landing`, its KV copies may still be running:
-        everything launched after it waits for them."""
+        everything launched after it waits for them. With `stages` (tracing), it stamps when the engine thread took
+        the call and when the request was added."""
         def start(e: LLMEngine) -> StepOutput | None:
+            _stage(stages, "call_taken")
             e.order_after(landing)
             try:
                 done = e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
@@ -124,6 +128,9 @@ class Handoffs:
                 e.abort(request_id)  # a refused request gives its reservation back
                 raise
             self.timing.attach(request_id, e.scheduler.requests.get(request_id))
+            _stage(stages, "added")
+            if stages is not None and request_id in e.scheduler.requests:
+                stages.append(("request", e.scheduler.requests[request_id]))  # its first step's stamp, read later
             return done
         return start
 
@@ -171,6 +178,15 @@ async def _queued(call: asyncio.Future) -> None:
     """Await an engine call queued already (AsyncEngine.submit), shielded: AsyncEngine skips a call whose future was
     cancelled, and a cancellation of this task while it waits must not skip a release."""
     await asyncio.shield(call)
+
+
+def _print_stages(request_id: str, pushed: bool, stages: list) -> None:
+    """One JSON line: ms since decode() began to each stage, and to the request's first scheduled step."""
+    t0 = stages[0][1]
+    times = [(k, t) for k, t in stages[1:] if k != "request"]
+    times += [("first_step", r.first_scheduled_at) for k, r in stages if k == "request" and r.first_scheduled_at]
+    print(json.dumps({"handoff_trace": request_id, "pushed": pushed} | {k: round((t - t0) * 1e3, 3) for k, t in times}),
+          file=sys.stderr, flush=True)
 
 
 def _stage(stages: list | None, name: str) -> None:
