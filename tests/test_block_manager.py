@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.core.block_manager import BlockManager, prefix_block_hashes
+from engine.core.block_manager import BlockManager, chain_hashes, prefix_block_hashes
 
 
 def test_allocate_grows_tables_with_low_contiguous_ids_and_free_returns_them():
@@ -97,3 +97,22 @@ def test_integrity_detects_a_corrupted_reference_count():
     bm._blocks[bm.table("a")[0]].ref_count += 1
     with pytest.raises(AssertionError, match="ref_count"):
         bm.check_integrity()
+
+
+def test_chained_block_hashes_are_stable_values():
+    """The hashes routing and the prefix cache share: blake2b-128 of the parent's hash (b"root" first) and the
+    block's ids as int64, each block chained to the one before; the same values however the ids are split."""
+    import hashlib
+
+    import numpy as np
+
+    ids = list(range(100, 100 + 37))
+    want, parent = [], b"root"
+    for start in range(0, 36, 4):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(parent)
+        h.update(np.asarray(ids[start:start + 4], dtype=np.int64).tobytes())
+        parent = h.digest()
+        want.append(parent)
+    assert prefix_block_hashes(ids, 4) == want
+    assert chain_hashes(want[2], ids[12:37], 4) == want[3:]

@@ -152,6 +152,8 @@ def validate_request(request_id: str, prompt: Sequence[int], params: SamplingPar
 
 
 def check_token_ids(request_id: str, what: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    if not token_ids or (0 <= min(token_ids) and max(token_ids) < vocab_size):  # a long prompt's common case
+        return
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"request {request_id!r}: {what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
