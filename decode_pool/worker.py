@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from decode_pool.handoff import Handoffs
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
 from decode_pool.step_delta import StepDelta
-from engine.async_engine import AsyncEngine, exit_process_on_failure, favour_engine_thread
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
@@ -76,7 +76,6 @@ class DecodeWorker:
         from kvtransfer.worker_setup import prepare_process
 
         torch.set_num_threads(self._num_threads)
-        favour_engine_thread()
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()
         tp = self._engine_config.tensor_parallel_size

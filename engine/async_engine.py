@@ -27,11 +27,6 @@ if TYPE_CHECKING:  # the types only: a process that merely hosts the worker clas
 T = TypeVar("T")
 
 IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' leases
-# The interpreter's GIL switch interval in a process whose engine thread shares the GIL with an event loop (a pool
-# worker): torch releases the GIL in every op, and while the loop thread runs Python (RPCs, outputs) the engine thread
-# waits for it up to this long instead of the default 5 ms. On two H200s the 1B shape served 12,649 tok/s with the
-# default and 14,394 with 0.5 ms (docs/benchmarks.md, serving overhead).
-ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 class AsyncEngine:
@@ -159,12 +154,6 @@ def _end(ended: asyncio.Future, error: BaseException | None) -> None:
         ended.set_result(None)
     else:
         ended.set_exception(error if isinstance(error, Exception) else RuntimeError(repr(error)))
-
-
-def favour_engine_thread() -> None:
-    """For a process that exists to host one engine loop beside its event loop (a pool worker): a short GIL switch
-    interval, so the engine thread gets the GIL back soon after an op wherever the loop thread runs Python."""
-    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
 
 
 def exit_process_on_failure(task: asyncio.Task, name: str) -> None:

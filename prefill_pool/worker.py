@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.async_engine import AsyncEngine, exit_process_on_failure, favour_engine_thread
+from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import PromptLogprob, TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
 from engine.core.sampling_params import SamplingParams
@@ -86,7 +86,6 @@ class PrefillWorker:
         from kvtransfer.worker_setup import prepare_process
 
         torch.set_num_threads(self._num_threads)
-        favour_engine_thread()
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()
         tp = self._engine_config.tensor_parallel_size
