@@ -7,7 +7,9 @@ PHASES, in a request's order:
 - `prefill_queue`: on the worker that prefills it, from the call's arrival to the first engine step that runs it
   (waiting for the engine loop and behind other prompts), worker-measured;
 - `prefill_compute`: that first step -> its first token out (every chunk of a chunked prefill), worker-measured;
-- `kv_transfer`: the decode worker reserving blocks and pulling the KV, worker-measured;
+- `kv_transfer`: the decode worker reserving blocks and pulling the KV, worker-measured; for a pushed handoff
+  (prefill_pool.kv_push: written during the forward) the prefill worker's wait for its last writes after the
+  forward, plus the decode worker taking its booking;
 - `decode_join`: the KV landed -> the first decode-engine step that runs the request (the step in flight ends first),
   worker-measured;
 - `first_decode_step`: that step, until its token is out, worker-measured;
