@@ -17,9 +17,9 @@ last layer of the last chunk was launched is too late: that request is pulled (`
 failed or that was preempted (its blocks change). Prompts short enough for a prefill CUDA graph are not pushed (a
 layer hook makes a step eager; their KV is small). The first token leaves with the push's outcome, so it waits for
 the last layer group's copy (~0.1 ms for 2,048 tokens of the 8B shape over NVLink; on a link slower than the
-forward, the part of the transfer the forward did not hide). Block ownership: the local blocks stay the request's (pinned after
-its prefill) until release or abort, which the worker applies only after `finish` or `settle`: no copy reads a block
-after it is reused.
+forward, the part of the transfer the forward did not hide). Block ownership: the local blocks stay the request's
+(pinned after its prefill) until release or abort, which the worker applies only after `finish` or `settle`: no copy
+reads a block after it is reused.
 """
 
 from __future__ import annotations
