@@ -16,6 +16,11 @@ Prints JSON lines, each figure next to its reference measured in the same run:
 - `handoff_stages`: the same requests' stages inside the decode worker's decode() (PDSERVE_TRACE_HANDOFF, set here):
   ms from the call to its blocks booked, the pull launched, the request joined (TP=1 over cuda_ipc) and the KV seen
   to land, medians.
+- `handoff_e2e`: the same requests' whole handoff, from the end of the prefill worker's step that sampled the first
+  token (its engine thread's time.monotonic(), PDSERVE_TRACE_HANDOFF) to the decode worker's first step of the
+  request, both workers on one host: the worker-measured figures above plus the Ray calls between them (the
+  prefill's result to the coordinator, its decode() call), against the raw transfer time; and how long after its
+  step the prefill worker handed its result back (a pushed prompt's last writes landing).
 - `decode_during_transfers`: `--streams` streams decoding; the time per output token of each, first in a window
   with no arrivals, then in a window while long prompts arrive (their KV transfers landing on the same decode
   worker), then in a second window with no arrivals; the ratio to the mean of the quiet windows on both sides (a
@@ -193,21 +198,38 @@ def main() -> None:
     os.environ["PDSERVE_TRACE_HANDOFF"] = "1"  # the decode worker logs each handoff's stages (decode_pool.handoff)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
         print_handoff(asyncio.run(handoff(server.url, args.model, prompts)), args.prompt_len, per_token, rate)
-        print_stages(Path(tmp) / "server.log", args.requests)
+        print_stages(Path(tmp) / "server.log", args.requests, args.prompt_len * per_token / rate)
         print(json.dumps(asyncio.run(decode_during_transfers(server.url, args.model, args, vocab))), flush=True)
 
 
-def print_stages(log: Path, requests: int) -> None:
-    """Medians of the decode worker's handoff stages (ms since its decode() began) over the measured requests: the
-    log's first handoff lines after the warm-up's."""
-    rows = [json.loads(m.group(0)) for m in re.finditer(r'\{"handoff_trace".*\}', log.read_text(errors="replace"))]
+def print_stages(log: Path, requests: int, raw_s: float) -> None:
+    """Medians of the decode worker's handoff stages (ms since its decode() began) over the measured requests (the
+    log's first handoff lines after the warm-up's); then, for the same requests, the whole way from the end of the
+    prefill worker's step that sampled the first token to the decode worker's first step of the request (both
+    workers' time.monotonic() stamps: one host), against the raw transfer time."""
+    text = log.read_text(errors="replace")
+    rows = [json.loads(m.group(0)) for m in re.finditer(r'\{"handoff_trace".*\}', text)]
     rows = rows[1:1 + requests]
     if not rows:
         print(json.dumps({"case": "handoff_stages", "error": f"no handoff_trace line in {log}"}), flush=True)
         return
-    stages = [k for k in rows[0] if k != "handoff_trace"]
+    stages = [k for k in rows[0] if k not in ("handoff_trace", "first_step_at")]
     print(json.dumps({"case": "handoff_stages", "requests": len(rows), "since_decode_call_ms_p50": {
         k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in stages}}), flush=True)
+    prefills = {p["prefill_trace"]: p for p in (json.loads(m.group(0)) for m in
+                                                re.finditer(r'\{"prefill_trace".*\}', text))}
+    pairs = [(prefills[r["handoff_trace"]], r) for r in rows if r["handoff_trace"] in prefills and "first_step_at" in r]
+    if not pairs:
+        print(json.dumps({"case": "handoff_e2e", "error": "no prefill_trace lines matching the decode worker's"}))
+        return
+    whole = sorted(d["first_step_at"] - p["step_end"] for p, d in pairs)
+    result = sorted(p["result_at"] - p["step_end"] for p, _ in pairs)
+    p50 = statistics.median(whole)
+    print(json.dumps({"case": "handoff_e2e", "requests": len(pairs), "pushed": sum(p["pushed"] for p, _ in pairs),
+                      "prefill_result_ms_p50": round(statistics.median(result) * 1e3, 3),
+                      "step_end_to_first_decode_step_ms_p50": round(p50 * 1e3, 3),
+                      "p90": round(whole[int(0.9 * (len(whole) - 1))] * 1e3, 3), "raw_ms": round(raw_s * 1e3, 3),
+                      "x_raw": round(p50 / raw_s, 2)}), flush=True)
 
 
 def print_handoff(phases: list[dict], prompt_len: int, per_token: int, rate: float) -> None:

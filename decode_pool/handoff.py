@@ -94,8 +94,8 @@ class Handoffs:
             done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
                                                       first_logprob, prior, (), stages))
             _stage(stages, "joined")
-        if stages is not None:
-            _print_stages(request_id, pushed, stages)
+        if stages is not None:  # once its first step is scheduled (the engine thread answers the join's call first)
+            asyncio.get_running_loop().call_later(TRACE_DELAY_S, _print_stages, request_id, pushed, stages)
         return done
 
     async def pull_into(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
@@ -180,13 +180,18 @@ async def _queued(call: asyncio.Future) -> None:
     await asyncio.shield(call)
 
 
+TRACE_DELAY_S = 0.05  # PDSERVE_TRACE_HANDOFF: a handoff's line is printed this long after its join
+
+
 def _print_stages(request_id: str, pushed: bool, stages: list) -> None:
     """One JSON line: ms since decode() began to each stage, and to the request's first scheduled step."""
     t0 = stages[0][1]
     times = [(k, t) for k, t in stages[1:] if k != "request"]
-    times += [("first_step", r.first_scheduled_at) for k, r in stages if k == "request" and r.first_scheduled_at]
-    print(json.dumps({"handoff_trace": request_id, "pushed": pushed} | {k: round((t - t0) * 1e3, 3) for k, t in times}),
-          file=sys.stderr, flush=True)
+    first = [r.first_scheduled_at for k, r in stages if k == "request" and r.first_scheduled_at]
+    times += [("first_step", t) for t in first]
+    absolute = {"first_step_at": first[0]} if first else {}  # time.monotonic(), for the prefill worker's stamps
+    print(json.dumps({"handoff_trace": request_id, "pushed": pushed} | {k: round((t - t0) * 1e3, 3) for k, t in times}
+                     | absolute), file=sys.stderr, flush=True)
 
 
 def _stage(stages: list | None, name: str) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -40,6 +41,7 @@ class AsyncEngine:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
+        self.outputs_at = 0.0  # inside on_outputs: time.monotonic() when the engine thread ended their step
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread between steps; returns its result or raises its exception."""
@@ -92,7 +94,7 @@ class AsyncEngine:
                     outputs = self.engine.step(self._layer_hook)
                     self.steps += 1
                     if outputs:
-                        self._post(self._on_outputs, outputs, self.engine.load())
+                        self._post(self._deliver, outputs, self.engine.load(), time.monotonic())
                     if self.engine.has_unfinished() and (outputs or self._progress() != before):
                         continue
                 self._idle()  # nothing to do, or nothing that can run until a call (or a lease's end) frees room
@@ -100,6 +102,10 @@ class AsyncEngine:
             error = e
         self._closed = True
         self._post(_end, ended, error)
+
+    def _deliver(self, outputs: list[StepOutput], load: EngineLoad, at: float) -> None:
+        self.outputs_at = at
+        self._on_outputs(outputs, load)
 
     def _idle(self) -> None:
         self._wakeup.wait(IDLE_WAKEUP_S)

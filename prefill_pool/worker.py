@@ -18,9 +18,11 @@ joins. Otherwise (no target in time, a failed write) the result is as before and
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -74,6 +76,8 @@ class PrefillWorker:
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank (decode workers pull from them)
         self.pushes: KVPushes | None = None  # KV written into decode workers' booked blocks (TP=1 only)
         self._finishing: set[asyncio.Task] = set()  # pushed prefills waiting for their writes
+        self._trace = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
+        self._step_ends: dict[str, float] = {}  # traced requests: when their prefill step ended
         self._task: asyncio.Task | None = None
 
     async def start(self) -> WorkerInfo:
@@ -212,6 +216,8 @@ class PrefillWorker:
             result = PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
                                    out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
                                    out.prompt_logprobs, self._timing.first_output(out.request_id) or ())
+            if self._trace:
+                self._step_ends[out.request_id] = self.loop.outputs_at
             if self.pushes is not None and out.request_id in self.pushes:
                 task = asyncio.ensure_future(self._after_push(out.request_id, future, result))
                 self._finishing.add(task)
@@ -219,11 +225,22 @@ class PrefillWorker:
             else:
                 if self.pushes is not None:
                     self.pushes.forget(out.request_id)
+                self._print_trace(out.request_id, False)
                 future.set_result(result)
+
+    def _print_trace(self, request_id: str, pushed: bool) -> None:
+        """With PDSERVE_TRACE_HANDOFF=1: one JSON line on stderr with the request's prefill step end and its result's
+        hand-back (time.monotonic(), comparable with the decode worker's stamps on the same host), for
+        benchmarks/handoff_serving.py."""
+        step_end = self._step_ends.pop(request_id, None)
+        if step_end is not None:
+            print(json.dumps({"prefill_trace": request_id, "pushed": pushed, "step_end": step_end,
+                              "result_at": time.monotonic()}), file=sys.stderr, flush=True)
 
     async def _after_push(self, request_id: str, future: asyncio.Future, result: PrefillResult) -> None:
         """Resolve a pushed request's prefill once its writes have ended (decode then only joins). An abort
         meanwhile waits for the same writes (KVPushes.settle) before it frees the blocks."""
         pushed, waited = await self.pushes.finish(request_id)
+        self._print_trace(request_id, pushed)
         if not future.done():
             future.set_result(replace(result, pushed=pushed, phases=(*result.phases, ("kv_transfer", waited))))
