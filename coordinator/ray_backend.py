@@ -222,7 +222,7 @@ class RayBackend:
         decode.requests.add(attempt)
         num_tokens = len(request.prompt_token_ids) + len(prior)
         if self.pools.pushes:
-            self._spawn(self._push_target(attempt, num_tokens, prefill, decode))
+            self._spawn(self._push_target(attempt, request, prior, prefill, decode))
         else:
             self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
         result = await self._call(prefill, prefill.handle.prefill.remote(
@@ -244,11 +244,14 @@ class RayBackend:
         return first
 
     @staticmethod
-    async def _push_target(attempt: str, num_tokens: int, prefill: WorkerState, decode: WorkerState) -> None:
+    async def _push_target(attempt: str, request: GenerateRequest, prior: list[int], prefill: WorkerState,
+                           decode: WorkerState) -> None:
         """Book the KV's blocks on the decode worker and name them to the prefill worker, which then writes the KV
-        into them during its forward (prefill_pool.kv_push). A failure here leaves the handoff to a pull."""
+        into them during its forward (prefill_pool.kv_push) and tells the decode worker, which joins the request
+        at once (decode_pool.handoff). A failure here leaves the handoff to a pull."""
         try:
-            agent, blocks = await decode.handle.reserve_for_push.remote(attempt, num_tokens)
+            agent, blocks = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
+                                                                       request.params, prior)
             await prefill.handle.push_to.remote(attempt, agent, blocks)
         except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
             log.debug("request %s: no push target: %s", attempt, e)

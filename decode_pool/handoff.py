@@ -46,6 +46,38 @@ class Handoffs:
         self.worker, self.loop, self.agents, self.reservations, self.timing = worker, loop, agents, reservations, timing
         self.transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._trace = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
+        self._expected: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}  # pushes announced: the request
+        self._joins: dict[str, asyncio.Task] = {}  # joins started by the prefill worker's notification
+
+    def expect_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prior: list[int]) -> None:
+        """A prefill worker will push this request's KV into its booking: its notification may start the join."""
+        self._expected[request_id] = (prompt_token_ids, params, prior)
+
+    def pushed(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None) -> None:
+        """The prefill worker's notification: the request's KV has landed in its booking and this is its first
+        token. Start the join now, without waiting for the coordinator's decode() call (two Ray calls later),
+        which then takes its outcome."""
+        expected = self._expected.pop(request_id, None)
+        if expected is None or request_id in self._joins:
+            return  # ended (aborted), or decode() came first
+        prompt, params, prior = expected
+        task = asyncio.ensure_future(self._take_over(request_id, prompt, params, first_token_id, first_logprob, "",
+                                                     [], prior, pushed=True, notified=True))
+
+        def ended(t: asyncio.Task) -> None:  # a failed join (aborted meanwhile) is not kept for a decode() to come
+            if t.cancelled() or t.exception() is not None:
+                self._joins.pop(request_id, None)
+        task.add_done_callback(ended)
+        self._joins[request_id] = task
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here (abort): no notification starts it any more. A join under way ends through the
+        abort's flag (`abort`), and is dropped once it has."""
+        self._expected.pop(request_id, None)
+        task = self._joins.get(request_id)
+        if task is not None and task.done():
+            del self._joins[request_id]
 
     async def take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
@@ -53,7 +85,19 @@ class Handoffs:
         """Pull the request's KV (prompt, then prior outputs) from `peer`'s blocks into its booked blocks and start
         it from its first token; its StepOutput if that token already ends it. Raises if the pull failed or the
         request was aborted meanwhile (asyncio.CancelledError); either way its blocks are given back. `pushed`: the
-        KV is in the booked blocks already (written by the prefill worker): no pull, the request only joins."""
+        KV is in the booked blocks already (written by the prefill worker): no pull, the request only joins (or
+        has joined already, started by the prefill worker's notification: then this returns that join's outcome)."""
+        self._expected.pop(request_id, None)
+        started = self._joins.pop(request_id, None)
+        if started is not None:
+            return await asyncio.shield(started)
+        return await self._take_over(request_id, prompt_token_ids, params, first_token_id, first_logprob, peer,
+                                     peer_block_ids, prior, pushed)
+
+    async def _take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
+                         peer_block_ids: list[int], prior: list[int], pushed: bool,
+                         notified: bool = False) -> StepOutput | None:
         self.timing.received(request_id)
         stages = [("received", time.monotonic())] if self._trace else None
         self.transferring[request_id] = False  # from here an abort is applied when the transfer has ended
@@ -64,7 +108,7 @@ class Handoffs:
             booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
             _stage(stages, "booked")
             n = len(booking.blocks)
-            if len(peer_block_ids) < n:
+            if len(peer_block_ids) < n and not pushed:
                 raise ValueError(f"request {request_id!r}: the peer sent {len(peer_block_ids)} blocks, but "
                                  f"{len(prompt_token_ids) + len(prior)} tokens of KV take {n}")
             if not pushed:
@@ -95,7 +139,7 @@ class Handoffs:
                                                       first_logprob, prior, (), stages))
             _stage(stages, "joined")
         if stages is not None:  # once its first step is scheduled (the engine thread answers the join's call first)
-            asyncio.get_running_loop().call_later(TRACE_DELAY_S, _print_stages, request_id, pushed, stages)
+            asyncio.get_running_loop().call_later(TRACE_DELAY_S, _print_stages, request_id, pushed, notified, stages)
         return done
 
     async def pull_into(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
@@ -183,14 +227,16 @@ async def _queued(call: asyncio.Future) -> None:
 TRACE_DELAY_S = 0.05  # PDSERVE_TRACE_HANDOFF: a handoff's line is printed this long after its join
 
 
-def _print_stages(request_id: str, pushed: bool, stages: list) -> None:
-    """One JSON line: ms since decode() began to each stage, and to the request's first scheduled step."""
+def _print_stages(request_id: str, pushed: bool, notified: bool, stages: list) -> None:
+    """One JSON line: ms since the take-over began (decode(), or the prefill worker's notification) to each stage, and
+    to the request's first scheduled step."""
     t0 = stages[0][1]
     times = [(k, t) for k, t in stages[1:] if k != "request"]
     first = [r.first_scheduled_at for k, r in stages if k == "request" and r.first_scheduled_at]
     times += [("first_step", t) for t in first]
     absolute = {"first_step_at": first[0]} if first else {}  # time.monotonic(), for the prefill worker's stamps
-    print(json.dumps({"handoff_trace": request_id, "pushed": pushed} | {k: round((t - t0) * 1e3, 3) for k, t in times}
+    print(json.dumps({"handoff_trace": request_id, "pushed": pushed, "notified": notified}
+                     | {k: round((t - t0) * 1e3, 3) for k, t in times}
                      | absolute), file=sys.stderr, flush=True)
 
 

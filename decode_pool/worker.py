@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import socket
 import time
 from collections.abc import Sequence
@@ -91,6 +92,9 @@ class DecodeWorker:
             self.agents = WorkerAgents(self.name, self._agent_config, engine)
             meta = self.agents.metadata()
         self.handoffs = Handoffs(self.name, self.loop, self.agents, self.reservations, self._timing)
+        if self.agents is not None:  # prefill workers' notifications (pushed KV landed), onto this event loop
+            loop = asyncio.get_running_loop()
+            self.agents.local.agent.on_notification(lambda sender, msg: loop.call_soon_threadsafe(self._notified, msg))
         role = "decode" if self.agents else "collocated"
         freeze_startup_objects()
         self._gc.install()
@@ -119,12 +123,17 @@ class DecodeWorker:
         its decode() takes them, its abort() gives them back."""
         self.reservations.book_early(request_id, num_tokens)
 
-    async def reserve_for_push(self, request_id: str, num_tokens: int) -> tuple[str, list[int]]:
+    async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               prior_output_ids: Sequence[int] = ()) -> tuple[str, list[int]]:
         """Book the blocks of a request's KV for its prefill worker to write into (prefill_pool.kv_push): (this
-        worker's agent, the block ids), once nothing launched here before the booking can touch them. TP=1."""
+        worker's agent, the block ids), once nothing launched here before the booking can touch them. The request
+        joins as soon as the prefill worker's notification says its KV has landed (decode_pool.handoff). TP=1."""
         if self.agents is None or self.agents.tp_size != 1:
             raise ValueError(f"decode worker {self.name}: pushed handoffs need a tensor_parallel_size 1 worker")
-        return self.agents.local.agent.name, await self.reservations.settled(request_id, num_tokens)
+        prior = list(prior_output_ids)
+        self.handoffs.expect_push(request_id, prompt_token_ids, params, prior)
+        blocks = await self.reservations.settled(request_id, len(prompt_token_ids) + len(prior))
+        return self.agents.local.agent.name, blocks
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
@@ -235,6 +244,7 @@ class DecodeWorker:
 
     async def abort(self, request_id: str) -> bool:
         self._timing.drop(request_id)
+        self.handoffs.forget(request_id)
         if await self.reservations.cancel(request_id):  # booked early, never handed off
             return True
         if self.handoffs.abort(request_id):  # its KV in flight: freed once the transfer has ended
@@ -270,6 +280,15 @@ class DecodeWorker:
     def _reported(self, load: EngineLoad) -> EngineLoad:
         """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
         return replace(load, **self._gc.figures())
+
+    def _notified(self, msg: bytes) -> None:
+        """A prefill worker's notification (prefill_pool.worker): ("pushed", request id, first token, logprob)."""
+        try:
+            kind, request_id, token, logprob = pickle.loads(msg)  # from the cluster's own prefill workers
+        except Exception:  # noqa: BLE001 - a malformed message starts nothing; decode() still comes
+            return
+        if kind == "pushed":
+            self.handoffs.pushed(request_id, token, logprob)
 
     def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
         self._step_load = self._reported(load)  # taken on the engine thread right after the step

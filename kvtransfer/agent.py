@@ -217,6 +217,11 @@ class KVAgent:
 
         return TransferHandle(self._loop.submit(run()), "notify", remote, len(msg))
 
+    def on_notification(self, listener: Callable[[str, bytes], None] | None) -> None:
+        """Have every notification from now on passed to listener(sender, msg) on the agent's loop thread (which
+        it must not block) instead of queued for get_notifications; None queues them again."""
+        self._inbox.listener = listener
+
     def get_notifications(self) -> dict[str, list[bytes]]:
         """Drain received notifications: {sender agent name: [msg, ...]} in arrival order."""
         return self._inbox.drain()

@@ -1,13 +1,16 @@
 """`Inbox`: notifications received from peers ("request r: blocks ready", "released"), by sender name.
 
 Filled from the agent's event-loop thread, drained by the owner from any thread. Bounded: a peer that
-floods us cannot grow it without limit (the oldest messages of that peer are dropped and counted).
+floods us cannot grow it without limit (the oldest messages of that peer are dropped and counted). An owner that
+would rather be called than drain sets `listener`: each message then goes to listener(sender, msg) on the agent's
+loop thread (which it must not block) instead of the queue.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 
 class Inbox:
@@ -17,8 +20,13 @@ class Inbox:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.dropped = 0
+        self.listener: Callable[[str, bytes], None] | None = None
 
     def put(self, sender: str, msg: bytes) -> None:
+        listener = self.listener
+        if listener is not None:
+            listener(sender, msg)
+            return
         with self._cond:
             q = self._msgs.setdefault(sender, deque())
             if len(q) >= self._max:

@@ -164,12 +164,12 @@ class KVPushes:
         except TransferError as e:  # refused at once (the peer is lost): the request is pulled instead
             push.error = e
 
-    async def finish(self, request_id: str) -> tuple[bool, float]:
-        """The request's first token is out: wait for its writes; (every block pushed and landed, seconds waited).
-        Nothing of it is in flight afterwards, whatever the outcome."""
+    async def finish(self, request_id: str) -> tuple[bool, float, str | None]:
+        """The request's first token is out: wait for its writes; (every block pushed and landed, seconds waited,
+        the decode agent written to). Nothing of it is in flight afterwards, whatever the outcome."""
         push = self._pushes.get(request_id)
         if push is None:
-            return False, 0.0
+            return False, 0.0, None
         t0 = time.monotonic()
         landed = await _landed(push.handles, t0 + self.timeout_s)
         ok = landed and push.error is None and push.written >= push.num_blocks
@@ -180,7 +180,7 @@ class KVPushes:
             self.late += 1
         else:
             self.failed += 1
-        return ok, time.monotonic() - t0
+        return ok, time.monotonic() - t0, push.remote
 
     async def settle(self, loop_call: Callable, request_id: str) -> None:
         """The request ends here (abort): stop its writes (an engine call, so no step queues more) and wait until

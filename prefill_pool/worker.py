@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import random
 import socket
 import sys
@@ -37,6 +38,7 @@ from engine.engine_config import EngineConfig
 from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
+from kvtransfer.errors import TransferError
 from prefill_pool.kv_push import KVPushes
 
 if TYPE_CHECKING:
@@ -228,6 +230,15 @@ class PrefillWorker:
                 self._print_trace(out.request_id, False)
                 future.set_result(result)
 
+    def _notify_pushed(self, remote: str, request_id: str, result: PrefillResult) -> None:
+        """Tell decode agent `remote` that `request_id`'s KV has landed, with its first token (a message after the
+        writes: decode_pool.handoff starts the join on it). Lost, it costs only time: decode() starts it then."""
+        msg = pickle.dumps(("pushed", request_id, result.first_token_id, result.first_logprob))
+        try:
+            self.agents.local.agent.notify(remote, msg)
+        except TransferError:  # the peer is gone: decode() fails over as for any handoff
+            pass
+
     def _print_trace(self, request_id: str, pushed: bool) -> None:
         """With PDSERVE_TRACE_HANDOFF=1: one JSON line on stderr with the request's prefill step end and its result's
         hand-back (time.monotonic(), comparable with the decode worker's stamps on the same host), for
@@ -240,7 +251,9 @@ class PrefillWorker:
     async def _after_push(self, request_id: str, future: asyncio.Future, result: PrefillResult) -> None:
         """Resolve a pushed request's prefill once its writes have ended (decode then only joins). An abort
         meanwhile waits for the same writes (KVPushes.settle) before it frees the blocks."""
-        pushed, waited = await self.pushes.finish(request_id)
+        pushed, waited, remote = await self.pushes.finish(request_id)
+        if pushed and remote is not None and not future.done():  # the decode worker joins on this, before the
+            self._notify_pushed(remote, request_id, result)       # coordinator's decode() call (two Ray hops later)
         self._print_trace(request_id, pushed)
         if not future.done():
             future.set_result(replace(result, pushed=pushed, phases=(*result.phases, ("kv_transfer", waited))))

@@ -73,7 +73,7 @@ def _prefill(engine, agents, rid: str, prompt: list[int], remote_ids: list[int],
                 assert await loop.call(lambda e: e.abort(rid))
                 return accepted, False, []
             out = await done
-            pushed, _ = await pushes.finish(rid)
+            pushed, _, _ = await pushes.finish(rid)
             await loop.call(lambda e: e.release(rid))
             return accepted, pushed, out.pinned_block_ids
         finally:
