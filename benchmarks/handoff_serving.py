@@ -213,7 +213,7 @@ def print_stages(log: Path, requests: int, raw_s: float) -> None:
     if not rows:
         print(json.dumps({"case": "handoff_stages", "error": f"no handoff_trace line in {log}"}), flush=True)
         return
-    stages = [k for k in rows[0] if k not in ("handoff_trace", "first_step_at")]
+    stages = [k for k in rows[0] if k not in ("handoff_trace", "first_step_at", "heard_at")]
     print(json.dumps({"case": "handoff_stages", "requests": len(rows), "since_decode_call_ms_p50": {
         k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in stages}}), flush=True)
     prefills = {p["prefill_trace"]: p for p in (json.loads(m.group(0)) for m in
@@ -225,8 +225,13 @@ def print_stages(log: Path, requests: int, raw_s: float) -> None:
     whole = sorted(d["first_step_at"] - p["step_end"] for p, d in pairs)
     result = sorted(p["result_at"] - p["step_end"] for p, _ in pairs)
     p50 = statistics.median(whole)
+    heard = [(d["heard_at"] - p["result_at"], d["first_step_at"] - d["heard_at"]) for p, d in pairs if "heard_at" in d]
+    split = {"notified": len(heard)}
+    if heard:  # the notification's way (prefill result -> decode agent's thread), then on to the first step
+        split |= {"result_to_heard_ms_p50": round(statistics.median(h for h, _ in heard) * 1e3, 3),
+                  "heard_to_first_step_ms_p50": round(statistics.median(f for _, f in heard) * 1e3, 3)}
     print(json.dumps({"case": "handoff_e2e", "requests": len(pairs), "pushed": sum(p["pushed"] for p, _ in pairs),
-                      "prefill_result_ms_p50": round(statistics.median(result) * 1e3, 3),
+                      **split, "prefill_result_ms_p50": round(statistics.median(result) * 1e3, 3),
                       "step_end_to_first_decode_step_ms_p50": round(p50 * 1e3, 3),
                       "p90": round(whole[int(0.9 * (len(whole) - 1))] * 1e3, 3), "raw_ms": round(raw_s * 1e3, 3),
                       "x_raw": round(p50 / raw_s, 2)}), flush=True)

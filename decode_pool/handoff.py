@@ -54,7 +54,8 @@ class Handoffs:
         """A prefill worker will push this request's KV into its booking: its notification may start the join."""
         self._expected[request_id] = (prompt_token_ids, params, prior)
 
-    def pushed(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None) -> None:
+    def pushed(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None,
+               heard_at: float | None = None) -> None:
         """The prefill worker's notification: the request's KV has landed in its booking and this is its first
         token. Start the join now, without waiting for the coordinator's decode() call (two Ray calls later),
         which then takes its outcome."""
@@ -63,7 +64,7 @@ class Handoffs:
             return  # ended (aborted), or decode() came first
         prompt, params, prior = expected
         task = asyncio.ensure_future(self._take_over(request_id, prompt, params, first_token_id, first_logprob, "",
-                                                     [], prior, pushed=True, notified=True))
+                                                     [], prior, pushed=True, notified=heard_at or True))
 
         def ended(t: asyncio.Task) -> None:  # a failed join (aborted meanwhile) is not kept for a decode() to come
             if t.cancelled() or t.exception() is not None:
@@ -97,7 +98,7 @@ class Handoffs:
     async def _take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                          first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
                          peer_block_ids: list[int], prior: list[int], pushed: bool,
-                         notified: bool = False) -> StepOutput | None:
+                         notified: float | bool = False) -> StepOutput | None:
         self.timing.received(request_id)
         stages = [("received", time.monotonic())] if self._trace else None
         self.transferring[request_id] = False  # from here an abort is applied when the transfer has ended
@@ -227,7 +228,7 @@ async def _queued(call: asyncio.Future) -> None:
 TRACE_DELAY_S = 0.05  # PDSERVE_TRACE_HANDOFF: a handoff's line is printed this long after its join
 
 
-def _print_stages(request_id: str, pushed: bool, notified: bool, stages: list) -> None:
+def _print_stages(request_id: str, pushed: bool, notified: float | bool, stages: list) -> None:
     """One JSON line: ms since the take-over began (decode(), or the prefill worker's notification) to each stage, and
     to the request's first scheduled step."""
     t0 = stages[0][1]
@@ -235,7 +236,9 @@ def _print_stages(request_id: str, pushed: bool, notified: bool, stages: list) -
     first = [r.first_scheduled_at for k, r in stages if k == "request" and r.first_scheduled_at]
     times += [("first_step", t) for t in first]
     absolute = {"first_step_at": first[0]} if first else {}  # time.monotonic(), for the prefill worker's stamps
-    print(json.dumps({"handoff_trace": request_id, "pushed": pushed, "notified": notified}
+    if not isinstance(notified, bool):  # when the agent's thread heard the notification
+        absolute["heard_at"] = notified
+    print(json.dumps({"handoff_trace": request_id, "pushed": pushed, "notified": bool(notified)}
                      | {k: round((t - t0) * 1e3, 3) for k, t in times}
                      | absolute), file=sys.stderr, flush=True)
 

@@ -94,7 +94,8 @@ class DecodeWorker:
         self.handoffs = Handoffs(self.name, self.loop, self.agents, self.reservations, self._timing)
         if self.agents is not None:  # prefill workers' notifications (pushed KV landed), onto this event loop
             loop = asyncio.get_running_loop()
-            self.agents.local.agent.on_notification(lambda sender, msg: loop.call_soon_threadsafe(self._notified, msg))
+            self.agents.local.agent.on_notification(
+                lambda sender, msg: loop.call_soon_threadsafe(self._notified, msg, time.monotonic()))
         role = "decode" if self.agents else "collocated"
         freeze_startup_objects()
         self._gc.install()
@@ -281,14 +282,15 @@ class DecodeWorker:
         """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
         return replace(load, **self._gc.figures())
 
-    def _notified(self, msg: bytes) -> None:
-        """A prefill worker's notification (prefill_pool.worker): ("pushed", request id, first token, logprob)."""
+    def _notified(self, msg: bytes, heard_at: float) -> None:
+        """A prefill worker's notification (prefill_pool.worker): ("pushed", request id, first token, logprob);
+        `heard_at`: when the agent's thread received it."""
         try:
             kind, request_id, token, logprob = pickle.loads(msg)  # from the cluster's own prefill workers
         except Exception:  # noqa: BLE001 - a malformed message starts nothing; decode() still comes
             return
         if kind == "pushed":
-            self.handoffs.pushed(request_id, token, logprob)
+            self.handoffs.pushed(request_id, token, logprob, heard_at)
 
     def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
         self._step_load = self._reported(load)  # taken on the engine thread right after the step
