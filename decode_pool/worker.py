@@ -13,6 +13,9 @@ Groups (n choices of one prompt, engine.choices): `decode_group` pulls the promp
 under the group id (or, collocated, takes the group prefill pinned here by `prefill_group`), forks it copy-on-write
 into one reservation per choice (LLMEngine.fork_reservation), drops the group's own blocks and starts every choice
 from its first token; each choice is then an ordinary request under its own id (abort one, the others go on).
+Pushed handoffs (prefill_pool.kv_push): `reserve_for_push` books the blocks and learns the request; the prefill
+worker's notification that the KV has landed starts the join at once (decode_pool.handoff), and `decode(...,
+pushed=True)` returns that join's outcome.
 Requests started by `decode` or `generate` are timed here (engine.core.request_timing): poll() returns, beside a
 request's first output, its phase durations on this worker, for the coordinator's per-request phase tracing.
 """

@@ -12,7 +12,8 @@ engine.core.request_timing), for the coordinator's per-request phase tracing.
 Pushed handoffs (TP=1; prefill_pool.kv_push): `push_to` names the blocks the decode worker booked for a request
 whose prompt is under way here; its KV is then written into them layer group by layer group during the forward, and
 the result says `pushed` once every write has landed (the wait is its `kv_transfer` phase here), so decode only
-joins. Otherwise (no target in time, a failed write) the result is as before and decode pulls.
+joins; a kvtransfer notification with the first token tells the decode worker at once (it joins on it, ahead of the
+coordinator's call). Otherwise (no target in time, a failed write) the result is as before and decode pulls.
 """
 
 from __future__ import annotations
