@@ -122,7 +122,9 @@ def test_a_tenants_stream_interval_chunks_its_streams_through_the_ray_backend(se
     plain, plain_text = streamed_chunks(server.url, body, "k-high")
     assert sum(chunky) == sum(plain) == 30 and chunky_text == plain_text
     assert chunky[0] == 1 and all(c >= 4 for c in chunky[1:-1]) and len(chunky) <= 1 + -(-29 // 4)
-    assert len(plain) > len(chunky)
+    # the plain stream is not held back: a chunk of fewer than 4 tokens in its middle (a reader that falls behind
+    # gets several tokens at once, so its chunk count alone says little: CI saw [1, 1, 3, 1, 10, 14])
+    assert any(c < 4 for c in plain[1:-1]), plain
 
 
 def _pinned(url: str, key: str = "k-high", want: dict[int, int] | None = None) -> dict[int, list[httpx.Client]]:

@@ -111,7 +111,8 @@ class Scheduler:
                              f"{req.num_tokens} tokens of prompt and prior outputs")
         req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
-        self.bm.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        # its full blocks join the prefix cache at its first step's update (cache_full_blocks), not here: hashing a
+        # 2,048-token prompt's 128 blocks here delayed every handoff's join on an H200 host (docs/benchmarks.md)
         self.requests[req.request_id] = req
         self.running.append(req)
 
