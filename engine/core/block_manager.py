@@ -28,9 +28,8 @@ import numpy as np
 
 def chain_hashes(parent: bytes | None, token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Hash of each full block of `token_ids`, each chained to the one before (the first to `parent`): stable across
-    processes (routing uses them too). The ids are converted once for all blocks: one by one, a 2,048-token
-    prompt's 128 blocks took most of the 0.69 ms the decode worker spent adding a handed-over request on an H200
-    host, on the critical path of every handoff."""
+    processes (routing uses them too). The ids are converted once for all blocks (one by one, a 2,048-token prompt's
+    128 blocks took ~0.5 ms on an H200 host, between two engine steps)."""
     n = len(token_ids) // block_size
     data = np.asarray(token_ids[:n * block_size], dtype=np.int64).tobytes()
     step = block_size * 8
