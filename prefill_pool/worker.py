@@ -253,8 +253,8 @@ class PrefillWorker:
         """Resolve a pushed request's prefill once its writes have ended (decode then only joins). An abort
         meanwhile waits for the same writes (KVPushes.settle) before it frees the blocks."""
         pushed, waited, remote = await self.pushes.finish(request_id)
-        if pushed and remote is not None and not future.done():  # the decode worker joins on this, before the
-            self._notify_pushed(remote, request_id, result)       # coordinator's decode() call (two Ray hops later)
+        if pushed and remote is not None and result.finish_reason is None and not future.done():
+            self._notify_pushed(remote, request_id, result)  # the decode worker joins on it, ahead of decode()
         self._print_trace(request_id, pushed)
         if not future.done():
             future.set_result(replace(result, pushed=pushed, phases=(*result.phases, ("kv_transfer", waited))))
