@@ -55,7 +55,7 @@ class Handoffs:
         self._expected[request_id] = (prompt_token_ids, params, prior)
 
     def pushed(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None,
-               heard_at: float | None = None) -> None:
+               heard_at: float) -> None:
         """The prefill worker's notification: the request's KV has landed in its booking and this is its first
         token. Start the join now, without waiting for the coordinator's decode() call (two Ray calls later),
         which then takes its outcome."""
@@ -64,7 +64,7 @@ class Handoffs:
             return  # ended (aborted), or decode() came first
         prompt, params, prior = expected
         task = asyncio.ensure_future(self._take_over(request_id, prompt, params, first_token_id, first_logprob, "",
-                                                     [], prior, pushed=True, notified=heard_at or True))
+                                                     [], prior, pushed=True, heard_at=heard_at))
 
         def ended(t: asyncio.Task) -> None:  # a failed join (aborted meanwhile) is not kept for a decode() to come
             if t.cancelled() or t.exception() is not None:
@@ -98,7 +98,9 @@ class Handoffs:
     async def _take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                          first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
                          peer_block_ids: list[int], prior: list[int], pushed: bool,
-                         notified: float | bool = False) -> StepOutput | None:
+                         heard_at: float | None = None) -> StepOutput | None:
+        """take_over's work; `heard_at`: when the notification that started it reached this worker (None: its
+        decode() call started it)."""
         self.timing.received(request_id)
         stages = [("received", time.monotonic())] if self._trace else None
         self.transferring[request_id] = False  # from here an abort is applied when the transfer has ended
@@ -140,7 +142,7 @@ class Handoffs:
                                                       first_logprob, prior, (), stages))
             _stage(stages, "joined")
         if stages is not None:  # once its first step is scheduled (the engine thread answers the join's call first)
-            asyncio.get_running_loop().call_later(TRACE_DELAY_S, _print_stages, request_id, pushed, notified, stages)
+            asyncio.get_running_loop().call_later(TRACE_DELAY_S, _print_stages, request_id, pushed, heard_at, stages)
         return done
 
     async def pull_into(self, peer: str, remote_ids: list[int], booking: Booking) -> None:
@@ -228,7 +230,7 @@ async def _queued(call: asyncio.Future) -> None:
 TRACE_DELAY_S = 0.05  # PDSERVE_TRACE_HANDOFF: a handoff's line is printed this long after its join
 
 
-def _print_stages(request_id: str, pushed: bool, notified: float | bool, stages: list) -> None:
+def _print_stages(request_id: str, pushed: bool, heard_at: float | None, stages: list) -> None:
     """One JSON line: ms since the take-over began (decode(), or the prefill worker's notification) to each stage, and
     to the request's first scheduled step."""
     t0 = stages[0][1]
@@ -236,9 +238,9 @@ def _print_stages(request_id: str, pushed: bool, notified: float | bool, stages:
     first = [r.first_scheduled_at for k, r in stages if k == "request" and r.first_scheduled_at]
     times += [("first_step", t) for t in first]
     absolute = {"first_step_at": first[0]} if first else {}  # time.monotonic(), for the prefill worker's stamps
-    if not isinstance(notified, bool):  # when the agent's thread heard the notification
-        absolute["heard_at"] = notified
-    print(json.dumps({"handoff_trace": request_id, "pushed": pushed, "notified": bool(notified)}
+    if heard_at is not None:  # when the agent's thread heard the notification
+        absolute["heard_at"] = heard_at
+    print(json.dumps({"handoff_trace": request_id, "pushed": pushed, "notified": heard_at is not None}
                      | {k: round((t - t0) * 1e3, 3) for k, t in times}
                      | absolute), file=sys.stderr, flush=True)
 

@@ -117,14 +117,14 @@ def test_copies_that_never_end_take_the_process_down(monkeypatch):
 def test_a_join_started_by_the_notification_is_the_one_decode_returns():
     async def body(loop, handoffs):
         handoffs.expect_push("r", PROMPT, PARAMS, [])
-        handoffs.pushed("r", 5, None)
+        handoffs.pushed("r", 5, None, time.monotonic())
         for _ in range(200):  # the join runs on its own, before any decode() call
             if await loop.call(lambda e: "r" in e.scheduler.requests):
                 break
             await asyncio.sleep(0.01)
         joined_alone = await loop.call(lambda e: "r" in e.scheduler.requests)
         done = await handoffs.take_over("r", PROMPT, PARAMS, 5, None, "", [], [], pushed=True)
-        handoffs.pushed("r", 5, None)  # a late duplicate starts nothing
+        handoffs.pushed("r", 5, None, time.monotonic())  # a late duplicate starts nothing
         await asyncio.sleep(0.05)
         return joined_alone, done, await loop.call(lambda e: [r for r in e.scheduler.requests if r == "r"])
     (joined_alone, done, ids), _ = run(body, QueuedPull())
@@ -135,7 +135,7 @@ def test_a_notification_after_decode_started_the_join_starts_nothing():
     async def body(loop, handoffs):
         handoffs.expect_push("r", PROMPT, PARAMS, [])
         done = await handoffs.take_over("r", PROMPT, PARAMS, 5, None, "", [], [], pushed=True)
-        handoffs.pushed("r", 5, None)
+        handoffs.pushed("r", 5, None, time.monotonic())
         await asyncio.sleep(0.05)
         return done, await loop.call(lambda e: e.abort("r")), await loop.call(lambda e: e.check_integrity())
     (done, aborted, integrity), _ = run(body, QueuedPull())
@@ -146,7 +146,7 @@ def test_an_abort_right_after_the_notification_frees_the_blocks_and_decode_gets_
     async def body(loop, handoffs):
         handoffs.expect_push("r", PROMPT, PARAMS, [])
         handoffs.reservations.book_early("r", len(PROMPT))
-        handoffs.pushed("r", 5, None)
+        handoffs.pushed("r", 5, None, time.monotonic())
         await handoffs.reservations.cancel("r")  # DecodeWorker.abort: the booking, then the flag
         handoffs.abort("r")
         handoffs.forget("r")
