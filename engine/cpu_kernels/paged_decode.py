@@ -91,7 +91,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
     context_lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty((b, h, d), dtype=torch.float32)
     longest = tables.shape[1] * bs
-    scratch = torch.empty(h * longest + (h + kvh) * d, dtype=torch.float32)
+    scratch = torch.empty(h * longest + (h + kvh) * d + 2 * longest, dtype=torch.float32)  # see the C source
     s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
     load().paged_decode_attention(
         q.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok, s_head, tables.data_ptr(), tables.shape[1],
