@@ -57,6 +57,7 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
         model.use_kernels()
     elif config.kernels == "auto" and device.type == "cpu":
         model.use_cpu_decode_kernel()  # builds it now (about a second, once per machine), not on the first step
+        model.use_packed_linears()
     layout = TPLayout(mc, 0, 1) if tp is None else TPLayout(mc, tp.rank, tp.size)
     spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=layout.kv_heads,
                        head_dim=mc.head_dim, block_size=config.block_size, dtype=config.dtype)
