@@ -147,7 +147,7 @@ class KVAgent:
             # the same agent again after an injected drop: its own connection to us stays up
             await self._remove_remote(meta.name, "replaced by a new agent of the same name", incoming=not same)
         remote = Remote(meta, backend)
-        await remote.connect(self._hello(), time.monotonic() + self.config.connect_timeout_s)
+        await remote.connect(self._hello, time.monotonic() + self.config.connect_timeout_s)
         if backend == "cuda_ipc":
             assert self._cache is not None and meta.cache is not None
             remote.ipc = CudaIpcPeer(self._cache, meta.cache)
@@ -197,8 +197,9 @@ class KVAgent:
         return self._submit("write", remote, local_block_ids, remote_block_ids, layers, notify, timeout, None)
 
     def notify(self, remote: str, msg: bytes, timeout: float | None = None) -> TransferHandle:
-        """Send a small message; it arrives after every transfer to `remote` that finished before."""
-        r = self._refused("notify", lambda: self._remote(remote))
+        """Send a small message (at most wire.MAX_NOTIFY_BYTES); it arrives after every transfer to `remote` that
+        finished before. One way: the handle succeeds once the message is sent, and fails if the send failed."""
+        r = self._refused("notify", lambda: self._notify_check(remote, msg))
         deadline = time.monotonic() + (timeout or self.config.timeout_s)
         fut = self._loop.submit(self._notify(r, bytes(msg), deadline))
         return TransferHandle(fut, "notify", remote, len(msg))
@@ -207,7 +208,7 @@ class KVAgent:
                      timeout: float | None = None) -> TransferHandle:
         """Send `msg` once all `handles` succeeded (without blocking the caller); if one fails, the
         message is not sent and this handle fails with that error."""
-        r = self._refused("notify", lambda: self._remote(remote))
+        r = self._refused("notify", lambda: self._notify_check(remote, msg))
         deadline = time.monotonic() + (timeout or self.config.timeout_s)
 
         async def run() -> None:
@@ -237,6 +238,11 @@ class KVAgent:
             raise PeerLost(f"agent {self.name!r} has no remote {name!r} (add_remote first, or it was removed)")
         return r
 
+    def _notify_check(self, remote: str, msg: bytes | None) -> Remote:
+        if msg is not None:
+            wire.check_notify(msg)
+        return self._remote(remote)
+
     def _refused(self, op: str, check: Callable[[], Any]) -> Any:
         """Run the synchronous checks of a call; a refusal counts as a failure of `op`, like one in flight."""
         try:
@@ -251,7 +257,7 @@ class KVAgent:
                 layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None,
                 heads: tuple[int, int] | None, ready: torch.cuda.Event | None = None) -> TransferHandle:
         def check() -> tuple[Remote, list[Chunk]]:
-            r = self._remote(remote)
+            r = self._notify_check(remote, notify)
             if self._info is None or r.meta.cache is None:
                 raise BadDescriptor(f"{op}: both {self.name!r} and {remote!r} need a registered cache")
             size = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
@@ -304,7 +310,7 @@ class KVAgent:
 
     async def _transfer(self, op: str, r: Remote, cache: RegisteredCache, chunks: list[Chunk],
                         ready: torch.cuda.Event | None, notify: bytes | None, deadline: float, t0: float) -> None:
-        conn = await r.connect(self._hello(), deadline)
+        conn = await r.connect(self._hello, deadline)
         cache.wait_event(ready)
         pool = self._client_pool
         assert pool is not None
@@ -318,7 +324,7 @@ class KVAgent:
         self._metrics.record_ok(op, sum(results), time.monotonic() - t0)  # type: ignore[arg-type]
 
     async def _send_notify(self, r: Remote, msg: bytes, deadline: float) -> None:
-        conn = await r.connect(self._hello(), deadline)
+        conn = await r.connect(self._hello, deadline)
         await conn.send_request({"op": "notify", "msg": wire.b64(msg)}, deadline)
 
     async def _notify(self, r: Remote, msg: bytes, deadline: float) -> None:

@@ -19,7 +19,7 @@ from engine.kv_layout import KVCacheSpec
 
 from .errors import IncompatibleLayout
 
-PROTOCOL_VERSION = 2  # 2: caches carry head ranges, reads may name a head range
+PROTOCOL_VERSION = 3  # 2: caches carry head ranges, reads may name a head range; 3: control messages are frames
 
 
 def host_identity() -> str:

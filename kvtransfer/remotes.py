@@ -42,13 +42,14 @@ class Remote:
         if self.lost is not None:
             raise PeerLost(f"remote {self.name!r} was {self.lost}")
 
-    async def connect(self, hello: dict, deadline: float) -> UcxConnection:
-        """The open connection, or a new one if there is none or it broke (PeerLost once the remote is lost)."""
+    async def connect(self, hello: Callable[[], dict], deadline: float) -> UcxConnection:
+        """The open connection, or a new one (introduced by `hello()`) if there is none or it broke (PeerLost once
+        the remote is lost)."""
         async with self.lock:
             self.check()
             if self.conn is None or self.conn.broken is not None:
                 m = self.meta
-                conn = await UcxConnection.open(m.address, m.port, m.name, hello, deadline)
+                conn = await UcxConnection.open(m.address, m.port, m.name, hello(), deadline)
                 if self.lost is not None:  # dropped while we were connecting: never keep that endpoint
                     conn.abort("remote dropped")
                     self.check()

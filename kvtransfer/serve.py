@@ -51,10 +51,14 @@ class Server:
         peer.meta = meta
         return wire.ok()
 
+    def on_notify(self, peer: PeerEndpoint, msg: dict) -> None:
+        """A notification: straight to the inbox (or its listener), from the peer's receive loop."""
+        self._inbox.put(peer.peer, wire.unb64(msg["msg"]))
+
     async def on_request(self, peer: PeerEndpoint, msg: dict) -> None:
         op = msg.get("op")
         if op == "notify":
-            self._inbox.put(peer.peer, wire.unb64(msg["msg"]))
+            self.on_notify(peer, msg)
         elif op in ("read", "write"):
             await self._serve(peer, msg, op)
         else:

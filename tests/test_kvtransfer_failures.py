@@ -18,6 +18,7 @@ from kvtransfer import (
     IncompatibleLayout,
     KVAgent,
     PeerLost,
+    TransferError,
     TransferState,
     TransferTimeout,
 )
@@ -67,6 +68,29 @@ def test_peer_killed_mid_transfer_fails_fast_on_survivor(local) -> None:
         # the deadline, TransferTimeout; never a hang
         with pytest.raises((PeerLost, TransferTimeout)):
             agent.read("victim", [1], [1], timeout=10.0).wait(30.0)
+    finally:
+        peer.kill()
+
+
+def test_notify_to_a_dead_peer_fails_its_handle(local) -> None:
+    agent, _ = local
+    peer = PeerProcess("gone", num_blocks=8, seed=9, config=CONFIG)
+    try:
+        agent.add_remote(peer.meta)
+        agent.notify("gone", b"hello").wait(30.0)
+        assert peer.call("notifications", 10.0) == {"survivor": [b"hello"]}
+        peer.kill()
+        failed: TransferError | None = None
+        end = time.monotonic() + 60.0
+        while failed is None and time.monotonic() < end:  # one may still be sent before the death is seen
+            h = agent.notify("gone", b"anyone there?", timeout=10.0)
+            try:
+                h.wait(30.0)
+            except TransferError as e:
+                failed = e
+        assert isinstance(failed, (PeerLost, TransferTimeout)), failed
+        assert h.poll() is TransferState.FAILED
+        assert agent.metrics()["ops"]["notify"]["failures"] >= 1
     finally:
         peer.kill()
 

@@ -4,12 +4,13 @@ scattered blocks, layer ranges, chunking, concurrency, notifications and layer-w
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kvtransfer import AgentConfig, KVAgent, TransferState
+from kvtransfer import AgentConfig, BadDescriptor, KVAgent, TransferState, wire
 from kvtransfer.streaming import LayerStreamer
 from tests.kvtransfer_helpers import SPEC, PeerProcess, bits, random_cache, wait_local
 
@@ -172,3 +173,20 @@ def test_layerwise_streaming(local, peers) -> None:
     assert p1.call("notifications", 10.0) == {"local": [b"req-9 kv done"]}
     with pytest.raises(ValueError):
         s.layers_done(2)
+
+
+def test_notifications_arrive_in_order_short_and_long(local, peers) -> None:
+    agent, _ = local
+    p1, _ = peers
+    sizes = [8, 2 * wire.FRAME_BYTES, 1, 300_000, 0, wire.FRAME_BYTES, 64] * 3  # one frame, or frame + body
+    msgs = [bytes([i]) * n + f"#{i}".encode() for i, n in enumerate(sizes)]
+    handles = [agent.notify("p1", m) for m in msgs]  # none waited for before the next is sent
+    for h in handles:
+        h.wait(30.0)
+    got: list[bytes] = []
+    end = time.monotonic() + 30.0
+    while len(got) < len(msgs) and time.monotonic() < end:
+        got += p1.call("notifications", 5.0).get("local", [])
+    assert got == msgs
+    with pytest.raises(BadDescriptor, match="MAX_NOTIFY_BYTES"):  # refused at once, counted as a notify failure
+        agent.notify("p1", b"x" * (wire.MAX_NOTIFY_BYTES + 1))

@@ -1,8 +1,10 @@
-"""kvtransfer pieces without a network: descriptors, metadata, compatibility, staging pool, gather/scatter."""
+"""kvtransfer pieces without a network: descriptors, metadata, compatibility, staging pool, gather/scatter, the
+framing of control messages."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from engine.kv_layout import KVCacheSpec
+from kvtransfer import wire
 from kvtransfer.cache import RegisteredCache
 from kvtransfer.descriptors import contiguous_start, plan
 from kvtransfer.errors import BadDescriptor, IncompatibleLayout, TransferTimeout
@@ -129,3 +132,46 @@ def test_staging_pool_bounds_waits_and_reuses() -> None:
             await pool.acquire(2000, time.monotonic() + 1)
 
     asyncio.run(scenario())
+
+
+class _TaggedPipe:
+    """Tagged messages as UCX delivers them: in order per tag, a shorter message lands whole in a larger buffer,
+    a longer one fails (UCX: message truncated)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, collections.deque[bytes]] = collections.defaultdict(collections.deque)
+
+    async def send(self, buf: bytes, tag: int) -> None:
+        self.sent[tag].append(bytes(buf))
+
+    async def recv(self, buf: bytearray, tag: int) -> None:
+        msg = self.sent[tag].popleft()
+        if len(msg) > len(buf):
+            raise RuntimeError("message truncated")
+        buf[:len(msg)] = msg
+
+
+@pytest.mark.parametrize("size", [0, 10, wire.FRAME_BYTES - 200, wire.FRAME_BYTES, 3 * wire.FRAME_BYTES])
+def test_control_messages_are_one_frame_unless_long(size: int) -> None:
+    async def scenario() -> None:
+        pipe = _TaggedPipe()
+        msgs = [{"op": "notify", "msg": "x" * size}, {"op": "notify", "msg": "short"}]
+        for m in msgs:
+            await wire.send_msg(pipe, m, wire.REQUEST_TAG)
+        inline = len(wire.encode(msgs[0])) <= wire.FRAME_BYTES - 8
+        assert len(pipe.sent[wire.REQUEST_TAG]) == (2 if inline else 3)
+        buf = bytearray(wire.FRAME_BYTES)  # reused, as the server does: a long body leaves no trace in it
+        assert [await wire.recv_msg(pipe, wire.REQUEST_TAG, buf) for _ in msgs] == msgs
+
+    asyncio.run(scenario())
+
+
+def test_control_message_limits() -> None:
+    wire.check_notify(b"x" * wire.MAX_NOTIFY_BYTES)
+    with pytest.raises(BadDescriptor, match=f"limit of {wire.MAX_NOTIFY_BYTES} bytes"):
+        wire.check_notify(b"x" * (wire.MAX_NOTIFY_BYTES + 1))
+    with pytest.raises(BadDescriptor, match=f"limit of {wire.MAX_BODY_BYTES} bytes"):
+        wire.frame({"op": "notify", "msg": "x" * wire.MAX_BODY_BYTES})
+    garbage = bytearray((wire.MAX_BODY_BYTES + 1).to_bytes(8, "little")) + bytearray(8)
+    with pytest.raises(ValueError, match="over the limit"):  # not our protocol: the server drops the peer
+        wire.body_length(garbage)

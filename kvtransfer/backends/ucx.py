@@ -14,6 +14,7 @@ cancelled (its peer was removed) aborts the connection the same way before it le
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,8 @@ import ucxx
 
 from .. import wire
 from ..errors import PeerLost, TransferTimeout
+
+log = logging.getLogger(__name__)
 
 
 def use_python_futures() -> None:
@@ -99,7 +102,7 @@ class UcxConnection:
         self.peer = peer
         self.broken: str | None = None
         self.timed_out = False
-        self._send_lock = asyncio.Lock()  # send_obj is two messages: never interleave two requests
+        self._send_lock = asyncio.Lock()  # a long request is two messages: never interleave two requests
 
     @classmethod
     async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
@@ -133,15 +136,13 @@ class UcxConnection:
     async def send_request(self, msg: dict, deadline: float) -> None:
         self._check()
         async with self._send_lock:
-            await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.REQUEST_TAG), deadline,
-                          f"request to {self.peer!r}", self)
+            await bounded(wire.send_msg(self.ep, msg, wire.REQUEST_TAG), deadline, f"request to {self.peer!r}", self)
 
     async def response(self, xid: int, deadline: float) -> dict:
         """The next response for operation `xid`; raises the error the server reported."""
         self._check()
-        raw = await bounded(self.ep.recv_obj(tag=wire.response_tag(xid)), deadline,
-                            f"response from {self.peer!r}", self)
-        resp = wire.decode(raw)
+        resp = await bounded(wire.recv_msg(self.ep, wire.response_tag(xid)), deadline,
+                             f"response from {self.peer!r}", self)
         if not resp.get("ok"):
             from ..errors import error_from_wire
 
@@ -189,8 +190,7 @@ class PeerEndpoint:
             pass
 
     async def reply(self, xid: int, msg: dict, deadline: float) -> None:
-        await bounded(self.ep.send_obj(wire.encode(msg), tag=wire.response_tag(xid)), deadline,
-                      f"reply to {self.peer!r}", self)
+        await bounded(wire.send_msg(self.ep, msg, wire.response_tag(xid)), deadline, f"reply to {self.peer!r}", self)
 
     async def send_data(self, buf: torch.Tensor, xid: int, deadline: float) -> None:
         await bounded(self.ep.send(as_ucx_buffer(buf), tag=wire.data_tag(xid)), deadline,
@@ -203,6 +203,8 @@ class PeerEndpoint:
 
 class RequestHandler(Protocol):
     async def on_hello(self, peer: PeerEndpoint, msg: dict) -> dict: ...
+
+    def on_notify(self, peer: PeerEndpoint, msg: dict) -> None: ...
 
     async def on_request(self, peer: PeerEndpoint, msg: dict) -> None: ...
 
@@ -228,10 +230,11 @@ class UcxServer:
     async def _accept(self, ep: Any) -> None:
         peer = PeerEndpoint(ep)
         self._peers.add(peer)
+        buf = bytearray(wire.FRAME_BYTES)  # requests are read one at a time: one frame buffer per peer
         try:
             while peer.broken is None:
                 try:
-                    msg = wire.decode(await ep.recv_obj(tag=wire.REQUEST_TAG))
+                    msg = await wire.recv_msg(ep, wire.REQUEST_TAG, buf)
                 except (ucxx.exceptions.UCXError, asyncio.CancelledError):
                     peer.broken = "peer closed"
                     return
@@ -243,6 +246,11 @@ class UcxServer:
                     await peer.reply(0, resp, time.monotonic() + 10.0)
                     if not resp.get("ok"):
                         return
+                elif msg.get("op") == "notify":  # inline, not a task: one loop iteration less, and in order
+                    try:
+                        self._handler.on_notify(peer, msg)
+                    except Exception:  # a listener's bug must not end this peer's requests
+                        log.exception("notification from %r: its handler failed", peer.peer)
                 else:
                     self._spawn(self._handler.on_request(peer, msg))
         finally:
