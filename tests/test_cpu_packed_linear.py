@@ -46,9 +46,11 @@ def test_bfloat16_engine_packs_and_keeps_its_greedy_tokens(monkeypatch):
     packed = LLM("tiny", dtype="bfloat16")
     assert isinstance(packed.engine.model.lm_head, PackedLinear)
     assert isinstance(packed.engine.model.model.layers[0].mlp.down_proj, PackedLinear)
+    count = sum(p.numel() for p in packed.engine.model.parameters())
     monkeypatch.setattr("engine.model.decoder.CausalLM.use_packed_linears", lambda self: False)
     plain = LLM("tiny", dtype="bfloat16")  # the same engine (C decode attention), its linears left as they are
     assert type(plain.engine.model.lm_head) is nn.Linear
+    assert count == sum(p.numel() for p in plain.engine.model.parameters())  # packed weights still counted
     assert [o.token_ids for o in packed.generate(prompts, params)] == \
         [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.logprobs for o in packed.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=2))] \

@@ -32,8 +32,10 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # Parameters (frozen), so whatever counts the model's weights (parameters()) still sees them all
+        self.packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT),
+                                   requires_grad=False)  # [out, in], oneDNN's opaque layout
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
