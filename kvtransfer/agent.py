@@ -50,6 +50,8 @@ from .remotes import DROP_WAIT_S, Remote, run_transfer
 from .serve import Server
 from .staging import StagingPool
 
+NOTIFY_SPIN_S = 0.005  # notify_after polls the copies' events this long on the loop before a thread waits for them
+
 
 class KVAgent:
     def __init__(self, name: str, config: AgentConfig | None = None, address: str | None = None,
@@ -206,13 +208,20 @@ class KVAgent:
 
     def notify_after(self, remote: str, msg: bytes, handles: Sequence[TransferHandle],
                      timeout: float | None = None) -> TransferHandle:
-        """Send `msg` once all `handles` succeeded (without blocking the caller); if one fails, the
-        message is not sent and this handle fails with that error."""
+        """Send `msg` once all `handles` succeeded (without blocking the caller; a cuda_ipc copy counts once its
+        event has completed, polled on the agent's loop); if one fails, the message is not sent and this handle
+        fails with that error."""
         r = self._refused("notify", lambda: self._notify_check(remote, msg))
         deadline = time.monotonic() + (timeout or self.config.timeout_s)
 
         async def run() -> None:
             for h in handles:
+                if h.gpu_done is not None:  # a cuda_ipc copy: its event's end is the data's landing
+                    try:
+                        await event_done(h.gpu_done, deadline, spin_s=NOTIFY_SPIN_S)
+                        continue
+                    except TransferError:
+                        pass  # the handle's own outcome decides
                 await asyncio.wrap_future(h.future)
             await self._notify(r, bytes(msg), deadline)
 

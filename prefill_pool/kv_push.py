@@ -7,6 +7,8 @@ and their write handles. Three threads meet here, each with its own part:
   (LLMEngine.step's layer_hook) returns, for a step holding chunks of expected pushes, a callback that after each
   layer group queues one write per request whose target is known by then, of every layer not yet written (on CUDA
   the copies wait on the device for the layers just launched; the host never waits);
+- the engine thread again, at the step's end: `sampled` has the agent notify the decode worker of each request
+  whose first token it sampled, once its writes have landed;
 - the event loop: `target` names the blocks (any time: a target that comes while the forward is being launched
   still catches it), `finish` awaits a done request's writes (True only if every block landed), `settle` waits out
   an aborted one's;
@@ -15,28 +17,30 @@ Each block is written exactly once (two writes of one block could land in either
 chunk's forward is launched, the last, partial block with the prompt's last chunk. A target that comes after the
 last layer of the last chunk was launched is too late: that request is pulled (`finish` False), as is one whose push
 failed or that was preempted (its blocks change). Prompts short enough for a prefill CUDA graph are not pushed (a
-layer hook makes a step eager; their KV is small). The first token leaves with the push's outcome, so it waits for
-the last layer group's copy (~0.1 ms for 2,048 tokens of the 8B shape over NVLink; on a link slower than the
-forward, the part of the transfer the forward did not hide). Block ownership: the local blocks stay the request's
-(pinned after its prefill) until release or abort, which the worker applies only after `finish` or `settle`: no copy
-reads a block after it is reused.
+layer hook makes a step eager; their KV is small). The decode worker's notification leaves from the agent's thread
+once the writes have landed (`sampled`: the engine thread hands it over at the step's end). The first token leaves
+with the push's outcome, so it waits for the last layer group's copy (~0.1 ms for 2,048 tokens of the 8B shape over
+NVLink; on a link slower than the forward, the part of the transfer the forward did not hide). Block ownership: the
+local blocks stay the request's (pinned after its prefill) until release or abort, which the worker applies only
+after `finish` or `settle`: no copy reads a block after it is reused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import pickle
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.core.request import RequestStatus
+from engine.core.request import RequestStatus, TokenLogprob
 from kvtransfer.errors import TransferError
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import SchedulerOutput
+    from engine.core.scheduler import SchedulerOutput, StepOutput
     from engine.llm_engine import LLMEngine
     from kvtransfer.agent import KVAgent
     from kvtransfer.handle import TransferHandle
@@ -56,6 +60,7 @@ class Push:
     closed: bool = False         # no more writes: the last chunk was launched, or the request ended here
     error: BaseException | None = None
     handles: list[TransferHandle] = field(default_factory=list)
+    noticed: bool = False        # the decode worker's notification is on its way (sampled)
 
 
 @dataclass
@@ -164,9 +169,28 @@ class KVPushes:
         except TransferError as e:  # refused at once (the peer is lost): the request is pulled instead
             push.error = e
 
+    def sampled(self, outputs: list[StepOutput]) -> None:
+        """AsyncEngine's step_hook (engine thread): for each request whose first token this step sampled and whose
+        every block's write is queued, have the agent send its decode worker the notification (`pushed_message`)
+        once those writes have landed, from the agent's own thread (notify_after: not sent if one fails). This
+        spares the hops through the worker's event loop between the last copy and the message."""
+        for out in outputs:
+            push = self._pushes.get(out.request_id)
+            if push is None or push.noticed or push.remote is None or push.error is not None \
+                    or push.written < push.num_blocks or out.finish_reason is not None or not out.new_token_ids:
+                continue
+            msg = pushed_message(out.request_id, out.new_token_ids[0],
+                                 out.new_logprobs[0] if out.new_logprobs else None)
+            try:
+                self.agent.notify_after(push.remote, msg, list(push.handles), timeout=self.timeout_s)
+                push.noticed = True
+            except TransferError:  # refused at once (the peer is lost): decode() fails over as for any handoff
+                pass
+
     async def finish(self, request_id: str) -> tuple[bool, float, str | None]:
         """The request's first token is out: wait for its writes; (every block pushed and landed, seconds waited,
-        the decode agent written to). Nothing of it is in flight afterwards, whatever the outcome."""
+        the decode agent still to notify: None if none was written to, or `sampled` sent it the notification
+        already). Nothing of it is in flight afterwards, whatever the outcome."""
         push = self._pushes.get(request_id)
         if push is None:
             return False, 0.0, None
@@ -180,7 +204,7 @@ class KVPushes:
             self.late += 1
         else:
             self.failed += 1
-        return ok, time.monotonic() - t0, push.remote
+        return ok, time.monotonic() - t0, None if push.noticed else push.remote
 
     async def settle(self, loop_call: Callable, request_id: str) -> None:
         """The request ends here (abort): stop its writes (an engine call, so no step queues more) and wait until
@@ -199,6 +223,11 @@ class KVPushes:
         if push is not None:
             push.closed = True
             push.error = push.error or TransferError(f"request {request_id} ended during its push")
+
+
+def pushed_message(request_id: str, first_token_id: int, first_logprob: TokenLogprob | None) -> bytes:
+    """The notification a decode worker joins a pushed request on (decode_pool.worker reads it)."""
+    return pickle.dumps(("pushed", request_id, first_token_id, first_logprob))
 
 
 async def _landed(handles: list[TransferHandle], deadline: float) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pickle
 import random
 import socket
 import sys
@@ -40,7 +39,7 @@ from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 from kvtransfer.errors import TransferError
-from prefill_pool.kv_push import KVPushes
+from prefill_pool.kv_push import KVPushes, pushed_message
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -103,7 +102,8 @@ class PrefillWorker:
         if tp == 1:
             self.pushes = KVPushes(self.agents.local.agent, engine.config.block_size,
                                    engine.model_config.num_layers, self._agent_config.timeout_s)
-        self.loop = AsyncEngine(engine, self._on_outputs, self.pushes.hook if self.pushes else None)
+        self.loop = AsyncEngine(engine, self._on_outputs, self.pushes.hook if self.pushes else None,
+                                self.pushes.sampled if self.pushes else None)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
         freeze_startup_objects()
@@ -234,7 +234,7 @@ class PrefillWorker:
     def _notify_pushed(self, remote: str, request_id: str, result: PrefillResult) -> None:
         """Tell decode agent `remote` that `request_id`'s KV has landed, with its first token (a message after the
         writes: decode_pool.handoff starts the join on it). Lost, it costs only time: decode() starts it then."""
-        msg = pickle.dumps(("pushed", request_id, result.first_token_id, result.first_logprob))
+        msg = pushed_message(request_id, result.first_token_id, result.first_logprob)
         try:
             self.agents.local.agent.notify(remote, msg)
         except TransferError:  # the peer is gone: decode() fails over as for any handoff

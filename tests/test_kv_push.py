@@ -5,6 +5,7 @@ Also: a target named after the last chunk is too late (that request is pulled), 
 That the decode engine then generates exactly the offline engine's tokens is tests/test_serving_tiny.py's check."""
 
 import asyncio
+import pickle
 
 import pytest
 
@@ -39,9 +40,10 @@ def pair():
 
 
 def _prefill(engine, agents, rid: str, prompt: list[int], remote_ids: list[int], name_after_steps: int = 0,
-             abort_while_pushing: bool = False):
-    """Prefill `prompt` on an AsyncEngine with the push hook, naming the target after `name_after_steps` of its
-    steps; (target accepted, pushed, the request's pinned blocks here, the KVPushes)."""
+             abort_while_pushing: bool = False, notify: bool = False):
+    """Prefill `prompt` on an AsyncEngine with the push hook (and, with `notify`, KVPushes.sampled as its step
+    hook, as the prefill worker runs it), naming the target after `name_after_steps` of its steps; (target accepted,
+    pushed, the request's pinned blocks here, the KVPushes, its first token, the agent finish() left to notify)."""
     pushes = KVPushes(agents.local.agent, engine.config.block_size, engine.model_config.num_layers, 20.0)
 
     async def main():
@@ -51,7 +53,7 @@ def _prefill(engine, agents, rid: str, prompt: list[int], remote_ids: list[int],
             for out in outputs:
                 if out.request_id == rid and not done.done():
                     done.set_result(out)
-        loop = AsyncEngine(engine, on_outputs, pushes.hook)
+        loop = AsyncEngine(engine, on_outputs, pushes.hook, pushes.sampled if notify else None)
         task = asyncio.create_task(loop.run())
         try:
             def add(e) -> bool:  # the target with the request: nothing of it can run before
@@ -71,15 +73,16 @@ def _prefill(engine, agents, rid: str, prompt: list[int], remote_ids: list[int],
                 await pushes.settle(loop.call, rid)
                 assert rid not in pushes and push.closed and all(h.done() for h in push.handles)
                 assert await loop.call(lambda e: e.abort(rid))
-                return accepted, False, []
+                return accepted, False, [], None, None
             out = await done
-            pushed, _, _ = await pushes.finish(rid)
+            pushed, _, to_notify = await pushes.finish(rid)
             await loop.call(lambda e: e.release(rid))
-            return accepted, pushed, out.pinned_block_ids
+            return accepted, pushed, out.pinned_block_ids, out.new_token_ids[0], to_notify
         finally:
             loop.close()
             await task
-    return (*asyncio.run(main()), pushes)
+    accepted, pushed, local_ids, first, to_notify = asyncio.run(main())
+    return accepted, pushed, local_ids, pushes, first, to_notify
 
 
 def test_a_pushed_prompt_lands_bit_exact_in_the_booked_blocks(pair):
@@ -88,8 +91,9 @@ def test_a_pushed_prompt_lands_bit_exact_in_the_booked_blocks(pair):
     for i, (n, remote_ids) in enumerate([(170, list(range(63, 52, -1))), (37, [7, 9, 11]), (64, [20, 21, 22, 23])]):
         prompt = random_prompts([n], 2000, seed=11 + i)[0]
         before = bits(peer.call("blocks", remote_ids)).clone()
-        accepted, pushed, local_ids, pushes = _prefill(engine, agents, f"p{i}", prompt, remote_ids)
+        accepted, pushed, local_ids, pushes, _, to_notify = _prefill(engine, agents, f"p{i}", prompt, remote_ids)
         assert accepted and pushed and pushes.pushed == 1 and len(local_ids) == len(remote_ids)
+        assert to_notify == "decode-t"  # no step hook here: the worker's fallback notifies
         after = bits(peer.call("blocks", remote_ids))
         assert bits(engine.kv_cache[local_ids]).equal(after) and not after.equal(before)
     ops = agents.local.agent.metrics()["ops"]
@@ -100,7 +104,7 @@ def test_a_pushed_prompt_lands_bit_exact_in_the_booked_blocks(pair):
 def test_a_target_named_after_the_last_chunk_is_too_late(pair):
     engine, agents, _ = pair
     prompt = random_prompts([40], 2000, seed=20)[0]  # one chunk: done before the target comes
-    accepted, pushed, _, pushes = _prefill(engine, agents, "late", prompt, [1, 2, 3], name_after_steps=1)
+    accepted, pushed, _, pushes, _, _ = _prefill(engine, agents, "late", prompt, [1, 2, 3], name_after_steps=1)
     assert not pushed and pushes.counters() == {"push_completed_total": 0, "push_fallbacks_total": 0,
                                                 "push_late_total": 1}
     engine.check_integrity()
@@ -109,6 +113,30 @@ def test_a_target_named_after_the_last_chunk_is_too_late(pair):
 def test_an_abort_during_a_push_waits_for_its_writes_before_freeing_the_blocks(pair):
     engine, agents, _ = pair
     prompt = random_prompts([400], 2000, seed=21)[0]  # 9 chunks: the abort comes while they run
-    accepted, pushed, _, _ = _prefill(engine, agents, "ab", prompt, list(range(30, 55)), abort_while_pushing=True)
+    accepted, pushed, *_ = _prefill(engine, agents, "ab", prompt, list(range(30, 55)), abort_while_pushing=True)
     assert accepted and not pushed
+    engine.check_integrity()
+
+
+def test_the_step_hook_notifies_the_decode_agent_once_the_writes_have_landed(pair):
+    engine, agents, peer = pair
+    prompt = random_prompts([150], 2000, seed=30)[0]  # 4 chunks of 48: writes over several steps
+    remote_ids = list(range(40, 50))
+    accepted, pushed, local_ids, _, first, to_notify = _prefill(engine, agents, "nt", prompt, remote_ids,
+                                                                notify=True)
+    assert accepted and pushed and to_notify is None  # notified already: the worker sends nothing more
+    got = peer.call("notifications", 1, 20.0)
+    assert [pickle.loads(m) for m in got["prefill-t"]] == [("pushed", "nt", first, None)]
+    # the message left after the writes: every block is in place by now, bit for bit
+    assert bits(engine.kv_cache[local_ids]).equal(bits(peer.call("blocks", remote_ids)))
+    engine.check_integrity()
+
+
+def test_no_notification_for_a_late_target(pair):
+    engine, agents, peer = pair
+    prompt = random_prompts([40], 2000, seed=31)[0]
+    accepted, pushed, _, _, _, to_notify = _prefill(engine, agents, "nl", prompt, [4, 5, 6], name_after_steps=1,
+                                                    notify=True)
+    assert not pushed and to_notify is None
+    assert peer.call("notifications", 1, 1.0) == {}
     engine.check_integrity()
