@@ -46,6 +46,7 @@ from .inbox import Inbox
 from .loop import LoopThread
 from .metadata import AgentMetadata, CacheInfo, check_compatible, default_address, host_identity
 from .metrics import TransferMetrics
+from .notify_channel import NotifyListener
 from .remotes import DROP_WAIT_S, Remote, run_transfer
 from .serve import Server
 from .staging import StagingPool
@@ -74,11 +75,12 @@ class KVAgent:
         self._server = UcxServer(
             Server(lambda: self._cache, lambda: self._info, lambda: self._serve_pool, self._metrics, self._inbox, name)
         )
-        self._port = self._loop.call(self._start(port), self.config.connect_timeout_s)
+        self._notify_listener = NotifyListener(self._inbox.put)
+        self._port, self._notify_port = self._loop.call(self._start(port), self.config.connect_timeout_s)
         self._closed = False
 
-    async def _start(self, port: int) -> int:
-        return self._server.start(port)
+    async def _start(self, port: int) -> tuple[int, int]:
+        return self._server.start(port), await self._notify_listener.start(self._address)
 
     # ---- memory registration -------------------------------------------------------------------------
     def register_cache(self, kv: torch.Tensor, spec: KVCacheSpec, heads: KVHeadRange | None = None) -> None:
@@ -102,7 +104,8 @@ class KVAgent:
         self._client_pool = self._serve_pool = None
 
     def metadata(self) -> AgentMetadata:
-        return AgentMetadata(self.name, self._address, self._port, host_identity(), os.getpid(), self._info)
+        return AgentMetadata(self.name, self._address, self._port, host_identity(), os.getpid(), self._info,
+                             self._notify_port)
 
     @property
     def cache_info(self) -> CacheInfo | None:
@@ -333,6 +336,9 @@ class KVAgent:
         self._metrics.record_ok(op, sum(results), time.monotonic() - t0)  # type: ignore[arg-type]
 
     async def _send_notify(self, r: Remote, msg: bytes, deadline: float) -> None:
+        if r.meta.notify_port is not None:  # its TCP notification stream (kvtransfer.notify_channel): far quicker
+            await r.notify(self.name, msg, deadline)
+            return
         conn = await r.connect(self._hello, deadline)
         await conn.send_request({"op": "notify", "msg": wire.b64(msg)}, deadline)
 
@@ -374,6 +380,7 @@ class KVAgent:
         remotes, self._remotes = list(self._remotes.values()), {}
         for r in remotes:
             await r.close()
+        await self._notify_listener.close()
         await self._server.close()
 
     def __enter__(self) -> KVAgent:

@@ -19,7 +19,8 @@ from engine.kv_layout import KVCacheSpec
 
 from .errors import IncompatibleLayout
 
-PROTOCOL_VERSION = 3  # 2: caches carry head ranges, reads may name a head range; 3: control messages are frames
+PROTOCOL_VERSION = 4  # 2: caches carry head ranges, reads may name a head range; 3: control messages are frames;
+# 4: notifications go over a TCP stream (`notify_port`)
 
 
 def host_identity() -> str:
@@ -91,6 +92,7 @@ class AgentMetadata:
     host_id: str  # host_identity() of the agent's process
     pid: int
     cache: CacheInfo | None
+    notify_port: int | None = None  # the agent's notification listener (kvtransfer.notify_channel), at `address`
     protocol_version: int = PROTOCOL_VERSION
 
     def to_bytes(self) -> bytes:
@@ -101,6 +103,7 @@ class AgentMetadata:
             "host_id": self.host_id,
             "pid": self.pid,
             "cache": self.cache.to_dict() if self.cache else None,
+            "notify_port": self.notify_port,
             "protocol_version": self.protocol_version,
         }
         return json.dumps(d, separators=(",", ":")).encode()
@@ -116,6 +119,7 @@ class AgentMetadata:
                 host_id=str(d["host_id"]),
                 pid=int(d["pid"]),
                 cache=CacheInfo.from_dict(d["cache"]) if d.get("cache") else None,
+                notify_port=int(d["notify_port"]) if d.get("notify_port") is not None else None,
                 protocol_version=int(d.get("protocol_version", -1)),
             )
         except (ValueError, KeyError, TypeError) as e:

@@ -19,6 +19,7 @@ from .errors import PeerLost, TransferError, TransferTimeout
 from .faults import Fault
 from .metadata import AgentMetadata
 from .metrics import TransferMetrics
+from .notify_channel import NotifySender
 
 DROP_WAIT_S = 5.0  # a dropped remote's cancelled transfers get this long to end (their UCX operations aborted)
 
@@ -29,6 +30,7 @@ class Remote:
     backend: str
     conn: UcxConnection | None = None
     ipc: CudaIpcPeer | None = None
+    notifier: NotifySender | None = None  # our notification stream to it (where it listens for one)
     lost: str | None = None  # why it was dropped; None while usable
     dropped_by_fault: bool = False  # lost through fault injection (its failures count as injected)
     tasks: set[asyncio.Task] = field(default_factory=set)  # its transfers in flight
@@ -56,6 +58,16 @@ class Remote:
                 self.conn = conn
             return self.conn
 
+    async def notify(self, agent_name: str, msg: bytes, deadline: float) -> None:
+        """Send a notification on our stream to its listener (opened on first use); PeerLost once it is lost."""
+        self.check()
+        if self.notifier is None:
+            m = self.meta
+            assert m.notify_port is not None
+            self.notifier = NotifySender(agent_name, m.address, m.notify_port, m.name)
+        await self.notifier.send(msg, deadline)
+        self.check()  # dropped while we were sending: what was sent may not be seen
+
     async def drop(self, reason: str, by_fault: bool = False) -> None:
         """Mark lost, abort the connection, cancel the transfers in flight (each then fails with PeerLost) and
         wait until they ended, then unmap the peer's cache. Returns once no transfer with it is running
@@ -64,6 +76,8 @@ class Remote:
             self.lost, self.dropped_by_fault = reason, by_fault
         if self.conn is not None:
             self.conn.abort(reason)
+        if self.notifier is not None:
+            self.notifier.close()
         me = asyncio.current_task()
         tasks = [t for t in self.tasks if t is not me]
         for t in tasks:
@@ -81,6 +95,8 @@ class Remote:
         """Agent shutdown: close the connection gracefully (what was sent is delivered) and unmap."""
         if self.conn is not None:
             await self.conn.close()
+        if self.notifier is not None:
+            self.notifier.close()
         if self.ipc is not None:
             self.ipc.close()
             self.ipc = None

@@ -125,7 +125,7 @@ def test_the_step_hook_notifies_the_decode_agent_once_the_writes_have_landed(pai
     accepted, pushed, local_ids, _, first, to_notify = _prefill(engine, agents, "nt", prompt, remote_ids,
                                                                 notify=True)
     assert accepted and pushed and to_notify is None  # notified already: the worker sends nothing more
-    got = peer.call("notifications", 1, 20.0)
+    got = peer.call("notifications", 20.0)  # waits for the first one
     assert [pickle.loads(m) for m in got["prefill-t"]] == [("pushed", "nt", first, None)]
     # the message left after the writes: every block is in place by now, bit for bit
     assert bits(engine.kv_cache[local_ids]).equal(bits(peer.call("blocks", remote_ids)))
@@ -138,5 +138,5 @@ def test_no_notification_for_a_late_target(pair):
     accepted, pushed, _, _, _, to_notify = _prefill(engine, agents, "nl", prompt, [4, 5, 6], name_after_steps=1,
                                                     notify=True)
     assert not pushed and to_notify is None
-    assert peer.call("notifications", 1, 1.0) == {}
+    assert peer.call("notifications", 1.0) == {}
     engine.check_integrity()

@@ -6,11 +6,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvtransfer import AgentConfig, BadDescriptor, KVAgent, TransferState, wire
+from kvtransfer.metadata import AgentMetadata
 from kvtransfer.streaming import LayerStreamer
 from tests.kvtransfer_helpers import SPEC, PeerProcess, bits, random_cache, wait_local
 
@@ -190,3 +192,23 @@ def test_notifications_arrive_in_order_short_and_long(local, peers) -> None:
     assert got == msgs
     with pytest.raises(BadDescriptor, match="MAX_NOTIFY_BYTES"):  # refused at once, counted as a notify failure
         agent.notify("p1", b"x" * (wire.MAX_NOTIFY_BYTES + 1))
+
+
+def test_a_peer_without_a_notification_listener_is_notified_over_ucx(peers) -> None:
+    p1, _ = peers
+    meta = replace(AgentMetadata.from_bytes(p1.meta), notify_port=None)  # as if it did not listen for them
+    other = KVAgent("other", AgentConfig(**CONFIG), address="127.0.0.1")
+    try:
+        other.add_remote(meta)
+        p1.call("add_remote", other.metadata().to_bytes())
+        msgs = [b"first", b"x" * (2 * wire.FRAME_BYTES), b"last"]
+        for h in [other.notify("p1", m) for m in msgs]:
+            h.wait(30.0)
+        got: list[bytes] = []
+        end = time.monotonic() + 30.0
+        while len(got) < len(msgs) and time.monotonic() < end:
+            got += p1.call("notifications", 5.0).get("other", [])
+        assert got == msgs
+        assert AgentMetadata.from_bytes(other.metadata().to_bytes()).notify_port == other.metadata().notify_port > 0
+    finally:
+        other.close()
