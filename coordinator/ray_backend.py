@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -43,9 +44,11 @@ from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import FaultsConfig, ServeConfig
 from coordinator.supervisor import Supervisor
+from decode_pool.output_stream import read_batches
 from decode_pool.step_delta import StepDelta
 from engine.core.request_timing import Durations
 from engine.gc_pauses import GcPauses
+from engine.load import EngineLoad
 from kvtransfer.errors import TransferError
 
 log = logging.getLogger("pdserve")
@@ -89,7 +92,7 @@ class RayBackend:
         self.loop_lag.start()
         self.gc_pauses.install()
         for w in self.pools.decode:
-            self._spawn(self._poll_loop(w))
+            self._spawn(self._outputs_loop(w))
         if self.drills.injecting:
             await self.drills.set_faults(self.drills.faults)
         self._spawn(self._stats_loop())
@@ -156,7 +159,7 @@ class RayBackend:
                        reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
         """One placement of the request: deltas until its end; WorkerLost if a worker under it died. `prior`: the
         tokens streamed so far, which generate() extends. With request.sink, once its first decode token is out,
-        the poll hands the middle of the stream to the sink (_poll_loop)."""
+        the poll hands the middle of the stream to the sink (_take_outputs)."""
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
@@ -320,7 +323,7 @@ class RayBackend:
 
     def _worker_live(self, worker: WorkerState) -> None:
         if worker.info.role != "prefill":
-            self._spawn(self._poll_loop(worker))
+            self._spawn(self._outputs_loop(worker))
         if self.drills.injecting:
             self._spawn(self.drills.on_worker_live(worker))
         self._capacity_freed()
@@ -329,6 +332,10 @@ class RayBackend:
         if self.admission is not None:
             self.admission.notify()
 
+    def _outputs_loop(self, worker: WorkerState) -> Coroutine[Any, Any, None]:
+        """What takes a decode worker's outputs: its output stream where it has one, else the long-poll."""
+        return self._poll_loop(worker) if worker.info.outputs_at is None else self._stream_loop(worker)
+
     async def _poll_loop(self, worker: WorkerState) -> None:
         while worker.alive:
             try:
@@ -336,25 +343,46 @@ class RayBackend:
             except (RayActorError, RayTaskError) as e:
                 self.supervisor.worker_died(worker, f"poll failed: {type(e).__name__}: {e}")
                 return
+            self._take_outputs(worker, outputs, load, phases)
+
+    async def _stream_loop(self, worker: WorkerState) -> None:
+        """A worker's outputs from its output stream (decode_pool.output_stream) until it ends: the worker died."""
+        host, port, token = worker.info.outputs_at
+        try:
+            async with aclosing(read_batches(host, port, token)) as batches:
+                async for outputs, load, phases in batches:
+                    if not worker.alive:
+                        return
+                    self._take_outputs(worker, outputs, load, phases)
+            why = "its output stream ended"
+        except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            why = f"its output stream failed: {type(e).__name__}: {e}"
+        if worker.alive:
+            self.supervisor.worker_died(worker, why)
+
+    def _take_outputs(self, worker: WorkerState, outputs: list[tuple], load: EngineLoad | None,
+                      phases: dict[str, Durations]) -> None:
+        """One batch of a worker's deltas (poll() or its stream) to their streams; `load`: the worker's after them."""
+        if load is not None:
             worker.load = load
-            for attempt, durations in phases.items():  # before its output: the attempt takes them with it
-                if attempt in self._streams:
-                    self._worker_phases[attempt] = durations
-            for fields in outputs:
-                queue = self._streams.get(fields[0])
-                if queue is None:  # the attempt ended already; the worker was told to abort it
+        for attempt, durations in phases.items():  # before its output: the attempt takes them with it
+            if attempt in self._streams:
+                self._worker_phases[attempt] = durations
+        for fields in outputs:
+            queue = self._streams.get(fields[0])
+            if queue is None:  # the attempt ended already; the worker was told to abort it
+                continue
+            direct = self._direct.get(fields[0])
+            # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
+            # (order kept: an undelivered delta stays in the queue until its reader has sent it on)
+            if direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None:
+                try:
+                    direct(fields[1])
                     continue
-                direct = self._direct.get(fields[0])
-                # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
-                # (order kept: an undelivered delta stays in the queue until its reader has sent it on)
-                if direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None:
-                    try:
-                        direct(fields[1])
-                        continue
-                    except Exception:  # never the poll's end: this stream goes back to its reader's path
-                        log.exception("request %s: its stream's sink failed", fields[0])
-                        self._direct.pop(fields[0], None)
-                queue.put_nowait(StepDelta(*fields))
+                except Exception:  # never the poll's end: this stream goes back to its reader's path
+                    log.exception("request %s: its stream's sink failed", fields[0])
+                    self._direct.pop(fields[0], None)
+            queue.put_nowait(StepDelta(*fields))
 
     async def _stats_loop(self) -> None:
         while True:

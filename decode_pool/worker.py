@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from decode_pool.handoff import Handoffs
+from decode_pool.output_stream import OutputStream
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
 from decode_pool.step_delta import StepDelta
 from engine.async_engine import AsyncEngine, exit_process_on_failure
@@ -44,6 +45,8 @@ from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 
+LOAD_REFRESH_S = 0.5  # with an output stream, an idle worker still reports its load this often
+
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from kvtransfer.worker_agents import WorkerAgents
@@ -51,8 +54,11 @@ if TYPE_CHECKING:
 
 class DecodeWorker:
     def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
-                 admission_timeout_s: float) -> None:
+                 admission_timeout_s: float, output_stream: bool = False) -> None:
         self.name = name
+        self._use_stream = output_stream  # outputs go to the coordinator on a stream (decode_pool.output_stream)
+        self._stream: OutputStream | None = None  # ... opened by start(); None: poll() drains the outbox
+        self._stream_sent_at = 0.0
         self._engine_config = engine_config
         self._agent_config = agent_config  # None in collocated mode: no transfers
         self._num_threads = num_threads
@@ -86,7 +92,11 @@ class DecodeWorker:
         rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         engine_s = time.monotonic() - started
-        self.loop = AsyncEngine(engine, self._on_outputs)
+        if self._use_stream:
+            import ray
+
+            self._stream = OutputStream(ray.util.get_node_ip_address())
+        self.loop = AsyncEngine(engine, self._on_outputs, step_hook=self._stream_step if self._stream else None)
         self.reservations = Reservations(self.loop, self.name, self._admission_timeout_s)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
         exit_process_on_failure(self._task, self.name)
@@ -102,11 +112,15 @@ class DecodeWorker:
         role = "decode" if self.agents else "collocated"
         freeze_startup_objects()
         self._gc.install()
+        outputs_at = None
+        if self._stream is not None:
+            outputs_at = (*self._stream.address, self._stream.token)
+            asyncio.get_running_loop().create_task(self._keep_load_fresh())
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
                            ("agent", time.monotonic() - started - engine_s)),
-                          pid=os.getpid(), host=socket.gethostname())
+                          pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
 
     async def add_peer(self, agent_metadata: bytes) -> str:
         """Connect every rank to the ranks of a prefill worker (its GroupMetadata) it will pull from."""
@@ -306,14 +320,45 @@ class DecodeWorker:
                 elif not future.done():
                     future.set_result(out)
             outputs = rest
-        self._push(outputs)
+        if self._stream is None:
+            self._push(outputs)  # with a stream, the engine thread sent them already (_stream_step)
+
+    def _stream_step(self, outputs: list[StepOutput], load: EngineLoad) -> None:
+        """AsyncEngine's step_hook (engine thread): the step's deltas onto the output stream at once, not through
+        the event loop (a collocated group's first outputs stay for _on_outputs: they resolve its prefill)."""
+        groups = self._group_prefills
+        deltas = [o for o in outputs if o.request_id not in groups] if groups else outputs
+        if deltas:
+            self._stream.send((StepDelta.wire(deltas), self._reported(load), self._first_phases(deltas)))
+            self._stream_sent_at = time.monotonic()
 
     def _push(self, outputs: list[StepOutput]) -> None:
+        """Outputs made off the engine's steps (a request ended as it joined) or, without a stream, every step's."""
+        if self._stream is not None:
+            if outputs:
+                self._stream.send((StepDelta.wire(outputs), self._step_load, self._first_phases(outputs)))
+                self._stream_sent_at = time.monotonic()
+            return
+        self._phases.update(self._first_phases(outputs))
+        self._outbox.extend(outputs)
+        self._outbox_ready.set()
+
+    def _first_phases(self, outputs: list[StepOutput]) -> dict[str, Durations]:
+        """The phase durations of the timed requests whose first output is among `outputs` (each ends its entry)."""
+        phases = {}
         if self._timing:
             for out in outputs:
                 durations = self._timing.first_output(out.request_id)
                 if durations is not None:
-                    self._phases[out.request_id] = durations
-        self._outbox.extend(outputs)
-        self._outbox_ready.set()
+                    phases[out.request_id] = durations
+        return phases
+
+    async def _keep_load_fresh(self) -> None:
+        """With a stream: an idle worker's load reaches the coordinator every LOAD_REFRESH_S all the same (the
+        long-poll returned it on its timeout)."""
+        while True:
+            await asyncio.sleep(LOAD_REFRESH_S)
+            if time.monotonic() - self._stream_sent_at >= LOAD_REFRESH_S:
+                self._stream.send(([], await self.load(), {}))
+                self._stream_sent_at = time.monotonic()
 

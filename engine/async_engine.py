@@ -3,8 +3,8 @@
 Rule: only the engine thread touches the engine. It steps the engine back to back and, between two steps, runs
 the calls queued by `call(fn)` / `submit(fn)` (in the order queued), whose results come back to the event loop as
 futures. Every step's outputs go to `on_outputs(outputs, load)` on the event loop, with the engine's load taken
-right after that step (and first, where given, to `step_hook(outputs)` on the engine thread: work that must not
-wait for the event loop). The event loop is never on the stepping path: a step does not wait for it to run a
+right after that step (and first, where given, to `step_hook(outputs, load)` on the engine thread: work that must
+not wait for the event loop). The event loop is never on the stepping path: a step does not wait for it to run a
 callback, so serving RPCs and shipping outputs overlap the next step instead of delaying it. A failing step fails
 the thread: `run()` raises and every pending call gets the error, so owners notice instead of hanging.
 """
@@ -34,11 +34,11 @@ IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' l
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput], EngineLoad], None],
                  layer_hook: LayerHook | None = None,
-                 step_hook: Callable[[list[StepOutput]], None] | None = None) -> None:
+                 step_hook: Callable[[list[StepOutput], EngineLoad], None] | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._layer_hook = layer_hook  # passed to every step (LLMEngine.step), run on the engine thread
-        self._step_hook = step_hook  # step_hook(outputs) on the engine thread, before they go to the event loop
+        self._step_hook = step_hook  # step_hook(outputs, load) on the engine thread, before the event loop has them
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = deque()
         self._wakeup = threading.Event()
         self._closed = False
@@ -97,9 +97,10 @@ class AsyncEngine:
                     outputs = self.engine.step(self._layer_hook)
                     self.steps += 1
                     if outputs:
+                        load = self.engine.load()
                         if self._step_hook is not None:
-                            self._step_hook(outputs)
-                        self._post(self._deliver, outputs, self.engine.load(), time.monotonic())
+                            self._step_hook(outputs, load)
+                        self._post(self._deliver, outputs, load, time.monotonic())
                     if self.engine.has_unfinished() and (outputs or self._progress() != before):
                         continue
                 self._idle()  # nothing to do, or nothing that can run until a call (or a lease's end) frees room

@@ -49,6 +49,7 @@ class WorkerInfo:
     startup_s: tuple[tuple[str, float], ...] = ()  # seconds per start-up phase: (("engine", 3.1), ("agent", 0.2))
     pid: int = 0     # the worker's process (rank 0 of a TP group), for operators' drills and /health
     host: str = ""   # the node it runs on
+    outputs_at: tuple[str, int, bytes] | None = None  # a decode worker's output stream: host, port, token
 
 
 class PhaseClock:
