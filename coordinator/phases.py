@@ -15,7 +15,7 @@ PHASES, in a request's order:
 - `first_decode_step`: that step, until its token is out, worker-measured;
 - `decode`: the first token from the decode stream reaching the coordinator -> the last one;
 - `migration`: what an attempt lost when its worker died: from its last boundary to the coordinator learning of it;
-- `overhead`: the rest: Ray calls and long-poll hops around the worker-measured phases, the coordinator's work
+- `overhead`: the rest: Ray calls and output-stream hops around the worker-measured phases, the coordinator's work
   between them, and the tail after the last token (the usage chunk; in the histograms, until the request's close).
 
 The sum identity holds by construction. A PhaseTrace has one cursor on the coordinator's clock (time.monotonic),

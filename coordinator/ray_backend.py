@@ -3,11 +3,11 @@
 Owns each request's path between workers, as a sequence of attempts. An attempt is placed by Admission (which
 books its capacity in the request's Reservation), then: prefill (the first token streams at once), the handoff
 (the decode worker pulls the KV; a failed transfer makes it recompute the prompt instead, per
-`transfer.on_failure`), and the token stream, which arrives from each decode worker in batches through one
-long-poll loop per worker. When a worker dies under an attempt (WorkerLost), the request moves: the next attempt
-prefills the prompt plus every token already streamed and continues from there, so the client sees one stream
-with no token missing or repeated (seeded sampling is keyed by output index, so the continuation equals an
-uninterrupted run). At most `recovery.max_migrations` moves, then an in-band error.
+`transfer.on_failure`), and the token stream, which arrives from each decode worker in batches on its output stream
+(decode_pool.output_stream; a worker started without one is long-polled). When a worker dies under an attempt
+(WorkerLost), the request moves: the next attempt prefills the prompt plus every token already streamed and
+continues from there, so the client sees one stream with no token missing or repeated (seeded sampling is keyed
+by output index, so the continuation equals an uninterrupted run). At most `recovery.max_migrations` moves, then an in-band error.
 
 Each request's phases (coordinator.phases) are marked on its PhaseTrace as it goes: admission at its placement,
 the prefill worker's durations inside the prefill call, the decode worker's (sent with the request's first output by

@@ -3,8 +3,9 @@ runs whole requests.
 
 Owns one engine stepped by one AsyncEngine loop, one KVAgent per rank that pulls from prefill workers, and the
 handoffs in flight (decode_pool.handoff: the pull and the join of a request prefilled elsewhere). Tokens leave in
-batches: every step's deltas go to an outbox that the coordinator drains with one long-poll per worker, never
-one call per token. Block ownership: reserve (booked early, while the prompt is prefilled elsewhere:
+batches, one per step, never one call per token: with `output_stream` (as the coordinator starts its workers) the
+engine thread writes each step's deltas to the coordinator's stream (decode_pool.output_stream); without it they
+wait in an outbox that poll() drains. Block ownership: reserve (booked early, while the prompt is prefilled elsewhere:
 decode_pool.reservations) -> (transfer in flight: nobody else may touch them) -> running request -> freed on finish
 or abort; an abort during a transfer is applied once the transfer has ended.
 Every entry point takes `prior_output_ids` for a request resumed after its worker died: the outputs it already
