@@ -7,7 +7,8 @@ books its capacity in the request's Reservation), then: prefill (the first token
 (decode_pool.output_stream; a worker started without one is long-polled). When a worker dies under an attempt
 (WorkerLost), the request moves: the next attempt prefills the prompt plus every token already streamed and
 continues from there, so the client sees one stream with no token missing or repeated (seeded sampling is keyed
-by output index, so the continuation equals an uninterrupted run). At most `recovery.max_migrations` moves, then an in-band error.
+by output index, so the continuation equals an uninterrupted run). At most `recovery.max_migrations` moves, then
+an in-band error.
 
 Each request's phases (coordinator.phases) are marked on its PhaseTrace as it goes: admission at its placement,
 the prefill worker's durations inside the prefill call, the decode worker's (sent with the request's first output by
