@@ -25,6 +25,7 @@ from engine.model.parallel import TPGroup
 from engine.model.tp_layout import TPLayout
 from engine.model.weights import init_dummy_weights, load_weights
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.host_memory import keep_freed_memory
 from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
 from engine.runner.prefill_graphs import PrefillGraphs
 
@@ -58,6 +59,8 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
     elif config.kernels == "auto" and device.type == "cpu":
         model.use_cpu_decode_kernel()  # builds it now (about a second, once per machine), not on the first step
         model.use_packed_linears()
+    if device.type == "cpu":
+        keep_freed_memory()  # each prefill step's large activations re-use heap pages instead of new mappings
     layout = TPLayout(mc, 0, 1) if tp is None else TPLayout(mc, tp.rank, tp.size)
     spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=layout.kv_heads,
                        head_dim=mc.head_dim, block_size=config.block_size, dtype=config.dtype)
