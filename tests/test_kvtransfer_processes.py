@@ -177,19 +177,23 @@ def test_layerwise_streaming(local, peers) -> None:
         s.layers_done(2)
 
 
+def _notify_all(agent: KVAgent, peer: PeerProcess, msgs: list[bytes]) -> list[bytes]:
+    """Send every message to `peer` (none waited for before the next is sent); what it received from `agent`."""
+    for h in [agent.notify(peer.name, m) for m in msgs]:
+        h.wait(30.0)
+    got: list[bytes] = []
+    end = time.monotonic() + 30.0
+    while len(got) < len(msgs) and time.monotonic() < end:
+        got += peer.call("notifications", 5.0).get(agent.name, [])
+    return got
+
+
 def test_notifications_arrive_in_order_short_and_long(local, peers) -> None:
     agent, _ = local
     p1, _ = peers
     sizes = [8, 2 * wire.FRAME_BYTES, 1, 300_000, 0, wire.FRAME_BYTES, 64] * 3  # one frame, or frame + body
     msgs = [bytes([i]) * n + f"#{i}".encode() for i, n in enumerate(sizes)]
-    handles = [agent.notify("p1", m) for m in msgs]  # none waited for before the next is sent
-    for h in handles:
-        h.wait(30.0)
-    got: list[bytes] = []
-    end = time.monotonic() + 30.0
-    while len(got) < len(msgs) and time.monotonic() < end:
-        got += p1.call("notifications", 5.0).get("local", [])
-    assert got == msgs
+    assert _notify_all(agent, p1, msgs) == msgs
     with pytest.raises(BadDescriptor, match="MAX_NOTIFY_BYTES"):  # refused at once, counted as a notify failure
         agent.notify("p1", b"x" * (wire.MAX_NOTIFY_BYTES + 1))
 
@@ -202,13 +206,7 @@ def test_a_peer_without_a_notification_listener_is_notified_over_ucx(peers) -> N
         other.add_remote(meta)
         p1.call("add_remote", other.metadata().to_bytes())
         msgs = [b"first", b"x" * (2 * wire.FRAME_BYTES), b"last"]
-        for h in [other.notify("p1", m) for m in msgs]:
-            h.wait(30.0)
-        got: list[bytes] = []
-        end = time.monotonic() + 30.0
-        while len(got) < len(msgs) and time.monotonic() < end:
-            got += p1.call("notifications", 5.0).get("other", [])
-        assert got == msgs
+        assert _notify_all(other, p1, msgs) == msgs
         assert AgentMetadata.from_bytes(other.metadata().to_bytes()).notify_port == other.metadata().notify_port > 0
     finally:
         other.close()
