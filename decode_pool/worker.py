@@ -60,6 +60,7 @@ class DecodeWorker:
         self._use_stream = output_stream  # outputs go to the coordinator on a stream (decode_pool.output_stream)
         self._stream: OutputStream | None = None  # ... opened by start(); None: poll() drains the outbox
         self._stream_sent_at = 0.0
+        self._load_task: asyncio.Task | None = None
         self._engine_config = engine_config
         self._agent_config = agent_config  # None in collocated mode: no transfers
         self._num_threads = num_threads
@@ -116,7 +117,7 @@ class DecodeWorker:
         outputs_at = None
         if self._stream is not None:
             outputs_at = (*self._stream.address, self._stream.token)
-            asyncio.get_running_loop().create_task(self._keep_load_fresh())
+            self._load_task = asyncio.get_running_loop().create_task(self._keep_load_fresh())  # kept: not collected
         return WorkerInfo(self.name, role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size, meta,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
@@ -294,6 +295,8 @@ class DecodeWorker:
             self.loop.close()
         if self.agents is not None:
             self.agents.close()
+        if self._stream is not None:
+            self._stream.close()
 
     # ---- internals
     def _reported(self, load: EngineLoad) -> EngineLoad:

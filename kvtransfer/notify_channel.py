@@ -56,8 +56,12 @@ class NotifyListener:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self, host: str) -> int:
-        """Listen on `host` (an ephemeral port); the port."""
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        """Listen on `host` (an ephemeral port), or on every interface where `host` is not one of this machine's (an
+        advertised address behind a NAT; the UCX listener takes every interface too); the port."""
+        try:
+            self._server = await asyncio.start_server(self._serve, host, 0)
+        except OSError:
+            self._server = await asyncio.start_server(self._serve, "0.0.0.0", 0)  # one socket: one port
         return int(self._server.sockets[0].getsockname()[1])
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
