@@ -1,33 +1,22 @@
-"""The CPU decode-attention kernel (paged_decode.c): built with the system's C compiler on first use, loaded with
-ctypes, and called on the decode rows of a step in place of the torch path's gather + SDPA.
+"""The CPU decode-attention kernel (paged_decode.c): built with the system's C compiler on first use
+(engine.cpu_kernels.build), loaded with ctypes, and called on the decode rows of a step in place of the torch
+path's gather + SDPA.
 
-Owns building (`load`: compiled once per machine into the pdserve cache, keyed by the source, the compiler and the
-CPU's flags, since it is built for this CPU; written to a temporary name and renamed, so concurrent workers never
-load half a file) and the call's argument checks. Without a C compiler, or if the build fails, `load()` is None and
-the engine keeps the torch path (logged once). No torch headers: a build takes about a second.
+Owns loading the kernel (`load`) and the call's argument checks. Without a C compiler, or if the build fails,
+`load()` is None and the engine keeps the torch path (logged once).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from engine.tiny import default_cache_dir
-
-log = logging.getLogger(__name__)
+from engine.cpu_kernels.build import build
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]  # fast-math: vector expf
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_THREADS = 2  # the kernel is single-threaded: engines with more torch threads keep torch's parallel path
 
@@ -35,26 +24,8 @@ MAX_THREADS = 2  # the kernel is single-threaded: engines with more torch thread
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None or platform.system() != "Linux":
-        log.warning("no C compiler (cc): CPU decode attention stays on the torch path")
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()
-                             + _cpu_flags().encode()).hexdigest()[:16]
-        target = default_cache_dir() / "cpu_kernels" / f"paged_decode-{key}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lmvec", "-lm"], check=True,
-                               capture_output=True, text=True)
-                os.replace(built, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else e
-        log.warning("CPU decode attention kernel not built (%s): staying on the torch path", detail)
+    lib = build(SOURCE, "CPU decode attention")
+    if lib is None:
         return None
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -99,9 +70,3 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
         scratch.data_ptr())
     return out.to(q.dtype)
 
-
-def _cpu_flags() -> str:
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return ""

@@ -51,11 +51,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.use_kernels = False
+        self.cpu_fused = False  # bfloat16 rows on the CPU: engine.cpu_kernels.elementwise (use_cpu_elementwise)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., dim] -> normed. With `residual`, first x = x + residual; returns (normed, that sum)."""
         if self.use_kernels and x.dim() == 2:
             from engine.kernels.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)  # updates residual in place
+        if self.cpu_fused and x.dim() == 2 and (residual is None or residual.is_contiguous()):
+            from engine.cpu_kernels.elementwise import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)  # updates residual in place
         if residual is not None:
             x = x + residual
@@ -136,6 +140,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse(): gate and up in one GEMM
         self.use_kernels = False
+        self.cpu_fused = False  # SiLU-and-mul by engine.cpu_kernels.elementwise (use_cpu_elementwise)
 
     def fuse(self) -> None:
         self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
@@ -145,6 +150,9 @@ class MLP(nn.Module):
         if self.use_kernels:
             from engine.kernels.silu_mul import silu_and_mul
             act = silu_and_mul(_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
+        elif self.cpu_fused:
+            from engine.cpu_kernels.elementwise import silu_mul
+            act = silu_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
         elif self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
             act = nn.functional.silu(gate) * up
@@ -246,6 +254,19 @@ class CausalLM(nn.Module):
             return False
         self.fuse_projections()
         return pack_linears(self) > 0
+
+    def use_cpu_elementwise(self) -> bool:
+        """On the torch path without TP, in bfloat16: RMSNorms (with their residual adds) and SiLU-and-mul as one C
+        pass each (engine.cpu_kernels.elementwise) where it builds here; False (torch's ops) elsewhere."""
+        from engine.cpu_kernels.elementwise import load
+        if self.kernels_enabled or self.tp is not None or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
+                or load() is None:
+            return False
+        self.fuse_projections()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.cpu_fused = True
+        return True
 
     def use_kernels(self) -> None:
         """Switch to the GPU path (after the weights are loaded): fused projections and Triton kernels."""

@@ -59,6 +59,7 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
     elif config.kernels == "auto" and device.type == "cpu":
         model.use_cpu_decode_kernel()  # builds it now (about a second, once per machine), not on the first step
         model.use_packed_linears()
+        model.use_cpu_elementwise()
     if device.type == "cpu":
         keep_freed_memory()  # each prefill step's large activations re-use heap pages instead of new mappings
     layout = TPLayout(mc, 0, 1) if tp is None else TPLayout(mc, tp.rank, tp.size)

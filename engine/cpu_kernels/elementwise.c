@@ -1,0 +1,64 @@
+/* Fused elementwise ops of the decoder on bfloat16 rows, each one pass over its rows instead of torch's chain of
+ * ops (RMSNorm: eight, each reading and writing the whole activation; SiLU-and-mul: three). Built and loaded by
+ * elementwise.py. Semantics are engine.model.decoder's torch path, rounding included: every value torch rounds to
+ * bfloat16 between two of its ops is rounded here too (round to nearest even), so the results differ from torch's
+ * only where float sums in another order (the mean of squares) or expf's last bit tip a rounding. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* x, residual: [rows, dim] bfloat16, contiguous; weight [dim]. With residual (non-NULL): x + residual is stored
+ * into residual (the new residual stream) and normalized; else x is. out = weight * bf16(h * rsqrt(mean(h^2) + eps)),
+ * h the float row. */
+void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                   int64_t dim, float eps) {
+    float h[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim;
+        uint16_t *outr = out + r * dim;
+        if (residual != NULL) {
+            uint16_t *res = residual + r * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                res[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(res[i]));
+                h[i] = bf16_to_f32(res[i]);
+            }
+        } else {
+            for (int64_t i = 0; i < dim; i++) h[i] = bf16_to_f32(xr[i]);
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) sum += h[i] * h[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) outr[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(h[i] * inv));
+    }
+}
+
+/* gate_up: [rows, 2 * inter] bfloat16 (gate, then up), contiguous; out: [rows, inter] = bf16(silu(gate)) * up. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(x / (1.0f + expf(-x))) * bf16_to_f32(u[i]));
+        }
+    }
+}

@@ -1,0 +1,53 @@
+"""The decoder's fused elementwise ops for bfloat16 on the CPU (elementwise.c): RMSNorm with the residual add, and
+SiLU-and-mul. Each is one C pass over its rows where torch runs a chain of ops (eight for RMSNorm); on `tiny` a
+prefill step spent a sixth of its time in those chains. Owns loading the library (`load`) and the calls; the model
+switches to them with CausalLM.use_cpu_elementwise (bfloat16, TP=1, the torch path). Results equal the torch
+path's but for a rare last-bit rounding (tests/test_cpu_elementwise.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from engine.cpu_kernels.build import build
+
+SOURCE = Path(__file__).with_name("elementwise.c")
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot be built here."""
+    lib = build(SOURCE, "CPU fused RMSNorm / SiLU-and-mul")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.rms_norm_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.silu_mul_bf16.restype = None
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [T, dim] bfloat16 -> normed [T, dim]; with `residual` (contiguous [T, dim]), first x + residual, written
+    into `residual` (as the GPU kernel does), and returns (normed, residual)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    res_ptr = None if residual is None else residual.data_ptr()
+    load().rms_norm_bf16(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    return out if residual is None else (out, residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] bfloat16 (gate, then up) -> silu(gate) * up [T, I]."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    load().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
