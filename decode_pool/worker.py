@@ -314,7 +314,9 @@ class DecodeWorker:
             self.handoffs.pushed(request_id, token, logprob, heard_at)
 
     def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
-        self._step_load = self._reported(load)  # taken on the engine thread right after the step
+        """Without a stream, every step's outputs; with one, only a collocated group's first outputs."""
+        if self._stream is None:
+            self._step_load = self._reported(load)  # taken on the engine thread right after the step
         if self._group_prefills:
             rest = []
             for out in outputs:
@@ -327,14 +329,17 @@ class DecodeWorker:
         if self._stream is None:
             self._push(outputs)  # with a stream, the engine thread sent them already (_stream_step)
 
-    def _stream_step(self, outputs: list[StepOutput], load: EngineLoad) -> None:
+    def _stream_step(self, outputs: list[StepOutput], load: EngineLoad) -> list[StepOutput]:
         """AsyncEngine's step_hook (engine thread): the step's deltas onto the output stream at once, not through
-        the event loop (a collocated group's first outputs stay for _on_outputs: they resolve its prefill)."""
+        the event loop, which is woken only for a collocated group's first outputs (they resolve its prefill: returned
+        for _on_outputs)."""
+        self._step_load = self._reported(load)
         groups = self._group_prefills
         deltas = [o for o in outputs if o.request_id not in groups] if groups else outputs
         if deltas:
-            self._stream.send((StepDelta.wire(deltas), self._reported(load), self._first_phases(deltas)))
+            self._stream.send((StepDelta.wire(deltas), self._step_load, self._first_phases(deltas)))
             self._stream_sent_at = time.monotonic()
+        return [o for o in outputs if o.request_id in groups] if groups else []
 
     def _push(self, outputs: list[StepOutput]) -> None:
         """Outputs made off the engine's steps (a request ended as it joined) or, without a stream, every step's."""

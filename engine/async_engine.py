@@ -4,7 +4,8 @@ Rule: only the engine thread touches the engine. It steps the engine back to bac
 the calls queued by `call(fn)` / `submit(fn)` (in the order queued), whose results come back to the event loop as
 futures. Every step's outputs go to `on_outputs(outputs, load)` on the event loop, with the engine's load taken
 right after that step (and first, where given, to `step_hook(outputs, load)` on the engine thread: work that must
-not wait for the event loop). The event loop is never on the stepping path: a step does not wait for it to run a
+not wait for the event loop; it may keep some outputs from the loop, which is then not woken for a step with none
+left). The event loop is never on the stepping path: a step does not wait for it to run a
 callback, so serving RPCs and shipping outputs overlap the next step instead of delaying it. A failing step fails
 the thread: `run()` raises and every pending call gets the error, so owners notice instead of hanging.
 """
@@ -34,11 +35,13 @@ IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' l
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput], EngineLoad], None],
                  layer_hook: LayerHook | None = None,
-                 step_hook: Callable[[list[StepOutput], EngineLoad], None] | None = None) -> None:
+                 step_hook: Callable[[list[StepOutput], EngineLoad], list[StepOutput] | None] | None = None
+                 ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._layer_hook = layer_hook  # passed to every step (LLMEngine.step), run on the engine thread
-        self._step_hook = step_hook  # step_hook(outputs, load) on the engine thread, before the event loop has them
+        # step_hook(outputs, load) on the engine thread first; it returns the outputs left for on_outputs (None: all)
+        self._step_hook = step_hook
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = deque()
         self._wakeup = threading.Event()
         self._closed = False
@@ -98,9 +101,11 @@ class AsyncEngine:
                     self.steps += 1
                     if outputs:
                         load = self.engine.load()
-                        if self._step_hook is not None:
-                            self._step_hook(outputs, load)
-                        self._post(self._deliver, outputs, load, time.monotonic())
+                        if self._step_hook is not None:  # it may take some outputs off the event loop's way
+                            left = self._step_hook(outputs, load)
+                            outputs = outputs if left is None else left
+                        if outputs:
+                            self._post(self._deliver, outputs, load, time.monotonic())
                     if self.engine.has_unfinished() and (outputs or self._progress() != before):
                         continue
                 self._idle()  # nothing to do, or nothing that can run until a call (or a lease's end) frees room

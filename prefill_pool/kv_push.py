@@ -169,7 +169,7 @@ class KVPushes:
         except TransferError as e:  # refused at once (the peer is lost): the request is pulled instead
             push.error = e
 
-    def sampled(self, outputs: list[StepOutput], load: object = None) -> None:
+    def sampled(self, outputs: list[StepOutput], load: object = None) -> None:  # None: every output goes on
         """AsyncEngine's step_hook (engine thread): for each request whose first token this step sampled and whose
         every block's write is queued, have the agent send its decode worker the notification (`pushed_message`)
         once those writes have landed, from the agent's own thread (notify_after: not sent if one fails). This
