@@ -16,6 +16,7 @@
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2.
+# drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 set -uo pipefail
@@ -109,6 +110,15 @@ for step in "$@"; do
           --model $model --device cuda --num-prompts 256 --input-len 1024 --output-len 256 --concurrency 64 \
           ${OVERHEAD_ARGS:-} 2>&1 | tee -a "$OUT/overhead.log" | grep -v "^(" | tail -8
       done ;;
+    drift)  # (1 GPU) the offline engine run after run in one process (issue 13's 1B load): default, no prefix cache, frozen heap
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      nvidia-smi dmon -i 0 -s pc -d 2 > "$OUT/dmon.log" 2>&1 & dmon=$!
+      # DRIFT_VARIANTS: one word per run of the program (an explicit default, e.g. --max-num-seqs=64, for none)
+      for variant in ${DRIFT_VARIANTS:-"" --no-prefix-cache --freeze}; do
+        timeout ${DRIFT_TIMEOUT:-200} python3 benchmarks/engine_repeat_drift.py --model /tmp/l1b --device cuda \
+          --repeats ${DRIFT_REPEATS:-4} $variant 2>&1 | tee -a "$OUT/drift.log" | grep "^{"
+      done
+      kill $dmon ;;
     prefill)  # (1 GPU) a short prompt's prefill on the engine alone, 1B shape, against its decode step
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 200 python3 benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \

@@ -14,10 +14,11 @@ CPU per second, every client process) shows it, and `--client-processes N` share
 processes (each with its own prompts of the same shape).
 
 Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
-output tok/s, TPOT p50, tokens sampled per engine step() call and host milliseconds per step() (offline: the
-engine's counters; pdserve: its /metrics), and CPU time per output token of the process running the engine (offline:
-this one; pdserve: its engine worker) and of pdserve's coordinator (/proc, Linux; on a shared machine these move
-less than the rates), then the served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of its API server
+output tok/s, TPOT p50, TTFT p50 (served only), tokens sampled per engine step() call and host milliseconds per
+step() (offline: the engine's counters; pdserve: its /metrics), and CPU time per output token of the process running
+the engine (offline: this one; pdserve: its engine worker) and of pdserve's coordinator (/proc, Linux; on a shared
+machine these move less than the rates), then the served/offline ratio and, with vLLM, pdserve/vLLM (and the CPU of
+its API server
 process). `--profile DIR` adds py-spy samples of each process through its first measured run.
 
     python benchmarks/serving_overhead.py                                  # tiny, on the CPU
@@ -198,7 +199,7 @@ def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[st
                          f"{summary['completion_tokens_mean']} tokens per request, expected {args.output_len}")
     tokens = summary["completion_tokens_mean"] * summary["completed"]
     row = {"name": name, "output_tok_s": summary["output_token_throughput"], "tpot_p50_ms": summary["tpot_p50_ms"],
-           "tokens": tokens, "client_cpu": summary["client_cpu"]}
+           "ttft_p50_ms": summary["ttft_p50_ms"], "tokens": tokens, "client_cpu": summary["client_cpu"]}
     frontends = [v for k, v in cpu.items() if k.startswith("frontend")]  # HTTP processes (server.api_processes)
     cpu = {k: v for k, v in cpu.items() if not k.startswith("frontend")} | (
         {"frontends": sum(frontends)} if frontends else {})
@@ -265,7 +266,7 @@ def vllm_runs(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    cols = ["name", "output_tok_s", "tpot_p50_ms", "tok_per_step", "step_ms", "engine_cpu_us_per_tok",
+    cols = ["name", "output_tok_s", "tpot_p50_ms", "ttft_p50_ms", "tok_per_step", "step_ms", "engine_cpu_us_per_tok",
             "coordinator_cpu_us_per_tok", "frontends_cpu_us_per_tok", "vllm_api_cpu_us_per_tok", "client_cpu"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["  ".join(f"{c:>26}" for c in cols)]

@@ -1,10 +1,12 @@
 """LLMEngine: one model on one device, stepped by its owner. The API the prefill and decode workers build on.
 
-step() = schedule, run, update. Plain decode steps overlap (EngineConfig.async_scheduling): step() queues the
-next decode step on the device before it waits for the current one's tokens, so the host's scheduling and
-bookkeeping hide behind the device's work; a step's tokens are then returned by the step() call after the one
-that launched it. A request started between steps with its next token known (add_prefilled_request) joins the
-step queued next (Scheduler.schedule_after). Besides plain requests it offers the two disaggregation entry points:
+step() = schedule, run, update. Steps overlap (EngineConfig.async_scheduling): step() queues the next step on
+the device before it waits for the current one's tokens, so the host's scheduling and bookkeeping hide behind the
+device's work; a step's tokens are then returned by the step() call after the one that launched it. Decodes,
+prompt chunks, requests started between steps with their next token known (add_prefilled_request) and newly
+admitted prompts all join the step queued next (Scheduler.schedule_after); only prefill-only requests, fork groups,
+prompt logprobs, per-layer hooks and preemption make a step wait for the one before to be read.
+Besides plain requests it offers the two disaggregation entry points:
 - prefill side: add_request(..., prefill_only=True) computes the prompt, samples the first token, then keeps the
   request's blocks pinned (reported in StepOutput.pinned_block_ids) until release() or the pin lease expires;
 - decode side: reserve_blocks() hands out blocks for a prompt's KV to be written into by the transfer layer, and
@@ -261,16 +263,17 @@ class LLMEngine:
             return outputs + self._overlapped_step(may_continue=layer_hook is None)
         sched = self.scheduler.schedule()
         on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
-        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done,
-                                      extras=plan_extras(sched, self.scheduler.requests))
-        if self.config.async_scheduling and on_layer_done is None and sched.all_decodes:
+        extras = plan_extras(sched, self.scheduler.requests)
+        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done, extras=extras)
+        if self.config.async_scheduling and on_layer_done is None and not extras and sched.chunks and not any(
+                self.scheduler.requests[c.request_id].prefill_only for c in sched.chunks):
             self._in_flight = launched  # applied by the next step(), after it queued the step that follows
             return outputs
         return outputs + self._apply(launched)
 
     def _overlapped_step(self, may_continue: bool) -> list[StepOutput]:
-        """Queue the decode step after the one in flight (when its plan does not depend on its tokens), then
-        wait for the one in flight and apply its tokens."""
+        """Queue the step after the one in flight (Scheduler.schedule_after: unless only schedule() may plan it),
+        then wait for the one in flight and apply its tokens."""
         current, self._in_flight = self._in_flight, None
         nxt = self.scheduler.schedule_after(current.sched) if may_continue else None
         if nxt is not None:

@@ -42,7 +42,7 @@ class InProcessBackend:
         self.fail_with: BaseException | None = None
         self.fail_stream_after: int | None = None
         self._paused = threading.Event()
-        self._steps_left: int | None = None  # pause once this many more steps have run
+        self._steps_left: int | None = None  # pause once this many more steps have returned outputs
         self.integrity: dict[str, int] = engine.check_integrity()
         self._commands: list[tuple] = []
         self._streams: dict[str, asyncio.Queue] = {}
@@ -134,7 +134,7 @@ class InProcessBackend:
                     await self._wake.wait()
                 continue
             outputs = await asyncio.to_thread(self.engine.step)
-            if self._steps_left is not None:
+            if self._steps_left is not None and outputs:  # a step that only queued work (overlap) delivers nothing
                 self._steps_left -= 1
                 if self._steps_left <= 0:
                     self._steps_left = None

@@ -83,6 +83,32 @@ def test_overlapped_decode_equals_step_by_step(checkpoints, num_kv_blocks):
     assert results[False, "after"] == 0 and results[True, "after"] > 20  # most decode steps overlapped
 
 
+def test_a_full_engine_with_requests_waiting_keeps_overlapping_and_equals_step_by_step(checkpoints):
+    """More requests than max_num_seqs: while every slot is taken the waiting ones do not stop the overlap (they
+    once did on every step: a saturated server lost it); a slot freed by length or by a stop token is filled."""
+    folder = str(checkpoints.tiny())
+    prompts = random_prompts((9, 33, 17, 40, 5, 21, 12, 28), VOCAB, seed=8)
+    probe = LLM(folder, async_scheduling=False).generate([prompts[2]], SamplingParams(temperature=0, max_tokens=30,
+                                                                                       ignore_eos=True))
+    params = [_params(probe[0].token_ids[6])[i % 6] for i in range(8)]  # r2 stops on its 7th token
+    results, overlapped = {}, {}
+    for overlap in (False, True):
+        llm = LLM(folder, async_scheduling=overlap, max_num_seqs=3)
+        launch, queued_after = llm.engine.runner.launch, []
+
+        def spy(sched, params, after=None, launch=launch, queued_after=queued_after, **kw):
+            queued_after.append(after is not None)
+            return launch(sched, params, after=after, **kw)
+        llm.engine.runner.launch = spy
+        outs = llm.generate(prompts, params)
+        results[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        overlapped[overlap] = sum(queued_after) / len(queued_after)
+        assert llm.engine.check_integrity()["in_use"] == 0
+    assert results[True] == results[False]
+    assert results[True][2][1] == "stop"
+    assert overlapped[False] == 0 and overlapped[True] > 0.6
+
+
 def test_a_lone_request_overlaps_and_its_last_token_ends_the_pipeline(checkpoints):
     llm = LLM(str(checkpoints.tiny()))
     engine = llm.engine
@@ -91,9 +117,9 @@ def test_a_lone_request_overlaps_and_its_last_token_ends_the_pipeline(checkpoint
     per_step = []
     while engine.has_unfinished():
         per_step.append([(o.new_token_ids, o.finish_reason) for o in engine.step()])
-    # prefill samples token 1; the first decode step is queued and returns nothing; each later call queues the
-    # next decode and returns the previous one's token; the step that samples token 6 is not followed by another
-    assert [len(s) for s in per_step] == [1, 0, 1, 1, 1, 1, 1]
+    # the prefill step is queued and the call returns nothing; each later call queues the next (decode) step and
+    # returns the previous one's token; the step that samples token 6 is not followed by another
+    assert [len(s) for s in per_step] == [0, 1, 1, 1, 1, 1, 1]
     assert per_step[-1][0][1] == "length" and engine._in_flight is None
     assert isinstance(engine.runner, ModelRunner) and engine.check_integrity()["in_use"] == 0
 
@@ -168,20 +194,24 @@ def test_a_joining_row_takes_its_own_token_when_the_step_before_sampled_fork_row
     review: it read a fork's token)."""
     import torch
 
-    from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk
+    from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 
     def chunk(rid, token):
         return ScheduledChunk(rid, [token], 10, [0], True, 1)
     after = SimpleNamespace(sampling=[chunk("r0", PENDING_TOKEN), chunk("g", PENDING_TOKEN)],
                             sampled=SimpleNamespace(tokens=torch.tensor([11, 22, 33, 44])))  # r0, g, g's 2 forks
     runner = SimpleNamespace(device=torch.device("cpu"))
-    ids = ModelRunner._ids_after(runner, after, [chunk("r0", PENDING_TOKEN), chunk("j", 99)])
-    assert ids.tolist() == [11, 99]
+    sched = SchedulerOutput([chunk("r0", PENDING_TOKEN), chunk("j", 99),
+                             ScheduledChunk("p", [5, 6, 7], 0, [1], True, 0)])  # a prompt joins too
+    own = torch.tensor([PENDING_TOKEN, 99, 5, 6, 7], dtype=torch.int32)  # the step's ids: decode rows first
+    ids = ModelRunner._ids_after(runner, after, sched, own)
+    assert ids.tolist() == [11, 99, 5, 6, 7] and ids.dtype == torch.int32
 
 
 def test_a_request_joining_while_a_group_prefill_is_in_flight_equals_step_by_step(checkpoints):
-    """Collocated mode: a one-token group prefill (its extra choices sampled after its rows) is in flight when a
-    handed-over request joins; the joiner decodes exactly as step by step (it once read a fork's token)."""
+    """Collocated mode: a one-token group prefill (its extra choices sampled after its rows) has just run when a
+    handed-over request joins; the joiner decodes exactly as step by step (it once read a fork's token, when a
+    group prefill could be in flight; now its step is read before the next is planned)."""
     folder = str(checkpoints.tiny())
     prompts = random_prompts((9, 20), VOCAB, seed=13)
     forks = (SamplingParams(temperature=1.0, seed=11, max_tokens=5, ignore_eos=True),
@@ -202,8 +232,8 @@ def test_a_request_joining_while_a_group_prefill_is_in_flight_equals_step_by_ste
         while engine.has_unfinished():
             steps = engine.step()
             out += [t for o in steps if o.request_id == "j" for t in o.new_token_ids]
-            in_flight = engine._in_flight is not None and "g" in {c.request_id for c in engine._in_flight.sched.chunks}
-            if not added and (in_flight or not overlap and any(o.request_id == "g" for o in steps)):
+            assert engine._in_flight is None or "g" not in {c.request_id for c in engine._in_flight.sched.chunks}
+            if not added and any(o.request_id == "g" for o in steps):
                 dst = engine.reserve_blocks("j", len(prompts[1]))
                 engine.kv_cache[dst] = prefill.kv_cache[first.pinned_block_ids]
                 engine.add_prefilled_request("j", prompts[1], first.new_token_ids[0], joiner)

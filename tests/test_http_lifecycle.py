@@ -178,10 +178,10 @@ def test_a_deadline_that_passes_during_a_wait_is_a_504_and_leaves_the_task_uncan
     carries no cancellation on (it goes on to send the error event)."""
     async def main():
         backend, gen = _generation(engine, checkpoints, 0.5)
+        backend.pause_after(1)  # the first token, then nothing (a pause() after it could come a step late)
         await backend.start()
         try:
             assert (await gen.next_piece()).text is not None  # the first token
-            backend.pause()
             with pytest.raises(APIError) as e:
                 await gen.next_piece()
             assert e.value.status == 504 and e.value.kind == "timeout"
@@ -203,10 +203,10 @@ def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation(engine, ch
     """A client gone (its task cancelled) while the request waits for a token: no 504, the cancellation goes on."""
     async def main():
         backend, gen = _generation(engine, checkpoints, 30.0)
+        backend.pause_after(1)
         await backend.start()
         try:
             await gen.next_piece()
-            backend.pause()
             waiting = asyncio.ensure_future(gen.next_piece())
             await asyncio.sleep(0.05)
             waiting.cancel()

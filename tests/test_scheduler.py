@@ -159,17 +159,59 @@ def test_schedule_after_continues_a_decode_step_before_its_tokens_are_known():
     assert s.requests["a"].output_token_ids == [7, 7, 8] and s.requests["a"].num_computed_tokens == 5
 
 
-def test_schedule_after_declines_when_the_plan_could_differ():
-    s = make(num_blocks=64, block_size=4)
+def test_schedule_after_admits_a_waiting_prompt_and_continues_a_chunked_one():
+    s = make(num_blocks=64, block_size=4, budget=6)
     s.add(req("a", 3, max_tokens=10))
     run_step(s)
     decode = s.schedule()
-    s.add(req("late", 2))  # waiting: schedule() must admit it
-    assert s.schedule_after(decode) is None
+    s.add(req("late", 9))  # waiting, a slot free: its first chunk joins the step after (the budget leaves 5 tokens)
+    nxt = s.schedule_after(decode)
+    assert [(c.request_id, c.token_ids, c.start_pos, c.sample) for c in nxt.chunks] == [
+        ("a", [-1], 4, True), ("late", [1, 2, 3, 4, 5], 0, False)]
+    s.update(decode, {"a": (7, None)}, 60.0)
+    then = s.schedule_after(nxt)  # nxt is not read yet: late's next chunk is known, it completes the prompt
+    assert [(c.request_id, c.token_ids, c.start_pos, c.sample) for c in then.chunks] == [
+        ("a", [-1], 5, True), ("late", [6, 7, 8, 9], 5, True)]
+    s.update(nxt, {"a": (8, None)}, 60.0)
+    s.update(then, {"a": (9, None), "late": (5, None)}, 60.0)
+    assert s.requests["late"].output_token_ids == [5] and s.requests["a"].output_token_ids == [7, 7, 8, 9]
+    s.bm.check_integrity()
+
+
+def test_schedule_after_declines_when_only_schedule_may_plan():
+    for late in (req("late", 2, prefill_only=True),
+                 Request("late", [1, 2], SamplingParams(max_tokens=4, prompt_logprobs=1), (EOS,), max_model_len=64)):
+        s = make(num_blocks=64, block_size=4)
+        s.add(req("a", 3, max_tokens=10))
+        run_step(s)
+        decode = s.schedule()
+        s.add(late)  # its steps are read before the next is planned (pinning, prompt logprobs)
+        assert s.schedule_after(decode) is None
     s = make(num_blocks=1, block_size=4)  # position 4 needs a second block: only schedule() may preempt
     s.add(req("a", 3, max_tokens=10))
     run_step(s)
     assert s.schedule_after(s.schedule()) is None
+
+
+def test_schedule_after_keeps_overlapping_while_every_slot_is_taken():
+    s = make(num_blocks=64, block_size=4, max_seqs=2)
+    s.add(req("a", 3, max_tokens=10))
+    s.add(req("b", 3, max_tokens=3))
+    run_step(s)
+    s.add(req("late", 2))  # waits: both slots are taken and stay taken after the next step
+    decode = s.schedule()
+    assert [c.request_id for c in decode.chunks] == ["a", "b"] and [r.request_id for r in s.waiting] == ["late"]
+    nxt = s.schedule_after(decode)
+    assert [c.request_id for c in nxt.chunks] == ["a", "b"]
+    s.update(decode, {"a": (7, None), "b": (7, None)}, 60.0)
+    # b's next token (output 2) is its last: its slot opens, and the waiting request takes it in the step after
+    after = s.schedule_after(nxt)
+    assert [(c.request_id, c.token_ids, c.sample) for c in after.chunks] == [("a", [-1], True), ("late", [1, 2], True)]
+    s.update(nxt, {"a": (7, None), "b": (7, None)}, 60.0)
+    assert "b" not in s.requests and s.requests["late"].status == RequestStatus.RUNNING
+    s.update(after, {"a": (8, None), "late": (9, None)}, 60.0)
+    assert s.requests["late"].output_token_ids == [9] and s.requests["a"].output_token_ids[-1] == 8
+    s.bm.check_integrity()
 
 
 def test_update_skips_chunks_of_requests_that_ended_while_on_the_device():

@@ -6,9 +6,10 @@ request computes its pending tokens, as many as the step's token budget allows; 
 runner samples the next one. When blocks run out, the most recently admitted running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed (its sampled tokens are kept).
 
-Overlapped scheduling: `schedule_after` plans the decode step that follows one still on the device, before its
-tokens are known (each row's input is the token being sampled, a placeholder here), when nothing else could
-change the plan: no request waits or joined, and no block must be taken back. `update` then skips chunks whose
+Overlapped scheduling: `schedule_after` plans the step that follows one still on the device, before its tokens are
+known (a row continuing from a sampled token has a placeholder input, taken from the device), with prompt chunks,
+joining and newly admitted requests in it as schedule() would plan them; only blocks running short (preemption)
+and requests whose steps need their outputs read at once fall back to schedule(). `update` then skips chunks whose
 request ended meanwhile (`is_current`).
 
 Counters (totals since start, read by LLMEngine.load for metrics): preemptions, prefix-cache lookups and hits in
@@ -165,41 +166,68 @@ class Scheduler:
         return out
 
     def schedule_after(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """The decode step after `prev` (a plain decode step not yet updated): each row continues with the token
-        it is sampling, except rows that end by length with it; a running request outside `prev` whose next input
-        token is already known (one whose KV was handed over and that starts from its first token) joins it here,
-        one step sooner than after prev's update. None when the plan would depend on prev's tokens or could differ
-        from schedule()'s: a request waits, a running one has more than its next token to compute, or blocks are
-        short."""
-        if self.waiting or not prev.all_decodes:
-            return None
-        in_prev = {c.request_id for c in prev.chunks}
-        joining = [r for r in self.running if r.request_id not in in_prev]
-        if any(r.num_pending_tokens != 1 or r.prefill_only or r.fork_params for r in joining):
-            return None
-        chunks = []
+        """The step after `prev` (on the device, not yet updated), planned as schedule() would plan it once prev's
+        tokens are known: a row of prev that samples continues with a decode of the token it is sampling
+        (PENDING_TOKEN) unless that token is its last by length; a row computing a prompt chunk without sampling
+        gets its next chunk; a running request outside prev joins (its next input token known, or its next prompt
+        chunk); waiting requests are admitted into the slots left, counting those that rows ending by length with
+        prev give up. A row that then ends on a stop token leaves a wasted row (dropped by update) and a slot
+        filled one step later than schedule() would. None where only schedule() may plan: work for a request
+        that `_plans_alone`, or blocks running short (only schedule() preempts)."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        in_prev, leaving = set(), 0
         for c in prev.chunks:
+            in_prev.add(c.request_id)
             if not self.is_current(c):
                 continue
             req = self.requests[c.request_id]
-            if req.prefill_only:
+            start = c.start_pos + len(c.token_ids)
+            if c.sample and (req.prefill_only or self._ends_by_length(c, req)):
+                leaving += 1  # pinned or finished by prev's update
                 continue
-            if c.output_index + 1 >= req.params.max_tokens or c.start_pos + 2 >= req.max_model_len:
-                continue  # prev's token is its last
-            if not self.bm.allocate(req.request_id, c.start_pos + 2):
-                return None  # schedule() will preempt, with the tokens known
-            chunks.append(ScheduledChunk(req.request_id, [PENDING_TOKEN], c.start_pos + 1,
-                                         list(self.bm.table(req.request_id)), True, c.output_index + 1))
-        if len(chunks) + len(joining) > self.max_num_batched_tokens:
-            return None
-        for req in joining:
-            if not self.bm.allocate(req.request_id, req.num_tokens):
+            if _plans_alone(req, start):
                 return None
-            chunks.append(self._chunk(req, 1))
+            if budget <= 0:
+                break  # as in schedule(): later rows wait a step (they join the step after)
+            n = 1 if c.sample else min(req.num_tokens - start, budget, self.max_prefill_chunk)
+            if not self.bm.allocate(req.request_id, start + n):
+                return None
+            if c.sample:  # a decode of the token prev samples
+                tokens, sample, index = [PENDING_TOKEN], True, c.output_index + 1
+            else:  # the prompt's next chunk
+                tokens, sample, index = req.all_token_ids[start:start + n], start + n == req.num_tokens, c.output_index
+            chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)), sample,
+                                         index))
+            budget -= n
+        for req in self.running:
+            if req.request_id in in_prev:
+                continue
+            if _plans_alone(req, req.num_computed_tokens):
+                return None
+            if budget <= 0:
+                break
+            n = min(req.num_pending_tokens, budget, self.max_prefill_chunk)
+            if not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
+                return None
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        if self.waiting and len(self.running) - leaving < self.max_num_seqs and _plans_alone(self.waiting[0], 0):
+            return None
+        admitted: list[tuple[Request, int]] = []
+        self._admit_waiting(admitted, budget, leaving, overlappable_only=True)
+        chunks += [self._chunk(r, n) for r, n in admitted]
         if not chunks:
             return None
-        self.num_scheduled_tokens += len(chunks)
-        return SchedulerOutput(chunks)
+        out = SchedulerOutput(chunks)
+        self.num_scheduled_tokens += out.num_tokens
+        return out
+
+    @staticmethod
+    def _ends_by_length(chunk: ScheduledChunk, req: Request) -> bool:
+        """Whether the token `chunk` samples is its request's last (max_tokens or the model's length)."""
+        end = chunk.start_pos + len(chunk.token_ids)  # the sampled token's position
+        return chunk.output_index + 1 >= req.params.max_tokens or end + 1 >= req.max_model_len
 
     def is_current(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` still applies: its request runs and has computed exactly the tokens before it."""
@@ -234,9 +262,14 @@ class Scheduler:
         return outputs
 
     # ---- internals
-    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
+                       overlappable_only: bool = False) -> None:
+        """Start waiting requests in queue order while the budget, the slots (`leaving` of the running ones are
+        about to end) and the blocks allow; with `overlappable_only`, stop at one schedule_after may not plan."""
+        while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
             req = self.waiting[0]
+            if overlappable_only and _plans_alone(req, 0):
+                break
             fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None  # cached KV has no logits
             prefix = self.bm.cached_prefix(req.all_token_ids) if fresh else []
             cached_tokens = len(prefix) * self.bm.block_size
@@ -270,3 +303,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _plans_alone(req: Request, start: int) -> bool:
+    """Whether a step giving `req` work from position `start` must be planned by schedule(), after the step before
+    it was read (Scheduler.schedule_after): prefill-only requests (pinned at their first token), fork groups and
+    chunks whose prompt logprobs are wanted (step extras, engine.runner.step_extras)."""
+    return (req.prefill_only or req.fork_params is not None
+            or (req.params.prompt_logprobs is not None and start + 1 < len(req.prompt_token_ids)))

@@ -24,7 +24,7 @@ from engine.model.decoder import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.prefill_graphs import PrefillGraphs
 from engine.runner.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
-from engine.runner.step_inputs import StepInputs, build_step_inputs
+from engine.runner.step_inputs import StepInputs, build_step_inputs, decode_rows
 from engine.sampling.sampler import SampledTokens, Sampler
 
 
@@ -72,13 +72,13 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, params: dict[str, SamplingParams], after: LaunchedStep | None = None,
                on_layer_done: Callable[[int], None] | None = None, extras: StepExtras | None = None) -> LaunchedStep:
-        """Queue `sched`. With `after`, every chunk is a decode whose input token is the one `after` samples
-        for the same request (the chunk's own token id is a placeholder). `extras`: fork rows and prompt
+        """Queue `sched`. With `after` (the step queued before it, its tokens not yet read), a decode row whose
+        token id is PENDING_TOKEN takes the token `after` samples for its request. `extras`: fork rows and prompt
         logprobs (engine.step_extras); such a step runs eagerly."""
         if not sched.chunks:
             return LaunchedStep(sched, [], None)
         step = build_step_inputs(sched, self.block_size, self.device, self.model.config.sliding_window)
-        input_ids = step.input_ids if after is None else self._ids_after(after, step.sampling)  # [T]
+        input_ids = step.input_ids if after is None else self._ids_after(after, sched, step.input_ids)  # [T]
         prompt = {}
         if not extras and self._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
             logits = self.graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
@@ -118,29 +118,26 @@ class ModelRunner:
         for a, b in pairs:
             self.kv_cache[b].copy_(self.kv_cache[a])  # [L, 2, bs, KVH, D]
 
-    def _ids_after(self, after: LaunchedStep, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """[T] int64 input ids, one per decode chunk: gathered on the device from `after`'s sampled tokens for the
-        pending ones (PENDING_TOKEN), the chunk's own token for a request joining with its token known."""
-        if after.sampled is None or any(len(c.token_ids) != 1 for c in chunks):
-            raise ValueError("a step launched after another must be all decodes")
-        row = {c.request_id: i for i, c in enumerate(after.sampling)}
-        tokens = after.sampled.tokens  # [S + F]: `after`'s sampling rows, then its fork rows (engine.step_extras)
-        known = [c.token_ids[0] for c in chunks if c.token_ids[0] != PENDING_TOKEN]
-        rows, j = [], tokens.shape[0]  # a known token's row: its place after all of `after`'s rows
-        for c in chunks:
+    def _ids_after(self, after: LaunchedStep, sched: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int32 input ids of a step queued after `after`: `input_ids` (the step's own, on the device) with
+        each decode row whose input is PENDING_TOKEN given the token `after` samples for its request, gathered on
+        the device (a joining row's known token, and every prompt chunk's, are the step's own)."""
+        row = {c.request_id: i for i, c in enumerate(after.sampling)}  # `after`'s tokens: [S + F], forks last
+        at, rows = [], []
+        for i, c in enumerate(decode_rows(sched)):  # row i is token i (engine.runner.step_inputs)
             if c.token_ids[0] == PENDING_TOKEN:
-                if c.request_id not in row:
+                if after.sampled is None or c.request_id not in row:
                     raise ValueError(f"request {c.request_id!r} waits for a token the step before does not sample")
+                at.append(i)
                 rows.append(row[c.request_id])
-            else:
-                rows.append(j)
-                j += 1
-        host = torch.tensor(rows + known, dtype=torch.int64)  # [T + K]: the rows, then the known tokens
+        if not at:
+            return input_ids
+        host = torch.tensor(at + rows, dtype=torch.int64)  # [2P]: where, then which of `after`'s rows
         if self.device.type == "cuda":
             host = host.pin_memory()
         both = host.to(self.device, non_blocking=True)
-        pool = tokens if not known else torch.cat([tokens, both[len(rows):].to(tokens.dtype)])  # [S + F + K]
-        return pool.index_select(0, both[:len(rows)])
+        taken = after.sampled.tokens.index_select(0, both[len(at):]).to(input_ids.dtype)  # [P]
+        return input_ids.index_copy(0, both[:len(at)], taken)
 
     def _graph_fits(self, num_tokens: int, decode_only: bool, num_sampling: int,
                     on_layer_done: Callable | None) -> bool:

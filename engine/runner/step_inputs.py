@@ -34,7 +34,7 @@ class StepInputs:
 
 def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
                       sliding_window: int | None) -> StepInputs:
-    decodes = [c for c in sched.chunks if len(c.token_ids) == 1]
+    decodes = decode_rows(sched)
     prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
     ordered = decodes + prefills
     ids: list[int] = []
@@ -89,6 +89,11 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.dev
     )
     sampling = [c for c in ordered if c.sample]
     return StepInputs(ids_t, pos_t, meta, sample_t, sampling)
+
+
+def decode_rows(sched: SchedulerOutput) -> list[ScheduledChunk]:
+    """The one-token chunks, which lead the step's token order (row i is token i)."""
+    return [c for c in sched.chunks if len(c.token_ids) == 1]
 
 
 def _table(chunk: ScheduledChunk, block_size: int) -> list[int]:

@@ -69,7 +69,7 @@ class StepPlan:
     """What a follower needs to run rank 0's step (small and picklable)."""
 
     sched: SchedulerOutput
-    ids_from_leader: bool      # a decode after a step in flight: rank 0 broadcasts the input ids
+    ids_from_leader: bool      # a step queued after one in flight: rank 0 broadcasts the input ids
     eager: bool                # rank 0 runs this step eagerly (step extras or a per-layer hook)
     prompt_rows: dict[str, int]  # request id -> rows of prompt logprobs rank 0 computes (one logits call each)
 
@@ -126,7 +126,7 @@ def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
     step = build_step_inputs(sched, runner.block_size, runner.device, runner.model.config.sliding_window)
     input_ids = step.input_ids
     if plan.ids_from_leader:
-        input_ids = tp.broadcast(torch.empty(input_ids.shape, dtype=torch.int64, device=runner.device))
+        input_ids = tp.broadcast(torch.empty_like(input_ids))  # rank 0's, with the tokens of the step before
     fits = runner._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), None)
     if not plan.eager and fits:
         runner.graphs.run(input_ids, step.positions, step.meta)

@@ -180,8 +180,8 @@ class TPModelRunner(ModelRunner):
         self.followers.send(("copy", pairs))
         super().copy_blocks(pairs)
 
-    def _ids_after(self, after: LaunchedStep, chunks) -> torch.Tensor:
-        return self.followers.tp.broadcast(super()._ids_after(after, chunks))
+    def _ids_after(self, after: LaunchedStep, sched, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.followers.tp.broadcast(super()._ids_after(after, sched, input_ids))
 
 
 def _pending_error(conn) -> str | None:
