@@ -36,6 +36,7 @@ class PoolConfig:
     cuda_graphs: bool = True       # overlapped decode scheduling; the defaults are the fast path, turn one off to
     async_scheduling: bool = True  # compare or to rule it out
     prefill_graph_tokens: int = 512  # with cuda_graphs: prefill-only steps up to this many tokens replay graphs too
+    mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
     warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
     tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
@@ -148,7 +149,8 @@ class ServeConfig:
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
             kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling,
-            prefill_graph_tokens=pool.prefill_graph_tokens, warmup=pool.warmup,
+            prefill_graph_tokens=pool.prefill_graph_tokens, mixed_graph_tokens=pool.mixed_graph_tokens,
+            warmup=pool.warmup,
             tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format)
 
 

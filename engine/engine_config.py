@@ -31,7 +31,10 @@ class EngineConfig:
     kernels: str = "auto"
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
     prefill_graph_tokens: int = 512     # with cuda_graphs, prefill-only steps up to this many tokens too (0: none)
-    async_scheduling: bool = True       # queue decode step N+1 before reading step N's tokens (see LLMEngine)
+    # with cuda_graphs, steps with prompt chunks (mixed or prefill-only) up to this many tokens (within
+    # max_num_batched_tokens) replay piecewise graphs around eager attention (engine.runner.mixed_graphs; 0: none)
+    mixed_graph_tokens: int = 2048
+    async_scheduling: bool = True       # queue step N+1 before reading step N's tokens (see LLMEngine)
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
     device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
@@ -49,6 +52,9 @@ class EngineConfig:
             ("max_num_batched_tokens", self.max_num_batched_tokens > 0, "must be positive"),
             ("prefill_graph_tokens", isinstance(self.prefill_graph_tokens, int)
              and not isinstance(self.prefill_graph_tokens, bool) and self.prefill_graph_tokens >= 0,
+             "must be an integer >= 0"),
+            ("mixed_graph_tokens", isinstance(self.mixed_graph_tokens, int)
+             and not isinstance(self.mixed_graph_tokens, bool) and self.mixed_graph_tokens >= 0,
              "must be an integer >= 0"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("max_model_len", self.max_model_len is None or self.max_model_len > 0, "must be positive"),

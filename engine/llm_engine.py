@@ -111,11 +111,11 @@ class LLMEngine:
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
         if self.followers is None:
             self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
-                                      rank.prefill_graphs)
+                                      rank.prefill_graphs, rank.mixed_graphs)
         else:
             from engine.runner.tp_leader import TPModelRunner
             self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
-                                        rank.prefill_graphs, followers=self.followers)
+                                        rank.prefill_graphs, rank.mixed_graphs, followers=self.followers)
         self._reserved: set[str] = set()
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
@@ -357,7 +357,7 @@ class LLMEngine:
             if getattr(self, "runner", None) is not None:  # CUDA graphs that captured NCCL kernels go before the
                 # communicator: tearing it down under them hangs (pytorch#115388); a pool worker froze them at
                 # start-up (engine.gc_pauses.freeze_startup_objects)
-                self.runner.graphs = self.runner.prefill_graphs = None
+                self.runner.graphs = self.runner.prefill_graphs = self.runner.mixed_graphs = None
                 gc.unfreeze()
                 gc.collect()
             self.followers.close()

@@ -37,13 +37,14 @@ class AttentionMetadata:
 
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-           use_kernels: bool) -> torch.Tensor:
-    """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]."""
+           use_kernels: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D] (into
+    `out` where given: the kernel path only)."""
     if not use_kernels:
         return torch_attention.paged_attention(q, kv_layer, meta, scale)
     from engine.kernels.decode_attention import decode_attention
     from engine.kernels.prefill_attention import prefill_attention
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     nd = meta.num_decode
     if nd:
         decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,

@@ -95,30 +95,39 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
+        q = self.project(x, rope, kv_layer, meta.slots)
+        return self.output(attend(q, kv_layer, meta, self.head_dim ** -0.5, self.use_kernels))
+
+    def project(self, x: torch.Tensor, rope: RopeInputs, kv_layer: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """The part before attention: x [T, hidden] -> q [T, H, D], with k and v rotated and stored at `slots`."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         use_kernels = self.use_kernels
         if use_kernels and t <= SKINNY_ROWS and not self.qk_norm:  # one kernel: projection, RoPE, KV store
             from engine.kernels.qkv_rope import qkv_rope_store
             qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
-                                 rope.sin, kv_layer, meta.slots)  # [T, (H + 2 KVH) D]
-            q = qkv[:, : h * d].view(t, h, d)
-        elif not use_kernels and self.qkv_proj is not None and not self.qk_norm:  # torch path, fused projection
+                                 rope.sin, kv_layer, slots)  # [T, (H + 2 KVH) D]
+            return qkv[:, : h * d].view(t, h, d)
+        if not use_kernels and self.qkv_proj is not None and not self.qk_norm:  # torch path, fused projection
             qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
             qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), rope.cos, rope.sin)  # q and k at once
-            q, k = qk[:, :h], qk[:, h:]
-            write_kv(kv_layer, meta.slots, k, qkv[:, (h + kvh) * d:].view(t, kvh, d))
+            write_kv(kv_layer, slots, qk[:, h:], qkv[:, (h + kvh) * d:].view(t, kvh, d))
+            return qk[:, :h]
+        q, k, v = self._project_qkv(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if use_kernels:
+            from engine.kernels.rope import rope_and_store
+            rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, slots)
         else:
-            q, k, v = self._project_qkv(x)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if use_kernels:
-                from engine.kernels.rope import rope_and_store
-                rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, meta.slots)
-            else:
-                q, k = apply_rope(q, k, rope.cos, rope.sin)
-                write_kv(kv_layer, meta.slots, k, v)
-        o = attend(q, kv_layer, meta, d ** -0.5, use_kernels).reshape(t, h * d)
-        out = _linear(self.o_proj, o) if use_kernels else self.o_proj(o)
+            q, k = apply_rope(q, k, rope.cos, rope.sin)
+            write_kv(kv_layer, slots, k, v)
+        return q
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The part after attention: o [T, H, D] -> [T, hidden] (o_proj, then the all-reduce under TP)."""
+        o = o.reshape(o.shape[0], self.num_heads * self.head_dim)
+        out = _linear(self.o_proj, o) if self.use_kernels else self.o_proj(o)
         return out if self.tp is None else self.tp.all_reduce(out)  # o_proj has no bias
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,12 +181,22 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (not yet added to the residual stream) -> (this layer's, residual)."""
+        attn = self.self_attn
+        q, residual = self.before_attention(x, residual, rope, kv_layer, meta.slots)
+        return self.after_attention(attend(q, kv_layer, meta, attn.head_dim ** -0.5, attn.use_kernels), residual)
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+                         kv_layer: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [T, H, D], residual); the K/V are stored. The kernel path adds into `residual` in place."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_layer, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.project(x, rope, kv_layer, slots), residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output o [T, H, D] -> (this layer's output, residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
         return self.mlp(x), residual
 
 

@@ -2,8 +2,9 @@
 
 Input: the scheduler's plain SchedulerOutput. Output: {request_id: (token, logprob)} for the chunks that sample.
 It knows nothing of request life cycles; the scheduler knows nothing of tensors. On the GPU path, decode-only
-steps replay CUDA graphs (engine.runner.cuda_graphs), short prefill-only steps too (engine.runner.prefill_graphs);
-other steps run eagerly.
+steps replay CUDA graphs (engine.runner.cuda_graphs), short prefill-only steps too (engine.runner.prefill_graphs),
+other steps up to a token bound replay piecewise graphs around eager attention (engine.runner.mixed_graphs); steps
+with a per-layer hook or step extras run eagerly.
 
 `launch` queues a step and returns a LaunchedStep whose tokens are still on the device; `run` = launch + result.
 A decode step may take its input ids from the LaunchedStep before it (`after`), still on the device, which lets
@@ -22,6 +23,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from engine.model.decoder import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.mixed_graphs import MixedGraphs
 from engine.runner.prefill_graphs import PrefillGraphs
 from engine.runner.step_extras import StepExtras, compute_prompt_logprobs, fork_rows
 from engine.runner.step_inputs import StepInputs, build_step_inputs, decode_rows
@@ -52,7 +54,8 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler | None,
-                 graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None,
+                 mixed_graphs: MixedGraphs | None = None) -> None:
         """`sampler`: None on a tensor-parallel follower, which never samples (engine.runner.tp_follower)."""
         self.model = model
         self.kv_cache = kv_cache  # [NB, L, 2, bs, KVH, D]
@@ -60,6 +63,7 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.prefill_graphs = prefill_graphs
+        self.mixed_graphs = mixed_graphs
         self.device = kv_cache.device
         # called as hook(sampling chunks, logits [S, V], after) before sampling, to mask logits in place
         # (engine.grammar); None: no request has a structured output spec
@@ -105,12 +109,16 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, step: StepInputs, on_layer_done: Callable[[int], None] | None,
                 eager: bool) -> torch.Tensor:
         """The step's final hidden states [T, h]: a prefill graph's replay where one fits (no hook, not `eager`),
-        else the eager forward. TP followers call it alike, so every rank makes the same choice."""
-        graphs = self.prefill_graphs
-        if not eager and on_layer_done is None and graphs is not None:
-            key = graphs.bucket(input_ids.shape[0], step.meta)
+        else the mixed-step graphs' where one fits, else the eager forward. TP followers call it alike, so every
+        rank makes the same choice."""
+        if not eager and on_layer_done is None:
+            graphs, mixed = self.prefill_graphs, self.mixed_graphs
+            key = graphs.bucket(input_ids.shape[0], step.meta) if graphs is not None else None
             if key is not None:
                 return graphs.run(key, input_ids, step.positions, step.meta)
+            bucket = mixed.bucket_for(input_ids.shape[0]) if mixed is not None else None
+            if bucket is not None:
+                return mixed.run(bucket, input_ids, step.positions, step.meta)
         return self.model(input_ids, step.positions, self.kv_cache, step.meta, on_layer_done)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

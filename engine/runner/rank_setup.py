@@ -27,6 +27,7 @@ from engine.model.weights import init_dummy_weights, load_weights
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.host_memory import keep_freed_memory
 from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
+from engine.runner.mixed_graphs import MixedGraphs
 from engine.runner.prefill_graphs import PrefillGraphs
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -43,12 +44,13 @@ class RankState:
     kv_cache: torch.Tensor           # [NB, L, 2, bs, KVH local, D]
     graphs: DecodeGraphs | None
     prefill_graphs: PrefillGraphs | None
+    mixed_graphs: MixedGraphs | None
 
 
 def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.device, tp: TPGroup | None,
                agree: Callable[[int], int] = int, clock: PhaseClock | None = None) -> RankState:
     """`config` is resolved (dtype and max_model_len set). `agree(blocks this rank can hold)` -> blocks to use.
-    `clock` laps "weights", "kv_cache", "cuda_graphs" and "prefill_graphs"."""
+    `clock` laps "weights", "kv_cache", "cuda_graphs", "prefill_graphs" and "mixed_graphs"."""
     clock = clock or PhaseClock()
     model = _load_model(mc, path, config, device, tp)
     clock.lap("weights")
@@ -70,7 +72,7 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
         raise ValueError(f"KV cache budget holds only {blocks} blocks of {spec.block_bytes} bytes")
     kv_cache = allocate_kv_cache(spec, blocks, device)
     clock.lap("kv_cache")
-    graphs = prefill_graphs = None
+    graphs = prefill_graphs = mixed_graphs = None
     if uses_kernels and config.cuda_graphs and device.type == "cuda":
         width = blocks_for(config.max_model_len, config.block_size)
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, width)
@@ -78,7 +80,11 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
         if prefill_graph_tokens(config):
             prefill_graphs = PrefillGraphs(model, kv_cache, prefill_graph_tokens(config), config.max_num_seqs, width)
             clock.lap("prefill_graphs")
-    return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs, prefill_graphs)
+        if min(config.mixed_graph_tokens, config.max_num_batched_tokens):
+            mixed_graphs = MixedGraphs(model, kv_cache, min(config.mixed_graph_tokens, config.max_num_batched_tokens))
+            clock.lap("mixed_graphs")
+    return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs, prefill_graphs,
+                     mixed_graphs)
 
 
 def prefill_graph_tokens(config: EngineConfig) -> int:

@@ -164,7 +164,7 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
 
         state = build_rank(mc, Path(path), config, dev, tp, agree)
         runner = ModelRunner(state.model, state.kv_cache, config.block_size, None, state.graphs,
-                             state.prefill_graphs)
+                             state.prefill_graphs, state.mixed_graphs)
         clock = LaunchClock()
         if service is not None:
             running = service.start(rank, state.kv_cache, state.kv_spec, state.kv_head_range, clock)

@@ -9,7 +9,8 @@ few values, and this module runs each of them once at start:
 - block-table row stride: not specialised (the attention kernels' `do_not_specialize`);
 - decode splits, a constexpr of the eager decode kernel: a power of two (SPLIT_CHOICES), each run here directly;
 - decode-only steps of graph buckets: compiled when DecodeGraphs captures them; prefill-only steps of its buckets
-  likewise when PrefillGraphs does;
+  likewise when PrefillGraphs does; the pieces of steps with prompt chunks when MixedGraphs does (their attention
+  runs eagerly: the prefill and decode kernels below);
 - prefill and mixed steps, rms_norm with and without residual, the fused decode GEMVs, the sampler's options
   (penalties, bias, top-k/p, min-p, logprobs, seeded): a few real requests through the engine.
 Everything else is fixed by the model and the config. `plan()` names the variants; `step_variants()` says which ones

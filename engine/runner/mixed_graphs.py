@@ -1,0 +1,116 @@
+"""MixedGraphs: piecewise CUDA graphs of steps that carry prompt chunks (mixed with decodes, or prefill-only), one
+set per token bucket: everything between two attention calls is a captured piece, attention itself runs eagerly.
+
+Why: on a fast model the host is the bottleneck. A step with a prompt chunk ran the whole forward eagerly (about ten
+launches a layer from Python, ~3 ms of host time on the 1B shape), where a decode-only step replays one graph; in a
+served closed loop prompts arrive one by one, so many steps carry a chunk (docs/benchmarks.md, 2026-11-27). The
+attention of such a step depends on its sequences (their number, lengths and block tables), which a graph cannot
+follow; every other op depends only on the token count. So each bucket of T tokens has L + 1 graphs:
+- piece 0: embedding, layer 0's input norm and q/k/v projection, RoPE and the K/V store (into the cache);
+- piece i (1..L-1): layer i-1's o-projection, post-attention norm and MLP, then layer i's part before attention;
+- piece L: layer L-1's part after attention and the final norm -> the hidden states.
+Between pieces `attend` runs on the step's real rows with the step's own metadata, reading q from and writing its
+output into static buffers the pieces share. Rows past the step's own are padding: slot -1 (their K/V is not
+stored), position 0; they never reach attention and every other op is row by row, so they never touch real rows.
+Owns the static buffers and the graphs; the KV cache is the engine's. Used by ModelRunner.forward, alike on every
+tensor-parallel rank (the pieces hold the TP all-reduces; the choice depends on the token count only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import AttentionMetadata, attend
+from engine.model.decoder import CausalLM, RopeInputs
+
+FIRST_BUCKETS = (64, 128, 256)
+STEP = 256  # bucket spacing above the first ones: padding costs at most this many rows of GEMM
+
+
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """64, 128, 256, then every multiple of 256 up to max_tokens, and max_tokens itself."""
+    sizes = [b for b in FIRST_BUCKETS if b < max_tokens] + list(range(2 * STEP, max_tokens, STEP))
+    return sorted(set(sizes + [max_tokens])) if max_tokens > 0 else []
+
+
+class MixedGraphs:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_tokens: int, capture: bool = True) -> None:
+        """`capture=False` runs the pieces eagerly instead of replaying them (a CPU test of the decomposition)."""
+        cfg, dev, dtype = model.config, kv_cache.device, kv_cache.dtype
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = mixed_buckets(max_tokens)
+        self.layers = model.model.layers
+        t = max(self.buckets, default=0)
+        self.input_ids = torch.zeros(t, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int32, device=dev)
+        self.slots = torch.full((t,), -1, dtype=torch.int32, device=dev)
+        self.q = torch.zeros(t, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)    # [T, H, D] attention in
+        self.o = torch.zeros(t, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)    # [T, H, D] attention out
+        self.residual = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)          # [T, hidden]
+        self.hidden = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)            # [T, hidden] final
+        self.scale = cfg.head_dim ** -0.5
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.replays = 0
+        if capture:
+            self._capture()
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    @torch.inference_mode()
+    def run(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """A step of T <= bucket tokens -> final hidden states [T, hidden] (a view valid until the next run).
+        input_ids, positions [T] and meta are the step's device tensors."""
+        t = input_ids.shape[0]
+        if t > bucket or bucket not in self.buckets:
+            raise ValueError(f"no mixed-step graph of {bucket} tokens holds a step of {t}")
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slots[:t].copy_(meta.slots)
+        self.slots[t:bucket].fill_(-1)
+        self.positions[t:bucket].zero_()
+        pieces = self.graphs.get(bucket)
+        for i in range(len(self.layers) + 1):
+            if pieces is not None:
+                pieces[i].replay()
+            else:  # capture=False
+                self._piece(i, bucket)
+            if i < len(self.layers):
+                attend(self.q[:t], self.kv_cache[:, i], meta, self.scale, True, out=self.o[:t])
+        self.replays += 1
+        return self.hidden[:t]
+
+    def _piece(self, i: int, n: int) -> None:
+        """Piece i of the bucket of n tokens (see the module docstring), over the static buffers."""
+        rope = RopeInputs(self.positions[:n], self.model.rope.cos, self.model.rope.sin)
+        if i == 0:
+            x, residual = self.model.model.embed_tokens(self.input_ids[:n]), None
+        else:
+            x, residual = self.layers[i - 1].after_attention(self.o[:n], self.residual[:n])
+        if i == len(self.layers):
+            self.hidden[:n].copy_(self.model.model.norm(x, residual)[0])
+            return
+        q, residual = self.layers[i].before_attention(x, residual, rope, self.kv_cache[:, i], self.slots[:n])
+        self.q[:n].copy_(q)
+        if residual.data_ptr() != self.residual.data_ptr():  # piece 0's is the embedding; later ones add in place
+            self.residual[:n].copy_(residual)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        # The slots are all -1 before the first step: capturing stores no K/V.
+        pool = torch.cuda.graph_pool_handle()
+        for n in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
+            pieces = []
+            for i in range(len(self.layers) + 1):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
+                    self._piece(i, n)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._piece(i, n)
+                pieces.append(graph)
+            self.graphs[n] = pieces
+        torch.cuda.synchronize()
