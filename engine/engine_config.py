@@ -32,7 +32,8 @@ class EngineConfig:
     cuda_graphs: bool = True            # capture decode steps as CUDA graphs (with Triton kernels on CUDA)
     prefill_graph_tokens: int = 512     # with cuda_graphs, prefill-only steps up to this many tokens too (0: none)
     # with cuda_graphs, steps with prompt chunks (mixed or prefill-only) up to this many tokens (within
-    # max_num_batched_tokens) replay piecewise graphs around eager attention (engine.runner.mixed_graphs; 0: none)
+    # max_num_batched_tokens) replay piecewise graphs around eager attention (engine.runner.mixed_graphs; 0: none;
+    # TP = 1 only for now: a tensor-parallel engine runs those steps eagerly)
     mixed_graph_tokens: int = 2048
     async_scheduling: bool = True       # queue step N+1 before reading step N's tokens (see LLMEngine)
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)

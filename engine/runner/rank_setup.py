@@ -80,8 +80,8 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
         if prefill_graph_tokens(config):
             prefill_graphs = PrefillGraphs(model, kv_cache, prefill_graph_tokens(config), config.max_num_seqs, width)
             clock.lap("prefill_graphs")
-        if min(config.mixed_graph_tokens, config.max_num_batched_tokens):
-            mixed_graphs = MixedGraphs(model, kv_cache, min(config.mixed_graph_tokens, config.max_num_batched_tokens))
+        if mixed_graph_tokens(config):
+            mixed_graphs = MixedGraphs(model, kv_cache, mixed_graph_tokens(config))
             clock.lap("mixed_graphs")
     return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs, prefill_graphs,
                      mixed_graphs)
@@ -90,6 +90,14 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
 def prefill_graph_tokens(config: EngineConfig) -> int:
     """The largest prefill-only step replayed from a graph: the config's bound within the step budget."""
     return min(config.prefill_graph_tokens, config.max_num_batched_tokens)
+
+
+def mixed_graph_tokens(config: EngineConfig) -> int:
+    """The largest step with prompt chunks replayed piecewise: the config's bound within the step budget; 0 under
+    tensor parallelism, where the pieces (holding the all-reduces) have not been measured on GPUs yet."""
+    if config.tensor_parallel_size > 1:
+        return 0
+    return min(config.mixed_graph_tokens, config.max_num_batched_tokens)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
