@@ -91,8 +91,10 @@ class Bench:
             self.engine.step()
 
     def decode(self, batch: int, context: int, steps: int = 48, overlap: bool = True) -> dict:
-        # the engine's config object stays frozen; the bench swaps in a copy to compare the two schedulings
+        # the engine's config object stays frozen; the bench swaps in a copy (and the switch it resolved at start)
+        # to compare the two schedulings
         self.engine.config = replace(self.engine.config, async_scheduling=overlap)
+        self.engine.overlap = overlap
         self._add(f"d{batch}-{overlap}-", self._prompts(batch, context), steps + 12)  # + room for --profile
         while any(r.num_pending_tokens > 1 for r in self.engine.scheduler.running) or self.engine.scheduler.waiting:
             self.engine.step()  # prefill

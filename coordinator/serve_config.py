@@ -33,8 +33,8 @@ class PoolConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     kernels: str = "auto"          # the engine's GPU path switches (EngineConfig): Triton kernels, CUDA graphs and
-    cuda_graphs: bool = True       # overlapped decode scheduling; the defaults are the fast path, turn one off to
-    async_scheduling: bool = True  # compare or to rule it out
+    cuda_graphs: bool = True       # overlapped scheduling; the defaults are the fast path, turn one off to compare
+    async_scheduling: bool | None = None  # or to rule it out (None: on for GPU engines, off on the CPU)
     prefill_graph_tokens: int = 512  # with cuda_graphs: prefill-only steps up to this many tokens replay graphs too
     mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
     warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)

@@ -35,7 +35,9 @@ class EngineConfig:
     # max_num_batched_tokens) replay piecewise graphs around eager attention (engine.runner.mixed_graphs; 0: none;
     # TP = 1 only for now: a tensor-parallel engine runs those steps eagerly)
     mixed_graph_tokens: int = 2048
-    async_scheduling: bool = True       # queue step N+1 before reading step N's tokens (see LLMEngine)
+    # queue step N+1 before reading step N's tokens (see LLMEngine); None: on a CUDA engine, off on the CPU, where a
+    # step computes inside its launch and overlap would only hand each step's tokens out one step later
+    async_scheduling: bool | None = None
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
     device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
@@ -54,6 +56,7 @@ class EngineConfig:
             ("prefill_graph_tokens", isinstance(self.prefill_graph_tokens, int)
              and not isinstance(self.prefill_graph_tokens, bool) and self.prefill_graph_tokens >= 0,
              "must be an integer >= 0"),
+            ("async_scheduling", self.async_scheduling in (None, True, False), "must be a bool or None"),
             ("mixed_graph_tokens", isinstance(self.mixed_graph_tokens, int)
              and not isinstance(self.mixed_graph_tokens, bool) and self.mixed_graph_tokens >= 0,
              "must be an integer >= 0"),

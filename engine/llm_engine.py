@@ -1,11 +1,12 @@
 """LLMEngine: one model on one device, stepped by its owner. The API the prefill and decode workers build on.
 
-step() = schedule, run, update. Steps overlap (EngineConfig.async_scheduling): step() queues the next step on
-the device before it waits for the current one's tokens, so the host's scheduling and bookkeeping hide behind the
-device's work; a step's tokens are then returned by the step() call after the one that launched it. Decodes,
-prompt chunks, requests started between steps with their next token known (add_prefilled_request) and newly
-admitted prompts all join the step queued next (Scheduler.schedule_after); only prefill-only requests, fork groups,
-prompt logprobs, per-layer hooks and preemption make a step wait for the one before to be read.
+step() = schedule, run, update. Steps overlap (EngineConfig.async_scheduling, on CUDA by default): step() queues the
+next step on the device before it waits for the current one's tokens, so the host's scheduling and bookkeeping hide
+behind the device's work; a step's tokens are then returned by the step() call after the one that launched it.
+Decodes, prompt chunks, requests started between steps with their next token known (add_prefilled_request) and
+newly admitted prompts all join the step queued next (Scheduler.schedule_after); only prefill-only requests, fork
+groups, prompt logprobs, per-layer hooks and preemption make a step wait for the one before to be read. On the CPU
+a step computes inside its launch, so overlap would only hand its tokens out a step later: off unless asked for.
 Besides plain requests it offers the two disaggregation entry points:
 - prefill side: add_request(..., prefill_only=True) computes the prompt, samples the first token, then keeps the
   request's blocks pinned (reported in StepOutput.pinned_block_ids) until release() or the pin lease expires;
@@ -93,6 +94,8 @@ class LLMEngine:
             self.followers = TPFollowers(self.config, path, mc, rank_service)
         else:
             self.device = torch.device(config.device)
+        # overlapped steps (async_scheduling; None: where the device runs asynchronously, i.e. CUDA)
+        self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         clock = PhaseClock()  # build_rank's phases: weights, kv_cache, cuda_graphs, prefill_graphs
         try:
             rank = build_rank(mc, path, self.config, self.device, self.followers and self.followers.tp,
@@ -265,7 +268,7 @@ class LLMEngine:
         on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
         extras = plan_extras(sched, self.scheduler.requests)
         launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done, extras=extras)
-        if self.config.async_scheduling and on_layer_done is None and not extras and sched.chunks and not any(
+        if self.overlap and on_layer_done is None and not extras and sched.chunks and not any(
                 self.scheduler.requests[c.request_id].prefill_only for c in sched.chunks):
             self._in_flight = launched  # applied by the next step(), after it queued the step that follows
             return outputs

@@ -109,8 +109,14 @@ def test_a_full_engine_with_requests_waiting_keeps_overlapping_and_equals_step_b
     assert overlapped[False] == 0 and overlapped[True] > 0.6
 
 
+def test_overlap_is_on_by_default_where_the_device_runs_asynchronously(checkpoints):
+    """On the CPU a step computes inside its launch: overlap would only hand its tokens out a step later."""
+    assert LLM(str(checkpoints.tiny())).engine.overlap is False
+    assert LLM(str(checkpoints.tiny()), async_scheduling=True).engine.overlap is True
+
+
 def test_a_lone_request_overlaps_and_its_last_token_ends_the_pipeline(checkpoints):
-    llm = LLM(str(checkpoints.tiny()))
+    llm = LLM(str(checkpoints.tiny()), async_scheduling=True)
     engine = llm.engine
     engine.add_request("a", random_prompts((12,), VOCAB, seed=2)[0],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
