@@ -35,9 +35,10 @@ python3 -c "import llguidance, prometheus_client, httptools" || echo "warning: l
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for step in "$@"; do
   case $step in
-    tests)
-      timeout 300 python3 -m pytest -q ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_elementwise.py \
-        tests/test_engine_kernel_path.py tests/test_sampler.py tests/test_cuda.py} -rs 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests)  # TESTS_TIMEOUT: every engine a test builds captures its graphs (mixed-step pieces too): give it room
+      timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_elementwise.py \
+        tests/test_engine_kernel_path.py tests/test_sampler.py tests/test_cuda.py tests/test_mixed_graphs.py} -rs 2>&1 \
+        | tee "$OUT/tests.log" | tail -25 ;;
     peer)
       timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
       timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
