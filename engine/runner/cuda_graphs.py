@@ -13,6 +13,7 @@ import torch
 
 from engine.model.attention import AttentionMetadata
 from engine.model.decoder import CausalLM
+from engine.runner.graph_capture import capture_graph
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -82,13 +83,5 @@ class DecodeGraphs:
                 hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
                 return self.model.compute_logits(hidden)  # [b, vocab]
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = step()
-            self.graphs[b] = (graph, logits)
+            self.graphs[b] = capture_graph(step, pool)  # (graph, logits)
         torch.cuda.synchronize()

@@ -22,6 +22,7 @@ import torch
 
 from engine.model.attention import AttentionMetadata, attend
 from engine.model.decoder import CausalLM, RopeInputs
+from engine.runner.graph_capture import capture_graph
 
 FIRST_BUCKETS = (64, 128, 256)
 STEP = 256  # bucket spacing above the first ones: padding costs at most this many rows of GEMM
@@ -101,16 +102,6 @@ class MixedGraphs:
         # The slots are all -1 before the first step: capturing stores no K/V.
         pool = torch.cuda.graph_pool_handle()
         for n in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-            pieces = []
-            for i in range(len(self.layers) + 1):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
-                    self._piece(i, n)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._piece(i, n)
-                pieces.append(graph)
-            self.graphs[n] = pieces
+            self.graphs[n] = [capture_graph(lambda i=i, n=n: self._piece(i, n), pool)[0]
+                              for i in range(len(self.layers) + 1)]
         torch.cuda.synchronize()

@@ -19,6 +19,7 @@ import torch
 
 from engine.model.attention import AttentionMetadata
 from engine.model.decoder import CausalLM
+from engine.runner.graph_capture import capture_graph
 
 MIN_TOKENS = 16
 
@@ -131,13 +132,5 @@ class PrefillGraphs:
         # Before the first step the buffers hold no sequence (query starts 0, slots -1): capturing stores nothing.
         pool = torch.cuda.graph_pool_handle()
         for tb, nb in sorted(self.buckets.all(), reverse=True):  # largest first: smaller ones reuse its memory
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
-                self._forward(tb, nb)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(tb, nb)
-            self.graphs[(tb, nb)] = (graph, hidden)
+            self.graphs[(tb, nb)] = capture_graph(lambda tb=tb, nb=nb: self._forward(tb, nb), pool)  # (graph, hidden)
         torch.cuda.synchronize()
