@@ -266,10 +266,9 @@ class LLMEngine:
             return outputs + self._overlapped_step(may_continue=layer_hook is None)
         sched = self.scheduler.schedule()
         on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
-        extras = plan_extras(sched, self.scheduler.requests)
-        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done, extras=extras)
-        if self.overlap and on_layer_done is None and not extras and sched.chunks and not any(
-                self.scheduler.requests[c.request_id].prefill_only for c in sched.chunks):
+        launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done,
+                                      extras=plan_extras(sched, self.scheduler.requests))
+        if self.overlap and on_layer_done is None and sched.chunks and not self.scheduler.plans_alone(sched):
             self._in_flight = launched  # applied by the next step(), after it queued the step that follows
             return outputs
         return outputs + self._apply(launched)

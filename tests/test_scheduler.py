@@ -149,7 +149,8 @@ def test_schedule_after_continues_a_decode_step_before_its_tokens_are_known():
     s.add(req("b", 5, max_tokens=2))  # its next token (output 1) is its last
     run_step(s)  # prefill: both sampled output 0
     decode = s.schedule()
-    assert decode.all_decodes and [c.output_index for c in decode.chunks] == [1, 1]
+    assert all(len(c.token_ids) == 1 and c.sample for c in decode.chunks)
+    assert [c.output_index for c in decode.chunks] == [1, 1]
     nxt = s.schedule_after(decode)
     assert [(c.request_id, c.token_ids, c.start_pos, c.output_index) for c in nxt.chunks] == [("a", [-1], 4, 2)]
     assert s.bm.table("a") == nxt.chunks[0].block_table and len(s.bm.table("a")) == 2  # position 4: second block

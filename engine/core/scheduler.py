@@ -52,11 +52,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
 
-    @property
-    def all_decodes(self) -> bool:
-        """Every chunk computes one token and samples the next (a plain decode step)."""
-        return bool(self.chunks) and all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
-
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -222,6 +217,11 @@ class Scheduler:
         out = SchedulerOutput(chunks)
         self.num_scheduled_tokens += out.num_tokens
         return out
+
+    def plans_alone(self, sched: SchedulerOutput) -> bool:
+        """Whether the step after `sched` must wait for `sched`'s tokens to be read (the engine then applies it at
+        once instead of overlapping it): some chunk's request `_plans_alone` from where the chunk starts."""
+        return any(_plans_alone(self.requests[c.request_id], c.start_pos) for c in sched.chunks)
 
     @staticmethod
     def _ends_by_length(chunk: ScheduledChunk, req: Request) -> bool:
