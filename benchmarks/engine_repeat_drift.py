@@ -58,19 +58,18 @@ def closed_loop(engine, prompts: list[list[int]], params: SamplingParams, in_fli
     """Run `prompts` keeping `in_flight` requests going: a finished request's successor is added `delay_steps`
     steps after the step that returned its end. Returns the output tokens."""
     queue = list(reversed(prompts))
-    due: list[int] = []  # the step number at which each pending successor is added
+    due = [0] * min(in_flight, len(queue))  # the step at which each next request is added, in order
     tokens, step, live = 0, 0, 0
-    while queue or live:
-        while queue and (live + len(due) < in_flight and not due or due and due[0] <= step):
-            if due:
-                due.pop(0)
+    while due or live:
+        while due and due[0] <= step:
+            due.pop(0)
             engine.add_request(f"{prefix}{len(queue)}", queue.pop(), params)
             live += 1
         for out in engine.step():
             tokens += len(out.new_token_ids)
             if out.finish_reason is not None:
                 live -= 1
-                if queue:
+                if len(queue) > len(due):  # a prompt is left without a slot yet: it succeeds this one
                     due.append(step + delay_steps)
         step += 1
     return tokens
