@@ -33,7 +33,7 @@ class EngineConfig:
     prefill_graph_tokens: int = 512     # with cuda_graphs, prefill-only steps up to this many tokens too (0: none)
     # with cuda_graphs, steps with prompt chunks (mixed or prefill-only) up to this many tokens (within
     # max_num_batched_tokens) replay piecewise graphs around eager attention (engine.runner.mixed_graphs; 0: none;
-    # TP = 1 only for now: a tensor-parallel engine runs those steps eagerly)
+    # under tensor parallelism the pieces hold the all-reduces)
     mixed_graph_tokens: int = 2048
     # queue step N+1 before reading step N's tokens (see LLMEngine); None: on a CUDA engine, off on the CPU, where a
     # step computes inside its launch and overlap would only hand each step's tokens out one step later

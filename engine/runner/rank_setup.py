@@ -93,10 +93,8 @@ def prefill_graph_tokens(config: EngineConfig) -> int:
 
 
 def mixed_graph_tokens(config: EngineConfig) -> int:
-    """The largest step with prompt chunks replayed piecewise: the config's bound within the step budget; 0 under
-    tensor parallelism, where the pieces (holding the all-reduces) have not been measured on GPUs yet."""
-    if config.tensor_parallel_size > 1:
-        return 0
+    """The largest step with prompt chunks replayed piecewise: the config's bound within the step budget (under
+    tensor parallelism the pieces hold the all-reduces, as the decode graphs do)."""
     return min(config.mixed_graph_tokens, config.max_num_batched_tokens)
 
 
