@@ -1,5 +1,6 @@
-"""The CPU's fused bfloat16 RMSNorm and SiLU-and-mul (engine.cpu_kernels.elementwise) against the torch path's ops
-they replace: the same values but for a rare last-bit rounding, the residual stream written in place as the GPU
+"""The CPU's fused bfloat16 RMSNorm, SiLU-and-mul and RoPE with the KV store (engine.cpu_kernels.elementwise) against
+the torch path's ops they replace: the same values but for a rare last-bit rounding (RoPE and the store: the same
+bits), the residual stream written in place as the GPU
 kernel does, and the engine's choice of them (bfloat16 on the torch path only) with its next-token distribution
 unchanged within rounding."""
 
@@ -9,6 +10,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cpu_kernels import elementwise
 from engine.model.decoder import MLP, RMSNorm
+from engine.model.rope import RotaryEmbedding, rotate
+from engine.model.torch_attention import write_kv
 
 needs_lib = pytest.mark.skipif(elementwise.load() is None, reason="no C compiler here")
 BF16_ULP = 2 ** -7  # relative spacing of bfloat16 values
@@ -53,6 +56,29 @@ def test_silu_mul(rows, inter):
 
 
 @needs_lib
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 8, 4, 32), (16, 8, 4, 32), (300, 4, 1, 64), (5, 8, 8, 128)])
+def test_rope_store_equals_rotate_then_write_kv(rows, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(rows * heads + dim)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = (torch.randn(rows, width, generator=gen) * 3).to(torch.bfloat16)
+    rope = RotaryEmbedding(dim, 4096, 500000.0, None)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    cos, sin = rope(positions, torch.bfloat16)  # [T, 1, D]
+    block_size, blocks = 16, rows // 16 + 4
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    slots[0] = -1  # a padding row: stored nowhere
+    kv = torch.randn(blocks, 2, block_size, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    want_kv = kv.clone()
+    qk = rotate(qkv[:, :(heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, sin)
+    keep = slots >= 0
+    write_kv(want_kv, slots[keep], qk[keep, heads:], qkv[keep, (heads + kv_heads) * dim:].view(-1, kv_heads, dim))
+    got_q = elementwise.rope_store(qkv, heads, kv_heads, cos, sin, kv, slots)
+    assert torch.equal(got_q, qk[:, :heads]) and torch.equal(kv, want_kv)
+    with pytest.raises(IndexError, match="past the cache"):
+        elementwise.rope_store(qkv, heads, kv_heads, cos, sin, kv, torch.full((rows,), blocks * block_size))
+
+
+@needs_lib
 def test_bfloat16_engine_fuses_and_computes_the_same_distribution(monkeypatch):
     """The same first-token distribution as the unfused engine within bfloat16 rounding. Not the same greedy
     tokens: tiny's random weights give near-flat logits (top logprobs ~0.04 apart), so a last-bit rounding of one
@@ -62,6 +88,7 @@ def test_bfloat16_engine_fuses_and_computes_the_same_distribution(monkeypatch):
     fused = LLM("tiny", dtype="bfloat16")
     layer = fused.engine.model.model.layers[0]
     assert layer.input_layernorm.cpu_fused and isinstance(layer.mlp, MLP) and layer.mlp.cpu_fused
+    assert layer.self_attn.cpu_fused
     monkeypatch.setattr("engine.model.decoder.CausalLM.use_cpu_elementwise", lambda self: False)
     plain = LLM("tiny", dtype="bfloat16")
     assert not plain.engine.model.model.layers[0].input_layernorm.cpu_fused

@@ -62,3 +62,39 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
         }
     }
 }
+
+/* RoPE and the KV store of one layer, after its fused q/k/v projection. qkv: [rows, (heads + 2 kv_heads) * dim]
+ * bfloat16, contiguous (q heads, k heads, v heads); cos, sin: [rows, dim] bfloat16 (each token's angles). q and k
+ * are rotated as torch's x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16 as torch rounds
+ * them (so the results are torch's bits); rotated q goes to q_out [rows, heads, dim], rotated k and v to the cache at
+ * element offset (slot / block_size) * s_block + (slot % block_size) * s_tok + head * s_head (+ s_kv for v), dim
+ * contiguous. A negative slot (a padding row) stores nothing. Returns 0, or -1 (nothing written from that row on)
+ * where a slot is at or past num_blocks * block_size. */
+int rope_store_bf16(const uint16_t *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                    const uint16_t *cos, const uint16_t *sin, const int64_t *slots, uint16_t *kv, int64_t num_blocks,
+                    int64_t block_size, int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head,
+                    uint16_t *q_out) {
+    const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t slot = slots[r];
+        if (slot >= num_blocks * block_size) return -1;
+        const uint16_t *row = qkv + r * width, *c = cos + r * dim, *s = sin + r * dim;
+        uint16_t *k_dst = slot < 0 ? NULL : kv + (slot / block_size) * s_block + (slot % block_size) * s_tok;
+        for (int64_t head = 0; head < heads + kv_heads; head++) {
+            const uint16_t *x = row + head * dim;
+            uint16_t *dst = head < heads ? q_out + (r * heads + head) * dim
+                                         : (k_dst == NULL ? NULL : k_dst + (head - heads) * s_head);
+            if (dst == NULL) continue;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) {
+                const float other = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
+                dst[i] = f32_to_bf16(round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i]))
+                                     + round_bf16(other * bf16_to_f32(s[i])));
+            }
+        }
+        if (k_dst != NULL)
+            for (int64_t head = 0; head < kv_heads; head++)
+                memcpy(k_dst + s_kv + head * s_head, row + (heads + kv_heads + head) * dim, (size_t)dim * 2);
+    }
+    return 0;
+}

@@ -87,6 +87,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k and v in one GEMM
         self.use_kernels = False
+        self.cpu_fused = False  # RoPE and the KV store by engine.cpu_kernels.elementwise (use_cpu_elementwise)
 
     def fuse(self) -> None:
         self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -108,6 +109,9 @@ class Attention(nn.Module):
             qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
                                  rope.sin, kv_layer, slots)  # [T, (H + 2 KVH) D]
             return qkv[:, : h * d].view(t, h, d)
+        if self.cpu_fused and not self.qk_norm:  # bfloat16 on the CPU: RoPE and the store in one C pass
+            from engine.cpu_kernels.elementwise import rope_store
+            return rope_store(self.qkv_proj(x), h, kvh, rope.cos, rope.sin, kv_layer, slots)
         if not use_kernels and self.qkv_proj is not None and not self.qk_norm:  # torch path, fused projection
             qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
             qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), rope.cos, rope.sin)  # q and k at once
@@ -275,15 +279,16 @@ class CausalLM(nn.Module):
         return pack_linears(self) > 0
 
     def use_cpu_elementwise(self) -> bool:
-        """On the torch path without TP, in bfloat16: RMSNorms (with their residual adds) and SiLU-and-mul as one C
-        pass each (engine.cpu_kernels.elementwise) where it builds here; False (torch's ops) elsewhere."""
+        """On the torch path without TP, in bfloat16: RMSNorms (with their residual adds), SiLU-and-mul, and RoPE with
+        the KV store as one C pass each (engine.cpu_kernels.elementwise) where it builds here; False (torch's ops)
+        elsewhere."""
         from engine.cpu_kernels.elementwise import load
         if self.kernels_enabled or self.tp is not None or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or load() is None:
             return False
         self.fuse_projections()
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_fused = True
         return True
 
