@@ -4,9 +4,11 @@
  * engine.model.torch_attention.paged_attention's decode branch (causal, optional sliding window, GQA as
  * transformers' repeat_kv: query head j uses KV head j / (H / KVH)). Accumulates in float32.
  *
- * Two bodies: where the compiler targets AVX-512 and head_dim is a multiple of 16 (at most MAX_DIM), a vector
+ * Three bodies: where the compiler targets AVX-512 and head_dim is a multiple of 16 (at most MAX_DIM), a vector
  * body that scores 16 tokens at a time and sums their 16 partial-sum vectors with one transpose-add (one horizontal
- * reduction per token was most of the time); elsewhere a portable loop the compiler vectorizes as it can. */
+ * reduction per token was most of the time), and for a bfloat16 cache on CPUs with AVX512-BF16 (head_dim a multiple
+ * of 32) the same shape of body on the raw bfloat16 lanes; elsewhere a portable loop the compiler vectorizes as it
+ * can. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -164,6 +166,72 @@ static inline __attribute__((always_inline)) void attend_avx512(
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bfloat16 body for one sequence (head_dim a multiple of 32, at most MAX_DIM), without widening the cache to float32
+ * first: a score is one dot-product instruction per 32 dims on the raw bfloat16 q and key (products exact in float32,
+ * pairs summed in float32), scaled afterwards; values are split into their even and odd elements by a shift and a
+ * mask (no shuffle), so the outputs accumulate as even and odd halves, interleaved once at the end. The float32 body
+ * spent most of its time widening bfloat16 lanes on the one shuffle port. */
+static inline __attribute__((always_inline)) void attend_bf16(
+        const uint16_t *q, float scale, const char *kvb, const int64_t *offsets, int64_t n, int64_t s_kv,
+        int64_t s_head, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, float *scores, float *o) {
+    const int64_t group = num_heads / num_kv_heads, dw = head_dim / 32;
+    const uint16_t *kv = (const uint16_t *)kvb;
+    const __m512i odd_mask = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    __m512 part[16];
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {  /* 16 tokens' keys (all heads) stay in L1 while every head scores */
+        const int64_t m = n - t0 < 16 ? n - t0 : 16;
+        for (int64_t head = 0; head < num_heads; head++) {
+            const int64_t g = head / group;
+            __m512bh qv[MAX_DIM / 32];
+            for (int64_t w = 0; w < dw; w++) qv[w] = (__m512bh)_mm512_loadu_si512(q + head * head_dim + 32 * w);
+            for (int64_t i = 0; i < 16; i++) {
+                if (i >= m) { part[i] = _mm512_setzero_ps(); continue; }
+                const uint16_t *k = kv + offsets[t0 + i] + g * s_head;
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t w = 0; w < dw; w++)
+                    acc = _mm512_dpbf16_ps(acc, qv[w], (__m512bh)_mm512_loadu_si512(k + 32 * w));
+                part[i] = acc;
+            }
+            _mm512_mask_storeu_ps(scores + head * n + t0, (__mmask16)((1u << m) - 1),
+                                  _mm512_mul_ps(sum16(part), scale_v));
+        }
+    }
+    softmax_rows(scores, num_heads, n);
+    for (int64_t g = 0; g < num_kv_heads; g++) {
+        for (int64_t j0 = 0; j0 < group; j0 += 2) {  /* two query heads' outputs in registers at a time */
+            const int64_t h0 = g * group + j0, two = group - j0 >= 2;
+            __m512 even0[MAX_DIM / 32], odd0[MAX_DIM / 32], even1[MAX_DIM / 32], odd1[MAX_DIM / 32];
+            for (int64_t w = 0; w < dw; w++) even0[w] = odd0[w] = even1[w] = odd1[w] = _mm512_setzero_ps();
+            const float *p0 = scores + h0 * n, *p1 = scores + (h0 + two) * n;
+            for (int64_t t = 0; t < n; t++) {
+                const uint16_t *vr = kv + offsets[t] + s_kv + g * s_head;
+                const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
+                for (int64_t w = 0; w < dw; w++) {
+                    const __m512i x = _mm512_loadu_si512(vr + 32 * w);
+                    const __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                    const __m512 od = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+                    even0[w] = _mm512_fmadd_ps(w0, ev, even0[w]);
+                    odd0[w] = _mm512_fmadd_ps(w0, od, odd0[w]);
+                    even1[w] = _mm512_fmadd_ps(w1, ev, even1[w]);
+                    odd1[w] = _mm512_fmadd_ps(w1, od, odd1[w]);
+                }
+            }
+            for (int64_t w = 0; w < dw; w++) {
+                float e[16], d[16];
+                for (int64_t r = 0; r < 1 + two; r++) {
+                    _mm512_storeu_ps(e, r ? even1[w] : even0[w]);
+                    _mm512_storeu_ps(d, r ? odd1[w] : odd0[w]);
+                    float *dst = o + (h0 + r) * head_dim + 32 * w;
+                    for (int i = 0; i < 16; i++) { dst[2 * i] = e[i]; dst[2 * i + 1] = d[i]; }
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* q: [B, H, D] contiguous, dtype. kv: the layer's cache, element strides (block, kv, token, head), D contiguous.
  * tables: [B, W] int32 block ids; ctx_lens: [B] int32 (context including the new token). out: [B, H, D] float32.
  * scratch: float32, at least H * max_ctx + (H + KVH) * D + 2 * max_ctx (the last part holds int64 token offsets,
@@ -182,6 +250,20 @@ void paged_decode_attention(const void *q, const void *kv, int64_t s_block, int6
         const int32_t *table = tables + b * width;
         float *scores = scratch, *qf = scores + num_heads * n, *row = qf + num_heads * head_dim;
         float *o = out + b * num_heads * head_dim;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (dtype == 1 && head_dim % 32 == 0 && head_dim <= MAX_DIM) {
+            int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
+            for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
+            const uint16_t *qr = (const uint16_t *)qb + b * num_heads * head_dim;
+#define BODY(D) attend_bf16(qr, scale, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, scores, o)
+            if (head_dim == 32) BODY(32);
+            else if (head_dim == 64) BODY(64);
+            else if (head_dim == 128) BODY(128);
+            else BODY(head_dim);
+#undef BODY
+            continue;
+        }
+#endif
         load_row(qf, qb + b * num_heads * head_dim * elem, num_heads * head_dim, dtype);
         for (int64_t e = 0; e < num_heads * head_dim; e++) qf[e] *= scale;
 #ifdef __AVX512F__
