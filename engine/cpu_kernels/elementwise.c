@@ -23,12 +23,60 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The same conversions on 16 lanes (hand-written: gcc's own vectorization of the scalar loops ran 2-3 cycles an
+ * element, a sixth of a 2,048-token prefill step on `tiny`). */
+__m512 _ZGVeN16v_expf(__m512);  /* glibc's vector expf (libmvec), the one the compiler calls for expf under simd */
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512i bf16_bits(__m512 f) {  /* f32_to_bf16 per lane, in the low 16 bits of each 32-bit lane */
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static inline __m512 round_bf16x16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(f), 16)); }
+
+static inline void store_bf16x16(uint16_t *p, __m512 f) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits(f)));
+}
+#endif
+
 /* x, residual: [rows, dim] bfloat16, contiguous; weight [dim]. With residual (non-NULL): x + residual is stored
  * into residual (the new residual stream) and normalized; else x is. out = weight * bf16(h * rsqrt(mean(h^2) + eps)),
  * h the float row. */
 void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                    int64_t dim, float eps) {
     float h[dim];
+#ifdef __AVX512F__
+    if (dim % 16 == 0) {
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *xr = x + r * dim;
+            uint16_t *outr = out + r * dim, *res = residual == NULL ? NULL : residual + r * dim;
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t i = 0; i < dim; i += 16) {
+                __m512 v = load_bf16x16(xr + i);
+                if (res != NULL) {
+                    v = round_bf16x16(_mm512_add_ps(v, load_bf16x16(res + i)));
+                    store_bf16x16(res + i, v);
+                }
+                _mm512_storeu_ps(h + i, v);
+                sum = _mm512_fmadd_ps(v, v, sum);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)dim + eps));
+            for (int64_t i = 0; i < dim; i += 16)
+                store_bf16x16(outr + i, _mm512_mul_ps(load_bf16x16(weight + i),
+                                                      round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(h + i), inv))));
+        }
+        return;
+    }
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * dim;
         uint16_t *outr = out + r * dim;
@@ -55,8 +103,16 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 xg = load_bf16x16(g + i);
+            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), xg));
+            const __m512 act = round_bf16x16(_mm512_div_ps(xg, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            store_bf16x16(o + i, _mm512_mul_ps(act, load_bf16x16(u + i)));
+        }
+#endif
+        for (; i < inter; i++) {
             const float x = bf16_to_f32(g[i]);
             o[i] = f32_to_bf16(round_bf16(x / (1.0f + expf(-x))) * bf16_to_f32(u[i]));
         }
