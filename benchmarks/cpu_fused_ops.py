@@ -1,8 +1,9 @@
 """The CPU bfloat16 engine with its fused elementwise ops (engine.cpu_kernels.elementwise: RMSNorm with the residual
-add, SiLU-and-mul, RoPE with the KV store, one C pass each) against the same engine with torch's op chains, everything else equal (packed
-linears, the C decode attention). Engines of each kind are built and timed in turn, `--pairs` times (a shared
-machine drifts); printed: the medians of a prefill of `--prompts` prompts of `--prompt-len` tokens together, and of a
-decode step of `--rows` rows after `--prompt-len`-token prompts, with their ratios.
+add, SiLU-and-mul, RoPE with the KV store, one C pass each) against the same engine with torch's op chains,
+everything else equal (packed linears, the C decode attention). Engines of each kind are built and timed in turn,
+`--pairs` times (a shared machine drifts); printed: the medians of a prefill of `--prompts` prompts of
+`--prompt-len` tokens together, and of a decode step of `--rows` rows after `--prompt-len`-token prompts, with their
+ratios.
 
     python benchmarks/cpu_fused_ops.py          # tiny, one torch thread (a served worker's)
 """
