@@ -15,7 +15,7 @@ import torch
 
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
-from engine.sampling.sampler import Sampler, argmax_rows, exp_noise, step_seed
+from engine.sampling.sampler import Sampler, argmax_rows, chunked_argmax, exp_noise, step_seed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MASK64 = 2**64 - 1
@@ -159,9 +159,10 @@ def test_argmax_rows_is_argmax_with_ties_across_and_within_chunks(device, vocab)
         logits[1, [2010, 2008]] = 9.0  # tie within a chunk: 2008 wins
         logits[2, -1] = 9.0  # the very last id
     logits = logits.to(device)
-    assert argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
-    if vocab > 1000:
-        assert argmax_rows(logits)[:3].tolist() == [130, 2008, vocab - 1]
+    for argmax in (argmax_rows, chunked_argmax):  # the CPU's argmax_rows is one pass: chunked_argmax is tested here
+        assert argmax(logits).tolist() == logits.argmax(-1).tolist()
+        if vocab > 1000:
+            assert argmax(logits)[:3].tolist() == [130, 2008, vocab - 1]
 
 
 @pytest.mark.parametrize("device", DEVICES)
