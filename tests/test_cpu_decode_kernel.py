@@ -41,6 +41,10 @@ def test_kernel_equals_the_torch_path(dtype, tolerance, heads, kv_heads, head_di
     assert got.dtype == dtype and got.shape == q.shape
     live = context_lens > 0
     assert (got[live].float() - want[live].float()).abs().max().item() <= tolerance
+    assert not got[~live].any()  # a padding row comes back as zeros
+    into = torch.full_like(q, 7.0)
+    assert paged_decode.paged_decode_attention(q, kv_layer, tables, context_lens, scale, window, out=into) is into
+    assert torch.equal(into, got)
 
 
 @needs_kernel
@@ -62,6 +66,9 @@ def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="do not agree"):
         paged_decode.paged_decode_attention(q, torch.zeros(4, 2, 16, 3, 32), torch.zeros(2, 1, dtype=torch.int32),
                                             torch.ones(2, dtype=torch.int32), 1.0, None)
+    with pytest.raises(ValueError, match="out must be"):
+        paged_decode.paged_decode_attention(q, torch.zeros(4, 2, 16, 4, 32), torch.zeros(2, 1, dtype=torch.int32),
+                                            torch.ones(2, dtype=torch.int32), 1.0, None, out=torch.zeros(2, 8, 16))
 
 
 @pytest.mark.parametrize("tables,context_lens,match", [

@@ -232,57 +232,81 @@ static inline __attribute__((always_inline)) void attend_bf16(
 }
 #endif
 
-/* q: [B, H, D] contiguous, dtype. kv: the layer's cache, element strides (block, kv, token, head), D contiguous.
- * tables: [B, W] int32 block ids; ctx_lens: [B] int32 (context including the new token). out: [B, H, D] float32.
- * scratch: float32, at least H * max_ctx + (H + KVH) * D + 2 * max_ctx (the last part holds int64 token offsets,
- * the vector body's only: x86 loads them unaligned). window <= 0: none. */
+/* One sequence's attention into o [H * D] float32 (scratch: scores, q, a row, token offsets; see below). */
+static void attend_row(const char *qb, const char *kvb, int64_t b, int64_t first, int64_t n, const int32_t *table,
+                       int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int dtype, float *o,
+                       float *scratch) {
+    const int64_t elem = dtype == 0 ? 4 : 2;
+    float *scores = scratch, *qf = scores + num_heads * n, *row = qf + num_heads * head_dim;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (dtype == 1 && head_dim % 32 == 0 && head_dim <= MAX_DIM) {
+        int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
+        for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
+        const uint16_t *qr = (const uint16_t *)qb + b * num_heads * head_dim;
+#define BODY(D) attend_bf16(qr, scale, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, scores, o)
+        if (head_dim == 32) BODY(32);
+        else if (head_dim == 64) BODY(64);
+        else if (head_dim == 128) BODY(128);
+        else BODY(head_dim);
+#undef BODY
+        return;
+    }
+#endif
+    load_row(qf, qb + b * num_heads * head_dim * elem, num_heads * head_dim, dtype);
+    for (int64_t e = 0; e < num_heads * head_dim; e++) qf[e] *= scale;
+#ifdef __AVX512F__
+    const int vector = head_dim % 16 == 0 && head_dim <= MAX_DIM && num_heads / num_kv_heads <= MAX_GROUP;
+    int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
+    if (vector)
+        for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
+#define BODY(D, T) attend_avx512(qf, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, T, scores, o)
+    if (vector && head_dim == 32 && dtype == 1) BODY(32, 1);
+    else if (vector && head_dim == 64 && dtype == 1) BODY(64, 1);
+    else if (vector && head_dim == 128 && dtype == 1) BODY(128, 1);
+    else if (vector && head_dim == 32 && dtype == 0) BODY(32, 0);
+    else if (vector && head_dim == 64 && dtype == 0) BODY(64, 0);
+    else if (vector && head_dim == 128 && dtype == 0) BODY(128, 0);
+    else if (vector) BODY(head_dim, dtype);
+    else
+#undef BODY
+#endif
+        attend_portable(qf, kvb, table, first, n, s_block, s_kv, s_tok, s_head, num_heads, num_kv_heads,
+                        head_dim, block_size, dtype, scores, row, o);
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* q, out: [B, H, D] contiguous, dtype (0: float32, 1: bfloat16). kv: the layer's cache, element strides (block, kv,
+ * token, head), D contiguous. tables: [B, W] int32 block ids; ctx_lens: [B] int32 (context including the new token;
+ * 0: a padding row, written as zeros). scratch: float32, at least H * D + H * max_ctx + (H + KVH) * D + 2 * max_ctx
+ * (the float32 output row first; the last part holds int64 token offsets, x86 loads them unaligned). window <= 0:
+ * none. */
 void paged_decode_attention(const void *q, const void *kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
                             int64_t s_head, const int32_t *tables, int64_t width, const int32_t *ctx_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, int dtype, float *out,
-                            float *scratch) {
-    const int64_t elem = dtype == 0 ? 4 : 2;
-    const char *qb = (const char *)q, *kvb = (const char *)kv;
+                            int64_t block_size, int64_t window, float scale, int dtype, void *out, float *scratch) {
+    const int64_t size = num_heads * head_dim;
+    float *o = scratch;
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t ctx = ctx_lens[b];
-        if (ctx <= 0) continue;
-        const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0, n = ctx - first;
-        const int32_t *table = tables + b * width;
-        float *scores = scratch, *qf = scores + num_heads * n, *row = qf + num_heads * head_dim;
-        float *o = out + b * num_heads * head_dim;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        if (dtype == 1 && head_dim % 32 == 0 && head_dim <= MAX_DIM) {
-            int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
-            for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
-            const uint16_t *qr = (const uint16_t *)qb + b * num_heads * head_dim;
-#define BODY(D) attend_bf16(qr, scale, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, scores, o)
-            if (head_dim == 32) BODY(32);
-            else if (head_dim == 64) BODY(64);
-            else if (head_dim == 128) BODY(128);
-            else BODY(head_dim);
-#undef BODY
-            continue;
+        if (ctx > 0) {
+            const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
+            attend_row((const char *)q, (const char *)kv, b, first, ctx - first, tables + b * width, s_block, s_kv,
+                       s_tok, s_head, num_heads, num_kv_heads, head_dim, block_size, scale, dtype, o, scratch + size);
+        } else {
+            for (int64_t e = 0; e < size; e++) o[e] = 0.0f;
         }
-#endif
-        load_row(qf, qb + b * num_heads * head_dim * elem, num_heads * head_dim, dtype);
-        for (int64_t e = 0; e < num_heads * head_dim; e++) qf[e] *= scale;
-#ifdef __AVX512F__
-        const int vector = head_dim % 16 == 0 && head_dim <= MAX_DIM && num_heads / num_kv_heads <= MAX_GROUP;
-        int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
-        if (vector)
-            for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
-#define BODY(D, T) attend_avx512(qf, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, T, scores, o)
-        if (vector && head_dim == 32 && dtype == 1) BODY(32, 1);
-        else if (vector && head_dim == 64 && dtype == 1) BODY(64, 1);
-        else if (vector && head_dim == 128 && dtype == 1) BODY(128, 1);
-        else if (vector && head_dim == 32 && dtype == 0) BODY(32, 0);
-        else if (vector && head_dim == 64 && dtype == 0) BODY(64, 0);
-        else if (vector && head_dim == 128 && dtype == 0) BODY(128, 0);
-        else if (vector) BODY(head_dim, dtype);
-        else
-#undef BODY
-#endif
-            attend_portable(qf, kvb, table, first, n, s_block, s_kv, s_tok, s_head, num_heads, num_kv_heads,
-                            head_dim, block_size, dtype, scores, row, o);
+        if (dtype == 0) {
+            memcpy((float *)out + b * size, o, (size_t)size * sizeof(float));
+        } else {
+            uint16_t *dst = (uint16_t *)out + b * size;
+            for (int64_t e = 0; e < size; e++) dst[e] = to_bf16(o[e]);
+        }
     }
 }

@@ -45,11 +45,18 @@ def check_tables(tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: i
         raise ValueError(f"block table ids must be in [0, {num_blocks}), got {int(tables.min())}..{int(tables.max())}")
 
 
+def scratch_floats(heads: int, kv_heads: int, head_dim: int, longest: int) -> int:
+    """The float32 scratch the kernel needs for contexts of at most `longest` tokens (see the C source)."""
+    return heads * head_dim + heads * longest + (heads + kv_heads) * head_dim + 2 * longest
+
+
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, window: int | None, checked: bool = False) -> torch.Tensor:
+                           scale: float, window: int | None, checked: bool = False, out: torch.Tensor | None = None,
+                           scratch: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D]; kv_layer [NB, 2, bs, KVH, D] (the new tokens' K/V stored); tables [B, W] int32; context_lens
-    [B] int32 (0: a padding row, left zero) -> [B, H, D] in q's dtype. `checked`: the caller ran check_tables on
-    these tables (once a step, for every layer)."""
+    [B] int32 (0: a padding row, zeros) -> [B, H, D] in q's dtype, into `out` where given (contiguous). `checked`:
+    the caller ran check_tables on these tables (once a step, for every layer); `scratch`: float32 of at least
+    scratch_floats(...) for the tables' width, which a step's layers may share (torch_attention.plan)."""
     b, h, d = q.shape
     nb, _, bs, kvh, kd = kv_layer.shape
     if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,):
@@ -60,13 +67,16 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
     q = q.contiguous()
     tables = tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
-    out = torch.empty((b, h, d), dtype=torch.float32)
-    longest = tables.shape[1] * bs
-    scratch = torch.empty(h * longest + (h + kvh) * d + 2 * longest, dtype=torch.float32)  # see the C source
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"paged_decode_attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+    need = scratch_floats(h, kvh, d, tables.shape[1] * bs)
+    if scratch is None or scratch.numel() < need:
+        scratch = torch.empty(need, dtype=torch.float32)
     s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
     load().paged_decode_attention(
         q.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok, s_head, tables.data_ptr(), tables.shape[1],
         context_lens.data_ptr(), b, h, kvh, d, bs, window or 0, scale, DTYPES[q.dtype], out.data_ptr(),
         scratch.data_ptr())
-    return out.to(q.dtype)
-
+    return out

@@ -92,9 +92,9 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
                                            enable_gqa=True)  # causal from key 0: query j sees keys 0..j
         out[chunk.start:chunk.start + chunk.length] = o[0].transpose(0, 1)
     nd = meta.num_decode
-    if nd and step.decode_kernel:
-        out[:nd] = paged_decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens,
-                                          scale, meta.sliding_window, checked=True)
+    if nd and step.decode_kernel:  # written in place: out's first nd rows are contiguous
+        paged_decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
+                               meta.sliding_window, checked=True, out=out[:nd])
     elif nd:
         k, v = _gather(kv_layer, step.decode_blocks, nd)  # [B, KVH, L, D]
         o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=step.decode_mask, scale=scale,
