@@ -51,12 +51,11 @@ def scratch_floats(heads: int, kv_heads: int, head_dim: int, longest: int) -> in
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, window: int | None, checked: bool = False, out: torch.Tensor | None = None,
-                           scratch: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, window: int | None, checked: bool = False,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D]; kv_layer [NB, 2, bs, KVH, D] (the new tokens' K/V stored); tables [B, W] int32; context_lens
     [B] int32 (0: a padding row, zeros) -> [B, H, D] in q's dtype, into `out` where given (contiguous). `checked`:
-    the caller ran check_tables on these tables (once a step, for every layer); `scratch`: float32 of at least
-    scratch_floats(...) for the tables' width, which a step's layers may share (torch_attention.plan)."""
+    the caller ran check_tables on these tables (once a step, for every layer)."""
     b, h, d = q.shape
     nb, _, bs, kvh, kd = kv_layer.shape
     if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,):
@@ -71,9 +70,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"paged_decode_attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
-    need = scratch_floats(h, kvh, d, tables.shape[1] * bs)
-    if scratch is None or scratch.numel() < need:
-        scratch = torch.empty(need, dtype=torch.float32)
+    scratch = torch.empty(scratch_floats(h, kvh, d, tables.shape[1] * bs), dtype=torch.float32)
     s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
     load().paged_decode_attention(
         q.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok, s_head, tables.data_ptr(), tables.shape[1],
