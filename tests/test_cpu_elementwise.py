@@ -76,6 +76,8 @@ def test_rope_store_equals_rotate_then_write_kv(rows, heads, kv_heads, dim):
     assert torch.equal(got_q, qk[:, :heads]) and torch.equal(kv, want_kv)
     with pytest.raises(IndexError, match="past the cache"):
         elementwise.rope_store(qkv, heads, kv_heads, cos, sin, kv, torch.full((rows,), blocks * block_size))
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        elementwise.rope_store(qkv, heads, kv_heads, cos, sin, kv.float(), slots)
 
 
 @needs_lib

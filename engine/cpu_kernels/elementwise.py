@@ -66,6 +66,8 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, 
     if qkv.shape[1] != (heads + 2 * kv_heads) * d or kv_layer.shape[3] != kv_heads or kv_layer.stride(-1) != 1:
         raise ValueError(f"rope_store: qkv {tuple(qkv.shape)} and kv_layer {tuple(kv_layer.shape)} do not agree "
                          f"with {heads} heads and {kv_heads} KV heads")
+    if {qkv.dtype, cos.dtype, sin.dtype, kv_layer.dtype} != {torch.bfloat16}:
+        raise ValueError(f"rope_store: bfloat16 only, got qkv {qkv.dtype}, cos/sin {cos.dtype}, kv {kv_layer.dtype}")
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     slots = slots.to(torch.int64).contiguous()
     q = torch.empty((t, heads, d), dtype=qkv.dtype)
