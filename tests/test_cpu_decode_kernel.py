@@ -66,6 +66,10 @@ def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="do not agree"):
         paged_decode.paged_decode_attention(q, torch.zeros(4, 2, 16, 3, 32), torch.zeros(2, 1, dtype=torch.int32),
                                             torch.ones(2, dtype=torch.int32), 1.0, None)
+    with pytest.raises(ValueError, match="do not agree"):  # a cache of another dtype than q
+        paged_decode.paged_decode_attention(q, torch.zeros(4, 2, 16, 4, 32, dtype=torch.bfloat16),
+                                            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                                            1.0, None)
     with pytest.raises(ValueError, match="out must be"):
         paged_decode.paged_decode_attention(q, torch.zeros(4, 2, 16, 4, 32), torch.zeros(2, 1, dtype=torch.int32),
                                             torch.ones(2, dtype=torch.int32), 1.0, None, out=torch.zeros(2, 8, 16))

@@ -58,9 +58,10 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
     the caller ran check_tables on these tables (once a step, for every layer)."""
     b, h, d = q.shape
     nb, _, bs, kvh, kd = kv_layer.shape
-    if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,):
-        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, kv_layer {tuple(kv_layer.shape)}, "
-                         f"tables {tuple(tables.shape)}, context_lens {tuple(context_lens.shape)} do not agree")
+    if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,) or kv_layer.dtype != q.dtype:
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} {q.dtype}, kv_layer {tuple(kv_layer.shape)} "
+                         f"{kv_layer.dtype}, tables {tuple(tables.shape)}, context_lens {tuple(context_lens.shape)} "
+                         "do not agree")
     if not checked:
         check_tables(tables, context_lens, nb, bs)
     q = q.contiguous()
