@@ -127,7 +127,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
  * contiguous. A negative slot (a padding row) stores nothing. Returns 0, or -1 (nothing written from that row on)
  * where a slot is at or past num_blocks * block_size. */
 int rope_store_bf16(const uint16_t *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                    const uint16_t *cos, const uint16_t *sin, const int64_t *slots, uint16_t *kv, int64_t num_blocks,
+                    const uint16_t *cos, const uint16_t *sin, const int32_t *slots, uint16_t *kv, int64_t num_blocks,
                     int64_t block_size, int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head,
                     uint16_t *q_out) {
     const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;

@@ -59,8 +59,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) D] bfloat16 (the fused projection's output); cos, sin [T, 1, D] bfloat16; kv_layer
-    [NB, 2, bs, KVH, D]; slots [T] int64 (negative: not stored) -> rotated q [T, H, D]; rotated k and v are stored
-    at `slots`, as engine.model.rope.rotate then engine.model.torch_attention.write_kv do, bit for bit."""
+    [NB, 2, bs, KVH, D]; slots [T] int32, as the step inputs hold them (negative: not stored) -> rotated q
+    [T, H, D]; rotated k and v are stored at `slots`, as engine.model.rope.rotate then
+    engine.model.torch_attention.write_kv do, bit for bit."""
     t = qkv.shape[0]
     d = kv_layer.shape[-1]
     if qkv.shape[1] != (heads + 2 * kv_heads) * d or kv_layer.shape[3] != kv_heads or kv_layer.stride(-1) != 1:
@@ -69,7 +70,7 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, 
     if {qkv.dtype, cos.dtype, sin.dtype, kv_layer.dtype} != {torch.bfloat16}:
         raise ValueError(f"rope_store: bfloat16 only, got qkv {qkv.dtype}, cos/sin {cos.dtype}, kv {kv_layer.dtype}")
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    slots = slots.to(torch.int64).contiguous()
+    slots = slots.to(torch.int32).contiguous()  # a no-op for the engine's own slots
     q = torch.empty((t, heads, d), dtype=qkv.dtype)
     nb, _, bs = kv_layer.shape[:3]
     s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()

@@ -19,7 +19,7 @@ from engine.model import torch_attention
 class AttentionMetadata:
     """Where the step's tokens go in the cache and what each one attends to. Built by the model runner."""
 
-    slots: torch.Tensor                 # [T] int64, block id * block size + offset; negative = padding, not stored
+    slots: torch.Tensor                 # [T] int32, block id * block size + offset; negative = padding, not stored
     num_decode: int                     # the first num_decode tokens are single-token (decode) sequences
     decode_block_tables: torch.Tensor   # [Bd, W] int32, padded with 0
     decode_context_lens: torch.Tensor   # [Bd] int32, context including the new token; 0 = padding row
