@@ -188,7 +188,7 @@ class Pools:
         return ray.remote(DecodeWorker).options(**options).remote(
             f"decode-{index}", cfg.engine_config(pool, seed=1000 + index),
             agent if cfg.mode == "disaggregated" else None, _threads(pool), cfg.admission.timeout_s,
-            output_stream=True)
+            stream=True)
 
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:

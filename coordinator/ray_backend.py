@@ -3,8 +3,10 @@
 Owns each request's path between workers, as a sequence of attempts. An attempt is placed by Admission (which
 books its capacity in the request's Reservation), then: prefill (the first token streams at once), the handoff
 (the decode worker pulls the KV; a failed transfer makes it recompute the prompt instead, per
-`transfer.on_failure`), and the token stream, which arrives from each decode worker in batches on its output stream
-(decode_pool.output_stream; a worker started without one is long-polled). When a worker dies under an attempt
+`transfer.on_failure`), and the token stream, which arrives from each decode worker in batches on its stream
+(decode_pool.worker_stream; a worker started without one is long-polled). A request run whole on one worker
+(collocated) starts and ends there by commands on that stream, not Ray calls: one write each, and its abort can
+never overtake its start. When a worker dies under an attempt
 (WorkerLost), the request moves: the next attempt prefills the prompt plus every token already streamed and
 continues from there, so the client sees one stream with no token missing or repeated (seeded sampling is keyed
 by output index, so the continuation equals an uninterrupted run). At most `recovery.max_migrations` moves, then
@@ -45,8 +47,8 @@ from coordinator.reservation import Ledger, Reservation
 from coordinator.router import Router, WorkerState
 from coordinator.serve_config import FaultsConfig, ServeConfig
 from coordinator.supervisor import Supervisor
-from decode_pool.output_stream import read_batches
 from decode_pool.step_delta import StepDelta
+from decode_pool.worker_stream import StreamLink
 from engine.core.request_timing import Durations
 from engine.gc_pauses import GcPauses
 from engine.load import EngineLoad
@@ -170,7 +172,12 @@ class RayBackend:
         finished = joined = False  # joined: a token came from the decode stream
         decode, streamed, prior = placement.decode, prior, list(prior)
         try:
-            if placement.prefill is None:
+            if placement.prefill is None and decode.link is not None and decode.link.connected:
+                cleanup.append((decode, "abort_on_stream"))  # after the generate, on the same stream
+                decode.requests.add(attempt)
+                decode.link.send(("generate", attempt, request.prompt_token_ids, request.params, prior,
+                                  placement.priority))
+            elif placement.prefill is None:
                 cleanup.append((decode, "abort"))
                 decode.requests.add(attempt)
                 await self._call(decode, decode.handle.generate.remote(
@@ -206,7 +213,10 @@ class RayBackend:
             ends = []
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
-                if worker.alive and (action == "release" or not finished):
+                if action == "abort_on_stream":
+                    if worker.alive and not finished and worker.link is not None and worker.link.connected:
+                        worker.link.send(("abort", attempt))  # (a broken stream: the worker is lost already)
+                elif worker.alive and (action == "release" or not finished):
                     ends.append(getattr(worker.handle, action))
             if self.pools.pushes and len(ends) > 1:  # the prefill's abort first: the decode worker's blocks are
                 self._spawn(_in_order(attempt, ends))  # freed only once no push writes into them
@@ -347,17 +357,24 @@ class RayBackend:
             self._take_outputs(worker, outputs, load, phases)
 
     async def _stream_loop(self, worker: WorkerState) -> None:
-        """A worker's outputs from its output stream (decode_pool.output_stream) until it ends: the worker died."""
-        host, port, token = worker.info.outputs_at
+        """A worker's outputs from its stream (decode_pool.worker_stream) until it ends: the worker died. While it
+        runs, the worker's `link` takes commands."""
+        link = worker.link = StreamLink(*worker.info.outputs_at)
         try:
-            async with aclosing(read_batches(host, port, token)) as batches:
-                async for outputs, load, phases in batches:
+            async with aclosing(link.batches()) as batches:
+                async for outputs, load, phases, failed in batches:
                     if not worker.alive:
                         return
                     self._take_outputs(worker, outputs, load, phases)
+                    for attempt, error in failed.items():  # a command refused (e.g. add_request's ValueError)
+                        self._count(self.errors, "worker_error")
+                        self._fail(attempt, BackendError(f"worker {worker.name} failed: {error}"))
             why = "its output stream ended"
         except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
             why = f"its output stream failed: {type(e).__name__}: {e}"
+        finally:
+            if worker.link is link:
+                worker.link = None
         if worker.alive:
             self.supervisor.worker_died(worker, why)
 

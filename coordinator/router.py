@@ -33,6 +33,7 @@ class WorkerState:
     incarnation: int = 0             # 0 for the first actor of this slot, +1 per replacement
     served: int = 0                  # requests routed here (for tests and metrics)
     requests: set[str] = field(default_factory=set)  # worker-side ids of requests running here
+    link: Any = None                 # a decode worker's stream while connected (decode_pool.worker_stream.StreamLink)
 
     @property
     def name(self) -> str:

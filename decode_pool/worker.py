@@ -3,11 +3,14 @@ runs whole requests.
 
 Owns one engine stepped by one AsyncEngine loop, one KVAgent per rank that pulls from prefill workers, and the
 handoffs in flight (decode_pool.handoff: the pull and the join of a request prefilled elsewhere). Tokens leave in
-batches, one per step, never one call per token: with `output_stream` (as the coordinator starts its workers) the
-engine thread writes each step's deltas to the coordinator's stream (decode_pool.output_stream); without it they
-wait in an outbox that poll() drains. Block ownership: reserve (booked early, while the prompt is prefilled elsewhere:
-decode_pool.reservations) -> (transfer in flight: nobody else may touch them) -> running request -> freed on finish
-or abort; an abort during a transfer is applied once the transfer has ended.
+batches, one per step, never one call per token: with `stream` (as the coordinator starts its workers) the
+engine thread writes each step's deltas to the coordinator's stream (decode_pool.worker_stream); without it they
+wait in an outbox that poll() drains. The same stream brings the coordinator's commands ("generate" and "abort"
+for requests run here whole: `_command`), which reach the engine's queue straight from the stream's reading thread;
+a command that fails comes back on the stream under its request id, as a Ray call's error would.
+Block ownership: reserve (booked early, while the prompt is prefilled elsewhere: decode_pool.reservations) ->
+(transfer in flight: nobody else may touch them) -> running request -> freed on finish or abort; an abort during a
+transfer is applied once the transfer has ended.
 Every entry point takes `prior_output_ids` for a request resumed after its worker died: the outputs it already
 delivered, whose KV comes (transferred or recomputed) with the prompt's; only new tokens come out of poll().
 Groups (n choices of one prompt, engine.choices): `decode_group` pulls the prompt's KV ONCE into a reservation
@@ -33,9 +36,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from decode_pool.handoff import Handoffs
-from decode_pool.output_stream import OutputStream
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
 from decode_pool.step_delta import StepDelta
+from decode_pool.worker_stream import WorkerStream
 from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
 from engine.core.request_timing import Durations, RequestTiming
@@ -55,10 +58,11 @@ if TYPE_CHECKING:
 
 class DecodeWorker:
     def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
-                 admission_timeout_s: float, output_stream: bool = False) -> None:
+                 admission_timeout_s: float, stream: bool = False) -> None:
         self.name = name
-        self._use_stream = output_stream  # outputs go to the coordinator on a stream (decode_pool.output_stream)
-        self._stream: OutputStream | None = None  # ... opened by start(); None: poll() drains the outbox
+        self._use_stream = stream  # outputs go to the coordinator on a stream (decode_pool.worker_stream)
+        self._stream: WorkerStream | None = None  # ... opened by start(); None: poll() drains the outbox
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stream_sent_at = 0.0
         self._load_task: asyncio.Task | None = None
         self._engine_config = engine_config
@@ -94,10 +98,11 @@ class DecodeWorker:
         rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         engine_s = time.monotonic() - started
+        self._event_loop = asyncio.get_running_loop()
         if self._use_stream:
             import ray
 
-            self._stream = OutputStream(ray.util.get_node_ip_address())
+            self._stream = WorkerStream(ray.util.get_node_ip_address(), self._command)
         self.loop = AsyncEngine(engine, self._on_outputs, step_hook=self._stream_step if self._stream else None)
         self.reservations = Reservations(self.loop, self.name, self._admission_timeout_s)
         self._task = asyncio.get_running_loop().create_task(self.loop.run())
@@ -171,15 +176,12 @@ class DecodeWorker:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prior_output_ids: Sequence[int] = (), priority: int = 0) -> EngineLoad:
         """Collocated mode (or a resumed request recomputed here): run the request here, its KV computed over
-        prompt + prior outputs; its new tokens come out of poll()."""
+        prompt + prior outputs; its new tokens come out of poll(). (The stream's "generate" command does the same
+        without a call: `_command`.)"""
         prior = list(prior_output_ids)
         self._timing.received(request_id)
-
-        def add(e: LLMEngine) -> None:
-            e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior, priority=priority)
-            self._timing.attach(request_id, e.scheduler.requests.get(request_id))
         try:
-            await self.loop.call(add)
+            await self.loop.call(lambda e: self._add(e, request_id, prompt_token_ids, params, prior, priority))
         except BaseException:
             self._timing.drop(request_id)
             raise
@@ -299,6 +301,40 @@ class DecodeWorker:
             self._stream.close()
 
     # ---- internals
+    def _add(self, e: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             prior: list[int], priority: int) -> None:
+        """On the engine thread: start a request run here whole, timed from its arrival."""
+        e.add_request(request_id, prompt_token_ids, params, prior_output_ids=prior, priority=priority)
+        self._timing.attach(request_id, e.scheduler.requests.get(request_id))
+
+    def _command(self, command: tuple) -> None:
+        """A command from the coordinator's stream, on the stream's reading thread (in the coordinator's order):
+        ("generate", request id, prompt ids, params, prior output ids, priority) queues the request for the engine
+        thread at once; ("abort", request id) runs abort() on the event loop, whose engine call queues behind any
+        generate read before it. A generate that fails comes back on the stream."""
+        kind, request_id = command[0], command[1]
+        if kind == "generate":
+            self._timing.received(request_id)
+            args = command[2:]
+
+            def add(e: LLMEngine) -> None:
+                try:
+                    self._add(e, request_id, *args)
+                except Exception as error:  # noqa: BLE001 - the coordinator fails the request with it
+                    self._refuse(request_id, error)
+            try:
+                self.loop.post(add)
+            except RuntimeError as error:  # the engine loop has stopped (this process is exiting)
+                self._refuse(request_id, error)
+        elif kind == "abort":
+            asyncio.run_coroutine_threadsafe(self.abort(request_id), self._event_loop)
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    def _refuse(self, request_id: str, error: BaseException) -> None:
+        self._timing.drop(request_id)
+        self._stream.send(([], self._step_load, {}, {request_id: repr(error)}))
+
     def _reported(self, load: EngineLoad) -> EngineLoad:
         """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
         return replace(load, **self._gc.figures())
@@ -337,7 +373,7 @@ class DecodeWorker:
         groups = self._group_prefills
         deltas = [o for o in outputs if o.request_id not in groups] if groups else outputs
         if deltas:
-            self._stream.send((StepDelta.wire(deltas), self._step_load, self._first_phases(deltas)))
+            self._stream.send((StepDelta.wire(deltas), self._step_load, self._first_phases(deltas), {}))
             self._stream_sent_at = time.monotonic()
         return [o for o in outputs if o.request_id in groups] if groups else []
 
@@ -345,7 +381,7 @@ class DecodeWorker:
         """Outputs made off the engine's steps (a request ended as it joined) or, without a stream, every step's."""
         if self._stream is not None:
             if outputs:
-                self._stream.send((StepDelta.wire(outputs), self._step_load, self._first_phases(outputs)))
+                self._stream.send((StepDelta.wire(outputs), self._step_load, self._first_phases(outputs), {}))
                 self._stream_sent_at = time.monotonic()
             return
         self._phases.update(self._first_phases(outputs))
@@ -368,6 +404,6 @@ class DecodeWorker:
         while True:
             await asyncio.sleep(LOAD_REFRESH_S)
             if time.monotonic() - self._stream_sent_at >= LOAD_REFRESH_S:
-                self._stream.send(([], await self.load(), {}))
+                self._stream.send(([], await self.load(), {}, {}))
                 self._stream_sent_at = time.monotonic()
 

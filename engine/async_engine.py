@@ -2,17 +2,19 @@
 
 Rule: only the engine thread touches the engine. It steps the engine back to back and, between two steps, runs
 the calls queued by `call(fn)` / `submit(fn)` (in the order queued), whose results come back to the event loop as
-futures. Every step's outputs go to `on_outputs(outputs, load)` on the event loop, with the engine's load taken
-right after that step (and first, where given, to `step_hook(outputs, load)` on the engine thread: work that must
-not wait for the event loop; it may keep some outputs from the loop, which is then not woken for a step with none
-left). The event loop is never on the stepping path: a step does not wait for it to run a
-callback, so serving RPCs and shipping outputs overlap the next step instead of delaying it. A failing step fails
-the thread: `run()` raises and every pending call gets the error, so owners notice instead of hanging.
+futures, and those that `post(fn)` queues from any thread (no result: fn reports its own errors). Every step's
+outputs go to `on_outputs(outputs, load)` on the event loop, with the engine's load taken right after that step (and
+first, where given, to `step_hook(outputs, load)` on the engine thread: work that must not wait for the event loop;
+it may keep some outputs from the loop, which is then not woken for a step with none left). The event loop is never
+on the stepping path: a step does not wait for it to run a callback, so serving RPCs and shipping outputs overlap
+the next step instead of delaying it. A failing step fails the thread: `run()` raises and every pending call gets
+the error, so owners notice instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import threading
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # the types only: a process that merely hosts the worker clas
     from engine.load import EngineLoad
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' leases
 
@@ -42,7 +45,7 @@ class AsyncEngine:
         self._layer_hook = layer_hook  # passed to every step (LLMEngine.step), run on the engine thread
         # step_hook(outputs, load) on the engine thread first; it returns the outputs left for on_outputs (None: all)
         self._step_hook = step_hook
-        self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = deque()
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future | None]] = deque()
         self._wakeup = threading.Event()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -62,6 +65,14 @@ class AsyncEngine:
         self._calls.append((fn, future))
         self._wakeup.set()
         return future
+
+    def post(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Queue fn(engine) from any thread, without a result (fn handles its own errors: one that escapes is
+        logged). Queued in one order with submit()'s calls; RuntimeError once the loop has stopped."""
+        if self._closed:
+            raise RuntimeError("the engine loop has stopped")
+        self._calls.append((fn, None))
+        self._wakeup.set()
 
     async def run(self) -> None:
         """Step on the engine thread until close() or a failure (raised here)."""
@@ -135,6 +146,12 @@ class AsyncEngine:
     def _apply_calls(self) -> None:
         while self._calls:
             fn, future = self._calls.popleft()
+            if future is None:  # post()'s
+                try:
+                    fn(self.engine)
+                except Exception:
+                    log.exception("a posted engine call failed")
+                continue
             if future.done():  # cancelled by its caller
                 continue
             try:
@@ -151,7 +168,7 @@ class AsyncEngine:
     def _fail_pending(self, error: BaseException) -> None:
         while self._calls:
             _, future = self._calls.popleft()
-            if not future.done():
+            if future is not None and not future.done():
                 future.set_exception(error)
 
 

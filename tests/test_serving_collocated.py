@@ -22,6 +22,7 @@ from tests.server_process import (
     admin_integrity,
     admin_kill,
     complete,
+    metric_values,
     running_server,
     streams_with_a_kill,
     wait_for_health,
@@ -110,3 +111,27 @@ def test_a_migrated_stream_names_the_time_it_lost_and_its_phases_still_sum(serve
     assert counts["migration"] >= 1
     wait_for_health(url, 200)
     wait_for_idle_workers(url)
+
+
+def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_worker(server_collocated, llama):
+    """The stream is closed after three chunks: the abort goes to the worker on the same stream as the request's
+    start (decode_pool.worker_stream), so the engine stops it long before its max_tokens: the workers' sampled
+    tokens grow by far less than the request asked for, and nothing stays booked."""
+    wait_for_idle_workers(server_collocated.url)
+
+    def sampled() -> float:
+        return sum(metric_values(server_collocated.url, "pdserve_worker_engine_sampled_tokens_total").values())
+    before = sampled()
+    body = {"model": str(llama), "prompt": random_prompts([20], 2000, seed=5)[0], "max_tokens": 480,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server_collocated.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 3:
+                    break
+    wait_for_idle_workers(server_collocated.url)
+    assert sampled() - before < 240, "the request ran on after its client left"
+    assert admin_integrity(server_collocated.url)["ok"]
