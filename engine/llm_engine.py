@@ -111,7 +111,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk)
-        sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests)
+        sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests,
+                          cpu_kernel=config.kernels == "auto")
         if self.followers is None:
             self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
                                       rank.prefill_graphs, rank.mixed_graphs)

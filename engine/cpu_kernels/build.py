@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from engine.tiny import default_cache_dir
@@ -25,23 +26,24 @@ log = logging.getLogger(__name__)
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]  # fast-math: vector expf
 
 
-def build(source: Path, what: str) -> ctypes.CDLL | None:
-    """`source` compiled and loaded, or None (logged, naming `what`) where it cannot be built here."""
+def build(source: Path, what: str, flags: Sequence[str] = (), libs: Sequence[str] = ()) -> ctypes.CDLL | None:
+    """`source` compiled and loaded, or None (logged, naming `what`) where it cannot be built here. `flags` follow
+    FLAGS (a later one overrides: "-fno-fast-math"); `libs` are linker arguments after the source."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None or platform.system() != "Linux":
         log.warning("no C compiler (cc): %s stays on the torch path", what)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(FLAGS).encode()
+        key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join([*FLAGS, *flags, *libs]).encode()
                              + _cpu_flags().encode()).hexdigest()[:16]
         target = default_cache_dir() / "cpu_kernels" / f"{source.stem}-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lmvec", "-lm"], check=True,
-                               capture_output=True, text=True)
+                subprocess.run([compiler, *FLAGS, *flags, "-o", str(built), str(source), *libs, "-lmvec", "-lm"],
+                               check=True, capture_output=True, text=True)
                 os.replace(built, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
