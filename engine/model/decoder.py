@@ -229,6 +229,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.cpu_decode_kernel = False  # torch path: decode attention by engine.cpu_kernels (use_cpu_decode_kernel)
+        self.cpu_prefill_kernel = False  # ... and prefill attention (use_cpu_prefill_kernel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -239,7 +240,7 @@ class CausalLM(nn.Module):
             rope = RopeInputs(positions, self.rope.cos, self.rope.sin)
         else:
             rope = RopeInputs(positions, *self.rope(positions, x.dtype))
-            meta = torch_attention.with_plan(meta, kv_cache, self.cpu_decode_kernel)
+            meta = torch_attention.with_plan(meta, kv_cache, self.cpu_decode_kernel, self.cpu_prefill_kernel)
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
@@ -267,6 +268,15 @@ class CausalLM(nn.Module):
         self.cpu_decode_kernel = (not self.kernels_enabled and dtype in DTYPES
                                   and torch.get_num_threads() <= MAX_THREADS and load() is not None)
         return self.cpu_decode_kernel
+
+    def use_cpu_prefill_kernel(self) -> bool:
+        """On the torch path, attend the prefill chunks with the AMX kernel where it runs here (bfloat16, head_dim a
+        multiple of 32) and torch runs on at most MAX_THREADS threads (the kernel runs on one); False elsewhere."""
+        from engine.cpu_kernels.paged_decode import MAX_THREADS
+        from engine.cpu_kernels.prefill_attention import takes
+        self.cpu_prefill_kernel = (not self.kernels_enabled and torch.get_num_threads() <= MAX_THREADS
+                                   and takes(self.config.head_dim, self.model.embed_tokens.weight.dtype))
+        return self.cpu_prefill_kernel
 
     def use_packed_linears(self) -> bool:
         """On the torch path without TP, run the projections and the LM head with oneDNN-packed weights where this

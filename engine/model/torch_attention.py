@@ -1,10 +1,12 @@
 """Paged attention in plain torch: the CPU path and the reference the Triton kernels are tested against.
 
 For each prefill chunk the keys are its whole context (cached prefix plus the new tokens, read back from the
-paged cache), causal. The decode rows are attended together in one padded batch, or, where the model chose it (the
-CPU's default), by the C kernel of engine.cpu_kernels.paged_decode, which reads each key and value once. What
-depends only on the step (block indices, masks) is built once per step (`plan`), not once per layer: on a small
-model on the CPU those few ops per layer were a tenth of a decode step.
+paged cache), causal; where the model chose it (bfloat16 on a CPU with AMX), every chunk of a layer goes to the C
+kernel of engine.cpu_kernels.prefill_attention in one call instead of a gather and SDPA each. The decode rows are
+attended together in one padded batch, or, where the model chose it (the CPU's default), by the C kernel of
+engine.cpu_kernels.paged_decode, which reads each key and value once. What depends only on the step (block indices,
+masks) is built once per step (`plan`), not once per layer: on a small model on the CPU those few ops per layer were
+a tenth of a decode step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_kernels.paged_decode import check_tables, paged_decode_attention
+from engine.cpu_kernels.prefill_attention import prefill_attention
 
 if TYPE_CHECKING:
     from engine.model.attention import AttentionMetadata
@@ -39,22 +42,35 @@ class TorchAttentionPlan:
     decode_blocks: torch.Tensor | None  # [Bd * W] int64, the decode rows' block tables flattened
     decode_mask: torch.Tensor | None    # [Bd, 1, 1, W * bs] bool
     decode_kernel: bool = False         # the decode rows go to the C kernel (engine.cpu_kernels.paged_decode)
+    prefill_chunks: torch.Tensor | None = None  # [C, 3] int32 (first row, length, context): the chunks go to the
+    prefill_max_ctx: int = 0                    # C kernel of engine.cpu_kernels.prefill_attention (None: SDPA)
 
 
-def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False) -> TorchAttentionPlan:
+def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False,
+         prefill_kernel: bool = False) -> TorchAttentionPlan:
     """Each prefill chunk's context blocks and causal mask, and the decode rows' blocks and mask (`kv`: the cache
-    [NB, L, 2, bs, KVH, D] or one layer of it [NB, 2, bs, KVH, D])."""
+    [NB, L, 2, bs, KVH, D] or one layer of it [NB, 2, bs, KVH, D]). `prefill_kernel`: the chunks go to the C kernel
+    (not with a sliding window, which it does not apply)."""
     dev, num_blocks, block_size = meta.slots.device, kv.shape[0], kv.shape[-3]
+    kernel = prefill_kernel and bool(meta.prefill_lens) and meta.sliding_window is None
     chunks, start = [], meta.num_decode
     for i, (n, ctx) in enumerate(meta.prefill_lens):
         nb = -(-ctx // block_size)
         mask = None  # a whole prompt without a window: SDPA's own causal mask, cheaper and bitwise the same
-        if ctx != n or meta.sliding_window is not None:
+        if not kernel and (ctx != n or meta.sliding_window is not None):
             positions = torch.arange(ctx - n, ctx, device=dev)
             keys = torch.arange(nb * block_size, device=dev)[None, :]
             mask = _mask(positions[:, None], keys, meta.sliding_window)
         chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
         start += n
+    prefill_chunks, max_ctx = None, 0
+    if kernel:
+        used = torch.cat([c.blocks for c in chunks])
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(f"a prefill chunk's block table points outside the cache's {num_blocks} blocks")
+        prefill_chunks = torch.tensor([(c.start, n, ctx) for c, (n, ctx) in zip(chunks, meta.prefill_lens,
+                                                                               strict=True)], dtype=torch.int32)
+        max_ctx = max(ctx for _, ctx in meta.prefill_lens)
     blocks = mask = None
     if meta.num_decode and decode_kernel:
         check_tables(meta.decode_block_tables, meta.decode_context_lens, num_blocks, block_size)
@@ -64,13 +80,15 @@ def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False)
         last = (meta.decode_context_lens.long() - 1)[:, None, None, None]  # query position of each row
         keys = torch.arange(tables.shape[1] * block_size, device=dev)[None, None, None, :]
         mask = _mask(last, keys, meta.sliding_window)
-    return TorchAttentionPlan(tuple(chunks), blocks, mask, decode_kernel)
+    return TorchAttentionPlan(tuple(chunks), blocks, mask, decode_kernel, prefill_chunks, max_ctx)
 
 
-def with_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, decode_kernel: bool = False) -> AttentionMetadata:
+def with_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, decode_kernel: bool = False,
+              prefill_kernel: bool = False) -> AttentionMetadata:
     """`meta` carrying its step's plan, so every layer's paged_attention reuses it. `decode_kernel`: the decode
-    rows run engine.cpu_kernels.paged_decode (the caller checked that it loads and takes these tensors)."""
-    return replace(meta, torch_plan=plan(meta, kv_cache, decode_kernel))
+    rows run engine.cpu_kernels.paged_decode, `prefill_kernel` the prefill chunks
+    engine.cpu_kernels.prefill_attention (the caller checked that they load and take these tensors)."""
+    return replace(meta, torch_plan=plan(meta, kv_cache, decode_kernel, prefill_kernel))
 
 
 def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -84,8 +102,13 @@ def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]."""
     step = meta.torch_plan if meta.torch_plan is not None else plan(meta, kv_layer)
+    if step.prefill_chunks is not None:
+        q = q.contiguous()  # (a no-op for the fused RoPE's q; a view of the projection's output otherwise)
     out = torch.empty_like(q)
-    for chunk in step.chunks:
+    if step.prefill_chunks is not None:  # every chunk in one call, straight from the cache
+        prefill_attention(q, kv_layer, step.prefill_chunks, meta.prefill_block_tables, step.prefill_max_ctx, scale,
+                          out)
+    for chunk in step.chunks if step.prefill_chunks is None else ():
         k, v = _gather(kv_layer, chunk.blocks, 1)  # [1, KVH, ctx rounded up to blocks, D]
         qi = q[chunk.start:chunk.start + chunk.length].transpose(0, 1)[None]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,

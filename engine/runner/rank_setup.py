@@ -60,6 +60,7 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
         model.use_kernels()
     elif config.kernels == "auto" and device.type == "cpu":
         model.use_cpu_decode_kernel()  # builds it now (about a second, once per machine), not on the first step
+        model.use_cpu_prefill_kernel()
         model.use_packed_linears()
         model.use_cpu_elementwise()
     if device.type == "cpu":
