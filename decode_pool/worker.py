@@ -27,6 +27,9 @@ request's first output, its phase durations on this worker, for the coordinator'
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
+import logging
 import os
 import pickle
 import socket
@@ -49,6 +52,7 @@ from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 
+log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.5  # with an output stream, an idle worker still reports its load this often
 
 if TYPE_CHECKING:
@@ -327,7 +331,8 @@ class DecodeWorker:
             except RuntimeError as error:  # the engine loop has stopped (this process is exiting)
                 self._refuse(request_id, error)
         elif kind == "abort":
-            asyncio.run_coroutine_threadsafe(self.abort(request_id), self._event_loop)
+            asyncio.run_coroutine_threadsafe(self.abort(request_id), self._event_loop).add_done_callback(
+                functools.partial(_log_failed_abort, request_id))
         else:
             raise ValueError(f"unknown command {kind!r}")
 
@@ -407,3 +412,8 @@ class DecodeWorker:
                 self._stream.send(([], await self.load(), {}, {}))
                 self._stream_sent_at = time.monotonic()
 
+
+def _log_failed_abort(request_id: str, done: concurrent.futures.Future) -> None:
+    """A streamed abort that raised (e.g. the engine loop has stopped: this process is exiting) is logged, not lost."""
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("abort of request %s failed: %r", request_id, done.exception())
