@@ -172,7 +172,7 @@ class RayBackend:
         finished = joined = False  # joined: a token came from the decode stream
         decode, streamed, prior = placement.decode, prior, list(prior)
         try:
-            if placement.prefill is None and decode.link is not None and decode.link.connected:
+            if placement.prefill is None and _connected(decode):
                 cleanup.append((decode, "abort_on_stream"))  # after the generate, on the same stream
                 decode.requests.add(attempt)
                 decode.link.send(("generate", attempt, request.prompt_token_ids, request.params, prior,
@@ -214,7 +214,7 @@ class RayBackend:
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
                 if action == "abort_on_stream":
-                    if worker.alive and not finished and worker.link is not None and worker.link.connected:
+                    if worker.alive and not finished and _connected(worker):
                         worker.link.send(("abort", attempt))  # (a broken stream: the worker is lost already)
                 elif worker.alive and (action == "release" or not finished):
                     ends.append(getattr(worker.handle, action))
@@ -459,6 +459,11 @@ class RayBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _connected(worker: WorkerState) -> bool:
+    """Whether the worker's stream takes commands now (decode_pool.worker_stream)."""
+    return worker.link is not None and worker.link.connected
 
 
 async def _in_order(attempt: str, ends: list[Any]) -> None:

@@ -42,8 +42,10 @@ class TorchAttentionPlan:
     decode_blocks: torch.Tensor | None  # [Bd * W] int64, the decode rows' block tables flattened
     decode_mask: torch.Tensor | None    # [Bd, 1, 1, W * bs] bool
     decode_kernel: bool = False         # the decode rows go to the C kernel (engine.cpu_kernels.paged_decode)
-    prefill_chunks: torch.Tensor | None = None  # [C, 3] int32 (first row, length, context): the chunks go to the
-    prefill_max_ctx: int = 0                    # C kernel of engine.cpu_kernels.prefill_attention (None: SDPA)
+    # [C, 3] int32 (first row, length, context): the chunks go to engine.cpu_kernels.prefill_attention (then
+    # `chunks` is empty); None: each chunk of `chunks` to SDPA
+    prefill_chunks: torch.Tensor | None = None
+    prefill_max_ctx: int = 0
 
 
 def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False,
@@ -53,24 +55,24 @@ def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False,
     (not with a sliding window, which it does not apply)."""
     dev, num_blocks, block_size = meta.slots.device, kv.shape[0], kv.shape[-3]
     kernel = prefill_kernel and bool(meta.prefill_lens) and meta.sliding_window is None
-    chunks, start = [], meta.num_decode
+    chunks, rows, start = [], [], meta.num_decode  # ChunkPlans for SDPA, or the kernel's (start, n, ctx) rows
     for i, (n, ctx) in enumerate(meta.prefill_lens):
         nb = -(-ctx // block_size)
-        mask = None  # a whole prompt without a window: SDPA's own causal mask, cheaper and bitwise the same
-        if not kernel and (ctx != n or meta.sliding_window is not None):
-            positions = torch.arange(ctx - n, ctx, device=dev)
-            keys = torch.arange(nb * block_size, device=dev)[None, :]
-            mask = _mask(positions[:, None], keys, meta.sliding_window)
-        chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
+        if kernel:
+            rows.append((start, n, ctx))
+            blocks = meta.prefill_block_tables[i, :nb]
+            if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:  # the kernel reads where they point
+                raise ValueError(f"a prefill chunk's block table points outside the cache's {num_blocks} blocks")
+        else:
+            mask = None  # a whole prompt without a window: SDPA's own causal mask, cheaper and bitwise the same
+            if ctx != n or meta.sliding_window is not None:
+                positions = torch.arange(ctx - n, ctx, device=dev)
+                keys = torch.arange(nb * block_size, device=dev)[None, :]
+                mask = _mask(positions[:, None], keys, meta.sliding_window)
+            chunks.append(ChunkPlan(start, n, meta.prefill_block_tables[i, :nb].long(), mask))
         start += n
-    prefill_chunks, max_ctx = None, 0
-    if kernel:
-        used = torch.cat([c.blocks for c in chunks])
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-            raise ValueError(f"a prefill chunk's block table points outside the cache's {num_blocks} blocks")
-        prefill_chunks = torch.tensor([(c.start, n, ctx) for c, (n, ctx) in zip(chunks, meta.prefill_lens,
-                                                                               strict=True)], dtype=torch.int32)
-        max_ctx = max(ctx for _, ctx in meta.prefill_lens)
+    prefill_chunks = torch.tensor(rows, dtype=torch.int32) if kernel else None
+    max_ctx = max(ctx for _, ctx in meta.prefill_lens) if kernel else 0
     blocks = mask = None
     if meta.num_decode and decode_kernel:
         check_tables(meta.decode_block_tables, meta.decode_context_lens, num_blocks, block_size)
@@ -102,13 +104,14 @@ def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]."""
     step = meta.torch_plan if meta.torch_plan is not None else plan(meta, kv_layer)
-    if step.prefill_chunks is not None:
-        q = q.contiguous()  # (a no-op for the fused RoPE's q; a view of the projection's output otherwise)
-    out = torch.empty_like(q)
     if step.prefill_chunks is not None:  # every chunk in one call, straight from the cache
+        q = q.contiguous()  # (a no-op for the fused RoPE's q; a view of the projection's output otherwise)
+        out = torch.empty_like(q)
         prefill_attention(q, kv_layer, step.prefill_chunks, meta.prefill_block_tables, step.prefill_max_ctx, scale,
                           out)
-    for chunk in step.chunks if step.prefill_chunks is None else ():
+    else:
+        out = torch.empty_like(q)
+    for chunk in step.chunks:
         k, v = _gather(kv_layer, chunk.blocks, 1)  # [1, KVH, ctx rounded up to blocks, D]
         qi = q[chunk.start:chunk.start + chunk.length].transpose(0, 1)[None]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
