@@ -107,10 +107,11 @@ def add_sweep_parser(sub) -> None:
 
 def sweep_main(args: argparse.Namespace) -> int:
     from benchclient.sweep import run_sweep  # lazy: plots need matplotlib
-    from benchclient.sweep_config import SweepConfigError, load_sweep_config
+    from benchclient.sweep_config import load_sweep_config
+    from engine.config_error import ConfigError
     try:
         config = load_sweep_config(args.config)
-    except SweepConfigError as e:
+    except ConfigError as e:
         print(f"pdserve sweep: error: {e}", file=sys.stderr)
         return 2
     outcome = run_sweep(config, out_dir=args.out)

@@ -18,6 +18,7 @@ import yaml
 from benchclient.arrivals import ArrivalSpec
 from benchclient.stats import SLO
 from benchclient.workload import WorkloadSpec, build_requests
+from engine.config_error import ConfigError
 
 KEYS = {"description", "base_config", "output_dir", "ray_address", "overrides", "layouts", "workloads", "loads", "slo",
         "warmup_s", "duration_s", "timeout_s", "start_timeout_s", "endpoint", "ignore_eos", "restart_per_cell",
@@ -25,10 +26,6 @@ KEYS = {"description", "base_config", "output_dir", "ray_address", "overrides", 
 REQUIRED = ("base_config", "layouts", "workloads", "loads")
 LAYOUT_KEYS = {"name", "mode", "prefill", "decode", "workers", "set"}
 LOAD_KEYS = {"arrival", "rates", "concurrencies", "burstiness"}
-
-
-class SweepConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -95,12 +92,12 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise SweepConfigError(f"{path}: no such sweep config") from None
+        raise ConfigError(f"{path}: no such sweep config") from None
     except yaml.YAMLError as e:
-        raise SweepConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
-    def fail(key: str, reason: str) -> SweepConfigError:
-        return SweepConfigError(f"{path}: {key}: {reason}")
+    def fail(key: str, reason: str) -> ConfigError:
+        return ConfigError(f"{path}: {key}: {reason}")
 
     _no_unknown(_mapping(raw, "top level", fail), KEYS, "", fail)
     for key in (k for k in REQUIRED if k not in raw):
@@ -199,7 +196,7 @@ def _layouts(value: Any, fail) -> tuple[Layout, ...]:
 
 
 def _check_serving(base: Path, overrides: dict, where: str, fail) -> None:
-    from coordinator.serve_config import ConfigError, load_serve_config  # the serving stack's own checks
+    from coordinator.config.serve_config import load_serve_config  # the serving stack's own checks
     try:
         load_serve_config(base, overrides)
     except ConfigError as e:

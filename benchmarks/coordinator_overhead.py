@@ -1,6 +1,7 @@
 """The coordinator alone: its CPU per streamed token, and a probe request's TTFT while a flood of streams runs.
 
-The real app (`coordinator.app.create_app` under `coordinator.serve.uvicorn_config`: FastAPI, httptools with
+The real app (`coordinator.api.app.create_app` under `coordinator.api.http_server.uvicorn_config`: FastAPI, httptools
+with
 its head timeout, tokenizer, detokenizer, SSE, metrics) serves, in a subprocess of its own, over PacedBackend: one
 token to every running stream per tick, as an engine's decode step gives one to every running request, and exactly
 max_tokens of them. No engine and no Ray: what is measured is the coordinator's own work per token (issue 13,
@@ -35,9 +36,9 @@ from benchclient.client import Target  # noqa: E402
 from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec  # noqa: E402
-from coordinator.backend import GenerateRequest, TokenDelta  # noqa: E402
-from coordinator.held_queue import HeldQueue  # noqa: E402
-from coordinator.ray_backend import _coalesced  # noqa: E402
+from coordinator.backend.held_queue import HeldQueue  # noqa: E402
+from coordinator.backend.ray_backend import _coalesced  # noqa: E402
+from coordinator.contract import GenerateRequest, TokenDelta  # noqa: E402
 from engine.core.scheduler import StepOutput  # noqa: E402
 
 
@@ -102,12 +103,12 @@ def serve(port: int, tick_s: float, stream_interval: int, hold: bool, tenants: b
     """The server subprocess: the real app over PacedBackend on 127.0.0.1:port."""
     import uvicorn
 
-    from coordinator.app import create_app
-    from coordinator.serve import uvicorn_config
-    from coordinator.settings import ServerSettings
+    from coordinator.api.app import create_app
+    from coordinator.api.http_server import uvicorn_config
+    from coordinator.config.settings import ServerSettings
     from engine.tiny import ensure_tiny_model
     folder = ensure_tiny_model()
-    from coordinator.tenants import parse_tenants
+    from coordinator.config.tenants_config import parse_tenants
     settings = ServerSettings(port=port, stream_interval=stream_interval)
     app = create_app(PacedBackend(str(folder), tick_s, 2048, hold), settings,
                      parse_tenants(TENANTS) if tenants else None)

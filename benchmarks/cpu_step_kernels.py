@@ -25,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.cpu_kernels import prefill_attention as prefill_kernel
 from engine.cpu_kernels import sampling as draw_kernel
 from engine.model import torch_attention
-from engine.model.attention import AttentionMetadata
+from engine.model.attention_metadata import AttentionMetadata
 from engine.sampling.sampler import Sampler
 
 

@@ -7,7 +7,8 @@ first decode step against the raw transfer time of its KV, and how much running 
 
 Prints JSON lines, each figure next to its reference measured in the same run:
 - `handoff`: requests of `--prompt-len` tokens sent one at a time (none queues behind another); per request the
-  workers' phases (coordinator.phases): `kv_transfer` (reserve + pull) and `decode_join` (KV landed -> its first
+  workers' phases (coordinator.observability.phases): `kv_transfer` (reserve + pull) and `decode_join` (KV landed ->
+  its first
   decode step starts; at TP=1 over cuda_ipc a request joins the batch before its copies end and the device runs its
   first step after them, so this is what is left after the copies are seen to end), medians and p90; the raw time
   of the same KV bytes at the peer-copy rate measured before the server starts (GPU 0 -> GPU 1, 1 GiB; on the CPU
@@ -46,7 +47,7 @@ import httpx
 import torch
 import yaml
 
-from coordinator.serve_config import set_dotted
+from coordinator.config.serve_config import set_dotted
 from tests.server_process import running_server
 
 WITH_PHASES = {"stream": True, "stream_options": {"include_usage": True, "include_phases": True}}

@@ -27,7 +27,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from coordinator.serve_config import load_serve_config  # noqa: E402
+from coordinator.config.serve_config import load_serve_config  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from coordinator.serve_config import set_dotted
+from coordinator.config.serve_config import set_dotted
 from tests.server_process import running_server
 
 

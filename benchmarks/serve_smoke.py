@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from coordinator.serve_config import set_dotted
+from coordinator.config.serve_config import set_dotted
 from tests.server_process import metric_values, running_server
 
 

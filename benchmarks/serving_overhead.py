@@ -55,7 +55,7 @@ from benchclient.launcher import _stop, _wait_healthy, free_port  # noqa: E402
 from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
-from coordinator.serve_config import load_serve_config, set_dotted  # noqa: E402
+from coordinator.config.serve_config import load_serve_config, set_dotted  # noqa: E402
 from tests.server_process import frontend_pids, metric_values, running_server, worker_pids  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def offline_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Pr
     serve = load_serve_config(path)
     engine_config = dataclasses.replace(serve.engine_config(serve.decode), max_num_seqs=args.concurrency)
     if args.device == "cpu":
-        torch.set_num_threads(max(1, int(serve.decode.num_cpus)))  # the worker's threads (coordinator.pools)
+        torch.set_num_threads(max(1, int(serve.decode.num_cpus)))  # the worker's threads (coordinator.backend.pools)
     llm = LLM(**dataclasses.asdict(engine_config))
     step, stamps = llm.engine.step, []
 

@@ -47,7 +47,7 @@ from benchclient.phase_table import phase_summary
 from benchclient.run import RunConfig, run_load
 from benchclient.stats import SLO, summarize
 from benchclient.workload import WorkloadSpec
-from coordinator.serve_config import set_dotted
+from coordinator.config.serve_config import set_dotted
 from engine.gc_pauses import GcPauses
 from tests.server_process import frontend_pids, metric_values, running_server, scrape, values_in
 

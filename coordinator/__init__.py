@@ -1,3 +1,20 @@
-"""Coordinator: the OpenAI-compatible HTTP/SSE endpoint (`app`), tokenization, admission, routing (`router`) of
-each request to one prefill and one decode actor (`ray_backend`, `pools`), the request life cycle, the YAML
-config (`serve_config`) and the `pdserve` command (`cli`, `serve`). It never touches tensors."""
+"""Coordinator: the process that serves the OpenAI-compatible API and runs every request across the worker pools.
+It never touches tensors. A request passes its packages as stages, each visited once:
+
+    api/           the HTTP edge: OpenAI body -> one GenerateRequest (protocol), the request's life (lifecycle),
+                   internal outputs -> SSE / JSON (sse, choices, tool_stream), model routes, admin routes
+    admission/     who may run and when: tenants' keys and limits, the waiting queue, the booking ledger, and
+                   Admission, which places a request on workers and books its KV there
+    backend/       the Ray pools that run it: workers' states, router, supervisor (replaces dead workers),
+                   RayBackend (one request's attempts across workers), groups, drills
+    observability/ metrics, per-request phases, loop lag, stall reports
+    config/        the serving YAML, validated once and frozen
+    frontends/     HTTP in several processes in front of one core process
+
+and at the top `cli` (the `pdserve` command) and `serve` (start the pools, serve HTTP, drain). Two modules are
+shared vocabulary: `contract` (ServingBackend, GenerateRequest, TokenDelta and the backend's errors) and `errors`
+(OpenAI-shaped HTTP errors).
+
+Imports point down this list only (tests/test_import_structure.py keeps it so):
+cli, serve -> frontends -> api -> backend -> admission -> contract, errors -> observability -> config.
+"""

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_main(args: argparse.Namespace) -> int:
-    from coordinator.serve_config import ConfigError, check_tensor_parallel, load_serve_config
+    from coordinator.config.serve_config import check_tensor_parallel, load_serve_config
+    from engine.config_error import ConfigError
     overrides = {k: v for k, v in (("server.host", args.host), ("server.port", args.port),
                                    ("ray_address", args.ray_address)) if v is not None}
     try:
@@ -73,7 +74,8 @@ def _serve_main(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from coordinator.serve import ListenError, serve  # after validation: imports Ray and FastAPI
+    from coordinator.api.http_server import ListenError
+    from coordinator.serve import serve  # after validation: imports Ray and FastAPI
     start_watchdog()  # its pipe closes when this process has ended, after Ray's own exit handlers
     try:
         asyncio.run(serve(config))

@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from coordinator.backend import BackendError, GenerateRequest, TokenDelta
-from coordinator.serve import uvicorn_config
-from coordinator.settings import ServerSettings
+from coordinator.api.http_server import uvicorn_config
+from coordinator.config.settings import ServerSettings
+from coordinator.contract import BackendError, GenerateRequest, TokenDelta
 from engine.llm_engine import LLMEngine
 
 
@@ -177,7 +177,7 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        # the product's HTTP protocol and timeouts (coordinator.serve.uvicorn_config), default settings
+        # the product's HTTP protocol and timeouts (coordinator.api.http_server.uvicorn_config), default settings
         self.server = uvicorn.Server(uvicorn_config(app, ServerSettings(), log_config=None, log_level="warning",
                                                     lifespan="on"))
         self.loop: asyncio.AbstractEventLoop | None = None

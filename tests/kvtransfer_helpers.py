@@ -158,7 +158,7 @@ class AgentActor:
 
     def add_remote(self, meta: bytes) -> str:
         """Connect, again after a PeerLost (a handshake that a loaded machine answered late), up to three times,
-        as coordinator.pools connects workers."""
+        as coordinator.backend.pools connects workers."""
         from kvtransfer.errors import PeerLost
 
         for attempt in range(3):

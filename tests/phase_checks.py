@@ -1,4 +1,5 @@
-"""Checks of per-request phase tracing (coordinator.phases) against a running server, shared by the serving suites:
+"""Checks of per-request phase tracing (coordinator.observability.phases) against a running server, shared by the
+serving suites:
 a streamed request timed by the client as its bytes arrive, its phases read from the final usage chunk, and the
 `pdserve_request_phase_seconds` histograms read from /metrics."""
 
@@ -10,7 +11,7 @@ import time
 
 import httpx
 
-from coordinator.phases import DISAGGREGATED_ONLY, PHASES
+from coordinator.observability.phases import DISAGGREGATED_ONLY, PHASES
 from tests.server_process import metric_values
 
 DISAGGREGATED = set(PHASES) - {"migration"}

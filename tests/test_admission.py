@@ -5,13 +5,13 @@ import asyncio
 
 import pytest
 
-from coordinator.admission import Admission
-from coordinator.backend import GenerateRequest, Overloaded, RequestTooLarge
-from coordinator.pools import Pools
-from coordinator.reservation import Ledger
-from coordinator.router import Router, WorkerState
-from coordinator.serve_config import AdmissionConfig, RecoveryConfig, ServeConfig
-from coordinator.supervisor import Supervisor
+from coordinator.admission.admission import Admission
+from coordinator.admission.reservation import Ledger
+from coordinator.admission.router import Router, WorkerState
+from coordinator.backend.pools import Pools
+from coordinator.backend.supervisor import Supervisor
+from coordinator.config.serve_config import AdmissionConfig, RecoveryConfig, ServeConfig
+from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge
 from engine.core.sampling_params import SamplingParams
 from engine.load import WorkerInfo
 

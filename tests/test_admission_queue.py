@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from coordinator.admission_queue import AdmissionQueue, AdmissionTimeout
+from coordinator.admission.admission_queue import AdmissionQueue, AdmissionTimeout
 
 FAR = 1e9  # a deadline that never comes in a test
 

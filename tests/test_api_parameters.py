@@ -1,5 +1,5 @@
 """No request parameter is silently ignored: unknown fields are 400s naming them on both endpoints, and the README's
-request-parameter table says exactly what coordinator/protocol.py does (every declared field has a row; a "yes" is a
+request-parameter table says exactly what coordinator/api/protocol.py does (every declared field has a row; a "yes" is a
 declared field; a "400" is refused, by being unknown or through the example value its notes give)."""
 
 import json
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import protocol
-from coordinator.app import create_app
+from coordinator.api import protocol
+from coordinator.api.app import create_app
+from coordinator.config.settings import ServerSettings
 from coordinator.errors import APIError, RequestIdFilter
-from coordinator.settings import ServerSettings
 from engine import LLM
 from tests.inprocess_backend import InProcessBackend, run_asgi
 

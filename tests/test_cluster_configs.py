@@ -12,8 +12,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from coordinator.pools import worker_bundle
-from coordinator.serve_config import load_serve_config
+from coordinator.backend.pools import worker_bundle
+from coordinator.config.serve_config import load_serve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_CONFIGS = ["cluster.yaml", "cluster-local.yaml"]

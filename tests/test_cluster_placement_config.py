@@ -3,8 +3,9 @@ the other keys, and goes into every worker's placement-group bundle (the two-nod
 
 import pytest
 
-from coordinator.pools import worker_bundle
-from coordinator.serve_config import ConfigError, load_serve_config
+from coordinator.backend.pools import worker_bundle
+from coordinator.config.serve_config import load_serve_config
+from engine.config_error import ConfigError
 
 
 def write(tmp_path, text):

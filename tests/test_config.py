@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.model_config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
+from engine.config_error import ConfigError
+from engine.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from tests.hf_checkpoints import CheckpointCache
 
 

@@ -5,7 +5,7 @@ import it in their own processes (their start())."""
 import subprocess
 import sys
 
-MODULES = ("coordinator.cli", "coordinator.serve", "coordinator.ray_backend", "coordinator.pools",
+MODULES = ("coordinator.cli", "coordinator.serve", "coordinator.backend.ray_backend", "coordinator.backend.pools",
            "decode_pool.worker", "prefill_pool.worker", "kvtransfer.errors")
 
 

@@ -8,7 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cpu_kernels import paged_decode
 from engine.model import torch_attention
-from engine.model.attention import AttentionMetadata
+from engine.model.attention_metadata import AttentionMetadata
 
 needs_kernel = pytest.mark.skipif(paged_decode.load() is None, reason="no C compiler here")
 

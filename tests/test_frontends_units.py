@@ -10,13 +10,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import errors
-from coordinator.backend import BackendError, Overloaded, RequestTooLarge, WorkerLost
+from coordinator.api.lifecycle import Lifecycle
+from coordinator.contract import BackendError, Overloaded, RequestTooLarge, WorkerLost
 from coordinator.frontends import link as link_module
 from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import decode_error, encode_error
-from coordinator.lifecycle import Lifecycle
-from coordinator.metrics import Metrics
-from coordinator.phases import PhaseTrace
+from coordinator.observability.metrics import Metrics
+from coordinator.observability.phases import PhaseTrace
 
 
 @pytest.mark.parametrize("error", [Overloaded("full", retry_after_s=3.5), RequestTooLarge("huge"), WorkerLost("gone"),

@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 import torch
 
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_params
+from coordinator.api.tool_calls import parse_calls
+from coordinator.api.tool_stream import ToolStream
 from coordinator.errors import APIError
-from coordinator.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_params
-from coordinator.tool_calls import parse_calls
-from coordinator.tool_stream import ToolStream
 from engine import LLM, SamplingParams
 from engine.sampling.grammar import GrammarManager, apply_bitmask
 from engine.sampling.structured import StructuredSpec, check

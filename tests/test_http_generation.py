@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from coordinator.app import create_app
-from coordinator.settings import ServerSettings
+from coordinator.api.app import create_app
+from coordinator.config.settings import ServerSettings
 from engine import LLM, SamplingParams
 from tests.inprocess_backend import InProcessBackend, ServerThread, run_asgi, wait_until
 

@@ -17,11 +17,11 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
-from coordinator.app import create_app
-from coordinator.backend import BackendError
+from coordinator.api.app import create_app
+from coordinator.api.http_server import uvicorn_config
+from coordinator.config.settings import ServerSettings
+from coordinator.contract import BackendError
 from coordinator.errors import redact
-from coordinator.serve import uvicorn_config
-from coordinator.settings import ServerSettings
 from engine import LLM
 from tests.inprocess_backend import ServerThread, wait_until
 from tests.test_request_ids import RecordingBackend

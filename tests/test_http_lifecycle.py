@@ -9,13 +9,13 @@ import time
 import httpx
 import pytest
 
-from coordinator.app import create_app
-from coordinator.backend import GenerateRequest
+from coordinator.api.app import create_app
+from coordinator.api.lifecycle import Generation
+from coordinator.api.text_output import TextOutput
+from coordinator.config.settings import ServerSettings
+from coordinator.contract import GenerateRequest
 from coordinator.errors import APIError
-from coordinator.lifecycle import Generation
-from coordinator.metrics import Metrics
-from coordinator.settings import ServerSettings
-from coordinator.text_output import TextOutput
+from coordinator.observability.metrics import Metrics
 from engine import LLM, SamplingParams
 from tests.inprocess_backend import InProcessBackend, ServerThread, wait_until
 from tests.server_process import streamed_chunks
@@ -236,7 +236,7 @@ def test_without_stream_interval_every_token_is_its_own_chunk(server):
 
 
 def test_a_tenants_stream_interval_applies_to_its_requests_only(engine, checkpoints):
-    from coordinator.tenants import TenantConfig, TenantsConfig
+    from coordinator.config.tenants_config import TenantConfig, TenantsConfig
     tenants = TenantsConfig((TenantConfig("bulk", ("k-bulk",), priority="low", stream_interval=8),
                              TenantConfig("chat", ("k-chat",), priority="high")))
     backend = InProcessBackend(engine, checkpoints.tiny())

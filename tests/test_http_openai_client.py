@@ -4,8 +4,8 @@ and chat, streamed and not, give the engine's greedy output; its errors map to t
 import openai
 import pytest
 
-from coordinator.app import create_app
-from coordinator.settings import ServerSettings
+from coordinator.api.app import create_app
+from coordinator.config.settings import ServerSettings
 from engine import LLM, SamplingParams
 from tests.inprocess_backend import InProcessBackend, ServerThread
 

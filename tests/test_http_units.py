@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from coordinator.lifecycle import Lifecycle, Piece
-from coordinator.settings import ServerSettings
-from coordinator.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
-from coordinator.text_output import TextOutput
+from coordinator.api.lifecycle import Lifecycle, Piece
+from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
+from coordinator.api.text_output import TextOutput
+from coordinator.config.settings import ServerSettings
 from engine.text.tokenizer import Tokenizer
 
 TEXT = "The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed"

@@ -4,7 +4,7 @@ blocks (the estimate must rise well above an idle loop's; no duration is asserte
 import asyncio
 import time
 
-from coordinator.loop_lag import LoopLag
+from coordinator.observability.loop_lag import LoopLag
 
 
 def test_the_mean_follows_the_ticks_lateness():

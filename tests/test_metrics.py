@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import metrics as metrics_module
-from coordinator.app import create_app
-from coordinator.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS, Metrics
-from coordinator.phases import PHASES
-from coordinator.settings import ServerSettings
+from coordinator.api.app import create_app
+from coordinator.config.settings import ServerSettings
+from coordinator.observability import metrics as metrics_module
+from coordinator.observability.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS, Metrics
+from coordinator.observability.phases import PHASES
 from engine import LLM
 from tests.inprocess_backend import InProcessBackend, run_asgi
 

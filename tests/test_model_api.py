@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from coordinator.app import create_app, load_tokenizer
-from coordinator.settings import ServerSettings
+from coordinator.api.app import create_app, load_tokenizer
+from coordinator.config.settings import ServerSettings
 from engine import LLM
 from tests.inprocess_backend import InProcessBackend, ServerThread, run_asgi
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from coordinator.phases import PHASES, PhaseTrace, wire
+from coordinator.observability.phases import PHASES, PhaseTrace, wire
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.core.request_timing import RequestTiming

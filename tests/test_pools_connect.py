@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from coordinator.pools import CONNECT_ATTEMPTS, _connecting
+from coordinator.backend.pools import CONNECT_ATTEMPTS, _connecting
 from kvtransfer.errors import PeerLost
 
 

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from coordinator import errors
-from coordinator.app import create_app
-from coordinator.backend import BackendError, Overloaded
-from coordinator.settings import ServerSettings
+from coordinator.api.app import create_app
+from coordinator.config.settings import ServerSettings
+from coordinator.contract import BackendError, Overloaded
 from engine import LLM
 from tests.inprocess_backend import InProcessBackend, ServerThread, wait_until
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.reservation import Ledger
+from coordinator.admission.reservation import Ledger
 
 
 def test_release_gives_back_everything_once_and_integrity_holds_after_every_step():

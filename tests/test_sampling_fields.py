@@ -5,12 +5,12 @@ backend call), bad words tokenized as vLLM does, and the output text's stop-stri
 import httpx
 import pytest
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_params
+from coordinator.api.sampling_fields import bad_words_token_ids
+from coordinator.api.text_output import TextOutput
+from coordinator.config.settings import ServerSettings
 from coordinator.errors import APIError
-from coordinator.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_params
-from coordinator.sampling_fields import bad_words_token_ids
-from coordinator.settings import ServerSettings
-from coordinator.text_output import TextOutput
 from engine import LLM
 from engine.model.model_config import ModelConfig
 from engine.text.tokenizer import Tokenizer

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.serve_config import ConfigError, load_serve_config
+from coordinator.config.serve_config import load_serve_config
+from engine.config_error import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""The server's listening socket (coordinator.serve.bind_listener): connections uvicorn accepts from it have Nagle's
+"""The server's listening socket (coordinator.api.http_server.bind_listener): connections uvicorn accepts from it have
+Nagle's
 algorithm off, so a stream's small writes (the response head, each token's chunk) go out at once instead of waiting
 for the client's delayed ACK (up to ~40 ms on Linux)."""
 
@@ -8,8 +9,8 @@ import socket
 import pytest
 import uvicorn
 
-from coordinator.serve import ListenError, bind_listener, uvicorn_config
-from coordinator.settings import ServerSettings
+from coordinator.api.http_server import ListenError, bind_listener, uvicorn_config
+from coordinator.config.settings import ServerSettings
 
 
 async def _app(scope, receive, send):

@@ -6,7 +6,7 @@ import asyncio
 import httpx
 import pytest
 
-from coordinator.phases import DISAGGREGATED_ONLY
+from coordinator.observability.phases import DISAGGREGATED_ONLY
 from engine import SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.phase_checks import (

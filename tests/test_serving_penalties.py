@@ -6,7 +6,7 @@ engine, streamed or not, on both endpoints."""
 import openai
 import pytest
 
-from coordinator.sampling_fields import bad_words_token_ids
+from coordinator.api.sampling_fields import bad_words_token_ids
 from engine import LLM, SamplingParams
 from tests.server_process import HALF_CPU, running_server, wait_for_idle_workers
 

@@ -8,8 +8,9 @@ import sys
 import httpx
 import pytest
 
-from coordinator.serve_config import ConfigError, load_serve_config
+from coordinator.config.serve_config import load_serve_config
 from engine import SamplingParams
+from engine.config_error import ConfigError
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     admin_integrity,

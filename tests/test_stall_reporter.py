@@ -4,7 +4,7 @@ import asyncio
 import logging
 import time
 
-from coordinator.stall_reporter import StallReporter
+from coordinator.observability.stall_reporter import StallReporter
 
 
 def _busy_for(seconds: float) -> None:

@@ -1,10 +1,10 @@
 """RayBackend's coalescing of step outputs queued behind each other: a stream that fell behind gets them as one
 delta, tokens in order, logprobs aligned, the finish reason of the last, and an error only after the tokens
-before it; and HeldQueue (coordinator.held_queue), which holds them back until a chunk's worth is in."""
+before it; and HeldQueue (coordinator.backend.held_queue), which holds them back until a chunk's worth is in."""
 
 import asyncio
 
-from coordinator.ray_backend import _coalesced
+from coordinator.backend.ray_backend import _coalesced
 from engine.core.request import TokenLogprob
 from engine.core.scheduler import StepOutput
 
@@ -50,7 +50,7 @@ def _drain(q):
 
 
 def test_a_held_queue_releases_the_first_output_then_a_chunk_at_a_time():
-    from coordinator.held_queue import HeldQueue
+    from coordinator.backend.held_queue import HeldQueue
 
     async def main():
         q = HeldQueue(4)
@@ -69,7 +69,7 @@ def test_a_held_queue_releases_the_first_output_then_a_chunk_at_a_time():
 
 
 def test_a_held_queue_releases_held_tokens_before_an_error():
-    from coordinator.held_queue import HeldQueue
+    from coordinator.backend.held_queue import HeldQueue
 
     async def main():
         q = HeldQueue(8)

@@ -4,10 +4,10 @@ here starts slots with a stand-in (no actors); the real replacement runs end to 
 
 import asyncio
 
-from coordinator.pools import Pools
-from coordinator.router import WorkerState
-from coordinator.serve_config import RecoveryConfig, ServeConfig
-from coordinator.supervisor import Supervisor
+from coordinator.admission.router import WorkerState
+from coordinator.backend.pools import Pools
+from coordinator.backend.supervisor import Supervisor
+from coordinator.config.serve_config import RecoveryConfig, ServeConfig
 from engine.load import WorkerInfo
 
 

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from benchclient.launcher import serving_config
-from benchclient.sweep_config import SweepConfigError, load_sweep_config
+from benchclient.sweep_config import load_sweep_config
+from engine.config_error import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {
@@ -76,16 +77,16 @@ BAD = [
 
 @pytest.mark.parametrize("changes, key, reason", BAD, ids=[b[1] + ":" + b[2][:20] for b in BAD])
 def test_bad_keys_and_values_name_file_key_and_reason(tmp_path, changes, key, reason):
-    with pytest.raises(SweepConfigError, match=rf"sweep\.yaml: {re.escape(key)}: (.* )?{reason}"):
+    with pytest.raises(ConfigError, match=rf"sweep\.yaml: {re.escape(key)}: (.* )?{reason}"):
         _load(tmp_path, **changes)
 
 
 def test_unreadable_files(tmp_path):
-    with pytest.raises(SweepConfigError, match="missing.yaml: no such sweep config"):
+    with pytest.raises(ConfigError, match="missing.yaml: no such sweep config"):
         load_sweep_config(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("layouts: [unclosed\n")
-    with pytest.raises(SweepConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
         load_sweep_config(tmp_path / "bad.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n")
-    with pytest.raises(SweepConfigError, match="list.yaml: top level: must be a mapping"):
+    with pytest.raises(ConfigError, match="list.yaml: top level: must be a mapping"):
         load_sweep_config(tmp_path / "list.yaml")

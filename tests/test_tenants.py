@@ -6,15 +6,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from coordinator.admission.tenants import TenantRegistry
+from coordinator.config.tenants_config import PRIORITY_CLASSES, TenantConfig, TenantsConfig, parse_tenants
 from coordinator.errors import APIError
-from coordinator.serve_config import ConfigError
-from coordinator.tenants import (
-    PRIORITY_CLASSES,
-    TenantConfig,
-    TenantRegistry,
-    TenantsConfig,
-    parse_tenants,
-)
+from engine.config_error import ConfigError
 
 
 class FakeClock:

@@ -3,7 +3,7 @@ one core (`server.api_processes: 2`, coordinator.frontends): keys map to tenants
 with Retry-After and is one limit across the processes, and a flood from a low-priority tenant does not hold back a
 high-priority one: once the high requests arrive, no waiting low request starts before them (counted in the order
 first tokens arrive, no clock). Per-tenant usage in /metrics is exact. A tenant's stream_interval chunks its streams
-(the decode poll holds its outputs back, coordinator.held_queue) without changing what they say.
+(the decode poll holds its outputs back, coordinator.backend.held_queue) without changing what they say.
 The HTTP processes: each keep-alive connection stays with the process that accepted it, and /health says which one
 (`http_process`), so the last tests pin a client to each: both serve; a scrape of either counts every request of
 both; a SIGKILLed HTTP process is replaced, what its streams held is freed (the core aborts them when its link

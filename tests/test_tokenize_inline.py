@@ -1,11 +1,11 @@
-"""Where a request's prompt is tokenized (coordinator.protocol.tokenize_inline): short prompts on the event loop
+"""Where a request's prompt is tokenized (coordinator.api.protocol.tokenize_inline): short prompts on the event loop
 (cheaper than a hop to a thread), long ones and chats with tools in a thread; both serve the prompt's tokens."""
 
 import pytest
 
-from coordinator import protocol
-from coordinator.app import create_app
-from coordinator.settings import ServerSettings
+from coordinator.api import protocol
+from coordinator.api.app import create_app
+from coordinator.config.settings import ServerSettings
 from engine import LLM
 from engine.text.tokenizer import Tokenizer
 from tests.inprocess_backend import InProcessBackend, run_asgi

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from coordinator.backend import BackendError, GenerateRequest, TokenDelta
+from coordinator.contract import BackendError, GenerateRequest, TokenDelta
 from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import decode_error, trace_state
 

@@ -21,10 +21,12 @@ import socket
 import tempfile
 from typing import Any
 
+from coordinator.admission.tenants import TenantRegistry
+from coordinator.api.http_server import log_serving
+from coordinator.config.serve_config import ServeConfig
 from coordinator.frontends.core_service import CoreService
 from coordinator.frontends.processes import Frontends
-from coordinator.serve_config import ServeConfig
-from coordinator.tenants import TenantRegistry
+from coordinator.observability.stall_reporter import start_stall_reporter
 
 log = logging.getLogger("pdserve")
 READY_TIMEOUT_S = 120.0
@@ -33,7 +35,6 @@ EXIT_GRACE_S = 10.0  # beyond the drain, for a frontend to close its connections
 
 async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
                      ready: asyncio.Event | None = None) -> None:
-    from coordinator.serve import log_serving, start_stall_reporter
     settings = config.server
     workdir = tempfile.mkdtemp(prefix="pdserve-core-")
     service = CoreService(backend, TenantRegistry(config.tenants, settings.api_key))

@@ -30,13 +30,13 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
-from coordinator.backend import BackendError, ServingBackend
+from coordinator.admission.tenants import Grant, TenantRegistry
+from coordinator.config.serve_config import FaultsConfig
+from coordinator.contract import BackendError, ServingBackend
 from coordinator.errors import APIError
 from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import encode_error, trace_from, trace_state
-from coordinator.metrics import merged
-from coordinator.serve_config import FaultsConfig
-from coordinator.tenants import Grant, TenantRegistry
+from coordinator.observability.metrics import merged
 
 log = logging.getLogger("pdserve")
 STATE_PERIOD_S = 0.5

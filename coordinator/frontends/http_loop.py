@@ -1,4 +1,5 @@
-"""HttpLoopCollector: each HTTP process's event-loop lag (coordinator.loop_lag) as /metrics families, one series per
+"""HttpLoopCollector: each HTTP process's event-loop lag (coordinator.observability.loop_lag) as /metrics families,
+one series per
 process (label `http_process`), so a scrape answered by any process shows every process's own loop. The core's loop
 is `pdserve_coordinator_loop_*` (backend stats); these are the HTTP side's."""
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from coordinator.loop_lag import LoopLag
+from coordinator.observability.loop_lag import LoopLag
 
 HELP = {"loop_lag_seconds": "How late this HTTP process's event loop runs (weighted mean lateness of a 5 ms timer)",
         "loop_stalls_total": "Ticks of that timer at least 10 ms late: stalls of every request on the process",

@@ -16,12 +16,13 @@ import signal
 import socket
 import sys
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
+from coordinator.api.http_server import DrainingServer, log_config, uvicorn_config
 from coordinator.frontends.core_client import CoreBackend
 from coordinator.frontends.http_loop import HttpLoopCollector
 from coordinator.frontends.remote_tenants import RemoteTenants
-from coordinator.loop_lag import LoopLag
-from coordinator.serve import DrainingServer, log_config, start_stall_reporter, uvicorn_config
+from coordinator.observability.loop_lag import LoopLag
+from coordinator.observability.stall_reporter import start_stall_reporter
 
 log = logging.getLogger("pdserve")
 

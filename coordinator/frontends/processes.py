@@ -23,7 +23,7 @@ import socket
 import sys
 from pathlib import Path
 
-from coordinator.serve_config import ServeConfig
+from coordinator.config.serve_config import ServeConfig
 
 log = logging.getLogger("pdserve")
 RESTART_DELAY_S = 1.0

@@ -9,9 +9,10 @@ the processes. `usage()` is the core's, as of the last /metrics refresh.
 from __future__ import annotations
 
 from coordinator import errors
-from coordinator.backend import BackendError
+from coordinator.admission.tenants import Grant, Tenant, TenantRegistry, check_count
+from coordinator.config.tenants_config import TenantsConfig
+from coordinator.contract import BackendError
 from coordinator.frontends.core_client import CoreBackend
-from coordinator.tenants import Grant, Tenant, TenantRegistry, TenantsConfig, _check_count
 
 
 class RemoteGrant(Grant):
@@ -32,8 +33,8 @@ class RemoteTenants(TenantRegistry):
         self._core = core
 
     async def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
-        _check_count("prompt_tokens", prompt_tokens)
-        _check_count("max_tokens", max_tokens)
+        check_count("prompt_tokens", prompt_tokens)
+        check_count("max_tokens", max_tokens)
         try:
             grant_id = await self._core.call("tenant_admit", tenant.name, prompt_tokens, max_tokens)
         except BackendError as e:  # the core is gone (this process exits next): a 503, not a 500

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator import errors
-from coordinator.backend import BackendError, Overloaded, RequestTooLarge, TransferFailed, WorkerLost
-from coordinator.phases import PhaseTrace
+from coordinator.contract import BackendError, Overloaded, RequestTooLarge, TransferFailed, WorkerLost
+from coordinator.observability.phases import PhaseTrace
 
 _BACKEND_ERRORS = {cls.__name__: cls for cls in (BackendError, RequestTooLarge, WorkerLost, TransferFailed)}
 ErrorTuple = tuple[Any, ...]

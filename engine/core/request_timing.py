@@ -1,4 +1,5 @@
-"""RequestTiming: one worker's per-request phase durations, measured on its own clock (coordinator.phases).
+"""RequestTiming: one worker's per-request phase durations, measured on its own clock
+(coordinator.observability.phases).
 
 The worker stamps when a request reached it (`received`) and, on the decode side, when its KV landed
 (`kv_ready`); it hands over the engine's Request (`attach`), whose `first_scheduled_at` the scheduler stamps on the

@@ -15,7 +15,7 @@ request ended meanwhile (`is_current`).
 Counters (totals since start, read by LLMEngine.load for metrics): preemptions, prefix-cache lookups and hits in
 tokens, tokens scheduled (computed on the device) and tokens sampled.
 Per request, `first_scheduled_at` (the scheduler's clock when a step first gave it work) lets its worker split the
-request's time into waiting and computing (coordinator.phases).
+request's time into waiting and computing (coordinator.observability.phases).
 """
 
 from __future__ import annotations

@@ -8,32 +8,10 @@ plain torch reference of engine.torch_attention, which stays exact against trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.model import torch_attention
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Where the step's tokens go in the cache and what each one attends to. Built by the model runner."""
-
-    slots: torch.Tensor                 # [T] int32, block id * block size + offset; negative = padding, not stored
-    num_decode: int                     # the first num_decode tokens are single-token (decode) sequences
-    decode_block_tables: torch.Tensor   # [Bd, W] int32, padded with 0
-    decode_context_lens: torch.Tensor   # [Bd] int32, context including the new token; 0 = padding row
-    prefill_block_tables: torch.Tensor  # [N, W] int32
-    prefill_query_start: torch.Tensor   # [N + 1] int32, offsets of each chunk among the prefill tokens
-    prefill_context_lens: torch.Tensor  # [N] int32, context including the chunk
-    prefill_lens: tuple[tuple[int, int], ...]  # host copy of (chunk length, context length) per prefill sequence
-    sliding_window: int | None
-    decode_semaphores: torch.Tensor | None = None  # [>= Bd, KVH] int32 zeros the decode kernel may keep (graphs)
-    torch_plan: torch_attention.TorchAttentionPlan | None = None  # torch path: the step's masks, built once
-
-    @property
-    def max_query_len(self) -> int:
-        return max((n for n, _ in self.prefill_lens), default=0)
+from engine.model.attention_metadata import AttentionMetadata
 
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from engine.model import torch_attention
-from engine.model.attention import AttentionMetadata, attend
+from engine.model.attention import attend
+from engine.model.attention_metadata import AttentionMetadata
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope, rotate

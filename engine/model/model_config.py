@@ -15,16 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config_error import ConfigError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 _REQUIRED = object()
-
-
-class ConfigError(ValueError):
-    """A checkpoint's configuration is malformed or describes something the engine does not support."""
 
 
 @dataclass(frozen=True)

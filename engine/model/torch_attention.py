@@ -11,41 +11,14 @@ a tenth of a decode step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from engine.cpu_kernels.paged_decode import check_tables, paged_decode_attention
 from engine.cpu_kernels.prefill_attention import prefill_attention
-
-if TYPE_CHECKING:
-    from engine.model.attention import AttentionMetadata
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """One prefill chunk: its rows among the step's tokens, the blocks of its context, its causal mask."""
-
-    start: int
-    length: int
-    blocks: torch.Tensor        # [nb] int64
-    mask: torch.Tensor | None   # [n, nb * bs] bool, True where the query may attend; None: plain causal from key 0
-
-
-@dataclass(frozen=True)
-class TorchAttentionPlan:
-    """The step's attention inputs for the torch path, shared by every layer."""
-
-    chunks: tuple[ChunkPlan, ...]
-    decode_blocks: torch.Tensor | None  # [Bd * W] int64, the decode rows' block tables flattened
-    decode_mask: torch.Tensor | None    # [Bd, 1, 1, W * bs] bool
-    decode_kernel: bool = False         # the decode rows go to the C kernel (engine.cpu_kernels.paged_decode)
-    # [C, 3] int32 (first row, length, context): the chunks go to engine.cpu_kernels.prefill_attention (then
-    # `chunks` is empty); None: each chunk of `chunks` to SDPA
-    prefill_chunks: torch.Tensor | None = None
-    prefill_max_ctx: int = 0
+from engine.model.attention_metadata import AttentionMetadata, ChunkPlan, TorchAttentionPlan
 
 
 def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False,

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import AttentionMetadata, attend
+from engine.model.attention import attend
+from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM, RopeInputs
 from engine.runner.graph_capture import capture_graph
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import AttentionMetadata
+from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM
 from engine.runner.graph_capture import capture_graph
 

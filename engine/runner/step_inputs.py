@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
-from engine.model.attention import AttentionMetadata
+from engine.model.attention_metadata import AttentionMetadata
 
 ALIGN = 4  # int32 elements: 16 bytes
 

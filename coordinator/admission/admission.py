@@ -1,0 +1,151 @@
+"""Admission: decides where a request runs and books the capacity it may need there, or says why it cannot.
+
+What a request books (in its Reservation, see coordinator.admission.reservation):
+- on the worker that will decode it: KV blocks for prompt + tokens already generated (a migrated request) +
+  `admission.reserve_output` of the output still to come. At 1.0 (the default) the decode engine can never run
+  out of blocks, so it never preempts; below 1.0 more requests run at once and the engine grows each one on
+  demand, preempting the most recently admitted (its KV is recomputed later) when blocks run out.
+- on the worker that will prefill it (disaggregated; the same worker when collocated): its prompt tokens, given
+  back when the prefill returns, so a prefill worker's backlog stays under `admission.max_prefill_backlog_tokens`.
+Capacity is the worker's whole KV cache minus what is booked, never the load it last reported (which lags).
+Requests below the high priority class may book only 1 - `admission.reserved_for_high` of each worker's KV blocks
+and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once; a request
+whose wait has aged it into the high class (`admission.priority_aging_s`) books as high.
+
+A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
+now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
+worker, then gets Overloaded (503 + Retry-After) naming the reason: the pool that is down, or the room missing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.admission.admission_queue import AdmissionQueue, AdmissionTimeout
+from coordinator.admission.reservation import Ledger, Reservation
+from coordinator.admission.router import Router, WorkerState
+from coordinator.config.serve_config import ServeConfig
+from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge
+
+MIGRATION_PRIORITY = 0  # a request moving off a dead worker goes before every new one
+HIGH_PRIORITY = 1       # tenants' "high" class: may book the share other classes leave (admission.reserved_for_high)
+
+
+class Workers(Protocol):
+    """The pools as admission reads them (the backend's Supervisor owns them)."""
+
+    roles: tuple[str, ...]  # the pools that must each have a live worker
+
+    def live(self, role: str) -> list[WorkerState]: ...
+
+    def workers(self, role: str) -> list[WorkerState]: ...
+
+    def down_reason(self, role: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: WorkerState            # decodes it (collocated: runs all of it)
+    prefill: WorkerState | None    # prefills it (disaggregated)
+    kv_blocks: int
+    priority: int                  # the order it waited in, passed on to the engines' waiting queues
+
+
+class Admission:
+    def __init__(self, config: ServeConfig, workers: Workers, router: Router, ledger: Ledger) -> None:
+        self.config = config
+        self.workers = workers
+        self.router = router
+        self.ledger = ledger
+        self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s)
+
+    def kv_blocks(self, request: GenerateRequest, num_prior: int) -> int:
+        """Blocks booked on the decode worker: prompt, prior outputs and the reserved share of what remains,
+        plus the one block the engine keeps ahead for the next token. A group of n choices books the prompt's
+        full blocks once and, per choice, its copy of the partial last block, its outputs and one block ahead
+        (plus the group's own partial block while it is forked)."""
+        remaining = request.params.max_tokens - num_prior
+        budget = math.ceil(remaining * self.config.admission.reserve_output)
+        tokens = len(request.prompt_token_ids) + num_prior + budget
+        bs = self.router.block_size
+        if request.n == 1:
+            return -(-tokens // bs) + 1
+        full, partial = divmod(len(request.prompt_token_ids), bs)
+        return full + 1 + request.n * (-(-(partial + budget) // bs) + 1)
+
+    async def place(self, request: GenerateRequest, num_prior: int, reservation: Reservation,
+                    migrating: bool = False) -> Placement:
+        """Pick the workers and book the request's capacity on them (in `reservation`), waiting up to the
+        admission timeout; raises RequestTooLarge or Overloaded."""
+        blocks = self.kv_blocks(request, num_prior)
+        largest = max((w.info.num_kv_blocks for w in self._pool("decode")), default=0)
+        if blocks > largest:
+            raise RequestTooLarge(f"the request needs {blocks} KV blocks of {self.router.block_size} tokens "
+                                  f"(prompt, max_tokens) but a decode worker holds at most {largest}")
+        tokens = len(request.prompt_token_ids) + num_prior
+        arrived = time.monotonic()
+        deadline = arrived + self.config.admission.timeout_s
+        priority = MIGRATION_PRIORITY if migrating else request.priority
+        try:
+            return await self.queue.acquire(priority, deadline, lambda: self._try_place(
+                request, tokens, blocks, reservation, priority,
+                self.queue.effective_priority(priority, time.monotonic() - arrived)))
+        except AdmissionTimeout:
+            raise self._why_not(blocks, tokens) from None
+
+    def notify(self) -> None:
+        """Capacity may have freed (a request ended, a worker came back): waiting requests look again."""
+        self.queue.notify()
+
+    # ---- internals
+    def _try_place(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
+                   priority: int, aged: int) -> Placement | None:
+        """Book the request's capacity and say where it runs, or None if it must wait. `aged`: the priority its wait
+        has lifted it to, which decides its share; the queue put it first by that, and a head that could never take
+        what its class may book would hold up everyone behind it (strict head of line)."""
+        share = 1.0 if aged <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
+        prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
+        backlog_ok = [w for w in self.workers.live(prefill_role) if self._backlog_allows(w, tokens, share)]
+        decode_live = self.workers.live("decode")
+        if prefill_role == "decode":
+            decode_live = [w for w in decode_live if w in backlog_ok]
+        if not backlog_ok or not decode_live:
+            return None
+        decode = self.router.pick_decode(decode_live, lambda w: self._room(w, share), blocks)
+        if decode is None:
+            return None
+        prefill = None
+        if prefill_role == "prefill":
+            prefill = self.router.pick_prefill(request.prompt_token_ids, backlog_ok, self._pressure)
+        reservation.book(decode.key, "kv_blocks", blocks)
+        reservation.book((prefill or decode).key, "prompt_tokens", tokens)
+        return Placement(decode, prefill, blocks, priority)
+
+    def _room(self, worker: WorkerState, share: float = 1.0) -> int:
+        return int(worker.info.num_kv_blocks * share) - self.ledger.booked(worker.key, "kv_blocks")
+
+    def _pressure(self, worker: WorkerState) -> int:
+        return self.ledger.booked(worker.key, "prompt_tokens")
+
+    def _backlog_allows(self, worker: WorkerState, tokens: int, share: float = 1.0) -> bool:
+        cap = self.config.admission.max_prefill_backlog_tokens
+        booked = self.ledger.booked(worker.key, "prompt_tokens")
+        return cap is None or booked == 0 or booked + tokens <= cap * share  # an idle worker takes any prompt
+
+    def _why_not(self, blocks: int, tokens: int) -> Overloaded:
+        for role in self.workers.roles:
+            reason = self.workers.down_reason(role)
+            if reason is not None:
+                return Overloaded(f"{reason}; a replacement is being started", retry_after_s=5.0)
+        if self.config.mode == "disaggregated" and not any(
+                self._backlog_allows(w, tokens) for w in self.workers.live("prefill")):
+            return Overloaded(f"every prefill worker's backlog is full (admission.max_prefill_backlog_tokens "
+                              f"{self.config.admission.max_prefill_backlog_tokens})", retry_after_s=1.0)
+        return Overloaded(f"no decode worker has room for this request's KV cache ({blocks} blocks) within "
+                          f"{self.config.admission.timeout_s:g} s", retry_after_s=1.0)
+
+    def _pool(self, role: str) -> list[WorkerState]:
+        return self.workers.workers(role)

@@ -1,0 +1,72 @@
+"""Operators' endpoints, off unless `server.admin_api` is true, behind the same API key as /v1 when one is set.
+
+- POST /admin/workers/{name}/kill: kill a live worker's process (drills: the pool replaces it, its requests move).
+- POST /admin/faults: set the injected faults of every worker now and of every replacement later (a JSON body with
+  FaultsConfig's fields; `{}` turns them off).
+- GET /admin/integrity: the coordinator's bookings checked against the requests in flight, and every live
+  engine's block ownership check; `ok` is false with the reason when either fails.
+Also `health_response`: the truthful /health (200 only while every pool has a live worker and the server is not
+draining; otherwise 503 with each worker's state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from coordinator import errors
+
+
+def health_response(backend: Any, draining: bool) -> JSONResponse:
+    """ok / draining / unavailable, with the workers; with several HTTP processes, also which one answered
+    (`http_process`, its index: coordinator.frontends)."""
+    healthy, workers = backend.health() if hasattr(backend, "health") else (True, [])
+    process = getattr(backend, "process_index", None)
+    extra = {} if process is None else {"http_process": process}
+    if draining:
+        return JSONResponse({"status": "draining", "workers": workers, **extra}, status_code=503,
+                            headers={"Retry-After": "1"})
+    if not healthy:
+        return JSONResponse({"status": "unavailable", "workers": workers, **extra}, status_code=503,
+                            headers={"Retry-After": "5"})
+    return JSONResponse({"status": "ok", "workers": workers, **extra})
+
+
+def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) -> None:
+    backend = app.state.backend
+
+    @app.post("/admin/workers/{name}/kill")
+    async def kill_worker(name: str, request: Request, rank: int | None = None) -> JSONResponse:
+        """Kill worker `name`'s process, or (`?rank=r`) only its tensor-parallel rank r (a lost GPU of a group)."""
+        check_auth(request)
+        try:
+            found = await (backend.kill_worker(name) if rank is None else backend.kill_rank(name, rank))
+        except ValueError as e:
+            raise errors.APIError(400, str(e), "invalid_request_error", "invalid_value", "rank") from None
+        if not found:
+            raise errors.APIError(404, f"no live worker named {name!r}", "invalid_request_error", "not_found",
+                                  "name")
+        return JSONResponse({"killed": name, **({"rank": rank} if rank is not None else {})})
+
+    @app.post("/admin/faults")
+    async def set_faults(request: Request) -> JSONResponse:
+        check_auth(request)
+        from coordinator.config.serve_config import FaultsConfig
+        try:
+            body = await request.json()
+            faults = FaultsConfig(**body) if isinstance(body, dict) else None
+        except (ValueError, TypeError) as e:
+            raise errors.invalid_request(f"faults: {e}") from None
+        if faults is None:
+            raise errors.invalid_request("faults: the body must be a JSON object of FaultsConfig fields")
+        await backend.set_faults(faults)
+        return JSONResponse({"faults": dataclasses.asdict(faults)})
+
+    @app.get("/admin/integrity")
+    async def integrity(request: Request) -> JSONResponse:
+        check_auth(request)
+        return JSONResponse(await backend.integrity())

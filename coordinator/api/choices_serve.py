@@ -1,0 +1,129 @@
+"""serve_choices: the HTTP side of coordinator.api.choices: admission (ticket, tenant limits), the whole JSON response
+or the SSE stream (every chunk carries its choice's index), and the one cleanup every exit path runs: every
+choice's Generation closed (an abort of what is unfinished), the ticket released, the tenant charged once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from coordinator import errors
+from coordinator.api.choices import Choice, best, build, logprobs_body, usage
+from coordinator.api.lifecycle import Piece
+from coordinator.api.sse import DONE, Formatter, SSEResponse, event
+
+
+async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arrival: float, *, chat: bool,
+                        until_disconnect: Callable[..., Awaitable[Any]], grace_s: float) -> Response:
+    request_id: str = request.state.request_id
+    choices = await asyncio.to_thread(build, app, req, chat, request_id, tenant.priority_for(req.priority), arrival,
+                                      tenant.stream_interval(app.state.settings.stream_interval))
+    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id)
+    ticket = app.state.lifecycle.admit()
+    try:
+        grant = await app.state.tenants.charge(tenant,
+                                               sum({id(c.fanout): len(c.prompt_ids) for c in choices}.values()),
+                                               sum(c.gen.request.params.max_tokens for c in choices))
+    except BaseException:
+        ticket.release()
+        raise
+
+    async def close(outcome: str) -> None:
+        await asyncio.gather(*[c.gen.close(outcome) for c in choices])
+        ticket.release()
+        if grant is not None:
+            grant.settle(usage(choices)[1], outcome, prompt_processed=True)
+
+    want_lp = (req.num_logprobs if chat else req.logprobs) is not None
+    echo_lp = not chat and req.echo and want_lp
+    if not req.stream:
+        async def collect_all() -> bool:
+            for c, pieces in zip(choices, await asyncio.gather(*[c.gen.collect() for c in choices]), strict=True):
+                c.pieces = pieces
+            return True
+        try:
+            done = await until_disconnect(request, collect_all)
+        except BaseException:
+            await close("failed")
+            raise
+        await close("finished" if done else "aborted")
+        if not done:
+            return Response(status_code=499)
+        n = req.n or 1
+        kept = best(choices, n, len(choices) // len({id(c.fanout) for c in choices}))
+        bodies = []
+        for c in kept:
+            whole = Piece(c.gen.text.text, [t for p in c.pieces for t in p.tokens], c.gen.finish_reason)
+            lp = logprobs_body(fmt, c, whole, True, echo_lp) if want_lp else None
+            body = fmt.choice(c.index, c.prompt_text + whole.text, lp, whole.finish_reason or "stop", False)
+            if req.prompt_logprobs is not None and not chat:
+                body["prompt_logprobs"] = _prompt_lps(c)
+            bodies.append(body)
+        extra = {"prompt_logprobs": _prompt_lps(choices[0])} if chat and req.prompt_logprobs is not None else {}
+        return JSONResponse(fmt.body(bodies, False, usage(choices), **extra))
+    return SSEResponse(_events(choices, fmt, req, chat, want_lp, echo_lp, close),
+                       deadline=max(c.gen.deadline for c in choices) + grace_s)
+
+
+def _prompt_lps(c: Choice) -> list | None:
+    return Formatter.prompt_logprobs(c.fanout.prompt_logprobs or [], lambda t: c.gen.text.token_text(t)[0])
+
+
+async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, want_lp: bool, echo_lp: bool,
+                  close: Callable[[str], Awaitable[None]]) -> AsyncIterator[bytes]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            while True:
+                piece = await c.gen.next_piece()
+                queue.put_nowait((c, piece))
+                if piece.finish_reason is not None:
+                    return
+        except BaseException as e:  # noqa: BLE001 - the stream ends with it
+            queue.put_nowait((c, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    outcome, started, left = "aborted", set(), len(choices)
+    try:
+        while left:
+            c, piece = await queue.get()
+            if isinstance(piece, BaseException):
+                raise piece
+            first = c.index not in started
+            started.add(c.index)
+            left -= piece.finish_reason is not None
+            if not (first or piece.text or piece.tokens or piece.finish_reason):
+                continue
+            lp = logprobs_body(fmt, c, piece, first, echo_lp) if want_lp else None
+            body = fmt.choice(c.index, (c.prompt_text if first else "") + piece.text, lp, piece.finish_reason,
+                              True, first)
+            extra: dict = {}
+            if first and req.prompt_logprobs is not None:
+                if chat:
+                    extra["prompt_logprobs"] = _prompt_lps(c)
+                else:
+                    body["prompt_logprobs"] = _prompt_lps(c)
+            yield event(fmt.body([body], True, **extra))
+        if fmt.include_usage:
+            yield event(fmt.usage_chunk(*usage(choices)))
+        outcome = "finished"
+        yield DONE
+    except errors.APIError as e:
+        outcome = "failed"
+        yield event(e.body())
+        yield DONE
+    except Exception as e:  # a bug: still end the stream properly
+        errors.logger.exception("stream %s failed", fmt.id)
+        outcome = "failed"
+        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
+        yield DONE
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close(outcome)

@@ -1,0 +1,124 @@
+"""Tool calls in chat responses, whole and streamed, as OpenAI shapes them.
+
+Owns: `shape_response` (a chat.completion body's message gets `tool_calls` and content null, finish_reason
+"tool_calls") and `ToolStream`, which turns a chat stream's text pieces into chunk deltas: each call's first delta
+carries its `index`, `id`, `type` and `function.name` with empty arguments, the following ones `function.arguments`
+fragments. A named tool_choice streams its arguments as they are generated; `required` and a parsed `auto` call are
+sent once the text is complete (their JSON names the function only mid-way). In `auto`, text that cannot begin a
+call streams as content at once; text that might (Llama 3 JSON: output starting with `{` or `<|python_tag|>`;
+Hermes: from `<tool_call>` on) is held back until the end and sent as calls, or as content if it holds none.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from coordinator.api.tool_calls import ToolCall, parse_calls
+
+ARGUMENT_FRAGMENT_CHARS = 64
+_HERMES_TAG = "<tool_call>"
+
+
+def shape_response(body: dict[str, Any], mode: str, parser: str, named: str | None, parallel: bool) -> dict:
+    """Rewrite a chat.completion body's single choice for the request's tool mode (in place; returned)."""
+    choice = body["choices"][0]
+    content, calls = parse_calls(mode, parser, choice["message"]["content"], named, parallel)
+    choice["message"]["content"] = content
+    if calls:
+        choice["message"]["tool_calls"] = [c.as_dict() for c in calls]
+        if choice["finish_reason"] == "stop" and mode != "named":
+            choice["finish_reason"] = "tool_calls"
+    return body
+
+
+class ToolStream:
+    def __init__(self, mode: str, parser: str, named: str | None, parallel: bool) -> None:
+        self.mode, self.parser, self.named, self.parallel = mode, parser, named, parallel
+        self.text = ""   # everything generated so far
+        self.sent = 0    # characters of it already sent as content (auto) or as arguments (named)
+        self.held = False  # auto: a call may have started; the rest waits for the end
+        self.started = False  # named: the call's first delta went out
+        self.named_id = f"call_{uuid.uuid4().hex[:24]}"
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        """Deltas for a new text piece (possibly none)."""
+        self.text += piece
+        if self.mode == "named":
+            head = [] if self.started else [self._header(0, ToolCall(self.named, "", self.named_id))]
+            self.started = True
+            new, self.sent = self.text[self.sent:], len(self.text)
+            return head + ([self._args(0, new)] if new else [])
+        if self.mode != "auto" or self.held:
+            return []
+        upto = self._safe_end()
+        new, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return [{"content": new}] if new else []
+
+    def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The last deltas and the finish reason to send with them."""
+        if self.mode == "named":
+            return self.feed(""), finish_reason
+        if self.mode == "auto":
+            _, calls = parse_calls("auto", self.parser, self.text[self.sent:], None, self.parallel)
+            if not calls:
+                rest, self.sent = self.text[self.sent:], len(self.text)
+                return ([{"content": rest}] if rest else []), finish_reason
+        else:
+            _, calls = parse_calls(self.mode, self.parser, self.text, None, self.parallel)
+        deltas = []
+        for i, call in enumerate(calls):
+            deltas.append(self._header(i, call))
+            args = call.arguments
+            deltas += [self._args(i, args[j:j + ARGUMENT_FRAGMENT_CHARS])
+                       for j in range(0, len(args), ARGUMENT_FRAGMENT_CHARS)]
+        return deltas, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
+
+    def _safe_end(self) -> int:
+        """auto: how much of the text may go out as content now (sets `held` once a call may have begun)."""
+        if self.parser == "hermes":
+            at = self.text.find(_HERMES_TAG, self.sent)
+            if at >= 0:
+                self.held = True
+                return at
+            for k in range(len(_HERMES_TAG) - 1, 0, -1):  # a tail that may grow into the tag stays back
+                if self.text.endswith(_HERMES_TAG[:k]):
+                    return len(self.text) - k
+            return len(self.text)
+        stripped = self.text.lstrip()
+        if not stripped:
+            return self.sent
+        if self.sent == 0 and (stripped.startswith("{") or stripped.startswith("<")):
+            self.held = True  # `<` may be <|python_tag|>: decided at the end
+            return 0
+        return len(self.text)
+
+    @staticmethod
+    def _header(index: int, call: ToolCall) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+
+    @staticmethod
+    def _args(index: int, fragment: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+
+
+def tool_chunks(base: dict[str, Any], tools: ToolStream, text: str, finish_reason: str | None,
+                first: bool) -> list[dict[str, Any]]:
+    """The stream chunks for one piece, from `base` (the Formatter's chunk for it): one per delta, the role on the
+    first chunk of the stream, the finish reason (and the piece's logprobs) on the last one."""
+    deltas = tools.feed(text)
+    if finish_reason is not None:
+        more, finish_reason = tools.finish(finish_reason)
+        deltas += more
+    if not deltas and (first or finish_reason is not None or base["choices"][0].get("logprobs")):
+        deltas = [{}]
+    chunks = []
+    for i, delta in enumerate(deltas):
+        last = i == len(deltas) - 1
+        choice = {**base["choices"][0], "delta": ({"role": "assistant"} if first and i == 0 else {}) | delta,
+                  "finish_reason": finish_reason if last else None}
+        if not last:
+            choice["logprobs"] = None
+        chunks.append({**base, "choices": [choice]})
+    return chunks

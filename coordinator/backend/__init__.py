@@ -1,0 +1,7 @@
+"""The Ray backend: the worker pools (pools: create, connect, replace, stop), what the coordinator knows of each
+worker (router: WorkerState, Router), the supervisor that notices dead workers and replaces them (supervisor),
+one request's attempts across workers with migration (ray_backend), n-choice groups (ray_group), operators' drills
+(drills) and the figures /metrics reads (stats).
+
+May import: admission, contract, errors, observability, config, and the worker packages (prefill_pool,
+decode_pool) whose actor classes it starts."""

@@ -1,0 +1,66 @@
+"""Drills: what operators do to live pools on purpose (coordinator/api/admin.py's routes) and the injected faults.
+
+Owns the drill config in force (FaultsConfig): applied to every live worker when set, and to every replacement
+when it comes up (`on_worker_live`). Killing goes through the Supervisor (a whole worker) or the worker itself
+(one tensor-parallel rank, after which the worker dies and the Supervisor replaces the whole group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from coordinator.admission.router import WorkerState
+from coordinator.backend.pools import Pools
+from coordinator.backend.supervisor import Supervisor
+from coordinator.config.serve_config import FaultsConfig
+
+log = logging.getLogger("pdserve")
+
+
+class Drills:
+    def __init__(self, pools: Pools, supervisor: Supervisor, faults: FaultsConfig) -> None:
+        self.pools, self.supervisor, self.faults = pools, supervisor, faults
+
+    @property
+    def injecting(self) -> bool:
+        return self.faults != FaultsConfig()
+
+    def kill_worker(self, name: str) -> bool:
+        """SIGKILL live worker `name`'s process; False if none has that name."""
+        return self.supervisor.kill(name)
+
+    async def kill_rank(self, name: str, rank: int) -> bool:
+        """Kill one tensor-parallel rank of live worker `name` (the worker then dies and is replaced whole).
+        False if no live worker has that name; ValueError if it has no such rank."""
+        worker = next((w for w in self.pools.all_workers if w.name == name and w.alive), None)
+        if worker is None:
+            return False
+        try:
+            await worker.handle.kill_rank.remote(rank)
+        except RayTaskError as e:
+            raise ValueError(str(e.cause)) from None
+        return True
+
+    async def set_faults(self, faults: FaultsConfig) -> None:
+        """Inject `faults` on every live worker now, and on every replacement from now on."""
+        self.faults = faults
+        await asyncio.gather(*[self.on_worker_live(w) for w in self.pools.all_workers if w.alive])
+
+    async def on_worker_live(self, worker: WorkerState) -> None:
+        """Give a (new) worker the faults in force."""
+        try:
+            await worker.handle.set_faults.remote(**worker_faults(self.faults, worker.info.role))
+        except (RayActorError, RayTaskError) as e:
+            log.warning("could not set faults on %s: %s", worker.name, e)
+
+
+def worker_faults(faults: FaultsConfig, role: str) -> dict:
+    """The keyword arguments of a worker's set_faults() for the drill config `faults`."""
+    kv = {"fail_fraction": faults.transfer_fail_fraction, "stall_fraction": faults.transfer_stall_fraction,
+          "stall_s": faults.transfer_stall_s, "seed": faults.seed}
+    if role != "prefill":
+        return {"kv": kv}
+    return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed}

@@ -1,0 +1,232 @@
+"""Pools: creates, starts, wires, replaces and stops the worker actors of both pools on the Ray cluster.
+
+Each pool's workers go into one placement group (PACK keeps them on as few nodes as possible, SPREAD across
+nodes), each worker slot in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so
+a pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
+start() returns once every worker has loaded its model and reported its KV capacity; in disaggregated mode every
+decode worker then connects to every prefill worker's transfer agent. `start_slot()` brings one slot up again
+(same config, same bundle: Ray re-places a bundle whose node died, when the cluster has room) and `connect()`
+wires it to its live peers; the Supervisor (coordinator.backend.supervisor) decides when. The actor classes live in
+prefill_pool/ and decode_pool/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from coordinator.admission.router import WorkerState
+from coordinator.config.serve_config import PoolConfig, ServeConfig
+from decode_pool.worker import DecodeWorker
+from engine.tiny import resolve_model_path
+from kvtransfer import AgentConfig
+from kvtransfer.errors import PeerLost, TransferTimeout
+from prefill_pool.worker import PrefillWorker
+
+START_TIMEOUT_S = 600.0
+PLACEMENT_TIMEOUT_S = 60.0
+CONNECT_ATTEMPTS = 3  # a transfer connection that times out (a loaded machine, a slow network) is tried again
+RETRIED = (PeerLost, TransferTimeout)
+
+log = logging.getLogger(__name__)
+
+
+class Pools:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.prefill: list[WorkerState] = []
+        self.decode: list[WorkerState] = []
+        self.model_path = ""
+        self._groups: dict[str, object] = {}
+        self._started_ray = False
+
+    @property
+    def all_workers(self) -> list[WorkerState]:
+        return self.prefill + self.decode
+
+    def role_workers(self, role: str) -> list[WorkerState]:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.config.mode == "disaggregated" else ("decode",)
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.model_path = str(resolve_model_path(cfg.model))  # builds `tiny` once, before the workers race to
+        if not ray.is_initialized():
+            _init_ray(cfg.ray_address)
+            self._started_ray = cfg.ray_address is None
+        self.config = cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
+        for role in self.roles:
+            self._groups[role] = self._group(self._pool(role), role)
+        await self._placed()
+        slots = [(role, i) for role in self.roles for i in range(self._pool(role).workers)]
+        started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i) for role, i in slots]),
+                                         START_TIMEOUT_S)
+        for w in started:  # start-up time per phase, the operator's first question about a slow start
+            log.warning("worker %s ready: %s", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
+        self.prefill = [w for w in started if w.info.role == "prefill"]
+        self.decode = [w for w in started if w.info.role != "prefill"]
+        await asyncio.gather(*[_connecting(lambda d=d, p=p: d.handle.add_peer.remote(p.info.agent_metadata),
+                                           f"{d.name} to {p.name}") for d in self.decode for p in self.prefill])
+        if self.pushes:
+            await asyncio.gather(*[_connecting(lambda d=d, p=p: p.handle.add_peer.remote(d.info.agent_metadata),
+                                               f"{p.name} to {d.name}") for d in self.decode for p in self.prefill])
+
+    @property
+    def pushes(self) -> bool:
+        """Prefill workers write the KV into decode workers' blocks (transfer.push, both pools at TP=1), so they
+        connect to every decode worker as well."""
+        cfg = self.config
+        return (cfg.mode == "disaggregated" and cfg.transfer.push and cfg.prefill.tensor_parallel_size == 1
+                and cfg.decode.tensor_parallel_size == 1)
+
+    async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
+        """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model. On any
+        failure the new actor is killed, so a failed start leaves nothing behind."""
+        handle = self._actor(role, index)
+        try:
+            info = await handle.start.remote()
+            load = await handle.load.remote()  # its gauges exist from the moment it is installed
+        except BaseException:
+            ray.kill(handle, no_restart=True)
+            raise
+        return WorkerState(info, handle, incarnation=incarnation, load=load)
+
+    async def connect(self, worker: WorkerState) -> None:
+        """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull
+        from prefill workers, so a new decode worker adds every live prefill agent, and every live decode worker
+        drops the old prefill agent of that name and adds the new one. With pushes, the other way round as well."""
+        if self.config.mode != "disaggregated":
+            return
+        if worker.info.role == "decode":
+            peers = [p for p in self.prefill if p.alive]
+            calls = [_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
+                                 f"{worker.name} to {p.name}") for p in peers]
+            if self.pushes:
+                calls += [_connecting(lambda p=p: p.handle.replace_peer.remote(
+                    worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}") for p in peers]
+        else:
+            peers = [d for d in self.decode if d.alive]
+            calls = [_connecting(lambda d=d: d.handle.replace_peer.remote(
+                worker.name, worker.info.agent_metadata), f"{d.name} to {worker.name}") for d in peers]
+            if self.pushes:
+                calls += [_connecting(lambda d=d: worker.handle.add_peer.remote(d.info.agent_metadata),
+                                      f"{worker.name} to {d.name}") for d in peers]
+        await asyncio.gather(*calls)
+
+    async def disconnect(self, dead: WorkerState) -> None:
+        """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
+        mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken); with
+        pushes, every live prefill worker a dead decode worker's."""
+        if self.config.mode != "disaggregated" or (dead.info.role != "prefill" and not self.pushes):
+            return
+        peers = [w for w in (self.decode if dead.info.role == "prefill" else self.prefill) if w.alive]
+        await asyncio.gather(*[w.handle.drop_peer.remote(dead.name) for w in peers], return_exceptions=True)
+
+    def install(self, worker: WorkerState) -> None:
+        """Put `worker` into its slot (replacing the dead incarnation of the same name)."""
+        workers = self.role_workers("prefill" if worker.info.role == "prefill" else "decode")
+        for i, w in enumerate(workers):
+            if w.name == worker.name:
+                workers[i] = worker
+                return
+        workers.append(worker)
+
+    @staticmethod
+    def slot_index(worker: WorkerState) -> int:
+        return int(worker.name.rsplit("-", 1)[1])
+
+    async def shutdown(self) -> None:
+        workers = self.all_workers
+        await asyncio.gather(*[w.handle.shutdown.remote() for w in workers if w.alive], return_exceptions=True)
+        for w in workers:
+            ray.kill(w.handle, no_restart=True)
+        for group in self._groups.values():
+            remove_placement_group(group)
+        self._groups.clear()
+        if self._started_ray:
+            ray.shutdown()
+
+    async def _placed(self) -> None:
+        """Wait until the placement groups have their resources; fail clearly when the cluster lacks them."""
+        groups = list(self._groups.values())
+        try:
+            await asyncio.wait_for(asyncio.gather(*[g.ready() for g in groups]), PLACEMENT_TIMEOUT_S)
+        except TimeoutError:
+            wanted = [g.bundle_specs for g in groups]
+            raise RuntimeError(f"the Ray cluster cannot place the pools within {PLACEMENT_TIMEOUT_S:.0f} s: they need "
+                               f"{wanted}, the cluster has {ray.available_resources()}; lower num_cpus / num_gpus "
+                               "or workers in the config") from None
+
+    def _pool(self, role: str) -> PoolConfig:
+        return self.config.prefill if role == "prefill" else self.config.decode
+
+    def _group(self, pool: PoolConfig, role: str):
+        strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
+        return placement_group([worker_bundle(pool)] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
+
+    def _actor(self, role: str, index: int):
+        cfg, pool = self.config, self._pool(role)
+        options = dict(num_cpus=pool.num_cpus, num_gpus=worker_bundle(pool).get("GPU", 0),
+                       resources=dict(pool.resources), max_concurrency=10_000,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[role],
+                                                                            placement_group_bundle_index=index))
+        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
+        if role == "prefill":
+            return ray.remote(PrefillWorker).options(**options).remote(
+                f"prefill-{index}", cfg.engine_config(pool, seed=index), agent, _threads(pool))
+        return ray.remote(DecodeWorker).options(**options).remote(
+            f"decode-{index}", cfg.engine_config(pool, seed=1000 + index),
+            agent if cfg.mode == "disaggregated" else None, _threads(pool), cfg.admission.timeout_s,
+            stream=True)
+
+
+def worker_bundle(pool: PoolConfig) -> dict[str, float]:
+    """What one worker of `pool` reserves on its node: CPUs, GPUs and the pool's custom resources."""
+    gpus = pool.num_gpus * pool.tensor_parallel_size  # one actor drives every rank of its tensor-parallel group
+    return {"CPU": pool.num_cpus} | ({"GPU": gpus} if gpus else {}) | pool.resources
+
+
+def _init_ray(address: str | None) -> None:
+    """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
+    for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
+    env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
+    # a local Ray's workers inherit this process's environment; a runtime_env would add ~1 s to the start
+    runtime_env = {"env_vars": env} if env and address is not None else None
+    for attempt in (1, 2):
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env)
+            return
+        except Exception as e:  # Ray raises a bare Exception for this
+            if address is not None or attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
+
+
+def _threads(pool: PoolConfig) -> int:
+    return max(1, int(pool.num_cpus))
+
+
+async def _connecting(call: Callable[[], Any], what: str) -> None:
+    """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
+    be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times."""
+    for attempt in range(1, CONNECT_ATTEMPTS + 1):
+        try:
+            await call()
+            return
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's PeerLost; anything else is raised as is
+            if attempt == CONNECT_ATTEMPTS or not (isinstance(e, RETRIED) or isinstance(getattr(e, "cause", None),
+                                                                                      RETRIED)):
+                raise
+            log.warning("connecting %s failed (attempt %d of %d), trying again: %s", what, attempt,
+                        CONNECT_ATTEMPTS, e)

@@ -1,0 +1,503 @@
+"""RayBackend: the ServingBackend made of Ray actor pools (disaggregated: prefill + decode; collocated: one pool).
+
+Owns each request's path between workers, as a sequence of attempts. An attempt is placed by Admission (which
+books its capacity in the request's Reservation), then: prefill (the first token streams at once), the handoff
+(the decode worker pulls the KV; a failed transfer makes it recompute the prompt instead, per
+`transfer.on_failure`), and the token stream, which arrives from each decode worker in batches on its stream
+(decode_pool.worker_stream; a worker started without one is long-polled). A request run whole on one worker
+(collocated) starts and ends there by commands on that stream, not Ray calls: one write each, and its abort can
+never overtake its start. When a worker dies under an attempt
+(WorkerLost), the request moves: the next attempt prefills the prompt plus every token already streamed and
+continues from there, so the client sees one stream with no token missing or repeated (seeded sampling is keyed
+by output index, so the continuation equals an uninterrupted run). At most `recovery.max_migrations` moves, then
+an in-band error.
+
+Each request's phases (coordinator.observability.phases) are marked on its PhaseTrace as it goes: admission at its
+placement,
+the prefill worker's durations inside the prefill call, the decode worker's (sent with the request's first output by
+poll) inside the interval up to its first decode token, decode up to its last; the interval a dead attempt lost
+is `migration`.
+
+Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
+attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
+Supervisor's: it replaces them, and this backend starts polling the replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from coordinator.admission.admission import Admission, Placement
+from coordinator.admission.reservation import Ledger, Reservation
+from coordinator.admission.router import Router, WorkerState
+from coordinator.backend.drills import Drills
+from coordinator.backend.held_queue import HeldQueue
+from coordinator.backend.pools import Pools
+from coordinator.backend.ray_calls import quietly
+from coordinator.backend.ray_group import GroupRun
+from coordinator.backend.stats import backend_stats, transfer_totals
+from coordinator.backend.supervisor import Supervisor
+from coordinator.config.serve_config import FaultsConfig, ServeConfig
+from coordinator.contract import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
+from coordinator.observability.loop_lag import LoopLag
+from coordinator.observability.phases import PhaseTrace
+from decode_pool.step_delta import StepDelta
+from decode_pool.worker_stream import StreamLink
+from engine.core.request_timing import Durations
+from engine.gc_pauses import GcPauses
+from engine.load import EngineLoad
+from kvtransfer.errors import TransferError
+
+log = logging.getLogger("pdserve")
+POLL_TIMEOUT_S = 0.5
+STATS_PERIOD_S = 1.0
+
+
+class RayBackend:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.pools = Pools(config)
+        self.model_name = config.model
+        self.model_path = ""
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.ledger = Ledger(on_release=self._capacity_freed)
+        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.admission: Admission | None = None
+        self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
+        self._direct: dict[str, Callable[[list[int]], None]] = {}  # attempt id -> its running stream's sink
+        self._worker_phases: dict[str, Durations] = {}  # attempt id -> the decode worker's durations, until taken
+        self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
+        self._tasks: set[asyncio.Task] = set()
+        self.transfer_totals: dict[str, float] = {}
+        self.errors: dict[str, int] = {}
+        self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
+        self.drills = Drills(self.pools, self.supervisor, config.faults)
+        self.loop_lag = LoopLag()  # how late the coordinator's event loop runs, for /metrics
+        self.gc_pauses = GcPauses()  # the coordinator process's collector pauses (each stalls the loop), likewise
+
+    async def start(self) -> None:
+        await self.pools.start()
+        infos = [w.info for w in self.pools.all_workers]
+        self.model_path = self.pools.model_path
+        # a request must fit one worker's whole KV cache (decode also books one block ahead): larger ones are
+        # refused at the HTTP edge as not fitting the context, instead of waiting for room that never comes
+        capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
+        self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
+        self.vocab_size = min(i.vocab_size for i in infos)
+        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
+        self.loop_lag.start()
+        self.gc_pauses.install()
+        for w in self.pools.decode:
+            self._spawn(self._outputs_loop(w))
+        if self.drills.injecting:
+            await self.drills.set_faults(self.drills.faults)
+        self._spawn(self._stats_loop())
+
+    async def shutdown(self) -> None:
+        self.loop_lag.stop()
+        self.gc_pauses.remove()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.supervisor.shutdown()
+        for q in self._streams.values():
+            q.put_nowait(BackendError("the server is shutting down"))
+        await self.pools.shutdown()
+
+    # ---- one request
+    async def generate(self, request: GenerateRequest, moved_after: Sequence[int] | None = None
+                       ) -> AsyncIterator[TokenDelta]:
+        """The request's new tokens. `moved_after`: it was moved here after streaming these tokens elsewhere (a
+        choice of a group whose worker died, coordinator.backend.ray_group): it resumes after them and counts as
+        moved."""
+        if len(self._ids) >= self.config.admission.max_queue and moved_after is None:
+            raise Overloaded(f"{len(self._ids)} requests in flight (admission.max_queue)", retry_after_s=1.0)
+        rid = request.request_id
+        while rid in self._ids:  # the id on the workers; a client reusing one in flight gets a suffix
+            rid = f"{request.request_id}-{len(self._ids)}"
+        self._ids.add(rid)
+        reservation = self.ledger.open(rid)
+        trace = request.trace or PhaseTrace.now()
+        sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
+        moves = 0 if moved_after is None else 1
+        try:
+            while True:
+                try:
+                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
+                        async for delta in deltas:
+                            sent.extend(delta.token_ids)
+                            if delta.finish_reason is not None and moves:  # before the yield: the consumer
+                                self._count(self.migrations, "outcome_completed")  # closes us at the last one
+                            yield delta
+                            if delta.finish_reason is not None:
+                                return
+                    raise BackendError("the worker's token stream ended without a finish reason")
+                except WorkerLost as e:
+                    trace.mark("migration")
+                    self._count(self.migrations, "attempted")
+                    if moves >= self.config.recovery.max_migrations:
+                        raise BackendError(f"{e}; the request was moved {moves} times already "
+                                           "(recovery.max_migrations)") from None
+                    moves += 1
+                    reservation.clear()
+                    log.warning("request %s: %s; resuming after %d tokens", rid, e, len(sent))
+        except BackendError:
+            if moves:  # a moved request that still failed: out of moves, no room, or an error elsewhere
+                self._count(self.migrations, "outcome_failed")
+            raise
+        finally:
+            reservation.release()
+            self._ids.discard(rid)
+
+    def generate_group(self, request: GenerateRequest) -> GroupRun:
+        """request.n choices of one prompt, prefilled once (coordinator.backend.ray_group)."""
+        return GroupRun(self, request)
+
+    async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
+                       reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
+        """One placement of the request: deltas until its end; WorkerLost if a worker under it died. `prior`: the
+        tokens streamed so far, which generate() extends. With request.sink, once its first decode token is out,
+        the poll hands the middle of the stream to the sink (_take_outputs)."""
+        placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
+        trace.mark("admission")
+        attempt = rid if move == 0 else f"{rid}~{move}"
+        queue = HeldQueue(request.stream_interval) if request.stream_interval > 1 else asyncio.Queue()
+        self._streams[attempt] = queue
+        cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
+        finished = joined = False  # joined: a token came from the decode stream
+        decode, streamed, prior = placement.decode, prior, list(prior)
+        try:
+            if placement.prefill is None and _connected(decode):
+                cleanup.append((decode, "abort_on_stream"))  # after the generate, on the same stream
+                decode.requests.add(attempt)
+                decode.link.send(("generate", attempt, request.prompt_token_ids, request.params, prior,
+                                  placement.priority))
+            elif placement.prefill is None:
+                cleanup.append((decode, "abort"))
+                decode.requests.add(attempt)
+                await self._call(decode, decode.handle.generate.remote(
+                    attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
+                    priority=placement.priority))
+            else:
+                first = await self._prefill(attempt, request, prior, placement, reservation, cleanup, trace)
+                finished = first.finish_reason is not None
+                yield first
+                if finished:
+                    return
+            while True:
+                delta, error = _coalesced(await queue.get(), queue)
+                if delta is not None:
+                    if joined:
+                        trace.mark("decode")
+                    else:  # the worker's durations up to its first token, inside the interval since the last mark
+                        trace.split(self._worker_phases.pop(attempt, ()))
+                        joined = True
+                        reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
+                        if request.sink is not None and type(queue) is asyncio.Queue:  # not held back in chunks
+                            self._direct[attempt] = _direct_sink(trace, streamed, request.sink)
+                    finished = delta.finish_reason is not None
+                    yield delta
+                    if finished:
+                        return
+                if error is not None:
+                    raise error
+        finally:
+            self._streams.pop(attempt, None)
+            self._direct.pop(attempt, None)
+            self._worker_phases.pop(attempt, None)
+            ends = []
+            for worker, action in cleanup:
+                worker.requests.discard(attempt)
+                if action == "abort_on_stream":
+                    if worker.alive and not finished and _connected(worker):
+                        worker.link.send(("abort", attempt))  # (a broken stream: the worker is lost already)
+                elif worker.alive and (action == "release" or not finished):
+                    ends.append(getattr(worker.handle, action))
+            if self.pools.pushes and len(ends) > 1:  # the prefill's abort first: the decode worker's blocks are
+                self._spawn(_in_order(attempt, ends))  # freed only once no push writes into them
+            else:
+                for end in ends:
+                    self._spawn(quietly(end.remote(attempt)))
+
+    async def _prefill(self, attempt: str, request: GenerateRequest, prior: list[int], placement: Placement,
+                       reservation: Reservation, cleanup: list, trace: PhaseTrace) -> TokenDelta:
+        """Prefill on the prefill worker and return the first new token; unless it ends the request, the handoff
+        to the decode worker is under way (in its own task, which owns the prefill side from then on)."""
+        prefill, decode = placement.prefill, placement.decode
+        cleanup.append((prefill, "abort"))
+        # the decode worker books the KV's blocks while the prompt is prefilled, so the handoff starts with the
+        # pull (decode_pool.reservations); its abort gives them back if no handoff comes
+        cleanup.append((decode, "abort"))
+        decode.requests.add(attempt)
+        num_tokens = len(request.prompt_token_ids) + len(prior)
+        if self.pools.pushes:
+            self._spawn(self._push_target(attempt, request, prior, prefill, decode))
+        else:
+            self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
+        result = await self._call(prefill, prefill.handle.prefill.remote(
+            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
+            push=self.pools.pushes))
+        trace.split(result.phases)
+        reservation.unbook(prefill.key, "prompt_tokens")
+        cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
+        prefill.load = result.load
+        first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
+                           result.finish_reason)
+        if result.finish_reason is None:
+            self._spawn(self._handoff(attempt, request, prior, result, placement))
+        else:  # the first token ended it: no handoff takes the early booking
+            cleanup.remove((decode, "abort"))
+            decode.requests.discard(attempt)
+            if decode.alive:
+                self._spawn(quietly(decode.handle.abort.remote(attempt)))
+        return first
+
+    @staticmethod
+    async def _push_target(attempt: str, request: GenerateRequest, prior: list[int], prefill: WorkerState,
+                           decode: WorkerState) -> None:
+        """Book the KV's blocks on the decode worker and name them to the prefill worker, which then writes the KV
+        into them during its forward (prefill_pool.kv_push) and tells the decode worker, which joins the request
+        at once (decode_pool.handoff). A failure here leaves the handoff to a pull."""
+        try:
+            agent, blocks = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
+                                                                       request.params, prior)
+            await prefill.handle.push_to.remote(attempt, agent, blocks)
+        except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
+            log.debug("request %s: no push target: %s", attempt, e)
+
+    async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,
+                       placement: Placement) -> None:
+        """The decode worker pulls the KV (or recomputes it, per transfer.on_failure), then the prefill worker
+        frees its pinned copy: only after the pull ended, so no block is reused while it may still be read.
+        Errors go into the attempt's stream."""
+        prefill, decode = placement.prefill, placement.decode
+        try:
+            if attempt not in self._streams:  # the request ended before this task ran: its abort is already sent,
+                return                        # and a decode() behind it would run a request nobody reads
+            decode.load = await self._call(decode, decode.handle.decode.remote(
+                attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
+                prefill.name, result.block_ids, prior_output_ids=prior, pushed=result.pushed))
+        except TransferFailed as e:
+            self._count(self.errors, "transfer_failed")
+            if self.config.transfer.on_failure == "fail":
+                self._fail(attempt, BackendError(f"{e} (transfer.on_failure: fail)"))
+            elif attempt in self._streams:
+                log.warning("request %s: %s; the decode worker recomputes its prompt", attempt, e)
+                await self._recompute(attempt, request, prior + [result.first_token_id], placement)
+        except BackendError as e:
+            self._fail(attempt, e)
+        finally:
+            if prefill.alive:
+                self._spawn(quietly(prefill.handle.release.remote(attempt)))
+
+    async def _recompute(self, attempt: str, request: GenerateRequest, prior: list[int],
+                         placement: Placement) -> None:
+        decode = placement.decode
+        try:
+            await self._call(decode, decode.handle.generate.remote(
+                attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
+                priority=placement.priority))
+        except BackendError as e:
+            self._fail(attempt, e)
+            return
+        if attempt not in self._streams and decode.alive:  # the request ended meanwhile: its abort may have
+            self._spawn(quietly(decode.handle.abort.remote(attempt)))  # arrived first
+
+    def _fail(self, attempt: str, error: BaseException) -> None:
+        queue = self._streams.get(attempt)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    async def _call(self, worker: WorkerState, ref: Any) -> Any:
+        try:
+            return await ref
+        except RayActorError as e:
+            self.supervisor.worker_died(worker, str(e))
+            raise WorkerLost(f"{worker.info.role} worker {worker.name} died") from None
+        except RayTaskError as e:
+            if isinstance(e.cause, TransferError):
+                raise TransferFailed(f"KV transfer to {worker.name} failed: {type(e.cause).__name__}: "
+                                     f"{e.cause}") from None
+            self._count(self.errors, "worker_error")
+            raise BackendError(f"worker {worker.name} failed: {e.cause!r}") from None
+
+    # ---- workers
+    def _worker_dead(self, worker: WorkerState, reason: str) -> None:
+        self._count(self.errors, "worker_died")
+        for attempt in list(worker.requests):
+            self._fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
+
+    def _worker_live(self, worker: WorkerState) -> None:
+        if worker.info.role != "prefill":
+            self._spawn(self._outputs_loop(worker))
+        if self.drills.injecting:
+            self._spawn(self.drills.on_worker_live(worker))
+        self._capacity_freed()
+
+    def _capacity_freed(self) -> None:
+        if self.admission is not None:
+            self.admission.notify()
+
+    def _outputs_loop(self, worker: WorkerState) -> Coroutine[Any, Any, None]:
+        """What takes a decode worker's outputs: its output stream where it has one, else the long-poll."""
+        return self._poll_loop(worker) if worker.info.outputs_at is None else self._stream_loop(worker)
+
+    async def _poll_loop(self, worker: WorkerState) -> None:
+        while worker.alive:
+            try:
+                outputs, load, phases = await worker.handle.poll.remote(POLL_TIMEOUT_S)
+            except (RayActorError, RayTaskError) as e:
+                self.supervisor.worker_died(worker, f"poll failed: {type(e).__name__}: {e}")
+                return
+            self._take_outputs(worker, outputs, load, phases)
+
+    async def _stream_loop(self, worker: WorkerState) -> None:
+        """A worker's outputs from its stream (decode_pool.worker_stream) until it ends: the worker died. While it
+        runs, the worker's `link` takes commands."""
+        link = worker.link = StreamLink(*worker.info.outputs_at)
+        try:
+            async with aclosing(link.batches()) as batches:
+                async for outputs, load, phases, failed in batches:
+                    if not worker.alive:
+                        return
+                    self._take_outputs(worker, outputs, load, phases)
+                    for attempt, error in failed.items():  # a command refused (e.g. add_request's ValueError)
+                        self._count(self.errors, "worker_error")
+                        self._fail(attempt, BackendError(f"worker {worker.name} failed: {error}"))
+            why = "its output stream ended"
+        except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            why = f"its output stream failed: {type(e).__name__}: {e}"
+        finally:
+            if worker.link is link:
+                worker.link = None
+        if worker.alive:
+            self.supervisor.worker_died(worker, why)
+
+    def _take_outputs(self, worker: WorkerState, outputs: list[tuple], load: EngineLoad | None,
+                      phases: dict[str, Durations]) -> None:
+        """One batch of a worker's deltas (poll() or its stream) to their streams; `load`: the worker's after them."""
+        if load is not None:
+            worker.load = load
+        for attempt, durations in phases.items():  # before its output: the attempt takes them with it
+            if attempt in self._streams:
+                self._worker_phases[attempt] = durations
+        for fields in outputs:
+            queue = self._streams.get(fields[0])
+            if queue is None:  # the attempt ended already; the worker was told to abort it
+                continue
+            direct = self._direct.get(fields[0])
+            # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
+            # (order kept: an undelivered delta stays in the queue until its reader has sent it on)
+            if direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None:
+                try:
+                    direct(fields[1])
+                    continue
+                except Exception:  # never the poll's end: this stream goes back to its reader's path
+                    log.exception("request %s: its stream's sink failed", fields[0])
+                    self._direct.pop(fields[0], None)
+            queue.put_nowait(StepDelta(*fields))
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_PERIOD_S)
+            await self.supervisor.probe()
+            live = [w for w in self.pools.all_workers if w.alive]
+            snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
+                                           return_exceptions=True)
+            self.transfer_totals = transfer_totals([m for ranks in snapshots if isinstance(ranks, list)
+                                                    for m in ranks if isinstance(m, dict)])  # every rank's
+            self._capacity_freed()  # waiting requests also look again on a timer
+
+    # ---- figures
+    def health(self) -> tuple[bool, list[dict]]:
+        return self.supervisor.healthy(), self.supervisor.states()
+
+    def check_integrity(self) -> dict[str, dict[str, int]]:
+        """Assert that the bookings are exactly those of the requests in flight; return them per worker."""
+        booked = self.ledger.check_integrity()
+        assert self.ledger.live_requests == len(self._ids), (self.ledger.live_requests, self._ids)
+        return booked
+
+    async def integrity(self) -> dict:
+        """check_integrity() here and on every live engine, as a report: ok, or the first failure."""
+        report: dict = {"ok": True, "error": None, "coordinator": self.ledger.snapshot(), "workers": {}}
+        try:
+            report["coordinator"] = self.check_integrity()
+        except AssertionError as e:
+            report.update(ok=False, error=f"coordinator: {e}")
+        live = [w for w in self.pools.all_workers if w.alive]
+        checks = await asyncio.gather(*[w.handle.check_integrity.remote() for w in live], return_exceptions=True)
+        for w, check in zip(live, checks, strict=True):
+            if isinstance(check, BaseException):
+                report.update(ok=False, error=report["error"] or f"{w.name}: {check}")
+            else:
+                report["workers"][w.name] = check
+        return report
+
+    # ---- drills (coordinator.backend.drills; the admin routes call them here)
+    async def kill_worker(self, name: str) -> bool:
+        return self.drills.kill_worker(name)
+
+    async def kill_rank(self, name: str, rank: int) -> bool:
+        return await self.drills.kill_rank(name, rank)
+
+    async def set_faults(self, faults: FaultsConfig) -> None:
+        await self.drills.set_faults(faults)
+
+    def stats(self) -> dict:
+        return backend_stats(self)
+
+    def _count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _connected(worker: WorkerState) -> bool:
+    """Whether the worker's stream takes commands now (decode_pool.worker_stream)."""
+    return worker.link is not None and worker.link.connected
+
+
+async def _in_order(attempt: str, ends: list[Any]) -> None:
+    """End an attempt on its workers one after the other (each call's failure ignored)."""
+    for end in ends:
+        await quietly(end.remote(attempt))
+
+
+def _direct_sink(trace: PhaseTrace, streamed: list[int],
+                 sink: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """What the poll calls with a stream's middle tokens: what generate() and _attempt do for a delta they yield
+    (the decode mark, the record of what was streamed, where a moved request resumes), then the sink."""
+    def deliver(token_ids: list[int]) -> None:
+        trace.mark("decode")
+        sink(token_ids)
+        streamed.extend(token_ids)  # after: a sink that raised has not streamed them (they go the reader's way)
+    return deliver
+
+
+def _coalesced(first: Any, queue: asyncio.Queue) -> tuple[TokenDelta | None, BaseException | None]:
+    """`first` and every step output already queued behind it, as one delta (a consumer that fell behind, e.g. a
+    coordinator busy with many streams, then pays its per-chunk costs once per batch, not once per token), and the
+    error that ended the run, if any (raised after the tokens before it are delivered)."""
+    if isinstance(first, BaseException):
+        return None, first
+    tokens, logprobs, finish = list(first.new_token_ids), list(first.new_logprobs), first.finish_reason
+    while finish is None and not queue.empty():
+        out = queue.get_nowait()
+        if isinstance(out, BaseException):
+            return TokenDelta(tokens, logprobs, None), out
+        tokens += out.new_token_ids
+        logprobs += out.new_logprobs
+        finish = out.finish_reason
+    return TokenDelta(tokens, logprobs, finish), None
+

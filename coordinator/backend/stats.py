@@ -1,0 +1,51 @@
+"""backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
+
+Per worker: its state, restarts and bookings always; its last reported engine load (every numeric EngineLoad
+field) only while it is live, so a dead worker's gauges disappear instead of freezing at their last value.
+Backend-wide: the admission queue's length (requests waiting for room, not those running), requests in flight,
+errors and migrations by kind, seconds each pool spent with no live worker, transfer totals of the live agents, and
+the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its process's garbage-collector
+pauses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+
+def backend_stats(backend: Any) -> dict:
+    supervisor, ledger = backend.supervisor, backend.ledger
+    workers = []
+    for w in backend.pools.all_workers:
+        entry = {"name": w.name, "role": w.info.role, "state": w.state, "alive": w.alive,
+                 "restarts_total": supervisor.restarts.get(w.name, 0), "served": w.served,
+                 "booked_kv_blocks": ledger.booked(w.key, "kv_blocks"),
+                 "booked_prompt_tokens": ledger.booked(w.key, "prompt_tokens"), "total_blocks": w.info.num_kv_blocks}
+        if w.alive and w.load is not None:
+            load = asdict(w.load)
+            entry |= {"queued_prompt_tokens": load.pop("queued_prompt_tokens"), "running": load.pop("num_running"),
+                      "free_blocks": load.pop("free_blocks"), "total_blocks": load.pop("total_blocks")}
+            entry["engine"] = {k: v for k, v in load.items() if isinstance(v, int | float)}
+        workers.append(entry)
+    admission = backend.admission
+    return {"workers": workers, "transfer": dict(backend.transfer_totals),
+            "queue_length": len(admission.queue) if admission else 0, "in_flight": len(backend._ids),
+            "waiting_by_priority": admission.queue.waiting_by_priority() if admission else {},
+            "errors": dict(backend.errors), "migrations": dict(backend.migrations),
+            "pool_down_seconds": supervisor.downtime_s(),
+            "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
+            "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}
+
+
+def transfer_totals(snapshots: list[dict]) -> dict[str, float]:
+    """Add the agents' snapshots into pool-wide figures: top-level numbers, and per operation
+    `<op>_<count|bytes|seconds_sum|failures>` (summed) and `<op>_seconds_max` (max)."""
+    totals: dict[str, float] = {}
+    for metrics in snapshots:
+        flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        for op, fields in (metrics.get("ops") or {}).items():
+            flat |= {f"{op}_{k}": v for k, v in fields.items() if isinstance(v, int | float)}
+        for key, value in flat.items():
+            totals[key] = max(totals.get(key, 0), value) if key.endswith("_max") else totals.get(key, 0) + value
+    return totals

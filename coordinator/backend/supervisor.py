@@ -1,0 +1,191 @@
+"""Supervisor: notices dead workers, brings replacements up with backoff, and tells the truth about each pool.
+
+A worker is dead at the first sign: an actor error from any call to it (the backend reports it through
+`worker_died`) or a failed liveness probe (`probe()`, every second). Death is handled once per incarnation: the
+worker stops getting requests at once (the router only sees live workers), `on_dead` lets the backend move its
+requests elsewhere, and a replacement task for its slot starts. The replacement waits a backoff (doubling with
+each restart of that slot within `restart_window_s`), starts a new actor with the same config in the same
+placement bundle, waits until it has loaded its model, wires it to its live peers (Pools.connect), puts it in its
+slot and calls `on_live`. A start that fails counts as a restart and is retried after the next backoff; past
+`max_restarts` within the window the slot stays down ("failed") instead of burning a GPU in a crash loop.
+Figures: restarts per role, seconds each pool spent with no live worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from coordinator.admission.router import WorkerState
+from coordinator.backend.pools import START_TIMEOUT_S, Pools
+from coordinator.config.serve_config import RecoveryConfig
+
+log = logging.getLogger("pdserve")
+PROBE_TIMEOUT_S = 10.0
+
+
+class Supervisor:
+    def __init__(self, pools: Pools, config: RecoveryConfig, on_dead: Callable[[WorkerState, str], None],
+                 on_live: Callable[[WorkerState], None]) -> None:
+        self.pools = pools
+        self.config = config
+        self._on_dead = on_dead
+        self._on_live = on_live
+        self._recent: dict[str, deque[float]] = {}      # slot name -> times of its recent restarts
+        self.restarts: dict[str, int] = {}               # slot name -> replacements that came up
+        self.restart_failures: dict[str, int] = {}       # slot name -> replacement starts that failed
+        self.reasons: dict[str, str] = {}                # slot name -> why its last incarnation died
+        self.recoveries: dict[str, dict[str, float]] = {}  # slot name -> phases of its last recovery, seconds
+        self._died_at: dict[str, float] = {}
+        self._down_since: dict[str, float | None] = dict.fromkeys(pools.roles, None)
+        self._down_total: dict[str, float] = dict.fromkeys(pools.roles, 0.0)
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- what happened
+    def worker_died(self, worker: WorkerState, reason: str) -> None:
+        """Mark `worker` dead (idempotent per incarnation) and start replacing its slot."""
+        if worker.state not in ("live", "starting"):
+            return
+        worker.state = "dead"
+        if worker.handle is not None:  # a hung actor (failed probe) must give its bundle back
+            ray.kill(worker.handle, no_restart=True)
+        self._died_at[worker.name] = time.monotonic()
+        self.reasons[worker.name] = _short(reason)
+        log.warning("worker %s died: %s", worker.name, self.reasons[worker.name])
+        self._update_downtime()
+        self._on_dead(worker, reason)
+        self._spawn(self._replace(worker))
+
+    def kill(self, name: str) -> bool:
+        """Kill a live worker's process (operators' drills); the supervisor then replaces it as any dead one."""
+        worker = next((w for w in self.pools.all_workers if w.name == name and w.alive), None)
+        if worker is None:
+            return False
+        self.worker_died(worker, "killed through the admin API")  # gone now: no need to wait for a call to fail
+        return True
+
+    async def probe(self) -> None:
+        """Ask every live worker for its load; an actor error marks it dead (a hung worker times out)."""
+        async def one(w: WorkerState) -> None:
+            try:
+                w.load = await asyncio.wait_for(w.handle.load.remote(), PROBE_TIMEOUT_S)
+            except (RayActorError, TimeoutError) as e:
+                self.worker_died(w, f"liveness probe: {type(e).__name__}: {e}")
+            except RayTaskError:
+                pass  # the actor is up; its engine loop may be busy or broken: calls report that themselves
+        await asyncio.gather(*[one(w) for w in self.pools.all_workers if w.alive])
+
+    # ---- what is true now
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.pools.roles
+
+    def workers(self, role: str) -> list[WorkerState]:
+        return self.pools.role_workers(role)
+
+    def live(self, role: str) -> list[WorkerState]:
+        return [w for w in self.pools.role_workers(role) if w.alive]
+
+    def healthy(self) -> bool:
+        return all(self.live(role) for role in self.pools.roles)
+
+    def states(self) -> list[dict]:
+        return [{"name": w.name, "role": w.info.role, "state": w.state, "restarts": self.restarts.get(w.name, 0),
+                 "pid": w.info.pid, "host": w.info.host,
+                 **({"last_failure": self.reasons[w.name]} if w.name in self.reasons else {}),
+                 **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {})}
+                for w in self.pools.all_workers]
+
+    def down_reason(self, role: str) -> str | None:
+        """Why `role`'s pool cannot take requests now, or None if it has a live worker."""
+        if self.live(role):
+            return None
+        states = ", ".join(f"{w.name} {w.state}" for w in self.pools.role_workers(role))
+        return f"the {role} pool has no live worker ({states})"
+
+    def downtime_s(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {role: total + (now - self._down_since[role] if self._down_since[role] is not None else 0.0)
+                for role, total in self._down_total.items()}
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- replacement
+    async def _replace(self, dead: WorkerState) -> None:
+        name, role = dead.name, "prefill" if dead.info.role == "prefill" else "decode"
+        incarnation = dead.incarnation
+        recent = self._recent.setdefault(name, deque())
+        try:
+            await asyncio.wait_for(self.pools.disconnect(dead), PROBE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the replacement is tried anyway; its start says if it cannot
+            log.warning("worker %s: its peers did not all drop it: %s: %s", name, type(e).__name__, e)
+        while True:
+            now = time.monotonic()
+            while recent and now - recent[0] > self.config.restart_window_s:
+                recent.popleft()
+            if len(recent) >= self.config.max_restarts:
+                dead.state = "failed"
+                log.error("worker %s: %d restarts within %.0f s; not restarting it again", name, len(recent),
+                          self.config.restart_window_s)
+                return
+            delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** len(recent))
+            recent.append(now)
+            await asyncio.sleep(delay)
+            dead.state = "restarting"
+            incarnation += 1
+            try:
+                spawned = time.monotonic()
+                worker = await asyncio.wait_for(
+                    self.pools.start_slot(role, Pools.slot_index(dead), incarnation), START_TIMEOUT_S)
+                started = time.monotonic()
+                await self.pools.connect(worker)
+            except Exception as e:  # noqa: BLE001 - any failed start is retried after the next backoff
+                cause = getattr(e, "cause", None) or e  # a RayTaskError's own text is mostly its traceback
+                self.restart_failures[name] = self.restart_failures.get(name, 0) + 1
+                self.reasons[name] = _short(f"replacement failed to start: {type(cause).__name__}: {cause}")
+                log.warning("worker %s: %s", name, self.reasons[name])
+                dead.state = "dead"
+                continue
+            self.pools.install(worker)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            self._update_downtime()
+            now = time.monotonic()
+            phases = dict(worker.info.startup_s)
+            self.recoveries[name] = {
+                "total_s": now - self._died_at[name], "backoff_s": spawned - self._died_at[name],
+                "actor_start_s": started - spawned, **{f"{k}_s": v for k, v in phases.items()},
+                "peer_exchange_s": now - started}
+            log.warning("worker %s is back (incarnation %d): %s", name, incarnation,
+                        ", ".join(f"{k} {v:.2f}" for k, v in self.recoveries[name].items()))
+            self._on_live(worker)
+            return
+
+    def _update_downtime(self) -> None:
+        now = time.monotonic()
+        for role in self.pools.roles:
+            down = not self.live(role)
+            since = self._down_since[role]
+            if down and since is None:
+                self._down_since[role] = now
+            elif not down and since is not None:
+                self._down_total[role] += now - since
+                self._down_since[role] = None
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

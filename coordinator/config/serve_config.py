@@ -1,0 +1,275 @@
+"""ServeConfig: one validated, frozen config tree loaded once from `configs/<name>.yaml`.
+
+Each part goes only where it belongs: EngineConfig to each worker of a pool, AgentConfig to the transfer
+agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load with the file, key and reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.config.settings import ServerSettings
+from coordinator.config.tenants_config import TenantsConfig, parse_tenants
+from engine.config_error import ConfigError
+from engine.engine_config import EngineConfig
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    workers: int = 1
+    num_gpus: float = 0       # per worker; > 0 puts its engine on CUDA
+    num_cpus: float = 1       # per worker
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int | None = None          # most prompt tokens of one request per step
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kernels: str = "auto"          # the engine's GPU path switches (EngineConfig): Triton kernels, CUDA graphs and
+    cuda_graphs: bool = True       # overlapped scheduling; the defaults are the fast path, turn one off to compare
+    async_scheduling: bool | None = None  # or to rule it out (None: on for GPU engines, off on the CPU)
+    prefill_graph_tokens: int = 512  # with cuda_graphs: prefill-only steps up to this many tokens replay graphs too
+    mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
+    warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
+    tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
+    # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
+    resources: dict[str, float] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.tensor_parallel_size > 1 and self.num_gpus and self.num_gpus != int(self.num_gpus):
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs whole GPUs per rank "
+                             f"(num_gpus), got {self.num_gpus}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backends: tuple[str, ...] = ("cuda_ipc", "ucx")
+    timeout_s: float = 30.0
+    pin_lease_s: float = 60.0
+    on_failure: str = "recompute"  # a failed KV transfer: the decode worker recomputes the prompt, or the request fails
+    # the prefill worker writes each prompt's KV into the blocks its decode worker booked, layer group by layer
+    # group during the forward (prefill_pool.kv_push), so decode only joins; false: decode pulls it after the prefill.
+    # Pools of tensor_parallel_size 1 only (larger ones pull)
+    push: bool = True
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_queue: int = 1024          # requests in flight beyond which new ones get 503
+    timeout_s: float = 30.0        # how long a request may wait for room (or for a replacement worker)
+    # fraction of max_tokens whose KV is booked on the decode worker at admission, besides the prompt's: 1.0 never
+    # oversubscribes (no preemption); below 1 more requests run at once and the engine preempts when they outgrow it
+    reserve_output: float = 1.0
+    max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
+    priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
+    reserved_for_high: float = 0.0  # share of each worker's KV and prefill backlog only high-priority requests book
+
+    def __post_init__(self) -> None:
+        if not 0 < self.reserve_output <= 1:
+            raise ValueError(f"reserve_output must be in (0, 1], got {self.reserve_output}")
+        if self.max_prefill_backlog_tokens is not None and self.max_prefill_backlog_tokens < 1:
+            raise ValueError(f"max_prefill_backlog_tokens must be >= 1, got {self.max_prefill_backlog_tokens}")
+        if not 0 <= self.reserved_for_high < 1:
+            raise ValueError(f"reserved_for_high must be in [0, 1), got {self.reserved_for_high}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """Self-healing: replacing dead workers (with backoff) and moving their requests elsewhere."""
+
+    max_restarts: int = 5            # per worker slot within restart_window_s; past it the slot stays down
+    restart_window_s: float = 600.0
+    backoff_initial_s: float = 0.5   # wait before the first replacement of a slot; doubles per recent restart
+    backoff_max_s: float = 30.0
+    max_migrations: int = 3          # per request: moves to another worker after a worker or transfer failure
+
+    def __post_init__(self) -> None:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s "
+                             f"({self.backoff_initial_s})")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Failures injected on purpose, for tests and operators' drills (also settable at run time through
+    POST /admin/faults when server.admin_api is on). All off by default."""
+
+    prefill_error_fraction: float = 0.0   # prefill calls that fail with an injected error
+    transfer_fail_fraction: float = 0.0   # KV transfers that fail (the decode side then recomputes or fails)
+    transfer_stall_fraction: float = 0.0  # KV transfers held back for transfer_stall_s before they proceed
+    transfer_stall_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_error_fraction", "transfer_fail_fraction", "transfer_stall_fraction"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if not isinstance(self.transfer_stall_s, int | float) or self.transfer_stall_s < 0:
+            raise ValueError(f"transfer_stall_s must be a number >= 0, got {self.transfer_stall_s!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny"
+    dtype: str = "auto"
+    load_format: str = "auto"      # "auto": the checkpoint's weights; "dummy": random ones (benchmarks of big shapes)
+    block_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    mode: str = "disaggregated"    # "disaggregated" | "collocated"
+    placement: str = "pack"        # "pack" | "spread"
+    ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig(max_num_seqs=256)
+    transfer: TransferConfig = TransferConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    faults: FaultsConfig = FaultsConfig()
+    server: ServerSettings = ServerSettings()
+    tenants: TenantsConfig = TenantsConfig()  # API keys -> tenants with rate limits and a priority class
+
+    def engine_config(self, pool: PoolConfig, seed: int = 0) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device="cuda" if pool.num_gpus > 0 else "cpu",
+            block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
+            enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
+            num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+            gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
+            kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling,
+            prefill_graph_tokens=pool.prefill_graph_tokens, mixed_graph_tokens=pool.mixed_graph_tokens,
+            warmup=pool.warmup,
+            tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format)
+
+
+_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
+             "admission": AdmissionConfig, "recovery": RecoveryConfig, "faults": FaultsConfig,
+             "server": ServerSettings}
+_CHOICES = {"mode": ("disaggregated", "collocated"), "placement": ("pack", "spread"),
+            "on_failure": ("recompute", "fail")}
+
+
+def set_dotted(raw: dict, overrides: dict[str, Any]) -> dict:
+    """Set each {"server.port": 8001, ...} override in a raw (YAML) config mapping, in place; returned."""
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return raw
+
+
+def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """Read and validate a YAML file; `overrides` ({"server.port": 8001, ...}) win over the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    set_dotted(raw, overrides or {})
+    tenants = parse_tenants(raw.pop("tenants", None), path)
+    config = replace(_build(ServeConfig, raw, path, ""), tenants=tenants)
+    if tenants.tenants and config.server.api_key is not None:
+        raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
+                          "server's keys (move the key to a tenant)")
+    for pool in ("prefill", "decode"):  # the engine's own checks, now rather than inside a worker
+        try:
+            config.engine_config(getattr(config, pool))
+        except ValueError as e:
+            raise ConfigError(f"{path}: {pool} workers' engine: {e}") from None
+    return config
+
+
+def check_tensor_parallel(config: ServeConfig, path: Path | str) -> None:
+    """ConfigError naming the key when a pool's tensor_parallel_size cannot split the model in `config.model`
+    (checked where its config.json is on disk, before any worker starts; elsewhere the workers report it)."""
+    from engine.model.model_config import ModelConfig
+    from engine.model.tp_layout import FIELD, TPLayout
+    folder = Path(config.model)
+    if not (folder / "config.json").is_file():
+        return
+    model = ModelConfig.from_folder(folder)
+    for pool in (("prefill", "decode") if config.mode == "disaggregated" else ("decode",)):
+        try:
+            TPLayout.check(model, getattr(config, pool).tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {str(e).replace(FIELD, f'{pool}.tensor_parallel_size')} "
+                              f"({folder}/config.json)") from None
+
+
+def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {prefix + unknown[0]!r}; known keys here: {sorted(known)}")
+    values = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if name in _SECTIONS and cls is ServeConfig:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {key!r} must be a mapping, got {value!r}")
+            value = _build(_SECTIONS[name], value, path, f"{key}.")
+        elif name in _CHOICES and value not in _CHOICES[name]:
+            raise ConfigError(f"{path}: {key!r} must be one of {_CHOICES[name]}, got {value!r}")
+        elif name == "backends":
+            value = tuple([value] if isinstance(value, str) else value)
+        elif name == "resources" and cls is PoolConfig:
+            _check_resources(value, path, key)
+        values[name] = _check_type(value, known[name], path, key)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {prefix.rstrip('.') or 'top level'}: {e}") from None
+
+
+def _check_type(value: Any, field: Any, path: Path, key: str) -> Any:
+    expected = str(field.type)
+    if value is None:
+        if "None" in expected:
+            return None
+        raise ConfigError(f"{path}: {key!r} may not be null")
+    if isinstance(value, bool) and "bool" not in expected:
+        raise ConfigError(f"{path}: {key!r} must be {expected}, got {value!r}")
+    checks = [("dict", (dict,)), ("bool", (bool,)), ("int", (int,)), ("float", (int, float)), ("str", (str,)),
+              ("tuple", (tuple,))]
+    for name, types in checks:
+        if expected.startswith(name) or f"{name} |" in expected or f"| {name}" in expected:
+            if isinstance(value, types):
+                if name in ("int", "float") and value < 0:
+                    raise ConfigError(f"{path}: {key!r} must not be negative, got {value!r}")
+                return value
+    if not any(name in expected for name, _ in checks):  # nested section objects were built already
+        return value
+    raise ConfigError(f"{path}: {key!r} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _check_resources(value: Any, path: Path, key: str) -> None:
+    """A pool's custom Ray resources: {name: amount per worker}, amounts Ray can place (a fraction or whole)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key!r} must be a mapping of resource name to amount, got {value!r}")
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{path}: {key!r}: resource names must be non-empty strings, got {name!r}")
+        if name in _BUILTIN_RESOURCES:
+            raise ConfigError(f"{path}: {key}.{name}: set CPUs and GPUs with num_cpus / num_gpus, not resources")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            raise ConfigError(f"{path}: {key}.{name} must be a positive number, got {amount!r}")
+        if amount > 1 and amount != int(amount):
+            raise ConfigError(f"{path}: {key}.{name}: Ray takes amounts above 1 only whole, got {amount!r}")

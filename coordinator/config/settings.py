@@ -1,0 +1,82 @@
+"""ServerSettings: the HTTP coordinator's own settings (address, auth, limits, timeouts), validated once and frozen.
+
+Owns only what the HTTP layer needs; the backend's settings (pools, workers, KV transfer) live with the backend.
+Errors name the field, as `ServerSettings.<field> <why>, got <value>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TOOL_CALL_PARSERS = ("llama3_json", "hermes")  # the chat-template families tool_choice "auto" can read
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000                     # 0 = any free port (tests)
+    api_key: str | None = None           # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    max_body_bytes: int = 4 << 20        # larger request bodies get 413
+    request_timeout_s: float = 600.0     # a request still running after this ends (504, or an in-band error)
+    drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
+    served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
+    admin_api: bool = False              # /admin/* (kill a worker, inject faults, integrity); behind api_key when set
+    keep_alive_timeout_s: float = 5.0    # an idle keep-alive connection is closed after this
+    header_timeout_s: float = 10.0       # a connection must send a complete request head within this (else 408)
+    body_read_timeout_s: float = 30.0    # the whole request body must arrive within this (else 408)
+    # special-token text (e.g. "<|eot_id|>") inside chat message content becomes control tokens only when true
+    allow_special_tokens_in_content: bool = False
+    # how `tool_choice: auto` reads the model's tool calls: the chat-template family (TOOL_CALL_PARSERS)
+    tool_call_parser: str = "llama3_json"
+    # a streamed response sends a chunk per this many new tokens (the first token and the end at once): larger
+    # values trade smoothness for the coordinator's CPU per token (vLLM's and SGLang's --stream-interval)
+    stream_interval: int = 1
+    # HTTP processes: above 1, each serves connections (parsing, tokenization, detokenization, SSE) while one core
+    # process keeps the workers, admission and tenants' limits (coordinator.frontends; vLLM's --api-server-count)
+    api_processes: int = 1
+    # above 0: log the event loop's stack whenever it stalls this many ms (coordinator.observability.stall_reporter),
+    # in every
+    # process that serves; a diagnostic for latency tails, off by default
+    stall_report_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("host", isinstance(self.host, str) and bool(self.host), "must be a non-empty string"),
+            ("port", _is_int(self.port) and 0 <= self.port <= 65535, "must be an integer in [0, 65535]"),
+            ("api_key", _optional_str(self.api_key), "must be None or a non-empty string"),
+            ("max_body_bytes", _is_int(self.max_body_bytes) and self.max_body_bytes > 0, "must be a positive integer"),
+            ("request_timeout_s", _is_number(self.request_timeout_s) and self.request_timeout_s > 0,
+             "must be a positive number"),
+            ("drain_timeout_s", _is_number(self.drain_timeout_s) and self.drain_timeout_s >= 0,
+             "must be a number >= 0"),
+            ("served_model_name", _optional_str(self.served_model_name), "must be None or a non-empty string"),
+            ("admin_api", isinstance(self.admin_api, bool), "must be true or false"),
+            *[(name, _is_number(getattr(self, name)) and 0 < getattr(self, name) <= 3600,
+               "must be a number in (0, 3600]") for name in ("keep_alive_timeout_s", "header_timeout_s",
+                                                            "body_read_timeout_s")],
+            ("allow_special_tokens_in_content", isinstance(self.allow_special_tokens_in_content, bool),
+             "must be true or false"),
+            ("tool_call_parser", self.tool_call_parser in TOOL_CALL_PARSERS,
+             f"must be one of {list(TOOL_CALL_PARSERS)}"),
+            ("stream_interval", _is_int(self.stream_interval) and 1 <= self.stream_interval <= 1024,
+             "must be an integer in [1, 1024]"),
+            ("api_processes", _is_int(self.api_processes) and 1 <= self.api_processes <= 64,
+             "must be an integer in [1, 64]"),
+            ("stall_report_ms", _is_number(self.stall_report_ms) and 0 <= self.stall_report_ms <= 60000,
+             "must be a number in [0, 60000] (0: off)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"ServerSettings.{name} {why}, got {getattr(self, name)!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _optional_str(x: object) -> bool:
+    return x is None or (isinstance(x, str) and bool(x))

@@ -1,0 +1,179 @@
+"""BackendCollector: the scrape-time half of /metrics, a prometheus_client custom Collector.
+
+Owns the families built afresh from the backend's figures at every scrape (nothing of them is stored between
+scrapes, so a dead or removed worker's gauges disappear instead of freezing at their last value; backend_stats
+leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend.stats shapes it (queue length,
+per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
+`pdserve_worker_engine_<key>`, errors, migrations, pool downtime, prefix-affinity hits, the coordinator's event-loop
+lag and stalls (`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every
+numeric transfer total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the
+lifecycle's requests in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape
+itself never fails for it), tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
+`vllm:num_requests_waiting` (the admission queue) and `vllm:kv_cache_usage_perc` (per worker, labelled `engine`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+Samples = list[tuple[dict[str, object], float]]
+_WORKER_HELP = {
+    "kv_usage_ratio": "Fraction of the worker's KV blocks in use", "running": "Requests running",
+    "queued_prompt_tokens": "Prompt tokens queued", "free_blocks": "Free KV blocks", "total_blocks": "KV blocks",
+    "requests_routed": "Requests the router sent to the worker", "alive": "1 while the worker is alive",
+    "restarts_total": "Times the worker's slot was replaced after a death",
+    "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget)",
+    "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled"}
+
+_LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
+                                  "timer): near 0 idle, milliseconds when every stream's work queues behind others'",
+              "loop_stalls_total": "Ticks of that timer at least 10 ms late: stalls of every request on the loop",
+              "loop_lag_max_seconds": "The worst lateness of that timer's ticks since start, seconds",
+              "gc_pauses_total": "Garbage collections in the coordinator's process (each pauses its event loop)",
+              "gc_full_collections_total": "Of those, full (generation 2) collections",
+              "gc_pause_seconds_total": "Seconds the coordinator's process spent in garbage collections",
+              "gc_pause_max_s": "The longest garbage-collection pause of the coordinator's process, seconds"}
+
+
+class BackendCollector:
+    def __init__(self, backend: Any, lifecycle: Any, tenants: Any, model_name: str) -> None:
+        self.backend, self.lifecycle, self.tenants, self.model_name = backend, lifecycle, tenants, model_name
+        self.stats_errors = 0
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.backend.stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the backend's figures did
+            stats, self.stats_errors = None, self.stats_errors + 1
+        families = lifecycle_families(self.lifecycle) + [
+            _family("pdserve_backend_stats_errors", "Scrapes where backend.stats() failed", [({}, self.stats_errors)])]
+        if isinstance(stats, dict):
+            families += backend_families(stats) + self._vllm_families(stats)
+        usage = self.tenants.usage() if self.tenants is not None else None
+        if usage:
+            families += tenant_families(usage)
+        seen: set[str] = set()
+        for family in families:  # two stats keys that sanitize to one name: the first wins, the output stays valid
+            if family.name not in seen:
+                seen.add(family.name)
+                yield family
+
+    def _vllm_families(self, stats: dict) -> list[Metric]:
+        label = {"model_name": self.model_name}
+        workers = [w for w in stats.get("workers") or [] if isinstance(w, dict)]
+        running = _number(stats.get("in_flight"))
+        if running is None:  # a backend without a request count: the workers' running batches
+            running = sum(_number(w.get("running")) or 0 for w in workers)
+        out = [_family("vllm:num_requests_running", "Requests placed on workers (vLLM's name)", [(label, running)]),
+               _family("vllm:num_requests_waiting", "Requests waiting for admission (vLLM's name)",
+                       [(label, _number(stats.get("queue_length")) or 0)])]
+        usage = [({**label, "engine": w.get("name", "?")}, 1.0 - free / total) for w in workers
+                 if (free := _number(w.get("free_blocks"))) is not None and (total := _number(w.get("total_blocks")))]
+        return out + [_family("vllm:kv_cache_usage_perc", "Fraction of each worker's KV blocks in use (vLLM's name)",
+                              usage)]
+
+
+def lifecycle_families(lifecycle: Any) -> list[Metric]:
+    """The HTTP process's requests in flight and its draining flag."""
+    return [_family("pdserve_requests_in_flight", "Requests admitted and not yet ended", [({}, lifecycle.in_flight)]),
+            _family("pdserve_draining", "1 while the server refuses new requests", [({}, int(lifecycle.draining))])]
+
+
+def backend_families(stats: dict) -> list[Metric]:
+    out: list[Metric] = []
+    queue = _number(stats.get("queue_length"))
+    if queue is not None:
+        out.append(_family("pdserve_queue_length", "Requests waiting for admission in the backend", [({}, queue)]))
+    by_priority = stats.get("waiting_by_priority")
+    if isinstance(by_priority, dict) and by_priority:
+        out.append(_family("pdserve_queue_length_by_priority", "Requests waiting for admission, by priority (0 first)",
+                           [({"priority": k}, v) for k, v in sorted(by_priority.items())]))
+    in_flight = _number(stats.get("in_flight"))
+    if in_flight is not None:
+        out.append(_family("pdserve_backend_requests_in_flight", "Requests placed on workers", [({}, in_flight)]))
+    per_worker: dict[str, Samples] = {key: [] for key in _WORKER_HELP}
+    engine: dict[str, Samples] = {}
+    for w in (w for w in stats.get("workers") or [] if isinstance(w, dict)):
+        labels = {"worker": w.get("name", "?"), "role": w.get("role", "?")}
+        free, total = _number(w.get("free_blocks")), _number(w.get("total_blocks"))
+        if free is not None and total:
+            per_worker["kv_usage_ratio"].append((labels, 1.0 - free / total))
+        for key in _WORKER_HELP:
+            value = w.get("served" if key == "requests_routed" else key)
+            if _number(value) is not None or isinstance(value, bool):
+                per_worker[key].append((labels, float(value)))
+        if isinstance(w.get("state"), str):
+            per_worker.setdefault("state", []).append(({**labels, "state": w["state"]}, 1.0))
+        for key, value in (w.get("engine") or {}).items():
+            if _number(value) is not None:
+                engine.setdefault(key, []).append((labels, _number(value)))
+    for key, samples in per_worker.items():
+        if samples:
+            out.append(_family(f"pdserve_worker_{key}", _WORKER_HELP.get(key, "1 for the worker's life-cycle state"),
+                               samples))
+    out += [_family(_name("pdserve_worker_engine_", key), f"The worker engine's {key}", samples)
+            for key, samples in sorted(engine.items())]
+    for key, name, label, help in (
+            ("migrations", "pdserve_migrations_total", "event", "Request moves after a worker or transfer failure: "
+             "attempted, and outcome_completed / outcome_failed of moved requests"),
+            ("pool_down_seconds", "pdserve_pool_down_seconds_total", "pool", "Seconds each pool spent with no live "
+             "worker")):
+        table = stats.get(key)
+        if isinstance(table, dict):
+            out.append(_family(name, help, [({label: k}, _number(v)) for k, v in sorted(table.items())
+                                            if _number(v) is not None]))
+    loop = stats.get("coordinator")
+    if isinstance(loop, dict):
+        out += [_family(_name("pdserve_coordinator_", key), _LOOP_HELP.get(key, key), [({}, v)])
+                for key, value in sorted(loop.items()) if (v := _number(value)) is not None]
+    hits = _number(stats.get("prefix_affinity_hits"))
+    if hits is not None:
+        out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
+                           [({}, hits)]))
+    errors = stats.get("errors")
+    if isinstance(errors, dict):
+        out.append(_family("pdserve_backend_errors_total", "Backend failures by kind",
+                           [({"kind": k}, v) for k, v in sorted(errors.items()) if _number(v) is not None]))
+    transfer = stats.get("transfer")
+    if isinstance(transfer, dict):
+        out += [_family(_name("pdserve_transfer_", key), f"KV transfer: {key}", [({}, v)])
+                for key, value in sorted(transfer.items()) if (v := _number(value)) is not None]
+    return out
+
+
+def tenant_families(usage: dict[str, dict[str, float]]) -> list[Metric]:
+    """Per tenant (coordinator.admission.tenants usage()): requests by outcome, tokens, refusals by its limits, in
+    flight."""
+    requests = [({"tenant": t, "outcome": k.removeprefix("requests_")}, v) for t, c in sorted(usage.items())
+                for k, v in sorted(c.items()) if k.startswith("requests_")]
+    out = [_family("pdserve_tenant_requests_total", "Ended requests per tenant and outcome", requests)]
+    for key, suffix, help in (("prompt_tokens", "_total", "Prompt tokens processed per tenant"),
+                              ("completion_tokens", "_total", "Tokens generated per tenant"),
+                              ("rate_limited", "_total", "Requests refused by the tenant's rate limits"),
+                              ("in_flight", "", "Requests in flight per tenant")):
+        out.append(_family(f"pdserve_tenant_{key}{suffix}", help,
+                           [({"tenant": t}, c.get(key, 0)) for t, c in sorted(usage.items())]))
+    return out
+
+
+def _family(name: str, help: str, samples: Samples) -> Metric:
+    """A counter when the name ends in `_total` (prometheus_client keeps the suffix on its samples), else a gauge;
+    the label names are the first sample's (every sample of a family has the same)."""
+    names = list(samples[0][0]) if samples else []
+    cls = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+    family = cls(name, help, labels=names)
+    for labels, value in samples:
+        family.add_metric([str(labels[n]) for n in names], float(value))
+    return family
+
+
+def _number(x: object) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _name(prefix: str, key: object) -> str:
+    return prefix + re.sub(r"[^a-zA-Z0-9_]", "_", str(key))
