@@ -242,7 +242,7 @@ def _engine_counts(url: str) -> tuple[float, float, float]:
 
 def pdserve_runs(args: argparse.Namespace, config: dict, tmp: Path, profiler: Profiler) -> list[dict]:
     with running_server(tmp / "pdserve", config) as server:
-        workers = worker_pids(server, "DecodeWorker")
+        workers = worker_pids(server, "collocated")
         pids = {"coordinator": server.pid} | ({"engine": workers[0]} if len(workers) == 1 else {}) | {
             f"frontend{i}": pid for i, pid in frontend_pids(server.pid).items()}  # server.api_processes > 1
         return served_runs("pdserve", server.url, args, pids, profiler)

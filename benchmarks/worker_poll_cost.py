@@ -1,5 +1,5 @@
 """What the served worker's shape costs the engine's step: the closed loop of engine_neighbours.py run inside an
-async Ray actor on an AsyncEngine (as decode_pool.worker runs it), with and without a driver long-polling its
+async Ray actor on an AsyncEngine (as pool_worker.worker runs it), with and without a driver long-polling its
 outputs after every step (as the coordinator does).
 
 Cases, interleaved `--repeats` times, each with new prompts (no prefix-cache hits):

@@ -12,7 +12,7 @@ CPU (docs/benchmarks.md). Here a step's deltas are pickled and written by the en
 reaches the engine's queue from the reading thread with one unpickle.
 
 Outputs: a batch is (deltas as StepDelta.wire tuples, the EngineLoad after the step, {request id: phase durations},
-{request id: why a command for it failed}). Commands: tuples whose first item names them (decode_pool.worker).
+{request id: why a command for it failed}). Commands: tuples whose first item names them (decode_pool.decodes).
 On the wire, both ways, a 4-byte little-endian length and the pickle. The worker listens on its node's address; the
 coordinator connects, sends the worker's token (a secret it learnt with the worker's WorkerInfo, over Ray), then
 both sides write. Batches sent before that connection, or between two, wait in a backlog, in order; commands exist

@@ -19,6 +19,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
     max_prefill_chunk: int | None = None  # most prompt tokens of one request per step (None = the budget)
+    # a step that also decodes carries only as many prompt tokens as keep it under this many seconds, measured on
+    # this engine's own steps (engine.core.step_budget: running streams keep a time-per-token target while prompts
+    # are prefilled beside them); None: the token budget alone
+    decode_step_target_s: float | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
@@ -61,6 +65,9 @@ class EngineConfig:
              and not isinstance(self.mixed_graph_tokens, bool) and self.mixed_graph_tokens >= 0,
              "must be an integer >= 0"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
+            ("decode_step_target_s", self.decode_step_target_s is None or (
+                isinstance(self.decode_step_target_s, (int, float)) and not isinstance(self.decode_step_target_s, bool)
+                and 0 < self.decode_step_target_s <= 60), "must be None or a number of seconds in (0, 60]"),
             ("max_model_len", self.max_model_len is None or self.max_model_len > 0, "must be positive"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks > 0, "must be positive"),
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

@@ -36,6 +36,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus, TokenLogprob, check_token_ids, validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepOutput
+from engine.core.step_budget import StepBudget
 from engine.engine_config import EngineConfig
 from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
@@ -67,6 +68,7 @@ class LaunchFence:
     event: torch.cuda.Event | None  # rank 0: after every launch queued so far on its stream (None on the CPU)
     follower_launches: int | None   # TP: rank 0's launches sent to its followers so far (None without followers)
 
+STEP_BUDGET_FLOOR = 64  # prompt tokens a decoding step may always carry (engine.core.step_budget)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
@@ -126,6 +128,10 @@ class LLMEngine:
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
         self.step_time_last_s = 0.0
         self.step_time_total_s = 0.0
+        self.step_budget = None if config.decode_step_target_s is None else StepBudget(
+            config.decode_step_target_s, min(STEP_BUDGET_FLOOR, config.max_num_batched_tokens),
+            config.max_num_batched_tokens)
+        self._applied: tuple[int, int] | None = None  # (decode rows, prompt tokens) of the step applied last
         if self.uses_kernels and config.warmup and self.device.type == "cuda":  # no compiles on the CPU
             warm_up(self)
             clock.lap("warmup")
@@ -259,9 +265,13 @@ class LLMEngine:
             self.num_steps += 1
             self.step_time_last_s = time.perf_counter() - start
             self.step_time_total_s += self.step_time_last_s
+            if self.step_budget is not None and self._applied is not None:
+                self.step_budget.observe(*self._applied, self.step_time_last_s)
+                self.scheduler.prefill_cap = self.step_budget.tokens
+            self._applied = None
 
     def _step(self, layer_hook: LayerHook | None) -> list[StepOutput]:
-        outputs = [StepOutput(rid, [], [], "expired") for rid in self.scheduler.expired_pins()
+        outputs = [StepOutput(rid, [], [], "expired", prefill_only=True) for rid in self.scheduler.expired_pins()
                    if self.scheduler.finish(rid, "expired")]
         if self._in_flight is not None:
             return outputs + self._overlapped_step(may_continue=layer_hook is None)
@@ -285,6 +295,10 @@ class LLMEngine:
 
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
         sampled = launched.result()
+        if self.step_budget is not None:  # what the step whose time step() measures carried
+            chunks = launched.sched.chunks
+            decodes = sum(1 for c in chunks if len(c.token_ids) == 1 and c.output_index > 0)
+            self._applied = (decodes, launched.sched.num_tokens - decodes)
         extra = record_extras(launched.sampling, launched.prompt_logprobs, launched.fork_first,
                               self.scheduler.requests)
         outputs = self.scheduler.update(launched.sched, sampled, self.config.pin_lease_s)
@@ -325,7 +339,15 @@ class LLMEngine:
             num_reserved=len(self._reserved), step_time_last_s=self.step_time_last_s,
             step_time_total_s=self.step_time_total_s, scheduled_tokens_total=s.num_scheduled_tokens,
             sampled_tokens_total=s.num_sampled_tokens, prefix_query_tokens_total=s.num_prefix_query_tokens,
-            prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions)
+            prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions,
+            **self._budget_figures())
+
+    def _budget_figures(self) -> dict[str, float]:
+        b = self.step_budget
+        if b is None:
+            return {}
+        return {"prefill_budget_tokens": b.tokens, "decode_step_s": b.base_s or 0.0,
+                "prefill_token_s": b.per_token_s or 0.0}
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"}."""

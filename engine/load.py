@@ -22,6 +22,11 @@ class EngineLoad:
     steps: int = 0             # engine steps since start
     cached_blocks: int = 0     # of free_blocks, those holding prefix-cache content
     num_reserved: int = 0      # decode-side reservations whose KV is being written in
+    # with a decode step target (EngineConfig.decode_step_target_s): prompt tokens a step that decodes may carry now,
+    # a step of the decode rows alone and each prompt token's share of a step (running averages); 0 without one
+    prefill_budget_tokens: int = 0
+    decode_step_s: float = 0.0
+    prefill_token_s: float = 0.0
     step_time_last_s: float = 0.0   # host wall time of the last step (scheduling, device work, bookkeeping)
     step_time_total_s: float = 0.0  # summed over all steps
     scheduled_tokens_total: int = 0     # tokens computed on the device (prefill chunks, recomputes, decodes)

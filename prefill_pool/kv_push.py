@@ -226,7 +226,7 @@ class KVPushes:
 
 
 def pushed_message(request_id: str, first_token_id: int, first_logprob: TokenLogprob | None) -> bytes:
-    """The notification a decode worker joins a pushed request on (decode_pool.worker reads it)."""
+    """The notification a decode worker joins a pushed request on (decode_pool.decodes reads it)."""
     return pickle.dumps(("pushed", request_id, first_token_id, first_logprob))
 
 

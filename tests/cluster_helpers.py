@@ -216,7 +216,7 @@ from ray.util import placement_group_table
 ray.init(address="auto", logging_level="ERROR")
 print("VIEW" + json.dumps({
     "nodes": {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]},
-    "actors": [{"class_name": a["ActorClassName"], "node_id": a["Address"]["NodeID"]}
+    "actors": [{"class_name": a["ActorClassName"], "node_id": a["Address"]["NodeID"], "pid": a["Pid"]}
                for a in actors().values() if a["State"] == "ALIVE"],
     "groups": {g["name"]: sorted(set(g["bundles_to_node_id"].values())) for g in placement_group_table().values()
                if g["state"] == "CREATED"},
@@ -224,11 +224,18 @@ print("VIEW" + json.dumps({
 """
 
 
-def cluster_view() -> dict:
+def cluster_view(url: str | None = None) -> dict:
     """Ask Ray, from a second driver, which node each live actor and placement group runs on, and what each node
-    offers (the GCS tables behind `ray list actors`; this minimal Ray has no dashboard for ray.util.state)."""
+    offers (the GCS tables behind `ray list actors`; this minimal Ray has no dashboard for ray.util.state). With
+    the server's `url`, each worker actor is named by its role on /health ("prefill", "decode") instead of its
+    class (every worker is one class: pool_worker.worker.Worker)."""
     out = sh([sys.executable, "-c", _VIEW], timeout_s=60)
-    return json.loads(out.split("VIEW", 1)[1].splitlines()[0])
+    view = json.loads(out.split("VIEW", 1)[1].splitlines()[0])
+    if url is not None:
+        roles = {w["pid"]: w["role"] for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]}
+        for actor in view["actors"]:
+            actor["class_name"] = roles.get(actor["pid"], actor["class_name"])
+    return view
 
 
 NODE_ARGS = ["--node-ip-address=127.0.0.1", "--object-store-memory=100000000", "--disable-usage-stats"]
@@ -344,7 +351,7 @@ def two_nodes(workdir: Path) -> dict:
               "decode": {**HALF_CPU, "resources": {"decode_node": 1}}}
     result: dict = {}
     with serving(workdir, config, result) as url:
-        result.update(completion=stream_completion(url), transfer=transfer_metrics(url), **cluster_view())
+        result.update(completion=stream_completion(url), transfer=transfer_metrics(url), **cluster_view(url))
     sh([RAY, "stop"], timeout_s=60)
     return {**result, "left_running": wait_no_processes()}
 

@@ -34,9 +34,14 @@ def running_server(tmp_path: Path, config: dict) -> Iterator[LaunchedServer]:
         yield server
 
 
-def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
-    """PIDs of this server's Ray actors of one class (descendants of the server process only, so other Ray
-    clusters on the machine are never touched)."""
+def worker_pids(server: LaunchedServer, role: str | None = None) -> list[int]:
+    """PIDs of this server's worker actors (descendants of the server process only, so other Ray clusters on the
+    machine are never touched); with `role`, only those /health names as that role's ("prefill", "decode",
+    "collocated")."""
+    named = None
+    if role is not None:
+        named = {w["pid"] for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
+                 if w["role"] == role}
     table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
     parent, args = {}, {}
     for line in table.splitlines():
@@ -49,7 +54,8 @@ def worker_pids(server: LaunchedServer, actor_class: str) -> list[int]:
                 return True
             pid = parent.get(pid, 0)
         return False
-    return [pid for pid, cmd in args.items() if f"ray::{actor_class}" in cmd and descends(pid)]
+    return [pid for pid, cmd in args.items() if "ray::Worker" in cmd and descends(pid)
+            and (named is None or pid in named)]
 
 
 def frontend_pids(server_pid: int) -> dict[int, int]:
@@ -78,7 +84,7 @@ def live_worker_pids(server: LaunchedServer, role: str) -> dict[str, int]:
     """{worker name: pid} of the live `role` workers, from /health (checked against the process table)."""
     workers = {w["name"]: w["pid"] for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
                if w["role"] == role and w["state"] == "live"}
-    assert set(workers.values()) <= set(worker_pids(server, "DecodeWorker" if role == "decode" else "PrefillWorker"))
+    assert set(workers.values()) <= set(worker_pids(server))
     return workers
 
 

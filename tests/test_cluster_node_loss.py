@@ -80,14 +80,14 @@ def greedy() -> list[str]:
 def test_streams_move_to_a_decode_worker_on_the_surviving_node(seen, greedy):
     fits = seen["fits"]
     head, lost = fits["head"], fits["lost_node"]
-    assert _placed(fits["before"]) == {"PrefillWorker": [head], "DecodeWorker": [lost]}, fits["before"]
+    assert _placed(fits["before"]) == {"prefill": [head], "decode": [lost]}, fits["before"]
     for stream, partial, want in zip(fits["streams"], fits["text_at_stop"], greedy, strict=True):
         assert (stream["status"], stream["error"], stream["hung"]) == (200, None, False), stream
         assert (stream["text"], stream["completion_tokens"], stream["finish_reason"]) == (want, MAX_TOKENS, "length")
         assert stream["done"]
         assert want.startswith(partial) and 0 < len(partial) < len(want), "every stream was cut mid-way"
     assert lost not in fits["after"]["nodes"]
-    assert _placed(fits["after"]) == {"PrefillWorker": [head], "DecodeWorker": [head]}, fits["after"]
+    assert _placed(fits["after"]) == {"prefill": [head], "decode": [head]}, fits["after"]
     assert fits["after"]["groups"]["pdserve-decode"] == [head]
 
     statuses = [h["status"] for h in fits["health"]]
@@ -110,7 +110,7 @@ def test_streams_move_to_a_decode_worker_on_the_surviving_node(seen, greedy):
 
 def test_without_room_for_the_decode_pool_requests_get_503_naming_it_until_a_node_returns(seen, greedy):
     lost = seen["no_fit"]
-    assert _placed(lost["before"]) == {"PrefillWorker": [lost["head"]], "DecodeWorker": [lost["lost_node"]]}
+    assert _placed(lost["before"]) == {"prefill": [lost["head"]], "decode": [lost["lost_node"]]}
     for stream in lost["streams"]:  # in flight when the node went: an in-band 503 once the move found no worker
         assert stream["status"] == 200 and not stream["hung"] and stream["done"], stream
         assert stream["error"] is not None and stream["error"]["code"] == "service_unavailable", stream
@@ -130,7 +130,7 @@ def test_without_room_for_the_decode_pool_requests_get_503_naming_it_until_a_nod
     assert 500 not in lost["statuses"], lost["statuses"]
 
     back = lost["node_returned"]  # a node offering decode_node joins: the bundle goes there, the pool heals
-    assert _placed(back["after"])["DecodeWorker"] == [back["node"]], back["after"]
+    assert _placed(back["after"])["decode"] == [back["node"]], back["after"]
     assert back["health"]["status"] == 200, back["health"]
     assert (back["request"]["status"], back["request"]["text"]) == (200, greedy[0]), back["request"]
     assert lost["server_exit"] in (0, 15), lost["server_exit"]
@@ -161,13 +161,13 @@ def fits_elsewhere(workdir: Path, head: str) -> dict:
     config = {"model": "tiny", **POOLS, "decode": HALF_CPU, "admission": {"timeout_s": 120}}
     out: dict = {"head": head}
     with serving(workdir, config, out) as url:
-        out["before"] = cluster_view()
+        out["before"] = cluster_view(url)
         out["lost_node"] = _only(out["before"]["nodes"], but=head)
         _driver(_RELEASE)  # now the head has room for the decode bundle
         out.update(asyncio.run(_lose_node_mid_stream(url, BODIES, node, healed=True)))
         out["new_request"] = asyncio.run(_one(url, BODIES[0]))
         out["statuses"].append(out["new_request"]["status"])
-        out["after"] = cluster_view()
+        out["after"] = cluster_view(url)
         out["health_after"] = _health(url)
         out["restarts"] = _metric(url, "pdserve_worker_restarts_total")
         out["migrations"] = _metric(url, "pdserve_migrations_total")
@@ -181,7 +181,7 @@ def no_room_elsewhere(workdir: Path, head: str) -> dict:
               "admission": {"timeout_s": 3}}
     out: dict = {"head": head}
     with serving(workdir, config, out) as url:
-        out["before"] = cluster_view()
+        out["before"] = cluster_view(url)
         out["lost_node"] = _only(out["before"]["nodes"], but=head)
         out.update(asyncio.run(_lose_node_mid_stream(url, BODIES[:3], node, healed=False)))
         out["health_down"] = _health(url)
@@ -259,7 +259,7 @@ def _node_returns(url: str, head: str) -> dict:
     deadline = time.monotonic() + 120
     while (health := _health(url))["status"] != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
-    view = cluster_view()
+    view = cluster_view(url)
     return {"node": _only(view["nodes"], but=head), "health": health, "request": asyncio.run(_one(url, BODIES[0])),
             "after": view}
 

@@ -23,7 +23,7 @@ def test_prefill_and_decode_pools_run_on_their_own_nodes_and_kv_crosses(tmp_path
     placed = {}
     for actor in seen["actors"]:
         placed.setdefault(actor["class_name"], set()).add(actor["node_id"])
-    assert placed == {"PrefillWorker": {prefill_node}, "DecodeWorker": {decode_node}}, placed
+    assert placed == {"prefill": {prefill_node}, "decode": {decode_node}}, placed
     assert seen["groups"] == {"pdserve-prefill": [prefill_node], "pdserve-decode": [decode_node]}
 
     want = LLM("tiny").generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 MODULES = ("coordinator.cli", "coordinator.serve", "coordinator.backend.ray_backend", "coordinator.backend.pools",
-           "decode_pool.worker", "prefill_pool.worker", "kvtransfer.errors")
+           "pool_worker.worker", "kvtransfer.errors")
 
 
 def test_the_coordinator_modules_and_the_worker_classes_import_without_torch():

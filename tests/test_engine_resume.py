@@ -227,10 +227,9 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
     import ray
 
     from decode_pool.step_delta import StepDelta
-    from decode_pool.worker import DecodeWorker
     from engine.engine_config import EngineConfig
     from kvtransfer import AgentConfig
-    from prefill_pool.worker import PrefillWorker
+    from pool_worker.worker import Worker
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     old_path = os.environ.get("PYTHONPATH")
@@ -239,12 +238,11 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
     if owner:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg, agent_cfg = EngineConfig(model=folder), AgentConfig(timeout_s=20.0, connect_timeout_s=10.0)
-    prefill_cls = ray.remote(num_cpus=0, max_concurrency=100)(PrefillWorker)
-    decode_cls = ray.remote(num_cpus=0, max_concurrency=100)(DecodeWorker)
+    worker_cls = ray.remote(num_cpus=0, max_concurrency=100)(Worker)
     actors = []
 
     def start_prefill():
-        actors.append(prefill_cls.remote("prefill-0", cfg, agent_cfg, 1))
+        actors.append(worker_cls.remote("prefill-0", cfg, agent_cfg, 1, 10.0, role="prefill"))
         return actors[-1], ray.get(actors[-1].start.remote(), timeout=120)
 
     def run_disaggregated(prefill, rid: str, name: str, i: int, k: int) -> None:
@@ -273,7 +271,7 @@ def test_pool_workers_resume_over_a_real_transfer_and_after_their_prefill_peer_i
         assert len(timed) == 1 and [p for p, _ in timed[0]] == phases and all(s >= 0 for _, s in timed[0])
 
     try:
-        decode = decode_cls.remote("decode-0", cfg, agent_cfg, 1, 10.0)
+        decode = worker_cls.remote("decode-0", cfg, agent_cfg, 1, 10.0, role="decode")
         actors.append(decode)
         prefill, info = start_prefill()
         ray.get(decode.start.remote(), timeout=120)

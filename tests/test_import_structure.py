@@ -1,6 +1,8 @@
 """The import structure of the product packages: no import cycle anywhere (every import counts: module level,
-inside functions, under TYPE_CHECKING), the packages' dependency rule (coordinator -> worker pools -> kvtransfer ->
-engine), and inside the coordinator the stages' rule stated in coordinator/__init__.py. A small AST walk."""
+inside functions, under TYPE_CHECKING), the packages' dependency rule (coordinator -> pool_worker -> prefill_pool,
+decode_pool ->
+kvtransfer -> engine), and inside the coordinator the stages' rule stated in coordinator/__init__.py. A small AST
+walk."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kvtransfer", "prefill_pool", "decode_pool", "coordinator", "benchclient")
+PACKAGES = ("engine", "kvtransfer", "prefill_pool", "decode_pool", "pool_worker", "coordinator", "benchclient")
 # which top-level packages each may import
 ALLOWED_TOP = {
     "engine": set(),
     "kvtransfer": {"engine"},
     "prefill_pool": {"kvtransfer", "engine"},
     "decode_pool": {"kvtransfer", "engine"},
-    "coordinator": {"prefill_pool", "decode_pool", "kvtransfer", "engine"},
+    "pool_worker": {"prefill_pool", "decode_pool", "kvtransfer", "engine"},
+    "coordinator": {"pool_worker", "prefill_pool", "decode_pool", "kvtransfer", "engine"},
     "benchclient": {"coordinator", "engine"},
 }
 # inside the coordinator: which of its parts each part may import (coordinator/__init__.py)

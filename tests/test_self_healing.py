@@ -67,10 +67,10 @@ async def _health_codes(url: str, stop: asyncio.Event) -> list[int]:
     return codes
 
 
-def _kill_when(server, actor_class: str, ready: asyncio.Event):
+def _kill_when(server, role: str, ready: asyncio.Event):
     async def kill():
         await ready.wait()
-        pids = worker_pids(server, actor_class)
+        pids = worker_pids(server, role)
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
     return kill()
@@ -104,7 +104,7 @@ def test_the_only_decode_worker_killed_mid_stream_every_stream_finishes_exactly(
         stop = asyncio.Event()
         health = asyncio.create_task(_health_codes(healing_server.url, stop))
         async with httpx.AsyncClient(timeout=300) as client:
-            _, *results = await asyncio.gather(_kill_when(healing_server, "DecodeWorker", decoding),
+            _, *results = await asyncio.gather(_kill_when(healing_server, "decode", decoding),
                                                *[complete(client, healing_server.url, b, progress) for b in bodies])
         await asyncio.sleep(0.5)
         stop.set()
@@ -165,7 +165,7 @@ def test_the_decode_worker_killed_under_n_choice_groups_every_choice_finishes_ex
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
             _, *results = await asyncio.gather(
-                _kill_when(healing_server, "DecodeWorker", decoding),
+                _kill_when(healing_server, "decode", decoding),
                 *[_stream_choices(client, healing_server.url, b, progress) for b in bodies])
         return results
     before = metric_values(healing_server.url, "pdserve_migrations_total")
@@ -200,7 +200,7 @@ def test_the_only_prefill_worker_killed_with_prompts_queued_every_request_finish
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
             _, _, grouped, *results = await asyncio.gather(
-                watch_queue(), _kill_when(healing_server, "PrefillWorker", queued),
+                watch_queue(), _kill_when(healing_server, "prefill", queued),
                 client.post(f"{healing_server.url}/v1/completions", json=group),
                 *[complete(client, healing_server.url, b) for b in bodies])
         return grouped, results
@@ -248,8 +248,8 @@ def test_each_role_killed_five_times_under_continuous_load_loses_nothing(healing
     for i, got in done:
         assert (got["text"], got["completion_tokens"]) == (expected[i], 24), i
     _check_clean(healing_server)
-    assert len(worker_pids(healing_server, "DecodeWorker")) == 1
-    assert len(worker_pids(healing_server, "PrefillWorker")) == 1
+    assert len(worker_pids(healing_server)) == 2  # no dead incarnation left running
+    assert len(worker_pids(healing_server, "decode")) == len(worker_pids(healing_server, "prefill")) == 1
 
 
 async def _wait_health(client: httpx.AsyncClient, code: int) -> None:

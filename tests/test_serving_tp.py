@@ -59,7 +59,7 @@ def test_a_tp2_worker_serves_the_single_engine_outputs(server_tp, reference, lla
 
 
 def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_tp, reference, llama):
-    [actor] = worker_pids(server_tp, "DecodeWorker")
+    [actor] = worker_pids(server_tp, "collocated")
     [follower] = tp_followers(actor)
     bodies = [{**b, "stream": True} for b in _bodies(llama, 4, seed=42)]
     expected = _expected(reference, bodies)
@@ -73,7 +73,7 @@ def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_t
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"]) == (want, TOKENS)
     wait_for_health(server_tp.url, 200)
-    assert worker_pids(server_tp, "DecodeWorker") != [actor]  # the whole group was replaced
+    assert worker_pids(server_tp, "collocated") != [actor]  # the whole group was replaced
     states = httpx.get(f"{server_tp.url}/health", timeout=10).json()
     assert states["status"] == "ok", states
     wait_for_idle_workers(server_tp.url)

@@ -33,7 +33,7 @@ def test_outputs_equal_the_single_engine(server, reference, llama):
 
 
 def test_a_lost_prefill_rank_replaces_the_group_and_decode_pulls_from_the_new_one(server, reference, llama):
-    [actor] = worker_pids(server, "PrefillWorker")
+    [actor] = worker_pids(server, "prefill")
     [follower] = tp_followers(actor)
     os.kill(follower, signal.SIGKILL)  # rank 1 of the prefill group: its agent and cache shard are gone
     prompts = random_prompts([9, 33, 50], 2000, seed=52)
@@ -47,6 +47,6 @@ def test_a_lost_prefill_rank_replaces_the_group_and_decode_pulls_from_the_new_on
     results = asyncio.run(run())  # they wait for (or fail over onto) the replacement, never error
     assert [r["text"] for r in results] == [o.text for o in reference.generate(prompts, params)]
     wait_for_health(server.url, 200)
-    assert worker_pids(server, "PrefillWorker") != [actor]  # the whole group was replaced
+    assert worker_pids(server, "prefill") != [actor]  # the whole group was replaced
     wait_for_idle_workers(server.url)
     assert admin_integrity(server.url)["ok"]

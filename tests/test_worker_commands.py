@@ -1,4 +1,4 @@
-"""A collocated DecodeWorker driven through its stream (decode_pool.worker_stream) in this process, on the real tiny
+"""A collocated Worker driven through its stream (decode_pool.worker_stream) in this process, on the real tiny
 engine and real sockets: a "generate" command streams the same tokens as the engine alone, an "abort" behind it on
 the stream ends the request (the abort never overtakes the start: both travel one stream, in order), and a command
 the engine refuses comes back on the stream under its request id (as a Ray call's error did), with nothing left
@@ -7,10 +7,10 @@ running. The Ray backend's side of it is every collocated serving test's."""
 import asyncio
 
 from decode_pool.step_delta import StepDelta
-from decode_pool.worker import DecodeWorker
 from decode_pool.worker_stream import StreamLink
 from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
+from pool_worker.worker import Worker
 
 PROMPT = list(range(3, 3 + 40))
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -19,8 +19,8 @@ LONG = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)  # still 
 
 def drive(body):
     async def main():
-        worker = DecodeWorker("decode-t", EngineConfig(model="tiny", max_num_seqs=4), None, 1, 5.0,
-                              stream=True)
+        worker = Worker("decode-t", EngineConfig(model="tiny", max_num_seqs=4), None, 1, 5.0, role="collocated",
+                        stream=True)
         info = await worker.start()
         link = StreamLink(*info.outputs_at)
         batches: asyncio.Queue = asyncio.Queue()

@@ -7,7 +7,7 @@ start() returns once every worker has loaded its model and reported its KV capac
 decode worker then connects to every prefill worker's transfer agent. `start_slot()` brings one slot up again
 (same config, same bundle: Ray re-places a bundle whose node died, when the cluster has room) and `connect()`
 wires it to its live peers; the Supervisor (coordinator.backend.supervisor) decides when. The actor classes live in
-prefill_pool/ and decode_pool/.
+pool_worker/ (one class: a worker's role is what the coordinator sends it).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator.admission.router import WorkerState
 from coordinator.config.serve_config import PoolConfig, ServeConfig
-from decode_pool.worker import DecodeWorker
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
 from kvtransfer.errors import PeerLost, TransferTimeout
-from prefill_pool.worker import PrefillWorker
+from pool_worker.worker import Worker
 
 START_TIMEOUT_S = 600.0
 PLACEMENT_TIMEOUT_S = 60.0
@@ -182,13 +181,12 @@ class Pools:
                        scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[role],
                                                                             placement_group_bundle_index=index))
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
-        if role == "prefill":
-            return ray.remote(PrefillWorker).options(**options).remote(
-                f"prefill-{index}", cfg.engine_config(pool, seed=index), agent, _threads(pool))
-        return ray.remote(DecodeWorker).options(**options).remote(
-            f"decode-{index}", cfg.engine_config(pool, seed=1000 + index),
-            agent if cfg.mode == "disaggregated" else None, _threads(pool), cfg.admission.timeout_s,
-            stream=True)
+        disaggregated = cfg.mode == "disaggregated"
+        name = f"{role}-{index}"
+        seed = index if role == "prefill" else 1000 + index
+        return ray.remote(Worker).options(**options).remote(
+            name, cfg.engine_config(pool, seed=seed), agent if disaggregated else None, _threads(pool),
+            cfg.admission.timeout_s, role=role if disaggregated else "collocated", stream=True)
 
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:

@@ -64,6 +64,7 @@ class StepOutput:
     pinned_block_ids: list[int] | None = None  # set once a prefill-only request is done and pinned
     fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1 first tokens
     prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when params.prompt_logprobs is set
+    prefill_only: bool = False  # the request was added prefill_only (its output is a prefill's result, no stream's)
 
 
 class Scheduler:
@@ -73,6 +74,8 @@ class Scheduler:
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prompt tokens a step may carry beside decode rows (the engine's StepBudget sets it; None: no cap)
+        self.prefill_cap: int | None = None
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -139,11 +142,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prompt_budget = self._prompt_budget(any(_decodes(r) for r in self.running))
         scheduled: list[tuple[Request, int]] = []  # (request, tokens granted this step)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending_tokens, budget, self.max_prefill_chunk)
+            if not _decodes(req):
+                n = min(n, prompt_budget)
+                if n <= 0:  # no prompt tokens left for this step: the prompt goes on next step
+                    i += 1
+                    continue
             while not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -153,9 +162,10 @@ class Scheduler:
             else:
                 scheduled.append((req, n))
                 budget -= n
+                prompt_budget -= 0 if _decodes(req) else n
                 i += 1
         if not out.preempted:
-            self._admit_waiting(scheduled, budget)
+            self._admit_waiting(scheduled, min(budget, prompt_budget))
         out.chunks = [self._chunk(r, n) for r, n in scheduled]
         self.num_scheduled_tokens += out.num_tokens
         return out
@@ -170,6 +180,8 @@ class Scheduler:
         filled one step later than schedule() would. None where only schedule() may plan: work for a request
         that `_plans_alone`, or blocks running short (only schedule() preempts)."""
         budget = self.max_num_batched_tokens
+        prompt_budget = self._prompt_budget(any(c.sample and self.is_current(c) for c in prev.chunks)
+                                            or any(_decodes(r) for r in self.running))
         chunks: list[ScheduledChunk] = []
         in_prev, leaving = set(), 0
         for c in prev.chunks:
@@ -185,7 +197,9 @@ class Scheduler:
                 return None
             if budget <= 0:
                 break  # as in schedule(): later rows wait a step (they join the step after)
-            n = 1 if c.sample else min(req.num_tokens - start, budget, self.max_prefill_chunk)
+            n = 1 if c.sample else min(req.num_tokens - start, budget, self.max_prefill_chunk, prompt_budget)
+            if n <= 0:
+                continue
             if not self.bm.allocate(req.request_id, start + n):
                 return None
             if c.sample:  # a decode of the token prev samples
@@ -195,6 +209,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)), sample,
                                          index))
             budget -= n
+            prompt_budget -= 0 if c.sample else n
         for req in self.running:
             if req.request_id in in_prev:
                 continue
@@ -203,14 +218,19 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(req.num_pending_tokens, budget, self.max_prefill_chunk)
+            if not _decodes(req):
+                n = min(n, prompt_budget)
+                if n <= 0:
+                    continue
             if not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
                 return None
             chunks.append(self._chunk(req, n))
             budget -= n
+            prompt_budget -= 0 if _decodes(req) else n
         if self.waiting and len(self.running) - leaving < self.max_num_seqs and _plans_alone(self.waiting[0], 0):
             return None
         admitted: list[tuple[Request, int]] = []
-        self._admit_waiting(admitted, budget, leaving, overlappable_only=True)
+        self._admit_waiting(admitted, min(budget, prompt_budget), leaving, overlappable_only=True)
         chunks += [self._chunk(r, n) for r, n in admitted]
         if not chunks:
             return None
@@ -256,12 +276,16 @@ class Scheduler:
                 req.pin_deadline = self.clock() + pin_lease_s
                 pinned = list(self.bm.table(req.request_id))
             outputs.append(StepOutput(req.request_id, [token], [logprob] if logprob else [],
-                                      req.finish_reason, pinned))
+                                      req.finish_reason, pinned, prefill_only=req.prefill_only))
             if req.finish_reason is not None:
                 self.finish(req.request_id, req.finish_reason)
         return outputs
 
     # ---- internals
+    def _prompt_budget(self, decoding: bool) -> int | float:
+        """Prompt tokens a step may carry: prefill_cap when it also decodes, else no limit beyond the budget."""
+        return self.prefill_cap if decoding and self.prefill_cap is not None else float("inf")
+
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
                        overlappable_only: bool = False) -> None:
         """Start waiting requests in queue order while the budget, the slots (`leaving` of the running ones are
@@ -311,3 +335,8 @@ def _plans_alone(req: Request, start: int) -> bool:
     chunks whose prompt logprobs are wanted (step extras, engine.runner.step_extras)."""
     return (req.prefill_only or req.fork_params is not None
             or (req.params.prompt_logprobs is not None and start + 1 < len(req.prompt_token_ids)))
+
+
+def _decodes(req: Request) -> bool:
+    """Whether `req`'s next row is a decode (one token after an output), not a prompt chunk."""
+    return req.num_pending_tokens == 1 and req.num_output_tokens > 0

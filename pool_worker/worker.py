@@ -1,0 +1,228 @@
+"""Worker: the Ray actor every pool is made of. One engine stepped by one AsyncEngine loop, one KV agent per rank
+(none when collocated: nothing moves between workers), the coordinator's output stream, and the two duties: the
+prefill duty (prefill_pool.prefills: prompts run for another worker, their KV pinned until taken or pushed) and the
+decode duty (decode_pool.decodes: requests handed over from a prefill elsewhere, and requests run here whole).
+
+Every worker can do both; which one it does is what the coordinator sends it (its role: prefill, decode or both),
+so a role can change while serving without a restart. Its RPCs only enqueue work on the engine loop and await the
+results. One step's outputs are split by owner: a prefill's first token resolves its prefill() call (the event
+loop), every other delta goes onto the stream from the engine thread (Decodes.stream_step).
+Shared here once: start-up (weights, KV cache, graphs, agents; seconds per phase in WorkerInfo), the load reported
+with every reply, integrity checks, peers' transfer metadata, drills (kill a rank, inject faults) and shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from decode_pool.decodes import Decodes
+from decode_pool.worker_stream import WorkerStream
+from engine.async_engine import AsyncEngine, exit_process_on_failure
+from engine.core.request import TokenLogprob
+from engine.core.request_timing import Durations
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import StepOutput
+from engine.engine_config import EngineConfig
+from engine.gc_pauses import GcPauses, freeze_startup_objects
+from engine.load import EngineLoad, WorkerInfo
+from kvtransfer import AgentConfig
+from prefill_pool.prefills import PrefillResult, Prefills
+
+if TYPE_CHECKING:
+    from kvtransfer.worker_agents import WorkerAgents
+
+
+class Worker:
+    def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
+                 admission_timeout_s: float, role: str = "decode", stream: bool = False) -> None:
+        self.name = name
+        self.role = role  # the role it started in ("prefill", "decode", "collocated", "mixed"), for WorkerInfo
+        self._engine_config = engine_config
+        self._agent_config = agent_config  # None when collocated: no transfers
+        self._num_threads = num_threads
+        self._admission_timeout_s = admission_timeout_s
+        self._use_stream = stream  # outputs and commands on a stream with the coordinator (decode_pool.worker_stream)
+        self._gc = GcPauses()  # this process's collector pauses, reported with every load
+        self.loop: AsyncEngine | None = None
+        self.agents: WorkerAgents | None = None  # one KV agent per TP rank, driven as one
+        self.prefills: Prefills | None = None
+        self.decodes: Decodes | None = None
+        self._stream: WorkerStream | None = None
+        self._tasks: list[asyncio.Task] = []  # kept: not collected while they run
+
+    async def start(self) -> WorkerInfo:
+        # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
+        # imports this class to start actors from it, then needs none of them
+        import torch
+
+        from engine.llm_engine import LLMEngine
+        from kvtransfer.worker_agents import RankAgents, WorkerAgents
+        from kvtransfer.worker_setup import prepare_process
+
+        torch.set_num_threads(self._num_threads)
+        prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
+        started = time.monotonic()
+        tp = self._engine_config.tensor_parallel_size
+        rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
+        engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
+        engine_s = time.monotonic() - started
+        if self._agent_config is not None:
+            self.agents = WorkerAgents(self.name, self._agent_config, engine)
+        if self._use_stream:
+            import ray
+
+            self._stream = WorkerStream(ray.util.get_node_ip_address(), self._command)
+        timeout_s = self._agent_config.timeout_s if self._agent_config else 0.0
+        self.prefills = Prefills(self.name, self.agents, engine.config.block_size, engine.model_config.num_layers,
+                                 timeout_s, self._reported)
+        pushes = self.prefills.pushes
+        self.loop = AsyncEngine(engine, self._on_outputs, pushes.hook if pushes else None, self._step_hook)
+        self.prefills.loop = self.loop
+        self.decodes = Decodes(self.name, self.loop, self.agents, self._stream, self._admission_timeout_s,
+                               self.load, self._reported)
+        self._tasks.append(asyncio.get_running_loop().create_task(self.loop.run()))
+        exit_process_on_failure(self._tasks[0], self.name)
+        freeze_startup_objects()
+        self._gc.install()
+        outputs_at = None
+        if self._stream is not None:
+            outputs_at = (*self._stream.address, self._stream.token)
+            self._tasks.append(asyncio.get_running_loop().create_task(self.decodes.keep_load_fresh()))
+        return WorkerInfo(self.name, self.role, engine.num_kv_blocks, engine.config.block_size,
+                          engine.config.max_model_len, engine.model_config.vocab_size,
+                          self.agents.metadata() if self.agents else None,
+                          (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
+                           ("agent", time.monotonic() - started - engine_s)),
+                          pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
+
+    # ---- the prefill duty (prefill_pool.prefills)
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prior_output_ids: Sequence[int] = (), priority: int = 0,
+                      fork_params: Sequence[SamplingParams] | None = None, push: bool = False) -> PrefillResult:
+        """Prefill and sample the first token; its blocks stay pinned for decode. `push`: a target for its KV may
+        come (push_to) while it runs."""
+        return await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
+                                           fork_params, push)
+
+    async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int]) -> bool:
+        return self.prefills.push_to(request_id, remote, remote_block_ids)
+
+    async def release(self, request_id: str) -> bool:
+        """Decode has the KV: free the pinned blocks."""
+        return await self.prefills.release(request_id)
+
+    # ---- the decode duty (decode_pool.decodes)
+    async def reserve(self, request_id: str, num_tokens: int) -> None:
+        self.decodes.reserve(request_id, num_tokens)
+
+    async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               prior_output_ids: Sequence[int] = ()) -> tuple[str, list[int]]:
+        return await self.decodes.reserve_for_push(request_id, prompt_token_ids, params, prior_output_ids)
+
+    async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
+                     first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
+                     prior_output_ids: Sequence[int] = (), pushed: bool = False) -> EngineLoad:
+        await self.decodes.decode(request_id, prompt_token_ids, params, first_token_id, first_logprob, peer,
+                                  peer_block_ids, prior_output_ids, pushed)
+        return await self.load()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prior_output_ids: Sequence[int] = (), priority: int = 0) -> EngineLoad:
+        await self.decodes.generate(request_id, prompt_token_ids, params, prior_output_ids, priority)
+        return await self.load()
+
+    async def prefill_group(self, group_id: str, prompt_token_ids: list[int], params: list[SamplingParams],
+                            priority: int = 0) -> StepOutput:
+        return await self.decodes.prefill_group(group_id, prompt_token_ids, params, priority)
+
+    async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
+                           params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
+                           peer: str | None, peer_block_ids: list[int]) -> EngineLoad:
+        await self.decodes.decode_group(group_id, choice_ids, prompt_token_ids, params, firsts, peer,
+                                        peer_block_ids)
+        return await self.load()
+
+    async def poll(self, timeout_s: float) -> tuple[list[tuple], EngineLoad, dict[str, Durations]]:
+        return await self.decodes.poll(timeout_s)
+
+    # ---- shared
+    async def abort(self, request_id: str) -> bool:
+        """End a request here, whichever duty holds it; its blocks are freed once no transfer touches them."""
+        if self.prefills.owns(request_id):
+            return await self.prefills.abort(request_id)
+        return await self.decodes.abort(request_id)
+
+    async def add_peer(self, agent_metadata: bytes) -> str:
+        """Connect every rank to another worker's ranks (its GroupMetadata): to pull from it, or push to it."""
+        return await asyncio.to_thread(self.agents.add_peer, agent_metadata)
+
+    async def drop_peer(self, name: str) -> bool:
+        """A peer died: forget its agent now (transfers in flight with it fail with PeerLost) and unmap its cache,
+        so nothing here keeps the dead worker's GPU memory alive for its replacement to find taken."""
+        return await asyncio.to_thread(self.agents.remove_peer, name)
+
+    async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
+        """A peer was replaced: drop the connection to its dead agent, then connect to the new one (same name)."""
+        return await asyncio.to_thread(self.agents.replace_peer, name, agent_metadata)
+
+    async def load(self) -> EngineLoad:
+        return self._reported(await self.loop.call(lambda e: e.load()))
+
+    async def check_integrity(self) -> dict[str, int]:
+        return await self.loop.call(lambda e: e.check_integrity())
+
+    async def kill_rank(self, rank: int) -> int:
+        """Drills: SIGKILL tensor-parallel rank `rank` (1..N-1) of this worker; its pid. ValueError without it."""
+        return self.loop.kill_rank(rank)
+
+    async def set_faults(self, kv: dict, prefill_error_fraction: float = 0.0, seed: int = 0) -> None:
+        """Inject failures from now on: this fraction of prefill calls fail, and the transfer agent's `kv` faults."""
+        self.prefills.set_faults(prefill_error_fraction, seed)
+        if self.agents is not None:
+            await asyncio.to_thread(self.agents.set_faults, kv)
+
+    async def transfer_metrics(self) -> list[dict]:
+        """Every rank's transfer figures (rank 0's with the push counters); none when collocated."""
+        if self.agents is None:
+            return []
+        ranks = await asyncio.to_thread(self.agents.metrics)
+        ranks[0] = ranks[0] | self.prefills.counters()
+        return ranks
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+        if self.agents is not None:
+            self.agents.close()
+        if self._stream is not None:
+            self._stream.close()
+
+    # ---- internals
+    def _reported(self, load: EngineLoad) -> EngineLoad:
+        """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
+        return replace(load, **self._gc.figures())
+
+    def _command(self, command: tuple) -> None:
+        self.decodes.command(command)
+
+    def _step_hook(self, outputs: list[StepOutput], load: EngineLoad) -> list[StepOutput] | None:
+        """The engine thread's look at each step's outputs: pushes' notifications (KVPushes.sampled), then, with a
+        stream, every delta onto it; what is left goes to the event loop (_on_outputs)."""
+        if self.prefills.pushes is not None:
+            self.prefills.pushes.sampled(outputs, load)
+        if self._stream is None:
+            return None
+        self.decodes.stream_step(outputs, load)
+        return [o for o in outputs if o.prefill_only]  # prefills' first tokens (a local group's too): the loop's
+
+    def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
+        mine = [o for o in outputs if self.decodes.takes(o)]
+        if len(mine) < len(outputs):
+            self.prefills.on_outputs([o for o in outputs if not self.decodes.takes(o)], load)
+        self.decodes.on_outputs(mine, load)

@@ -1,0 +1,193 @@
+"""Prefills: a worker's prefill duty, prompts run for another worker to decode, their KV kept pinned until it has
+been taken.
+
+Owns the prefill calls in flight (`prefill()` awaits its request's first token), the pushes of their KV into the
+decode worker's booked blocks (prefill_pool.kv_push, TP=1) and the injected prefill failures; the worker
+(pool_worker.worker.Worker) owns the engine, its loop and the agents. Block ownership: after `prefill()` returns, the
+request's
+blocks are pinned here until `release()` (decode has its KV), `abort()`, or the pin lease expires; never silently
+kept. A resumed request (`prior_output_ids`: outputs already delivered before its decode worker died) is prefilled
+over prompt + prior outputs, and its first token is output len(prior_output_ids). A group prefill (`fork_params`, n
+choices of one prompt: engine.core.choices) also returns the other choices' first tokens (`fork_first`) and stays
+pinned whatever they are; requests with params.prompt_logprobs return them too. Every result carries the call's
+phase durations here (`phases`: prefill_queue, prefill_compute; see engine.core.request_timing), for the
+coordinator's per-request phase tracing.
+Pushed handoffs (TP=1): `push_to` names the blocks the decode worker booked for a request whose prompt is under way
+here; its KV is then written into them layer group by layer group during the forward, and the result says `pushed`
+once every write has landed (the wait is its `kv_transfer` phase here), so decode only joins; a kvtransfer
+notification with the first token tells the decode worker at once (it joins on it, ahead of the coordinator's
+call). Otherwise (no target in time, a failed write) the result is as before and decode pulls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from engine.async_engine import AsyncEngine
+from engine.core.request import PromptLogprob, TokenLogprob
+from engine.core.request_timing import Durations, RequestTiming
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import StepOutput
+from engine.load import EngineLoad
+from kvtransfer.errors import TransferError
+from prefill_pool.kv_push import KVPushes, pushed_message
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.worker_agents import WorkerAgents
+
+
+class InjectedFault(RuntimeError):
+    """A failure injected on purpose (FaultsConfig.prefill_error_fraction)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    finish_reason: str | None   # set if the first token already ends the request (then nothing is pinned)
+    block_ids: list[int]        # pinned blocks holding the KV of the prompt (then prior outputs), in order
+    load: EngineLoad
+    fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1
+    prompt_logprobs: list[PromptLogprob] | None = None  # when params.prompt_logprobs is set
+    phases: Durations = ()  # (phase, seconds) measured here: prefill_queue, prefill_compute (, kv_transfer)
+    pushed: bool = False  # the KV is in the decode worker's booked blocks already (push_to): no pull
+
+
+class Prefills:
+    def __init__(self, name: str, agents: WorkerAgents | None, block_size: int, num_layers: int,
+                 timeout_s: float, reported: Callable[[EngineLoad], EngineLoad]) -> None:
+        self.name = name
+        self.agents = agents
+        tp1 = agents is not None and agents.tp_size == 1
+        self.pushes = KVPushes(agents.local.agent, block_size, num_layers, timeout_s) if tp1 else None
+        self.loop: AsyncEngine | None = None  # set by the worker once its loop exists
+        self._reported = reported
+        self._error_fraction = 0.0               # injected prefill failures (drills and tests; set_faults)
+        self._fault_rng = random.Random(0)
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._timing = RequestTiming()
+        self._finishing: dict[str, asyncio.Task] = {}  # pushed prefills waiting for their writes
+        self._trace = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
+        self._step_ends: dict[str, float] = {}  # traced requests: when their prefill step ended
+
+    def owns(self, request_id: str) -> bool:
+        """Whether `request_id` is a prefill of this duty still in flight here (its abort is this duty's)."""
+        return request_id in self._waiting or request_id in self._finishing or (
+            self.pushes is not None and request_id in self.pushes)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prior_output_ids: Sequence[int] = (), priority: int = 0,
+                      fork_params: Sequence[SamplingParams] | None = None, push: bool = False) -> PrefillResult:
+        """Prefill and sample the first token; its blocks stay pinned for decode. `push`: a target for its KV may
+        come (push_to) while it runs."""
+        if self._error_fraction and self._fault_rng.random() < self._error_fraction:
+            raise InjectedFault(f"prefill of {request_id} failed: an injected fault (faults.prefill_error_fraction)")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        self._timing.received(request_id)
+        prior = list(prior_output_ids)
+
+        def add(e: LLMEngine) -> None:
+            e.add_request(request_id, prompt_token_ids, params, prefill_only=True, prior_output_ids=prior,
+                          priority=priority, fork_params=fork_params)
+            if push and self.pushes is not None:
+                self.pushes.expect(e, request_id)
+            self._timing.attach(request_id, e.scheduler.requests.get(request_id))
+        try:
+            await self.loop.call(add)
+            return await future
+        except BaseException:
+            self._waiting.pop(request_id, None)
+            self._timing.drop(request_id)
+            await self.abort(request_id)
+            raise
+
+    def push_to(self, request_id: str, remote: str, remote_block_ids: list[int]) -> bool:
+        """Write `request_id`'s KV into `remote_block_ids` of decode agent `remote` as its prefill runs (from the
+        next layer group on: not a step boundary); False if it expects no push. Too late for its last layer, it
+        is pulled: the prefill's result says which (`pushed`)."""
+        return self.pushes is not None and self.pushes.target(request_id, remote, remote_block_ids)
+
+    async def release(self, request_id: str) -> bool:
+        """Decode has the KV: free the pinned blocks."""
+        return await self.loop.call(lambda e: e.release(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        future = self._waiting.pop(request_id, None)
+        self._timing.drop(request_id)
+        if future is not None and not future.done():
+            future.set_exception(asyncio.CancelledError(f"request {request_id} aborted"))
+        await self._settled(request_id)
+        return await self.loop.call(lambda e: e.abort(request_id))
+
+    def set_faults(self, prefill_error_fraction: float, seed: int) -> None:
+        self._error_fraction = prefill_error_fraction
+        self._fault_rng = random.Random(seed)
+
+    def counters(self) -> dict[str, Any]:
+        return self.pushes.counters() if self.pushes is not None else {}
+
+    def on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
+        """The outputs of this duty's prefills (event loop): each resolves its prefill() with its first token."""
+        load = self._reported(load)  # taken on the engine thread right after the step
+        for out in outputs:
+            future = self._waiting.pop(out.request_id, None)
+            if future is None or future.done():
+                continue  # an expired pin, or an aborted request
+            result = PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
+                                   out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
+                                   out.prompt_logprobs, self._timing.first_output(out.request_id) or ())
+            if self._trace:
+                self._step_ends[out.request_id] = self.loop.outputs_at
+            if self.pushes is not None and out.request_id in self.pushes:
+                task = asyncio.ensure_future(self._after_push(out.request_id, future, result))
+                self._finishing[out.request_id] = task
+                task.add_done_callback(lambda _, rid=out.request_id: self._finishing.pop(rid, None))
+            else:
+                if self.pushes is not None:
+                    self.pushes.forget(out.request_id)
+                self._print_trace(out.request_id, False)
+                future.set_result(result)
+
+    # ---- internals
+    async def _settled(self, request_id: str) -> None:
+        """Wait until no write of the request's push reads its blocks."""
+        if self.pushes is not None:
+            await self.pushes.settle(self.loop.call, request_id)
+
+    async def _after_push(self, request_id: str, future: asyncio.Future, result: PrefillResult) -> None:
+        """Resolve a pushed request's prefill once its writes have ended (decode then only joins). An abort
+        meanwhile waits for the same writes (KVPushes.settle) before it frees the blocks."""
+        pushed, waited, remote = await self.pushes.finish(request_id)
+        if pushed and remote is not None and result.finish_reason is None and not future.done():
+            self._notify_pushed(remote, request_id, result)  # the decode worker joins on it, ahead of decode()
+        self._print_trace(request_id, pushed)
+        if not future.done():
+            future.set_result(replace(result, pushed=pushed, phases=(*result.phases, ("kv_transfer", waited))))
+
+    def _notify_pushed(self, remote: str, request_id: str, result: PrefillResult) -> None:
+        """Tell decode agent `remote` that `request_id`'s KV has landed, with its first token (a message after the
+        writes: decode_pool.handoff starts the join on it). Lost, it costs only time: decode() starts it then."""
+        msg = pushed_message(request_id, result.first_token_id, result.first_logprob)
+        try:
+            self.agents.local.agent.notify(remote, msg)
+        except TransferError:  # the peer is gone: decode() fails over as for any handoff
+            pass
+
+    def _print_trace(self, request_id: str, pushed: bool) -> None:
+        """With PDSERVE_TRACE_HANDOFF=1: one JSON line on stderr with the request's prefill step end and its result's
+        hand-back (time.monotonic(), comparable with the decode worker's stamps on the same host), for
+        benchmarks/handoff_serving.py."""
+        step_end = self._step_ends.pop(request_id, None)
+        if step_end is not None:
+            print(json.dumps({"prefill_trace": request_id, "pushed": pushed, "step_end": step_end,
+                              "result_at": time.monotonic()}), file=sys.stderr, flush=True)
