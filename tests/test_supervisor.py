@@ -18,11 +18,11 @@ class _Slots(Pools):
         super().__init__(ServeConfig())
         self.fail, self.starts, self.connected = fail, [], []
 
-    async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
+    async def start_slot(self, role: str, index: int, incarnation: int = 0, current_role: str = "") -> WorkerState:
         self.starts.append((role, index, incarnation))
         if len(self.starts) <= self.fail:
             raise RuntimeError("the model did not load")
-        return WorkerState(_info(f"{role}-{index}", role), handle=None, incarnation=incarnation)
+        return WorkerState(_info(f"{role}-{index}", role), handle=None, incarnation=incarnation, role=current_role)
 
     async def connect(self, worker: WorkerState) -> None:
         self.connected.append(worker.key)

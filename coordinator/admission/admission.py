@@ -12,6 +12,11 @@ Requests below the high priority class may book only 1 - `admission.reserved_for
 and prefill backlog, so a flood of normal or low requests leaves room for high ones to start at once; a request
 whose wait has aged it into the high class (`admission.priority_aging_s`) books as high.
 
+Adaptive mode (`mode: adaptive`): the decode worker is picked as above among the workers that decode; where the
+prompt is prefilled, remotely on a worker that takes prefills for others or locally on that decode worker, is the
+PlacementModel's choice (coordinator.admission.placement), counted in `placements` and logged per request
+(logger coordinator.placement).
+
 A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
 worker, then gets Overloaded (503 + Retry-After) naming the reason: the pool that is down, or the room missing.
@@ -19,17 +24,20 @@ worker, then gets Overloaded (503 + Retry-After) naming the reason: the pool tha
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.admission.admission_queue import AdmissionQueue, AdmissionTimeout
+from coordinator.admission.placement import Choice, PlacementModel, Side
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.config.serve_config import ServeConfig
 from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge
 
+log = logging.getLogger("coordinator.placement")
 MIGRATION_PRIORITY = 0  # a request moving off a dead worker goes before every new one
 HIGH_PRIORITY = 1       # tenants' "high" class: may book the share other classes leave (admission.reserved_for_high)
 
@@ -52,6 +60,7 @@ class Placement:
     prefill: WorkerState | None    # prefills it (disaggregated)
     kv_blocks: int
     priority: int                  # the order it waited in, passed on to the engines' waiting queues
+    choice: Choice | None = None   # adaptive mode: the placement model's estimates behind `prefill`
 
 
 class Admission:
@@ -61,6 +70,8 @@ class Admission:
         self.router = router
         self.ledger = ledger
         self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s)
+        self.placement = PlacementModel(config.slo) if config.adaptive and config.slo else None
+        self.placements: dict[str, int] = {"remote": 0, "local": 0}  # where prompts were prefilled
 
     def kv_blocks(self, request: GenerateRequest, num_prior: int) -> int:
         """Blocks booked on the decode worker: prompt, prior outputs and the reserved share of what remains,
@@ -107,6 +118,8 @@ class Admission:
         has lifted it to, which decides its share; the queue put it first by that, and a head that could never take
         what its class may book would hold up everyone behind it (strict head of line)."""
         share = 1.0 if aged <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
+        if self.placement is not None:
+            return self._place_adaptive(request, tokens, blocks, reservation, priority, share)
         prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
         backlog_ok = [w for w in self.workers.live(prefill_role) if self._backlog_allows(w, tokens, share)]
         decode_live = self.workers.live("decode")
@@ -122,7 +135,36 @@ class Admission:
             prefill = self.router.pick_prefill(request.prompt_token_ids, backlog_ok, self._pressure)
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
+        self.placements["local" if prefill is None else "remote"] += 1
         return Placement(decode, prefill, blocks, priority)
+
+    def _place_adaptive(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
+                        priority: int, share: float) -> Placement | None:
+        """The decode worker with the most room, and the prompt's place by the placement model."""
+        decode = self.router.pick_decode(self.workers.live("decode"), lambda w: self._room(w, share), blocks)
+        if decode is None:
+            return None
+        prompt = request.prompt_token_ids
+        remotes = [self._side(w, prompt, tokens) for w in self.workers.live("prefill")
+                   if w is not decode and self._backlog_allows(w, tokens, share)]
+        choice = self.placement.choose(self._side(decode, prompt, tokens), remotes)
+        prefill = None if choice.remote is None else next(w for w in self.workers.live("prefill")
+                                                          if w.name == choice.remote.name)
+        self.router.remember(prompt, (prefill or decode).name)
+        reservation.book(decode.key, "kv_blocks", blocks)
+        reservation.book((prefill or decode).key, "prompt_tokens", tokens)
+        self.placements[choice.placement] += 1
+        log.info("request %s: prefill %s on %s, decode on %s (first token estimated %s local, %s remote)",
+                 request.request_id, choice.placement, (prefill or decode).name, decode.name,
+                 _seconds(choice.local_s), _seconds(choice.remote_s))
+        return Placement(decode, prefill, blocks, priority, choice)
+
+    def _side(self, worker: WorkerState, prompt: list[int], tokens: int) -> Side:
+        """`worker` as a place to prefill a prompt of `tokens` tokens (prompt and prior outputs)."""
+        cached = min(self.router.cached_tokens(prompt, worker.name), tokens - 1)
+        decoding = worker.decodes and worker.load is not None and worker.load.num_running > 0
+        return Side(worker.name, worker.load, self.ledger.booked(worker.key, "prompt_tokens"), tokens - cached,
+                    decoding)
 
     def _room(self, worker: WorkerState, share: float = 1.0) -> int:
         return int(worker.info.num_kv_blocks * share) - self.ledger.booked(worker.key, "kv_blocks")
@@ -149,3 +191,7 @@ class Admission:
 
     def _pool(self, role: str) -> list[WorkerState]:
         return self.workers.workers(role)
+
+
+def _seconds(s: float) -> str:
+    return "unknown" if math.isinf(s) else f"{s:.3f} s"

@@ -8,7 +8,9 @@ incarnation), so a replacement never inherits its predecessor's books.
 Router: prefill picks the least pressure (booked prompt tokens plus what the worker reports queued), but a worker
 that already computed the prompt's leading blocks (its prefix cache likely still holds them) wins while its
 pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the most unbooked KV room, then the
-fewest running sequences. The router only reads numbers the caller gives it; it never calls a worker.
+fewest running sequences. It remembers which workers computed which leading blocks (up to OWNERS per block, the
+latest first: `remember`), and says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the
+adaptive layout's placement). The router only reads numbers the caller gives it; it never calls a worker.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.core.block_manager import prefix_block_hashes
 from engine.load import EngineLoad, WorkerInfo
 
 STATES = ("starting", "live", "dead", "restarting", "failed")
+OWNERS = 4  # workers remembered per prefix block
 
 
 @dataclass
@@ -33,7 +36,23 @@ class WorkerState:
     incarnation: int = 0             # 0 for the first actor of this slot, +1 per replacement
     served: int = 0                  # requests routed here (for tests and metrics)
     requests: set[str] = field(default_factory=set)  # worker-side ids of requests running here
-    link: Any = None                 # a decode worker's stream while connected (decode_pool.worker_stream.StreamLink)
+    link: Any = None                 # a worker's stream while connected (decode_pool.worker_stream.StreamLink)
+    # what the coordinator sends it: "prefill", "decode", "collocated", or (adaptive) "mixed"; the adaptive layout's
+    # planner changes it while serving (coordinator.backend.planner); "" until set: the role it started in
+    role: str = ""
+
+    def __post_init__(self) -> None:
+        self.role = self.role or self.info.role
+
+    @property
+    def prefills(self) -> bool:
+        """It takes prompts for other workers."""
+        return self.role in ("prefill", "mixed")
+
+    @property
+    def decodes(self) -> bool:
+        """It decodes (and runs whole requests)."""
+        return self.role in ("decode", "mixed", "collocated")
 
     @property
     def name(self) -> str:
@@ -54,7 +73,7 @@ class Router:
         self.block_size = block_size
         self.affinity_slack_tokens = affinity_slack_tokens
         self.max_prefix_entries = max_prefix_entries
-        self._prefix_owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> prefill worker, LRU
+        self._prefix_owner: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()  # block hash -> workers, LRU
         self.affinity_hits = 0
 
     def pick_prefill(self, prompt: list[int], candidates: list[WorkerState],
@@ -71,13 +90,22 @@ class Router:
             if preferred is not None and pressure(preferred) <= pressure(least) + self.affinity_slack_tokens:
                 chosen = preferred
                 self.affinity_hits += 1
-        for h in hashes:
-            self._prefix_owner[h] = chosen.name
-            self._prefix_owner.move_to_end(h)
-        while len(self._prefix_owner) > self.max_prefix_entries:
-            self._prefix_owner.popitem(last=False)
+        self._remember(hashes, chosen.name)
         chosen.served += 1
         return chosen
+
+    def remember(self, tokens: list[int], worker: str) -> None:
+        """`worker` computed (or received) the KV of `tokens`: its prefix cache likely holds their full blocks."""
+        self._remember(prefix_block_hashes(tokens, self.block_size), worker)
+
+    def cached_tokens(self, tokens: list[int], worker: str) -> int:
+        """How many leading tokens of `tokens` `worker`'s prefix cache likely holds (whole blocks)."""
+        n = 0
+        for h in prefix_block_hashes(tokens, self.block_size):
+            if worker not in self._prefix_owner.get(h, ()):
+                break
+            n += 1
+        return n * self.block_size
 
     def pick_decode(self, candidates: list[WorkerState], room: Callable[[WorkerState], int],
                     blocks_needed: int) -> WorkerState | None:
@@ -89,11 +117,20 @@ class Router:
         best.served += 1
         return best
 
+    def _remember(self, hashes: list[bytes], worker: str) -> None:
+        for h in hashes:
+            owners = self._prefix_owner.get(h, ())
+            self._prefix_owner[h] = (worker, *(o for o in owners if o != worker))[:OWNERS]
+            self._prefix_owner.move_to_end(h)
+        while len(self._prefix_owner) > self.max_prefix_entries:
+            self._prefix_owner.popitem(last=False)
+
     def _longest_prefix_owner(self, hashes: list[bytes]) -> str | None:
+        """The latest worker to compute the longest run of the leading blocks (None: nobody computed the first)."""
         owner = None
         for h in hashes:
-            name = self._prefix_owner.get(h)
-            if name is None:
+            owners = self._prefix_owner.get(h)
+            if not owners:
                 break
-            owner = name
+            owner = owners[0]
         return owner

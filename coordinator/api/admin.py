@@ -52,6 +52,27 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
                                   "name")
         return JSONResponse({"killed": name, **({"rank": rank} if rank is not None else {})})
 
+    @app.post("/admin/workers/{name}/role")
+    async def set_role(name: str, request: Request) -> JSONResponse:
+        """Mode adaptive: give worker `name` a role, {"role": "prefill" | "decode" | "mixed"} (the planner may move
+        it again later); what runs on it goes on."""
+        check_auth(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        role = body.get("role") if isinstance(body, dict) else None
+        if not isinstance(role, str) or set(body) != {"role"}:
+            raise errors.APIError(400, 'the body must be {"role": "prefill" | "decode" | "mixed"}',
+                                  "invalid_request_error", "invalid_value", "role")
+        try:
+            found = await backend.set_role(name, role)
+        except ValueError as e:
+            raise errors.APIError(400, str(e), "invalid_request_error", "invalid_value", "role") from None
+        if not found:
+            raise errors.APIError(404, "no worker of that name", "invalid_request_error", "not_found", "name")
+        return JSONResponse({"worker": name, "role": role})
+
     @app.post("/admin/faults")
     async def set_faults(request: Request) -> JSONResponse:
         check_auth(request)

@@ -37,6 +37,7 @@ def log_config() -> dict[str, Any]:
                      "access": {**stream, "formatter": "access", "stream": "ext://sys.stdout"}},
         "root": {"handlers": ["default"], "level": "WARNING"},
         "loggers": {"coordinator.requests": {"level": "INFO"},  # `user` and `metadata` of requests (protocol.py)
+                    "coordinator.placement": {"level": "INFO"},  # where adaptive prompts are prefilled, and why
                     "uvicorn": {"handlers": ["default"], "level": "INFO", "propagate": False},
                     "uvicorn.access": {"handlers": ["access"], "level": "INFO", "propagate": False}},
     }

@@ -52,15 +52,14 @@ class Drills:
     async def on_worker_live(self, worker: WorkerState) -> None:
         """Give a (new) worker the faults in force."""
         try:
-            await worker.handle.set_faults.remote(**worker_faults(self.faults, worker.info.role))
+            await worker.handle.set_faults.remote(**worker_faults(self.faults))
         except (RayActorError, RayTaskError) as e:
             log.warning("could not set faults on %s: %s", worker.name, e)
 
 
-def worker_faults(faults: FaultsConfig, role: str) -> dict:
-    """The keyword arguments of a worker's set_faults() for the drill config `faults`."""
+def worker_faults(faults: FaultsConfig) -> dict:
+    """The keyword arguments of a worker's set_faults() for the drill config `faults` (every worker may prefill
+    for another: the prefill faults apply wherever prefill() runs)."""
     kv = {"fail_fraction": faults.transfer_fail_fraction, "stall_fraction": faults.transfer_stall_fraction,
           "stall_s": faults.transfer_stall_s, "seed": faults.seed}
-    if role != "prefill":
-        return {"kv": kv}
     return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed}

@@ -4,7 +4,10 @@ Each pool's workers go into one placement group (PACK keeps them on as few nodes
 nodes), each worker slot in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so
 a pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
 start() returns once every worker has loaded its model and reported its KV capacity; in disaggregated mode every
-decode worker then connects to every prefill worker's transfer agent. `start_slot()` brings one slot up again
+decode worker then connects to every prefill worker's transfer agent (and, with pushes, the other way round); in
+adaptive mode every worker to every other (any may hand KV to any). Adaptive workers start in their pool's role
+(the pools' sizes are the starting split); `role_workers` then follows each worker's current role. `start_slot()`
+brings one slot up again
 (same config, same bundle: Ray re-places a bundle whose node died, when the cluster has room) and `connect()`
 wires it to its live peers; the Supervisor (coordinator.backend.supervisor) decides when. The actor classes live in
 pool_worker/ (one class: a worker's role is what the coordinator sends it).
@@ -52,11 +55,25 @@ class Pools:
         return self.prefill + self.decode
 
     def role_workers(self, role: str) -> list[WorkerState]:
+        """The workers that take `role`'s work ("prefill": prompts for others; "decode": decoding)."""
+        if self.config.adaptive:
+            return [w for w in self.all_workers if (w.prefills if role == "prefill" else w.decodes)]
         return self.prefill if role == "prefill" else self.decode
 
     @property
     def roles(self) -> tuple[str, ...]:
+        """The pools that must each have a live worker to serve (adaptive: a worker that decodes; any can prefill)."""
         return ("prefill", "decode") if self.config.mode == "disaggregated" else ("decode",)
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools the workers are started from (their slots' configs and placement groups)."""
+        return ("decode",) if self.config.mode == "collocated" else ("prefill", "decode")
+
+    @property
+    def transfers(self) -> bool:
+        """Workers hand KV over to each other (not collocated)."""
+        return self.config.mode != "collocated"
 
     async def start(self) -> None:
         cfg = self.config
@@ -65,16 +82,23 @@ class Pools:
             _init_ray(cfg.ray_address)
             self._started_ray = cfg.ray_address is None
         self.config = cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
-        for role in self.roles:
+        for role in self.pool_names:
             self._groups[role] = self._group(self._pool(role), role)
         await self._placed()
-        slots = [(role, i) for role in self.roles for i in range(self._pool(role).workers)]
+        slots = [(role, i) for role in self.pool_names for i in range(self._pool(role).workers)]
         started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i) for role, i in slots]),
                                          START_TIMEOUT_S)
         for w in started:  # start-up time per phase, the operator's first question about a slow start
             log.warning("worker %s ready: %s", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
+        if cfg.adaptive:  # one direction of every pair, then the other (as prefill and decode pools connect)
+            for forward in (True, False):
+                await asyncio.gather(*[_connecting(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
+                                                   f"{a.name} to {b.name}")
+                                       for i, a in enumerate(started) for j, b in enumerate(started)
+                                       if (i < j if forward else i > j)])
+            return
         await asyncio.gather(*[_connecting(lambda d=d, p=p: d.handle.add_peer.remote(p.info.agent_metadata),
                                            f"{d.name} to {p.name}") for d in self.decode for p in self.prefill])
         if self.pushes:
@@ -86,12 +110,13 @@ class Pools:
         """Prefill workers write the KV into decode workers' blocks (transfer.push, both pools at TP=1), so they
         connect to every decode worker as well."""
         cfg = self.config
-        return (cfg.mode == "disaggregated" and cfg.transfer.push and cfg.prefill.tensor_parallel_size == 1
+        return (self.transfers and cfg.transfer.push and cfg.prefill.tensor_parallel_size == 1
                 and cfg.decode.tensor_parallel_size == 1)
 
-    async def start_slot(self, role: str, index: int, incarnation: int = 0) -> WorkerState:
-        """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model. On any
-        failure the new actor is killed, so a failed start leaves nothing behind."""
+    async def start_slot(self, role: str, index: int, incarnation: int = 0, current_role: str = "") -> WorkerState:
+        """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model; it takes
+        `current_role` (adaptive: the role its slot had; "": its pool's). On any failure the new actor is killed,
+        so a failed start leaves nothing behind."""
         handle = self._actor(role, index)
         try:
             info = await handle.start.remote()
@@ -99,13 +124,21 @@ class Pools:
         except BaseException:
             ray.kill(handle, no_restart=True)
             raise
-        return WorkerState(info, handle, incarnation=incarnation, load=load)
+        return WorkerState(info, handle, incarnation=incarnation, load=load, role=current_role)
 
     async def connect(self, worker: WorkerState) -> None:
         """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull
         from prefill workers, so a new decode worker adds every live prefill agent, and every live decode worker
         drops the old prefill agent of that name and adds the new one. With pushes, the other way round as well."""
-        if self.config.mode != "disaggregated":
+        if not self.transfers:
+            return
+        if self.config.adaptive:  # every live peer, both ways
+            peers = [w for w in self.all_workers if w.alive and w.name != worker.name]
+            await asyncio.gather(*[_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
+                                               f"{worker.name} to {p.name}") for p in peers],
+                                 *[_connecting(lambda p=p: p.handle.replace_peer.remote(
+                                     worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}")
+                                   for p in peers])
             return
         if worker.info.role == "decode":
             peers = [p for p in self.prefill if p.alive]
@@ -127,14 +160,17 @@ class Pools:
         """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
         mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken); with
         pushes, every live prefill worker a dead decode worker's."""
-        if self.config.mode != "disaggregated" or (dead.info.role != "prefill" and not self.pushes):
+        if not self.transfers or (dead.info.role != "prefill" and not self.pushes and not self.config.adaptive):
             return
-        peers = [w for w in (self.decode if dead.info.role == "prefill" else self.prefill) if w.alive]
+        if self.config.adaptive:
+            peers = [w for w in self.all_workers if w.alive and w.name != dead.name]
+        else:
+            peers = [w for w in (self.decode if dead.info.role == "prefill" else self.prefill) if w.alive]
         await asyncio.gather(*[w.handle.drop_peer.remote(dead.name) for w in peers], return_exceptions=True)
 
     def install(self, worker: WorkerState) -> None:
         """Put `worker` into its slot (replacing the dead incarnation of the same name)."""
-        workers = self.role_workers("prefill" if worker.info.role == "prefill" else "decode")
+        workers = self.prefill if worker.info.role == "prefill" else self.decode  # its slot's pool
         for i, w in enumerate(workers):
             if w.name == worker.name:
                 workers[i] = worker
@@ -181,12 +217,11 @@ class Pools:
                        scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[role],
                                                                             placement_group_bundle_index=index))
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
-        disaggregated = cfg.mode == "disaggregated"
         name = f"{role}-{index}"
         seed = index if role == "prefill" else 1000 + index
         return ray.remote(Worker).options(**options).remote(
-            name, cfg.engine_config(pool, seed=seed), agent if disaggregated else None, _threads(pool),
-            cfg.admission.timeout_s, role=role if disaggregated else "collocated", stream=True)
+            name, cfg.engine_config(pool, seed=seed), agent if self.transfers else None, _threads(pool),
+            cfg.admission.timeout_s, role=role if self.transfers else "collocated", stream=True)
 
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:

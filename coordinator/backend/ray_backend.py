@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -37,6 +38,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from coordinator.admission.admission import Admission, Placement
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
+from coordinator.backend.adaptive import AdaptiveLayout
 from coordinator.backend.drills import Drills
 from coordinator.backend.held_queue import HeldQueue
 from coordinator.backend.pools import Pools
@@ -71,9 +73,11 @@ class RayBackend:
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
+        self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
         self._direct: dict[str, Callable[[list[int]], None]] = {}  # attempt id -> its running stream's sink
         self._worker_phases: dict[str, Durations] = {}  # attempt id -> the decode worker's durations, until taken
+        self._push_waits: dict[str, Durations] = {}  # attempt id -> the prefill side's wait for its pushed KV
         self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
         self._tasks: set[asyncio.Task] = set()
         self.transfer_totals: dict[str, float] = {}
@@ -93,9 +97,13 @@ class RayBackend:
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
         self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
+        if self.config.adaptive:
+            self.adaptive = AdaptiveLayout(self.config, self.admission, lambda: self.pools.all_workers,
+                                           self._booked_prompt_tokens, self._capacity_freed)
+            self._spawn(self.adaptive.planner.run())
         self.loop_lag.start()
         self.gc_pauses.install()
-        for w in self.pools.decode:
+        for w in self.pools.all_workers:  # any worker may decode (adaptive roles), and every one reports its load
             self._spawn(self._outputs_loop(w))
         if self.drills.injecting:
             await self.drills.set_faults(self.drills.faults)
@@ -127,14 +135,18 @@ class RayBackend:
         trace = request.trace or PhaseTrace.now()
         sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
         moves = 0 if moved_after is None else 1
+        started_at, first_at = time.monotonic(), None
         try:
             while True:
                 try:
                     async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
+                            first_at = first_at or time.monotonic()
                             if delta.finish_reason is not None and moves:  # before the yield: the consumer
                                 self._count(self.migrations, "outcome_completed")  # closes us at the last one
+                            if delta.finish_reason is not None and self.adaptive is not None:
+                                self.adaptive.request_ended(started_at, first_at, len(sent) - len(moved_after or ()))
                             yield delta
                             if delta.finish_reason is not None:
                                 return
@@ -197,7 +209,11 @@ class RayBackend:
                     if joined:
                         trace.mark("decode")
                     else:  # the worker's durations up to its first token, inside the interval since the last mark
-                        trace.split(self._worker_phases.pop(attempt, ()))
+                        durations = self._worker_phases.pop(attempt, ())
+                        trace.split(durations)
+                        if self.adaptive is not None and placement.prefill is not None:
+                            self.adaptive.handed_over(len(request.prompt_token_ids) + len(prior), sum(
+                                s for p, s in (*durations, *self._push_waits.pop(attempt, ())) if p == "kv_transfer"))
                         joined = True
                         reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
                         if request.sink is not None and type(queue) is asyncio.Queue:  # not held back in chunks
@@ -209,9 +225,12 @@ class RayBackend:
                 if error is not None:
                     raise error
         finally:
+            if finished and self.adaptive is not None:
+                self.adaptive.decoded(request.prompt_token_ids + streamed, decode.name)
             self._streams.pop(attempt, None)
             self._direct.pop(attempt, None)
             self._worker_phases.pop(attempt, None)
+            self._push_waits.pop(attempt, None)
             ends = []
             for worker, action in cleanup:
                 worker.requests.discard(attempt)
@@ -245,6 +264,8 @@ class RayBackend:
             attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
             push=self.pools.pushes))
         trace.split(result.phases)
+        if self.adaptive is not None:
+            self._push_waits[attempt] = tuple(p for p in result.phases if p[0] == "kv_transfer")
         reservation.unbook(prefill.key, "prompt_tokens")
         cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
         prefill.load = result.load
@@ -335,8 +356,7 @@ class RayBackend:
             self._fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
 
     def _worker_live(self, worker: WorkerState) -> None:
-        if worker.info.role != "prefill":
-            self._spawn(self._outputs_loop(worker))
+        self._spawn(self._outputs_loop(worker))
         if self.drills.injecting:
             self._spawn(self.drills.on_worker_live(worker))
         self._capacity_freed()
@@ -450,6 +470,15 @@ class RayBackend:
 
     async def set_faults(self, faults: FaultsConfig) -> None:
         await self.drills.set_faults(faults)
+
+    async def set_role(self, name: str, role: str) -> bool:
+        """An operator's role change (mode adaptive; coordinator.backend.adaptive). ValueError if it cannot be."""
+        if self.adaptive is None:
+            raise ValueError(f"roles change only in mode adaptive (this server runs mode {self.config.mode})")
+        return self.adaptive.set_role(name, role, "set through the admin API")
+
+    def _booked_prompt_tokens(self, worker: WorkerState) -> float:
+        return self.ledger.booked(worker.key, "prompt_tokens")
 
     def stats(self) -> dict:
         return backend_stats(self)

@@ -18,7 +18,7 @@ def backend_stats(backend: Any) -> dict:
     supervisor, ledger = backend.supervisor, backend.ledger
     workers = []
     for w in backend.pools.all_workers:
-        entry = {"name": w.name, "role": w.info.role, "state": w.state, "alive": w.alive,
+        entry = {"name": w.name, "role": w.role, "state": w.state, "alive": w.alive,
                  "restarts_total": supervisor.restarts.get(w.name, 0), "served": w.served,
                  "booked_kv_blocks": ledger.booked(w.key, "kv_blocks"),
                  "booked_prompt_tokens": ledger.booked(w.key, "prompt_tokens"), "total_blocks": w.info.num_kv_blocks}
@@ -35,6 +35,9 @@ def backend_stats(backend: Any) -> dict:
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
+            "placements": dict(admission.placements) if admission else {},
+            "role_changes": {f"{a}>{b}": n for (a, b), n in backend.adaptive.role_changes.items()}
+            if backend.adaptive else {},
             "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}
 
 

@@ -6,7 +6,8 @@ worker stops getting requests at once (the router only sees live workers), `on_d
 requests elsewhere, and a replacement task for its slot starts. The replacement waits a backoff (doubling with
 each restart of that slot within `restart_window_s`), starts a new actor with the same config in the same
 placement bundle, waits until it has loaded its model, wires it to its live peers (Pools.connect), puts it in its
-slot and calls `on_live`. A start that fails counts as a restart and is retried after the next backoff; past
+slot (in the role the slot had: adaptive roles outlive an incarnation) and calls `on_live`. A start that fails counts
+as a restart and is retried after the next backoff; past
 `max_restarts` within the window the slot stays down ("failed") instead of burning a GPU in a crash loop.
 Figures: restarts per role, seconds each pool spent with no live worker.
 """
@@ -96,7 +97,7 @@ class Supervisor:
         return all(self.live(role) for role in self.pools.roles)
 
     def states(self) -> list[dict]:
-        return [{"name": w.name, "role": w.info.role, "state": w.state, "restarts": self.restarts.get(w.name, 0),
+        return [{"name": w.name, "role": w.role, "state": w.state, "restarts": self.restarts.get(w.name, 0),
                  "pid": w.info.pid, "host": w.info.host,
                  **({"last_failure": self.reasons[w.name]} if w.name in self.reasons else {}),
                  **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {})}
@@ -145,7 +146,7 @@ class Supervisor:
             try:
                 spawned = time.monotonic()
                 worker = await asyncio.wait_for(
-                    self.pools.start_slot(role, Pools.slot_index(dead), incarnation), START_TIMEOUT_S)
+                    self.pools.start_slot(role, Pools.slot_index(dead), incarnation, dead.role), START_TIMEOUT_S)
                 started = time.monotonic()
                 await self.pools.connect(worker)
             except Exception as e:  # noqa: BLE001 - any failed start is retried after the next backoff
@@ -155,6 +156,7 @@ class Supervisor:
                 log.warning("worker %s: %s", name, self.reasons[name])
                 dead.state = "dead"
                 continue
+            worker.role = dead.role  # the slot's role now (an operator may have changed it while it was down)
             self.pools.install(worker)
             self.restarts[name] = self.restarts.get(name, 0) + 1
             self._update_downtime()

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
 from coordinator.config.settings import ServerSettings
 from coordinator.config.tenants_config import TenantsConfig, parse_tenants
 from engine.config_error import ConfigError
@@ -125,7 +126,9 @@ class ServeConfig:
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    mode: str = "disaggregated"    # "disaggregated" | "collocated"
+    # "disaggregated" (prefill and decode pools), "collocated" (every worker runs whole requests) or "adaptive"
+    # (the pools' sizes are the starting split; per request placement and the planner choose while serving)
+    mode: str = "disaggregated"
     placement: str = "pack"        # "pack" | "spread"
     ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
     prefill: PoolConfig = PoolConfig()
@@ -136,6 +139,12 @@ class ServeConfig:
     faults: FaultsConfig = FaultsConfig()
     server: ServerSettings = ServerSettings()
     tenants: TenantsConfig = TenantsConfig()  # API keys -> tenants with rate limits and a priority class
+    slo: SLOConfig | None = None    # mode adaptive: the targets placement and the planner serve (required there)
+    planner: PlannerConfig = PlannerConfig()  # mode adaptive: how roles move
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == "adaptive"
 
     def engine_config(self, pool: PoolConfig, seed: int = 0) -> EngineConfig:
         return EngineConfig(
@@ -148,13 +157,14 @@ class ServeConfig:
             kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling,
             prefill_graph_tokens=pool.prefill_graph_tokens, mixed_graph_tokens=pool.mixed_graph_tokens,
             warmup=pool.warmup,
-            tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format)
+            tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format,
+            decode_step_target_s=self.slo.decode_step_target_s if self.adaptive and self.slo else None)
 
 
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
              "admission": AdmissionConfig, "recovery": RecoveryConfig, "faults": FaultsConfig,
-             "server": ServerSettings}
-_CHOICES = {"mode": ("disaggregated", "collocated"), "placement": ("pack", "spread"),
+             "server": ServerSettings, "slo": SLOConfig, "planner": PlannerConfig}
+_CHOICES = {"mode": ("disaggregated", "collocated", "adaptive"), "placement": ("pack", "spread"),
             "on_failure": ("recompute", "fail")}
 
 
@@ -191,7 +201,23 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
             config.engine_config(getattr(config, pool))
         except ValueError as e:
             raise ConfigError(f"{path}: {pool} workers' engine: {e}") from None
+    _check_adaptive(config, raw, path)
     return config
+
+
+def _check_adaptive(config: ServeConfig, raw: dict, path: Path) -> None:
+    """`slo` and `planner` belong to mode adaptive, which needs `slo`; its workers can each take the other's role."""
+    if not config.adaptive:
+        extra = [key for key in ("slo", "planner") if key in raw]
+        if extra:
+            raise ConfigError(f"{path}: {extra[0]!r} applies to mode: adaptive only (mode is {config.mode!r})")
+        return
+    if config.slo is None:
+        raise ConfigError(f"{path}: mode adaptive needs 'slo' with ttft_ms and tpot_ms (the targets it serves)")
+    if config.prefill.tensor_parallel_size != config.decode.tensor_parallel_size \
+            or config.prefill.num_gpus != config.decode.num_gpus:
+        raise ConfigError(f"{path}: mode adaptive: a worker may take either role, so prefill and decode need the same "
+                          "tensor_parallel_size and num_gpus")
 
 
 def check_tensor_parallel(config: ServeConfig, path: Path | str) -> None:

@@ -150,6 +150,9 @@ class CoreBackend:
     async def set_faults(self, faults: Any) -> None:
         await self.call("set_faults", faults)
 
+    async def set_role(self, name: str, role: str) -> bool:
+        return await self.call("set_role", name, role)
+
     async def integrity(self) -> dict:
         return await self.call("integrity")
 

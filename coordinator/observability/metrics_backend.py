@@ -130,6 +130,16 @@ def backend_families(stats: dict) -> list[Metric]:
     if isinstance(loop, dict):
         out += [_family(_name("pdserve_coordinator_", key), _LOOP_HELP.get(key, key), [({}, v)])
                 for key, value in sorted(loop.items()) if (v := _number(value)) is not None]
+    placements = stats.get("placements")
+    if isinstance(placements, dict) and placements:
+        out.append(_family("pdserve_prefill_placement_total", "Prompts prefilled remotely (on another worker, the KV "
+                           "handed over) or locally (on the worker that decodes them)",
+                           [({"placement": k}, v) for k, v in sorted(placements.items()) if _number(v) is not None]))
+    changes = stats.get("role_changes")
+    if isinstance(changes, dict):
+        out.append(_family("pdserve_role_changes_total", "Workers' role changes (mode adaptive), by old and new role",
+                           [({"from": k.split(">")[0], "to": k.split(">")[1]}, v) for k, v in sorted(changes.items())
+                            if _number(v) is not None and ">" in k]))
     hits = _number(stats.get("prefix_affinity_hits"))
     if hits is not None:
         out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",

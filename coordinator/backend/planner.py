@@ -1,0 +1,123 @@
+"""Planner: moves workers' roles while serving (`mode: adaptive`), one worker at a time, toward the pool the
+measured load says is short.
+
+Roles: "prefill" (takes prompts for other workers, decodes nothing new), "decode" (decodes, prefilling its own
+requests locally when placement says so) and "mixed" (both). A role is routing only (every worker can do both:
+pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the worker
+goes on.
+
+What it judges by: the requests that ended within `planner.window_s` (and after the last change), their TTFT and
+TPOT 90th percentiles against the SLO targets (coordinator.observability.latency_window). Decode is short when the
+TPOT p90 passes DECODE_SHORT of its target while TTFT has headroom (below HEADROOM of its target); prefill is short
+the other way round. Short decode moves a worker one step toward decoding (prefill -> mixed, else mixed -> decode),
+short prefill one step toward prefilling (mixed -> prefill, else decode -> mixed), always keeping a worker that
+decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s` without changes,
+and a change is judged only by requests that ended after it. Both short, or neither: no change (more of one pool
+is less of the other). One exception needs no verdict: when no live worker decodes but another lives, one becomes
+mixed at once (a dead decode worker's replacement takes seconds; its streams should not wait for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.admission.router import WorkerState
+from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
+from coordinator.observability.latency_window import LatencyWindow
+
+log = logging.getLogger("pdserve")
+ROLES = ("prefill", "mixed", "decode")  # the ladder: one change moves one step along it
+DECODE_SHORT = 0.9   # a p90 past this share of its target: that pool is short
+HEADROOM = 0.6       # ... as long as the other p90 is within this share of its own target
+CONFIRM = 2          # consecutive looks with the same verdict before a change
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    worker: str
+    old: str
+    new: str
+    why: str
+
+
+def verdict(ttft_p90: float, tpot_p90: float, slo: SLOConfig) -> str | None:
+    """Which pool is short ("decode" | "prefill"), or None."""
+    if math.isnan(ttft_p90) or math.isnan(tpot_p90):
+        return None
+    ttft, tpot = ttft_p90 / slo.ttft_s, tpot_p90 / slo.tpot_s
+    if tpot > DECODE_SHORT and ttft < HEADROOM:
+        return "decode"
+    if ttft > DECODE_SHORT and tpot < HEADROOM:
+        return "prefill"
+    return None
+
+
+def step_toward(short: str, workers: list[WorkerState], pressure: Callable[[WorkerState], float]
+                ) -> tuple[WorkerState, str] | None:
+    """The live worker to move one step toward the short pool, and its new role (least pressed first)."""
+    live = [w for w in workers if w.alive]
+    decoders = [w for w in live if w.role != "prefill"]
+    if short == "decode":
+        order = [("prefill", "mixed"), ("mixed", "decode")]
+    else:
+        order = [("mixed", "prefill"), ("decode", "mixed")]
+    for old, new in order:
+        movable = [w for w in live if w.role == old]
+        if new == "prefill":  # it stops decoding: another must go on
+            movable = [w for w in movable if len(decoders) > 1]
+        if movable:
+            return min(movable, key=pressure), new
+    return None
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, slo: SLOConfig, workers: Callable[[], list[WorkerState]],
+                 window: LatencyWindow, apply: Callable[[WorkerState, str, str], None],
+                 pressure: Callable[[WorkerState], float], clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.slo, self.window = config, slo, window
+        self._workers, self._apply, self._pressure, self._clock = workers, apply, pressure, clock
+        self._last_change = -math.inf
+        self._streak: tuple[str | None, int] = (None, 0)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a failed look is logged; the next one comes
+                log.exception("planner: a look at the pools failed")
+
+    def tick(self) -> RoleChange | None:
+        """One look: the change it made, if any."""
+        now = self._clock()
+        workers = self._workers()
+        live = [w for w in workers if w.alive]
+        if live and not any(w.role != "prefill" for w in live):
+            return self._change(min(live, key=self._pressure), "mixed", "no live worker decodes", now)
+        if not self.config.enabled or now - self._last_change < self.config.cooldown_s:
+            return None
+        since = max(now - self.config.window_s, self._last_change)
+        count, ttft_p90, tpot_p90 = self.window.quantiles(since)
+        short = verdict(ttft_p90, tpot_p90, self.slo) if count >= self.config.min_requests else None
+        last, n = self._streak
+        self._streak = (short, n + 1 if short == last else 1)
+        if short is None or self._streak[1] < CONFIRM:
+            return None
+        move = step_toward(short, workers, self._pressure)
+        if move is None:
+            return None
+        why = (f"{short} is short: TTFT p90 {ttft_p90 * 1000:.0f} ms (target {self.slo.ttft_ms:g}), TPOT p90 "
+               f"{tpot_p90 * 1000:.1f} ms (target {self.slo.tpot_ms:g}) over {count} requests")
+        return self._change(*move, why, now)
+
+    def _change(self, worker: WorkerState, new: str, why: str, now: float) -> RoleChange:
+        change = RoleChange(worker.name, worker.role, new, why)
+        self._apply(worker, new, why)
+        self._last_change = now
+        self._streak = (None, 0)
+        return change

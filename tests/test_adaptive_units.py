@@ -1,0 +1,200 @@
+"""The adaptive layout's decisions on made-up figures: the placement model (coordinator.admission.placement), the
+planner's verdict, its ladder of roles, hysteresis and cooldown (coordinator.backend.planner), and the config's
+checks (mode adaptive needs an SLO; the SLO and planner belong to it alone)."""
+
+import math
+
+import pytest
+
+from coordinator.admission.placement import PlacementModel, Side
+from coordinator.admission.router import Router, WorkerState
+from coordinator.backend.planner import Planner, step_toward, verdict
+from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
+from coordinator.config.serve_config import load_serve_config
+from coordinator.observability.latency_window import LatencyWindow
+from engine.config_error import ConfigError
+from engine.load import EngineLoad, WorkerInfo
+
+SLO = SLOConfig(ttft_ms=500, tpot_ms=40)
+
+
+def _load(per_token_s: float, budget: int = 512, step_s: float = 0.010, running: int = 0) -> EngineLoad:
+    return EngineLoad(0, 0, running, 0, 100, 100, prefill_budget_tokens=budget, decode_step_s=step_s,
+                      prefill_token_s=per_token_s)
+
+
+def test_an_idle_prefill_worker_takes_the_prompt_remote():
+    model = PlacementModel(SLO)
+    local = Side("decode-0", _load(30e-6, running=40), 0, 2000, decoding=True)
+    remote = Side("prefill-0", _load(30e-6), 0, 2000, decoding=False)
+    choice = model.choose(local, [remote])
+    assert choice.placement == "remote" and choice.remote_s == pytest.approx(0.06)
+
+
+def test_a_long_remote_queue_sends_the_prompt_local():
+    model = PlacementModel(SLO)
+    local = Side("decode-0", _load(30e-6, budget=700, step_s=0.010, running=40), 0, 2000, decoding=True)
+    remote = Side("prefill-0", _load(30e-6), 40_000, 2000, decoding=False)  # 1.26 s of prompts queued
+    choice = model.choose(local, [remote])
+    # local: 3 decoding steps of (10 ms + 700 x 30 us) = 93 ms, against 1.26 s remote
+    assert choice.placement == "local"
+    assert choice.local_s == pytest.approx(0.093) and choice.remote_s == pytest.approx(1.26)
+
+
+def test_remote_wins_within_its_comfort_even_when_local_is_quicker():
+    model = PlacementModel(SLO)
+    local = Side("decode-0", _load(10e-6), 0, 1000, decoding=False)       # 10 ms
+    remote = Side("prefill-0", _load(30e-6), 5000, 1000, decoding=False)  # 180 ms: within half of 500 ms
+    assert model.choose(local, [remote]).placement == "remote"
+
+
+def test_the_measured_handoff_counts_against_remote():
+    model = PlacementModel(SLO)
+    for _ in range(100):
+        model.observe_transfer(1000, 0.5)  # 500 us per token: a slow link
+    local = Side("decode-0", _load(30e-6), 0, 1000, decoding=False)
+    remote = Side("prefill-0", _load(30e-6), 0, 1000, decoding=False)
+    choice = model.choose(local, [remote])
+    assert choice.placement == "local" and choice.remote_s == pytest.approx(0.53, rel=0.01)
+
+
+def test_without_a_remote_worker_or_any_figure_the_rule_still_answers():
+    model = PlacementModel(SLO)
+    assert model.choose(Side("d", None, 0, 10, False), []).placement == "local"
+    unknown = model.choose(Side("d", None, 0, 10, False), [Side("p", None, 0, 10, False)])
+    assert unknown.placement == "remote" and math.isinf(unknown.local_s)  # nothing measured: disaggregate
+
+
+def test_the_router_remembers_prefixes_per_worker():
+    router = Router(block_size=4)
+    tokens = list(range(20))
+    router.remember(tokens, "decode-0")
+    router.remember(tokens[:8], "prefill-0")
+    assert router.cached_tokens(tokens + [99], "decode-0") == 20
+    assert router.cached_tokens(tokens, "prefill-0") == 8
+    assert router.cached_tokens([7] + tokens, "decode-0") == 0
+
+
+def test_verdict():
+    assert verdict(0.1, 0.039, SLO) == "decode"      # TPOT at 97% of its target, TTFT with room
+    assert verdict(0.49, 0.010, SLO) == "prefill"    # the other way round
+    assert verdict(0.49, 0.039, SLO) is None         # both short: moving either way hurts the other
+    assert verdict(0.1, 0.010, SLO) is None          # neither
+    assert verdict(math.nan, 0.039, SLO) is None
+
+
+def _workers(*roles: str) -> list[WorkerState]:
+    out = []
+    for i, role in enumerate(roles):
+        info = WorkerInfo(f"w-{i}", role if role != "mixed" else "decode", 100, 16, 1024, 100, None)
+        out.append(WorkerState(info, None, role=role))
+    return out
+
+
+def test_the_ladder_moves_one_step_and_keeps_a_decoder():
+    ws = _workers("prefill", "decode")
+    assert [(w.name, r) for w, r in [step_toward("decode", ws, lambda w: 0)]] == [("w-0", "mixed")]
+    ws = _workers("mixed", "decode")
+    assert step_toward("decode", ws, lambda w: 0)[1] == "decode"
+    assert step_toward("prefill", ws, lambda w: 0) == (ws[0], "prefill")
+    ws = _workers("mixed")  # the only decoder may not stop decoding
+    assert step_toward("prefill", ws, lambda w: 0) is None
+    ws = _workers("prefill", "decode")
+    assert step_toward("prefill", ws, lambda w: 0) == (ws[1], "mixed")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_planner_waits_for_a_confirmed_verdict_then_cools_down():
+    clock, window = _Clock(), LatencyWindow(horizon_s=10)
+    workers = _workers("prefill", "decode")
+    changes = []
+
+    def apply(w, role, why):
+        changes.append((w.name, w.role, role))
+        w.role = role
+    planner = Planner(PlannerConfig(interval_s=1, cooldown_s=5, window_s=10, min_requests=4), SLO,
+                      lambda: workers, window, apply, lambda w: 0, clock)
+    for _ in range(4):
+        window.add(clock.now, 0.05, 0.039)  # decode short
+    assert planner.tick() is None            # first look: not confirmed yet
+    clock.now += 1
+    change = planner.tick()
+    assert change is not None and (change.worker, change.old, change.new) == ("w-0", "prefill", "mixed")
+    assert "decode is short" in change.why
+    for _ in range(10):
+        window.add(clock.now, 0.05, 0.039)
+    clock.now += 1
+    assert planner.tick() is None and planner.tick() is None  # cooling down
+    clock.now += 5
+    assert planner.tick() is None  # requests judged again, confirmed on the next look
+    clock.now += 1
+    assert planner.tick().new == "decode"
+    assert changes == [("w-0", "prefill", "mixed"), ("w-0", "mixed", "decode")]
+
+
+def test_the_planner_needs_enough_requests_and_a_steady_verdict():
+    clock, window = _Clock(), LatencyWindow(horizon_s=10)
+    workers = _workers("prefill", "decode")
+    planner = Planner(PlannerConfig(interval_s=1, cooldown_s=0, window_s=10, min_requests=5), SLO,
+                      lambda: workers, window, lambda w, r, why: setattr(w, "role", r), lambda w: 0, clock)
+    for _ in range(4):
+        window.add(clock.now, 0.05, 0.039)
+    assert planner.tick() is None and planner.tick() is None  # 4 < min_requests
+    window.add(clock.now, 0.45, 0.010)  # the p90 now says prefill is short: the verdict flips, no change
+    assert planner.tick() is None
+    assert [w.role for w in workers] == ["prefill", "decode"]
+
+
+def test_no_live_decoder_makes_one_mixed_at_once():
+    clock, window = _Clock(), LatencyWindow(horizon_s=10)
+    workers = _workers("prefill", "decode")
+    workers[1].state = "dead"
+    planner = Planner(PlannerConfig(cooldown_s=100), SLO, lambda: workers, window,
+                      lambda w, r, why: setattr(w, "role", r), lambda w: 0, clock)
+    change = planner.tick()
+    assert (change.worker, change.new) == ("w-0", "mixed") and workers[0].decodes
+
+
+def _yaml(tmp_path, text: str):
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_adaptive_config_is_checked_at_load(tmp_path):
+    good = load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {ttft_ms: 800, tpot_ms: 25}\n"))
+    assert good.adaptive and good.slo.tpot_s == 0.025
+    assert good.engine_config(good.decode).decode_step_target_s == pytest.approx(0.025 * 0.85)
+    with pytest.raises(ConfigError, match="mode adaptive needs 'slo'"):
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\n"))
+    with pytest.raises(ConfigError, match=r"slo.*tpot_ms must be a number in \(0, 60000\]"):
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {ttft_ms: 500, tpot_ms: 0}\n"))
+    with pytest.raises(ConfigError, match="ttft_ms must be a number"):
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {ttft_ms: .nan, tpot_ms: 40}\n"))
+    with pytest.raises(ConfigError, match="unknown key 'slo.ttft'"):
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {ttft: 500}\n"))
+    with pytest.raises(ConfigError, match="'slo' applies to mode: adaptive only"):
+        load_serve_config(_yaml(tmp_path, "mode: collocated\nslo: {ttft_ms: 500, tpot_ms: 40}\n"))
+    with pytest.raises(ConfigError, match="'planner' applies to mode: adaptive only"):
+        load_serve_config(_yaml(tmp_path, "planner: {interval_s: 1}\n"))
+    with pytest.raises(ConfigError, match="same tensor_parallel_size"):
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {}\nprefill: {tensor_parallel_size: 2}\n"))
+    assert load_serve_config("configs/adaptive.yaml").adaptive
+
+
+def test_a_decoder_without_headroom_takes_no_local_prompt_however_long_the_remote_queue():
+    tight = SLOConfig(ttft_ms=2000, tpot_ms=15)  # decode steps may take 12.75 ms
+    model = PlacementModel(tight)
+    full = Side("decode-0", _load(28e-6, budget=64, step_s=0.014, running=60), 0, 2400, decoding=True)
+    remote = Side("prefill-0", _load(28e-6), 100_000, 2400, decoding=False)  # ~2.9 s queued
+    choice = model.choose(full, [remote])
+    assert choice.placement == "remote" and math.isinf(choice.local_s)
+    roomy = Side("decode-0", _load(28e-6, budget=64, step_s=0.010, running=60), 0, 2400, decoding=True)
+    assert model.choose(roomy, [remote]).placement == "local"  # 38 steps of 11.8 ms: 0.45 s

@@ -1,0 +1,166 @@
+"""End to end in mode adaptive on the real server (`pdserve serve`: local Ray, one worker started as prefill and one
+as decode, UCX between them) over HTTP: each prompt is prefilled where the placement model says (an idle prefill
+worker takes them remote, a long remote queue sends them local), a local one has its prefill phases on the decode
+worker and no handoff, and every output equals the single engine's (greedy and seeded) whichever way it went; roles
+change under running streams without losing a token; a role change racing a worker's death ends in a definite
+state; bookings and blocks are all given back. No timing is asserted: the decisions are driven by load."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.phase_checks import COLLOCATED, DISAGGREGATED, stream_with_phases
+from tests.server_process import (
+    HALF_CPU,
+    admin_kill,
+    assert_nothing_booked,
+    complete,
+    metric_values,
+    running_server,
+    streams_with_a_kill,
+    wait_for_health,
+)
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pool = {**HALF_CPU, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
+    config = {"model": "tiny", "dtype": "float32", "mode": "adaptive",
+              "slo": {"ttft_ms": 300, "tpot_ms": 40},
+              "planner": {"enabled": False, "interval_s": 0.5},  # roles move here by the admin API (and on a death)
+              "prefill": pool, "decode": pool, "transfer": {"backends": ["ucx"]},
+              "admission": {"timeout_s": 120}, "server": {"admin_api": True}}
+    with running_server(tmp_path_factory.mktemp("adaptive"), config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLM("tiny", dtype="float32")
+
+
+def _expected(engine, prompts, max_tokens, sampling):
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
+    return [o.text for o in engine.generate(prompts, params)]
+
+
+def _placements(url: str) -> dict[str, float]:
+    values = metric_values(url, "pdserve_prefill_placement_total")
+    return {k: values.get(f'{{placement="{k}"}}', 0.0) for k in ("remote", "local")}
+
+
+def _roles(url: str) -> dict[str, str]:
+    return {w["name"]: w["role"] for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]}
+
+
+def test_placement_follows_load_and_outputs_equal_the_engine_either_way(server, engine):
+    url = server.url
+    short = random_prompts([20, 33, 41, 27], 1000, seed=71)
+    before = _placements(url)
+    for p, want in zip(short, _expected(engine, short, 8, GREEDY), strict=True):  # one at a time: an idle pool
+        got = httpx.post(f"{url}/v1/completions", timeout=60,
+                         json={"model": "tiny", "prompt": p, "max_tokens": 8, **GREEDY}).json()
+        assert got["choices"][0]["text"] == want
+    after = _placements(url)
+    assert after["remote"] - before["remote"] == 4 and after["local"] == before["local"], after
+
+    long = random_prompts([1500 - 13 * i for i in range(16)], 1000, seed=72)  # ~23k prompt tokens at once
+    sampling = [GREEDY if i % 2 == 0 else SEEDED for i in range(16)]
+    wanted = [_expected(engine, [p], 12, s)[0] for p, s in zip(long, sampling, strict=True)]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*[stream_with_phases(client, url, {
+                "model": "tiny", "prompt": p, "max_tokens": 12, **s}) for p, s in zip(long, sampling, strict=True)])
+    results = asyncio.run(burst())
+    assert [r["text"] for r in results] == wanted
+    local = [r for r in results if "kv_transfer" not in r["phases"]]
+    for r in results:  # a local prefill ran on the decode worker: its phases, and no handoff
+        assert set(r["phases"]) == (COLLOCATED if r in local else DISAGGREGATED), r["phases"]
+        assert r["phases"]["prefill_compute"] > 0
+    final = _placements(url)
+    assert final["local"] - after["local"] == len(local) >= 1, final  # the queue grew: later prompts went local
+    assert final["remote"] - after["remote"] == 16 - len(local) >= 1, final
+    assert_nothing_booked(url)
+
+
+def _bodies(prompts, max_tokens):
+    return [{"model": "tiny", "prompt": p, "max_tokens": max_tokens, "stream": True,
+             **(GREEDY if i % 2 == 0 else SEEDED)} for i, p in enumerate(prompts)]
+
+
+def _set_role(url: str, name: str, role: str) -> httpx.Response:
+    return httpx.post(f"{url}/admin/workers/{name}/role", json={"role": role}, timeout=30)
+
+
+def test_roles_change_under_running_streams_and_nothing_is_lost(server, engine):
+    url = server.url
+    prompts = random_prompts([60 + 17 * i for i in range(8)], 1000, seed=73)
+    bodies = _bodies(prompts, 64)
+    wanted = [_expected(engine, [b["prompt"]], 64, GREEDY if i % 2 == 0 else SEEDED)[0]
+              for i, b in enumerate(bodies)]
+    changes_before = metric_values(url, "pdserve_role_changes_total")
+
+    async def change_roles():
+        def run():
+            assert _set_role(url, "prefill-0", "mixed").status_code == 200
+            assert _set_role(url, "decode-0", "prefill").status_code == 200  # prefill-0 decodes now
+        await asyncio.to_thread(run)
+    results = streams_with_a_kill(url, bodies, change_roles)
+    assert [r["text"] for r in results] == wanted
+    assert all(r["completion_tokens"] == 64 for r in results)
+    assert _roles(url) == {"prefill-0": "mixed", "decode-0": "prefill"}
+    after = random_prompts([30, 70], 1000, seed=74)  # new requests decode on prefill-0, the one decoder left
+
+    async def more():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[complete(client, url, b) for b in _bodies(after, 16)])
+    assert [r["text"] for r in asyncio.run(more())] == [
+        _expected(engine, [p], 16, GREEDY if i % 2 == 0 else SEEDED)[0] for i, p in enumerate(after)]
+    changes = metric_values(url, "pdserve_role_changes_total")
+    moved = {k: changes.get(k, 0) - changes_before.get(k, 0)
+             for k in ('{from="prefill",to="mixed"}', '{from="decode",to="prefill"}')}
+    assert moved == {'{from="prefill",to="mixed"}': 1, '{from="decode",to="prefill"}': 1}, changes
+    refused = _set_role(url, "prefill-0", "prefill")  # the last live decoder may not stop decoding
+    assert refused.status_code == 400 and "last live worker that decodes" in refused.json()["error"]["message"]
+    assert _set_role(url, "nobody", "mixed").status_code == 404
+    assert _set_role(url, "decode-0", "both").status_code == 400
+    assert _set_role(url, "decode-0", "decode").status_code == 200
+    assert _set_role(url, "prefill-0", "prefill").status_code == 200
+    assert _roles(url) == {"prefill-0": "prefill", "decode-0": "decode"}
+    assert_nothing_booked(url)
+
+
+def test_a_role_change_racing_a_worker_death_ends_in_a_definite_state(server, engine):
+    """Runs last: decode-0 is killed while its streams run and, in the same instant, given the mixed role. Its
+    streams move (the planner makes prefill-0 decode at once: no live worker decoded), the replacement comes back
+    in the role it was given, every stream ends exactly, and nothing stays booked."""
+    url = server.url
+    prompts = random_prompts([50 + 9 * i for i in range(6)], 1000, seed=75)
+    bodies = _bodies(prompts, 48)
+    wanted = [_expected(engine, [b["prompt"]], 48, GREEDY if i % 2 == 0 else SEEDED)[0]
+              for i, b in enumerate(bodies)]
+
+    async def kill_and_change():
+        await asyncio.gather(admin_kill(url, "decode-0"), asyncio.to_thread(_set_role, url, "decode-0", "mixed"))
+    results = streams_with_a_kill(url, bodies, kill_and_change)
+    assert [r["text"] for r in results] == wanted
+    wait_for_health(url, 200)
+    deadline_roles = None
+    for _ in range(600):  # the replacement: live again, in the role it was given
+        health = httpx.get(f"{url}/health", timeout=10).json()["workers"]
+        states = {w["name"]: (w["state"], w["role"]) for w in health}
+        if states["decode-0"][0] == "live":
+            deadline_roles = states
+            break
+        asyncio.run(asyncio.sleep(0.2))
+    assert deadline_roles == {"decode-0": ("live", "mixed"), "prefill-0": ("live", "mixed")}, deadline_roles
+    emergency = metric_values(url, "pdserve_role_changes_total")
+    assert emergency.get('{from="prefill",to="mixed"}', 0) >= 1, emergency
+    assert_nothing_booked(url)
