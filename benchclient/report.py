@@ -87,6 +87,9 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
                      f"| {runner} |")
     for workload in dict.fromkeys(r["workload"] for r in rows):
         lines += ["", f"## Workload '{workload}'", ""] + _table([r for r in rows if r["workload"] == workload])
+    if config.extra_slos:
+        lines += ["", "## Goodput under each SLO pair", ""] + _slo_table(config, rows)
+    lines += _adaptive_section(config, rows)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     loads = [r["loadavg_1m"] for r in rows if r.get("loadavg_1m") is not None]
@@ -100,6 +103,72 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     path = Path(out) / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def _slo_pairs(config) -> list:
+    return [config.slo, *config.extra_slos]
+
+
+def _goodput(row: dict, slo, config) -> float | None:
+    return row.get("goodput") if slo == config.slo else row.get(slo.goodput_key)
+
+
+def _slo_table(config, rows: list[dict]) -> list[str]:
+    pairs = _slo_pairs(config)
+    lines = ["| workload | load | layout | " + " | ".join(f"goodput, TTFT <= {p.ttft_ms:g} / TPOT <= {p.tpot_ms:g} ms"
+                                                      for p in pairs) + " |",
+             "|---|---|---|" + "---:|" * len(pairs)]
+    for r in (r for r in rows if r["status"] == "ok"):
+        lines.append(f"| {r['workload']} | {r['load']} | {r['layout']} | "
+                     + " | ".join(_f(_goodput(r, p, config), "{:.2f}") for p in pairs) + " |")
+    return lines
+
+
+def _served_slo(config, layout):
+    """The SLO pair an adaptive layout serves (its serving config's `slo`)."""
+    from benchclient.stats import SLO
+    from coordinator.config.serve_config import load_serve_config
+    slo = load_serve_config(config.base_config, {**dict(config.overrides), **layout.serve_overrides()}).slo
+    return None if slo is None else SLO(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms)
+
+
+def _adaptive_section(config, rows: list[dict]) -> list[str]:
+    """Each adaptive layout against the best static layout at each load, under the SLO pair it serves."""
+    adaptive = [lay for lay in config.layouts if lay.mode == "adaptive"]
+    if not adaptive:
+        return []
+    static = {lay.name for lay in config.layouts if lay.mode != "adaptive"}
+    pairs = {p.goodput_key: p for p in _slo_pairs(config)}
+    lines = ["", "## Adaptive against the best static layout", "",
+             "Each adaptive layout is judged under the SLO pair it serves (its `slo`), against the static layout "
+             "with the highest goodput under the same pair at the same load, in the same sweep.", "",
+             "| workload | load | SLO (TTFT / TPOT ms) | best static | its goodput | adaptive layout | goodput "
+             "| ratio |",
+             "|---|---|---|---|---:|---|---:|---:|"]
+    ratios = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    for lay in adaptive:
+        served = _served_slo(config, lay)
+        slo = pairs.get(served.goodput_key) if served is not None else None
+        if slo is None:
+            lines.append(f"| - | - | - | - | - | {lay.name} | its SLO is not among the sweep's pairs | - |")
+            continue
+        for r in (r for r in ok if r["layout"] == lay.name):
+            peers = [(_goodput(p, slo, config) or 0.0, p["layout"]) for p in ok
+                     if p["layout"] in static and p["workload"] == r["workload"] and p["load"] == r["load"]]
+            if not peers:
+                continue
+            best, name = max(peers)
+            mine = _goodput(r, slo, config) or 0.0
+            ratio = mine / best if best > 0 else None
+            ratios.append(ratio)
+            lines.append(f"| {r['workload']} | {r['load']} | {slo.ttft_ms:g} / {slo.tpot_ms:g} | {name} | {best:.2f} "
+                         f"| {lay.name} | {mine:.2f} | {_f(ratio, '{:.2f}')} |")
+    known = [x for x in ratios if x is not None]
+    if known:
+        lines += ["", f"Ratio to the best static layout: lowest {min(known):.2f}, highest {max(known):.2f} over "
+                  f"{len(known)} cells."]
+    return lines
 
 
 def _gpus() -> str:

@@ -34,6 +34,11 @@ class SLO:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")
 
+    @property
+    def goodput_key(self) -> str:
+        """The column a sweep gives goodput under this pair in: goodput@<ttft ms>/<tpot ms>."""
+        return f"goodput@{self.ttft_ms:g}/{self.tpot_ms:g}"
+
     def met_by(self, r: RequestResult) -> bool:
         if not r.ok or r.ttft is None or r.ttft * 1000 > self.ttft_ms:
             return False

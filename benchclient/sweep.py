@@ -24,6 +24,7 @@ from typing import Any
 from benchclient.client import Target, first_model
 from benchclient.launcher import LaunchError, launched_server, serving_config
 from benchclient.run import RunConfig, json_safe, run_load, run_report, save_json
+from benchclient.stats import summarize
 from benchclient.sweep_config import Cell, SweepConfig
 
 ROWS = "results.jsonl"
@@ -96,20 +97,24 @@ def _run_cell(config: SweepConfig, cell: Cell, url: str, model: str, out: Path, 
     target = Target(url=url, model=model, endpoint=config.endpoint, ignore_eos=config.ignore_eos, phases=True)
     run = RunConfig(target=target, workload=cell.workload, arrival=cell.arrival, slo=config.slo,
                     duration_s=config.duration_s, warmup_s=config.warmup_s, timeout_s=config.timeout_s)
-    doc = run_report(run, asyncio.run(run_load(run, progress=progress)))
+    results = asyncio.run(run_load(run, progress=progress))
+    doc = run_report(run, results)
     doc["cell"] = {"key": cell.key, "layout": cell.layout.name, "serve_overrides": cell.layout.serve_overrides()}
+    extra = {s.goodput_key: summarize(results, s)["goodput"] for s in config.extra_slos}
+    doc["summary"].update(extra)
     save_json(doc, out / "cells" / f"{cell.slug}.json")
-    return cell_row(cell, doc["summary"], "ok", None)
+    return cell_row(cell, doc["summary"], "ok", None, extra.keys())
 
 
-def cell_row(cell: Cell, summary: dict | None, status: str, error: str | None) -> dict[str, Any]:
+def cell_row(cell: Cell, summary: dict | None, status: str, error: str | None,
+             extra_keys: Any = ()) -> dict[str, Any]:
     lay, arr = cell.layout, cell.arrival
     row: dict[str, Any] = {
         "cell": cell.key, "status": status, "layout": lay.name, "mode": lay.mode, "prefill_workers": lay.prefill,
         "decode_workers": lay.decode, "workers": lay.workers, "workload": cell.workload.name, "load": arr.label,
         "load_kind": "rate" if arr.open_loop else "concurrency",
         "load_value": arr.rate if arr.open_loop else arr.concurrency}
-    for key in SUMMARY_COLUMNS:
+    for key in (*SUMMARY_COLUMNS, *extra_keys):
         row[key] = summary.get(key) if summary else None
     errors = (summary or {}).get("errors") or {}
     row["errors"] = "; ".join(f"{k} x{v}" for k, v in sorted(errors.items()))
@@ -147,8 +152,10 @@ def load_rows(out: Path) -> dict[str, dict]:
 
 def write_table(rows: list[dict], out: Path) -> None:
     (out / "results.json").write_text(json.dumps([json_safe(r) for r in rows], indent=1) + "\n")
+    extra = [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("goodput@")]
+    columns = (*COLUMNS, *extra)
     with open(out / "results.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in COLUMNS})
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})

@@ -21,6 +21,7 @@ from benchclient.workload import WorkloadSpec, build_requests
 from engine.config_error import ConfigError
 
 KEYS = {"description", "base_config", "output_dir", "ray_address", "overrides", "layouts", "workloads", "loads", "slo",
+        "extra_slos",
         "warmup_s", "duration_s", "timeout_s", "start_timeout_s", "endpoint", "ignore_eos", "restart_per_cell",
         "seed"}
 REQUIRED = ("base_config", "layouts", "workloads", "loads")
@@ -31,7 +32,7 @@ LOAD_KEYS = {"arrival", "rates", "concurrencies", "burstiness"}
 @dataclass(frozen=True)
 class Layout:
     name: str
-    mode: str                    # "disaggregated" | "collocated"
+    mode: str                    # "disaggregated" | "collocated" | "adaptive" (prefill + decode: its starting split)
     prefill: int                 # 0 when collocated
     decode: int                  # the collocated workers count here (pdserve runs them as the decode pool)
     overrides: tuple[tuple[str, Any], ...] = ()
@@ -42,7 +43,7 @@ class Layout:
 
     def serve_overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode, "decode.workers": self.decode}
-        if self.mode == "disaggregated":
+        if self.mode != "collocated":
             out["prefill.workers"] = self.prefill
         return {**out, **dict(self.overrides)}
 
@@ -73,6 +74,7 @@ class SweepConfig:
     overrides: tuple[tuple[str, Any], ...] = ()
     ray_address: str | None = None   # None: each server starts a local Ray; "auto": join the running cluster
     slo: SLO = SLO()
+    extra_slos: tuple[SLO, ...] = ()  # more SLO pairs each cell's goodput is also given under (goodput@<ttft>/<tpot>)
     warmup_s: float = 5.0
     duration_s: float = 60.0
     timeout_s: float = 300.0
@@ -123,6 +125,16 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
         slo = SLO(**slo_raw)
     except ValueError as e:
         raise fail("slo", str(e)) from None
+    extra_slos = []
+    for i, item in enumerate(raw.get("extra_slos") or []):
+        item = _mapping(item, f"extra_slos[{i}]", fail)
+        _no_unknown(item, {"ttft_ms", "tpot_ms"}, f"extra_slos[{i}].", fail)
+        try:
+            extra_slos.append(SLO(**item))
+        except (TypeError, ValueError) as e:
+            raise fail(f"extra_slos[{i}]", str(e)) from None
+    if not isinstance(raw.get("extra_slos") or [], list):
+        raise fail("extra_slos", f"must be a list of {{ttft_ms, tpot_ms}}, got {raw['extra_slos']!r}")
     seed = raw.get("seed", 0)
     layouts = _layouts(raw["layouts"], fail)
     for i, lay in enumerate(layouts):
@@ -132,7 +144,7 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     return SweepConfig(
         path=path, base_config=base, output_dir=Path(raw.get("output_dir", f"sweeps/{path.stem}")), layouts=layouts,
         workloads=_workloads(raw["workloads"], seed, path, fail), loads=_loads(raw["loads"], seed, fail),
-        overrides=tuple(overrides.items()), slo=slo, **plain, **scalars)
+        overrides=tuple(overrides.items()), slo=slo, extra_slos=tuple(extra_slos), **plain, **scalars)
 
 
 def _resolve(name: Any, sweep_path: Path) -> Path:
@@ -173,18 +185,19 @@ def _layouts(value: Any, fail) -> tuple[Layout, ...]:
         raw = _mapping(raw, where, fail)
         _no_unknown(raw, LAYOUT_KEYS, f"{where}.", fail)
         mode = raw.get("mode", "disaggregated")
-        if mode == "disaggregated":
+        if mode in ("disaggregated", "adaptive"):
             if "workers" in raw:
-                raise fail(f"{where}.workers", "is for collocated layouts; give prefill and decode")
+                raise fail(f"{where}.workers", f"is for collocated layouts; give prefill and decode ({mode})")
             prefill, decode = _count(raw, "prefill", where, fail), _count(raw, "decode", where, fail)
-            name = raw.get("name", f"{prefill}P+{decode}D")
+            name = raw.get("name", f"{prefill}P+{decode}D" if mode == "disaggregated"
+                           else f"adaptive from {prefill}P+{decode}D")
         elif mode == "collocated":
             if "prefill" in raw or "decode" in raw:
                 raise fail(where, "a collocated layout has `workers`, not prefill/decode")
             prefill, decode = 0, _count(raw, "workers", where, fail)
             name = raw.get("name", f"collocated x{decode}")
         else:
-            raise fail(f"{where}.mode", f"must be 'disaggregated' or 'collocated', got {mode!r}")
+            raise fail(f"{where}.mode", f"must be 'disaggregated', 'collocated' or 'adaptive', got {mode!r}")
         overrides = _mapping(raw.get("set", {}), f"{where}.set", fail)
         if not isinstance(name, str) or not name or "|" in name:
             raise fail(f"{where}.name", f"must be a non-empty string without '|', got {name!r}")

@@ -15,6 +15,9 @@
 # sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
+# adaptive2 (2 GPUs): mode adaptive against 1P+1D and collocated x2, 8B shape, 3 rates, 2 SLO pairs (issue 34;
+#   docs/sweeps/gpu-2x-llama3-8b-adaptive), packed into $OUT/sweep.tgz.
+# shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2.
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
@@ -124,6 +127,19 @@ for step in "$@"; do
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 200 python3 benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --device cuda 2>&1 | tee "$OUT/prefill.log" | grep "^{" ;;
+    adaptive2)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout ${SWEEP_TIMEOUT:-560} python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama3-8b-adaptive.yaml \
+        --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log" | grep -v "^(" | tail -12
+      cp "$OUT/sweep/report.md" "$OUT/report.md" 2>/dev/null
+      tar czf "$OUT/sweep.tgz" -C "$OUT" sweep && rm -rf "$OUT/sweep" ;;
+    shift)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout ${SHIFT_TIMEOUT:-300} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
+        --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
+        --set slo.tpot_ms=40 --set prefill.max_num_seqs=256 --set decode.chunk_size=2048 \
+        --set decode.max_num_batched_tokens=8192 ${SHIFT_ARGS:---phase short:8:256:128:30 --phase long:16:2048:256:45} \
+        --out "$OUT/shift" 2>&1 | tee "$OUT/shift.log" | grep -v "^(" | grep "^{" ;;
     sweep1b)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 450 python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama1b.yaml --out "$OUT/sweep" 2>&1 \

@@ -38,11 +38,14 @@ IDLE_WAKEUP_S = 0.05  # an idle engine still wakes up to expire pinned blocks' l
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput], EngineLoad], None],
                  layer_hook: LayerHook | None = None,
-                 step_hook: Callable[[list[StepOutput], EngineLoad], list[StepOutput] | None] | None = None
-                 ) -> None:
+                 step_hook: Callable[[list[StepOutput], EngineLoad], list[StepOutput] | None] | None = None,
+                 layer_hook_wanted: Callable[[], bool] | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._layer_hook = layer_hook  # passed to every step (LLMEngine.step), run on the engine thread
+        # whether the next step needs the layer hook (None: every step); a step without one may overlap the next
+        # (async scheduling), so a worker that only sometimes pushes KV keeps overlapping its other steps
+        self._layer_hook_wanted = layer_hook_wanted
         # step_hook(outputs, load) on the engine thread first; it returns the outputs left for on_outputs (None: all)
         self._step_hook = step_hook
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.Future | None]] = deque()
@@ -108,7 +111,10 @@ class AsyncEngine:
                 self._apply_calls()
                 if self.engine.has_unfinished() or self._has_pins():
                     before = self._progress()
-                    outputs = self.engine.step(self._layer_hook)
+                    hook = self._layer_hook
+                    if hook is not None and self._layer_hook_wanted is not None and not self._layer_hook_wanted():
+                        hook = None
+                    outputs = self.engine.step(hook)
                     self.steps += 1
                     if outputs:
                         load = self.engine.load()

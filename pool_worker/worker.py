@@ -82,7 +82,8 @@ class Worker:
         self.prefills = Prefills(self.name, self.agents, engine.config.block_size, engine.model_config.num_layers,
                                  timeout_s, self._reported)
         pushes = self.prefills.pushes
-        self.loop = AsyncEngine(engine, self._on_outputs, pushes.hook if pushes else None, self._step_hook)
+        self.loop = AsyncEngine(engine, self._on_outputs, pushes.hook if pushes else None, self._step_hook,
+                                pushes.pending if pushes else None)
         self.prefills.loop = self.loop
         self.decodes = Decodes(self.name, self.loop, self.agents, self._stream, self._admission_timeout_s,
                                self.load, self._reported)

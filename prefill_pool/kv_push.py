@@ -122,6 +122,10 @@ class KVPushes:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._pushes
 
+    def pending(self) -> bool:
+        """Engine thread: whether a push is open (the next step may need `hook`; without one it may overlap)."""
+        return bool(self._pushes)
+
     def forget(self, request_id: str) -> None:
         """The request's prefill ended without a push (not expected): drop a target that came for it."""
         self._early.pop(request_id, None)
