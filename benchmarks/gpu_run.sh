@@ -129,7 +129,7 @@ for step in "$@"; do
         --device cuda 2>&1 | tee "$OUT/prefill.log" | grep "^{" ;;
     adaptive2)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${SWEEP_TIMEOUT:-560} python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama3-8b-adaptive.yaml \
+      timeout ${SWEEP_TIMEOUT:-575} python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama3-8b-adaptive.yaml \
         --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log" | grep -v "^(" | tail -12
       cp "$OUT/sweep/report.md" "$OUT/report.md" 2>/dev/null
       tar czf "$OUT/sweep.tgz" -C "$OUT" sweep && rm -rf "$OUT/sweep" ;;

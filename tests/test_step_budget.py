@@ -95,3 +95,13 @@ def test_an_engine_with_a_decode_step_target_gives_the_same_tokens_and_reports_i
     assert [o.token_ids for o in budgeted] == [o.token_ids for o in plain]
     load = llm.engine.load()
     assert load.prefill_budget_tokens == 64 and load.decode_step_s > 0 and load.prefill_token_s > 0
+
+
+def test_a_few_slow_small_steps_do_not_make_prompt_tokens_look_dear():
+    b = StepBudget(target_s=0.040, floor_tokens=64, ceiling_tokens=8192)
+    for i in range(200):
+        b.observe(decode_rows=0, prompt_tokens=2048, seconds=0.060)  # 29 us per token
+        if i % 10 == 0:
+            b.observe(decode_rows=0, prompt_tokens=5, seconds=0.050)  # a last chunk of 5 tokens, mostly fixed cost
+            b.observe(decode_rows=0, prompt_tokens=100, seconds=0.055)
+    assert b.per_token_s == pytest.approx(0.060 / 2048, rel=0.15)

@@ -3,7 +3,9 @@ token stays under a target (chunked prefill beside decodes, as the adaptive layo
 
 A step's time is modelled as base + per_token * prompt_tokens: `base`, a step of the current decode rows alone,
 and `per_token`, what each prompt token adds, are running averages of the engine's own steps (decode-only steps
-measure base; steps with prompt tokens measure per_token above the base). The budget is what fits the target,
+measure base; steps with at least `floor_tokens` prompt tokens measure per_token: their time above the base over
+their prompt tokens, both averaged apart, so that a step's weight is its tokens; a step of a few tokens, where
+fixed costs dominate, would otherwise make every prompt token look dear). The budget is what fits the target,
 at least `floor_tokens` (prompts placed here always progress) and at most `ceiling_tokens` (the step's token
 budget). Until a step with prompt tokens has been measured the budget is the floor. Only the engine thread uses it.
 """
@@ -22,7 +24,8 @@ class StepBudget:
         self.floor_tokens = floor_tokens
         self.ceiling_tokens = ceiling_tokens
         self.base_s: float | None = None      # a step of the decode rows alone
-        self.per_token_s: float | None = None  # each prompt token's share of a step
+        self._above_base_s: float | None = None  # averages over steps with prompt tokens: their time above the base
+        self._prompt_tokens: float | None = None  # ... and their prompt tokens
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         """One step's measured time, with what it carried."""
@@ -30,8 +33,18 @@ class StepBudget:
             if decode_rows:
                 self.base_s = _average(self.base_s, seconds)
             return
+        if prompt_tokens < self.floor_tokens:
+            return
         base = self.base_s if decode_rows and self.base_s is not None else 0.0
-        self.per_token_s = _average(self.per_token_s, max(seconds - base, 0.0) / prompt_tokens)
+        self._above_base_s = _average(self._above_base_s, max(seconds - base, 0.0))
+        self._prompt_tokens = _average(self._prompt_tokens, prompt_tokens)
+
+    @property
+    def per_token_s(self) -> float | None:
+        """Each prompt token's share of a step (None until a step with prompt tokens was measured)."""
+        if self._above_base_s is None:
+            return None
+        return self._above_base_s / self._prompt_tokens
 
     @property
     def tokens(self) -> int:
