@@ -3,18 +3,21 @@ measured load says is short.
 
 Roles: "prefill" (takes prompts for other workers, decodes nothing new), "decode" (decodes, prefilling its own
 requests locally when placement says so) and "mixed" (both). A role is routing only (every worker can do both:
-pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the worker
-goes on.
+pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the
+worker goes on.
 
 What it judges by: the requests that ended within `planner.window_s` (and after the last change), their TTFT and
-TPOT 90th percentiles against the SLO targets (coordinator.observability.latency_window). Decode is short when the
-TPOT p90 passes DECODE_SHORT of its target while TTFT has headroom (below HEADROOM of its target); prefill is short
-the other way round. Short decode moves a worker one step toward decoding (prefill -> mixed, else mixed -> decode),
-short prefill one step toward prefilling (mixed -> prefill, else decode -> mixed), always keeping a worker that
-decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s` without changes,
-and a change is judged only by requests that ended after it. Both short, or neither: no change (more of one pool
-is less of the other). One exception needs no verdict: when no live worker decodes but another lives, one becomes
-mixed at once (a dead decode worker's replacement takes seconds; its streams should not wait for it).
+TPOT 90th percentiles against the SLO targets (coordinator.observability.latency_window), and how busy each engine
+was since the last look (its step time over the wall time). Decode is short when the TPOT p90 passes DECODE_SHORT
+of its target while the TTFT p90 is within HEADROOM of its own; prefill is short when the TTFT p90 passes
+DECODE_SHORT of its target while decode is not short. Short decode moves a worker one step toward decoding: a
+prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the prefill rate its pool
+lives on: its prompts would share decoding steps within their budget), else a mixed worker becomes decode. Short
+prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always keeping a worker that
+decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s` without changes, and
+a change is judged only by requests that ended after it. Both short, or neither: no change. One exception needs no
+verdict: when no live worker decodes but another lives, one becomes mixed at once (a dead decode worker's
+replacement takes seconds; its streams should not wait for it).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from coordinator.observability.latency_window import LatencyWindow
 log = logging.getLogger("pdserve")
 ROLES = ("prefill", "mixed", "decode")  # the ladder: one change moves one step along it
 DECODE_SHORT = 0.9   # a p90 past this share of its target: that pool is short
-HEADROOM = 0.6       # ... as long as the other p90 is within this share of its own target
+HEADROOM = 0.6       # decode is short only while the TTFT p90 is within this share of its target
+SPARE = 0.5          # a prefill worker busy less than this share of the time may take decodes too
 CONFIRM = 2          # consecutive looks with the same verdict before a change
 
 
@@ -52,14 +56,15 @@ def verdict(ttft_p90: float, tpot_p90: float, slo: SLOConfig) -> str | None:
     ttft, tpot = ttft_p90 / slo.ttft_s, tpot_p90 / slo.tpot_s
     if tpot > DECODE_SHORT and ttft < HEADROOM:
         return "decode"
-    if ttft > DECODE_SHORT and tpot < HEADROOM:
+    if ttft > DECODE_SHORT and tpot <= DECODE_SHORT:
         return "prefill"
     return None
 
 
-def step_toward(short: str, workers: list[WorkerState], pressure: Callable[[WorkerState], float]
-                ) -> tuple[WorkerState, str] | None:
-    """The live worker to move one step toward the short pool, and its new role (least pressed first)."""
+def step_toward(short: str, workers: list[WorkerState], pressure: Callable[[WorkerState], float],
+                busy: dict[str, float]) -> tuple[WorkerState, str] | None:
+    """The live worker to move one step toward the short pool, and its new role (least pressed first). `busy`:
+    each worker's share of time its engine stepped (unknown: fully busy)."""
     live = [w for w in workers if w.alive]
     decoders = [w for w in live if w.role != "prefill"]
     if short == "decode":
@@ -70,6 +75,8 @@ def step_toward(short: str, workers: list[WorkerState], pressure: Callable[[Work
         movable = [w for w in live if w.role == old]
         if new == "prefill":  # it stops decoding: another must go on
             movable = [w for w in movable if len(decoders) > 1]
+        if old == "prefill":  # only a prefill worker with time to spare may take decodes
+            movable = [w for w in movable if busy.get(w.name, 1.0) < SPARE]
         if movable:
             return min(movable, key=pressure), new
     return None
@@ -83,6 +90,8 @@ class Planner:
         self._workers, self._apply, self._pressure, self._clock = workers, apply, pressure, clock
         self._last_change = -math.inf
         self._streak: tuple[str | None, int] = (None, 0)
+        self._stepped: dict[str, tuple[float, float]] = {}  # worker key -> (when, its engine's step seconds then)
+        self.busy: dict[str, float] = {}  # worker name -> share of the last look's time its engine stepped
 
     async def run(self) -> None:
         while True:
@@ -96,6 +105,7 @@ class Planner:
         """One look: the change it made, if any."""
         now = self._clock()
         workers = self._workers()
+        self._measure_busy(workers, now)
         live = [w for w in workers if w.alive]
         if live and not any(w.role != "prefill" for w in live):
             return self._change(min(live, key=self._pressure), "mixed", "no live worker decodes", now)
@@ -108,12 +118,25 @@ class Planner:
         self._streak = (short, n + 1 if short == last else 1)
         if short is None or self._streak[1] < CONFIRM:
             return None
-        move = step_toward(short, workers, self._pressure)
+        move = step_toward(short, workers, self._pressure, self.busy)
         if move is None:
             return None
+        busy = ", ".join(f"{name} busy {share:.0%}" for name, share in sorted(self.busy.items()))
         why = (f"{short} is short: TTFT p90 {ttft_p90 * 1000:.0f} ms (target {self.slo.ttft_ms:g}), TPOT p90 "
-               f"{tpot_p90 * 1000:.1f} ms (target {self.slo.tpot_ms:g}) over {count} requests")
+               f"{tpot_p90 * 1000:.1f} ms (target {self.slo.tpot_ms:g}) over {count} requests; {busy}")
         return self._change(*move, why, now)
+
+    def _measure_busy(self, workers: list[WorkerState], now: float) -> None:
+        """Each live worker's share of time since the last look that its engine spent stepping (EngineLoad's
+        step_time_total_s: with overlapped steps, about the device's busy time)."""
+        for w in workers:
+            if not w.alive or w.load is None:
+                continue
+            stepped = w.load.step_time_total_s
+            last = self._stepped.get(w.key)
+            self._stepped[w.key] = (now, stepped)
+            if last is not None and now > last[0]:
+                self.busy[w.name] = min(1.0, max(0.0, (stepped - last[1]) / (now - last[0])))
 
     def _change(self, worker: WorkerState, new: str, why: str, now: float) -> RoleChange:
         change = RoleChange(worker.name, worker.role, new, why)
