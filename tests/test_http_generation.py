@@ -248,3 +248,33 @@ def test_a_transformers_written_checkpoint_serves_its_own_greedy_output(checkpoi
     events = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == exp.text
     assert streamed.text.endswith("data: [DONE]\n\n") and backend.idle
+
+
+def _strict(text: str):
+    """JSON as a strict parser reads it: -Infinity, Infinity and NaN are refused."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_constrained_outputs_with_logprobs_are_json_and_floored(client):
+    """A grammar masks tokens to -inf; their logprobs come out at OpenAI's floor (-9999.0), never as -Infinity
+    (a 500 on the whole body, invalid JSON in a stream)."""
+    bodies = [("/v1/completions", {"model": "tiny", "prompt": "Pick", "max_tokens": 8, "logprobs": 5,
+                                   "guided_choice": ["yes", "no"]}),
+              ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "JSON please"}],
+                                        "max_tokens": 12, "logprobs": True, "top_logprobs": 5,
+                                        "response_format": {"type": "json_object"}})]
+    for path, body in bodies:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        data = _strict(r.text)
+        choice = data["choices"][0]
+        values = ([v for top in choice["logprobs"]["top_logprobs"] for v in top.values()]
+                  if "text" in choice else
+                  [t["logprob"] for c in choice["logprobs"]["content"] for t in c["top_logprobs"]])
+        assert values and min(values) == -9999.0 and all(v <= 0 for v in values)
+        with client.stream("POST", path, json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            chunks = [_strict(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert chunks and all("error" not in c for c in chunks)

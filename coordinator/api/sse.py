@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from coordinator.api.lifecycle import Piece
-from coordinator.api.text_output import TokenInfo
+from coordinator.api.text_output import TokenInfo, floored
 from coordinator.observability.phases import wire
 
 DONE = b"data: [DONE]\n\n"
@@ -185,9 +185,10 @@ class Formatter:
         out: list[dict | None] = [None]
         for e in entries:
             ranks = {t: r for r, t in enumerate(sorted(e.top_logprobs, key=lambda t: -e.top_logprobs[t]), 1)}
-            row = {str(t): {"logprob": v, "rank": ranks[t], "decoded_token": token_text(t)}
+            row = {str(t): {"logprob": floored(v), "rank": ranks[t], "decoded_token": token_text(t)}
                    for t, v in e.top_logprobs.items()}
-            row[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(e.token_id)}
+            row[str(e.token_id)] = {"logprob": floored(e.logprob), "rank": e.rank,
+                                    "decoded_token": token_text(e.token_id)}
             out.append(row)
         return out
 

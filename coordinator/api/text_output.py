@@ -18,6 +18,12 @@ from engine.core.request import TokenLogprob
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import Tokenizer
 
+LOGPROB_FLOOR = -9999.0  # OpenAI's lowest logprob; vLLM clamps to it too
+
+
+def floored(logprob: float) -> float:
+    """`logprob`, or LOGPROB_FLOOR for anything below it, -inf and NaN included."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 @dataclass(frozen=True)
 class TokenInfo:
@@ -67,10 +73,12 @@ class TextOutput:
         return self._push(self._detok.flush(), final=True)
 
     def token_info(self, lp: TokenLogprob) -> TokenInfo:
-        """Logprobs entry for a token just consumed; offset = where the token's text starts in the output."""
+        """Logprobs entry for a token just consumed; offset = where the token's text starts in the output. Values
+        below LOGPROB_FLOOR (a token a grammar masked out has -inf) are given as the floor, as OpenAI and vLLM do:
+        JSON has no infinity."""
         top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])
-        return TokenInfo(lp.token_id, *self.token_text(lp.token_id), self._last_offset, lp.logprob,
-                         [(*self.token_text(t), v) for t, v in top])
+        return TokenInfo(lp.token_id, *self.token_text(lp.token_id), self._last_offset, floored(lp.logprob),
+                         [(*self.token_text(t), floored(v)) for t, v in top])
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """A single token's text and bytes; a token holding part of a UTF-8 character reads `bytes:\\xNN` (vLLM)."""
