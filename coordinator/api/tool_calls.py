@@ -124,12 +124,19 @@ def _call(name: Any, args: Any) -> ToolCall | None:
 
 def parse_calls(mode: str, parser: str, text: str, named: str | None = None,
                 parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output. Forced modes always give calls (their text is grammar-made);
+    """(content, calls) of a finished output. Forced modes give calls when their grammar-made text is complete; a
+    text cut short (by max_tokens) is no call but content, as vLLM answers it (finish_reason stays "length").
     `auto` gives the text back as content when it holds no well-formed call."""
-    if mode == "named":
-        return None, [ToolCall(named, text, f"call_{uuid.uuid4().hex[:24]}")]
-    if mode == "required":
-        calls = [_call(c.get("name"), c.get("parameters")) for c in json.loads(text)]
+    if mode in ("named", "required"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        if mode == "named":
+            return (None, [ToolCall(named, text, f"call_{uuid.uuid4().hex[:24]}")]) if isinstance(value, dict) \
+                else (text, [])
+        items = value if isinstance(value, list) else []
+        calls = [_call(c.get("name"), c.get("parameters")) for c in items if isinstance(c, dict)]
         return None, [c for c in calls if c is not None]
     if mode != "auto":
         return text, []

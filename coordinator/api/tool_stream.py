@@ -65,7 +65,9 @@ class ToolStream:
                 rest, self.sent = self.text[self.sent:], len(self.text)
                 return ([{"content": rest}] if rest else []), finish_reason
         else:
-            _, calls = parse_calls(self.mode, self.parser, self.text, None, self.parallel)
+            content, calls = parse_calls(self.mode, self.parser, self.text, None, self.parallel)
+            if not calls:  # `required` cut short: what was generated goes out as content (nothing was sent yet)
+                return ([{"content": content}] if content else []), finish_reason
         deltas = []
         for i, call in enumerate(calls):
             deltas.append(self._header(i, call))
