@@ -188,7 +188,12 @@ def test_completion_logprobs_have_the_openai_shape(client, ref):
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
     assert lp["token_logprobs"] == pytest.approx([t.logprob for t in exp.logprobs], abs=1e-4)
-    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert all(1 <= len(top) <= 4 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert all(top[tok] == lp_ for tok, lp_, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                                          strict=True))  # the sampled token is always there
+    zero = completion(client, PROMPTS[2], max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    zlp = zero["choices"][0]["logprobs"]
+    assert [list(top) for top in zlp["top_logprobs"]] == [[tok] for tok in zlp["tokens"]]  # N + 1 = 1 entry
     assert lp["text_offset"] == sorted(lp["text_offset"])
     events = stream(client, "/v1/completions", {**greedy_body(PROMPTS[2]), "max_tokens": 8, "logprobs": 3})
     assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events) == 8

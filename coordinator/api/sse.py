@@ -197,6 +197,7 @@ class Formatter:
             return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": t.bytes,
                                  "top_logprobs": [{"token": s, "logprob": v, "bytes": b} for s, b, v in t.top]}
                                 for t in tokens]}
+        # completions: the sampled token is always among its top_logprobs (OpenAI's and vLLM's: up to N + 1 entries)
         return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{s: v for s, _, v in t.top} for t in tokens],
+                "top_logprobs": [{s: v for s, _, v in t.top} | {t.text: t.logprob} for t in tokens],
                 "text_offset": [t.offset for t in tokens]}
