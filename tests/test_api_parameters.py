@@ -94,8 +94,8 @@ def test_unknown_fields_are_400s_naming_them(endpoint, field):
 
 
 def test_unknown_nested_fields_are_named_with_their_path():
-    body = with_field("chat", "stream_options.continuous_usage_stats", True)
-    assert refused_param("chat", body) == "stream_options.continuous_usage_stats"
+    body = with_field("chat", "stream_options.include_usage_stats", True)
+    assert refused_param("chat", body) == "stream_options.include_usage_stats"
     body = with_field("chat", "messages", [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}])
     assert refused_param("chat", body) == "messages[0].content[0].x"
 

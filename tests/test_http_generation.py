@@ -283,3 +283,19 @@ def test_constrained_outputs_with_logprobs_are_json_and_floored(client):
             assert s.status_code == 200
             chunks = [_strict(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert chunks and all("error" not in c for c in chunks)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    body = {**greedy_body(PROMPTS[1]), "max_tokens": 6,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = stream(client, "/v1/completions", body)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0 for e in events)
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1  # grows with the tokens sent
+    plain = stream(client, "/v1/completions", {**body, "stream_options": {"include_usage": True,
+                                                                          "continuous_usage_stats": False}})
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6
+    for bad, extra in (({"continuous_usage_stats": True}, {}),  # needs include_usage
+                       ({"include_usage": True, "continuous_usage_stats": True}, {"n": 2})):  # single choices only
+        r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": bad, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"

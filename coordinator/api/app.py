@@ -151,10 +151,11 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
     if choices.wanted(req):  # n, best_of, prompt lists, echo, prompt_logprobs: coordinator.api.choices_serve
-        if req.include_phases:
-            raise errors.invalid_request("stream_options.include_phases: only for single-choice requests (not with "
-                                         "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
-                                         "stream_options.include_phases")
+        for option in ("include_phases", "continuous_usage_stats"):
+            if getattr(req.stream_options, option, False):
+                raise errors.invalid_request(f"stream_options.{option}: only for single-choice requests (not with "
+                                             "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
+                                             f"stream_options.{option}")
         return req, tenant, arrival
     args = (req, app.state.tokenizer, backend.vocab_size, settings.allow_special_tokens_in_content)
     if protocol.tokenize_inline(req):  # cheaper here than a hop to a thread
@@ -182,6 +183,8 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
                                stream_interval=tenant.stream_interval(settings.stream_interval))
     gen = Generation(app.state.backend, generate, text, app.state.metrics, settings.request_timeout_s,
                      num_logprobs is not None, arrival, grant, trace=trace)
+    if req.continuous_usage:
+        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
     return req, gen, fmt, ticket
 
 

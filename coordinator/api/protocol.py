@@ -58,11 +58,14 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     include_phases: bool = False  # pdserve's: `phases` on the usage chunk (coordinator.observability.phases)
+    continuous_usage_stats: bool = False  # vLLM's and SGLang's: every chunk carries the usage so far
 
     @model_validator(mode="after")
     def _phases_need_usage(self) -> StreamOptions:
         if self.include_phases and not self.include_usage:
             raise ValueError("stream_options.include_phases: requires include_usage (the usage chunk carries them)")
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("stream_options.continuous_usage_stats: requires include_usage")
         return self
 
 
@@ -119,6 +122,10 @@ class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, st
     @property
     def include_phases(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_phases)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):

@@ -95,6 +95,8 @@ class Formatter:
         self.model = model
         self.include_usage = include_usage
         self.include_phases = include_phases  # pdserve's stream_options.include_phases (needs include_usage)
+        # stream_options.continuous_usage_stats: every chunk's usage, (prompt, completion tokens) so far; None: null
+        self.usage_so_far: Callable[[], tuple[int, int]] | None = None
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = request_id if request_id is not None else uuid.uuid4().hex
         self.id = rid if rid.startswith(prefix) else prefix + rid
@@ -120,12 +122,12 @@ class Formatter:
         choice["finish_reason"] = piece.finish_reason
         body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = None if self.usage_so_far is None else self.usage(*self.usage_so_far())
         return body
 
     def chunk_event(self, piece: Piece, logprobs: bool, first: bool = False) -> bytes:
         """`event(self.chunk(piece, logprobs, first))`; a plain text chunk (most of a stream) from its template."""
-        if logprobs or first or not piece.text or piece.finish_reason is not None:
+        if logprobs or first or not piece.text or piece.finish_reason is not None or self.usage_so_far is not None:
             return event(self.chunk(piece, logprobs, first))
         return self.text_event(piece.text)
 
