@@ -64,8 +64,12 @@ def unauthorized() -> APIError:
                     "auth", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+ECHOED_CHARS = 100  # of a client's string an error message repeats (a 10 KB model name is not sent back whole)
+
+
 def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist; this server serves `{served}`",
+    shown = model if len(model) <= ECHOED_CHARS else model[:ECHOED_CHARS] + f"... ({len(model)} characters)"
+    return APIError(404, f"The model `{shown}` does not exist; this server serves `{served}`",
                     "invalid_request_error", "not_found", "model", "model_not_found")
 
 

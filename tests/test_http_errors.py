@@ -122,6 +122,9 @@ def test_malformed_body_is_a_400(backend, raw):
 def test_unknown_model_is_a_404(backend):
     r = send(make_app(backend), backend, "POST", CHAT, json={"model": "gpt-9", "messages": MSGS})
     assert assert_openai_error(r, 404, "model")["code"] == "model_not_found"
+    long = send(make_app(backend), backend, "POST", CHAT, json={"model": "m" * 10_000, "messages": MSGS})
+    message = assert_openai_error(long, 404, "model")["message"]
+    assert len(message) < 300 and "(10000 characters)" in message  # not echoed back whole
     assert backend.generate_calls == 0
 
 
