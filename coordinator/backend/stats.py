@@ -22,6 +22,8 @@ def backend_stats(backend: Any) -> dict:
                  "restarts_total": supervisor.restarts.get(w.name, 0), "served": w.served,
                  "booked_kv_blocks": ledger.booked(w.key, "kv_blocks"),
                  "booked_prompt_tokens": ledger.booked(w.key, "prompt_tokens"), "total_blocks": w.info.num_kv_blocks}
+        if backend.adaptive is not None and w.name in backend.adaptive.planner.busy:
+            entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
         if w.alive and w.load is not None:
             load = asdict(w.load)
             entry |= {"queued_prompt_tokens": load.pop("queued_prompt_tokens"), "running": load.pop("num_running"),

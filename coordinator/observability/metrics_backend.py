@@ -27,7 +27,8 @@ _WORKER_HELP = {
     "requests_routed": "Requests the router sent to the worker", "alive": "1 while the worker is alive",
     "restarts_total": "Times the worker's slot was replaced after a death",
     "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget)",
-    "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled"}
+    "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled",
+    "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping"}
 
 _LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
                                   "timer): near 0 idle, milliseconds when every stream's work queues behind others'",
