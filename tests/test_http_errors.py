@@ -199,3 +199,12 @@ def test_backend_failure_is_a_502_before_streaming_and_in_band_after(backend):
     metrics = send(app, backend, "GET", "/metrics").text
     assert 'pdserve_errors_total{kind="backend"} 3' in metrics
     assert 'pdserve_requests_total{outcome="failed"} 3' in metrics
+
+
+@pytest.mark.parametrize("faults", [{"transfer_stall_s": float("nan")}, {"transfer_stall_s": float("inf")},
+                                    {"transfer_stall_s": 1e9}, {"transfer_stall_s": True}])
+def test_bad_injected_faults_are_400s_and_change_nothing(backend, faults):
+    """A NaN stall was a 500 (the reply could not be JSON) and stayed in force; no bound either."""
+    r = send(make_app(backend, admin_api=True), backend, "POST", "/admin/faults", content=json.dumps(faults),
+             headers={"Content-Type": "application/json"})
+    assert "transfer_stall_s must be a number in [0, 600]" in assert_openai_error(r, 400)["message"]

@@ -98,6 +98,9 @@ class RecoveryConfig:
                              f"({self.backoff_initial_s})")
 
 
+MAX_STALL_S = 600.0  # an injected transfer stall longer than a request's default timeout tests nothing more
+
+
 @dataclass(frozen=True)
 class FaultsConfig:
     """Failures injected on purpose, for tests and operators' drills (also settable at run time through
@@ -114,8 +117,9 @@ class FaultsConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        if not isinstance(self.transfer_stall_s, int | float) or self.transfer_stall_s < 0:
-            raise ValueError(f"transfer_stall_s must be a number >= 0, got {self.transfer_stall_s!r}")
+        stall = self.transfer_stall_s
+        if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall <= MAX_STALL_S:
+            raise ValueError(f"transfer_stall_s must be a number in [0, {MAX_STALL_S:g}], got {stall!r}")
 
 
 @dataclass(frozen=True)
