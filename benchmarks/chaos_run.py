@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import secrets
 import subprocess
 import sys
 import time
@@ -33,9 +34,12 @@ from benchclient.run import RunConfig, run_load
 from benchclient.stats import SLO
 from benchclient.workload import WorkloadSpec
 
+ADMIN_KEY = secrets.token_urlsafe(16)  # this run's operator key (server.admin_api_key)
+OPERATOR = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
 
 async def _killer(url: str, roles: list[str], every_s: float, until: float, log: list[dict]) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=OPERATOR) as client:
         k = 0
         while time.perf_counter() + every_s < until:
             await asyncio.sleep(every_s)
@@ -69,7 +73,7 @@ def _windows(results, slo: SLO, t0: float, width: float, horizon: float) -> list
 
 async def chaos(args: argparse.Namespace) -> str:
     config = yaml.safe_load(Path(args.config).read_text()) or {}
-    config.setdefault("server", {})["admin_api"] = True
+    config.setdefault("server", {}).update(admin_api=True, admin_api_key=ADMIN_KEY)
     config["server"]["port"] = None
     mode = config.get("mode", "disaggregated")
     roles = ["decode", "prefill"] if mode == "disaggregated" else ["decode"]

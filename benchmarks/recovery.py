@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -28,6 +29,9 @@ import yaml
 
 from coordinator.config.serve_config import set_dotted
 from tests.server_process import running_server
+
+ADMIN_KEY = secrets.token_urlsafe(16)  # this run's operator key (server.admin_api_key)
+OPERATOR = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -70,7 +74,7 @@ async def _until_health(client: httpx.AsyncClient, code: int, timeout_s: float) 
 
 async def drive(url: str, model: str, args) -> list[dict]:
     rows = []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as admin:
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=OPERATOR) as admin:
         for target in args.kill:
             name, _, rank = target.partition(":")  # "decode-0:1": rank 1 of decode-0's tensor-parallel group
             query = f"?rank={rank}" if rank else ""
@@ -122,7 +126,7 @@ def main() -> None:
     if args.model:
         config["model"] = args.model
     set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
-    config.setdefault("server", {})["admin_api"] = True
+    config.setdefault("server", {}).update(admin_api=True, admin_api_key=ADMIN_KEY)
     config.setdefault("recovery", {}).setdefault("backoff_initial_s", 0.1)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(args.workdir or tmp), config) as server:
         print(f"serving {config['model']} at {server.url}", flush=True)

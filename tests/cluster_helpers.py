@@ -47,6 +47,7 @@ MAX_TOKENS = 16
 HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}
 SERVER_PORT = 8000   # free: the scenario has its own network namespace
 CLUSTER_NAME = "pdserve-test"
+CLUSTER_ADMIN_KEY = "pdserve-cluster-test-operator"  # the operator key of the servers these scenarios start
 
 
 def isolation_unavailable() -> str | None:
@@ -232,7 +233,8 @@ def cluster_view(url: str | None = None) -> dict:
     out = sh([sys.executable, "-c", _VIEW], timeout_s=60)
     view = json.loads(out.split("VIEW", 1)[1].splitlines()[0])
     if url is not None:
-        roles = {w["pid"]: w["role"] for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]}
+        health = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {CLUSTER_ADMIN_KEY}"}, timeout=10)
+        roles = {w["pid"]: w["role"] for w in health.json()["workers"]}  # pids: the operator's view
         for actor in view["actors"]:
             actor["class_name"] = roles.get(actor["pid"], actor["class_name"])
     return view
@@ -321,7 +323,8 @@ def start_node(workdir: Path, name: str, resources: dict[str, float], num_cpus: 
 def serving(workdir: Path, config: dict, exits: dict, name: str = "server") -> Iterator[str]:
     """`pdserve serve` joined to the running cluster with `config`, healthy; yields its URL. On exit it is
     stopped with SIGTERM and its exit status goes to exits[f"{name}_exit"] ("killed after 60 s" if it hung)."""
-    config = {**config, "ray_address": "auto", "server": {"host": "127.0.0.1", "port": SERVER_PORT}}
+    config = {**config, "ray_address": "auto",
+              "server": {"host": "127.0.0.1", "port": SERVER_PORT, "admin_api_key": CLUSTER_ADMIN_KEY}}
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{SERVER_PORT}"

@@ -23,13 +23,16 @@ from benchclient.launcher import LaunchedServer, launched_server
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
 HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}  # two workers share one of CI's 2 cores
+ADMIN_KEY = "pdserve-test-operator"  # every test server's operator key (server.admin_api_key)
+OPERATOR = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the headers of an operator's request
 
 
 @contextmanager
 def running_server(tmp_path: Path, config: dict) -> Iterator[LaunchedServer]:
     """`pdserve serve` on a free loopback port (benchclient's launcher); the test fails unless it drains and
     exits with status 0 on SIGTERM."""
-    config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": None}}
+    config = {**config, "server": {"admin_api_key": ADMIN_KEY, **config.get("server", {}), "host": "127.0.0.1",
+                                   "port": None}}
     with launched_server(config, tmp_path, START_TIMEOUT_S, STOP_TIMEOUT_S) as server:
         yield server
 
@@ -40,7 +43,7 @@ def worker_pids(server: LaunchedServer, role: str | None = None) -> list[int]:
     "collocated")."""
     named = None
     if role is not None:
-        named = {w["pid"] for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
+        named = {w["pid"] for w in httpx.get(f"{server.url}/health", headers=OPERATOR, timeout=10).json()["workers"]
                  if w["role"] == role}
     table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
     parent, args = {}, {}
@@ -82,7 +85,8 @@ def tp_followers(actor_pid: int) -> list[int]:
 
 def live_worker_pids(server: LaunchedServer, role: str) -> dict[str, int]:
     """{worker name: pid} of the live `role` workers, from /health (checked against the process table)."""
-    workers = {w["name"]: w["pid"] for w in httpx.get(f"{server.url}/health", timeout=10).json()["workers"]
+    workers = {w["name"]: w["pid"] for w in httpx.get(f"{server.url}/health", headers=OPERATOR,
+                                                      timeout=10).json()["workers"]
                if w["role"] == role and w["state"] == "live"}
     assert set(workers.values()) <= set(worker_pids(server))
     return workers
@@ -201,7 +205,7 @@ async def admin_kill(url: str, worker: str, rank: int | None = None) -> None:
     to half a second (their client-side latencies grew, and short streams finished before the kill)."""
     def post() -> int:
         query = "" if rank is None else f"?rank={rank}"
-        request = urllib.request.Request(f"{url}/admin/workers/{worker}/kill{query}", method="POST")
+        request = urllib.request.Request(f"{url}/admin/workers/{worker}/kill{query}", method="POST", headers=OPERATOR)
         with urllib.request.urlopen(request, timeout=30) as r:
             return r.status
     assert await asyncio.to_thread(post) == 200
@@ -233,21 +237,22 @@ def wait_for_health(url: str, code: int, timeout_s: float = 120.0) -> dict:
         time.sleep(0.1)
 
 
-def admin_integrity(url: str, key: str | None = None) -> dict:
-    """GET /admin/integrity (needs server.admin_api): the coordinator's bookings and every engine's blocks."""
-    r = httpx.get(f"{url}/admin/integrity", timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
+def admin_integrity(url: str) -> dict:
+    """GET /admin/integrity (needs server.admin_api) with the operator's key: the coordinator's bookings and every
+    engine's blocks."""
+    r = httpx.get(f"{url}/admin/integrity", timeout=30, headers=OPERATOR)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def assert_nothing_booked(url: str, key: str | None = None) -> dict:
+def assert_nothing_booked(url: str) -> dict:
     """Once the workers are idle: integrity holds, the coordinator books nothing and no engine holds a block in
     use or pinned (needs server.admin_api). Returns the integrity report. The load metrics lag a poll behind, so
     idle means: the engines report nothing in use or pinned, for up to `IDLE_TIMEOUT_S` (a leak stays)."""
     wait_for_idle_workers(url)
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
-        integrity = admin_integrity(url, key)
+        integrity = admin_integrity(url)
         held = [c for c in integrity["workers"].values() if c["in_use"] or c["pinned"]]
         if not held or not integrity["ok"] or time.monotonic() > deadline:
             break

@@ -12,6 +12,7 @@ import pytest
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
+    OPERATOR,
     assert_nothing_booked,
     metric_values,
     running_server,
@@ -74,7 +75,8 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
     assert_nothing_booked(server.url)
 
     # during the handoff: every transfer stalls 2 s, each client leaves after its first token
-    r = httpx.post(f"{url}/admin/faults", json={"transfer_stall_fraction": 1.0, "transfer_stall_s": 2.0}, timeout=30)
+    r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, timeout=30,
+                   json={"transfer_stall_fraction": 1.0, "transfer_stall_s": 2.0})
     assert r.status_code == 200, r.text
     short = random_prompts([100 + i for i in range(60)], VOCAB, seed=42)
 
@@ -84,7 +86,7 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
                                                                       "max_tokens": max_tokens}, chunks)
                                           for p in prompts])
     assert asyncio.run(drop_after(1, short, 64)) == [1] * 60
-    assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
+    assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={}, timeout=30).status_code == 200
     assert_nothing_booked(server.url)
 
     # mid-decode
@@ -92,14 +94,15 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
     assert_nothing_booked(server.url)
 
     # an injected prefill error fails each request cleanly (a 502 naming the failure, never a 500)
-    assert httpx.post(f"{url}/admin/faults", json={"prefill_error_fraction": 1.0}, timeout=30).status_code == 200
+    assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={"prefill_error_fraction": 1.0},
+                      timeout=30).status_code == 200
 
     async def failing():
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*[client.post(f"{url}/v1/completions", json={
                 "model": "tiny", "prompt": p, "max_tokens": 8}) for p in random_prompts([200] * 60, VOCAB, seed=44)])
     responses = asyncio.run(failing())
-    assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
+    assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={}, timeout=30).status_code == 200
     assert {r.status_code for r in responses} == {502}, {r.status_code for r in responses}
     assert all("injected" in r.json()["error"]["message"] for r in responses)
     assert_nothing_booked(server.url)

@@ -205,6 +205,36 @@ def test_backend_failure_is_a_502_before_streaming_and_in_band_after(backend):
                                     {"transfer_stall_s": 1e9}, {"transfer_stall_s": True}])
 def test_bad_injected_faults_are_400s_and_change_nothing(backend, faults):
     """A NaN stall was a 500 (the reply could not be JSON) and stayed in force; no bound either."""
-    r = send(make_app(backend, admin_api=True), backend, "POST", "/admin/faults", content=json.dumps(faults),
-             headers={"Content-Type": "application/json"})
+    app = make_app(backend, admin_api=True, admin_api_key="op")
+    r = send(app, backend, "POST", "/admin/faults", content=json.dumps(faults),
+             headers={"Content-Type": "application/json", "Authorization": "Bearer op"})
     assert "transfer_stall_s must be a number in [0, 600]" in assert_openai_error(r, 400)["message"]
+
+
+def test_only_the_operators_key_opens_admin_routes_and_health_details(backend):
+    """A client's key (server.api_key here; tenants' likewise) is not an operator's: /admin/* answers 401 to it
+    and to no key; /health shows pids, hosts and failures only to the operator."""
+    app = make_app(backend, api_key="client", admin_api=True, admin_api_key="op")
+    for headers in ({}, {"Authorization": "Bearer client"}, {"Authorization": "Bearer op2"}):
+        r = send(app, backend, "GET", "/admin/integrity", headers=headers)
+        assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
+        r = send(app, backend, "POST", "/admin/workers/decode-0/kill", headers=headers)
+        assert r.status_code == 401
+    # (the operator's own key reaching these routes is every serving suite's: tests/server_process.OPERATOR)
+    with pytest.raises(ValueError, match="admin_api needs admin_api_key"):
+        ServerSettings(admin_api=True)
+    with pytest.raises(ValueError, match="other than api_key"):
+        ServerSettings(api_key="same", admin_api_key="same")
+
+
+def test_health_shows_internals_only_to_the_operator():
+    from coordinator.api.admin import health_response
+
+    class Pools:
+        def health(self):
+            return False, [{"name": "decode-0", "role": "decode", "state": "restarting", "restarts": 2, "pid": 4242,
+                            "host": "gpu-7", "last_failure": "ray::Worker died (pid=4242, ip=10.0.0.7)"}]
+    public = json.loads(health_response(Pools(), draining=False).body)
+    assert public["workers"] == [{"name": "decode-0", "role": "decode", "state": "restarting", "restarts": 2}]
+    operator = json.loads(health_response(Pools(), draining=False, operator=True).body)
+    assert operator["workers"][0]["pid"] == 4242 and "last_failure" in operator["workers"][0]

@@ -16,6 +16,7 @@ from engine.core.choices import choice_seed
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
+    OPERATOR,
     admin_integrity,
     complete,
     metric_values,
@@ -234,7 +235,7 @@ def test_each_role_killed_five_times_under_continuous_load_loses_nothing(healing
             before = len(done)
             while len(done) < before + 2:  # some load between kills
                 await asyncio.sleep(0.05)
-            r = await client.post(f"/admin/workers/{role}-0/kill")
+            r = await client.post(f"/admin/workers/{role}-0/kill", headers=OPERATOR)
             assert r.status_code == 200, r.text
             await _wait_health(client, 503)  # the only worker of its pool is gone at once
         await _wait_health(client, 200)
@@ -271,7 +272,8 @@ def test_five_percent_of_transfers_failed_every_request_ends_exact(healing_serve
     url = healing_server.url
     recomputed_before = _transfer_failed(url)  # earlier kills on this server failed transfers too
     counts_before = _transfer_counts(url)
-    r = httpx.post(f"{url}/admin/faults", json={"transfer_fail_fraction": 0.05, "seed": 3}, timeout=30)
+    r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={"transfer_fail_fraction": 0.05, "seed": 3},
+                   timeout=30)
     assert r.status_code == 200, r.text
     prompts = random_prompts([8 + (i * 7) % 40 for i in range(200)], 2000, seed=34)
     expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -288,7 +290,7 @@ def test_five_percent_of_transfers_failed_every_request_ends_exact(healing_serve
     try:
         results = asyncio.run(asyncio.wait_for(run(), 240))
     finally:
-        assert httpx.post(f"{url}/admin/faults", json={}, timeout=30).status_code == 200
+        assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={}, timeout=30).status_code == 200
     for got, want in zip(results, expected, strict=True):
         assert (got["text"], got["completion_tokens"]) == (want.text, 12)
     time.sleep(2.5)  # transfer counters are collected every second

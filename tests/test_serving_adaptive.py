@@ -15,6 +15,7 @@ from tests.engine_helpers import random_prompts
 from tests.phase_checks import COLLOCATED, DISAGGREGATED, stream_with_phases
 from tests.server_process import (
     HALF_CPU,
+    OPERATOR,
     admin_kill,
     assert_nothing_booked,
     complete,
@@ -96,7 +97,7 @@ def _bodies(prompts, max_tokens):
 
 
 def _set_role(url: str, name: str, role: str) -> httpx.Response:
-    return httpx.post(f"{url}/admin/workers/{name}/role", json={"role": role}, timeout=30)
+    return httpx.post(f"{url}/admin/workers/{name}/role", headers=OPERATOR, json={"role": role}, timeout=30)
 
 
 def test_roles_change_under_running_streams_and_nothing_is_lost(server, engine):

@@ -214,7 +214,12 @@ def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(se
     assert _completion(clients[1][0]).status_code == 200  # the other process serves meanwhile
     assert wait_until(lambda: set(frontend_pids(server.pid)) == {0, 1} and frontend_pids(server.pid)[0] != pids[0],
                       60, 0.2)
-    assert_nothing_booked(server.url, "k-high")
+    for key in ("k-high", "k-low"):  # a tenant's key is a client's, not an operator's, whatever its class
+        r = httpx.get(f"{server.url}/admin/integrity", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(f"{server.url}/admin/workers/decode-0/kill", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30).status_code == 401
+    assert_nothing_booked(server.url)
     # the core aborted the dead process's streams, rather than letting them run to their end
     sampled = sum(metric_values(server.url, "pdserve_worker_engine_sampled_tokens_total").values()) - sampled
     assert sampled < len(responses) * LONG_TOKENS / 2, sampled

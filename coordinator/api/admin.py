@@ -1,12 +1,14 @@
-"""Operators' endpoints, off unless `server.admin_api` is true, behind the same API key as /v1 when one is set.
+"""Operators' endpoints, off unless `server.admin_api` is true, and then only for the operator's own key
+(`server.admin_api_key`; a tenant's key or server.api_key is a client's, and gets a 401).
 
 - POST /admin/workers/{name}/kill: kill a live worker's process (drills: the pool replaces it, its requests move).
+- POST /admin/workers/{name}/role: mode adaptive, give a worker a role ({"role": "prefill" | "decode" | "mixed"}).
 - POST /admin/faults: set the injected faults of every worker now and of every replacement later (a JSON body with
   FaultsConfig's fields; `{}` turns them off).
 - GET /admin/integrity: the coordinator's bookings checked against the requests in flight, and every live
   engine's block ownership check; `ok` is false with the reason when either fails.
 Also `health_response`: the truthful /health (200 only while every pool has a live worker and the server is not
-draining; otherwise 503 with each worker's state).
+draining; otherwise 503 with each worker's state); each worker's pid, host and last failure only for the operator.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from fastapi.responses import JSONResponse
 
 from coordinator import errors
 
+PUBLIC_WORKER_FIELDS = ("name", "role", "state", "restarts")  # what /health shows without the operator's key
 
-def health_response(backend: Any, draining: bool) -> JSONResponse:
-    """ok / draining / unavailable, with the workers; with several HTTP processes, also which one answered
-    (`http_process`, its index: coordinator.frontends)."""
+
+def health_response(backend: Any, draining: bool, operator: bool = False) -> JSONResponse:
+    """ok / draining / unavailable, with the workers (only PUBLIC_WORKER_FIELDS of each unless `operator`); with
+    several HTTP processes, also which one answered (`http_process`, its index: coordinator.frontends)."""
     healthy, workers = backend.health() if hasattr(backend, "health") else (True, [])
+    if not operator:
+        workers = [{k: w[k] for k in PUBLIC_WORKER_FIELDS if k in w} for w in workers]
     process = getattr(backend, "process_index", None)
     extra = {} if process is None else {"http_process": process}
     if draining:

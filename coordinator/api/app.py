@@ -18,6 +18,7 @@ drains first (coordinator.api.lifecycle); the app's lifespan only marks the serv
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -80,11 +81,13 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     errors.install_handlers(app, app.state.metrics.errors.inc)
 
     @app.get("/health")
-    async def health() -> Response:
-        return health_response(backend, app.state.lifecycle.draining)
+    async def health(request: Request) -> Response:
+        """Open to all: status and each worker's name, role, state and restarts; with the operator's key also
+        pids, hosts and why workers died (internals no client should read)."""
+        return health_response(backend, app.state.lifecycle.draining, _is_operator(settings, request))
 
     if settings.admin_api:
-        install_admin_routes(app, lambda request: _authenticate(app, request))
+        install_admin_routes(app, lambda request: _check_operator(settings, request))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -108,6 +111,21 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
 def _authenticate(app: FastAPI, request: Request) -> Tenant:
     """The request's tenant from its `Authorization: Bearer` key (401 if the server has keys and it has none)."""
     return app.state.tenants.authenticate(request.headers.get("authorization"))
+
+
+def _is_operator(settings: ServerSettings, request: Request) -> bool:
+    """Whether the request carries the operator's key (server.admin_api_key), compared in constant time."""
+    if settings.admin_api_key is None:
+        return False
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.admin_api_key.encode())
+
+
+def _check_operator(settings: ServerSettings, request: Request) -> None:
+    """/admin/*: the operator's key or a 401 (any other key, a tenant's included, is not an operator's)."""
+    if not _is_operator(settings, request):
+        raise errors.APIError(401, "This route needs the operator's key (server.admin_api_key)",
+                              "authentication_error", "auth", code="invalid_api_key")
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:

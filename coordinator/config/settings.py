@@ -20,7 +20,10 @@ class ServerSettings:
     request_timeout_s: float = 600.0     # a request still running after this ends (504, or an in-band error)
     drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
     served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
-    admin_api: bool = False              # /admin/* (kill a worker, inject faults, integrity); behind api_key when set
+    admin_api: bool = False              # /admin/* (kill a worker, inject faults, roles, integrity): the operator's
+    # the operator's own key: /admin/* (needed with admin_api) and /health's details (pids, hosts, failures) take
+    # this key and no other; a tenant's key or server.api_key is a client's, never an operator's
+    admin_api_key: str | None = None
     keep_alive_timeout_s: float = 5.0    # an idle keep-alive connection is closed after this
     header_timeout_s: float = 10.0       # a connection must send a complete request head within this (else 408)
     body_read_timeout_s: float = 30.0    # the whole request body must arrive within this (else 408)
@@ -35,8 +38,7 @@ class ServerSettings:
     # process keeps the workers, admission and tenants' limits (coordinator.frontends; vLLM's --api-server-count)
     api_processes: int = 1
     # above 0: log the event loop's stack whenever it stalls this many ms (coordinator.observability.stall_reporter),
-    # in every
-    # process that serves; a diagnostic for latency tails, off by default
+    # in every process that serves; a diagnostic for latency tails, off by default
     stall_report_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -51,6 +53,10 @@ class ServerSettings:
              "must be a number >= 0"),
             ("served_model_name", _optional_str(self.served_model_name), "must be None or a non-empty string"),
             ("admin_api", isinstance(self.admin_api, bool), "must be true or false"),
+            ("admin_api_key", _optional_str(self.admin_api_key) and (
+                self.admin_api_key is None or (self.admin_api_key.split() == [self.admin_api_key]
+                                               and self.admin_api_key != self.api_key)),
+             "must be None or a non-empty string without whitespace, other than api_key"),
             *[(name, _is_number(getattr(self, name)) and 0 < getattr(self, name) <= 3600,
                "must be a number in (0, 3600]") for name in ("keep_alive_timeout_s", "header_timeout_s",
                                                             "body_read_timeout_s")],
@@ -67,7 +73,11 @@ class ServerSettings:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"ServerSettings.{name} {why}, got {getattr(self, name)!r}")
+                shown = "<hidden>" if name == "admin_api_key" else repr(getattr(self, name))  # a secret
+                raise ValueError(f"ServerSettings.{name} {why}, got {shown}")
+        if self.admin_api and self.admin_api_key is None:
+            raise ValueError("ServerSettings.admin_api needs admin_api_key: the operator's own key (without it, "
+                             "anyone who reaches the port could kill workers)")
 
 
 def _is_int(x: object) -> bool:
