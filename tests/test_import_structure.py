@@ -139,3 +139,16 @@ def test_coordinator_stages_import_only_what_their_rule_allows():
 def test_the_walk_sees_cycles():
     """The check itself: a cycle made up here is found."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_environment_setting_is_listed_in_serve_help():
+    """A setting read from the environment that no config holds is at least named in `pdserve serve --help`."""
+    import re
+
+    from coordinator.cli import ENVIRONMENT
+
+    found = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            found |= set(re.findall(r'"((?:PDSERVE|KVTRANSFER)_[A-Z_]+)"', path.read_text(encoding="utf-8")))
+    assert found and {name for name in found if name not in ENVIRONMENT} == set()
