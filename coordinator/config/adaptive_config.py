@@ -52,7 +52,9 @@ class SLOConfig:
 class PlannerConfig:
     """How the planner (coordinator.backend.planner) watches the measured latencies and moves roles."""
 
-    enabled: bool = True       # false: roles stay as started; placement still chooses per request
+    # false: roles stay as started (but for one: with no live worker decoding, another becomes mixed at once);
+    # placement still chooses per request
+    enabled: bool = True
     interval_s: float = 2.0    # how often it looks
     cooldown_s: float = 10.0   # after a role change, how long before the next (its effect must show first)
     window_s: float = 10.0     # the requests it judges by: those that ended within this many seconds
