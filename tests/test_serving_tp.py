@@ -13,6 +13,7 @@ from engine import SamplingParams
 from engine.config_error import ConfigError
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
+    OPERATOR,
     admin_integrity,
     admin_kill,
     complete,
@@ -64,7 +65,7 @@ def test_a_lost_rank_replaces_the_worker_and_its_streams_finish_exactly(server_t
     bodies = [{**b, "stream": True} for b in _bodies(llama, 4, seed=42)]
     expected = _expected(reference, bodies)
 
-    bad = httpx.post(f"{server_tp.url}/admin/workers/decode-0/kill?rank=2", timeout=30)
+    bad = httpx.post(f"{server_tp.url}/admin/workers/decode-0/kill?rank=2", headers=OPERATOR, timeout=30)
     assert bad.status_code == 400 and "rank" in bad.json()["error"]["message"], bad.text  # TP=2: rank 1 only
 
     async def kill() -> None:
