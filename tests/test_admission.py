@@ -172,3 +172,22 @@ def test_a_request_aged_into_the_high_class_books_as_high_and_does_not_block_the
         await asyncio.wait_for(low, 10)  # booked into the share kept for high, as a high request would be
         assert ledger.booked("decode-0#0", "kv_blocks") == 84
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("bypass_s, small_first", [(5.0, True), (0.0, False)])
+def test_a_small_request_is_placed_ahead_of_a_large_one_waiting_for_room(bypass_s, small_first):
+    """No head-of-line blocking (admission.bypass_s): a request that fits is placed while a larger one ahead of it
+    waits for room; with bypass_s 0 it waits behind it."""
+    admission, ledger, pools = _setup(decode_blocks=(100,), timeout_s=5, bypass_s=bypass_s)
+
+    async def run():
+        held = ledger.open("held")
+        await admission.place(_request(900, 10), 0, held)                  # 58 of the 100 blocks
+        big = asyncio.ensure_future(admission.place(_request(900, 10), 0, ledger.open("big")))  # 58: waits
+        await asyncio.sleep(0.01)
+        small = asyncio.ensure_future(admission.place(_request(100, 10), 0, ledger.open("small")))  # 8: fits now
+        await asyncio.sleep(0.05)
+        assert small.done() == small_first and not big.done()
+        held.release()                                                     # room for big (and small after it)
+        await asyncio.wait_for(asyncio.gather(big, small), 2)
+    asyncio.run(run())

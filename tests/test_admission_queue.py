@@ -301,3 +301,50 @@ def test_high_priority_arrivals_go_before_a_waiting_low_flood_and_aging_serves_e
 
     starved = flood(aging_s=1e9)                              # no aging: the high stream takes every slot
     assert [s for s in starved if s.startswith("low")] == [f"low{i}" for i in range(4)]
+
+
+def test_a_small_request_passes_a_head_that_does_not_fit_until_the_head_has_waited_bypass_s() -> None:
+    """Within bypass_s of the head's arrival, waiters behind it take what it cannot use; after that, what frees
+    stays for the head (no stream of small requests starves it)."""
+    async def main() -> None:
+        clock = FakeClock()
+        queue, pool = AdmissionQueue(aging_s=100, clock=clock, bypass_s=5), Pool(free=4)
+        big = start(queue, pool, "big", 2, n=8)
+        small = [start(queue, pool, f"small{i}", 2) for i in range(6)]  # the head's class
+        await settle()
+        assert pool.served == [f"small{i}" for i in range(4)] and queue.bypassed == 4  # the head would not fit
+        clock.now = 6                  # the head has waited past bypass_s: nobody passes it now
+        pool.free = 2
+        queue.notify()
+        assert pool.served[4:] == [] and pool.free == 2
+        pool.free = 8
+        queue.notify()
+        assert pool.served[4:] == ["big"] and pool.free == 0
+        pool.free = 2
+        queue.notify()
+        assert pool.served[5:] == ["small4", "small5"] and len(queue) == 0
+        await asyncio.gather(big, *small)
+    asyncio.run(main())
+
+
+def test_bypass_s_must_be_a_number() -> None:
+    with pytest.raises(ValueError, match="bypass_s"):
+        AdmissionQueue(aging_s=1, bypass_s=-1)
+
+
+def test_a_lower_class_never_passes_a_higher_head() -> None:
+    async def main() -> None:
+        queue, pool = AdmissionQueue(aging_s=100, clock=FakeClock(), bypass_s=5), Pool(free=4)
+        big = start(queue, pool, "big-high", 1, n=8)
+        low = start(queue, pool, "small-low", 3)
+        same = start(queue, pool, "small-high", 1)
+        await settle()
+        assert pool.served == ["small-high"]  # its own class may pass it; the low one waits
+        pool.free = 8
+        queue.notify()
+        assert pool.served == ["small-high", "big-high"]
+        pool.free = 1
+        queue.notify()
+        await asyncio.gather(big, low, same)
+        assert pool.served[-1] == "small-low"
+    asyncio.run(main())

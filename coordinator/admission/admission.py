@@ -69,7 +69,7 @@ class Admission:
         self.workers = workers
         self.router = router
         self.ledger = ledger
-        self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s)
+        self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s, bypass_s=config.admission.bypass_s)
         self.placement = PlacementModel(config.slo) if config.adaptive and config.slo else None
         self.placements: dict[str, int] = {"remote": 0, "local": 0}  # where prompts were prefilled
 

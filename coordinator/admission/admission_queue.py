@@ -7,10 +7,13 @@ Owns only the order in which waiting requests get to take capacity, never the ca
   coordinator.admission.tenants), FIFO within a priority. Aging: a waiter's effective priority improves by one every
   `aging_s` seconds waited (by the injected clock), down to `best`, so no priority starves forever; waiters of
   equal effective priority go in arrival order, so an aged waiter goes before newer ones of the class it reached.
-- Strict head of line: only the best waiter may take. When its try_take() returns None, nobody behind it is
-  asked, even if a smaller request would fit: otherwise a stream of small low-priority requests keeps taking
-  every block that frees, and a large high-priority one waits until its deadline. Capacity not taken stays free
-  until the head fits (the caller refuses, before queueing, anything that can never fit).
+- The head, and who may pass it: the best waiter is asked first. When its try_take() returns None, waiters of its
+  own (effective) priority behind it may take what it cannot use (up to BYPASS_SCAN of them, in their order) while
+  the head has waited less than `bypass_s`: a small request need not wait behind a large one of its class for room
+  it does not need. A waiter of a lower class never passes a higher one. Once the head
+  has waited `bypass_s`, nobody passes it: what frees stays free until the head fits, so a stream of small requests
+  cannot starve a large one (a reservation for the head). `bypass_s` 0 is strict head of line. The caller refuses,
+  before queueing, anything that can never fit.
 - try_take() runs only inside the queue's own wake pass, synchronously, for a live waiter whose future is then
   resolved at once, so a waiter that timed out or was cancelled is never asked. The one remaining race (the task
   is cancelled after the grant and before it resumes) hands the result to `release` and re-raises: nothing taken
@@ -19,9 +22,10 @@ Owns only the order in which waiting requests get to take capacity, never the ca
   fire from the event loop's timer whether or not notify() is called, and a pass also expires every waiter whose
   deadline has passed by the queue's clock (so tests can drive time with a fake clock).
 
-Cost: a pass looks at one head per distinct priority (a handful) and pops granted waiters in O(1); deadlines are a
-heap. Removed waiters are dropped lazily and compacted once they outnumber the live ones. Not thread-safe: use it
-from the event loop's thread only.
+Cost: a pass looks at one head per distinct priority (a handful) and pops granted waiters in O(1), and while a
+head may be passed, asks at most BYPASS_SCAN waiters per priority behind it; deadlines are a heap. Removed waiters
+are dropped lazily and compacted once they outnumber the live ones. Not thread-safe: use it from the event loop's
+thread only.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+BYPASS_SCAN = 16  # waiters per priority asked behind a head that does not fit (while it may be passed)
 
 
 class AdmissionTimeout(Exception):
@@ -58,12 +63,17 @@ class _Waiter:
 
 class AdmissionQueue(Generic[T]):
     def __init__(self, aging_s: float, clock: Callable[[], float] = time.monotonic, best: int = 0,
-                 timeout_error: type[Exception] = AdmissionTimeout) -> None:  # raised as timeout_error()
+                 timeout_error: type[Exception] = AdmissionTimeout,  # raised as timeout_error()
+                 bypass_s: float = 0.0) -> None:
         if isinstance(aging_s, bool) or not isinstance(aging_s, (int, float)) or not aging_s > 0:
             raise ValueError(f"AdmissionQueue.aging_s must be a positive number, got {aging_s!r}")
         if isinstance(best, bool) or not isinstance(best, int):
             raise ValueError(f"AdmissionQueue.best must be an int, got {best!r}")
+        if isinstance(bypass_s, bool) or not isinstance(bypass_s, (int, float)) or not bypass_s >= 0:
+            raise ValueError(f"AdmissionQueue.bypass_s must be a number >= 0, got {bypass_s!r}")
         self.aging_s = float(aging_s)
+        self.bypass_s = float(bypass_s)  # how long a head that does not fit may be passed
+        self.bypassed = 0  # grants that passed a waiting head (for metrics)
         self.best = best                  # aging never lifts a waiter above this priority
         self._clock = clock
         self._timeout_error = timeout_error
@@ -191,13 +201,42 @@ class AdmissionQueue(Generic[T]):
                         self._fail(waiter, e)
                         continue
                     if result is None:
-                        break  # strict head of line
+                        if now - waiter.enqueued < self.bypass_s:
+                            self._pass(waiter, now)
+                        break  # the head waits: nobody else is asked until it fits or may be passed
                     self._leave(waiter)
                     waiter.future.set_result(result)
                 again = self._again
             self._compact()
         finally:
             self._waking = False
+
+    def _pass(self, head: _Waiter, now: float) -> None:
+        """Ask the waiters of the head's effective priority behind `head` (BYPASS_SCAN per base priority, in order) to
+        take what it cannot use."""
+        level = self.effective_priority(head.priority, now - head.enqueued)
+        behind = []
+        for priority, queue in self._queues.items():
+            taken = 0
+            for w in queue:
+                if taken == BYPASS_SCAN:
+                    break
+                if w is head or not w.live or w.future.done():
+                    continue
+                key = (self.effective_priority(priority, now - w.enqueued), w.seq)
+                if key[0] <= level:
+                    behind.append((key, w))
+                    taken += 1
+        for _, w in sorted(behind, key=lambda pair: pair[0]):
+            try:
+                result = w.try_take()
+            except Exception as e:  # it fails this waiter's request, not the queue
+                self._fail(w, e)
+                continue
+            if result is not None:
+                self._leave(w)
+                self.bypassed += 1
+                w.future.set_result(result)
 
     def _compact(self) -> None:
         if self._entries + len(self._deadlines) <= 4 * self._live + 256:

@@ -34,6 +34,7 @@ def backend_stats(backend: Any) -> dict:
     return {"workers": workers, "transfer": dict(backend.transfer_totals),
             "queue_length": len(admission.queue) if admission else 0, "in_flight": len(backend._ids),
             "waiting_by_priority": admission.queue.waiting_by_priority() if admission else {},
+            "admission_bypassed": admission.queue.bypassed if admission else 0,
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,

@@ -70,6 +70,9 @@ class AdmissionConfig:
     max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
     priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
     reserved_for_high: float = 0.0  # share of each worker's KV and prefill backlog only high-priority requests book
+    # a waiting request that does not fit may be passed by ones behind it that do for this long after it arrived;
+    # then what frees is kept for it (no head-of-line blocking, no starvation; 0: strict head of line)
+    bypass_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.reserve_output <= 1:
@@ -80,6 +83,8 @@ class AdmissionConfig:
             raise ValueError(f"reserved_for_high must be in [0, 1), got {self.reserved_for_high}")
         if not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if not 0 <= self.bypass_s <= 3600:
+            raise ValueError(f"bypass_s must be in [0, 3600], got {self.bypass_s}")
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,10 @@ def backend_families(stats: dict) -> list[Metric]:
         out.append(_family("pdserve_role_changes_total", "Workers' role changes (mode adaptive), by old and new role",
                            [({"from": k.split(">")[0], "to": k.split(">")[1]}, v) for k, v in sorted(changes.items())
                             if _number(v) is not None and ">" in k]))
+    bypassed = _number(stats.get("admission_bypassed"))
+    if bypassed is not None:
+        out.append(_family("pdserve_admission_bypassed_total", "Requests admitted ahead of a waiting request that did "
+                           "not fit (admission.bypass_s)", [({}, bypassed)]))
     hits = _number(stats.get("prefix_affinity_hits"))
     if hits is not None:
         out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
