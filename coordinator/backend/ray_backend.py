@@ -13,10 +13,10 @@ by output index, so the continuation equals an uninterrupted run). At most `reco
 an in-band error.
 
 Each request's phases (coordinator.observability.phases) are marked on its PhaseTrace as it goes: admission at its
-placement,
-the prefill worker's durations inside the prefill call, the decode worker's (sent with the request's first output by
-poll) inside the interval up to its first decode token, decode up to its last; the interval a dead attempt lost
-is `migration`.
+placement, the prefill worker's durations inside the prefill call, the decode worker's (sent with the request's
+first output) inside the interval up to its first decode token, decode up to its last; the interval a dead attempt
+lost is `migration`. In mode adaptive a placement may prefill locally (the collocated path on the decode worker),
+and each ended request tells the AdaptiveLayout (coordinator.backend.adaptive) its latencies, handoff and cache.
 
 Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
 attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
