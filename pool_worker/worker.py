@@ -114,6 +114,10 @@ class Worker:
     async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int]) -> bool:
         return self.prefills.push_to(request_id, remote, remote_block_ids)
 
+    async def push_outcome(self, request_id: str) -> tuple[bool, float]:
+        """How a pushed request's writes ended (PrefillResult.pushed: they were under way): (all landed, seconds)."""
+        return await self.prefills.push_outcome(request_id)
+
     async def release(self, request_id: str) -> bool:
         """Decode has the KV: free the pinned blocks."""
         return await self.prefills.release(request_id)

@@ -19,8 +19,9 @@ last layer of the last chunk was launched is too late: that request is pulled (`
 failed or that was preempted (its blocks change). Prompts short enough for a prefill CUDA graph are not pushed (a
 layer hook makes a step eager; their KV is small). The decode worker's notification leaves from the agent's thread
 once the writes have landed (`sampled`: the engine thread hands it over at the step's end). The first token leaves
-with the push's outcome, so it waits for the last layer group's copy (~0.1 ms for 2,048 tokens of the 8B shape over
-NVLink; on a link slower than the forward, the part of the transfer the forward did not hide). Block ownership: the
+as soon as it is sampled (prefill_pool.prefills): it no longer waits for the last layer group's copy (on a link
+slower than the forward, the part of the transfer the forward did not hide); the decode worker joins on the
+notification once the writes have landed. Block ownership: the
 local blocks stay the request's (pinned after its prefill) until release or abort, which the worker applies only
 after `finish` or `settle`: no copy reads a block after it is reused.
 """

@@ -13,10 +13,11 @@ pinned whatever they are; requests with params.prompt_logprobs return them too. 
 phase durations here (`phases`: prefill_queue, prefill_compute; see engine.core.request_timing), for the
 coordinator's per-request phase tracing.
 Pushed handoffs (TP=1): `push_to` names the blocks the decode worker booked for a request whose prompt is under way
-here; its KV is then written into them layer group by layer group during the forward, and the result says `pushed`
-once every write has landed (the wait is its `kv_transfer` phase here), so decode only joins; a kvtransfer
-notification with the first token tells the decode worker at once (it joins on it, ahead of the coordinator's
-call). Otherwise (no target in time, a failed write) the result is as before and decode pulls.
+here; its KV is then written into them layer group by layer group during the forward. The result, and with it the
+first token, comes back as soon as the token is sampled, `pushed` saying that a push is under way; the writes end
+in their own task, which tells the decode worker by a kvtransfer notification once they have landed (it joins on
+it), and `push_outcome` says how they ended (every block landed: decode only joins; else it pulls). Nothing frees
+the request's blocks (release, abort) while a write may still read them.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class PrefillResult:
     fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1
     prompt_logprobs: list[PromptLogprob] | None = None  # when params.prompt_logprobs is set
     phases: Durations = ()  # (phase, seconds) measured here: prefill_queue, prefill_compute (, kv_transfer)
-    pushed: bool = False  # the KV is in the decode worker's booked blocks already (push_to): no pull
+    pushed: bool = False  # a push of the KV into the decode worker's booked blocks is under way: ask push_outcome
 
 
 class Prefills:
@@ -75,7 +76,8 @@ class Prefills:
         self._fault_rng = random.Random(0)
         self._waiting: dict[str, asyncio.Future] = {}
         self._timing = RequestTiming()
-        self._finishing: dict[str, asyncio.Task] = {}  # pushed prefills waiting for their writes
+        self._finishing: dict[str, asyncio.Task] = {}  # pushed prefills whose writes are still landing
+        self._outcomes: dict[str, tuple[bool, float]] = {}  # ... and how they ended, until push_outcome takes it
         self._trace = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
         self._step_ends: dict[str, float] = {}  # traced requests: when their prefill step ended
 
@@ -117,8 +119,18 @@ class Prefills:
         is pulled: the prefill's result says which (`pushed`)."""
         return self.pushes is not None and self.pushes.target(request_id, remote, remote_block_ids)
 
+    async def push_outcome(self, request_id: str) -> tuple[bool, float]:
+        """How a pushed request's writes ended, once they have: (every block landed in the decode worker's booking,
+        seconds they took after the first token). (False, 0.0) for a request with no push."""
+        task = self._finishing.get(request_id)
+        if task is not None:
+            await asyncio.shield(task)
+        return self._outcomes.pop(request_id, (False, 0.0))
+
     async def release(self, request_id: str) -> bool:
-        """Decode has the KV: free the pinned blocks."""
+        """Decode has the KV: free the pinned blocks (once no write of a push reads them)."""
+        await self._settled(request_id)
+        self._outcomes.pop(request_id, None)
         return await self.loop.call(lambda e: e.release(request_id))
 
     async def abort(self, request_id: str) -> bool:
@@ -127,6 +139,7 @@ class Prefills:
         if future is not None and not future.done():
             future.set_exception(asyncio.CancelledError(f"request {request_id} aborted"))
         await self._settled(request_id)
+        self._outcomes.pop(request_id, None)
         return await self.loop.call(lambda e: e.abort(request_id))
 
     def set_faults(self, prefill_error_fraction: float, seed: int) -> None:
@@ -149,30 +162,36 @@ class Prefills:
             if self._trace:
                 self._step_ends[out.request_id] = self.loop.outputs_at
             if self.pushes is not None and out.request_id in self.pushes:
-                task = asyncio.ensure_future(self._after_push(out.request_id, future, result))
+                # the first token goes now; the writes end in their own task (the decode worker joins on the
+                # notification sent after them, or pulls if they failed: push_outcome)
+                task = asyncio.ensure_future(self._after_push(out.request_id, result))
                 self._finishing[out.request_id] = task
                 task.add_done_callback(lambda _, rid=out.request_id: self._finishing.pop(rid, None))
+                result = replace(result, pushed=result.finish_reason is None)
             else:
                 if self.pushes is not None:
                     self.pushes.forget(out.request_id)
                 self._print_trace(out.request_id, False)
-                future.set_result(result)
+            future.set_result(result)
 
     # ---- internals
     async def _settled(self, request_id: str) -> None:
-        """Wait until no write of the request's push reads its blocks."""
+        """Wait until no write of the request's push reads its blocks (stopping those not yet queued)."""
         if self.pushes is not None:
             await self.pushes.settle(self.loop.call, request_id)
+        task = self._finishing.get(request_id)
+        if task is not None:
+            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
 
-    async def _after_push(self, request_id: str, future: asyncio.Future, result: PrefillResult) -> None:
-        """Resolve a pushed request's prefill once its writes have ended (decode then only joins). An abort
-        meanwhile waits for the same writes (KVPushes.settle) before it frees the blocks."""
+    async def _after_push(self, request_id: str, result: PrefillResult) -> None:
+        """A pushed request's writes after its first token went out: wait for them, tell the decode worker if the
+        step's end did not already (KVPushes.sampled), and keep the outcome for push_outcome. An abort meanwhile
+        waits for the same writes (KVPushes.settle) before it frees the blocks."""
         pushed, waited, remote = await self.pushes.finish(request_id)
-        if pushed and remote is not None and result.finish_reason is None and not future.done():
+        if pushed and remote is not None and result.finish_reason is None:
             self._notify_pushed(remote, request_id, result)  # the decode worker joins on it, ahead of decode()
         self._print_trace(request_id, pushed)
-        if not future.done():
-            future.set_result(replace(result, pushed=pushed, phases=(*result.phases, ("kv_transfer", waited))))
+        self._outcomes[request_id] = (pushed, waited)
 
     def _notify_pushed(self, remote: str, request_id: str, result: PrefillResult) -> None:
         """Tell decode agent `remote` that `request_id`'s KV has landed, with its first token (a message after the

@@ -5,6 +5,7 @@ is served, the coordinator's bookings are zero, and every engine's blocks are fr
 path answers 503 with Retry-After, never a 5xx, and the decode engine never preempts (the output is booked)."""
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -78,6 +79,14 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
     r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, timeout=30,
                    json={"transfer_stall_fraction": 1.0, "transfer_stall_s": 2.0})
     assert r.status_code == 200, r.text
+    # the first token does not wait for the pushed KV: it streams while the (stalled) writes are still under way,
+    # and the decode worker joins once they have landed (the stall is the lever: 2 s each side of it, no timing)
+    prompt = random_prompts([120], VOCAB, seed=41)[0]
+    start = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}) as s:
+        stamps = [time.monotonic() - start for line in s.iter_lines() if line.startswith("data: {")]
+    assert len(stamps) == 4 and stamps[0] < 2.0 <= stamps[1], stamps  # token 1 before the writes, 2 after
     short = random_prompts([100 + i for i in range(60)], VOCAB, seed=42)
 
     async def drop_after(chunks: int, prompts, max_tokens: int):

@@ -264,20 +264,20 @@ class RayBackend:
             attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
             push=self.pools.pushes))
         trace.split(result.phases)
-        if self.adaptive is not None:
-            self._push_waits[attempt] = tuple(p for p in result.phases if p[0] == "kv_transfer")
         reservation.unbook(prefill.key, "prompt_tokens")
-        cleanup.remove((prefill, "abort"))  # nothing pinned (it ended), or the handoff releases it
-        prefill.load = result.load
+        if not result.pushed:  # nothing pinned (it ended), or the handoff releases it; while a push is under way
+            cleanup.remove((prefill, "abort"))  # the prefill's abort stays first in line (_in_order): it waits out
+        prefill.load = result.load            # the writes before the decode worker frees their blocks
         first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
                            result.finish_reason)
         if result.finish_reason is None:
-            self._spawn(self._handoff(attempt, request, prior, result, placement))
-        else:  # the first token ended it: no handoff takes the early booking
+            self._spawn(self._handoff(attempt, request, prior, result, placement, cleanup))
+        else:  # the first token ended it: no handoff takes the early booking, freed after any write into it ended
             cleanup.remove((decode, "abort"))
             decode.requests.discard(attempt)
-            if decode.alive:
-                self._spawn(quietly(decode.handle.abort.remote(attempt)))
+            ends = [w.handle.abort for w in (prefill, decode) if w.alive] if self.pools.pushes else (
+                [decode.handle.abort] if decode.alive else [])
+            self._spawn(_in_order(attempt, ends))
         return first
 
     @staticmethod
@@ -294,17 +294,27 @@ class RayBackend:
             log.debug("request %s: no push target: %s", attempt, e)
 
     async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,
-                       placement: Placement) -> None:
-        """The decode worker pulls the KV (or recomputes it, per transfer.on_failure), then the prefill worker
-        frees its pinned copy: only after the pull ended, so no block is reused while it may still be read.
-        Errors go into the attempt's stream."""
+                       placement: Placement, cleanup: list) -> None:
+        """The decode worker takes the KV: joins once a push under way has landed (push_outcome), else pulls it
+        (or recomputes it, per transfer.on_failure); then the prefill worker frees its pinned copy: only after the
+        pull or the writes ended, so no block is reused while it may still be read. Errors go into the attempt's
+        stream."""
         prefill, decode = placement.prefill, placement.decode
         try:
             if attempt not in self._streams:  # the request ended before this task ran: its abort is already sent,
                 return                        # and a decode() behind it would run a request nobody reads
+            pushed = False
+            if result.pushed:  # the first token went out before the writes ended: how did they?
+                pushed, waited = await self._call(prefill, prefill.handle.push_outcome.remote(attempt))
+                if (prefill, "abort") in cleanup:
+                    cleanup.remove((prefill, "abort"))  # no write is in flight now: the decode side may free
+                if attempt not in self._streams:
+                    return
+                if self.adaptive is not None:
+                    self._push_waits[attempt] = (("kv_transfer", waited),)
             decode.load = await self._call(decode, decode.handle.decode.remote(
                 attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
-                prefill.name, result.block_ids, prior_output_ids=prior, pushed=result.pushed))
+                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed))
         except TransferFailed as e:
             self._count(self.errors, "transfer_failed")
             if self.config.transfer.on_failure == "fail":
