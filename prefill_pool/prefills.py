@@ -83,7 +83,7 @@ class Prefills:
 
     def owns(self, request_id: str) -> bool:
         """Whether `request_id` is a prefill of this duty still in flight here (its abort is this duty's)."""
-        return request_id in self._waiting or request_id in self._finishing or (
+        return request_id in self._waiting or request_id in self._finishing or request_id in self._outcomes or (
             self.pushes is not None and request_id in self.pushes)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
