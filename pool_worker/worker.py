@@ -227,7 +227,9 @@ class Worker:
         return [o for o in outputs if o.prefill_only]  # prefills' first tokens (a local group's too): the loop's
 
     def _on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
-        mine = [o for o in outputs if self.decodes.takes(o)]
-        if len(mine) < len(outputs):
-            self.prefills.on_outputs([o for o in outputs if not self.decodes.takes(o)], load)
+        mine, prefills = [], []
+        for o in outputs:  # each output once: a local group prefill's is the decode duty's, other prefills' not
+            (mine if self.decodes.takes(o) else prefills).append(o)
+        if prefills:
+            self.prefills.on_outputs(prefills, load)
         self.decodes.on_outputs(mine, load)
