@@ -340,7 +340,7 @@ class LLMEngine:
             step_time_total_s=self.step_time_total_s, scheduled_tokens_total=s.num_scheduled_tokens,
             sampled_tokens_total=s.num_sampled_tokens, prefix_query_tokens_total=s.num_prefix_query_tokens,
             prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions,
-            **self._budget_figures())
+            taken_at_s=time.monotonic(), **self._budget_figures())
 
     def _budget_figures(self) -> dict[str, float]:
         b = self.step_budget

@@ -40,6 +40,9 @@ class EngineLoad:
     gc_full_collections_total: int = 0
     gc_pause_seconds_total: float = 0.0
     gc_pause_max_s: float = 0.0
+    # when the report was taken, on the reporting process's monotonic clock (0: unknown): a rate between two reports
+    # of one worker divides by this difference, not by when a reader happened to receive them
+    taken_at_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,23 @@ def test_the_planner_measures_how_busy_each_engine_was():
     assert planner.busy == {"w-0": pytest.approx(0.9), "w-1": 0.0}
 
 
+
+def test_busy_is_timed_by_the_reports_own_clock():
+    """A prefill worker's report comes with its replies: a look that finds no newer one keeps the last figure
+    (it once read 0% busy for a busy worker), and the share divides by the time between the reports."""
+    clock, window = _Clock(), LatencyWindow(horizon_s=10)
+    workers = _workers("prefill", "decode")
+    planner = Planner(PlannerConfig(), SLO, lambda: workers, window, lambda w, r, why: None, lambda w: 0, clock)
+    workers[0].load = EngineLoad(0, 0, 1, 0, 100, 100, step_time_total_s=10.0, taken_at_s=100.0)
+    planner.tick()
+    clock.now += 5
+    workers[0].load = EngineLoad(0, 0, 1, 0, 100, 100, step_time_total_s=11.6, taken_at_s=102.0)  # 1.6 s of 2
+    planner.tick()
+    assert planner.busy["w-0"] == pytest.approx(0.8)
+    clock.now += 5  # no newer report: the figure stands
+    planner.tick()
+    assert planner.busy["w-0"] == pytest.approx(0.8)
+
 def _yaml(tmp_path, text: str):
     path = tmp_path / "serve.yaml"
     path.write_text(text)

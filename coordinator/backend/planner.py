@@ -90,7 +90,7 @@ class Planner:
         self._workers, self._apply, self._pressure, self._clock = workers, apply, pressure, clock
         self._last_change = -math.inf
         self._streak: tuple[str | None, int] = (None, 0)
-        self._stepped: dict[str, tuple[float, float]] = {}  # worker key -> (when, its engine's step seconds then)
+        self._stepped: dict[str, tuple[float, float]] = {}  # worker key -> (report's time, step seconds then)
         self.busy: dict[str, float] = {}  # worker name -> share of the last look's time its engine stepped
 
     async def run(self) -> None:
@@ -127,16 +127,21 @@ class Planner:
         return self._change(*move, why, now)
 
     def _measure_busy(self, workers: list[WorkerState], now: float) -> None:
-        """Each live worker's share of time since the last look that its engine spent stepping (EngineLoad's
-        step_time_total_s: with overlapped steps, about the device's busy time)."""
+        """Each live worker's share of time between its last two reports that its engine spent stepping
+        (EngineLoad's step_time_total_s: with overlapped steps, about the device's busy time). Timed by the
+        reports' own clock where they carry one: a report can be seconds old when a look reads it (a prefill
+        worker's comes with its replies), and the look's clock would count that staleness as idle time. A worker
+        with no newer report keeps its last figure."""
         for w in workers:
             if not w.alive or w.load is None:
                 continue
-            stepped = w.load.step_time_total_s
+            stepped, at = w.load.step_time_total_s, w.load.taken_at_s or now
             last = self._stepped.get(w.key)
-            self._stepped[w.key] = (now, stepped)
-            if last is not None and now > last[0]:
-                self.busy[w.name] = min(1.0, max(0.0, (stepped - last[1]) / (now - last[0])))
+            if last is not None and at <= last[0]:
+                continue  # no newer report since the last look
+            self._stepped[w.key] = (at, stepped)
+            if last is not None and stepped >= last[1]:  # (a warm-up's reset moves it back: no figure then)
+                self.busy[w.name] = min(1.0, (stepped - last[1]) / (at - last[0]))
 
     def _change(self, worker: WorkerState, new: str, why: str, now: float) -> RoleChange:
         change = RoleChange(worker.name, worker.role, new, why)
