@@ -17,7 +17,11 @@
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
 # adaptive2 (2 GPUs): mode adaptive against 1P+1D and collocated x2, 8B shape, 3 rates, 2 SLO pairs (issue 34;
 #   docs/sweeps/gpu-2x-llama3-8b-adaptive), packed into $OUT/sweep.tgz.
+# adaptive2x2 (4 GPUs): adaptive2's sweep on GPUs 0,1 beside the -mix sweep (a tight TPOT target: where a mix
+#   should beat both pure layouts) on GPUs 2,3; each packed into $OUT/<name>.tgz with its log.
+# adaptive4 (4 GPUs): mode adaptive (from 2P+2D) against 2P+2D, 3P+1D and collocated x4 at 24 req/s, 8B shape.
 # shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time.
+# shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2.
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
@@ -133,6 +137,35 @@ for step in "$@"; do
         --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log" | grep -v "^(" | tail -12
       cp "$OUT/sweep/report.md" "$OUT/report.md" 2>/dev/null
       tar czf "$OUT/sweep.tgz" -C "$OUT" sweep && rm -rf "$OUT/sweep" ;;
+    adaptive2x2)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      for run in "0,1 gpu-2x-llama3-8b-adaptive sweep" "2,3 gpu-2x-llama3-8b-adaptive-mix sweepmix"; do
+        read -r gpus cfg name <<< "$run"
+        mkdir -p "$OUT/$name"
+        CUDA_VISIBLE_DEVICES=$gpus timeout ${SWEEP_TIMEOUT:-575} python3 -m coordinator.cli sweep \
+          configs/sweeps/$cfg.yaml --out "$OUT/$name" > "$OUT/$name/sweep.log" 2>&1 &
+      done
+      wait
+      for name in sweep sweepmix; do
+        grep -v "^(" "$OUT/$name/sweep.log" | tail -8
+        cp "$OUT/$name/report.md" "$OUT/report-$name.md" 2>/dev/null
+        tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
+      done ;;
+    adaptive4)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      mkdir -p "$OUT/sweep4"
+      timeout ${SWEEP_TIMEOUT:-420} python3 -m coordinator.cli sweep configs/sweeps/gpu-4x-llama3-8b-adaptive.yaml \
+        --out "$OUT/sweep4" 2>&1 | tee "$OUT/sweep4/sweep.log" | grep -v "^(" | tail -10
+      cp "$OUT/sweep4/report.md" "$OUT/report-sweep4.md" 2>/dev/null
+      tar czf "$OUT/sweep4.tgz" -C "$OUT" sweep4 && rm -rf "$OUT/sweep4" ;;
+    shift4)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout ${SHIFT_TIMEOUT:-200} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
+        --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
+        --set slo.tpot_ms=40 --set prefill.workers=1 --set decode.workers=3 --set prefill.max_num_seqs=256 \
+        --set decode.chunk_size=2048 --set decode.max_num_batched_tokens=8192 \
+        ${SHIFT_ARGS:---phase short:8:256:128:30 --phase long:24:2048:256:45} \
+        --out "$OUT/shift4" 2>&1 | tee "$OUT/shift4.log" | grep -v "^(" | grep "^{" ;;
     shift)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout ${SHIFT_TIMEOUT:-300} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
