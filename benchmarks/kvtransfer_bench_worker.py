@@ -20,7 +20,7 @@ from kvtransfer.gpu_visibility import own_gpu, set_visible_gpus
 class BenchWorker:
     def __init__(self, name: str, device: str, gpu: int = 0, total_gpus: int = 1, visible: str = "all") -> None:
         if device == "cuda":
-            set_visible_gpus(own_gpu(gpu), total_gpus, visible)
+            set_visible_gpus(own_gpu(gpu), list(range(total_gpus)), visible)
         import torch
 
         self.torch = torch

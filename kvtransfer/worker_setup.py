@@ -16,12 +16,12 @@ from engine.kv_layout import KVCacheSpec
 
 from .agent import AgentConfig, KVAgent
 from .backends.ucx import use_python_futures
-from .gpu_visibility import expose_peer_gpus, node_gpu_count, uses_cuda_ipc
+from .gpu_visibility import expose_peer_gpus, node_gpus, uses_cuda_ipc
 
 
 def prepare_process(device: str, config: AgentConfig | None) -> None:
     if device.startswith("cuda") and uses_cuda_ipc(config):
-        expose_peer_gpus(node_gpu_count())
+        expose_peer_gpus(node_gpus())
 
 
 def start_agent(name: str, config: AgentConfig, kv: torch.Tensor, spec: KVCacheSpec,
