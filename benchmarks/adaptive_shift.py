@@ -70,7 +70,7 @@ async def _run(url: str, model: str, phases: list[dict], warmup_s: float, t0: fl
         first = i == 0
         await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
         work = WorkloadSpec(kind="chat", input_len=p["input_len"], output_len=p["output_len"], sigma=0.6,
-                            max_input_len=4 * p["input_len"], max_output_len=4 * p["output_len"],
+                            max_input_len=7 * p["input_len"] // 2, max_output_len=4 * p["output_len"],
                             prompt_format="ids", seed=i)
         cfg = RunConfig(target=target, workload=work, arrival=ArrivalSpec(rate=p["rate"], seed=7 + i),
                         duration_s=p["seconds"] - (warmup_s if first else 0), warmup_s=warmup_s if first else 0,
