@@ -19,6 +19,7 @@
 #   docs/sweeps/gpu-2x-llama3-8b-adaptive), packed into $OUT/sweep.tgz.
 # adaptive2x2 (4 GPUs): adaptive2's sweep on GPUs 0,1 beside the -mix sweep (a tight TPOT target: where a mix
 #   should beat both pure layouts) on GPUs 2,3; each packed into $OUT/<name>.tgz with its log.
+# adaptive2mix (2 GPUs): the -mix sweep alone, packed into $OUT/sweepmix.tgz.
 # adaptive4 (4 GPUs): mode adaptive (from 2P+2D) against 2P+2D, 3P+1D and collocated x4 at 24 req/s, 8B shape.
 # shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time.
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
@@ -151,6 +152,13 @@ for step in "$@"; do
         cp "$OUT/$name/report.md" "$OUT/report-$name.md" 2>/dev/null
         tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
       done ;;
+    adaptive2mix)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      mkdir -p "$OUT/sweepmix"
+      timeout ${SWEEP_TIMEOUT:-500} python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama3-8b-adaptive-mix.yaml \
+        --out "$OUT/sweepmix" 2>&1 | tee "$OUT/sweepmix/sweep.log" | grep -v "^(" | tail -8
+      cp "$OUT/sweepmix/report.md" "$OUT/report-sweepmix.md" 2>/dev/null
+      tar czf "$OUT/sweepmix.tgz" -C "$OUT" sweepmix && rm -rf "$OUT/sweepmix" ;;
     adaptive4)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       mkdir -p "$OUT/sweep4"
