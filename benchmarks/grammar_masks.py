@@ -19,8 +19,8 @@ CPU machine (quiet), over a 128,256-token BPE trained on the Python standard lib
 before the synthesized one), xgrammar 0.2.8 against llguidance 1.9.1: mask step at batch 64 27.9 ms against 7.8 ms
 mean (70.8 / 14.3 ms p99), compile 26 against 0.6 ms mean per schema. Chosen: llguidance, by these figures and by
 maintenance (guidance-ai, used by vLLM and llama.cpp), and because it reads tokenizer.json itself and enforces
-multipleOf on numbers, which xgrammar 0.2.8 ignores with a warning. README, "Structured outputs and tools", has both
-runs and docs/benchmarks.md the runs over the synthesized tokenizer.
+multipleOf on numbers, which xgrammar 0.2.8 ignores with a warning. docs/parameters.md, "Structured outputs and
+tools", has both runs and docs/benchmark-log.md the runs over the synthesized tokenizer.
 """
 
 from __future__ import annotations

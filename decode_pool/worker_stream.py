@@ -8,7 +8,7 @@ decoding, the coroutine's scheduling on the actor's event loop, the result's ser
 thread that steps the engine. Per step (the long-poll this replaces where the coordinator asks for it,
 `DecodeWorker(..., stream=True)`) that was a quarter of the worker's GIL time on the 2-core machine; per
 request, a `generate` took 11.4 ms from the coordinator's call to the worker's coroutine and ~1.4 ms of the worker's
-CPU (docs/benchmarks.md). Here a step's deltas are pickled and written by the engine thread itself, and a command
+CPU (docs/benchmark-log.md). Here a step's deltas are pickled and written by the engine thread itself, and a command
 reaches the engine's queue from the reading thread with one unpickle.
 
 Outputs: a batch is (deltas as StepDelta.wire tuples, the EngineLoad after the step, {request id: phase durations},

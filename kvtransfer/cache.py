@@ -149,7 +149,7 @@ async def event_done(ev: torch.cuda.Event | None, deadline: float, spin_s: float
 
     Polls with asyncio.sleep(0) (each poll yields to the loop's other work and releases the GIL in the
     selector) for up to `spin_s`, then hands the wait to a thread blocked in cudaEventSynchronize.
-    Measured on H200 (docs/benchmarks.md): polling with asyncio.sleep(1e-4) rounds every sleep up to
+    Measured on H200 (docs/benchmark-log.md): polling with asyncio.sleep(1e-4) rounds every sleep up to
     epoll's 1 ms, and a thread per wait from the start slowed 16 concurrent chunks down.
     """
     if ev is None:

@@ -2,7 +2,7 @@
 
 Ray gives each `num_gpus=1` actor CUDA_VISIBLE_DEVICES = its own GPU. Then a peer's GPU is invisible, CUDA
 IPC handles of its memory cannot be mapped with NVLink peer access, and the agent falls back to UCX
-(measured on 2 H200: ~220 GB/s for 1 GiB instead of ~310 over cuda_ipc; docs/benchmarks.md).
+(measured on 2 H200: ~220 GB/s for 1 GiB instead of ~310 over cuda_ipc; docs/benchmark-log.md).
 A tensor-parallel worker's follower processes inherit the list and put their own GPU first (`put_first`).
 `expose_peer_gpus()` in the actor's __init__, before any CUDA call, shows every GPU of the Ray node with the
 actor's own first: its GPU stays cuda:0 (for torch and for ucxx's progress thread, which makes its CUDA

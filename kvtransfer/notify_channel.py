@@ -4,7 +4,7 @@
 A notification is a few dozen bytes that a peer waits on (a decode worker joins a pushed request on one), so its
 latency is the point: a ucxx message completes through ucxx's progress and notifier threads on both sides (~340 us
 one way between two processes on the 2-core machine), an asyncio TCP stream in ~20 us (benchmarks/notify_latency.py,
-a retired experiment: docs/benchmarks.md, commit e928424).
+a retired experiment: docs/benchmark-log.md, commit e928424).
 Order and meaning are the UCX path's: one stream per (sender, receiver) keeps a sender's notifications in order, and
 the sender sends only after the transfers it speaks of have ended (KVAgent.notify_after), so data it names is in place.
 A notification attached to a write (`write(..., notify=)`) is sent the same way once the write's chunks have

@@ -52,7 +52,7 @@ class GroupRead:
         """Wait until the blocks hold the pulled KV; raise the pull's failure. With `gpu_done`, the copies'
         completion is the pull's (as for TransferHandle.done()): once queued they read the peer's mapped memory
         whatever the agent hears of the peer later. Their events are polled here, which spares the hop through the
-        agent's loop thread (~0.3 ms of a 1.4 ms pull on H200: docs/benchmarks.md); a copy still running at the
+        agent's loop thread (~0.3 ms of a 1.4 ms pull on H200: docs/benchmark-log.md); a copy still running at the
         deadline is left to the agent, which reports the timeout once its copies have settled (copies that ended
         while it settled them have landed all the same)."""
         if self.gpu_done is not None:

@@ -1,6 +1,7 @@
-"""No request parameter is silently ignored: unknown fields are 400s naming them on both endpoints, and the README's
-request-parameter table says exactly what coordinator/api/protocol.py does (every declared field has a row; a "yes" is a
-declared field; a "400" is refused, by being unknown or through the example value its notes give)."""
+"""No request parameter is silently ignored: unknown fields are 400s naming them on both endpoints, and the
+request-parameter table of docs/parameters.md says exactly what coordinator/api/protocol.py does (every declared
+field has a row; a "yes" is a declared field; a "400" is refused, by being unknown or through the example value its
+notes give)."""
 
 import json
 import logging
@@ -17,7 +18,7 @@ from engine import LLM
 from tests.inprocess_backend import InProcessBackend, run_asgi
 
 pytestmark = pytest.mark.timeout(120)
-README = Path(__file__).resolve().parents[1] / "README.md"
+PARAMETERS = Path(__file__).resolve().parents[1] / "docs" / "parameters.md"
 MODELS = {"completions": protocol.CompletionRequest, "chat": protocol.ChatCompletionRequest}
 BASE = {"completions": {"model": "tiny", "prompt": "x", "stream": True},
         "chat": {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}}
@@ -25,15 +26,15 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def table() -> dict[str, dict[str, str]]:
-    """{parameter: {"completions": "yes" | "400", "chat": ..., "notes": ...}} from the README's table."""
-    section = README.read_text().split("## Request parameters", 1)[1].split("\n## ", 1)[0]
+    """{parameter: {"completions": "yes" | "400", "chat": ..., "notes": ...}} from docs/parameters.md's table."""
+    section = PARAMETERS.read_text().split("## Request parameters", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         m = re.match(r"^\| `([\w.]+)` \| (yes|400) \| (yes|400) \|(.*)\|$", line)
         if m:
             assert m.group(1) not in rows, f"{m.group(1)} has two rows"
             rows[m.group(1)] = {"completions": m.group(2), "chat": m.group(3), "notes": m.group(4).strip()}
-    assert len(rows) > 40, "the README's request-parameter table was not found"
+    assert len(rows) > 40, "the request-parameter table of docs/parameters.md was not found"
     return rows
 
 
@@ -61,10 +62,11 @@ def test_every_declared_field_has_a_row_and_every_yes_is_declared(endpoint):
     rows = table()
     declared = set(MODELS[endpoint].model_fields)
     missing = sorted(declared - set(rows))
-    assert not missing, f"declared on {endpoint} but not in the README's table: {missing}"
+    assert not missing, f"declared on {endpoint} but not in docs/parameters.md's table: {missing}"
     yes = {name for name, row in rows.items() if row[endpoint] == "yes"}
     nested = {f"stream_options.{name}" for name in protocol.StreamOptions.model_fields}  # a "yes" row may name one
-    assert not yes - declared - nested, f"'yes' in the README but unknown to {endpoint}: {sorted(yes - declared)}"
+    unknown = sorted(yes - declared - nested)
+    assert not unknown, f"'yes' in docs/parameters.md but unknown to {endpoint}: {unknown}"
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -84,7 +86,8 @@ def test_every_400_row_is_refused_naming_the_field(endpoint):
             value = 1  # unknown: refused whatever its value
         if refused_param(endpoint, with_field(endpoint, name, value)) != name:
             accepted.append(name)
-    assert not accepted, f"'400' in the README but {endpoint} accepts (or refuses naming another field): {accepted}"
+    assert not accepted, (f"'400' in docs/parameters.md but {endpoint} accepts (or refuses naming another field): "
+                          f"{accepted}")
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

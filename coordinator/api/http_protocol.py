@@ -5,7 +5,7 @@ forever. HeadTimeoutProtocol gives a connection `header_timeout_s` from its star
 later request, to complete the head; otherwise it answers 408 and closes (never in the middle of a response still
 being written: the 408 then waits for the response's end). Idle kept-alive connections are uvicorn's
 `timeout_keep_alive`. httptools rather than h11: every streamed token is one HTTP chunk, and h11's state machine
-per chunk cost ~15% of the coordinator's CPU per token (benchmarks/coordinator_overhead.py, docs/benchmarks.md).
+per chunk cost ~15% of the coordinator's CPU per token (benchmarks/coordinator_overhead.py, docs/benchmark-log.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ special tokens; token ids checked against the vocabulary), the context-length ch
 `sampling_params()`, which relies on SamplingParams' own range checks and reports them as 400s naming the
 parameter. No parameter is silently ignored: a field the models below do not declare is a 400 naming it
 (`param` = the field, nested ones as `stream_options.x`), and a declared option this server does not implement
-is refused when set to anything but its default. The README's request-parameter table lists every field
+is refused when set to anything but its default. docs/parameters.md's request-parameter table lists every field
 (tests/test_api_parameters.py keeps the two in step). Accepted without changing the output, each in a stated way:
 `user` and `metadata` (at most 16 string pairs) are logged with the request id (logger `coordinator.requests`,
 INFO); `store` is accepted only as false or null (this server stores nothing; true is a 400).
@@ -252,7 +252,8 @@ def parse(model: type[_Common], body: Any) -> Any:
         elif err.get("type") == "missing":
             msg = "is required"
         elif err.get("type") == "extra_forbidden":
-            msg = "unknown parameter: not supported by this server (the README lists every parameter it accepts)"
+            msg = ("unknown parameter: not supported by this server (docs/parameters.md lists every parameter it "
+                   "accepts)")
         raise invalid_request(f"{param or 'body'}: {msg}" if param else msg, param) from None
 
 

@@ -111,7 +111,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
         # its full blocks join the prefix cache at its first step's update (cache_full_blocks), not here: hashing a
-        # 2,048-token prompt's 128 blocks here delayed every handoff's join on an H200 host (docs/benchmarks.md)
+        # 2,048-token prompt's 128 blocks here delayed every handoff's join on an H200 host (docs/benchmark-log.md)
         self.requests[req.request_id] = req
         self.running.append(req)
 

@@ -65,7 +65,7 @@ def _skinny_gemm_kernel(
 def launch_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) from shapes alone (CUDA-graph safe). On a GPU: 2 weight rows of up to 4096
     elements a tile (the whole row of a 4096-wide model: one iteration), on 8 warps for one input row and 4 for
-    more, the best of the H200 sweep in docs/benchmarks.md; engine.kernels.qkv_rope takes BLOCK_K and the warps.
+    more, the best of the H200 sweep in docs/benchmark-log.md; engine.kernels.qkv_rope takes BLOCK_K and the warps.
     Interpreted: small tiles (the interpreter's cost grows with tile size)."""
     if interpreting():
         return 16, 64, 4

@@ -3,7 +3,7 @@ set per token bucket: everything between two attention calls is a captured piece
 
 Why: on a fast model the host is the bottleneck. A step with a prompt chunk ran the whole forward eagerly (about ten
 launches a layer from Python, ~3 ms of host time on the 1B shape), where a decode-only step replays one graph; in a
-served closed loop prompts arrive one by one, so many steps carry a chunk (docs/benchmarks.md, 2026-11-27). The
+served closed loop prompts arrive one by one, so many steps carry a chunk (docs/benchmark-log.md, 2026-11-27). The
 attention of such a step depends on its sequences (their number, lengths and block tables), which a graph cannot
 follow; every other op depends only on the token count. So each bucket of T tokens has L + 1 graphs:
 - piece 0: embedding, layer 0's input norm and q/k/v projection, RoPE and the K/V store (into the cache);
