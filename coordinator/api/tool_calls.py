@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.sampling.structured import StructuredSpec
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
 
 
 class FunctionDef(BaseModel):
@@ -55,7 +56,7 @@ class NamedToolChoice(BaseModel):
 class ToolFields(BaseModel):
     """Mixed into the chat request body (coordinator.api.protocol)."""
 
-    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
