@@ -60,10 +60,11 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
             whole = Piece(c.gen.text.text, [t for p in c.pieces for t in p.tokens], c.gen.finish_reason)
             lp = logprobs_body(fmt, c, whole, True, echo_lp) if want_lp else None
             body = fmt.choice(c.index, c.prompt_text + whole.text, lp, whole.finish_reason or "stop", False)
-            if req.prompt_logprobs is not None and not chat:
-                body["prompt_logprobs"] = _prompt_lps(c)
+            if not chat:  # vLLM's: on each completion choice, on the chat response; null unless asked for
+                body["prompt_logprobs"] = _prompt_lps(c) if req.prompt_logprobs is not None else None
             bodies.append(body)
-        extra = {"prompt_logprobs": _prompt_lps(choices[0])} if chat and req.prompt_logprobs is not None else {}
+        extra = {"prompt_logprobs": _prompt_lps(choices[0]) if req.prompt_logprobs is not None else None} \
+            if chat else {}
         return JSONResponse(fmt.body(bodies, False, usage(choices), **extra))
     return SSEResponse(_events(choices, fmt, req, chat, want_lp, echo_lp, close),
                        deadline=max(c.gen.deadline for c in choices) + grace_s)

@@ -151,13 +151,15 @@ class Formatter:
     def response(self, text: str, tokens: list[TokenInfo], logprobs: bool, finish_reason: str,
                  prompt_tokens: int, completion_tokens: int) -> dict:
         lp = self.logprobs(tokens) if logprobs else None
-        if self.chat:
+        if self.chat:  # vLLM's prompt_logprobs, null unless asked for (coordinator.api.choices serves those)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": finish_reason}
+            extra = {"prompt_logprobs": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "prompt_logprobs": None}
+            extra = {}
         return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self.usage(prompt_tokens, completion_tokens)}
+                "usage": self.usage(prompt_tokens, completion_tokens), **extra}
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, stream: bool,
                first: bool = False) -> dict:
