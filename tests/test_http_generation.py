@@ -159,7 +159,8 @@ def test_stop_string_spanning_tokens_ends_output_before_it(server, client, ref):
     stop = exp.text[spans[i][0] + 1:spans[i + 1][1] - 1]
     want = exp.text[:exp.text.index(stop)]
     body = completion(client, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "zzzz"])
-    assert body["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop"}
+    assert body["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop",
+                                  "prompt_logprobs": None}
     assert body["usage"]["completion_tokens"] < 16
     assert body["id"] in server.backend.aborted  # the coordinator closed the stream: the engine stopped too
     events = stream(client, "/v1/completions", greedy_body(PROMPTS[1], stop=stop))

@@ -187,9 +187,10 @@ async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Gener
     if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
         REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
     priority = tenant.priority_for(req.priority)
-    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id, req.include_phases)
+    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id, req.include_phases,
+                    bool(req.return_token_ids), prompt)
     text = TextOutput(app.state.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
-                      req.skip_special_tokens, req.min_tokens)
+                      req.skip_special_tokens, req.min_tokens, bool(req.return_tokens_as_token_ids))
     ticket = app.state.lifecycle.admit()
     try:
         grant = await app.state.tenants.charge(tenant, len(prompt), max_tokens)  # 429 past the tenant's limits
@@ -231,7 +232,7 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
             return Response(status_code=499)  # nobody is listening
         tokens = [t for p in result for t in p.tokens]
         body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
-                            gen.completion_tokens)
+                            gen.completion_tokens, [i for p in result for i in p.token_ids])
         if tools is not None:
             body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
         return JSONResponse(body)
@@ -256,7 +257,7 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
             yield chunk
         while piece.finish_reason is None:
             piece = await gen.next_piece()
-            if piece.text or piece.tokens or piece.finish_reason:
+            if piece.text or piece.tokens or piece.finish_reason or (fmt.return_token_ids and piece.token_ids):
                 for chunk in _chunks(fmt, tools, piece, want_lp):
                     yield chunk
         if fmt.include_usage:

@@ -135,7 +135,7 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
         text = prompt if isinstance(prompt, str) else tok.decode(ids)
         for j in range(fan):
             output = TextOutput(tok, ids, req.stop_strings, req.include_stop_str_in_output, req.skip_special_tokens,
-                                req.min_tokens)
+                                req.min_tokens, bool(req.return_tokens_as_token_ids))
             choice = GenerateRequest(f"{rid}#{j}", ids, params, priority, stream_interval=stream_interval)
             gen = Generation(fanout.choice(j), choice, output, app.state.metrics, settings.request_timeout_s,
                              params.logprobs is not None, arrival, counts_request=j == 0)
@@ -167,12 +167,12 @@ def logprobs_body(fmt: Formatter, c: Choice, piece: Piece, first: bool, echo_lp:
         if c.prompt_text and not fmt.chat:
             body["text_offset"] = [o + len(c.prompt_text) for o in body["text_offset"]]
         return body
-    text = c.gen.text.token_text
+    text, name = c.gen.text.token_text, c.gen.text.token_name  # name: `token_id:<id>` with return_tokens_as_token_ids
     entries = c.fanout.prompt_logprobs or []
     words = [text(t)[0] for t in c.prompt_ids]
     offsets = [sum(len(w) for w in words[:k]) for k in range(len(words))]
-    return {"tokens": words + body["tokens"],
+    return {"tokens": [name(t) for t in c.prompt_ids] + body["tokens"],
             "token_logprobs": [None] + [e.logprob for e in entries] + body["token_logprobs"],
-            "top_logprobs": [None] + [{text(t)[0]: v for t, v in e.top_logprobs.items()} for e in entries]
+            "top_logprobs": [None] + [{name(t): v for t, v in e.top_logprobs.items()} for e in entries]
             + body["top_logprobs"],
             "text_offset": offsets + [o + len(c.prompt_text) for o in body["text_offset"]]}

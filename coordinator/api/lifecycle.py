@@ -90,11 +90,13 @@ class Lifecycle:
 
 @dataclass
 class Piece:
-    """What one backend delta adds to the client's view: text (may be ""), logprob entries, maybe the end."""
+    """What one backend delta adds to the client's view: text (may be ""), logprob entries, maybe the end, and the
+    ids of the tokens it consumed (up to the one that completed a stop string: as many as it counts in usage)."""
 
     text: str
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Generation:
@@ -146,6 +148,7 @@ class Generation:
         first = self._last_token_at is None
         parts: list[str] = []
         infos: list[TokenInfo] = []
+        ids: list[int] = []
         count = 0
         while True:
             try:
@@ -154,16 +157,17 @@ class Generation:
                 if not count:
                     raise
                 self._pending_error = e
-                return Piece("".join(parts), infos, None)
-            finish = self._take(delta, parts, infos)
+                return Piece("".join(parts), infos, None, ids)
+            finish = self._take(delta, parts, infos, ids)
             count += len(delta.token_ids)
             if finish is not None or first or count >= self.request.stream_interval:
                 break
         self.finish_reason = finish
-        return Piece("".join(parts), infos, finish)
+        return Piece("".join(parts), infos, finish, ids)
 
-    def _take(self, delta: TokenDelta, parts: list[str], infos: list[TokenInfo]) -> str | None:
-        """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`); its finish."""
+    def _take(self, delta: TokenDelta, parts: list[str], infos: list[TokenInfo], ids: list[int]) -> str | None:
+        """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`, the ids consumed
+        into `ids`); its finish."""
         now = time.monotonic()
         if delta.token_ids:
             if self._last_token_at is None:
@@ -174,6 +178,7 @@ class Generation:
             self._last_token_at = now
         for i, token_id in enumerate(delta.token_ids):
             parts.append(self.text.add_token(token_id))
+            ids.append(token_id)
             if self._want_logprobs and i < len(delta.logprobs):
                 infos.append(self.text.token_info(delta.logprobs[i]))
             if self.text.stopped:

@@ -11,7 +11,11 @@ is refused when set to anything but its default. docs/parameters.md's request-pa
 `user` and `metadata` (at most 16 string pairs) are logged with the request id (logger `coordinator.requests`,
 INFO); `store` is accepted only as false or null (this server stores nothing; true is a 400).
 Vendor extensions accepted on both endpoints (vLLM's names and meanings): `top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`, `priority` (lower first, or high | normal | low, clamped to the tenant's class); on chat also
+`stop_token_ids`, `priority` (lower first, or high | normal | low, clamped to the tenant's class),
+`return_token_ids` (each choice's generated ids as `token_ids`, the prompt's as `prompt_token_ids`: on the chat
+response, on each completion choice; streamed, every chunk's new ids and the prompt's on a choice's first chunk),
+`return_tokens_as_token_ids` (logprobs' token strings, alternatives and echoed prompt tokens included, read
+`token_id:<id>`; their `bytes` stay the token's own); on chat also
 `add_generation_prompt` and `chat_template_kwargs` (keys in TEMPLATE_KWARGS). pdserve's own extension:
 `stream_options.include_phases` (with `include_usage`): the usage chunk carries the request's phases
 (coordinator.observability.phases).
@@ -91,6 +95,8 @@ class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, st
     user: str | None = Field(default=None, max_length=256)  # logged with the request id, nothing else
     metadata: dict[str, str] | None = Field(default=None, max_length=16)  # logged with the request id
     store: bool | None = None  # only false/null: nothing is stored
+    return_token_ids: bool | None = None  # vLLM's: `token_ids` per choice, `prompt_token_ids` (coordinator.api.sse)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token `token_id:<id>`
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:

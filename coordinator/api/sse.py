@@ -6,8 +6,9 @@ stream: an abort) when the client goes away, whatever the server's ASGI spec ver
 and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`, which builds every JSON body
 of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk (with `phases`, seconds per
 phase of coordinator.observability.phases, when the request asked for them), and non-streamed responses, all with the
-body id
-derived from the request id.
+body id derived from the request id; with vLLM's fields where vLLM puts them: `prompt_logprobs` (null unless asked
+for) on a whole chat response and on each whole completion choice, and with `return_token_ids` the choices'
+`token_ids` and the prompt's `prompt_token_ids` (`add_token_ids`).
 
 Per-chunk costs, paid once per token by a busy coordinator, are kept small: the middle chunks of a stream go to
 the ASGI server's own `send` (scope[SERVER_SEND], put there by `DirectStreamAPI`), past the middleware layers, which
@@ -90,8 +91,11 @@ class Formatter:
     already starts with it: a generated request id is the body id itself, a client's `abc` becomes `cmpl-abc`."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool = False, request_id: str | None = None,
-                 include_phases: bool = False) -> None:
+                 include_phases: bool = False, return_token_ids: bool = False,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.chat = chat
+        self.return_token_ids = return_token_ids  # vLLM's: token_ids on choices, prompt_token_ids (add_token_ids)
+        self.prompt_token_ids = prompt_token_ids  # the single-choice path's prompt
         self.model = model
         self.include_usage = include_usage
         self.include_phases = include_phases  # pdserve's stream_options.include_phases (needs include_usage)
@@ -123,11 +127,21 @@ class Formatter:
         body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None if self.usage_so_far is None else self.usage(*self.usage_so_far())
+        self.add_token_ids(body, choice, piece.token_ids, self.prompt_token_ids if first else None)
         return body
+
+    def add_token_ids(self, body: dict, choice: dict, token_ids: list[int], prompt_ids: list[int] | None) -> None:
+        """With return_token_ids (vLLM's), the choice's `token_ids` and, when given (a whole response, a choice's
+        first chunk), `prompt_token_ids` on a chat body or a completion choice, where vLLM puts them."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if prompt_ids is not None:
+                (body if self.chat else choice)["prompt_token_ids"] = list(prompt_ids)
 
     def chunk_event(self, piece: Piece, logprobs: bool, first: bool = False) -> bytes:
         """`event(self.chunk(piece, logprobs, first))`; a plain text chunk (most of a stream) from its template."""
-        if logprobs or first or not piece.text or piece.finish_reason is not None or self.usage_so_far is not None:
+        if (logprobs or first or not piece.text or piece.finish_reason is not None or self.usage_so_far is not None
+                or self.return_token_ids):
             return event(self.chunk(piece, logprobs, first))
         return self.text_event(piece.text)
 
@@ -149,15 +163,19 @@ class Formatter:
         return body
 
     def response(self, text: str, tokens: list[TokenInfo], logprobs: bool, finish_reason: str,
-                 prompt_tokens: int, completion_tokens: int) -> dict:
+                 prompt_tokens: int, completion_tokens: int, token_ids: list[int] = ()) -> dict:
         lp = self.logprobs(tokens) if logprobs else None
-        if self.chat:
+        if self.chat:  # vLLM's prompt_logprobs, null unless asked for (coordinator.api.choices serves those)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": finish_reason}
+            extra = {"prompt_logprobs": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self.usage(prompt_tokens, completion_tokens)}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "prompt_logprobs": None}
+            extra = {}
+        body = {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": self.usage(prompt_tokens, completion_tokens), **extra}
+        self.add_token_ids(body, choice, token_ids, self.prompt_token_ids)
+        return body
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, stream: bool,
                first: bool = False) -> dict:

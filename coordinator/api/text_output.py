@@ -30,7 +30,7 @@ class TokenInfo:
     """One generated token for logprobs: its text, where it starts in the output text, and its alternatives."""
 
     token_id: int
-    text: str
+    text: str  # as logprobs name it (TextOutput.token_name)
     bytes: list[int]  # the token's own bytes (UTF-8 of its text, or the raw bytes of a partial character)
     offset: int
     logprob: float
@@ -40,8 +40,9 @@ class TokenInfo:
 class TextOutput:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, tokens_as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:<id>`
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stops = [s for s in stop if s]
         self._include_stop = include_stop_str_in_output
@@ -77,8 +78,13 @@ class TextOutput:
         below LOGPROB_FLOOR (a token a grammar masked out has -inf) are given as the floor, as OpenAI and vLLM do:
         JSON has no infinity."""
         top = sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])
-        return TokenInfo(lp.token_id, *self.token_text(lp.token_id), self._last_offset, floored(lp.logprob),
-                         [(*self.token_text(t), floored(v)) for t, v in top])
+        return TokenInfo(lp.token_id, self.token_name(lp.token_id), self.token_text(lp.token_id)[1],
+                         self._last_offset, floored(lp.logprob),
+                         [(self.token_name(t), self.token_text(t)[1], floored(v)) for t, v in top])
+
+    def token_name(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or `token_id:<id>` with tokens_as_ids."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)[0]
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """A single token's text and bytes; a token holding part of a UTF-8 character reads `bytes:\\xNN` (vLLM)."""

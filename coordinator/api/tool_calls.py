@@ -2,8 +2,9 @@
 output that forces a call, and the parsers that turn a model's tool-call text into OpenAI `tool_calls`.
 
 Owns: validation (a named tool_choice must name a tool; tool_choice needs tools), `forced_spec` (`required`: a JSON
-array of {"name", "parameters"} objects, one per call, each `parameters` validated by that tool's schema, at most
-one item when parallel_tool_calls is false; a named function: its parameters object itself, the text being its
+array of {"name", "parameters"} objects, one per call, each `parameters` validated by that tool's schema (hoisted
+under the combined root's `$defs` with its local `$ref`s rewritten to point there), at most one item when
+parallel_tool_calls is false; a named function: its parameters object itself, the text being its
 arguments), and `parse_calls`, which reads the finished text by mode: forced modes from their JSON, `auto` with the
 parser of the model's chat-template family chosen by `server.tool_call_parser`
 (coordinator.config.settings.TOOL_CALL_PARSERS: `llama3_json`, Llama 3.x's
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.sampling.structured import StructuredSpec
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
 
 
 class FunctionDef(BaseModel):
@@ -54,7 +56,7 @@ class NamedToolChoice(BaseModel):
 class ToolFields(BaseModel):
     """Mixed into the chat request body (coordinator.api.protocol)."""
 
-    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
@@ -98,12 +100,45 @@ def forced_spec(req: ToolFields) -> tuple[str, StructuredSpec] | None:
     if mode != "required":
         return None
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "parameters": _params_schema(t.function)},
+                                               "parameters": {"$ref": f"#/$defs/{t.function.name}"}},
               "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
-    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                             "$defs": {t.function.name: _hoisted(_params_schema(t.function), t.function.name)
+                                       for t in req.tools}}
     if req.parallel_tool_calls is False:
         array["maxItems"] = 1
     return "tools", StructuredSpec.json_schema(array)
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas: a "$ref" there is data
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _hoisted(schema: Any, name: str) -> Any:
+    """A tool's parameters schema as it reads at `#/$defs/<name>` of the combined `required` schema: every local
+    `$ref` (`#`, `#/$defs/...`, `#/definitions/...`, any pointer into the tool's own schema) points into its copy
+    there. The tool's `$id` and `$schema` are dropped, so its refs resolve against the combined root.
+    (A function name is a safe JSON pointer segment: [a-zA-Z0-9_-].)"""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+                out[key] = f"#/$defs/{name}{value[1:]}"
+            elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # keys are names (a property may be "enum")
+                out[key] = {k: walk(v) for k, v in value.items()}
+            else:
+                out[key] = value if key in _DATA_KEYS else walk(value)
+        return out
+
+    hoisted = walk(schema)
+    if isinstance(hoisted, dict):
+        hoisted = {k: v for k, v in hoisted.items() if k not in ("$id", "$schema")}
+    return hoisted
 
 
 @dataclass(frozen=True)

@@ -107,20 +107,27 @@ class ToolStream:
 
 def tool_chunks(base: dict[str, Any], tools: ToolStream, text: str, finish_reason: str | None,
                 first: bool) -> list[dict[str, Any]]:
-    """The stream chunks for one piece, from `base` (the Formatter's chunk for it): one per delta, the role on the
-    first chunk of the stream, the finish reason (and the piece's logprobs) on the last one."""
+    """The stream chunks for one piece, from `base` (the Formatter's chunk for it): one per delta, the role (and
+    return_token_ids' prompt_token_ids) on the first chunk of the stream, the finish reason (and the piece's logprobs
+    and token_ids: [] before) on the last one; a piece whose text is held back still sends its logprobs and ids."""
     deltas = tools.feed(text)
     if finish_reason is not None:
         more, finish_reason = tools.finish(finish_reason)
         deltas += more
-    if not deltas and (first or finish_reason is not None or base["choices"][0].get("logprobs")):
+    own = base["choices"][0]
+    if not deltas and (first or finish_reason is not None or own.get("logprobs") or own.get("token_ids")):
         deltas = [{}]
     chunks = []
     for i, delta in enumerate(deltas):
         last = i == len(deltas) - 1
-        choice = {**base["choices"][0], "delta": ({"role": "assistant"} if first and i == 0 else {}) | delta,
+        choice = {**own, "delta": ({"role": "assistant"} if first and i == 0 else {}) | delta,
                   "finish_reason": finish_reason if last else None}
         if not last:
             choice["logprobs"] = None
-        chunks.append({**base, "choices": [choice]})
+            if "token_ids" in choice:
+                choice["token_ids"] = []
+        chunk = {**base, "choices": [choice]}
+        if i > 0:
+            chunk.pop("prompt_token_ids", None)
+        chunks.append(chunk)
     return chunks

@@ -7,7 +7,9 @@ so importing this module needs neither torch nor llguidance. Compiling against a
 masks are engine.grammar's.
 
 JSON output is compact (`,` and `:` separators, no free whitespace): a model cannot spin on whitespace, and a
-schema's own `x-guidance` options may still override that.
+schema's own `x-guidance` options may still override that. Objects hold only the properties their schema names
+unless it opens them (`additionalProperties` absent reads as false, as vLLM's default backend generates:
+engine.sampling.json_schema), so a model cannot add keys until max_tokens either.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Literal
+
+from engine.sampling.json_schema import closed_objects
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -38,7 +42,8 @@ class StructuredSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> StructuredSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        """The spec of a JSON schema, its objects closed (engine.sampling.json_schema.closed_objects)."""
+        return cls("json_schema", json.dumps(closed_objects(schema), sort_keys=True, separators=(",", ":")))
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredSpec:

@@ -13,10 +13,11 @@ transformers 5 would add nothing there, silently dropping the BOS the checkpoint
 Note: a Llama-3-style template already writes `bos_token`; encode its output with `add_special_tokens=False`.
 
 `encode_chat` renders and encodes a conversation so that only the special tokens the template writes become
-control tokens: special-token text inside the messages (a user typing "<|eot_id|>") is encoded as plain text,
-unless the caller allows it. Every string in the messages has its special-token text swapped for a unique
-placeholder, the template renders, the special tokens of that rendering are found by the tokenizer itself, and
-the text between them (placeholders restored) is encoded with special-token matching off.
+control tokens: special-token text inside the messages and the other values given to the template (`tools`: a
+description or property name holding "<|eot_id|>") is encoded as plain text, unless the caller allows it. Every such
+string (and key) has its special-token text swapped for a unique placeholder, the template renders, the special
+tokens of that rendering are found by the tokenizer itself, and the text between them (placeholders restored) is
+encoded with special-token matching off.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     special_tokens_in_content: bool = False, **template_kwargs: Any) -> list[int]:
         """The conversation's prompt ids: the template's special tokens as control tokens; special-token text
-        in the messages as plain text unless `special_tokens_in_content`."""
+        in the messages and `template_kwargs` (tools) as plain text unless `special_tokens_in_content`."""
         if special_tokens_in_content or self._special_pattern is None:
             text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
             return self.encode(text, add_special_tokens=False)
@@ -190,10 +191,11 @@ class Tokenizer:
                 return self._special_pattern.sub(lambda m: f"{nonce}:{found.append(m.group()) or len(found) - 1}"
                                                  "\ue001", value)
             if isinstance(value, dict):
-                return {k: hide(v) for k, v in value.items()}
+                return {hide(k): hide(v) for k, v in value.items()}
             return [hide(v) for v in value] if isinstance(value, list) else value
 
         hidden = [{k: (v if k == "role" else hide(v)) for k, v in m.items()} for m in messages]
+        template_kwargs = {k: hide(v) for k, v in template_kwargs.items()}  # `tools`: names, descriptions, schemas
         text = self.apply_chat_template(hidden, add_generation_prompt, **template_kwargs)
         if not found:
             return self.encode(text, add_special_tokens=False)
