@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,9 @@ class EngineLoad:
     gc_pause_seconds_total: float = 0.0
     gc_pause_max_s: float = 0.0
     # when the report was taken, on the reporting process's monotonic clock (0: unknown): a rate between two reports
-    # of one worker divides by this difference, not by when a reader happened to receive them
-    taken_at_s: float = 0.0
+    # of one worker divides by this difference, not by when a reader happened to receive them (not compared: two
+    # reports of the same state are equal whenever they were taken)
+    taken_at_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ def backend_stats(backend: Any) -> dict:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
         if w.alive and w.load is not None:
             load = asdict(w.load)
+            load.pop("taken_at_s")  # a time on the worker's own clock: nothing to export
             entry |= {"queued_prompt_tokens": load.pop("queued_prompt_tokens"), "running": load.pop("num_running"),
                       "free_blocks": load.pop("free_blocks"), "total_blocks": load.pop("total_blocks")}
             entry["engine"] = {k: v for k, v in load.items() if isinstance(v, int | float)}
