@@ -37,7 +37,7 @@ from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec  # noqa: E402
 from coordinator.backend.held_queue import HeldQueue  # noqa: E402
-from coordinator.backend.ray_backend import _coalesced  # noqa: E402
+from coordinator.backend.output_intake import coalesced as _coalesced  # noqa: E402
 from coordinator.contract import GenerateRequest, TokenDelta  # noqa: E402
 from engine.core.scheduler import StepOutput  # noqa: E402
 

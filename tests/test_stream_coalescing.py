@@ -4,7 +4,7 @@ before it; and HeldQueue (coordinator.backend.held_queue), which holds them back
 
 import asyncio
 
-from coordinator.backend.ray_backend import _coalesced
+from coordinator.backend.output_intake import coalesced as _coalesced
 from engine.core.request import TokenLogprob
 from engine.core.scheduler import StepOutput
 

@@ -3,13 +3,13 @@ chunk's worth of tokens is in.
 
 A reader that streams `interval` tokens a chunk (ServerSettings.stream_interval, or its tenant's) gains nothing from
 waking at every decode step: each wake-up costs the coordinator's event loop the whole per-delta path (the backend's
-generators, the lifecycle, the detokenizer) for one token. So outputs wait here until `interval` tokens are held, and
-then go to the reader together (it coalesces what is queued: coordinator.backend.ray_backend._coalesced). Never held: an
-attempt's first output (a collocated request's first token, so TTFT is untouched; in disaggregated mode its first
-decode output, which also marks the request's join for its phases and bookings), one that ends the request, and
-an error (which comes after the tokens held before it). A stop string is thus seen up to n - 1 tokens late: the
-worker may decode that many more, which are not sent. Owned by the attempt that created it; the poll loop and
-failures only put into it.
+generators, the lifecycle, the detokenizer) for one token. So outputs wait here until `interval` tokens are held,
+and then go to the reader together (it coalesces what is queued: coordinator.backend.output_intake.coalesced).
+Never held: an attempt's first output (a collocated request's first token, so TTFT is untouched; in disaggregated
+mode its first decode output, which also marks the request's join for its phases and bookings), one that ends the
+request, and an error (which comes after the tokens held before it). A stop string is thus seen up to n - 1 tokens
+late: the worker may decode that many more, which are not sent. Owned by the attempt that created it; the poll loop
+and failures only put into it.
 """
 
 from __future__ import annotations

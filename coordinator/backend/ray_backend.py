@@ -4,7 +4,8 @@ Owns each request's path between workers, as a sequence of attempts. An attempt 
 books its capacity in the request's Reservation), then: prefill (the first token streams at once), the handoff
 (the decode worker pulls the KV; a failed transfer makes it recompute the prompt instead, per
 `transfer.on_failure`), and the token stream, which arrives from each decode worker in batches on its stream
-(decode_pool.worker_stream; a worker started without one is long-polled). A request run whole on one worker
+(decode_pool.worker_stream; a worker started without one is long-polled) into the attempt's queue
+(coordinator.backend.output_intake). A request run whole on one worker
 (collocated) starts and ends there by commands on that stream, not Ray calls: one write each, and its abort can
 never overtake its start. When a worker dies under an attempt
 (WorkerLost), the request moves: the next attempt prefills the prompt plus every token already streamed and
@@ -27,9 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -40,7 +40,7 @@ from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
 from coordinator.backend.drills import Drills
-from coordinator.backend.held_queue import HeldQueue
+from coordinator.backend.output_intake import OutputIntake, coalesced
 from coordinator.backend.pools import Pools
 from coordinator.backend.ray_calls import quietly
 from coordinator.backend.ray_group import GroupRun
@@ -50,15 +50,11 @@ from coordinator.config.serve_config import FaultsConfig, ServeConfig
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
 from coordinator.observability.loop_lag import LoopLag
 from coordinator.observability.phases import PhaseTrace
-from decode_pool.step_delta import StepDelta
-from decode_pool.worker_stream import StreamLink
 from engine.core.request_timing import Durations
 from engine.gc_pauses import GcPauses
-from engine.load import EngineLoad
 from kvtransfer.errors import TransferError
 
 log = logging.getLogger("pdserve")
-POLL_TIMEOUT_S = 0.5
 STATS_PERIOD_S = 1.0
 
 
@@ -74,9 +70,7 @@ class RayBackend:
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
         self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
-        self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
-        self._direct: dict[str, Callable[[list[int]], None]] = {}  # attempt id -> its running stream's sink
-        self._worker_phases: dict[str, Durations] = {}  # attempt id -> the decode worker's durations, until taken
+        self.intake = OutputIntake(self.supervisor, lambda: self._count(self.errors, "worker_error"))
         self._push_waits: dict[str, Durations] = {}  # attempt id -> the prefill side's wait for its pushed KV
         self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
         self._tasks: set[asyncio.Task] = set()
@@ -104,7 +98,7 @@ class RayBackend:
         self.loop_lag.start()
         self.gc_pauses.install()
         for w in self.pools.all_workers:  # any worker may decode (adaptive roles), and every one reports its load
-            self._spawn(self._outputs_loop(w))
+            self._spawn(self.intake.loop(w))
         if self.drills.injecting:
             await self.drills.set_faults(self.drills.faults)
         self._spawn(self._stats_loop())
@@ -115,8 +109,7 @@ class RayBackend:
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.shutdown()
-        for q in self._streams.values():
-            q.put_nowait(BackendError("the server is shutting down"))
+        self.intake.fail_all(BackendError("the server is shutting down"))
         await self.pools.shutdown()
 
     # ---- one request
@@ -180,8 +173,7 @@ class RayBackend:
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
-        queue = HeldQueue(request.stream_interval) if request.stream_interval > 1 else asyncio.Queue()
-        self._streams[attempt] = queue
+        queue = self.intake.open(attempt, request.stream_interval)
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
         finished = joined = False  # joined: a token came from the decode stream
         decode, streamed, prior = placement.decode, prior, list(prior)
@@ -204,12 +196,12 @@ class RayBackend:
                 if finished:
                     return
             while True:
-                delta, error = _coalesced(await queue.get(), queue)
+                delta, error = coalesced(await queue.get(), queue)
                 if delta is not None:
                     if joined:
                         trace.mark("decode")
                     else:  # the worker's durations up to its first token, inside the interval since the last mark
-                        durations = self._worker_phases.pop(attempt, ())
+                        durations = self.intake.take_phases(attempt)
                         trace.split(durations)
                         if self.adaptive is not None and placement.prefill is not None:
                             self.adaptive.handed_over(len(request.prompt_token_ids) + len(prior), sum(
@@ -217,7 +209,7 @@ class RayBackend:
                         joined = True
                         reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
                         if request.sink is not None and type(queue) is asyncio.Queue:  # not held back in chunks
-                            self._direct[attempt] = _direct_sink(trace, streamed, request.sink)
+                            self.intake.go_direct(attempt, trace, streamed, request.sink)
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
@@ -227,9 +219,7 @@ class RayBackend:
         finally:
             if finished and self.adaptive is not None:
                 self.adaptive.decoded(request.prompt_token_ids + streamed, decode.name)
-            self._streams.pop(attempt, None)
-            self._direct.pop(attempt, None)
-            self._worker_phases.pop(attempt, None)
+            self.intake.close(attempt)
             self._push_waits.pop(attempt, None)
             ends = []
             for worker, action in cleanup:
@@ -301,14 +291,14 @@ class RayBackend:
         stream."""
         prefill, decode = placement.prefill, placement.decode
         try:
-            if attempt not in self._streams:  # the request ended before this task ran: its abort is already sent,
+            if attempt not in self.intake.queues:  # the request ended before this task ran: its abort is already sent,
                 return                        # and a decode() behind it would run a request nobody reads
             pushed = False
             if result.pushed:  # the first token went out before the writes ended: how did they?
                 pushed, waited = await self._call(prefill, prefill.handle.push_outcome.remote(attempt))
                 if (prefill, "abort") in cleanup:
                     cleanup.remove((prefill, "abort"))  # no write is in flight now: the decode side may free
-                if attempt not in self._streams:
+                if attempt not in self.intake.queues:
                     return
                 if self.adaptive is not None:
                     self._push_waits[attempt] = (("kv_transfer", waited),)
@@ -318,12 +308,12 @@ class RayBackend:
         except TransferFailed as e:
             self._count(self.errors, "transfer_failed")
             if self.config.transfer.on_failure == "fail":
-                self._fail(attempt, BackendError(f"{e} (transfer.on_failure: fail)"))
-            elif attempt in self._streams:
+                self.intake.fail(attempt, BackendError(f"{e} (transfer.on_failure: fail)"))
+            elif attempt in self.intake.queues:
                 log.warning("request %s: %s; the decode worker recomputes its prompt", attempt, e)
                 await self._recompute(attempt, request, prior + [result.first_token_id], placement)
         except BackendError as e:
-            self._fail(attempt, e)
+            self.intake.fail(attempt, e)
         finally:
             if prefill.alive:
                 self._spawn(quietly(prefill.handle.release.remote(attempt)))
@@ -336,15 +326,10 @@ class RayBackend:
                 attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
                 priority=placement.priority))
         except BackendError as e:
-            self._fail(attempt, e)
+            self.intake.fail(attempt, e)
             return
-        if attempt not in self._streams and decode.alive:  # the request ended meanwhile: its abort may have
+        if attempt not in self.intake.queues and decode.alive:  # the request ended meanwhile: its abort may have
             self._spawn(quietly(decode.handle.abort.remote(attempt)))  # arrived first
-
-    def _fail(self, attempt: str, error: BaseException) -> None:
-        queue = self._streams.get(attempt)
-        if queue is not None:
-            queue.put_nowait(error)
 
     async def _call(self, worker: WorkerState, ref: Any) -> Any:
         try:
@@ -363,10 +348,10 @@ class RayBackend:
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
         self._count(self.errors, "worker_died")
         for attempt in list(worker.requests):
-            self._fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
+            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
 
     def _worker_live(self, worker: WorkerState) -> None:
-        self._spawn(self._outputs_loop(worker))
+        self._spawn(self.intake.loop(worker))
         if self.drills.injecting:
             self._spawn(self.drills.on_worker_live(worker))
         self._capacity_freed()
@@ -374,65 +359,6 @@ class RayBackend:
     def _capacity_freed(self) -> None:
         if self.admission is not None:
             self.admission.notify()
-
-    def _outputs_loop(self, worker: WorkerState) -> Coroutine[Any, Any, None]:
-        """What takes a decode worker's outputs: its output stream where it has one, else the long-poll."""
-        return self._poll_loop(worker) if worker.info.outputs_at is None else self._stream_loop(worker)
-
-    async def _poll_loop(self, worker: WorkerState) -> None:
-        while worker.alive:
-            try:
-                outputs, load, phases = await worker.handle.poll.remote(POLL_TIMEOUT_S)
-            except (RayActorError, RayTaskError) as e:
-                self.supervisor.worker_died(worker, f"poll failed: {type(e).__name__}: {e}")
-                return
-            self._take_outputs(worker, outputs, load, phases)
-
-    async def _stream_loop(self, worker: WorkerState) -> None:
-        """A worker's outputs from its stream (decode_pool.worker_stream) until it ends: the worker died. While it
-        runs, the worker's `link` takes commands."""
-        link = worker.link = StreamLink(*worker.info.outputs_at)
-        try:
-            async with aclosing(link.batches()) as batches:
-                async for outputs, load, phases, failed in batches:
-                    if not worker.alive:
-                        return
-                    self._take_outputs(worker, outputs, load, phases)
-                    for attempt, error in failed.items():  # a command refused (e.g. add_request's ValueError)
-                        self._count(self.errors, "worker_error")
-                        self._fail(attempt, BackendError(f"worker {worker.name} failed: {error}"))
-            why = "its output stream ended"
-        except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
-            why = f"its output stream failed: {type(e).__name__}: {e}"
-        finally:
-            if worker.link is link:
-                worker.link = None
-        if worker.alive:
-            self.supervisor.worker_died(worker, why)
-
-    def _take_outputs(self, worker: WorkerState, outputs: list[tuple], load: EngineLoad | None,
-                      phases: dict[str, Durations]) -> None:
-        """One batch of a worker's deltas (poll() or its stream) to their streams; `load`: the worker's after them."""
-        if load is not None:
-            worker.load = load
-        for attempt, durations in phases.items():  # before its output: the attempt takes them with it
-            if attempt in self._streams:
-                self._worker_phases[attempt] = durations
-        for fields in outputs:
-            queue = self._streams.get(fields[0])
-            if queue is None:  # the attempt ended already; the worker was told to abort it
-                continue
-            direct = self._direct.get(fields[0])
-            # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
-            # (order kept: an undelivered delta stays in the queue until its reader has sent it on)
-            if direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None:
-                try:
-                    direct(fields[1])
-                    continue
-                except Exception:  # never the poll's end: this stream goes back to its reader's path
-                    log.exception("request %s: its stream's sink failed", fields[0])
-                    self._direct.pop(fields[0], None)
-            queue.put_nowait(StepDelta(*fields))
 
     async def _stats_loop(self) -> None:
         while True:
@@ -511,32 +437,3 @@ async def _in_order(attempt: str, ends: list[Any]) -> None:
     """End an attempt on its workers one after the other (each call's failure ignored)."""
     for end in ends:
         await quietly(end.remote(attempt))
-
-
-def _direct_sink(trace: PhaseTrace, streamed: list[int],
-                 sink: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """What the poll calls with a stream's middle tokens: what generate() and _attempt do for a delta they yield
-    (the decode mark, the record of what was streamed, where a moved request resumes), then the sink."""
-    def deliver(token_ids: list[int]) -> None:
-        trace.mark("decode")
-        sink(token_ids)
-        streamed.extend(token_ids)  # after: a sink that raised has not streamed them (they go the reader's way)
-    return deliver
-
-
-def _coalesced(first: Any, queue: asyncio.Queue) -> tuple[TokenDelta | None, BaseException | None]:
-    """`first` and every step output already queued behind it, as one delta (a consumer that fell behind, e.g. a
-    coordinator busy with many streams, then pays its per-chunk costs once per batch, not once per token), and the
-    error that ended the run, if any (raised after the tokens before it are delivered)."""
-    if isinstance(first, BaseException):
-        return None, first
-    tokens, logprobs, finish = list(first.new_token_ids), list(first.new_logprobs), first.finish_reason
-    while finish is None and not queue.empty():
-        out = queue.get_nowait()
-        if isinstance(out, BaseException):
-            return TokenDelta(tokens, logprobs, None), out
-        tokens += out.new_token_ids
-        logprobs += out.new_logprobs
-        finish = out.finish_reason
-    return TokenDelta(tokens, logprobs, finish), None
-

@@ -157,7 +157,7 @@ class GroupRun:
             prefill, decode = placement.prefill, placement.decode
             self._decode = decode
             for cid in ids:
-                b._streams[cid] = queue
+                b.intake.queues[cid] = queue
             source = prefill or decode
             cleanup.append((source, "abort_group"))
             if prefill is None:
@@ -192,7 +192,7 @@ class GroupRun:
                 yield j, TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason)
         finally:
             for cid in ids:
-                b._streams.pop(cid, None)
+                b.intake.queues.pop(cid, None)
             for worker, action in cleanup:
                 if action == "abort_group":
                     if worker.alive:
@@ -219,7 +219,7 @@ class GroupRun:
         finally:
             if prefill is not None and prefill.alive:
                 b._spawn(quietly(prefill.handle.release.remote(rid)))
-        ended = self._ids[0] not in b._streams  # the group's stream closed while the choices were starting
+        ended = self._ids[0] not in b.intake.queues  # the group's stream closed while the choices were starting
         for j, cid in enumerate(self._ids):  # an abort sent before a choice existed there found nothing
             if decode.alive and (j in self._stopped or (ended and j not in self._done)):
                 b._spawn(quietly(decode.handle.abort.remote(cid)))
