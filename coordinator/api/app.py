@@ -1,26 +1,24 @@
 """create_app: the coordinator's OpenAI-compatible HTTP API over a ServingBackend.
 
-Owns the HTTP edge: auth (one server key, or tenants' keys with their rate limits and priority:
-coordinator.admission.tenants),
-body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never reaches the backend),
-tokenization (once, here; chat template for chat requests), the context-length check, and turning a Generation into a
-JSON response or an SSE stream (its final usage chunk carries the request's phases when
-`stream_options.include_phases` asks: coordinator.observability.phases). Routes: POST /v1/completions, POST
-/v1/chat/completions,
-GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api is
-on (coordinator.api.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize
-(coordinator.api.model_api).
-State lives on app.state: backend, settings, tokenizer, lifecycle (drain API, see coordinator.api.lifecycle), metrics,
-tenants. The caller owns the backend: it awaits `backend.start()` before serving and `backend.shutdown()` after, and
-drains first (coordinator.api.lifecycle); the app's lifespan only marks the server draining when uvicorn shuts down.
+Owns the HTTP edge and the order of a generation request's stages, each visited once: parse (auth, body limits,
+validation, tokenization, the context-length check: coordinator.api.internal_request; every rejection is an
+OpenAI-shaped 4xx and never reaches the backend), admit (a drain ticket and the tenant's charge:
+coordinator.admission.tenants), generate (a Generation over the backend: coordinator.api.lifecycle) and shape (a
+JSON response or an SSE stream, whose final usage chunk carries the request's phases when
+`stream_options.include_phases` asks: coordinator.observability.phases). A request with several choices goes from
+parse to coordinator.api.choices_serve, which admits, generates and shapes its choices together. Routes: POST
+/v1/completions, POST /v1/chat/completions, GET /health (503 while draining or while a pool has no live worker), GET
+/metrics, /admin/* when server.admin_api is on (coordinator.api.admin), and GET /v1/models, GET /version, POST
+/tokenize, POST /detokenize (coordinator.api.model_api). State lives on app.state: backend, settings, tokenizer,
+lifecycle (drain API, see coordinator.api.lifecycle), metrics, tenants. The caller owns the backend: it awaits
+`backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.api.lifecycle); the
+app's lifespan only marks the server draining when uvicorn shuts down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -30,11 +28,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator import errors
-from coordinator.admission.tenants import Tenant, TenantRegistry
-from coordinator.api import choices, model_api, protocol
+from coordinator.admission.tenants import TenantRegistry
+from coordinator.api import model_api
 from coordinator.api.admin import health_response, install_admin_routes
 from coordinator.api.choices_serve import serve_choices
-from coordinator.api.http_body import read_json
+from coordinator.api.internal_request import InternalRequest, parse_request
 from coordinator.api.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
 from coordinator.api.text_output import TextOutput
@@ -48,7 +46,6 @@ from coordinator.observability.phases import PhaseTrace
 from engine.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
-REQUEST_LOG = logging.getLogger("coordinator.requests")
 STREAM_DEADLINE_GRACE_S = 1.0  # past the request's deadline, a stream blocked on a slow reader is cut
 
 
@@ -108,11 +105,6 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     return app
 
 
-def _authenticate(app: FastAPI, request: Request) -> Tenant:
-    """The request's tenant from its `Authorization: Bearer` key (401 if the server has keys and it has none)."""
-    return app.state.tenants.authenticate(request.headers.get("authorization"))
-
-
 def _is_operator(settings: ServerSettings, request: Request) -> bool:
     """Whether the request carries the operator's key (server.admin_api_key), compared in constant time."""
     if settings.admin_api_key is None:
@@ -156,67 +148,56 @@ def _outcome(exc: BaseException) -> str:
     return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
 
 
-async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Generation, Formatter, Ticket]:
-    """Everything before the backend: a rejected request raises an APIError here and never reaches it."""
-    settings: ServerSettings = app.state.settings
-    backend: ServingBackend = app.state.backend
-    arrival = time.monotonic()
-    tenant = _authenticate(app, request)
-    if app.state.lifecycle.draining:
-        app.state.lifecycle.admit()  # raises the draining 503
-    model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
-    req = protocol.parse(model, await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
-    if req.model != app.state.model_name:
-        raise errors.model_not_found(req.model, app.state.model_name)
-    if choices.wanted(req):  # n, best_of, prompt lists, echo, prompt_logprobs: coordinator.api.choices_serve
-        for option in ("include_phases", "continuous_usage_stats"):
-            if getattr(req.stream_options, option, False):
-                raise errors.invalid_request(f"stream_options.{option}: only for single-choice requests (not with "
-                                             "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
-                                             f"stream_options.{option}")
-        return req, tenant, arrival
-    args = (req, app.state.tokenizer, backend.vocab_size, settings.allow_special_tokens_in_content)
-    if protocol.tokenize_inline(req):  # cheaper here than a hop to a thread
-        prompt = protocol.prompt_token_ids(*args)
-    else:  # a long prompt: off the loop, so it does not stall every stream
-        prompt = await asyncio.to_thread(protocol.prompt_token_ids, *args)
-    max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
-    num_logprobs = req.num_logprobs if chat else req.logprobs
-    params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
-    request_id: str = request.state.request_id  # errors.RequestIdMiddleware: the client's X-Request-Id or generated
-    if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
-        REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
-    priority = tenant.priority_for(req.priority)
-    fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id, req.include_phases,
-                    bool(req.return_token_ids), prompt)
-    text = TextOutput(app.state.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
-                      req.skip_special_tokens, req.min_tokens, bool(req.return_tokens_as_token_ids))
-    ticket = app.state.lifecycle.admit()
-    try:
-        grant = await app.state.tenants.charge(tenant, len(prompt), max_tokens)  # 429 past the tenant's limits
-    except BaseException:
-        ticket.release()
-        raise
-    trace = PhaseTrace(arrival)
-    generate = GenerateRequest(request_id, prompt, params, priority, trace=trace,
-                               stream_interval=tenant.stream_interval(settings.stream_interval))
-    gen = Generation(app.state.backend, generate, text, app.state.metrics, settings.request_timeout_s,
-                     num_logprobs is not None, arrival, grant, trace=trace)
-    if req.continuous_usage:
-        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
-    return req, gen, fmt, ticket
-
-
 async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
+    """One generation request through the stages, each once: parse, admit, generate, shape."""
     try:
-        admitted = await _admit(app, request, chat)
-        if len(admitted) == 3:
-            return await serve_choices(app, request, *admitted, chat=chat, until_disconnect=_until_disconnect,
-                                       grace_s=STREAM_DEADLINE_GRACE_S)
+        internal = await parse_request(app, request, chat)
+        if internal.multi_choice:  # n, best_of, prompt lists, echo, prompt_logprobs: coordinator.api.choices_serve
+            return await serve_choices(app, request, internal.openai, internal.tenant, internal.arrival, chat=chat,
+                                       until_disconnect=_until_disconnect, grace_s=STREAM_DEADLINE_GRACE_S)
+        ticket, grant = await _admit(app, internal)
     except errors.APIError:
         app.state.metrics.requests.inc("rejected")
         raise
-    req, gen, fmt, ticket = admitted
+    try:
+        gen = _generate(app, internal, grant)
+    except BaseException:
+        ticket.release()
+        raise
+    return await _shape(app, request, internal, gen, ticket)
+
+
+async def _admit(app: FastAPI, internal: InternalRequest) -> tuple[Ticket, Any]:
+    """A drain ticket (refused while draining) and the tenant's charge (429 past its limits)."""
+    ticket = app.state.lifecycle.admit()
+    try:
+        grant = await app.state.tenants.charge(internal.tenant, len(internal.prompt), internal.max_tokens)
+    except BaseException:
+        ticket.release()
+        raise
+    return ticket, grant
+
+
+def _generate(app: FastAPI, internal: InternalRequest, grant: Any) -> Generation:
+    """The request's run on the backend, with its text (detokenizer, stop strings) and phases."""
+    req, settings = internal.openai, app.state.settings
+    text = TextOutput(app.state.tokenizer, internal.prompt, req.stop_strings, req.include_stop_str_in_output,
+                      req.skip_special_tokens, req.min_tokens, bool(req.return_tokens_as_token_ids))
+    trace = PhaseTrace(internal.arrival)
+    generate = GenerateRequest(internal.request_id, internal.prompt, internal.params, internal.priority, trace=trace,
+                               stream_interval=internal.tenant.stream_interval(settings.stream_interval))
+    return Generation(app.state.backend, generate, text, app.state.metrics, settings.request_timeout_s,
+                      internal.num_logprobs is not None, internal.arrival, grant, trace=trace)
+
+
+async def _shape(app: FastAPI, request: Request, internal: InternalRequest, gen: Generation,
+                 ticket: Ticket) -> Response:
+    """The whole JSON body, or the SSE stream (its first piece awaited here, so an error before it is a status)."""
+    req, chat = internal.openai, internal.chat
+    fmt = Formatter(chat, app.state.model_name, req.include_usage, internal.request_id, req.include_phases,
+                    bool(req.return_token_ids), internal.prompt)
+    if req.continuous_usage:
+        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
     want_lp = gen.request.params.logprobs is not None
     tools = _tool_stream(req, app.state.settings.tool_call_parser) if chat else None
     try:
