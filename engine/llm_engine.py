@@ -135,6 +135,8 @@ class LLMEngine:
         if self.uses_kernels and config.warmup and self.device.type == "cuda":  # no compiles on the CPU
             warm_up(self)
             clock.lap("warmup")
+            if self.prepare_grammar():
+                clock.lap("grammar")
         self.startup_s: tuple[tuple[str, float], ...] = tuple(clock.phases)  # seconds per start-up phase
 
     # ---- requests
@@ -308,15 +310,27 @@ class LLMEngine:
             return outputs
         return self.grammar.after_update(outputs, self.scheduler.requests, self.scheduler.finish)
 
+    def prepare_grammar(self) -> bool:
+        """Build the structured-output machinery now (False: llguidance is not installed). Its view of the
+        vocabulary takes seconds for a 128k vocabulary and holds the GIL throughout (1.5 s on the 2-core CPU
+        machine for small-128k): built with the first structured request it stalled every stream of the worker,
+        so a CUDA engine builds it at start (a "grammar" start-up phase); elsewhere the first such request does."""
+        if self.grammar is None:
+            try:
+                from engine.sampling.grammar import GrammarManager  # llguidance: only where outputs are structured
+            except ImportError:
+                return False
+            self.grammar = GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                          self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
+        return True
+
     def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int]):
         """The request's grammar matcher, having consumed the outputs it has (None without a structured spec)."""
         if params.structured is None:
             return None
-        if self.grammar is None:
-            from engine.sampling.grammar import GrammarManager  # llguidance only where structured outputs are used
-            self.grammar = GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size,
-                                          self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
-            self.runner.logits_hook = self.grammar.constrain
+        if not self.prepare_grammar():
+            raise ValueError("structured outputs need the llguidance package, which is not installed")
+        self.runner.logits_hook = self.grammar.constrain  # only once a request is constrained: none cost nothing
         return self.grammar.make(request_id, params.structured, outputs)
 
     def _params(self, sched: SchedulerOutput) -> dict[str, SamplingParams]:

@@ -59,6 +59,25 @@ def test_matcher_masks_advance_and_complete(llm):
         gm.make("s", StructuredSpec.choice(["yes"]), tok.encode("no", add_special_tokens=False))
 
 
+
+def test_a_grammar_prepared_at_start_serves_the_first_constrained_request():
+    """A CUDA engine builds its grammar machinery at start (the vocabulary view holds the GIL for seconds on a 128k
+    vocabulary: built with the first structured request it stalled every stream); the first constrained request
+    then uses it as built, and an unconstrained engine keeps no logits hook."""
+    engine = LLM("tiny").engine
+    assert engine.grammar is None and engine.prepare_grammar()
+    built = engine.grammar
+    assert engine.runner.logits_hook is None  # nothing constrained yet: steps pay nothing
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredSpec.choice(["yes", "no"]))
+    engine.add_request("r", [1, 2, 3], params)
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    out_text = engine.tokenizer.decode(tokens)
+    assert engine.grammar is built and engine.runner.logits_hook is not None
+    assert out_text in ("yes", "no")
+
 def test_engine_random_schemas_valid_and_prefill_decode_handoff(llm):
     rng = random.Random(3)
     schemas = [random_schema(rng) for _ in range(12)]
