@@ -112,7 +112,8 @@ class LLMEngine:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_prefill_chunk=config.max_prefill_chunk)
+                                   max_prefill_chunk=config.max_prefill_chunk,
+                                   head_bypass_steps=config.head_bypass_steps)
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests,
                           cpu_kernel=config.kernels == "auto")
         if self.followers is None:
@@ -340,6 +341,8 @@ class LLMEngine:
             step_time_total_s=self.step_time_total_s, scheduled_tokens_total=s.num_scheduled_tokens,
             sampled_tokens_total=s.num_sampled_tokens, prefix_query_tokens_total=s.num_prefix_query_tokens,
             prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions,
+            preemptions_decode_total=s.preemptions_by_cause["decode"],
+            preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             taken_at_s=time.monotonic(), **self._budget_figures())
 
     def _budget_figures(self) -> dict[str, float]:
