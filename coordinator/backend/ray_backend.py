@@ -19,8 +19,10 @@ lost is `migration`. In mode adaptive a placement may prefill locally (the collo
 and each ended request tells the AdaptiveLayout (coordinator.backend.adaptive) its latencies, handoff and cache.
 
 Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
-attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
-Supervisor's: it replaces them, and this backend starts polling the replacement.
+attempt's work is cancelled on live workers and the Reservation is released, exactly once. With growing bookings
+(coordinator.admission.growth) each attempt's decode booking grows in its Reservation as its tokens arrive
+(`_take_outputs`), so that release gives back the grown booking too. Dead workers are the Supervisor's: it replaces
+them, and this backend starts polling the replacement.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from coordinator.admission.admission import Admission, Placement
+from coordinator.admission.growth import BookingGrowth
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
@@ -73,6 +76,7 @@ class RayBackend:
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
+        self.growth: BookingGrowth | None = None  # growing decode bookings (admission.reserve_output null)
         self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
         self._direct: dict[str, Callable[[list[int]], None]] = {}  # attempt id -> its running stream's sink
@@ -97,6 +101,8 @@ class RayBackend:
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
         self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
+        if self.config.admission.reserve_output is None:
+            self.growth = BookingGrowth(infos[0].block_size, self.config.admission.reserve_ahead_tokens)
         if self.config.adaptive:
             self.adaptive = AdaptiveLayout(self.config, self.admission, lambda: self.pools.all_workers,
                                            self._booked_prompt_tokens, self._capacity_freed)
@@ -186,6 +192,9 @@ class RayBackend:
         finished = joined = False  # joined: a token came from the decode stream
         decode, streamed, prior = placement.decode, prior, list(prior)
         try:
+            if self.growth is not None:
+                self.growth.track(attempt, reservation, decode.key, len(request.prompt_token_ids) + len(prior),
+                                  request.params.max_tokens - len(prior), placement.kv_blocks)
             if placement.prefill is None and _connected(decode):
                 cleanup.append((decode, "abort_on_stream"))  # after the generate, on the same stream
                 decode.requests.add(attempt)
@@ -228,6 +237,8 @@ class RayBackend:
             if finished and self.adaptive is not None:
                 self.adaptive.decoded(request.prompt_token_ids + streamed, decode.name)
             self._streams.pop(attempt, None)
+            if self.growth is not None:
+                self.growth.drop(attempt)
             self._direct.pop(attempt, None)
             self._worker_phases.pop(attempt, None)
             self._push_waits.pop(attempt, None)
@@ -422,6 +433,8 @@ class RayBackend:
             queue = self._streams.get(fields[0])
             if queue is None:  # the attempt ended already; the worker was told to abort it
                 continue
+            if self.growth is not None:  # its booking covers what it holds now, and reserve_ahead_tokens more
+                self.growth.advance(fields[0], len(fields[1]))
             direct = self._direct.get(fields[0])
             # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
             # (order kept: an undelivered delta stays in the queue until its reader has sent it on)

@@ -9,7 +9,8 @@ decode worker pulls the KV once and forks it per choice (DecodeWorker.decode_gro
 its own worker id `<group>#<j>`; `stop(j)` aborts one choice (a stop string matched), the others go on.
 
 Every exit path runs one `finally`: every unfinished choice and the group's prefill are aborted on live workers
-and the Reservation is released, exactly once.
+and the Reservation is released, exactly once. With growing bookings (coordinator.admission.growth) each choice's
+share of the booking grows as its tokens arrive, in the group's Reservation.
 Migration: when a worker under the group dies (or its KV transfer fails, with transfer.on_failure: recompute),
 the group's own placement ends (the finally above). If nothing was streamed yet, the whole group starts again
 (up to recovery.max_migrations times). Otherwise every unfinished choice goes on alone as a single request
@@ -156,6 +157,11 @@ class GroupRun:
             placement = await b.admission.place(request, 0, reservation)
             prefill, decode = placement.prefill, placement.decode
             self._decode = decode
+            if b.growth is not None:  # each choice: its copy of the partial block and its outputs, grown as they come
+                partial = len(request.prompt_token_ids) % b.growth.block_size
+                share = b.growth.blocks_for(partial, b.admission.output_budget(request, 0))
+                for cid in ids:
+                    b.growth.track(cid, reservation, decode.key, partial, request.params.max_tokens, share)
             for cid in ids:
                 b._streams[cid] = queue
             source = prefill or decode
@@ -193,6 +199,8 @@ class GroupRun:
         finally:
             for cid in ids:
                 b._streams.pop(cid, None)
+                if b.growth is not None:
+                    b.growth.drop(cid)
             for worker, action in cleanup:
                 if action == "abort_group":
                     if worker.alive:
