@@ -1,7 +1,7 @@
 """Growing bookings on the real server (issue 38; `pdserve serve`, tiny, real Ray workers), 1 prefill + 1 decode
 and collocated: a decode worker with a small KV cache (40 blocks of 16 tokens) and more concurrent streams than fit
 at their full max_tokens (160 tokens, 11 blocks each: 3 at once). With `admission.reserve_output: null` (the
-default) each books its prompt and 64 tokens ahead, grown as it decodes, so more run at once and the engine
+default) each books its prompt and `reserve_ahead_tokens` (16 here) ahead, grown as it decodes, so more run at once and the engine
 preempts when they outgrow the cache: every stream still ends with exactly the tokens engine.LLM gives (greedy and
 seeded), some were preempted (/metrics, by cause), bookings grew, streams dropped mid-decode gave back everything,
 and afterwards /admin/integrity is clean with nothing booked. With `reserve_output: 1.0` (the behaviour before) the
@@ -32,7 +32,7 @@ def _config(mode: str, reserve_output: float | None = None) -> dict:
     pools = {"decode": small} if mode == "collocated" else {"prefill": HALF_CPU, "decode": small,
                                                             "transfer": {"backends": ["ucx"]}}
     return {"model": "tiny", "mode": mode, **pools, "server": {"admin_api": True},
-            "admission": {"timeout_s": 120, "reserve_output": reserve_output},
+            "admission": {"timeout_s": 120, "reserve_output": reserve_output, "reserve_ahead_tokens": 16},
             "tenants": [{"name": "open", "api_keys": ["k-open"]},
                         {"name": "metered", "api_keys": ["k-tpm"], "tokens_per_minute": 500}]}
 
