@@ -86,7 +86,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(head_bypass_steps)
         self.running: list[Request] = []
-        self.num_plans = 0  # steps planned (schedule and schedule_after): the waiting head's clock
+        self.num_updates = 0  # steps applied (update): the waiting head's clock
         # totals since start, for metrics and tests
         self.num_preemptions = 0
         self.preemptions_by_cause = dict.fromkeys(PREEMPTION_CAUSES, 0)
@@ -143,7 +143,6 @@ class Scheduler:
 
     # ---- the step
     def schedule(self) -> SchedulerOutput:
-        self.num_plans += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prompt_budget = self._prompt_budget(any(_decodes(r) for r in self.running))
@@ -192,7 +191,6 @@ class Scheduler:
         prev give up. A row that then ends on a stop token leaves a wasted row (dropped by update) and a slot
         filled one step later than schedule() would. None where only schedule() may plan: work for a request
         that `_plans_alone`, or blocks running short (only schedule() preempts)."""
-        self.num_plans += 1
         budget = self.max_num_batched_tokens
         prompt_budget = self._prompt_budget(any(c.sample and self.is_current(c) for c in prev.chunks)
                                             or any(_decodes(r) for r in self.running))
@@ -271,6 +269,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]],
                pin_lease_s: float) -> list[StepOutput]:
         """Advance progress after the runner computed `sched`; `sampled` maps request id -> (token, logprob)."""
+        self.num_updates += 1
         outputs = []
         for chunk in sched.chunks:
             if not self.is_current(chunk):  # ended (or aborted) while this step was on the device
@@ -321,7 +320,7 @@ class Scheduler:
             cached_tokens = len(prefix) * self.bm.block_size
             n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
             if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
-                if i == 0 and not self.waiting.head_blocked(self.num_plans):
+                if i == 0 and not self.waiting.head_blocked(self.num_updates):
                     break
                 i += 1
                 continue

@@ -4,7 +4,7 @@ head that does not fit, and which running request gives its blocks back when the
 Order: lower priority number first, arrival order within a priority; a preempted request goes back to the very
 front (it was admitted already). The same rules as the coordinator's queue (coordinator.admission.admission_queue):
 - No head-of-line blocking: when the head does not fit for lack of KV blocks, requests of its priority behind it
-  (up to BYPASS_SCAN of them, in order) may start if they fit, for `bypass_steps` planned steps after the head first
+  (up to BYPASS_SCAN of them, in order) may start if they fit, for `bypass_steps` engine steps after the head first
   did not fit. A request of a worse priority never passes a better one.
 - No starvation: once the head has waited `bypass_steps` steps, nobody passes it: what frees stays free until it
   fits (a reservation for the head). A preempted head is never passed (letting new requests take the blocks it had
