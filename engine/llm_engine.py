@@ -234,16 +234,20 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                               params: SamplingParams, first_logprob: TokenLogprob | None = None,
-                              prior_output_ids: Sequence[int] = ()) -> StepOutput | None:
+                              prior_output_ids: Sequence[int] = (), priority: int = 0) -> StepOutput | None:
         """Decode side: start a request whose KV (prompt, then prior outputs) is in the blocks reserved under its
         id; `first_token_id` is the output the prefill sampled after them (output index len(prior_output_ids)).
-        Returns a StepOutput if that token already ends it (then its blocks are freed at once)."""
+        `priority` orders it as add_request's does, once it is preempted, and makes it a later victim than requests
+        of a worse priority (engine.core.waiting). Returns a StepOutput if that token already ends it (then its
+        blocks are freed at once)."""
         if request_id not in self._reserved:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
         grammar = self._grammar_row(request_id, params, (*prior, first_token_id))  # the prefill sampled it under it
-        req = self._request(request_id, prompt_token_ids, params, False, prior)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
+        req = self._request(request_id, prompt_token_ids, params, False, prior, priority)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
         req.append_token(first_token_id, first_logprob)

@@ -96,3 +96,33 @@ def test_handed_over_requests_outgrowing_a_small_cache_are_recomputed_locally_an
     assert load.preemptions_decode_total > 0  # decodes outgrew their blocks
     counts = decode.check_integrity()
     assert counts["in_use"] == counts["pinned"] == 0
+
+
+def test_a_handed_over_request_of_a_better_priority_is_not_the_victim_though_newest(folder):
+    prompts, params = PROMPTS[:2], PARAMS[:2]
+    expected = [o.token_ids for o in LLM(folder, enable_prefix_caching=False).generate(prompts, params)]
+    prefill = LLM(folder).engine
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params[i], prefill_only=True)
+    firsts = {}
+    while prefill.has_unfinished():
+        firsts.update({o.request_id: o for o in prefill.step()})
+    # 6 blocks: both prompts' KV fits (2 blocks each), their full lengths (50 and 55 tokens: 4 blocks each) do not
+    decode = LLM(folder, num_kv_blocks=6, enable_prefix_caching=False).engine
+    got = {}
+    for i, (rid, priority) in enumerate((("r0", 3), ("r1", 1))):  # the newest has the better priority
+        first = firsts[rid]
+        blocks = decode.reserve_blocks(rid, len(prompts[i]))
+        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]
+        decode.add_prefilled_request(rid, prompts[i], first.new_token_ids[0], params[i], priority=priority)
+        got[rid] = list(first.new_token_ids)
+    requests = dict(decode.scheduler.requests)
+    while decode.has_unfinished():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got["r0"], got["r1"]] == expected
+    assert requests["r0"].num_preemptions >= 1 and requests["r1"].num_preemptions == 0
+    assert decode.reserve_blocks("r9", len(prompts[0])) is not None
+    with pytest.raises(ValueError, match="priority must be an int"):
+        decode.add_prefilled_request("r9", prompts[0], 5, params[0], priority="high")
+    assert decode.abort("r9") and decode.check_integrity()["in_use"] == 0

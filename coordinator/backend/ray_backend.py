@@ -268,7 +268,7 @@ class RayBackend:
         decode.requests.add(attempt)
         num_tokens = len(request.prompt_token_ids) + len(prior)
         if self.pools.pushes:
-            self._spawn(self._push_target(attempt, request, prior, prefill, decode))
+            self._spawn(self._push_target(attempt, request, prior, prefill, decode, placement.priority))
         else:
             self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
         result = await self._call(prefill, prefill.handle.prefill.remote(
@@ -293,13 +293,13 @@ class RayBackend:
 
     @staticmethod
     async def _push_target(attempt: str, request: GenerateRequest, prior: list[int], prefill: WorkerState,
-                           decode: WorkerState) -> None:
+                           decode: WorkerState, priority: int) -> None:
         """Book the KV's blocks on the decode worker and name them to the prefill worker, which then writes the KV
         into them during its forward (prefill_pool.kv_push) and tells the decode worker, which joins the request
         at once (decode_pool.handoff). A failure here leaves the handoff to a pull."""
         try:
             agent, blocks = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
-                                                                       request.params, prior)
+                                                                       request.params, prior, priority)
             await prefill.handle.push_to.remote(attempt, agent, blocks)
         except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
             log.debug("request %s: no push target: %s", attempt, e)
@@ -325,7 +325,7 @@ class RayBackend:
                     self._push_waits[attempt] = (("kv_transfer", waited),)
             decode.load = await self._call(decode, decode.handle.decode.remote(
                 attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
-                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed))
+                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed, priority=placement.priority))
         except TransferFailed as e:
             self._count(self.errors, "transfer_failed")
             if self.config.transfer.on_failure == "fail":
