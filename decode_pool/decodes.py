@@ -141,7 +141,7 @@ class Decodes:
 
     async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
                            params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
-                           peer: str | None, peer_block_ids: list[int]) -> None:
+                           peer: str | None, peer_block_ids: list[int], priority: int = 0) -> None:
         """Start every choice of a group from its first token: the prompt's KV pulled once from `peer` (or, with
         peer None, the group pinned here), forked per choice. A choice aborted meanwhile is not started."""
         n_tok = len(prompt_token_ids)
@@ -172,7 +172,7 @@ class Decodes:
                     e.abort(cid)
                     continue
                 try:
-                    out = e.add_prefilled_request(cid, prompt_token_ids, token, p, lp)
+                    out = e.add_prefilled_request(cid, prompt_token_ids, token, p, lp, priority=priority)
                 except Exception:
                     for c in choice_ids:
                         e.abort(c)

@@ -149,9 +149,9 @@ class Worker:
 
     async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
                            params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
-                           peer: str | None, peer_block_ids: list[int]) -> EngineLoad:
+                           peer: str | None, peer_block_ids: list[int], priority: int = 0) -> EngineLoad:
         await self.decodes.decode_group(group_id, choice_ids, prompt_token_ids, params, firsts, peer,
-                                        peer_block_ids)
+                                        peer_block_ids, priority)
         return await self.load()
 
     async def poll(self, timeout_s: float) -> tuple[list[tuple], EngineLoad, dict[str, Durations]]:

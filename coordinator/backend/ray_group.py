@@ -185,7 +185,7 @@ class GroupRun:
             cleanup.append((decode, "abort"))
             for cid in ids:
                 decode.requests.add(cid)
-            b._spawn(self._handoff(rid, decode, prefill, firsts, peer, blocks, queue))
+            b._spawn(self._handoff(rid, decode, prefill, firsts, peer, blocks, queue, placement.priority))
             while len(self._done | self._stopped) < request.n:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -215,13 +215,13 @@ class GroupRun:
 
     async def _handoff(self, rid: str, decode: WorkerState, prefill: WorkerState | None,
                        firsts: list[tuple[int, Any]], peer: str | None, blocks: list[int],
-                       queue: asyncio.Queue) -> None:
-        """The decode worker pulls the KV once (or takes the group pinned on itself) and starts every choice;
-        the prefill worker then frees its pinned copy. Errors go into the group's stream."""
+                       queue: asyncio.Queue, priority: int) -> None:
+        """The decode worker pulls the KV once (or takes the group pinned on itself) and starts every choice (at
+        the group's priority); the prefill worker then frees its pinned copy. Errors go into the group's stream."""
         b = self._backend
         try:
             decode.load = await b._call(decode, decode.handle.decode_group.remote(
-                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks))
+                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks, priority))
         except BackendError as e:
             queue.put_nowait(e)
         finally:
