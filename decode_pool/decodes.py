@@ -88,26 +88,26 @@ class Decodes:
         self.reservations.book_early(request_id, num_tokens)
 
     async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                               prior_output_ids: Sequence[int] = ()) -> tuple[str, list[int]]:
+                               prior_output_ids: Sequence[int] = (), priority: int = 0) -> tuple[str, list[int]]:
         """Book the blocks of a request's KV for its prefill worker to write into (prefill_pool.kv_push): (this
         worker's agent, the block ids), once nothing launched here before the booking can touch them. The request
         joins as soon as the prefill worker's notification says its KV has landed (decode_pool.handoff). TP=1."""
         if self.agents is None or self.agents.tp_size != 1:
             raise ValueError(f"worker {self.name}: pushed handoffs need a tensor_parallel_size 1 worker")
         prior = list(prior_output_ids)
-        self.handoffs.expect_push(request_id, prompt_token_ids, params, prior)
+        self.handoffs.expect_push(request_id, prompt_token_ids, params, prior, priority)
         blocks = await self.reservations.settled(request_id, len(prompt_token_ids) + len(prior))
         return self.agents.local.agent.name, blocks
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      first_token_id: int, first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
-                     prior_output_ids: Sequence[int] = (), pushed: bool = False) -> None:
+                     prior_output_ids: Sequence[int] = (), pushed: bool = False, priority: int = 0) -> None:
         """Pull the KV of the prompt (then the prior outputs) from `peer`'s blocks into reserved blocks, then
         decode from the first token (output len(prior_output_ids)); returns once the KV has landed
         (decode_pool.handoff). `pushed`: the prefill worker wrote it into the blocks booked by reserve_for_push
         already, so the request only joins."""
         done = await self.handoffs.take_over(request_id, prompt_token_ids, params, first_token_id, first_logprob,
-                                             peer, peer_block_ids, list(prior_output_ids), pushed)
+                                             peer, peer_block_ids, list(prior_output_ids), pushed, priority)
         if done is not None:
             self._push([done])
 
@@ -141,7 +141,7 @@ class Decodes:
 
     async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
                            params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
-                           peer: str | None, peer_block_ids: list[int]) -> None:
+                           peer: str | None, peer_block_ids: list[int], priority: int = 0) -> None:
         """Start every choice of a group from its first token: the prompt's KV pulled once from `peer` (or, with
         peer None, the group pinned here), forked per choice. A choice aborted meanwhile is not started."""
         n_tok = len(prompt_token_ids)
@@ -172,7 +172,7 @@ class Decodes:
                     e.abort(cid)
                     continue
                 try:
-                    out = e.add_prefilled_request(cid, prompt_token_ids, token, p, lp)
+                    out = e.add_prefilled_request(cid, prompt_token_ids, token, p, lp, priority=priority)
                 except Exception:
                     for c in choice_ids:
                         e.abort(c)

@@ -46,13 +46,13 @@ class Handoffs:
         self.worker, self.loop, self.agents, self.reservations, self.timing = worker, loop, agents, reservations, timing
         self.transferring: dict[str, bool] = {}  # request id -> aborted while its KV was in flight
         self._trace = os.environ.get("PDSERVE_TRACE_HANDOFF") == "1"
-        self._expected: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}  # pushes announced: the request
+        self._expected: dict[str, tuple[list[int], SamplingParams, list[int], int]] = {}  # pushes announced
         self._joins: dict[str, asyncio.Task] = {}  # joins started by the prefill worker's notification
 
     def expect_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prior: list[int]) -> None:
+                    prior: list[int], priority: int = 0) -> None:
         """A prefill worker will push this request's KV into its booking: its notification may start the join."""
-        self._expected[request_id] = (prompt_token_ids, params, prior)
+        self._expected[request_id] = (prompt_token_ids, params, prior, priority)
 
     def pushed(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None,
                heard_at: float) -> None:
@@ -62,9 +62,9 @@ class Handoffs:
         expected = self._expected.pop(request_id, None)
         if expected is None or request_id in self._joins:
             return  # ended (aborted), or decode() came first
-        prompt, params, prior = expected
+        prompt, params, prior, priority = expected
         task = asyncio.ensure_future(self._take_over(request_id, prompt, params, first_token_id, first_logprob, "",
-                                                     [], prior, pushed=True, heard_at=heard_at))
+                                                     [], prior, pushed=True, heard_at=heard_at, priority=priority))
 
         def ended(t: asyncio.Task) -> None:  # a failed join (aborted meanwhile) is not kept for a decode() to come
             if t.cancelled() or t.exception() is not None:
@@ -82,23 +82,25 @@ class Handoffs:
 
     async def take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
-                        peer_block_ids: list[int], prior: list[int], pushed: bool = False) -> StepOutput | None:
+                        peer_block_ids: list[int], prior: list[int], pushed: bool = False,
+                        priority: int = 0) -> StepOutput | None:
         """Pull the request's KV (prompt, then prior outputs) from `peer`'s blocks into its booked blocks and start
         it from its first token; its StepOutput if that token already ends it. Raises if the pull failed or the
         request was aborted meanwhile (asyncio.CancelledError); either way its blocks are given back. `pushed`: the
         KV is in the booked blocks already (written by the prefill worker): no pull, the request only joins (or
-        has joined already, started by the prefill worker's notification: then this returns that join's outcome)."""
+        has joined already, started by the prefill worker's notification: then this returns that join's outcome).
+        `priority`: its order in the engine's queue and as a preemption victim (engine.core.waiting)."""
         self._expected.pop(request_id, None)
         started = self._joins.pop(request_id, None)
         if started is not None:
             return await asyncio.shield(started)
         return await self._take_over(request_id, prompt_token_ids, params, first_token_id, first_logprob, peer,
-                                     peer_block_ids, prior, pushed)
+                                     peer_block_ids, prior, pushed, priority=priority)
 
     async def _take_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                          first_token_id: int, first_logprob: TokenLogprob | None, peer: str,
                          peer_block_ids: list[int], prior: list[int], pushed: bool,
-                         heard_at: float | None = None) -> StepOutput | None:
+                         heard_at: float | None = None, priority: int = 0) -> StepOutput | None:
         """take_over's work; `heard_at`: when the notification that started it reached this worker (None: its
         decode() call started it)."""
         self.timing.received(request_id)
@@ -121,7 +123,7 @@ class Handoffs:
                     landing = pull.gpu_done  # from here every abort waits (on the device) for the copies
                     self.timing.kv_ready(request_id)  # provisional (the copies are queued); moved to their end below
                     done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                              first_logprob, prior, landing, stages))
+                                                              first_logprob, prior, landing, stages, priority))
                     _stage(stages, "joined")
                 await self._landed(pull)
             self.timing.kv_ready(request_id)
@@ -139,7 +141,7 @@ class Handoffs:
             raise asyncio.CancelledError(f"request {request_id} aborted during its KV transfer")
         if pull is None or pull.gpu_done is None:  # not joined yet: it starts now
             done = await self.loop.call(self._starter(request_id, prompt_token_ids, first_token_id, params,
-                                                      first_logprob, prior, (), stages))
+                                                      first_logprob, prior, (), stages, priority))
             _stage(stages, "joined")
         if stages is not None:  # once its first step is scheduled (the engine thread answers the join's call first)
             asyncio.get_running_loop().call_later(TRACE_DELAY_S, _print_stages, request_id, pushed, heard_at, stages)
@@ -160,7 +162,7 @@ class Handoffs:
     # ---- internals
     def _starter(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
                  first_logprob: TokenLogprob | None, prior: list[int], landing: tuple,
-                 stages: list | None = None) -> Callable[[LLMEngine], StepOutput | None]:
+                 stages: list | None = None, priority: int = 0) -> Callable[[LLMEngine], StepOutput | None]:
         """The engine call that starts a handed-over request; with `landing`, its KV copies may still be running:
         everything launched after it waits for them. With `stages` (tracing), it stamps when the engine thread took
         the call and when the request was added."""
@@ -169,7 +171,7 @@ class Handoffs:
             e.order_after(landing)
             try:
                 done = e.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params, first_logprob,
-                                               prior_output_ids=prior)
+                                               prior_output_ids=prior, priority=priority)
             except Exception:
                 self.timing.drop(request_id)
                 e.abort(request_id)  # a refused request gives its reservation back

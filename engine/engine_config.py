@@ -24,6 +24,9 @@ class EngineConfig:
     # are prefilled beside them); None: the token budget alone
     decode_step_target_s: float | None = None
     enable_prefix_caching: bool = True
+    # steps a waiting request short of KV blocks may be passed by ones of its priority behind it that fit; then what
+    # frees is kept for it (engine.core.waiting: no head-of-line blocking, no starvation; 0: strict head of line)
+    head_bypass_steps: int = 128
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
     kv_cache_memory_bytes: int | None = None
@@ -63,6 +66,9 @@ class EngineConfig:
             ("async_scheduling", self.async_scheduling in (None, True, False), "must be a bool or None"),
             ("mixed_graph_tokens", isinstance(self.mixed_graph_tokens, int)
              and not isinstance(self.mixed_graph_tokens, bool) and self.mixed_graph_tokens >= 0,
+             "must be an integer >= 0"),
+            ("head_bypass_steps", isinstance(self.head_bypass_steps, int)
+             and not isinstance(self.head_bypass_steps, bool) and self.head_bypass_steps >= 0,
              "must be an integer >= 0"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("decode_step_target_s", self.decode_step_target_s is None or (

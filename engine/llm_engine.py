@@ -112,7 +112,8 @@ class LLMEngine:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_prefill_chunk=config.max_prefill_chunk)
+                                   max_prefill_chunk=config.max_prefill_chunk,
+                                   head_bypass_steps=config.head_bypass_steps)
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests,
                           cpu_kernel=config.kernels == "auto")
         if self.followers is None:
@@ -235,16 +236,20 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                               params: SamplingParams, first_logprob: TokenLogprob | None = None,
-                              prior_output_ids: Sequence[int] = ()) -> StepOutput | None:
+                              prior_output_ids: Sequence[int] = (), priority: int = 0) -> StepOutput | None:
         """Decode side: start a request whose KV (prompt, then prior outputs) is in the blocks reserved under its
         id; `first_token_id` is the output the prefill sampled after them (output index len(prior_output_ids)).
-        Returns a StepOutput if that token already ends it (then its blocks are freed at once)."""
+        `priority` orders it as add_request's does, once it is preempted, and makes it a later victim than requests
+        of a worse priority (engine.core.waiting). Returns a StepOutput if that token already ends it (then its
+        blocks are freed at once)."""
         if request_id not in self._reserved:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
         grammar = self._grammar_row(request_id, params, (*prior, first_token_id))  # the prefill sampled it under it
-        req = self._request(request_id, prompt_token_ids, params, False, prior)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
+        req = self._request(request_id, prompt_token_ids, params, False, prior, priority)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
         req.append_token(first_token_id, first_logprob)
@@ -354,6 +359,8 @@ class LLMEngine:
             step_time_total_s=self.step_time_total_s, scheduled_tokens_total=s.num_scheduled_tokens,
             sampled_tokens_total=s.num_sampled_tokens, prefix_query_tokens_total=s.num_prefix_query_tokens,
             prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions,
+            preemptions_decode_total=s.preemptions_by_cause["decode"],
+            preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             taken_at_s=time.monotonic(), **self._budget_figures())
 
     def _budget_figures(self) -> dict[str, float]:

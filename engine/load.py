@@ -34,6 +34,9 @@ class EngineLoad:
     prefix_query_tokens_total: int = 0  # tokens of requests admitted (each admission looks up the prefix cache)
     prefix_hit_tokens_total: int = 0    # of those, tokens whose KV the prefix cache supplied
     preemptions_total: int = 0          # running requests sent back to the queue for lack of blocks
+    preemptions_decode_total: int = 0   # of those, preempted because a decode row needed a new block
+    preemptions_prompt_total: int = 0   # or because a prompt chunk (or a recompute) needed blocks
+    head_bypassed_total: int = 0        # waiting requests started ahead of a head short of blocks (engine.core.waiting)
     # the hosting process's garbage collector (engine.gc_pauses; a pool worker fills them in): collections, full ones,
     # their summed and longest pause (the step thread waits through each)
     gc_pauses_total: int = 0

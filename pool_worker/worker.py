@@ -127,14 +127,15 @@ class Worker:
         self.decodes.reserve(request_id, num_tokens)
 
     async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                               prior_output_ids: Sequence[int] = ()) -> tuple[str, list[int]]:
-        return await self.decodes.reserve_for_push(request_id, prompt_token_ids, params, prior_output_ids)
+                               prior_output_ids: Sequence[int] = (), priority: int = 0) -> tuple[str, list[int]]:
+        return await self.decodes.reserve_for_push(request_id, prompt_token_ids, params, prior_output_ids,
+                                                   priority)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
-                     prior_output_ids: Sequence[int] = (), pushed: bool = False) -> EngineLoad:
+                     prior_output_ids: Sequence[int] = (), pushed: bool = False, priority: int = 0) -> EngineLoad:
         await self.decodes.decode(request_id, prompt_token_ids, params, first_token_id, first_logprob, peer,
-                                  peer_block_ids, prior_output_ids, pushed)
+                                  peer_block_ids, prior_output_ids, pushed, priority)
         return await self.load()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -148,9 +149,9 @@ class Worker:
 
     async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
                            params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
-                           peer: str | None, peer_block_ids: list[int]) -> EngineLoad:
+                           peer: str | None, peer_block_ids: list[int], priority: int = 0) -> EngineLoad:
         await self.decodes.decode_group(group_id, choice_ids, prompt_token_ids, params, firsts, peer,
-                                        peer_block_ids)
+                                        peer_block_ids, priority)
         return await self.load()
 
     async def poll(self, timeout_s: float) -> tuple[list[tuple], EngineLoad, dict[str, Durations]]:

@@ -27,7 +27,10 @@ VOCAB = 2000
 def server(tmp_path_factory):
     config = {"model": "tiny", "prefill": {**HALF_CPU, "chunk_size": 256, "kv_cache_memory_bytes": 256 << 20},
               "decode": {**HALF_CPU, "kv_cache_memory_bytes": 128 << 20},  # 2,048 blocks of 16 tokens
-              "transfer": {"backends": ["ucx"]}, "admission": {"timeout_s": 5}, "server": {"admin_api": True}}
+              "transfer": {"backends": ["ucx"]}, "server": {"admin_api": True},
+              # the whole output booked up front (not the default growing bookings: test_serving_bookings), so a
+              # flood is answered 503 and never preempted
+              "admission": {"timeout_s": 5, "reserve_output": 1.0}}
     with running_server(tmp_path_factory.mktemp("leaks"), config) as srv:
         yield srv
 

@@ -33,9 +33,11 @@ tenants:
 """
 
 
-def registry(clock: FakeClock, **acme) -> TenantRegistry:
+def registry(clock: FakeClock, upfront: int = 500, **acme) -> TenantRegistry:
+    """`upfront`: output tokens charged at admission (500 here, so a request's whole max_tokens up to it)."""
     acme_config = TenantConfig("acme", ("sk-acme",), **acme)
-    return TenantRegistry(TenantsConfig((acme_config, TenantConfig("other", ("sk-other",)))), clock=clock)
+    return TenantRegistry(TenantsConfig((acme_config, TenantConfig("other", ("sk-other",)))), clock=clock,
+                          upfront_output_tokens=upfront)
 
 
 def test_list_and_mapping_forms_parse_to_the_same_config(tmp_path) -> None:
@@ -162,9 +164,29 @@ def test_tokens_per_minute_reserves_max_tokens_and_settle_corrects_to_actual_onc
     assert rate_error(reg, acme, 0, 1).status == 429
     too_big = rate_error(reg, acme, 1000, 201)
     assert (too_big.status, too_big.param, too_big.code) == (400, "max_tokens", "rate_limit_exceeded")
-    assert "needs 1201 tokens" in too_big.message
+    assert "needs 1201 tokens (prompt 1000 + 201 of its output charged up front)" in too_big.message
     assert reg.usage()["acme"] == {"in_flight": 2, "prompt_tokens": 100, "completion_tokens": 100,
                                    "rate_limited": 4, "requests_ok": 1, "requests_overloaded": 1}
+
+
+def test_tokens_per_minute_charges_what_was_used_not_the_context_window() -> None:
+    # issue 38: a chat request without max_tokens gets the rest of the context (here 131,000 tokens), far above
+    # the tenant's limit; it is charged its prompt and the first 256 outputs, then what it generated
+    clock = FakeClock()
+    reg = registry(clock, upfront=256, tokens_per_minute=6000)  # 100 tokens per second
+    acme = reg.tenants["acme"]
+    grant = reg.admit(acme, 100, 131_000)  # was a 400: "needs 131100 tokens"
+    assert grant.output_charged == 256
+    assert grant.settle(40) is True  # used 140 tokens: 216 come back
+    grants = [reg.admit(acme, 100, 131_000) for _ in range(16)]  # 16 x 356 of the 5,860 left
+    assert rate_error(reg, acme, 100, 131_000).status == 429
+    assert grants[0].settle(3000) is True  # generated 2,744 beyond its charge: the bucket goes 2,580 below zero
+    err = rate_error(reg, acme, 0, 1)
+    assert err.status == 429 and err.headers["Retry-After"] == "26"  # until the refill has paid the debt
+    clock.now += 26
+    reg.admit(acme, 0, 1)
+    assert rate_error(reg, acme, 5800, 1001).status == 400  # a prompt too long for the limit still is one
+    assert reg.usage()["acme"]["completion_tokens"] == 3040
 
 
 def test_a_request_refused_by_one_bucket_is_not_charged_to_the_other() -> None:

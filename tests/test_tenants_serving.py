@@ -40,7 +40,9 @@ LONG_TOKENS = 300  # the killed HTTP process's three streams (21 blocks each): f
 def server(tmp_path_factory):
     config = {"model": "tiny", "prefill": HALF_CPU, "decode": {**HALF_CPU, "num_kv_blocks": 80},
               "transfer": {"backends": ["ucx"]},
-              "admission": {"timeout_s": 120, "priority_aging_s": 1000, "reserved_for_high": 0.25},
+              # the whole output booked up front (PROMPT_LEN's arithmetic), not the default growing bookings
+              "admission": {"timeout_s": 120, "priority_aging_s": 1000, "reserved_for_high": 0.25,
+                            "reserve_output": 1.0},
               "tenants": [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
                           {"name": "bulk", "api_keys": ["k-low"], "priority": "low"},
                           {"name": "metered", "api_keys": ["k-rpm"], "requests_per_minute": 2},

@@ -1,10 +1,12 @@
 """Admission: decides where a request runs and books the capacity it may need there, or says why it cannot.
 
 What a request books (in its Reservation, see coordinator.admission.reservation):
-- on the worker that will decode it: KV blocks for prompt + tokens already generated (a migrated request) +
-  `admission.reserve_output` of the output still to come. At 1.0 (the default) the decode engine can never run
-  out of blocks, so it never preempts; below 1.0 more requests run at once and the engine grows each one on
-  demand, preempting the most recently admitted (its KV is recomputed later) when blocks run out.
+- on the worker that will decode it: KV blocks for prompt + tokens already generated (a migrated request) + an
+  output budget. By default (`admission.reserve_output: null`) the budget is `admission.reserve_ahead_tokens`, and
+  the booking grows as the request decodes (coordinator.admission.growth): a worker's bookings follow what its
+  requests hold, and its engine preempts (the lowest-priority, newest request; recomputed later) when they outgrow
+  its blocks. With `reserve_output` a number, that share of the output still to come is booked up front and never
+  grown: at 1.0 the decode engine can never run out of blocks, so it never preempts.
 - on the worker that will prefill it (disaggregated; the same worker when collocated): its prompt tokens, given
   back when the prefill returns, so a prefill worker's backlog stays under `admission.max_prefill_backlog_tokens`.
 Capacity is the worker's whole KV cache minus what is booked, never the load it last reported (which lags).
@@ -17,7 +19,8 @@ prompt is prefilled, remotely on a worker that takes prefills for others or loca
 PlacementModel's choice (coordinator.admission.placement), counted in `placements` and logged per request
 (logger coordinator.placement).
 
-A request that cannot fit even an empty worker is refused at once (RequestTooLarge, a 400). One that cannot fit
+A request whose whole length (prompt, max_tokens) cannot fit even an empty worker is refused at once
+(RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
 worker, then gets Overloaded (503 + Retry-After) naming the reason: the pool that is down, or the room missing.
 """
@@ -73,13 +76,20 @@ class Admission:
         self.placement = PlacementModel(config.slo) if config.adaptive and config.slo else None
         self.placements: dict[str, int] = {"remote": 0, "local": 0}  # where prompts were prefilled
 
-    def kv_blocks(self, request: GenerateRequest, num_prior: int) -> int:
-        """Blocks booked on the decode worker: prompt, prior outputs and the reserved share of what remains,
-        plus the one block the engine keeps ahead for the next token. A group of n choices books the prompt's
-        full blocks once and, per choice, its copy of the partial last block, its outputs and one block ahead
-        (plus the group's own partial block while it is forked)."""
+    def output_budget(self, request: GenerateRequest, num_prior: int) -> int:
+        """Output tokens (per choice) booked at admission: reserve_ahead_tokens (growing bookings) or the
+        reserve_output share of the outputs still to come."""
         remaining = request.params.max_tokens - num_prior
-        budget = math.ceil(remaining * self.config.admission.reserve_output)
+        a = self.config.admission
+        return min(remaining, a.reserve_ahead_tokens) if a.reserve_output is None else math.ceil(
+            remaining * a.reserve_output)
+
+    def kv_blocks(self, request: GenerateRequest, num_prior: int, budget: int | None = None) -> int:
+        """Blocks booked on the decode worker: prompt, prior outputs and `budget` output tokens (default the
+        output_budget), plus the one block the engine keeps ahead for the next token. A group of n choices books the
+        prompt's full blocks once and, per choice, its copy of the partial last block, its outputs and one block
+        ahead (plus the group's own partial block while it is forked)."""
+        budget = self.output_budget(request, num_prior) if budget is None else budget
         tokens = len(request.prompt_token_ids) + num_prior + budget
         bs = self.router.block_size
         if request.n == 1:
@@ -92,9 +102,10 @@ class Admission:
         """Pick the workers and book the request's capacity on them (in `reservation`), waiting up to the
         admission timeout; raises RequestTooLarge or Overloaded."""
         blocks = self.kv_blocks(request, num_prior)
+        whole = self.kv_blocks(request, num_prior, request.params.max_tokens - num_prior)
         largest = max((w.info.num_kv_blocks for w in self._pool("decode")), default=0)
-        if blocks > largest:
-            raise RequestTooLarge(f"the request needs {blocks} KV blocks of {self.router.block_size} tokens "
+        if whole > largest:
+            raise RequestTooLarge(f"the request needs {whole} KV blocks of {self.router.block_size} tokens "
                                   f"(prompt, max_tokens) but a decode worker holds at most {largest}")
         tokens = len(request.prompt_token_ids) + num_prior
         arrived = time.monotonic()

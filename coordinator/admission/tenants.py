@@ -11,11 +11,15 @@ before: one unlimited tenant "default" (normal), behind `server.api_key` when se
 A key's SHA-256 digest is compared (hmac.compare_digest) with every configured key's, with no early exit.
 
 Limits are token buckets, full at start and refilled continuously (per_minute / 60 per second, never above
-per_minute) by the injected monotonic clock. A request costs 1 from the requests bucket, and prompt + max_tokens
-from the tokens bucket at admission; `Grant.settle(completion_tokens)` gives back the unused max_tokens (and the
-prompt too if it was never processed), so the charge ends at prompt + actual completion. It is charged only if
-both buckets have room, else 429 in OpenAI's shape (type "requests" or "tokens", code "rate_limit_exceeded") with
-Retry-After: the seconds until the refusing bucket holds enough. Costing more than tokens_per_minute: 400 at once.
+per_minute) by the injected monotonic clock. A tenant is charged what its requests used, not what they might use
+(issue 38: a chat request without max_tokens may generate up to the whole context window): a request costs 1 from
+the requests bucket, and at admission prompt + min(max_tokens, `upfront_output_tokens`) from the tokens bucket;
+`Grant.settle(completion_tokens)` corrects that to prompt + actual completion (giving back the unused part, or
+charging the tokens generated beyond it: the bucket may then go below zero, a debt its refill pays before the
+tenant's next request is admitted; the prompt too comes back if it was never processed). A request is charged only
+if both buckets hold its admission cost, else 429 in OpenAI's shape (type "requests" or "tokens", code
+"rate_limit_exceeded") with Retry-After: the seconds until the refusing bucket holds enough. An admission cost above
+tokens_per_minute (a prompt too long for the limit): 400 at once.
 
 Priority: admission order numbers, lower first (PRIORITY_CLASSES; 0 is the coordinator's own, for migrations). A
 request's `priority` (a class name, or an int, lower is earlier as in vLLM) may lower its priority, never raise it
@@ -36,6 +40,7 @@ from coordinator.config.tenants_config import LOWEST_PRIORITY, PRIORITY_CLASSES,
 from coordinator.errors import APIError
 
 _OUTCOME = re.compile(r"[a-z][a-z0-9_]*")
+UPFRONT_OUTPUT_TOKENS = 256  # output tokens charged at admission, before the request has generated any
 
 
 def check_count(name: str, value: object) -> None:
@@ -104,18 +109,20 @@ class Tenant:
 class Grant:
     """A request's charge against its tenant's limits; settle() once when the request ends, on every path."""
 
-    def __init__(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, upfront_output_tokens: int) -> None:
         self.tenant, self.prompt_tokens, self.max_tokens = tenant, prompt_tokens, max_tokens
+        self.output_charged = min(max_tokens, upfront_output_tokens)  # charged at admission
         self.settled = False
 
     def settle(self, completion_tokens: int, outcome: str = "ok", prompt_processed: bool = True) -> bool:
-        """Correct the token charge to prompt + `completion_tokens` (the prompt too is given back when it was
-        never processed) and count the request under `outcome`. Only the first call acts; it returns True."""
+        """Correct the token charge to prompt + `completion_tokens`, more or less than was charged at admission
+        (the prompt too is given back when it was never processed) and count the request under `outcome`. Only the
+        first call acts; it returns True."""
         if not self._first_settle(completion_tokens, outcome):
             return False
         tenant = self.tenant
         if tenant._tokens is not None:
-            refund = self.max_tokens - completion_tokens + (0 if prompt_processed else self.prompt_tokens)
+            refund = self.output_charged - completion_tokens + (0 if prompt_processed else self.prompt_tokens)
             tenant._tokens.level = min(tenant._tokens.capacity, tenant._tokens.level + refund)
         counters = tenant.counters
         counters["in_flight"] -= 1
@@ -138,8 +145,11 @@ class Grant:
 
 class TenantRegistry:
     def __init__(self, config: TenantsConfig | None = None, api_key: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 upfront_output_tokens: int = UPFRONT_OUTPUT_TOKENS) -> None:
         config = config or TenantsConfig()
+        check_count("upfront_output_tokens", upfront_output_tokens)
+        self.upfront_output_tokens = upfront_output_tokens
         if config.tenants and api_key is not None:
             raise ValueError("server.api_key and tenants are exclusive: with tenants configured, their api_keys "
                              "are the server's keys (move the key to a tenant)")
@@ -167,18 +177,20 @@ class TenantRegistry:
         return found
 
     def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
-        """Charge one request (prompt_tokens + max_tokens) to `tenant`, or raise 429 (or 400 if it never fits)."""
+        """Charge one request's admission cost (prompt_tokens + min(max_tokens, upfront_output_tokens)) to
+        `tenant`, or raise 429 (or 400 if it never fits); its Grant's settle() corrects it to what it used."""
         check_count("prompt_tokens", prompt_tokens)
         check_count("max_tokens", max_tokens)
         now = self._clock()
-        cost = prompt_tokens + max_tokens
+        output = min(max_tokens, self.upfront_output_tokens)
+        cost = prompt_tokens + output
         requests, tokens = tenant._requests, tenant._tokens
         if tokens is not None and cost > tokens.capacity:
             tenant.counters["rate_limited"] += 1
             raise errors.invalid_request(
-                f"This request needs {cost} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}), more than "
-                f"tenant {tenant.name}'s limit of {tenant.config.tokens_per_minute} tokens per minute; lower "
-                "max_tokens or shorten the prompt", param="max_tokens", code="rate_limit_exceeded")
+                f"This request needs {cost} tokens (prompt {prompt_tokens} + {output} of its output charged up "
+                f"front), more than tenant {tenant.name}'s limit of {tenant.config.tokens_per_minute} tokens per "
+                "minute; lower max_tokens or shorten the prompt", param="max_tokens", code="rate_limit_exceeded")
         for bucket, kind, amount in ((requests, "requests", 1), (tokens, "tokens", cost)):
             if bucket is not None:
                 bucket.refill(now)
@@ -189,7 +201,7 @@ class TenantRegistry:
             if bucket is not None:
                 bucket.level -= amount
         tenant.counters["in_flight"] += 1
-        return Grant(tenant, prompt_tokens, max_tokens)
+        return Grant(tenant, prompt_tokens, max_tokens, self.upfront_output_tokens)
 
     async def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
         """admit(), as the HTTP layer calls it: an HTTP frontend process charges the core's buckets instead

@@ -42,6 +42,8 @@ class OutputIntake:
         self.queues: dict[str, asyncio.Queue] = {}  # attempt id -> its step outputs (or the error that ended it)
         self._direct: dict[str, Callable[[list[int]], None]] = {}  # attempt id -> its running stream's sink
         self._phases: dict[str, Durations] = {}  # attempt id -> the decode worker's durations, until taken
+        # told of every live attempt's new tokens (attempt id, count): growing bookings (coordinator.admission.growth)
+        self.on_tokens: Callable[[str, int], None] | None = None
 
     # ---- an attempt's side
     def open(self, attempt: str, stream_interval: int) -> asyncio.Queue:
@@ -129,6 +131,8 @@ class OutputIntake:
             queue = self.queues.get(fields[0])
             if queue is None:  # the attempt ended already; the worker was told to abort it
                 continue
+            if self.on_tokens is not None:
+                self.on_tokens(fields[0], len(fields[1]))
             direct = self._direct.get(fields[0])
             # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
             # (order kept: an undelivered delta stays in the queue until its reader has sent it on)

@@ -20,8 +20,10 @@ lost is `migration`. In mode adaptive a placement may prefill locally (the collo
 and each ended request tells the AdaptiveLayout (coordinator.backend.adaptive) its latencies, handoff and cache.
 
 Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
-attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
-Supervisor's: it replaces them, and this backend starts polling the replacement.
+attempt's work is cancelled on live workers and the Reservation is released, exactly once. With growing bookings
+(coordinator.admission.growth) each attempt's decode booking grows in its Reservation as its tokens arrive
+(OutputIntake.on_tokens), so that release gives back the grown booking too. Dead workers are the Supervisor's: it
+replaces them, and this backend starts polling the replacement.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from coordinator.admission.admission import Admission, Placement
+from coordinator.admission.growth import BookingGrowth
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
@@ -69,6 +72,7 @@ class RayBackend:
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.admission: Admission | None = None
+        self.growth: BookingGrowth | None = None  # growing decode bookings (admission.reserve_output null)
         self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
         self.intake = OutputIntake(self.supervisor, lambda: self._count(self.errors, "worker_error"))
         self._push_waits: dict[str, Durations] = {}  # attempt id -> the prefill side's wait for its pushed KV
@@ -91,6 +95,9 @@ class RayBackend:
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
         self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
+        if self.config.admission.reserve_output is None:
+            self.growth = BookingGrowth(infos[0].block_size, self.config.admission.reserve_ahead_tokens)
+            self.intake.on_tokens = self.growth.advance  # its booking covers what it holds, and more
         if self.config.adaptive:
             self.adaptive = AdaptiveLayout(self.config, self.admission, lambda: self.pools.all_workers,
                                            self._booked_prompt_tokens, self._capacity_freed)
@@ -169,7 +176,7 @@ class RayBackend:
                        reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
         """One placement of the request: deltas until its end; WorkerLost if a worker under it died. `prior`: the
         tokens streamed so far, which generate() extends. With request.sink, once its first decode token is out,
-        the poll hands the middle of the stream to the sink (_take_outputs)."""
+        the intake hands the middle of the stream to the sink (OutputIntake.go_direct)."""
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         attempt = rid if move == 0 else f"{rid}~{move}"
@@ -178,6 +185,9 @@ class RayBackend:
         finished = joined = False  # joined: a token came from the decode stream
         decode, streamed, prior = placement.decode, prior, list(prior)
         try:
+            if self.growth is not None:
+                self.growth.track(attempt, reservation, decode.key, len(request.prompt_token_ids) + len(prior),
+                                  request.params.max_tokens - len(prior), placement.kv_blocks)
             if placement.prefill is None and _connected(decode):
                 cleanup.append((decode, "abort_on_stream"))  # after the generate, on the same stream
                 decode.requests.add(attempt)
@@ -220,6 +230,8 @@ class RayBackend:
             if finished and self.adaptive is not None:
                 self.adaptive.decoded(request.prompt_token_ids + streamed, decode.name)
             self.intake.close(attempt)
+            if self.growth is not None:
+                self.growth.drop(attempt)
             self._push_waits.pop(attempt, None)
             ends = []
             for worker, action in cleanup:
@@ -247,7 +259,7 @@ class RayBackend:
         decode.requests.add(attempt)
         num_tokens = len(request.prompt_token_ids) + len(prior)
         if self.pools.pushes:
-            self._spawn(self._push_target(attempt, request, prior, prefill, decode))
+            self._spawn(self._push_target(attempt, request, prior, prefill, decode, placement.priority))
         else:
             self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
         result = await self._call(prefill, prefill.handle.prefill.remote(
@@ -272,13 +284,13 @@ class RayBackend:
 
     @staticmethod
     async def _push_target(attempt: str, request: GenerateRequest, prior: list[int], prefill: WorkerState,
-                           decode: WorkerState) -> None:
+                           decode: WorkerState, priority: int) -> None:
         """Book the KV's blocks on the decode worker and name them to the prefill worker, which then writes the KV
         into them during its forward (prefill_pool.kv_push) and tells the decode worker, which joins the request
         at once (decode_pool.handoff). A failure here leaves the handoff to a pull."""
         try:
             agent, blocks = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
-                                                                       request.params, prior)
+                                                                       request.params, prior, priority)
             await prefill.handle.push_to.remote(attempt, agent, blocks)
         except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
             log.debug("request %s: no push target: %s", attempt, e)
@@ -304,7 +316,7 @@ class RayBackend:
                     self._push_waits[attempt] = (("kv_transfer", waited),)
             decode.load = await self._call(decode, decode.handle.decode.remote(
                 attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
-                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed))
+                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed, priority=placement.priority))
         except TransferFailed as e:
             self._count(self.errors, "transfer_failed")
             if self.config.transfer.on_failure == "fail":

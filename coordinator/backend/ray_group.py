@@ -9,7 +9,8 @@ decode worker pulls the KV once and forks it per choice (DecodeWorker.decode_gro
 its own worker id `<group>#<j>`; `stop(j)` aborts one choice (a stop string matched), the others go on.
 
 Every exit path runs one `finally`: every unfinished choice and the group's prefill are aborted on live workers
-and the Reservation is released, exactly once.
+and the Reservation is released, exactly once. With growing bookings (coordinator.admission.growth) each choice's
+share of the booking grows as its tokens arrive, in the group's Reservation.
 Migration: when a worker under the group dies (or its KV transfer fails, with transfer.on_failure: recompute),
 the group's own placement ends (the finally above). If nothing was streamed yet, the whole group starts again
 (up to recovery.max_migrations times). Otherwise every unfinished choice goes on alone as a single request
@@ -156,6 +157,11 @@ class GroupRun:
             placement = await b.admission.place(request, 0, reservation)
             prefill, decode = placement.prefill, placement.decode
             self._decode = decode
+            if b.growth is not None:  # each choice: its copy of the partial block and its outputs, grown as they come
+                partial = len(request.prompt_token_ids) % b.growth.block_size
+                share = b.growth.blocks_for(partial, b.admission.output_budget(request, 0))
+                for cid in ids:
+                    b.growth.track(cid, reservation, decode.key, partial, request.params.max_tokens, share)
             for cid in ids:
                 b.intake.queues[cid] = queue
             source = prefill or decode
@@ -179,7 +185,7 @@ class GroupRun:
             cleanup.append((decode, "abort"))
             for cid in ids:
                 decode.requests.add(cid)
-            b._spawn(self._handoff(rid, decode, prefill, firsts, peer, blocks, queue))
+            b._spawn(self._handoff(rid, decode, prefill, firsts, peer, blocks, queue, placement.priority))
             while len(self._done | self._stopped) < request.n:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -193,6 +199,8 @@ class GroupRun:
         finally:
             for cid in ids:
                 b.intake.queues.pop(cid, None)
+                if b.growth is not None:
+                    b.growth.drop(cid)
             for worker, action in cleanup:
                 if action == "abort_group":
                     if worker.alive:
@@ -207,13 +215,13 @@ class GroupRun:
 
     async def _handoff(self, rid: str, decode: WorkerState, prefill: WorkerState | None,
                        firsts: list[tuple[int, Any]], peer: str | None, blocks: list[int],
-                       queue: asyncio.Queue) -> None:
-        """The decode worker pulls the KV once (or takes the group pinned on itself) and starts every choice;
-        the prefill worker then frees its pinned copy. Errors go into the group's stream."""
+                       queue: asyncio.Queue, priority: int) -> None:
+        """The decode worker pulls the KV once (or takes the group pinned on itself) and starts every choice (at
+        the group's priority); the prefill worker then frees its pinned copy. Errors go into the group's stream."""
         b = self._backend
         try:
             decode.load = await b._call(decode, decode.handle.decode_group.remote(
-                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks))
+                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks, priority))
         except BackendError as e:
             queue.put_nowait(e)
         finally:

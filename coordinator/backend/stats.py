@@ -1,11 +1,11 @@
 """backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
 
-Per worker: its state, restarts and bookings always; its last reported engine load (every numeric EngineLoad
-field) only while it is live, so a dead worker's gauges disappear instead of freezing at their last value.
-Backend-wide: the admission queue's length (requests waiting for room, not those running), requests in flight,
-errors and migrations by kind, seconds each pool spent with no live worker, transfer totals of the live agents, and
-the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its process's garbage-collector
-pauses.
+Per worker: its state, restarts and bookings always; its last reported engine load (every numeric EngineLoad field,
+and the KV blocks its requests use, to compare with those booked) only while it is live, so a dead worker's gauges
+disappear instead of freezing at their last value. Backend-wide: the admission queue's length (requests waiting for
+room, not those running), requests in flight, errors and migrations by kind, blocks added to growing bookings,
+seconds each pool spent with no live worker, transfer totals of the live agents, and the coordinator's event-loop
+lag and stalls (coordinator.observability.loop_lag) and its process's garbage-collector pauses.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def backend_stats(backend: Any) -> dict:
             load.pop("taken_at_s")  # a time on the worker's own clock: nothing to export
             entry |= {"queued_prompt_tokens": load.pop("queued_prompt_tokens"), "running": load.pop("num_running"),
                       "free_blocks": load.pop("free_blocks"), "total_blocks": load.pop("total_blocks")}
+            entry["used_kv_blocks"] = entry["total_blocks"] - entry["free_blocks"]
             entry["engine"] = {k: v for k, v in load.items() if isinstance(v, int | float)}
         workers.append(entry)
     admission = backend.admission
@@ -36,6 +37,7 @@ def backend_stats(backend: Any) -> dict:
             "queue_length": len(admission.queue) if admission else 0, "in_flight": len(backend._ids),
             "waiting_by_priority": admission.queue.waiting_by_priority() if admission else {},
             "admission_bypassed": admission.queue.bypassed if admission else 0,
+            "booking_grown_blocks": backend.growth.grown_blocks if backend.growth is not None else 0,
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,

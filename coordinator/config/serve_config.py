@@ -27,6 +27,7 @@ class PoolConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = None          # most prompt tokens of one request per step
+    head_bypass_steps: int = 128   # steps a waiting request short of KV blocks may be passed in the engine's queue
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -64,9 +65,11 @@ class TransferConfig:
 class AdmissionConfig:
     max_queue: int = 1024          # requests in flight beyond which new ones get 503
     timeout_s: float = 30.0        # how long a request may wait for room (or for a replacement worker)
-    # fraction of max_tokens whose KV is booked on the decode worker at admission, besides the prompt's: 1.0 never
-    # oversubscribes (no preemption); below 1 more requests run at once and the engine preempts when they outgrow it
-    reserve_output: float = 1.0
+    # null (growing bookings): a decode worker books the prompt and reserve_ahead_tokens of output, and the booking
+    # grows as the request decodes (coordinator.admission.growth; the engine preempts when blocks run out). A number:
+    # that fraction of max_tokens booked up front and never grown; 1.0 never oversubscribes (no preemption)
+    reserve_output: float | None = None
+    reserve_ahead_tokens: int = 64  # growing bookings: output tokens booked beyond those a request has generated
     max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
     priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
     reserved_for_high: float = 0.0  # share of each worker's KV and prefill backlog only high-priority requests book
@@ -75,8 +78,11 @@ class AdmissionConfig:
     bypass_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.reserve_output <= 1:
-            raise ValueError(f"reserve_output must be in (0, 1], got {self.reserve_output}")
+        if self.reserve_output is not None and not 0 < self.reserve_output <= 1:
+            raise ValueError(f"reserve_output must be null (growing bookings) or in (0, 1], got {self.reserve_output}")
+        if isinstance(self.reserve_ahead_tokens, bool) or not isinstance(self.reserve_ahead_tokens, int) \
+                or self.reserve_ahead_tokens < 1:
+            raise ValueError(f"reserve_ahead_tokens must be an integer >= 1, got {self.reserve_ahead_tokens!r}")
         if self.max_prefill_backlog_tokens is not None and self.max_prefill_backlog_tokens < 1:
             raise ValueError(f"max_prefill_backlog_tokens must be >= 1, got {self.max_prefill_backlog_tokens}")
         if not 0 <= self.reserved_for_high < 1:
@@ -160,6 +166,7 @@ class ServeConfig:
             model=self.model, dtype=self.dtype, device="cuda" if pool.num_gpus > 0 else "cpu",
             block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
+            head_bypass_steps=pool.head_bypass_steps,
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,

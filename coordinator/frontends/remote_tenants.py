@@ -17,7 +17,7 @@ from coordinator.frontends.core_client import CoreBackend
 
 class RemoteGrant(Grant):
     def __init__(self, core: CoreBackend, grant_id: int, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
-        super().__init__(tenant, prompt_tokens, max_tokens)
+        super().__init__(tenant, prompt_tokens, max_tokens, 0)  # the core's own Grant does the accounting
         self._core, self._id = core, grant_id
 
     def settle(self, completion_tokens: int, outcome: str = "ok", prompt_processed: bool = True) -> bool:

@@ -4,11 +4,12 @@ Owns the families built afresh from the backend's figures at every scrape (nothi
 scrapes, so a dead or removed worker's gauges disappear instead of freezing at their last value; backend_stats
 leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend.stats shapes it (queue length,
 per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
-`pdserve_worker_engine_<key>`, errors, migrations, pool downtime, prefix-affinity hits, the coordinator's event-loop
-lag and stalls (`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every
-numeric transfer total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the
-lifecycle's requests in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape
-itself never fails for it), tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
+`pdserve_worker_engine_<key>`, preemptions by cause (`pdserve_worker_preemptions_total{cause}`), errors, migrations,
+pool downtime, prefix-affinity hits, growing bookings, the coordinator's event-loop lag and stalls
+(`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every numeric transfer
+total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the lifecycle's requests in
+flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself never fails for it),
+tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
 `vllm:num_requests_waiting` (the admission queue) and `vllm:kv_cache_usage_perc` (per worker, labelled `engine`).
 """
 
@@ -26,7 +27,8 @@ _WORKER_HELP = {
     "queued_prompt_tokens": "Prompt tokens queued", "free_blocks": "Free KV blocks", "total_blocks": "KV blocks",
     "requests_routed": "Requests the router sent to the worker", "alive": "1 while the worker is alive",
     "restarts_total": "Times the worker's slot was replaced after a death",
-    "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget)",
+    "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget, grown as they decode)",
+    "used_kv_blocks": "KV blocks the worker's engine holds (not free or evictable): compare booked_kv_blocks",
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled",
     "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping"}
 
@@ -98,6 +100,7 @@ def backend_families(stats: dict) -> list[Metric]:
         out.append(_family("pdserve_backend_requests_in_flight", "Requests placed on workers", [({}, in_flight)]))
     per_worker: dict[str, Samples] = {key: [] for key in _WORKER_HELP}
     engine: dict[str, Samples] = {}
+    preemptions: Samples = []
     for w in (w for w in stats.get("workers") or [] if isinstance(w, dict)):
         labels = {"worker": w.get("name", "?"), "role": w.get("role", "?")}
         free, total = _number(w.get("free_blocks")), _number(w.get("total_blocks"))
@@ -112,12 +115,19 @@ def backend_families(stats: dict) -> list[Metric]:
         for key, value in (w.get("engine") or {}).items():
             if _number(value) is not None:
                 engine.setdefault(key, []).append((labels, _number(value)))
+            cause = re.fullmatch(r"preemptions_(\w+)_total", key)
+            if cause and _number(value) is not None:
+                preemptions.append(({**labels, "cause": cause.group(1)}, _number(value)))
     for key, samples in per_worker.items():
         if samples:
             out.append(_family(f"pdserve_worker_{key}", _WORKER_HELP.get(key, "1 for the worker's life-cycle state"),
                                samples))
     out += [_family(_name("pdserve_worker_engine_", key), f"The worker engine's {key}", samples)
             for key, samples in sorted(engine.items())]
+    if preemptions:
+        out.append(_family("pdserve_worker_preemptions_total", "Running requests sent back to the engine's queue for "
+                           "lack of KV blocks (recomputed later), by cause: a decode row or a prompt chunk needed "
+                           "the blocks", preemptions))
     for key, name, label, help in (
             ("migrations", "pdserve_migrations_total", "event", "Request moves after a worker or transfer failure: "
              "attempted, and outcome_completed / outcome_failed of moved requests"),
@@ -141,6 +151,10 @@ def backend_families(stats: dict) -> list[Metric]:
         out.append(_family("pdserve_role_changes_total", "Workers' role changes (mode adaptive), by old and new role",
                            [({"from": k.split(">")[0], "to": k.split(">")[1]}, v) for k, v in sorted(changes.items())
                             if _number(v) is not None and ">" in k]))
+    grown = _number(stats.get("booking_grown_blocks"))
+    if grown is not None:
+        out.append(_family("pdserve_admission_booking_grown_blocks_total", "KV blocks added to decode bookings as "
+                           "their requests decoded (growing bookings: admission.reserve_output null)", [({}, grown)]))
     bypassed = _number(stats.get("admission_bypassed"))
     if bypassed is not None:
         out.append(_family("pdserve_admission_bypassed_total", "Requests admitted ahead of a waiting request that did "

@@ -3,8 +3,10 @@
 Owns the requests' life cycle (waiting -> running -> finished, or pinned for prefill-only requests) and, through
 the BlockManager, every block they hold. One rule covers prefill, chunked prefill, decode and recompute: a running
 request computes its pending tokens, as many as the step's token budget allows; when it reaches its last token the
-runner samples the next one. When blocks run out, the most recently admitted running request is preempted: its
-blocks are freed and it goes back to the front of the queue to be recomputed (its sampled tokens are kept).
+runner samples the next one. When blocks run out, a running request is preempted (the worst priority, the most
+recently admitted within it: engine.core.waiting.victim): its blocks are freed and it goes back to the front of the
+queue to be recomputed (its sampled tokens are kept). Waiting requests start in the WaitingQueue's order, where one
+that fits may pass a head that does not, for a while (engine.core.waiting).
 
 Overlapped scheduling: `schedule_after` plans the step that follows one still on the device, before its tokens are
 known (a row continuing from a sampled token has a placeholder input, taken from the device), with prompt chunks,
@@ -12,7 +14,8 @@ joining and newly admitted requests in it as schedule() would plan them; only bl
 and requests whose steps need their outputs read at once fall back to schedule(). `update` then skips chunks whose
 request ended meanwhile (`is_current`).
 
-Counters (totals since start, read by LLMEngine.load for metrics): preemptions, prefix-cache lookups and hits in
+Counters (totals since start, read by LLMEngine.load for metrics): preemptions (`preemptions_by_cause`: a decode
+row or a prompt chunk needed the blocks), requests started ahead of a waiting head, prefix-cache lookups and hits in
 tokens, tokens scheduled (computed on the device) and tokens sampled.
 Per request, `first_scheduled_at` (the scheduler's clock when a step first gave it work) lets its worker split the
 request's time into waiting and computing (coordinator.observability.phases).
@@ -21,14 +24,16 @@ request's time into waiting and computing (coordinator.observability.phases).
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
 from engine.core.request import PromptLogprob, Request, RequestStatus, TokenLogprob
+from engine.core.waiting import WaitingQueue, victim
+from engine.engine_config import EngineConfig
 
 PENDING_TOKEN = -1  # token id of a chunk whose input is still being sampled on the device
+PREEMPTION_CAUSES = ("decode", "prompt")  # what needed the blocks: a decode row, or a prompt chunk (or recompute)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ class StepOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None,
+                 head_bypass_steps: int = EngineConfig.head_bypass_steps) -> None:
         self.bm = block_manager
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -78,10 +84,12 @@ class Scheduler:
         self.prefill_cap: int | None = None
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(head_bypass_steps)
         self.running: list[Request] = []
+        self.num_updates = 0  # steps applied (update): the waiting head's clock
         # totals since start, for metrics and tests
         self.num_preemptions = 0
+        self.preemptions_by_cause = dict.fromkeys(PREEMPTION_CAUSES, 0)
         self.num_prefix_query_tokens = 0  # tokens of requests admitted (each admission looks the cache up)
         self.num_prefix_hit_tokens = 0    # of those, tokens whose KV came from the prefix cache
         self.num_scheduled_tokens = 0     # tokens planned for the device (prefill chunks, recomputes, decodes)
@@ -92,12 +100,7 @@ class Scheduler:
         if req.request_id in self.requests or self.bm.has_table(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        # behind every waiting request of its priority or a better one, ahead of worse ones (preempted requests
-        # go back to the very front: they were admitted already)
-        at = len(self.waiting)
-        while at > 0 and self.waiting[at - 1].priority > req.priority:
-            at -= 1
-        self.waiting.insert(at, req)
+        self.waiting.add(req)
 
     def add_prefilled(self, req: Request) -> None:
         """Start decoding a request whose KV (prompt and prior outputs) already sits in the blocks reserved under
@@ -153,11 +156,20 @@ class Scheduler:
                 if n <= 0:  # no prompt tokens left for this step: the prompt goes on next step
                     i += 1
                     continue
+            cause = "decode" if _decodes(req) else "prompt"
             while not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
-                if victim is req:
+                v = victim(self.running)
+                at = self.running.index(v)
+                k = next((k for k, (r, _) in enumerate(scheduled) if r is v), None)
+                if k is not None:  # planned this step already: its tokens go back to the budgets
+                    granted = scheduled.pop(k)[1]
+                    budget += granted
+                    prompt_budget += 0 if _decodes(v) else granted
+                self._preempt(v, cause)
+                out.preempted.append(v.request_id)
+                if at < i:  # it ran ahead of req: req moved up one
+                    i -= 1
+                if v is req:
                     break
             else:
                 scheduled.append((req, n))
@@ -257,6 +269,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]],
                pin_lease_s: float) -> list[StepOutput]:
         """Advance progress after the runner computed `sched`; `sampled` maps request id -> (token, logprob)."""
+        self.num_updates += 1
         outputs = []
         for chunk in sched.chunks:
             if not self.is_current(chunk):  # ended (or aborted) while this step was on the device
@@ -289,18 +302,29 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
                        overlappable_only: bool = False) -> None:
         """Start waiting requests in queue order while the budget, the slots (`leaving` of the running ones are
-        about to end) and the blocks allow; with `overlappable_only`, stop at one schedule_after may not plan."""
-        while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
-            req = self.waiting[0]
-            if overlappable_only and _plans_alone(req, 0):
+        about to end) and the blocks allow; with `overlappable_only`, stop at one schedule_after may not plan (or
+        skip it, behind a head). A head short of blocks may be passed by requests of its priority that fit
+        (WaitingQueue.head_blocked)."""
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
+            if not self.waiting.may_try(i):
                 break
+            req = self.waiting[i]
+            if overlappable_only and _plans_alone(req, 0):
+                if i == 0:
+                    break
+                i += 1
+                continue
             fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None  # cached KV has no logits
             prefix = self.bm.cached_prefix(req.all_token_ids) if fresh else []
             cached_tokens = len(prefix) * self.bm.block_size
             n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
             if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
-                break
-            self.waiting.popleft()
+                if i == 0 and not self.waiting.head_blocked(self.num_updates):
+                    break
+                i += 1
+                continue
+            self.waiting.take(i)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached_tokens
             self.num_prefix_query_tokens += req.num_tokens
@@ -319,14 +343,15 @@ class Scheduler:
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
                               sample=start + n == req.num_tokens, output_index=req.num_output_tokens)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, cause: str) -> None:
         self.running.remove(req)
         self.bm.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions_by_cause[cause] += 1
+        self.waiting.push_front(req)
 
 
 def _plans_alone(req: Request, start: int) -> bool:

@@ -1,0 +1,128 @@
+"""Preemption when requests outgrow the blocks they started with (issue 38: decode workers book the prompt and a
+small reserve, then grow).
+
+- The victim is the running request of the worst priority, the most recently started within it, even one already
+  planned in the step (its tokens go back to the step's budget): scheduler with a fake model.
+- On the decode side, requests whose KV came from a prefill engine (reserve_blocks + add_prefilled_request, the KV
+  copied in as kvtransfer does) on a cache too small for all of them at full length are preempted and recompute
+  their prompt and outputs locally; every stream ends with exactly the uncontended run's tokens (greedy and seeded),
+  the preemptions are counted by cause, and every block is accounted for.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from tests.engine_helpers import random_prompts
+
+VOCAB = 2000
+
+
+def _request(rid: str, prompt_len: int, priority: int, first: int) -> Request:
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=6, ignore_eos=True),
+                   (0,), max_model_len=1024, priority=priority)
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    s.update(out, {c.request_id: (7, None) for c in out.chunks if c.sample}, 60.0)
+    return out
+
+
+def test_the_victim_is_the_worst_priority_even_when_planned_earlier_in_the_step():
+    s = Scheduler(BlockManager(4, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64)
+    s.add(_request("low", 5, priority=3, first=1))
+    _step(s)  # low: 5 prompt tokens, 2 blocks
+    s.add(_request("high", 7, priority=1, first=100))
+    _step(s)  # high: 7 prompt tokens, 2 blocks; the cache is full
+    _step(s)  # low at 7 tokens, high at 8: both still fit their 2 blocks
+    out = _step(s)  # low plans its 8th token first; then high's 9th needs a third block
+    assert out.preempted == ["low"]  # not the newest ("high"), as before: the worse priority
+    assert [c.request_id for c in out.chunks] == ["high"]  # low's planned row went back to the budget
+    assert s.preemptions_by_cause == {"decode": 1, "prompt": 0}
+    for _ in range(100):  # each fits the cache alone (11 and 13 tokens of 16): both end
+        if not s.has_work:
+            break
+        _step(s)
+    assert not s.has_work and s.bm.check_integrity()["used"] == 0
+
+
+@pytest.fixture(scope="module")
+def folder(checkpoints) -> str:
+    return str(checkpoints.tiny())
+
+
+PROMPTS = random_prompts((20, 25, 18, 30, 22), VOCAB, seed=380)
+PARAMS = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+          SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=30, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=26, ignore_eos=True),
+          SamplingParams(temperature=1.0, top_k=50, seed=12, max_tokens=28, ignore_eos=True),
+          SamplingParams(temperature=0.7, seed=13, max_tokens=30, ignore_eos=True, repetition_penalty=1.2)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_handed_over_requests_outgrowing_a_small_cache_are_recomputed_locally_and_exact(folder, overlap):
+    expected = [o.token_ids for o in LLM(folder, enable_prefix_caching=False).generate(PROMPTS, PARAMS)]
+    prefill = LLM(folder).engine
+    for i, prompt in enumerate(PROMPTS):
+        prefill.add_request(f"r{i}", prompt, PARAMS[i], prefill_only=True)
+    firsts = {}
+    while prefill.has_unfinished():
+        firsts.update({o.request_id: o for o in prefill.step()})
+    # 10 blocks of 16 tokens: every prompt's KV fits (2 blocks each), their full lengths (48-60 tokens, 3-4 blocks
+    # each, 18 in all) do not
+    decode = LLM(folder, num_kv_blocks=10, async_scheduling=overlap).engine
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        rid, first = f"r{i}", firsts[f"r{i}"]
+        blocks = decode.reserve_blocks(rid, len(prompt))
+        assert blocks is not None
+        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]  # what kvtransfer does
+        prefill.release(rid)
+        assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], PARAMS[i]) is None
+        got[rid] = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+        decode.check_integrity()
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    load = decode.load()
+    assert load.preemptions_total > 0
+    assert load.preemptions_total == load.preemptions_decode_total + load.preemptions_prompt_total
+    assert load.preemptions_decode_total > 0  # decodes outgrew their blocks
+    counts = decode.check_integrity()
+    assert counts["in_use"] == counts["pinned"] == 0
+
+
+def test_a_handed_over_request_of_a_better_priority_is_not_the_victim_though_newest(folder):
+    prompts, params = PROMPTS[:2], PARAMS[:2]
+    expected = [o.token_ids for o in LLM(folder, enable_prefix_caching=False).generate(prompts, params)]
+    prefill = LLM(folder).engine
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params[i], prefill_only=True)
+    firsts = {}
+    while prefill.has_unfinished():
+        firsts.update({o.request_id: o for o in prefill.step()})
+    # 6 blocks: both prompts' KV fits (2 blocks each), their full lengths (50 and 55 tokens: 4 blocks each) do not
+    decode = LLM(folder, num_kv_blocks=6, enable_prefix_caching=False).engine
+    got = {}
+    for i, (rid, priority) in enumerate((("r0", 3), ("r1", 1))):  # the newest has the better priority
+        first = firsts[rid]
+        blocks = decode.reserve_blocks(rid, len(prompts[i]))
+        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]
+        decode.add_prefilled_request(rid, prompts[i], first.new_token_ids[0], params[i], priority=priority)
+        got[rid] = list(first.new_token_ids)
+    requests = dict(decode.scheduler.requests)
+    while decode.has_unfinished():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got["r0"], got["r1"]] == expected
+    assert requests["r0"].num_preemptions >= 1 and requests["r1"].num_preemptions == 0
+    assert decode.reserve_blocks("r9", len(prompts[0])) is not None
+    with pytest.raises(ValueError, match="priority must be an int"):
+        decode.add_prefilled_request("r9", prompts[0], 5, params[0], priority="high")
+    assert decode.abort("r9") and decode.check_integrity()["in_use"] == 0
