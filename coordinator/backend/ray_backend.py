@@ -20,7 +20,8 @@ and each ended request tells the AdaptiveLayout (coordinator.backend.adaptive) i
 
 Every exit path (finish, abort, disconnect, timeout, worker death, exception) runs the same `finally`: the
 attempt's work is cancelled on live workers and the Reservation is released, exactly once. Dead workers are the
-Supervisor's: it replaces them, and this backend starts polling the replacement.
+Supervisor's: it replaces them, and this backend starts polling the replacement. Workers an operator drained get
+no new work (coordinator.backend.drains: admission and the adaptive planner see the pools through it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from coordinator.admission.admission import Admission, Placement
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
+from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
 from coordinator.backend.held_queue import HeldQueue
 from coordinator.backend.pools import Pools
@@ -72,6 +74,7 @@ class RayBackend:
         self.vocab_size = 0
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
         self.admission: Admission | None = None
         self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
@@ -96,9 +99,9 @@ class RayBackend:
         capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
-        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
-        if self.config.adaptive:
-            self.adaptive = AdaptiveLayout(self.config, self.admission, lambda: self.pools.all_workers,
+        self.admission = Admission(self.config, self.drains, Router(infos[0].block_size), self.ledger)
+        if self.config.adaptive:  # the planner neither routes to nor changes a drained worker
+            self.adaptive = AdaptiveLayout(self.config, self.admission, self.drains.undrained,
                                            self._booked_prompt_tokens, self._capacity_freed)
             self._spawn(self.adaptive.planner.run())
         self.loop_lag.start()
@@ -115,6 +118,7 @@ class RayBackend:
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.shutdown()
+        await self.drains.shutdown()
         for q in self._streams.values():
             q.put_nowait(BackendError("the server is shutting down"))
         await self.pools.shutdown()
@@ -447,7 +451,7 @@ class RayBackend:
 
     # ---- figures
     def health(self) -> tuple[bool, list[dict]]:
-        return self.supervisor.healthy(), self.supervisor.states()
+        return self.drains.healthy(), self.drains.states()
 
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Assert that the bookings are exactly those of the requests in flight; return them per worker."""
@@ -473,7 +477,10 @@ class RayBackend:
 
     # ---- drills (coordinator.backend.drills; the admin routes call them here)
     async def kill_worker(self, name: str) -> bool:
-        return self.drills.kill_worker(name)
+        killed = self.drills.kill_worker(name)
+        if killed:  # a restart on purpose ends a drain (coordinator.backend.drains)
+            self.drains.restarted(name)
+        return killed
 
     async def kill_rank(self, name: str, rank: int) -> bool:
         return await self.drills.kill_rank(name, rank)
@@ -485,7 +492,16 @@ class RayBackend:
         """An operator's role change (mode adaptive; coordinator.backend.adaptive). ValueError if it cannot be."""
         if self.adaptive is None:
             raise ValueError(f"roles change only in mode adaptive (this server runs mode {self.config.mode})")
+        if self.drains.state(name) is not None:
+            raise ValueError(f"{name} is {self.drains.state(name)}: undrain it before changing its role")
         return self.adaptive.set_role(name, role, "set through the admin API")
+
+    async def drain_worker(self, name: str) -> str | None:
+        """Take a worker out of routing (coordinator.backend.drains); DrainRefused (a ValueError) for the last."""
+        return self.drains.drain(name)
+
+    async def undrain_worker(self, name: str) -> bool | None:
+        return self.drains.undrain(name)
 
     def _booked_prompt_tokens(self, worker: WorkerState) -> float:
         return self.ledger.booked(worker.key, "prompt_tokens")
