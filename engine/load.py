@@ -34,6 +34,7 @@ class EngineLoad:
     prefix_query_tokens_total: int = 0  # tokens of requests admitted (each admission looks up the prefix cache)
     prefix_hit_tokens_total: int = 0    # of those, tokens whose KV the prefix cache supplied
     preemptions_total: int = 0          # running requests sent back to the queue for lack of blocks
+    expired_pins_total: int = 0         # pinned prefill-only requests freed by their lease (nobody released them)
     # the hosting process's garbage collector (engine.gc_pauses; a pool worker fills them in): collections, full ones,
     # their summed and longest pause (the step thread waits through each)
     gc_pauses_total: int = 0

@@ -8,8 +8,9 @@
 - POST /admin/workers/{name}/role: mode adaptive, give a worker a role ({"role": "prefill" | "decode" | "mixed"}).
 - POST /admin/faults: set the injected faults of every worker now and of every replacement later (a JSON body with
   FaultsConfig's fields; `{}` turns them off).
-- GET /admin/integrity: the coordinator's bookings checked against the requests in flight, and every live
-  engine's block ownership check; `ok` is false with the reason when either fails.
+- GET /admin/integrity: the coordinator's bookings checked against the requests in flight, every live engine's
+  block ownership check, and what each worker holds against what is booked there (`mismatches`:
+  coordinator.backend.block_audit); `ok` is false with the reason when any fails.
 Also `health_response`: the truthful /health (200 only while every pool has a live worker and the server is not
 draining; otherwise 503 with each worker's state); each worker's pid, host and last failure only for the operator.
 """

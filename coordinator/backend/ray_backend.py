@@ -40,6 +40,7 @@ from coordinator.admission.admission import Admission, Placement
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
+from coordinator.backend.block_audit import BlockAudit
 from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
 from coordinator.backend.held_queue import HeldQueue
@@ -75,6 +76,7 @@ class RayBackend:
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
+        self.audit = BlockAudit(config.transfer.pin_lease_s, self.ledger, lambda: len(self._ids))  # for integrity
         self.admission: Admission | None = None
         self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
         self._streams: dict[str, asyncio.Queue] = {}  # worker-side attempt id -> its deltas
@@ -442,6 +444,7 @@ class RayBackend:
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
             await self.supervisor.probe()
+            self.audit.observe(self.pools.all_workers)  # what workers hold that no booking explains, since when
             live = [w for w in self.pools.all_workers if w.alive]
             snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
                                            return_exceptions=True)
@@ -460,7 +463,8 @@ class RayBackend:
         return booked
 
     async def integrity(self) -> dict:
-        """check_integrity() here and on every live engine, as a report: ok, or the first failure."""
+        """check_integrity() here and on every live engine, and what the engines hold against the bookings
+        (coordinator.backend.block_audit: `mismatches`), as a report: ok, or the first failure."""
         report: dict = {"ok": True, "error": None, "coordinator": self.ledger.snapshot(), "workers": {}}
         try:
             report["coordinator"] = self.check_integrity()
@@ -473,6 +477,9 @@ class RayBackend:
                 report.update(ok=False, error=report["error"] or f"{w.name}: {check}")
             else:
                 report["workers"][w.name] = check
+        report["mismatches"] = self.audit.report(live, report["workers"])
+        if report["mismatches"]:
+            report.update(ok=False, error=report["error"] or report["mismatches"][0])
         return report
 
     # ---- drills (coordinator.backend.drills; the admin routes call them here)
