@@ -129,6 +129,7 @@ class LLMEngine:
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
         self.step_time_last_s = 0.0
         self.step_time_total_s = 0.0
+        self.num_expired_pins = 0  # pinned requests their lease freed: nobody released nor aborted them in time
         self.step_budget = None if config.decode_step_target_s is None else StepBudget(
             config.decode_step_target_s, min(STEP_BUDGET_FLOOR, config.max_num_batched_tokens),
             config.max_num_batched_tokens)
@@ -280,6 +281,7 @@ class LLMEngine:
     def _step(self, layer_hook: LayerHook | None) -> list[StepOutput]:
         outputs = [StepOutput(rid, [], [], "expired", prefill_only=True) for rid in self.scheduler.expired_pins()
                    if self.scheduler.finish(rid, "expired")]
+        self.num_expired_pins += len(outputs)
         if self._in_flight is not None:
             return outputs + self._overlapped_step(may_continue=layer_hook is None)
         sched = self.scheduler.schedule()
@@ -361,6 +363,7 @@ class LLMEngine:
             prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions,
             preemptions_decode_total=s.preemptions_by_cause["decode"],
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
+            expired_pins_total=self.num_expired_pins,
             taken_at_s=time.monotonic(), **self._budget_figures())
 
     def _budget_figures(self) -> dict[str, float]:
@@ -371,7 +374,8 @@ class LLMEngine:
                 "prefill_token_s": b.per_token_s or 0.0}
 
     def check_integrity(self) -> dict[str, int]:
-        """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"}."""
+        """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and
+        "expired_pins", the pinned requests their lease freed since start."""
         counts = self.block_manager.check_integrity()
         known = set(self.scheduler.requests) | self._reserved
         tables = self.block_manager.owners()
@@ -386,7 +390,7 @@ class LLMEngine:
         result = {"free": counts["free"], "cached": counts["cached"], "pinned": len(pinned),
                   "in_use": len(active), "total": counts["total"]}
         assert result["free"] + result["cached"] + result["pinned"] + result["in_use"] == result["total"]
-        return result
+        return result | {"expired_pins": self.num_expired_pins}
 
     def rank_call(self, rank: int, method: str, *args) -> Future:
         """Call `method` of follower `rank`'s rank service (LLMEngine(rank_service=...)); thread-safe, unlike the

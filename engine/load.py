@@ -37,6 +37,7 @@ class EngineLoad:
     preemptions_decode_total: int = 0   # of those, preempted because a decode row needed a new block
     preemptions_prompt_total: int = 0   # or because a prompt chunk (or a recompute) needed blocks
     head_bypassed_total: int = 0        # waiting requests started ahead of a head short of blocks (engine.core.waiting)
+    expired_pins_total: int = 0         # pinned prefill-only requests freed by their lease (nobody released them)
     # the hosting process's garbage collector (engine.gc_pauses; a pool worker fills them in): collections, full ones,
     # their summed and longest pause (the step thread waits through each)
     gc_pauses_total: int = 0

@@ -72,6 +72,7 @@ def test_pinned_blocks_expire_after_their_lease(checkpoints):
     time.sleep(0.06)
     assert [o.finish_reason for o in engine.step()] == ["expired"]
     assert engine.check_integrity()["pinned"] == 0 and not engine.release("p")
+    assert engine.check_integrity()["expired_pins"] == engine.load().expired_pins_total == 1  # counted: a leak
 
 
 def test_reservation_can_be_given_back(llm):

@@ -218,8 +218,9 @@ def test_only_the_operators_key_opens_admin_routes_and_health_details(backend):
     for headers in ({}, {"Authorization": "Bearer client"}, {"Authorization": "Bearer op2"}):
         r = send(app, backend, "GET", "/admin/integrity", headers=headers)
         assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
-        r = send(app, backend, "POST", "/admin/workers/decode-0/kill", headers=headers)
-        assert r.status_code == 401
+        for action in ("kill", "drain", "undrain"):
+            r = send(app, backend, "POST", f"/admin/workers/decode-0/{action}", headers=headers)
+            assert r.status_code == 401, action
     # (the operator's own key reaching these routes is every serving suite's: tests/server_process.OPERATOR)
     with pytest.raises(ValueError, match="admin_api needs admin_api_key"):
         ServerSettings(admin_api=True)

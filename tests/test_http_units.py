@@ -119,7 +119,12 @@ def test_settings_validation_names_the_field():
                           ({"keep_alive_timeout_s": 0}, "keep_alive_timeout_s"),
                           ({"header_timeout_s": float("inf")}, "header_timeout_s"),
                           ({"body_read_timeout_s": -1}, "body_read_timeout_s"),
-                          ({"allow_special_tokens_in_content": 1}, "allow_special_tokens_in_content")]:
+                          ({"allow_special_tokens_in_content": 1}, "allow_special_tokens_in_content"),
+                          ({"stall_timeout_s": 0}, "stall_timeout_s"),
+                          ({"stall_timeout_s": float("nan")}, "stall_timeout_s"),
+                          ({"stall_timeout_s": float("inf")}, "stall_timeout_s"),
+                          ({"stall_timeout_s": 3601}, "stall_timeout_s"),
+                          ({"stall_timeout_s": True}, "stall_timeout_s")]:
         with pytest.raises(ValueError, match=rf"^ServerSettings\.{field} "):
             ServerSettings(**kwargs)
 

@@ -2,11 +2,15 @@
 (`server.admin_api_key`; a tenant's key or server.api_key is a client's, and gets a 401).
 
 - POST /admin/workers/{name}/kill: kill a live worker's process (drills: the pool replaces it, its requests move).
+- POST /admin/workers/{name}/drain: route no new work to the worker; what runs there finishes, then /health says
+  it is drained ({"worker", "drain": "draining" | "drained"}; coordinator.backend.drains). A 409 when it is the last
+  live worker that can decode or prefill. POST /admin/workers/{name}/undrain: route to it again.
 - POST /admin/workers/{name}/role: mode adaptive, give a worker a role ({"role": "prefill" | "decode" | "mixed"}).
 - POST /admin/faults: set the injected faults of every worker now and of every replacement later (a JSON body with
   FaultsConfig's fields; `{}` turns them off).
-- GET /admin/integrity: the coordinator's bookings checked against the requests in flight, and every live
-  engine's block ownership check; `ok` is false with the reason when either fails.
+- GET /admin/integrity: the coordinator's bookings checked against the requests in flight, every live engine's
+  block ownership check, and what each worker holds against what is booked there (`mismatches`:
+  coordinator.backend.block_audit); `ok` is false with the reason when any fails.
 Also `health_response`: the truthful /health (200 only while every pool has a live worker and the server is not
 draining; otherwise 503 with each worker's state); each worker's pid, host and last failure only for the operator.
 """
@@ -22,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from coordinator import errors
 
-PUBLIC_WORKER_FIELDS = ("name", "role", "state", "restarts")  # what /health shows without the operator's key
+PUBLIC_WORKER_FIELDS = ("name", "role", "state", "restarts", "drain")  # what /health shows without the operator's key
 
 
 def health_response(backend: Any, draining: bool, operator: bool = False) -> JSONResponse:
@@ -57,6 +61,28 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
             raise errors.APIError(404, f"no live worker named {name!r}", "invalid_request_error", "not_found",
                                   "name")
         return JSONResponse({"killed": name, **({"rank": rank} if rank is not None else {})})
+
+    @app.post("/admin/workers/{name}/drain")
+    async def drain_worker(name: str, request: Request) -> JSONResponse:
+        """Take worker `name` out of routing: {"worker": name, "drain": "draining" | "drained"}."""
+        check_auth(request)
+        try:
+            state = await backend.drain_worker(name)
+        except ValueError as e:  # the last live worker of a pool (coordinator.backend.drains.DrainRefused)
+            raise errors.APIError(409, str(e), "invalid_request_error", "conflict", "name",
+                                  code="last_live_worker") from None
+        if state is None:
+            raise errors.APIError(404, "no worker of that name", "invalid_request_error", "not_found", "name")
+        return JSONResponse({"worker": name, "drain": state})
+
+    @app.post("/admin/workers/{name}/undrain")
+    async def undrain_worker(name: str, request: Request) -> JSONResponse:
+        """Route to worker `name` again: {"worker": name, "undrained": whether it was drained or draining}."""
+        check_auth(request)
+        undrained = await backend.undrain_worker(name)
+        if undrained is None:
+            raise errors.APIError(404, "no worker of that name", "invalid_request_error", "not_found", "name")
+        return JSONResponse({"worker": name, "undrained": undrained})
 
     @app.post("/admin/workers/{name}/role")
     async def set_role(name: str, request: Request) -> JSONResponse:

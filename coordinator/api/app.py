@@ -10,7 +10,8 @@ parse to coordinator.api.choices_serve, which admits, generates and shapes its c
 /v1/completions, POST /v1/chat/completions, GET /health (503 while draining or while a pool has no live worker), GET
 /metrics, /admin/* when server.admin_api is on (coordinator.api.admin), and GET /v1/models, GET /version, POST
 /tokenize, POST /detokenize (coordinator.api.model_api). State lives on app.state: backend, settings, tokenizer,
-lifecycle (drain API, see coordinator.api.lifecycle), metrics, tenants. The caller owns the backend: it awaits
+lifecycle (drain API, see coordinator.api.lifecycle), metrics, tenants, stall_policy (streams whose client stopped
+reading: coordinator.api.stall_watch). The caller owns the backend: it awaits
 `backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.api.lifecycle); the
 app's lifespan only marks the server draining when uvicorn shuts down.
 """
@@ -35,6 +36,7 @@ from coordinator.api.choices_serve import serve_choices
 from coordinator.api.internal_request import InternalRequest, parse_request
 from coordinator.api.lifecycle import Generation, Lifecycle, Ticket
 from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
+from coordinator.api.stall_watch import StallPolicy
 from coordinator.api.text_output import TextOutput
 from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks
 from coordinator.config.settings import ServerSettings
@@ -75,6 +77,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.metrics = Metrics(app.state.model_name)
     app.state.tenants = registry or TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one key, or tenants'
     app.state.metrics.watch(backend, app.state.lifecycle, app.state.tenants)  # read afresh at each scrape
+    app.state.stall_policy = StallPolicy(settings.stall_timeout_s, app.state.metrics.stalled_clients.inc)
     errors.install_handlers(app, app.state.metrics.errors.inc)
 
     @app.get("/health")
@@ -218,7 +221,7 @@ async def _shape(app: FastAPI, request: Request, internal: InternalRequest, gen:
             body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
         return JSONResponse(body)
     events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc, tools)
-    return SSEResponse(events, deadline=gen.deadline + STREAM_DEADLINE_GRACE_S)
+    return SSEResponse(events, deadline=gen.deadline + STREAM_DEADLINE_GRACE_S, stall=app.state.stall_policy)
 
 
 def _tool_stream(req: Any, parser: str) -> ToolStream | None:

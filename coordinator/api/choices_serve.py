@@ -70,7 +70,7 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
             if chat else {}
         return JSONResponse(fmt.body(bodies, False, usage(choices), **extra, **top))
     return SSEResponse(_events(choices, fmt, req, chat, want_lp, echo_lp, close),
-                       deadline=max(c.gen.deadline for c in choices) + grace_s)
+                       deadline=max(c.gen.deadline for c in choices) + grace_s, stall=app.state.stall_policy)
 
 
 def _prompt_lps(c: Choice) -> list | None:

@@ -4,7 +4,9 @@ uvicorn has no timeout for a request head, so a connection that sends half a hea
 forever. HeadTimeoutProtocol gives a connection `header_timeout_s` from its start, and from the first byte of each
 later request, to complete the head; otherwise it answers 408 and closes (never in the middle of a response still
 being written: the 408 then waits for the response's end). Idle kept-alive connections are uvicorn's
-`timeout_keep_alive`. httptools rather than h11: every streamed token is one HTTP chunk, and h11's state machine
+`timeout_keep_alive`. Each request's scope also gets `ABORT_CONNECTION` (coordinator.api.stall_watch): the
+connection's `transport.abort`, which drops a stalled client's connection without waiting for its buffer to drain.
+httptools rather than h11: every streamed token is one HTTP chunk, and h11's state machine
 per chunk cost ~15% of the coordinator's CPU per token (benchmarks/coordinator_overhead.py, docs/benchmark-log.md).
 """
 
@@ -15,6 +17,7 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from coordinator.api.stall_watch import ABORT_CONNECTION
 from coordinator.errors import APIError
 
 
@@ -36,6 +39,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_pending = False
         self._cancel_head_timer()
+        self.scope[ABORT_CONNECTION] = self.transport.abort  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -1,8 +1,9 @@
 """Server-sent events and the OpenAI response shapes (completions and chat, whole and streamed).
 
 Owns: `SSEResponse`, a streaming response that cancels the event producer (whose cleanup closes the backend
-stream: an abort) when the client goes away, whatever the server's ASGI spec version, or when its deadline passes
-(a client that stops reading blocks `send`, and must not hold the request forever); `event()`
+stream: an abort) when the client goes away, whatever the server's ASGI spec version, when a write has been blocked
+on a client that stopped reading for `server.stall_timeout_s` (coordinator.api.stall_watch), or when its deadline
+passes; `event()`
 and `DONE` framing (`data: {json}\\n\\n`, `data: [DONE]\\n\\n`); and `Formatter`, which builds every JSON body
 of one request: chunks (chat's first has delta.role = "assistant"), the usage chunk (with `phases`, seconds per
 phase of coordinator.observability.phases, when the request asked for them), and non-streamed responses, all with the
@@ -32,6 +33,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from coordinator.api.lifecycle import Piece
+from coordinator.api.stall_watch import StallPolicy, StallWatch
 from coordinator.api.text_output import TokenInfo, floored
 from coordinator.observability.phases import wire
 
@@ -57,9 +59,12 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], deadline: float | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, stall: StallPolicy | None = None) -> None:
         self.events = events
         self.deadline = deadline  # time.monotonic() after which the stream is cut, even if blocked on a slow reader
+        self.stall = stall        # cut the stream once a write has been blocked this long (None: only the deadline)
+        self.stall_watch: StallWatch | None = None
+        self.writes = 0           # odd while a write is under way (what the stall watch reads)
         self.status_code = 200
         self.background = None
         self.disconnected = False
@@ -77,11 +82,20 @@ class SSEResponse(Response):
             if self.deadline is not None:
                 tg.cancel_scope.deadline = anyio.current_time() + self.deadline - time.monotonic()
             tg.start_soon(watch)
+            if self.stall is not None:
+                self.stall_watch = StallWatch(self.stall, lambda: self.writes, scope, tg.cancel_scope)
+                tg.start_soon(self.stall_watch.run)
             send_chunk = scope.get(SERVER_SEND, send)
+            self.writes += 1
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self.writes += 1
             async for chunk in events:
+                self.writes += 1
                 await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.writes += 1
+            self.writes += 1
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.writes += 1
             tg.cancel_scope.cancel()
 
 

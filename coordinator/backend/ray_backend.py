@@ -23,7 +23,8 @@ Every exit path (finish, abort, disconnect, timeout, worker death, exception) ru
 attempt's work is cancelled on live workers and the Reservation is released, exactly once. With growing bookings
 (coordinator.admission.growth) each attempt's decode booking grows in its Reservation as its tokens arrive
 (OutputIntake.on_tokens), so that release gives back the grown booking too. Dead workers are the Supervisor's: it
-replaces them, and this backend starts polling the replacement.
+replaces them, and this backend starts polling the replacement. Workers an operator drained get no new work
+(coordinator.backend.drains: admission and the adaptive planner see the pools through it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from coordinator.admission.growth import BookingGrowth
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
+from coordinator.backend.block_audit import BlockAudit
+from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
 from coordinator.backend.output_intake import OutputIntake, coalesced
 from coordinator.backend.pools import Pools
@@ -71,6 +74,8 @@ class RayBackend:
         self.vocab_size = 0
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
+        self.audit = BlockAudit(config.transfer.pin_lease_s, self.ledger, lambda: len(self._ids))  # for integrity
         self.admission: Admission | None = None
         self.growth: BookingGrowth | None = None  # growing decode bookings (admission.reserve_output null)
         self.adaptive: AdaptiveLayout | None = None  # mode adaptive: roles that move, and what placement learns
@@ -94,12 +99,12 @@ class RayBackend:
         capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
-        self.admission = Admission(self.config, self.supervisor, Router(infos[0].block_size), self.ledger)
+        self.admission = Admission(self.config, self.drains, Router(infos[0].block_size), self.ledger)
         if self.config.admission.reserve_output is None:
             self.growth = BookingGrowth(infos[0].block_size, self.config.admission.reserve_ahead_tokens)
             self.intake.on_tokens = self.growth.advance  # its booking covers what it holds, and more
-        if self.config.adaptive:
-            self.adaptive = AdaptiveLayout(self.config, self.admission, lambda: self.pools.all_workers,
+        if self.config.adaptive:  # the planner neither routes to nor changes a drained worker
+            self.adaptive = AdaptiveLayout(self.config, self.admission, self.drains.undrained,
                                            self._booked_prompt_tokens, self._capacity_freed)
             self._spawn(self.adaptive.planner.run())
         self.loop_lag.start()
@@ -116,6 +121,7 @@ class RayBackend:
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.shutdown()
+        await self.drains.shutdown()
         self.intake.fail_all(BackendError("the server is shutting down"))
         await self.pools.shutdown()
 
@@ -376,6 +382,7 @@ class RayBackend:
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
             await self.supervisor.probe()
+            self.audit.observe(self.pools.all_workers)  # what workers hold that no booking explains, since when
             live = [w for w in self.pools.all_workers if w.alive]
             snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
                                            return_exceptions=True)
@@ -385,7 +392,7 @@ class RayBackend:
 
     # ---- figures
     def health(self) -> tuple[bool, list[dict]]:
-        return self.supervisor.healthy(), self.supervisor.states()
+        return self.drains.healthy(), self.drains.states()
 
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Assert that the bookings are exactly those of the requests in flight; return them per worker."""
@@ -394,7 +401,8 @@ class RayBackend:
         return booked
 
     async def integrity(self) -> dict:
-        """check_integrity() here and on every live engine, as a report: ok, or the first failure."""
+        """check_integrity() here and on every live engine, and what the engines hold against the bookings
+        (coordinator.backend.block_audit: `mismatches`), as a report: ok, or the first failure."""
         report: dict = {"ok": True, "error": None, "coordinator": self.ledger.snapshot(), "workers": {}}
         try:
             report["coordinator"] = self.check_integrity()
@@ -407,11 +415,17 @@ class RayBackend:
                 report.update(ok=False, error=report["error"] or f"{w.name}: {check}")
             else:
                 report["workers"][w.name] = check
+        report["mismatches"] = self.audit.report(live, report["workers"])
+        if report["mismatches"]:
+            report.update(ok=False, error=report["error"] or report["mismatches"][0])
         return report
 
     # ---- drills (coordinator.backend.drills; the admin routes call them here)
     async def kill_worker(self, name: str) -> bool:
-        return self.drills.kill_worker(name)
+        killed = self.drills.kill_worker(name)
+        if killed:  # a restart on purpose ends a drain (coordinator.backend.drains)
+            self.drains.restarted(name)
+        return killed
 
     async def kill_rank(self, name: str, rank: int) -> bool:
         return await self.drills.kill_rank(name, rank)
@@ -423,7 +437,16 @@ class RayBackend:
         """An operator's role change (mode adaptive; coordinator.backend.adaptive). ValueError if it cannot be."""
         if self.adaptive is None:
             raise ValueError(f"roles change only in mode adaptive (this server runs mode {self.config.mode})")
+        if self.drains.state(name) is not None:
+            raise ValueError(f"{name} is {self.drains.state(name)}: undrain it before changing its role")
         return self.adaptive.set_role(name, role, "set through the admin API")
+
+    async def drain_worker(self, name: str) -> str | None:
+        """Take a worker out of routing (coordinator.backend.drains); DrainRefused (a ValueError) for the last."""
+        return self.drains.drain(name)
+
+    async def undrain_worker(self, name: str) -> bool | None:
+        return self.drains.undrain(name)
 
     def _booked_prompt_tokens(self, worker: WorkerState) -> float:
         return self.ledger.booked(worker.key, "prompt_tokens")

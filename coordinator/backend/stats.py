@@ -1,11 +1,12 @@
 """backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
 
-Per worker: its state, restarts and bookings always; its last reported engine load (every numeric EngineLoad field,
-and the KV blocks its requests use, to compare with those booked) only while it is live, so a dead worker's gauges
-disappear instead of freezing at their last value. Backend-wide: the admission queue's length (requests waiting for
-room, not those running), requests in flight, errors and migrations by kind, blocks added to growing bookings,
-seconds each pool spent with no live worker, transfer totals of the live agents, and the coordinator's event-loop
-lag and stalls (coordinator.observability.loop_lag) and its process's garbage-collector pauses.
+Per worker: its state, restarts, bookings and drain (coordinator.backend.drains) always; its last reported engine
+load (every numeric EngineLoad field, and the KV blocks its requests use, to compare with those booked) only while it
+is live, so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission
+queue's length (requests waiting for room, not those running), requests in flight, errors and migrations by kind,
+blocks added to growing bookings, seconds each pool spent with no live worker, transfer totals of the live agents,
+and the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its process's
+garbage-collector pauses.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ def backend_stats(backend: Any) -> dict:
         entry = {"name": w.name, "role": w.role, "state": w.state, "alive": w.alive,
                  "restarts_total": supervisor.restarts.get(w.name, 0), "served": w.served,
                  "booked_kv_blocks": ledger.booked(w.key, "kv_blocks"),
-                 "booked_prompt_tokens": ledger.booked(w.key, "prompt_tokens"), "total_blocks": w.info.num_kv_blocks}
+                 "booked_prompt_tokens": ledger.booked(w.key, "prompt_tokens"), "total_blocks": w.info.num_kv_blocks,
+                 "draining": int(backend.drains.state(w.name) == "draining"),
+                 "drained": int(backend.drains.state(w.name) == "drained")}
         if backend.adaptive is not None and w.name in backend.adaptive.planner.busy:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
         if w.alive and w.load is not None:

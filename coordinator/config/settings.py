@@ -40,6 +40,9 @@ class ServerSettings:
     # above 0: log the event loop's stack whenever it stalls this many ms (coordinator.observability.stall_reporter),
     # in every process that serves; a diagnostic for latency tails, off by default
     stall_report_ms: float = 0.0
+    # a streamed response whose client has taken none of its bytes for this long (its write blocked on the socket)
+    # is cut: the request is aborted on every worker and its KV freed (coordinator.api.stall_watch)
+    stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -70,6 +73,8 @@ class ServerSettings:
              "must be an integer in [1, 64]"),
             ("stall_report_ms", _is_number(self.stall_report_ms) and 0 <= self.stall_report_ms <= 60000,
              "must be a number in [0, 60000] (0: off)"),
+            ("stall_timeout_s", _is_number(self.stall_timeout_s) and 0 < self.stall_timeout_s <= 3600,
+             "must be a number in (0, 3600]"),
         ]
         for name, ok, why in checks:
             if not ok:

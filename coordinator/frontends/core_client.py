@@ -156,6 +156,12 @@ class CoreBackend:
     async def integrity(self) -> dict:
         return await self.call("integrity")
 
+    async def drain_worker(self, name: str) -> str | None:
+        return await self.call("drain_worker", name)
+
+    async def undrain_worker(self, name: str) -> bool | None:
+        return await self.call("undrain_worker", name)
+
     # ---- the link
     def _send(self, message: tuple) -> None:
         if self._link is None or self._link.closed:

@@ -57,8 +57,8 @@ class _Frontend:
 
 
 class CoreService:
-    CALLS = ("integrity", "kill_worker", "kill_rank", "set_faults", "set_role", "tenant_admit", "tenant_settle",
-             "metrics_state", "frontend_ready")
+    CALLS = ("integrity", "kill_worker", "kill_rank", "set_faults", "set_role", "drain_worker", "undrain_worker",
+             "tenant_admit", "tenant_settle", "metrics_state", "frontend_ready")
 
     def __init__(self, backend: ServingBackend, tenants: TenantRegistry) -> None:
         self.backend, self.tenants = backend, tenants
@@ -199,6 +199,12 @@ class CoreService:
 
     async def _call_set_role(self, fe: _Frontend, name: str, role: str) -> bool:
         return await self.backend.set_role(name, role)  # a ValueError reaches the caller
+
+    async def _call_drain_worker(self, fe: _Frontend, name: str) -> str | None:
+        return await self.backend.drain_worker(name)  # a refusal (ValueError) reaches the caller
+
+    async def _call_undrain_worker(self, fe: _Frontend, name: str) -> bool | None:
+        return await self.backend.undrain_worker(name)
 
     def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
         grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429

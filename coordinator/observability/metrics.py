@@ -5,7 +5,8 @@ process-wide default registry: tests run several apps in one process): time to f
 (one observation per backend delta after the first), end-to-end latency, each request's phases
 (`pdserve_request_phase_seconds{phase}`, coordinator.observability.phases: every label preset, so a phase no request
 had yet
-shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens. `watch()` adds
+shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens, and streams cut for a
+stalled client (`pdserve_stalled_clients_total`, coordinator.api.stall_watch). `watch()` adds
 coordinator.observability.metrics_backend's collector, which builds the backend's load, per-worker gauges, tenants'
 usage and the
 lifecycle gauges from fresh figures at each scrape.
@@ -94,9 +95,12 @@ class Metrics:
         self.errors = LabeledCounter("pdserve_errors", "Error responses and in-band errors by kind", "kind", reg)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated for clients", registry=reg)
+        self.stalled_clients = Counter("pdserve_stalled_clients", "Streams cut because their client took none of "
+                                       "their bytes for server.stall_timeout_s (request aborted, KV freed)",
+                                       registry=reg)
 
         self._local = [self.ttft, self.itl, self.e2e, self.phases, self.requests._counter, self.errors._counter,
-                       self.prompt_tokens, self.generation_tokens]
+                       self.prompt_tokens, self.generation_tokens, self.stalled_clients]
         self._lifecycle: Any = None
 
     def watch(self, backend: Any, lifecycle: Any, tenants: Any = None) -> BackendCollector:

@@ -30,7 +30,9 @@ _WORKER_HELP = {
     "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget, grown as they decode)",
     "used_kv_blocks": "KV blocks the worker's engine holds (not free or evictable): compare booked_kv_blocks",
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled",
-    "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping"}
+    "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping",
+    "draining": "1 while an operator's drain waits for the worker's running requests (no new work routed to it)",
+    "drained": "1 while the worker is drained: nothing runs there and no new work is routed to it until undrained"}
 
 _LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
                                   "timer): near 0 idle, milliseconds when every stream's work queues behind others'",
