@@ -16,7 +16,7 @@
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
 # adaptive2 (2 GPUs): mode adaptive against 1P+1D and collocated x2, 8B shape, 3 rates, 2 SLO pairs (issue 34;
-#   docs/sweeps/gpu-2x-llama3-8b-adaptive), packed into $OUT/sweep.tgz.
+#   docs/sweeps/gpu-2x-llama3-8b-adaptive), packed into $OUT/sweep.tgz with its log (report: $OUT/report-sweep.md).
 # adaptive2x2 (4 GPUs): adaptive2's sweep on GPUs 0,1 beside the -mix sweep (a tight TPOT target: where a mix
 #   should beat both pure layouts) on GPUs 2,3; each packed into $OUT/<name>.tgz with its log.
 # adaptive2mix (2 GPUs): the -mix sweep alone, packed into $OUT/sweepmix.tgz.
@@ -41,6 +41,19 @@ export PATH=$PWD/.devsite/bin:$PATH
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 PDSERVE_CACHE=/tmp/pdc
 python3 -c "import llguidance, prometheus_client, httptools" || echo "warning: llguidance, prometheus_client or httptools missing"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+checkpoint8b() {  # the Llama-3-8B shape without weights (load_format dummy draws them on the GPU)
+  [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+}
+# sweep NAME CONFIG TIMEOUT: `pdserve sweep configs/sweeps/CONFIG.yaml` into $OUT/NAME, its report beside it
+# ($OUT/report-NAME.md) and the folder packed into $OUT/NAME.tgz (a call brings back at most 8 files)
+sweep() {
+  checkpoint8b
+  mkdir -p "$OUT/$1"
+  timeout "$3" python3 -m coordinator.cli sweep "configs/sweeps/$2.yaml" --out "$OUT/$1" > "$OUT/$1/sweep.log" 2>&1
+  grep -v "^(" "$OUT/$1/sweep.log" | tail -8
+  cp "$OUT/$1/report.md" "$OUT/report-$1.md" 2>/dev/null
+  tar czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
+}
 for step in "$@"; do
   case $step in
     tests)  # TESTS_TIMEOUT: every engine a test builds captures its graphs (mixed-step pieces too): give it room
@@ -133,41 +146,18 @@ for step in "$@"; do
       timeout 200 python3 benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --device cuda 2>&1 | tee "$OUT/prefill.log" | grep "^{" ;;
     adaptive2)
-      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${SWEEP_TIMEOUT:-575} python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama3-8b-adaptive.yaml \
-        --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log" | grep -v "^(" | tail -12
-      cp "$OUT/sweep/report.md" "$OUT/report.md" 2>/dev/null
-      tar czf "$OUT/sweep.tgz" -C "$OUT" sweep && rm -rf "$OUT/sweep" ;;
-    adaptive2x2)
-      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      for run in "0,1 gpu-2x-llama3-8b-adaptive sweep" "2,3 gpu-2x-llama3-8b-adaptive-mix sweepmix"; do
-        read -r gpus cfg name <<< "$run"
-        mkdir -p "$OUT/$name"
-        CUDA_VISIBLE_DEVICES=$gpus timeout ${SWEEP_TIMEOUT:-575} python3 -m coordinator.cli sweep \
-          configs/sweeps/$cfg.yaml --out "$OUT/$name" > "$OUT/$name/sweep.log" 2>&1 &
-      done
-      wait
-      for name in sweep sweepmix; do
-        grep -v "^(" "$OUT/$name/sweep.log" | tail -8
-        cp "$OUT/$name/report.md" "$OUT/report-$name.md" 2>/dev/null
-        tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
-      done ;;
+      sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" ;;
+    adaptive2x2)  # two sweeps side by side, one pair of GPUs each
+      checkpoint8b
+      CUDA_VISIBLE_DEVICES=0,1 sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" &
+      CUDA_VISIBLE_DEVICES=2,3 sweep sweepmix gpu-2x-llama3-8b-adaptive-mix "${SWEEP_TIMEOUT:-575}" &
+      wait ;;
     adaptive2mix)
-      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      mkdir -p "$OUT/sweepmix"
-      timeout ${SWEEP_TIMEOUT:-500} python3 -m coordinator.cli sweep configs/sweeps/gpu-2x-llama3-8b-adaptive-mix.yaml \
-        --out "$OUT/sweepmix" 2>&1 | tee "$OUT/sweepmix/sweep.log" | grep -v "^(" | tail -8
-      cp "$OUT/sweepmix/report.md" "$OUT/report-sweepmix.md" 2>/dev/null
-      tar czf "$OUT/sweepmix.tgz" -C "$OUT" sweepmix && rm -rf "$OUT/sweepmix" ;;
+      sweep sweepmix gpu-2x-llama3-8b-adaptive-mix "${SWEEP_TIMEOUT:-500}" ;;
     adaptive4)
-      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      mkdir -p "$OUT/sweep4"
-      timeout ${SWEEP_TIMEOUT:-420} python3 -m coordinator.cli sweep configs/sweeps/gpu-4x-llama3-8b-adaptive.yaml \
-        --out "$OUT/sweep4" 2>&1 | tee "$OUT/sweep4/sweep.log" | grep -v "^(" | tail -10
-      cp "$OUT/sweep4/report.md" "$OUT/report-sweep4.md" 2>/dev/null
-      tar czf "$OUT/sweep4.tgz" -C "$OUT" sweep4 && rm -rf "$OUT/sweep4" ;;
+      sweep sweep4 gpu-4x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-420}" ;;
     shift4)
-      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      checkpoint8b
       timeout ${SHIFT_TIMEOUT:-200} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
         --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
         --set slo.tpot_ms=40 --set prefill.workers=1 --set decode.workers=3 --set prefill.max_num_seqs=256 \
