@@ -213,6 +213,17 @@ async def admin_kill(url: str, worker: str, rank: int | None = None) -> None:
 IDLE_TIMEOUT_S = 20.0
 
 
+def poll(what: Callable[[], object], deadline_s: float, interval_s: float = 0.2) -> object:
+    """`what()` again and again until it is truthy or `deadline_s` has passed: its last value (tests assert on what
+    it found, never on how long it took)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = what()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
 def wait_for_idle_workers(url: str, timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -6,18 +6,26 @@ request is aborted on the workers before its end, its KV booking freed, one stal
 import asyncio
 import json
 import socket
-import time
+from functools import partial
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from tests.server_process import HALF_CPU, assert_nothing_booked, complete, metric_values, running_server
+from tests.server_process import (
+    HALF_CPU,
+    assert_nothing_booked,
+    complete,
+    metric_values,
+    poll,
+    running_server,
+)
 
 pytestmark = pytest.mark.timeout(400)
 STALL_S = 2.0
 MAX_TOKENS = 1900  # of tiny's 2048 positions: a stream far longer than the socket buffers a stalled client fills
 DEADLINE_S = 180.0  # generous bound for polled states on a loaded 2-core machine (never a measured duration)
+_poll = partial(poll, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +53,6 @@ def _open_stalled_stream(url: str, body: dict) -> socket.socket:
     head = sock.recv(64)
     assert head.startswith(b"HTTP/1.1 200"), head
     return sock
-
-
-def _poll(what, deadline_s: float = DEADLINE_S):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = what()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.25)
 
 
 def _sampled_tokens(url: str) -> float:
@@ -96,6 +95,6 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(server):
                 return True
             except TimeoutError:
                 return False
-        assert _poll(ended, 60), "the stalled client's connection is still open"
+        assert poll(ended, 60), "the stalled client's connection is still open"
     finally:
         stalled.close()

@@ -9,7 +9,7 @@ that crashes comes back drained, one restarted through the admin API's kill come
 import asyncio
 import os
 import signal
-import time
+from functools import partial
 
 import httpx
 import pytest
@@ -24,6 +24,7 @@ from tests.server_process import (
     busiest_worker,
     complete,
     metric_values,
+    poll,
     running_server,
     wait_for_health,
     worker_pids,
@@ -32,6 +33,7 @@ from tests.server_process import (
 pytestmark = pytest.mark.timeout(600)
 VOCAB = 2000
 DEADLINE_S = 180.0  # generous bound for polled states on a loaded 2-core machine (never a measured duration)
+_poll = partial(poll, deadline_s=DEADLINE_S)
 
 
 def _admin(url: str, path: str, body: dict | None = None) -> httpx.Response:
@@ -56,15 +58,6 @@ def _routed(url: str) -> dict[str, float]:
 
 def _worker(url: str, name: str) -> dict:
     return next(w for w in httpx.get(f"{url}/health", timeout=10).json()["workers"] if w["name"] == name)
-
-
-def _poll(what, deadline_s: float = DEADLINE_S):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = what()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
 
 
 def test_a_drained_worker_finishes_its_streams_takes_no_new_work_and_serves_again_once_undrained(tmp_path):
