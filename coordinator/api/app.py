@@ -10,9 +10,9 @@ JSON response or an SSE stream (its final usage chunk carries the request's phas
 GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api is
 on (coordinator.api.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize
 (coordinator.api.model_api).
-State lives on app.state: backend, settings, tokenizer, lifecycle (drain API, see coordinator.api.lifecycle), metrics,
+State lives on app.state: backend, settings, tokenizer, lifecycle (drain API, see coordinator.api.drain), metrics,
 tenants. The caller owns the backend: it awaits `backend.start()` before serving and `backend.shutdown()` after, and
-drains first (coordinator.api.lifecycle); the app's lifespan only marks the server draining when uvicorn shuts down.
+drains first (coordinator.api.drain); the app's lifespan only marks the server draining when uvicorn shuts down.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from coordinator.admission.tenants import Tenant, TenantRegistry
 from coordinator.api import choices, model_api, protocol
 from coordinator.api.admin import health_response, install_admin_routes
 from coordinator.api.choices_serve import serve_choices
+from coordinator.api.drain import Lifecycle, Ticket
 from coordinator.api.http_body import read_json
-from coordinator.api.lifecycle import Generation, Lifecycle, Ticket
+from coordinator.api.lifecycle import Generation
 from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
 from coordinator.api.text_output import TextOutput
 from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks
