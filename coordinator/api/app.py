@@ -3,9 +3,10 @@
 Owns the HTTP edge: auth (one server key, or tenants' keys with their rate limits and priority:
 coordinator.admission.tenants),
 body limits, parsing and validation (every rejection is an OpenAI-shaped 4xx and never reaches the backend),
-tokenization (once, here; chat template for chat requests), the context-length check, and turning a Generation into a
-JSON response or an SSE stream (its final usage chunk carries the request's phases when
-`stream_options.include_phases` asks: coordinator.observability.phases). Routes: POST /v1/completions, POST
+tokenization (once, here; chat template for chat requests), the context-length check, and handing the admitted request
+to coordinator.api.single_serve (a JSON response or an SSE stream, whose final usage chunk carries the request's
+phases when `stream_options.include_phases` asks: coordinator.observability.phases) or, with several choices, to
+coordinator.api.choices_serve. Routes: POST /v1/completions, POST
 /v1/chat/completions,
 GET /health (503 while draining or while a pool has no live worker), GET /metrics, /admin/* when server.admin_api is
 on (coordinator.api.admin), and GET /v1/models, GET /version, POST /tokenize, POST /detokenize
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from coordinator import errors
 from coordinator.admission.tenants import Tenant, TenantRegistry
@@ -37,9 +38,9 @@ from coordinator.api.choices_serve import serve_choices
 from coordinator.api.drain import Lifecycle, Ticket
 from coordinator.api.http_body import read_json
 from coordinator.api.lifecycle import Generation
-from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
+from coordinator.api.single_serve import serve_single
+from coordinator.api.sse import DirectStreamAPI, Formatter
 from coordinator.api.text_output import TextOutput
-from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks
 from coordinator.config.settings import ServerSettings
 from coordinator.config.tenants_config import TenantsConfig
 from coordinator.contract import GenerateRequest, ServingBackend
@@ -151,12 +152,6 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) 
     return None
 
 
-def _outcome(exc: BaseException) -> str:
-    if isinstance(exc, errors.APIError):
-        return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
-    return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
-
-
 async def _admit(app: FastAPI, request: Request, chat: bool) -> tuple[Any, Generation, Formatter, Ticket]:
     """Everything before the backend: a rejected request raises an APIError here and never reaches it."""
     settings: ServerSettings = app.state.settings
@@ -217,72 +212,5 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
     except errors.APIError:
         app.state.metrics.requests.inc("rejected")
         raise
-    req, gen, fmt, ticket = admitted
-    want_lp = gen.request.params.logprobs is not None
-    tools = _tool_stream(req, app.state.settings.tool_call_parser) if chat else None
-    try:
-        result = await _until_disconnect(request, gen.next_piece if req.stream else gen.collect)
-    except BaseException as e:
-        await gen.close(_outcome(e))
-        ticket.release()
-        raise
-    if result is None or not req.stream:
-        await gen.close("aborted" if result is None else "finished")
-        ticket.release()
-        if result is None:
-            return Response(status_code=499)  # nobody is listening
-        tokens = [t for p in result for t in p.tokens]
-        body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
-                            gen.completion_tokens, [i for p in result for i in p.token_ids])
-        if tools is not None:
-            body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
-        return JSONResponse(body)
-    events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc, tools)
-    return SSEResponse(events, deadline=gen.deadline + STREAM_DEADLINE_GRACE_S)
-
-
-def _tool_stream(req: Any, parser: str) -> ToolStream | None:
-    """How a chat request's text becomes tool calls (coordinator.api.tool_stream); None when it uses no tools."""
-    if req.tool_mode == "none":
-        return None
-    named = req.tool_choice.function.name if req.tool_mode == "named" else None
-    return ToolStream(req.tool_mode, parser, named, req.parallel_tool_calls is not False)
-
-
-async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ticket: Ticket,
-                  on_error: Callable[[str], None], tools: ToolStream | None = None) -> AsyncIterator[bytes]:
-    outcome = "aborted"  # unless the stream gets to its end
-    try:
-        piece = first
-        for chunk in _chunks(fmt, tools, piece, want_lp, first=True):
-            yield chunk
-        while piece.finish_reason is None:
-            piece = await gen.next_piece()
-            if piece.text or piece.tokens or piece.finish_reason or (fmt.return_token_ids and piece.token_ids):
-                for chunk in _chunks(fmt, tools, piece, want_lp):
-                    yield chunk
-        if fmt.include_usage:
-            phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
-            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases))
-        outcome = "finished"
-        yield DONE
-    except errors.APIError as e:
-        outcome = _outcome(e)
-        on_error(e.kind)
-        yield event(e.body())
-        yield DONE
-    except Exception as e:  # a bug, not the client's or the backend's doing: still end the stream properly
-        errors.logger.exception("stream %s failed", fmt.id)
-        outcome = "failed"
-        on_error("internal")
-        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
-        yield DONE
-    finally:
-        await gen.close(outcome)
-        ticket.release()
-
-
-def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, lp: bool, first: bool = False) -> list[bytes]:
-    if tools is None:
-        return [fmt.chunk_event(piece, lp, first)]  # from a template for a plain text chunk (coordinator.api.sse)
-    return list(map(event, tool_chunks(fmt.chunk(piece, lp, first), tools, piece.text, piece.finish_reason, first)))
+    return await serve_single(app, request, *admitted, chat=chat, until_disconnect=_until_disconnect,
+                              grace_s=STREAM_DEADLINE_GRACE_S)
