@@ -77,7 +77,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.model_name = settings.served_model_name or backend.model_name
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
-    app.state.metrics = Metrics(app.state.model_name)
+    app.state.metrics = Metrics(app.state.model_name, backend.max_model_len)
     app.state.tenants = registry or TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one key, or tenants'
     app.state.metrics.watch(backend, app.state.lifecycle, app.state.tenants)  # read afresh at each scrape
     errors.install_handlers(app, app.state.metrics.errors.inc)

@@ -1,6 +1,7 @@
 """serve_single: the HTTP side of a single-choice request once admitted (coordinator.api.app's _admit): the whole JSON
 response or the SSE stream, tool calls shaped in either (coordinator.api.tool_stream), and the one cleanup every exit
-path runs: the Generation closed with the request's outcome and the ticket released. Requests with several
+path runs: the Generation closed with the request's outcome (and the finish reason the client got, tool_calls
+included, for the metrics) and the ticket released. Requests with several
 choices: coordinator.api.choices_serve."""
 
 from __future__ import annotations
@@ -37,18 +38,31 @@ async def serve_single(app: FastAPI, request: Request, req: Any, gen: Generation
         ticket.release()
         raise
     if result is None or not req.stream:
-        await gen.close("aborted" if result is None else "finished")
+        try:  # the body first: its finish reason (tool_calls) is the one the request is counted with
+            body = None if result is None else _response_body(fmt, gen, result, want_lp, tools)
+        except BaseException:
+            await gen.close("failed")
+            ticket.release()
+            raise
+        gen.client_finish = None if body is None else body["choices"][0]["finish_reason"]
+        await gen.close("aborted" if body is None else "finished")
         ticket.release()
-        if result is None:
+        if body is None:
             return Response(status_code=499)  # nobody is listening
-        tokens = [t for p in result for t in p.tokens]
-        body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
-                            gen.completion_tokens, [i for p in result for i in p.token_ids])
-        if tools is not None:
-            body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
         return JSONResponse(body)
     events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc, tools)
     return SSEResponse(events, deadline=gen.deadline + grace_s)
+
+
+def _response_body(fmt: Formatter, gen: Generation, result: list[Any], want_lp: bool,
+                   tools: ToolStream | None) -> dict:
+    """A whole (not streamed) response's body, with its tool calls when the request has tools."""
+    tokens = [t for p in result for t in p.tokens]
+    body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
+                        gen.completion_tokens, [i for p in result for i in p.token_ids])
+    if tools is not None:
+        body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
+    return body
 
 
 def _tool_stream(req: Any, parser: str) -> ToolStream | None:
@@ -64,12 +78,12 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
     outcome = "aborted"  # unless the stream gets to its end
     try:
         piece = first
-        for chunk in _chunks(fmt, tools, piece, want_lp, first=True):
+        for chunk in _chunks(fmt, tools, piece, want_lp, gen, first=True):
             yield chunk
         while piece.finish_reason is None:
             piece = await gen.next_piece()
             if piece.text or piece.tokens or piece.finish_reason or (fmt.return_token_ids and piece.token_ids):
-                for chunk in _chunks(fmt, tools, piece, want_lp):
+                for chunk in _chunks(fmt, tools, piece, want_lp, gen):
                     yield chunk
         if fmt.include_usage:
             phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
@@ -92,7 +106,11 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         ticket.release()
 
 
-def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, lp: bool, first: bool = False) -> list[bytes]:
+def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, lp: bool, gen: Generation,
+            first: bool = False) -> list[bytes]:
     if tools is None:
         return [fmt.chunk_event(piece, lp, first)]  # from a template for a plain text chunk (coordinator.api.sse)
-    return list(map(event, tool_chunks(fmt.chunk(piece, lp, first), tools, piece.text, piece.finish_reason, first)))
+    chunks = tool_chunks(fmt.chunk(piece, lp, first), tools, piece.text, piece.finish_reason, first)
+    if piece.finish_reason is not None:  # the reason the client gets (tool_calls) is the one counted
+        gen.client_finish = chunks[-1]["choices"][0]["finish_reason"]
+    return list(map(event, chunks))

@@ -5,7 +5,8 @@ process-wide default registry: tests run several apps in one process): time to f
 (one observation per backend delta after the first), end-to-end latency, each request's phases
 (`pdserve_request_phase_seconds{phase}`, coordinator.observability.phases: every label preset, so a phase no request
 had yet
-shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens. `watch()` adds
+shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens, and each sequence's shape and
+finish in pdserve's and vLLM's names (coordinator.observability.request_metrics). `watch()` adds
 coordinator.observability.metrics_backend's collector, which builds the backend's load, per-worker gauges, tenants'
 usage and the
 lifecycle gauges from fresh figures at each scrape.
@@ -39,6 +40,7 @@ from prometheus_client.metrics_core import Metric
 
 from coordinator.observability.metrics_backend import BackendCollector, lifecycle_families
 from coordinator.observability.phases import PHASES
+from coordinator.observability.request_metrics import RequestFigures
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -58,7 +60,10 @@ VLLM_ALIASES = {
     "pdserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "pdserve_prompt_tokens": "vllm:prompt_tokens",          # counters: exported with `_total`
     "pdserve_generation_tokens": "vllm:generation_tokens",
+    "pdserve_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "pdserve_request_generation_tokens": "vllm:request_generation_tokens",
 }
+DEFAULT_MAX_MODEL_LEN = 1 << 20  # token histograms' last bucket when the app's max_model_len is not given
 
 
 class LabeledCounter:
@@ -75,7 +80,7 @@ class LabeledCounter:
 
 
 class Metrics:
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg = self.registry
@@ -94,9 +99,10 @@ class Metrics:
         self.errors = LabeledCounter("pdserve_errors", "Error responses and in-band errors by kind", "kind", reg)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated for clients", registry=reg)
+        self.sequences = RequestFigures(reg, model_name, max_model_len)  # each sequence's shape and finish
 
         self._local = [self.ttft, self.itl, self.e2e, self.phases, self.requests._counter, self.errors._counter,
-                       self.prompt_tokens, self.generation_tokens]
+                       self.prompt_tokens, self.generation_tokens, *self.sequences.local]
         self._lifecycle: Any = None
 
     def watch(self, backend: Any, lifecycle: Any, tenants: Any = None) -> BackendCollector:
