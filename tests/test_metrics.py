@@ -4,7 +4,7 @@ series, builds per-worker gauges afresh at each scrape (a dead worker's gauges d
 backend.stats(), keeps each app's figures apart (one registry per app, several apps in one process), and is rendered
 for /metrics a family at a time with the event loop given back in between. Each sequence's end is counted by finish
 reason and shape in pdserve's and vLLM's names (stop and length over an in-process engine; every outcome through
-RequestFigures)."""
+RequestFigures), and vLLM's per-engine families come from the workers' engine counters."""
 
 import asyncio
 from types import SimpleNamespace
@@ -213,6 +213,21 @@ def test_the_scrape_rendered_a_family_at_a_time_is_the_same_text_and_gives_the_l
     assert text == m.exposition()
     families = len(list(text_string_to_metric_families(text.decode())))
     assert turns >= families // 2  # the other task ran while the scrape was rendered, not only after it
+
+
+def test_vllm_engine_families_come_from_each_workers_engine_counters():
+    text, got = scrape(watched(STATS))
+    for worker in ("p0", "d0"):
+        labels = frozenset({"model_name": "tiny", "engine": worker}.items())
+        assert got[("vllm:num_preemptions_total", labels)] == 3
+        assert got[("vllm:prefix_cache_queries_total", labels)] == 30
+        assert got[("vllm:prefix_cache_hits_total", labels)] == 16
+        assert got[("vllm:iteration_tokens_total_count", labels)] == 9  # engine steps
+        assert got[("vllm:iteration_tokens_total_sum", labels)] == 40   # tokens they computed
+        assert got[("vllm:iteration_tokens_total_bucket", labels | {("le", "+Inf")})] == 9
+    for line in ("# TYPE vllm:num_preemptions_total counter", "# TYPE vllm:prefix_cache_hits_total counter",
+                 "# TYPE vllm:iteration_tokens_total histogram"):
+        assert line in text
 
 
 def test_request_figures_count_every_outcome_with_pdserve_and_vllm_reasons():
