@@ -134,8 +134,11 @@ class Generation:
                 self._first_token_at = now
                 if self._counts_request:
                     self._metrics.ttft.observe(now - self._arrival)
-            else:
-                self._metrics.itl.observe(now - self._last_token_at)
+            # per token, as vLLM counts them (one sample per token after the first): the k tokens of one delivery
+            # share its gap; those that came with the first token came with no gap
+            share = 0.0 if first else (now - self._last_token_at) / len(delta.token_ids)
+            for _ in range(consumed - first):
+                self._metrics.itl.observe(share)
             self._last_token_at = now
         finish = "stop" if self.text.stopped else delta.finish_reason
         if finish is not None and not self.text.stopped:

@@ -2,7 +2,8 @@
 
 Owns the request-side figures as the client sees them, as prometheus_client objects on the app's own registry (no
 process-wide default registry: tests run several apps in one process): time to first token, inter-token latency
-(one observation per backend delta after the first), end-to-end latency, each request's phases
+(per token, as vLLM observes it: a backend delta of k tokens after the first observes k samples of its gap / k),
+end-to-end latency, each request's phases
 (`pdserve_request_phase_seconds{phase}`, coordinator.observability.phases: every label preset, so a phase no request
 had yet
 shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens, and each sequence's shape and
@@ -86,9 +87,8 @@ class Metrics:
         reg = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time from request arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds",
-                             "Time between consecutive token deliveries of a request", buckets=ITL_BUCKETS,
-                             registry=reg)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens of a request (a "
+                             "delivery of k tokens: k samples of its gap / k)", buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Time from request arrival to its end",
                              buckets=LATENCY_BUCKETS, registry=reg)
         self.phases = Histogram("pdserve_request_phase_seconds", "Seconds of each phase of a request (they sum to its "
