@@ -241,7 +241,9 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
-        grammar = self._grammar_row(request_id, params, (*prior, first_token_id))  # the prefill sampled it under it
+        # the prefill sampled it under the grammar; where the request's bans left no allowed token it breaks it,
+        # and the request ends with "error", as it would have where it was sampled
+        grammar = self._grammar_row(request_id, params, (*prior, first_token_id), last_may_fail=True)
         req = self._request(request_id, prompt_token_ids, params, False, prior)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
@@ -308,8 +310,10 @@ class LLMEngine:
             return outputs
         return self.grammar.after_update(outputs, self.scheduler.requests, self.scheduler.finish)
 
-    def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int]):
-        """The request's grammar matcher, having consumed the outputs it has (None without a structured spec)."""
+    def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int],
+                     last_may_fail: bool = False):
+        """The request's grammar matcher, having consumed the outputs it has (None without a structured spec;
+        GrammarManager.make)."""
         if params.structured is None:
             return None
         if self.grammar is None:
@@ -317,7 +321,7 @@ class LLMEngine:
             self.grammar = GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size,
                                           self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
             self.runner.logits_hook = self.grammar.constrain
-        return self.grammar.make(request_id, params.structured, outputs)
+        return self.grammar.make(request_id, params.structured, outputs, last_may_fail)
 
     def _params(self, sched: SchedulerOutput) -> dict[str, SamplingParams]:
         return {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}
