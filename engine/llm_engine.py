@@ -247,7 +247,9 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
-        grammar = self._grammar_row(request_id, params, (*prior, first_token_id))  # the prefill sampled it under it
+        # the prefill sampled it under the grammar; where the request's bans left no allowed token it breaks it,
+        # and the request ends with "error", as it would have where it was sampled
+        grammar = self._grammar_row(request_id, params, (*prior, first_token_id), last_may_fail=True)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
         req = self._request(request_id, prompt_token_ids, params, False, prior, priority)
@@ -331,14 +333,16 @@ class LLMEngine:
                                           self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
         return True
 
-    def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int]):
-        """The request's grammar matcher, having consumed the outputs it has (None without a structured spec)."""
+    def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int],
+                     last_may_fail: bool = False):
+        """The request's grammar matcher, having consumed the outputs it has (None without a structured spec;
+        GrammarManager.make)."""
         if params.structured is None:
             return None
         if not self.prepare_grammar():
             raise ValueError("structured outputs need the llguidance package, which is not installed")
         self.runner.logits_hook = self.grammar.constrain  # only once a request is constrained: none cost nothing
-        return self.grammar.make(request_id, params.structured, outputs)
+        return self.grammar.make(request_id, params.structured, outputs, last_may_fail)
 
     def _params(self, sched: SchedulerOutput) -> dict[str, SamplingParams]:
         return {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}

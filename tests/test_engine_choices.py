@@ -1,6 +1,6 @@
 """n choices of one prompt in the engine: the block manager's copy-on-write fork, group prefills (n first tokens
 from one logits row), forked decoding equal to separate seeded requests, and prompt logprobs against a float64
-transformers reference."""
+transformers reference; a group whose structured output ends on its first token ends each choice where it decodes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.core.choices import choice_params, choice_seed
+from engine.sampling.structured import StructuredSpec
 from tests.engine_helpers import random_prompts
 
 VOCAB = 2000
@@ -117,3 +118,39 @@ def test_prompt_logprobs_equal_a_float64_reference(folder):
         assert list(entry.top_logprobs) == top_ids.tolist()
         assert all(abs(a - b) < 1e-4 for a, b in zip(entry.top_logprobs.values(), top_vals.tolist(), strict=True))
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("case", ["no allowed token", "complete after one token"])
+def test_a_group_whose_grammar_ends_on_its_first_token_stays_pinned_and_each_choice_ends_where_it_decodes(folder,
+                                                                                                          case):
+    """A structured output that ends on the first token (banned words leave it no allowed token: "error"; a choice
+    of one-token answers: "stop"): the group prefill still stays pinned, each choice's end being decided where it
+    decodes (it was ended at the prefill with the fields that route its answer dropped, so the worker never answered
+    the prefill and the request hung), and each choice started from its first token ends at once, as a single
+    request does."""
+    engine = LLM(folder, enable_prefix_caching=False).engine
+    if case == "no allowed token":
+        banned = (tuple(engine.tokenizer.encode("a", add_special_tokens=False)),)
+        params, reason = SamplingParams(max_tokens=8, seed=5, bad_words_token_ids=banned,
+                                        structured=StructuredSpec("grammar", 'root ::= "a" [0-9]+')), "error"
+    else:
+        params, reason = SamplingParams(max_tokens=8, seed=5, structured=StructuredSpec.choice(["a", "b"])), "stop"
+    alone = LLM(folder, enable_prefix_caching=False).generate([PROMPTS[0]], params)[0]
+    assert alone.finish_reason == reason and len(alone.token_ids) == 1
+    choices = choice_params(params, 2)
+    engine.add_request("g", PROMPTS[0], choices[0], prefill_only=True, fork_params=choices[1:])
+    outs = []
+    while not outs:
+        outs = [o for o in engine.step() if o.request_id == "g"]
+    (out,) = outs
+    assert out.prefill_only and out.finish_reason is None and out.pinned_block_ids and len(out.fork_first) == 1
+    firsts = [(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None), *out.fork_first]
+    for j in range(2):
+        assert engine.fork_reservation("g", f"g#{j}", len(PROMPTS[0]))
+    assert engine.release("g")
+    for j, (token, lp) in enumerate(firsts):
+        ended = engine.add_prefilled_request(f"g#{j}", PROMPTS[0], token, choices[j], lp)
+        assert ended is not None and ended.finish_reason == reason
+    assert not engine.has_unfinished()
+    counts = engine.check_integrity()
+    assert counts["in_use"] == 0 and counts["pinned"] == 0, counts

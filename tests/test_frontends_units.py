@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import errors
-from coordinator.api.lifecycle import Lifecycle
+from coordinator.api.drain import Lifecycle
 from coordinator.contract import BackendError, Overloaded, RequestTooLarge, WorkerLost
 from coordinator.frontends import link as link_module
 from coordinator.frontends.link import Link, LinkClosed

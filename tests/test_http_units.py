@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from coordinator.api.lifecycle import Lifecycle, Piece
+from coordinator.api.drain import Lifecycle
+from coordinator.api.lifecycle import Piece
 from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
 from coordinator.api.text_output import TextOutput
 from coordinator.config.settings import ServerSettings

@@ -3,17 +3,17 @@
 Owns the HTTP edge and the order of a generation request's stages, each visited once: parse (auth, body limits,
 validation, tokenization, the context-length check: coordinator.api.internal_request; every rejection is an
 OpenAI-shaped 4xx and never reaches the backend), admit (a drain ticket and the tenant's charge:
-coordinator.admission.tenants), generate (a Generation over the backend: coordinator.api.lifecycle) and shape (a
-JSON response or an SSE stream, whose final usage chunk carries the request's phases when
-`stream_options.include_phases` asks: coordinator.observability.phases). A request with several choices goes from
-parse to coordinator.api.choices_serve, which admits, generates and shapes its choices together. Routes: POST
-/v1/completions, POST /v1/chat/completions, GET /health (503 while draining or while a pool has no live worker), GET
-/metrics, /admin/* when server.admin_api is on (coordinator.api.admin), and GET /v1/models, GET /version, POST
-/tokenize, POST /detokenize (coordinator.api.model_api). State lives on app.state: backend, settings, tokenizer,
-lifecycle (drain API, see coordinator.api.lifecycle), metrics, tenants, stall_policy (streams whose client stopped
-reading: coordinator.api.stall_watch). The caller owns the backend: it awaits
-`backend.start()` before serving and `backend.shutdown()` after, and drains first (coordinator.api.lifecycle); the
-app's lifespan only marks the server draining when uvicorn shuts down.
+coordinator.admission.tenants), generate (a Generation over the backend: coordinator.api.lifecycle) and shape
+(coordinator.api.single_serve: a JSON response or an SSE stream, whose final usage chunk carries the request's
+phases when `stream_options.include_phases` asks: coordinator.observability.phases). A request with several choices
+goes from parse to coordinator.api.choices_serve, which admits, generates and shapes its choices together. Routes:
+POST /v1/completions, POST /v1/chat/completions, GET /health (503 while draining or while a pool has no live
+worker), GET /metrics, /admin/* when server.admin_api is on (coordinator.api.admin), and GET /v1/models, GET
+/version, POST /tokenize, POST /detokenize (coordinator.api.model_api). State lives on app.state: backend, settings,
+tokenizer, lifecycle (drain API, see coordinator.api.drain), metrics, tenants, stall_policy (streams whose client
+stopped reading: coordinator.api.stall_watch). The caller owns the backend: it awaits `backend.start()` before
+serving and `backend.shutdown()` after, and drains first (coordinator.api.drain); the app's lifespan only marks the
+server draining when uvicorn shuts down.
 """
 
 from __future__ import annotations
@@ -26,19 +26,20 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from coordinator import errors
 from coordinator.admission.tenants import TenantRegistry
 from coordinator.api import model_api
 from coordinator.api.admin import health_response, install_admin_routes
 from coordinator.api.choices_serve import serve_choices
+from coordinator.api.drain import Lifecycle, Ticket
 from coordinator.api.internal_request import InternalRequest, parse_request
-from coordinator.api.lifecycle import Generation, Lifecycle, Ticket
-from coordinator.api.sse import DONE, DirectStreamAPI, Formatter, SSEResponse, event
+from coordinator.api.lifecycle import Generation
+from coordinator.api.single_serve import serve_single
+from coordinator.api.sse import DirectStreamAPI, Formatter
 from coordinator.api.stall_watch import StallPolicy
 from coordinator.api.text_output import TextOutput
-from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks
 from coordinator.config.settings import ServerSettings
 from coordinator.config.tenants_config import TenantsConfig
 from coordinator.contract import GenerateRequest, ServingBackend
@@ -74,7 +75,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.model_name = settings.served_model_name or backend.model_name
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
-    app.state.metrics = Metrics(app.state.model_name)
+    app.state.metrics = Metrics(app.state.model_name, backend.max_model_len)
     app.state.tenants = registry or TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one key, or tenants'
     app.state.metrics.watch(backend, app.state.lifecycle, app.state.tenants)  # read afresh at each scrape
     app.state.stall_policy = StallPolicy(settings.stall_timeout_s, app.state.metrics.stalled_clients.inc)
@@ -145,12 +146,6 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) 
     return None
 
 
-def _outcome(exc: BaseException) -> str:
-    if isinstance(exc, errors.APIError):
-        return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
-    return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
-
-
 async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
     """One generation request through the stages, each once: parse, admit, generate, shape."""
     try:
@@ -164,10 +159,12 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
         raise
     try:
         gen = _generate(app, internal, grant)
+        fmt = _formatter(app, internal, gen)
     except BaseException:
         ticket.release()
         raise
-    return await _shape(app, request, internal, gen, ticket)
+    return await serve_single(app, request, internal.openai, gen, fmt, ticket, chat=internal.chat,
+                              until_disconnect=_until_disconnect, grace_s=STREAM_DEADLINE_GRACE_S)
 
 
 async def _admit(app: FastAPI, internal: InternalRequest) -> tuple[Ticket, Any]:
@@ -193,79 +190,11 @@ def _generate(app: FastAPI, internal: InternalRequest, grant: Any) -> Generation
                       internal.num_logprobs is not None, internal.arrival, grant, trace=trace)
 
 
-async def _shape(app: FastAPI, request: Request, internal: InternalRequest, gen: Generation,
-                 ticket: Ticket) -> Response:
-    """The whole JSON body, or the SSE stream (its first piece awaited here, so an error before it is a status)."""
-    req, chat = internal.openai, internal.chat
-    fmt = Formatter(chat, app.state.model_name, req.include_usage, internal.request_id, req.include_phases,
+def _formatter(app: FastAPI, internal: InternalRequest, gen: Generation) -> Formatter:
+    """How the shape stage writes this request's chunks and body (coordinator.api.sse)."""
+    req = internal.openai
+    fmt = Formatter(internal.chat, app.state.model_name, req.include_usage, internal.request_id, req.include_phases,
                     bool(req.return_token_ids), internal.prompt)
     if req.continuous_usage:
         fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
-    want_lp = gen.request.params.logprobs is not None
-    tools = _tool_stream(req, app.state.settings.tool_call_parser) if chat else None
-    try:
-        result = await _until_disconnect(request, gen.next_piece if req.stream else gen.collect)
-    except BaseException as e:
-        await gen.close(_outcome(e))
-        ticket.release()
-        raise
-    if result is None or not req.stream:
-        await gen.close("aborted" if result is None else "finished")
-        ticket.release()
-        if result is None:
-            return Response(status_code=499)  # nobody is listening
-        tokens = [t for p in result for t in p.tokens]
-        body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
-                            gen.completion_tokens, [i for p in result for i in p.token_ids])
-        if tools is not None:
-            body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
-        return JSONResponse(body)
-    events = _events(gen, fmt, result, want_lp, ticket, app.state.metrics.errors.inc, tools)
-    return SSEResponse(events, deadline=gen.deadline + STREAM_DEADLINE_GRACE_S, stall=app.state.stall_policy)
-
-
-def _tool_stream(req: Any, parser: str) -> ToolStream | None:
-    """How a chat request's text becomes tool calls (coordinator.api.tool_stream); None when it uses no tools."""
-    if req.tool_mode == "none":
-        return None
-    named = req.tool_choice.function.name if req.tool_mode == "named" else None
-    return ToolStream(req.tool_mode, parser, named, req.parallel_tool_calls is not False)
-
-
-async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ticket: Ticket,
-                  on_error: Callable[[str], None], tools: ToolStream | None = None) -> AsyncIterator[bytes]:
-    outcome = "aborted"  # unless the stream gets to its end
-    try:
-        piece = first
-        for chunk in _chunks(fmt, tools, piece, want_lp, first=True):
-            yield chunk
-        while piece.finish_reason is None:
-            piece = await gen.next_piece()
-            if piece.text or piece.tokens or piece.finish_reason or (fmt.return_token_ids and piece.token_ids):
-                for chunk in _chunks(fmt, tools, piece, want_lp):
-                    yield chunk
-        if fmt.include_usage:
-            phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
-            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases))
-        outcome = "finished"
-        yield DONE
-    except errors.APIError as e:
-        outcome = _outcome(e)
-        on_error(e.kind)
-        yield event(e.body())
-        yield DONE
-    except Exception as e:  # a bug, not the client's or the backend's doing: still end the stream properly
-        errors.logger.exception("stream %s failed", fmt.id)
-        outcome = "failed"
-        on_error("internal")
-        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
-        yield DONE
-    finally:
-        await gen.close(outcome)
-        ticket.release()
-
-
-def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, lp: bool, first: bool = False) -> list[bytes]:
-    if tools is None:
-        return [fmt.chunk_event(piece, lp, first)]  # from a template for a plain text chunk (coordinator.api.sse)
-    return list(map(event, tool_chunks(fmt.chunk(piece, lp, first), tools, piece.text, piece.finish_reason, first)))
+    return fmt

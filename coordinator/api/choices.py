@@ -24,6 +24,7 @@ from coordinator.api.lifecycle import Generation, Piece
 from coordinator.api.sse import Formatter
 from coordinator.api.text_output import TextOutput
 from coordinator.contract import GenerateRequest, GroupStream, TokenDelta
+from coordinator.observability.request_metrics import Parent
 from engine.core.request import PromptLogprob
 
 
@@ -132,13 +133,14 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         group = backend.generate_group(GenerateRequest(rid, ids, params, priority, n=fan))
         fanout = Fanout(group, fan)
+        parent = Parent(n, fan)  # vLLM's parent request: n and its choices' longest output, once all have ended
         text = prompt if isinstance(prompt, str) else tok.decode(ids)
         for j in range(fan):
             output = TextOutput(tok, ids, req.stop_strings, req.include_stop_str_in_output, req.skip_special_tokens,
                                 req.min_tokens, bool(req.return_tokens_as_token_ids))
             choice = GenerateRequest(f"{rid}#{j}", ids, params, priority, stream_interval=stream_interval)
             gen = Generation(fanout.choice(j), choice, output, app.state.metrics, settings.request_timeout_s,
-                             params.logprobs is not None, arrival, counts_request=j == 0)
+                             params.logprobs is not None, arrival, counts_request=j == 0, parent=parent)
             out.append(Choice(i * fan + j, gen, fanout, text if echo else "", ids))
     return out
 

@@ -1,18 +1,18 @@
-"""The request life cycle in the coordinator: admission and drain, and one request's bounded backend stream.
+"""The request life cycle in the coordinator: one request's bounded backend stream (the in-flight count and drain:
+coordinator.api.drain).
 
 Owns:
-- `Lifecycle` (app.state.lifecycle): counts in-flight requests; `begin_drain()` makes new requests get 503 and
-  /health report 503; `await wait_idle(timeout)` returns once every in-flight request has ended.
-  Shutdown sequence for `pdserve serve` on SIGTERM: `lc.begin_drain(); await lc.wait_idle(drain_timeout_s)`,
-  then stop uvicorn (`server.should_exit = True`); the app's lifespan then shuts the backend down.
-- `Generation`: one admitted request from the first backend call to its end. Every `next_piece()` is bounded by
+- `Generation`: one admitted request (one sequence: a choice of an n > 1 request is one) from the first backend
+  call to its end. Every `next_piece()` is bounded by
   the request's deadline (one timer per request, armed at the first wait, which cancels a wait still under way at
   the deadline: not a cancel scope and a timer per delta, a quarter of the coordinator's CPU per token);
   `close()` always closes the backend iterator (which aborts the request on the workers and frees its blocks
   unless it already finished), shielded from cancellation, and records the outcome. With a PhaseTrace
   (coordinator.observability.phases) it marks `ingress` when the backend stream opens, and `close()` observes the
   final phases,
-  closed at the same instant as the end-to-end latency, so their sum equals it.
+  closed at the same instant as the end-to-end latency, so their sum equals it. It reports the sequence's end
+  (outcome, finish reason as the client got it, tokens, first and last token times, phases) to
+  coordinator.observability.request_metrics.
 """
 
 from __future__ import annotations
@@ -30,62 +30,9 @@ from coordinator.api.text_output import TextOutput, TokenInfo
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
+from coordinator.observability.request_metrics import Parent, SequenceEnd
 
 CLOSE_TIMEOUT_S = 10.0  # the backend promises a bounded close; never wait on it forever
-
-
-class Ticket:
-    """One admitted request's place in the in-flight count; release() is idempotent."""
-
-    def __init__(self, lifecycle: Lifecycle) -> None:
-        self._lifecycle = lifecycle
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._lifecycle._release()
-
-
-class Lifecycle:
-    def __init__(self) -> None:
-        self._draining = False
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def begin_drain(self) -> None:
-        """Refuse new requests from now on (503 + Retry-After); in-flight ones continue. Idempotent."""
-        self._draining = True
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no request is in flight; False if some still are after `timeout` seconds."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return self._in_flight == 0
-        return True
-
-    def admit(self) -> Ticket:
-        """Count a new request in, or raise the 503 of a draining server."""
-        if self._draining:
-            raise errors.unavailable("The server is shutting down; retry on another replica", 1.0, "draining")
-        self._in_flight += 1
-        self._idle.clear()
-        return Ticket(self)
-
-    def _release(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._idle.set()
 
 
 @dataclass
@@ -104,7 +51,7 @@ class Generation:
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
                  timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
-                 counts_request: bool = True, trace: PhaseTrace | None = None) -> None:
+                 counts_request: bool = True, trace: PhaseTrace | None = None, parent: Parent | None = None) -> None:
         self._backend = backend
         self.request = request
         self.text = text
@@ -113,6 +60,7 @@ class Generation:
         self.deadline = arrival + timeout_s  # time.monotonic()
         self._want_logprobs = want_logprobs
         self._arrival = arrival
+        self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._stream = None
         self._closed = False
@@ -125,7 +73,9 @@ class Generation:
         # False for choices 1.. of an n>1 request: one request, one prompt and one TTFT/e2e sample per prompt
         self._counts_request = counts_request
         self.trace = trace  # the request's phases (the one given to the backend in request.trace), if traced
+        self._parent = parent  # the choices of its prompt, when it is one of several
         self.finish_reason: str | None = None
+        self.client_finish: str | None = None  # the finish reason the client got, where the API changed it (tool_calls)
 
     @property
     def prompt_tokens(self) -> int:
@@ -169,20 +119,27 @@ class Generation:
         """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`, the ids consumed
         into `ids`); its finish."""
         now = time.monotonic()
-        if delta.token_ids:
-            if self._last_token_at is None:
-                if self._counts_request:
-                    self._metrics.ttft.observe(now - self._arrival)
-            else:
-                self._metrics.itl.observe(now - self._last_token_at)
-            self._last_token_at = now
+        consumed = 0
         for i, token_id in enumerate(delta.token_ids):
             parts.append(self.text.add_token(token_id))
             ids.append(token_id)
+            consumed += 1
             if self._want_logprobs and i < len(delta.logprobs):
                 infos.append(self.text.token_info(delta.logprobs[i]))
             if self.text.stopped:
                 break
+        if consumed:
+            first = self._last_token_at is None
+            if first:
+                self._first_token_at = now
+                if self._counts_request:
+                    self._metrics.ttft.observe(now - self._arrival)
+            # per token, as vLLM counts them (one sample per token after the first): the k tokens of one delivery
+            # share its gap; those that came with the first token came with no gap
+            share = 0.0 if first else (now - self._last_token_at) / len(delta.token_ids)
+            for _ in range(consumed - first):
+                self._metrics.itl.observe(share)
+            self._last_token_at = now
         finish = "stop" if self.text.stopped else delta.finish_reason
         if finish is not None and not self.text.stopped:
             parts.append(self.text.finish())
@@ -264,12 +221,18 @@ class Generation:
                     outcome = "failed" if outcome == "finished" else outcome
         if self._grant is not None:  # the tenant is charged prompt + the tokens it really got
             self._grant.settle(self.completion_tokens, outcome, prompt_processed=self._last_token_at is not None)
+        phases = None
         if self._counts_request:
             now = time.monotonic()
             self._metrics.requests.inc(outcome)
             self._metrics.prompt_tokens.inc(self.prompt_tokens)
             self._metrics.e2e.observe(now - self._arrival)
             if self.trace is not None:
-                for phase, seconds in self.trace.finish(now).items():
+                phases = self.trace.finish(now)
+                for phase, seconds in phases.items():
                     self._metrics.phases.labels(phase).observe(seconds)
         self._metrics.generation_tokens.inc(self.completion_tokens)
+        self._metrics.sequences.observe(SequenceEnd(
+            outcome, self.client_finish or self.finish_reason, self.prompt_tokens, self.completion_tokens,
+            self.request.params.max_tokens, self._first_token_at, self._last_token_at, self._counts_request, phases),
+            self._parent)

@@ -2,11 +2,13 @@
 
 Owns the request-side figures as the client sees them, as prometheus_client objects on the app's own registry (no
 process-wide default registry: tests run several apps in one process): time to first token, inter-token latency
-(one observation per backend delta after the first), end-to-end latency, each request's phases
+(per token, as vLLM observes it: a backend delta of k tokens after the first observes k samples of its gap / k),
+end-to-end latency, each request's phases
 (`pdserve_request_phase_seconds{phase}`, coordinator.observability.phases: every label preset, so a phase no request
 had yet
-shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens, and streams cut for a
-stalled client (`pdserve_stalled_clients_total`, coordinator.api.stall_watch). `watch()` adds
+shows a count of 0), requests by outcome, errors by kind, prompt and generated tokens, streams cut for a stalled
+client (`pdserve_stalled_clients_total`, coordinator.api.stall_watch), and each sequence's shape and finish in
+pdserve's and vLLM's names (coordinator.observability.request_metrics). `watch()` adds
 coordinator.observability.metrics_backend's collector, which builds the backend's load, per-worker gauges, tenants'
 usage and the
 lifecycle gauges from fresh figures at each scrape.
@@ -40,6 +42,7 @@ from prometheus_client.metrics_core import Metric
 
 from coordinator.observability.metrics_backend import BackendCollector, lifecycle_families
 from coordinator.observability.phases import PHASES
+from coordinator.observability.request_metrics import RequestFigures
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -59,7 +62,10 @@ VLLM_ALIASES = {
     "pdserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "pdserve_prompt_tokens": "vllm:prompt_tokens",          # counters: exported with `_total`
     "pdserve_generation_tokens": "vllm:generation_tokens",
+    "pdserve_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "pdserve_request_generation_tokens": "vllm:request_generation_tokens",
 }
+DEFAULT_MAX_MODEL_LEN = 1 << 20  # token histograms' last bucket when the app's max_model_len is not given
 
 
 class LabeledCounter:
@@ -76,15 +82,14 @@ class LabeledCounter:
 
 
 class Metrics:
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time from request arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds",
-                             "Time between consecutive token deliveries of a request", buckets=ITL_BUCKETS,
-                             registry=reg)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens of a request (a "
+                             "delivery of k tokens: k samples of its gap / k)", buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Time from request arrival to its end",
                              buckets=LATENCY_BUCKETS, registry=reg)
         self.phases = Histogram("pdserve_request_phase_seconds", "Seconds of each phase of a request (they sum to its "
@@ -98,9 +103,10 @@ class Metrics:
         self.stalled_clients = Counter("pdserve_stalled_clients", "Streams cut because their client took none of "
                                        "their bytes for server.stall_timeout_s (request aborted, KV freed)",
                                        registry=reg)
+        self.sequences = RequestFigures(reg, model_name, max_model_len)  # each sequence's shape and finish
 
         self._local = [self.ttft, self.itl, self.e2e, self.phases, self.requests._counter, self.errors._counter,
-                       self.prompt_tokens, self.generation_tokens, self.stalled_clients]
+                       self.prompt_tokens, self.generation_tokens, self.stalled_clients, *self.sequences.local]
         self._lifecycle: Any = None
 
     def watch(self, backend: Any, lifecycle: Any, tenants: Any = None) -> BackendCollector:

@@ -9,8 +9,7 @@ pool downtime, prefix-affinity hits, growing bookings, the coordinator's event-l
 (`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every numeric transfer
 total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the lifecycle's requests in
 flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself never fails for it),
-tenants' usage, and vLLM's gauges `vllm:num_requests_running` (requests placed on workers),
-`vllm:num_requests_waiting` (the admission queue) and `vllm:kv_cache_usage_perc` (per worker, labelled `engine`).
+tenants' usage, and vLLM's scheduler and engine families (coordinator.observability.vllm_engine).
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from coordinator.observability.vllm_engine import vllm_families
 
 Samples = list[tuple[dict[str, object], float]]
 _WORKER_HELP = {
@@ -57,7 +58,7 @@ class BackendCollector:
         families = lifecycle_families(self.lifecycle) + [
             _family("pdserve_backend_stats_errors", "Scrapes where backend.stats() failed", [({}, self.stats_errors)])]
         if isinstance(stats, dict):
-            families += backend_families(stats) + self._vllm_families(stats)
+            families += backend_families(stats) + vllm_families(stats, self.model_name)
         usage = self.tenants.usage() if self.tenants is not None else None
         if usage:
             families += tenant_families(usage)
@@ -66,20 +67,6 @@ class BackendCollector:
             if family.name not in seen:
                 seen.add(family.name)
                 yield family
-
-    def _vllm_families(self, stats: dict) -> list[Metric]:
-        label = {"model_name": self.model_name}
-        workers = [w for w in stats.get("workers") or [] if isinstance(w, dict)]
-        running = _number(stats.get("in_flight"))
-        if running is None:  # a backend without a request count: the workers' running batches
-            running = sum(_number(w.get("running")) or 0 for w in workers)
-        out = [_family("vllm:num_requests_running", "Requests placed on workers (vLLM's name)", [(label, running)]),
-               _family("vllm:num_requests_waiting", "Requests waiting for admission (vLLM's name)",
-                       [(label, _number(stats.get("queue_length")) or 0)])]
-        usage = [({**label, "engine": w.get("name", "?")}, 1.0 - free / total) for w in workers
-                 if (free := _number(w.get("free_blocks"))) is not None and (total := _number(w.get("total_blocks")))]
-        return out + [_family("vllm:kv_cache_usage_perc", "Fraction of each worker's KV blocks in use (vLLM's name)",
-                              usage)]
 
 
 def lifecycle_families(lifecycle: Any) -> list[Metric]:

@@ -9,10 +9,11 @@ Life of a matcher: `make` builds it (and consumes the tokens the request already
 request, and on a decode worker the first token the prefill worker sampled under the same grammar); `advance`
 consumes each accepted token once, keyed by its output index (so the overlapped path and the plain path may both
 call it); `after_update` ends a request whose grammar is complete with finish_reason "stop" (and one whose matcher
-failed with "error") and drops matchers of requests that ended. `constrain` is the model runner's logits hook:
-for an overlapped decode step it first waits for the previous step's tokens (the device computes this step's
-forward meanwhile, so the host's mask work hides behind it), advances, then fills this step's masks with the
-library's thread pool and applies them in place.
+failed with "error": its mask and the request's bans left no allowed token), except a group prefill, which stays
+pinned whatever its first tokens, and drops matchers of requests that ended. `constrain` is the model runner's
+logits hook: for an overlapped decode step it first waits for the previous step's tokens (the device computes this
+step's forward meanwhile, so the host's mask work hides behind it), advances, then fills this step's masks with
+the library's thread pool and applies them in place.
 
 Buffer reuse: the host bitmask is refilled only after the previous step's tokens were read back, which the device
 produces after it copied the previous masks, so a non-blocking copy is never overwritten while in flight.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import llguidance
@@ -57,13 +58,19 @@ class GrammarManager:
         self.num_fills = 0
 
     # ---- requests
-    def make(self, request_id: str, spec: StructuredSpec, tokens: Sequence[int]) -> _Row:
+    def make(self, request_id: str, spec: StructuredSpec, tokens: Sequence[int], last_may_fail: bool = False) -> _Row:
         """A matcher for the request, having consumed `tokens` (outputs it already has); `attach` it once the
-        request is queued. ValueError if the spec does not compile or the tokens break it."""
+        request is queued. ValueError if the spec does not compile or the tokens break it; with `last_may_fail`,
+        a last token that breaks it (sampled where the mask and the request's bans left no allowed token) leaves
+        the matcher failed instead: finish_reason then says "error", as after a step."""
         matcher = self._template(spec).deep_copy()
-        if tokens and not matcher.consume_tokens(list(tokens)):
+        tokens = list(tokens)
+        strict = tokens[:-1] if last_may_fail else tokens
+        if strict and not matcher.consume_tokens(strict):
             raise ValueError(f"request {request_id!r}: its prior outputs do not match its structured output spec "
                              f"({matcher.get_error()})")
+        if last_may_fail and tokens:
+            matcher.consume_tokens(tokens[-1:])
         return _Row(matcher, len(tokens))
 
     def attach(self, request_id: str, row: _Row) -> None:
@@ -106,8 +113,10 @@ class GrammarManager:
                 for i, token in enumerate(out.new_token_ids):
                     self.advance(out.request_id, first + i, token)
                 reason = self.finish_reason(out.request_id)
-                if reason is not None and finish(out.request_id, reason):
-                    out = type(out)(out.request_id, out.new_token_ids, out.new_logprobs, reason, None)
+                # a group prefill stays pinned whatever its first tokens: each choice's end is decided where it
+                # decodes (LLMEngine.add_prefilled_request)
+                if reason is not None and req.fork_params is None and finish(out.request_id, reason):
+                    out = replace(out, finish_reason=reason, pinned_block_ids=None)
             if out.finish_reason is not None:
                 self.drop(out.request_id)
             result.append(out)

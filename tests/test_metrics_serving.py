@@ -1,0 +1,159 @@
+"""/metrics on the real server (`tiny`, 1 prefill + 1 decode, stream_interval 4) after a few requests of every shape:
+every exported family's name and type equals the list below (pdserve's and vLLM's: a rename, a new family or a
+changed type fails here and is updated with the docs), and the figures add up to what the clients were answered:
+finished sequences by reason (tool_calls included), prompt and generated tokens equal to the usage the responses
+reported, one inter-token sample per token after each sequence's first (4 tokens a delivery here), vLLM's queue and
+prefill times equal to the phases they are made of."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import httpx
+import pytest
+
+from tests.server_process import HALF_CPU, running_server, scrape, values_in
+
+pytestmark = pytest.mark.timeout(400)
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Call f."}], "max_tokens": 200, "seed": 3,
+        "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+LENGTH = {"model": "tiny", "prompt": "The sea at night", "max_tokens": 9, "ignore_eos": True, "temperature": 0}
+
+_HISTOGRAMS = ("pdserve_e2e_request_latency_seconds", "pdserve_inter_token_latency_seconds",
+               "pdserve_request_generation_tokens", "pdserve_request_phase_seconds", "pdserve_request_prompt_tokens",
+               "pdserve_time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+               "vllm:inter_token_latency_seconds", "vllm:iteration_tokens_total", "vllm:request_decode_time_seconds",
+               "vllm:request_generation_tokens", "vllm:request_inference_time_seconds",
+               "vllm:request_max_num_generation_tokens", "vllm:request_params_max_tokens", "vllm:request_params_n",
+               "vllm:request_prefill_time_seconds", "vllm:request_prompt_tokens", "vllm:request_queue_time_seconds",
+               "vllm:request_time_per_output_token_seconds", "vllm:time_to_first_token_seconds")
+_COUNTERS = (
+    "pdserve_admission_bypassed", "pdserve_backend_errors", "pdserve_coordinator_gc_full_collections",
+    "pdserve_coordinator_gc_pause_seconds", "pdserve_coordinator_gc_pauses", "pdserve_coordinator_loop_stalls",
+    "pdserve_errors", "pdserve_generation_tokens", "pdserve_migrations", "pdserve_pool_down_seconds",
+    "pdserve_prefill_placement", "pdserve_prefix_affinity_hits", "pdserve_prompt_tokens", "pdserve_request_finish",
+    "pdserve_requests", "pdserve_role_changes", "pdserve_worker_engine_gc_full_collections",
+    "pdserve_worker_engine_gc_pause_seconds", "pdserve_worker_engine_gc_pauses", "pdserve_worker_engine_preemptions",
+    "pdserve_worker_engine_prefix_hit_tokens", "pdserve_worker_engine_prefix_query_tokens",
+    "pdserve_worker_engine_sampled_tokens", "pdserve_worker_engine_scheduled_tokens",
+    "pdserve_tenant_completion_tokens", "pdserve_tenant_prompt_tokens", "pdserve_tenant_rate_limited",
+    "pdserve_tenant_requests", "pdserve_worker_restarts", "vllm:generation_tokens",
+    "vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:prompt_tokens",
+    "vllm:request_success")
+_GAUGES = (
+    "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
+    "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
+    "pdserve_queue_length", "pdserve_requests_in_flight", "pdserve_tenant_in_flight", "pdserve_worker_alive",
+    "pdserve_worker_booked_kv_blocks",
+    "pdserve_worker_booked_prompt_tokens", "pdserve_worker_engine_cached_blocks",
+    "pdserve_worker_engine_decode_step_s", "pdserve_worker_engine_gc_pause_max_s", "pdserve_worker_engine_num_pinned",
+    "pdserve_worker_engine_num_reserved", "pdserve_worker_engine_num_waiting",
+    "pdserve_worker_engine_prefill_budget_tokens", "pdserve_worker_engine_prefill_token_s",
+    "pdserve_worker_engine_step_time_last_s", "pdserve_worker_engine_step_time_total_s",
+    "pdserve_worker_engine_steps", "pdserve_worker_engine_taken_at_s",
+    "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
+    "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
+    "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+# every family /metrics exports (as its `# TYPE` lines name them: counters with `_total`), none other; besides these,
+# `pdserve_transfer_<key>` for each number the KV-transfer agents count (which depends on the transfer path taken):
+# a counter when the key ends in `_total`, else a gauge
+FAMILIES = {**{n: "histogram" for n in _HISTOGRAMS}, **{n + "_total": "counter" for n in _COUNTERS},
+            **{n: "gauge" for n in _GAUGES}}
+TRANSFER = "pdserve_transfer_"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    config = {"model": "tiny", "prefill": HALF_CPU, "decode": HALF_CPU, "server": {"stream_interval": 4}}
+    with running_server(tmp_path_factory.mktemp("server_metrics"), config) as server:
+        yield server
+
+
+def _post(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    """The response's JSON, or a stream's chunks (each `data:` line parsed; the stream must end with [DONE])."""
+    if not body.get("stream"):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return [r.json()]
+    with client.stream("POST", path, json={**body, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def _finishes(chunks: list[dict]) -> list[str]:
+    return [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+
+
+def _one(text: str, name: str, labels: str | None = None) -> float:
+    values = values_in(text, re.escape(name))
+    return values[labels] if labels is not None else math.fsum(values.values())
+
+
+def test_metrics_name_every_family_and_add_up_to_the_responses(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        probe = _post(client, "/v1/completions", LENGTH)
+        text = probe[0]["choices"][0]["text"]
+        assert len(text) >= 6, text
+        requests = [("/v1/completions", {**LENGTH, "stream": True}),
+                    ("/v1/completions", {**LENGTH, "max_tokens": 5, "n": 2}),
+                    ("/v1/completions", {**LENGTH, "stop": [text[2:6]]}),
+                    ("/v1/chat/completions", CHAT), ("/v1/chat/completions", {**CHAT, "stream": True})]
+        answers = [probe] + [_post(client, path, body) for path, body in requests]
+    finishes = [f for chunks in answers for f in _finishes(chunks)]
+    assert sorted(finishes) == ["length"] * 4 + ["stop"] + ["tool_calls"] * 2, (finishes, answers)
+    usages = [chunk["usage"] for chunks in answers for chunk in chunks if chunk.get("usage")]
+    assert len(usages) == len(answers)
+    prompt, generated = sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
+    sequences, requests_sent = len(finishes), len(answers)
+
+    metrics = scrape(server.url)
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", metrics, re.M))
+    transfer = {name: kind for name, kind in types.items() if name.startswith(TRANSFER)}
+    assert all(kind == ("counter" if name.endswith("_total") else "gauge") for name, kind in transfer.items())
+    types = {name: kind for name, kind in types.items() if name not in transfer}
+    assert types == FAMILIES, {"unexpected": sorted(set(types.items()) - set(FAMILIES.items())),
+                               "missing": sorted(set(FAMILIES.items()) - set(types.items()))}
+    model = '{model_name="tiny"}'
+
+    by_reason = values_in(metrics, "pdserve_request_finish_total")
+    assert {k: v for k, v in by_reason.items() if v} == {'{reason="length"}': 4, '{reason="stop"}': 1,
+                                                         '{reason="tool_calls"}': 2}
+    success = values_in(metrics, "vllm:request_success_total")
+    assert success['{finished_reason="stop",model_name="tiny"}'] == 3  # tool_calls is vLLM's stop
+    assert success['{finished_reason="length",model_name="tiny"}'] == 4 and sum(success.values()) == sequences
+    for name in ("pdserve_prompt_tokens_total", "vllm:prompt_tokens_total", "pdserve_request_prompt_tokens_sum",
+                 "vllm:request_prompt_tokens_sum"):
+        assert _one(metrics, name) == prompt, name  # usage counts a prompt once for its n choices, and so do these
+    for name in ("pdserve_generation_tokens_total", "vllm:generation_tokens_total",
+                 "pdserve_request_generation_tokens_sum", "vllm:request_generation_tokens_sum"):
+        assert _one(metrics, name) == generated, name
+    assert _one(metrics, "pdserve_request_generation_tokens_count") == sequences
+    assert _one(metrics, "pdserve_request_prompt_tokens_count") == requests_sent
+    assert _one(metrics, "vllm:request_params_n_sum", model) == sequences  # n = 2 once, 1 for every other
+    assert _one(metrics, "vllm:request_params_n_count", model) == requests_sent
+    assert _one(metrics, "vllm:time_to_first_token_seconds_count", model) == requests_sent
+    assert _one(metrics, "vllm:e2e_request_latency_seconds_count", model) == requests_sent
+    # one sample per token after each sequence's first, though they came 4 to a delivery
+    assert _one(metrics, "vllm:inter_token_latency_seconds_count", model) == generated - sequences
+    assert _one(metrics, "vllm:request_time_per_output_token_seconds_count", model) == sequences
+    # vLLM's queue / prefill / decode times are the phases they are made of (single-choice requests: all but n = 2)
+    phases = values_in(metrics, "pdserve_request_phase_seconds_sum")
+
+    def phase(name: str) -> float:
+        return phases[f'{{phase="{name}"}}']
+    traced = requests_sent - 1
+    for name, parts in (("queue", ("admission", "prefill_queue")), ("prefill", ("prefill_compute",)),
+                        ("decode", ("kv_transfer", "decode_join", "first_decode_step", "decode"))):
+        assert _one(metrics, f"vllm:request_{name}_time_seconds_count", model) == traced, name
+        assert _one(metrics, f"vllm:request_{name}_time_seconds_sum", model) == pytest.approx(
+            math.fsum(phase(p) for p in parts), rel=1e-6, abs=1e-6), name
+    assert phase("kv_transfer") > 0 and phase("prefill_compute") > 0  # disaggregated: both workers measured
+    steps = values_in(metrics, "vllm:iteration_tokens_total_count")  # one series per worker, each stepped
+    assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps
+    queried = values_in(metrics, "vllm:prefix_cache_queries_total")  # prompts are looked up where prefilled
+    assert queried['{engine="prefill-0",model_name="tiny"}'] > 0, queried
