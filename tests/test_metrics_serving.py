@@ -42,7 +42,10 @@ _COUNTERS = (
     "pdserve_tenant_completion_tokens", "pdserve_tenant_prompt_tokens", "pdserve_tenant_rate_limited",
     "pdserve_tenant_requests", "pdserve_worker_restarts", "vllm:generation_tokens",
     "vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:prompt_tokens",
-    "vllm:request_success")
+    "vllm:request_success", "pdserve_admission_booking_grown_blocks", "pdserve_stalled_clients",
+    "pdserve_worker_engine_expired_pins", "pdserve_worker_engine_head_bypassed",
+    "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
+    "pdserve_worker_preemptions")
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
@@ -53,7 +56,8 @@ _GAUGES = (
     "pdserve_worker_engine_num_reserved", "pdserve_worker_engine_num_waiting",
     "pdserve_worker_engine_prefill_budget_tokens", "pdserve_worker_engine_prefill_token_s",
     "pdserve_worker_engine_step_time_last_s", "pdserve_worker_engine_step_time_total_s",
-    "pdserve_worker_engine_steps", "pdserve_worker_engine_taken_at_s",
+    "pdserve_worker_engine_steps", "pdserve_worker_drained", "pdserve_worker_draining",
+    "pdserve_worker_used_kv_blocks",
     "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
     "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
