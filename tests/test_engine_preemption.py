@@ -80,7 +80,7 @@ def test_handed_over_requests_outgrowing_a_small_cache_are_recomputed_locally_an
     for i, prompt in enumerate(PROMPTS):
         rid, first = f"r{i}", firsts[f"r{i}"]
         blocks = decode.reserve_blocks(rid, len(prompt))
-        assert blocks is not None
+        assert blocks is not None and len(blocks) == -(-len(prompt) // decode.config.block_size)  # the prompt's KV
         decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]  # what kvtransfer does
         prefill.release(rid)
         assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], PARAMS[i]) is None
