@@ -112,7 +112,16 @@ class PeerProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """SIGSTOP, then wait until the kernel shows the process stopped: delivery is asynchronous, and a
+        peer that runs on for a few milliseconds on a loaded machine would still serve the next request."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
+        raise RuntimeError(f"peer {self.proc.pid} did not stop within 10 s")
 
     def cont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
