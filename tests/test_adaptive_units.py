@@ -238,3 +238,35 @@ def test_a_decoder_without_headroom_takes_no_local_prompt_however_long_the_remot
     assert choice.placement == "remote" and math.isinf(choice.local_s)
     roomy = Side("decode-0", _load(28e-6, budget=64, step_s=0.010, running=60), 0, 2400, decoding=True)
     assert model.choose(roomy, [remote]).placement == "local"  # 38 steps of 11.8 ms: 0.45 s
+
+
+def test_a_remote_side_slower_than_its_estimate_learns_it_and_loses_the_prompt():
+    # The 2-H200 cell of docs/benchmark-log.md: remote first tokens came ~4x later than the model said.
+    model = PlacementModel(SLO)
+    local = Side("decode-0", _load(30e-6, budget=512, step_s=0.010, running=40), 0, 2000, decoding=True)
+    remote = Side("prefill-0", _load(30e-6), 4_000, 2000, decoding=False)  # 0.18 s raw; local 4 steps, 0.10 s
+    first = model.choose(local, [remote])
+    assert first.placement == "remote" and first.worker == "prefill-0"  # 0.18 s is within half of 500 ms
+    assert first.raw_s == pytest.approx(0.18)
+    for _ in range(20):  # each remote placement's first token came after 0.72 s
+        model.observe_first_token(first, 0.72)
+    assert model.calibration.factor("prefill-0", "remote") == pytest.approx(4.0, rel=0.01)
+    again = model.choose(local, [remote])
+    assert again.placement == "local" and again.worker == "decode-0"
+    assert again.remote_s == pytest.approx(0.72, rel=0.01) and again.raw_s == pytest.approx(again.local_s)
+    # the local side learns too: a local first token 20x its estimate is clamped at 8x (0.81 s) and sends it back
+    for _ in range(30):
+        model.observe_first_token(again, 20 * again.raw_s)
+    assert model.calibration.factor("decode-0", "local") == pytest.approx(8.0, rel=0.01)
+    assert model.choose(local, [remote]).placement == "remote"
+    assert set(model.calibration.factors()) == {"decode-0/local", "prefill-0/remote"}
+
+
+def test_small_or_unknown_estimates_teach_nothing():
+    model = PlacementModel(SLO)
+    tiny = model.choose(Side("decode-0", _load(1e-6), 0, 100, decoding=False), [])  # 0.1 ms raw
+    model.observe_first_token(tiny, 0.05)  # a fixed overhead of 50 ms is no 500x slowness
+    unknown = model.choose(Side("decode-0", None, 0, 100, decoding=False), [])
+    assert math.isinf(unknown.raw_s)
+    model.observe_first_token(unknown, 0.3)
+    assert model.calibration.factors() == {} and model.calibration.factor("decode-0", "local") == 1.0

@@ -14,6 +14,8 @@ none at all while its decode steps leave no room under the target (its budget is
 remote prefill keeps the prompt off the decode worker's steps entirely, so it wins whenever it meets the TTFT
 target comfortably (REMOTE_COMFORT of it); otherwise the side with the earlier first token wins. Without a worker
 that takes remote prefills, or without any measurement yet of a remote worker, the rule still answers.
+Each estimate is then scaled by what that worker's side has measured against its raw estimates so far
+(coordinator.admission.calibration: `observe_first_token` teaches it each placement's measured first token).
 Only numbers go in; the model calls no worker and books nothing (coordinator.admission.admission does).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.admission.calibration import EstimateCalibration
 from coordinator.config.adaptive_config import SLOConfig
 from engine.load import EngineLoad
 
@@ -42,23 +45,35 @@ class Side:
 @dataclass(frozen=True)
 class Choice:
     remote: Side | None      # None: prefill locally
-    local_s: float           # the estimates it was made on (inf: unknown)
+    local_s: float           # the calibrated estimates it was made on (inf: unknown)
     remote_s: float
+    local: str = ""          # the decode worker (the local side)
+    raw_s: float = float("inf")  # the chosen side's estimate before calibration: what its first token teaches
 
     @property
     def placement(self) -> str:
         return "local" if self.remote is None else "remote"
+
+    @property
+    def worker(self) -> str:
+        """The worker that prefills it."""
+        return self.local if self.remote is None else self.remote.name
 
 
 class PlacementModel:
     def __init__(self, slo: SLOConfig) -> None:
         self.slo = slo
         self.transfer_s_per_token = 0.0  # a handoff's seconds per prompt token, as measured
+        self.calibration = EstimateCalibration()
 
     def observe_transfer(self, tokens: int, seconds: float) -> None:
         """A remote request's measured handoff (its kv_transfer phase) for `tokens` prompt tokens."""
         if tokens > 0 and seconds >= 0:
             self.transfer_s_per_token = (1 - EWMA) * self.transfer_s_per_token + EWMA * seconds / tokens
+
+    def observe_first_token(self, choice: Choice, seconds: float) -> None:
+        """The request placed by `choice` had its first token `seconds` after it was placed."""
+        self.calibration.observe(choice.worker, choice.placement, choice.raw_s, seconds)
 
     def first_token_s(self, side: Side, per_token_fallback: float) -> float:
         """Seconds until `side` has computed its queue and this prompt (inf if it has no figures at all)."""
@@ -78,14 +93,17 @@ class PlacementModel:
     def choose(self, local: Side, remotes: list[Side]) -> Choice:
         """Where to prefill: the best remote side or the local one (see the module's rule)."""
         per_token = _fallback([local, *remotes])
-        local_s = self.first_token_s(local, per_token)
+        local_raw = self.first_token_s(local, per_token)
+        local_s = self.calibration.scaled(local.name, "local", local_raw)
         if not remotes:
-            return Choice(None, local_s, float("inf"))
-        best_s, best = min(((self.first_token_s(side, per_token) + side.new_tokens * self.transfer_s_per_token,
-                             side) for side in remotes), key=lambda pair: pair[0])
+            return Choice(None, local_s, float("inf"), local.name, local_raw)
+        raw = [(self.first_token_s(side, per_token) + side.new_tokens * self.transfer_s_per_token, side)
+               for side in remotes]
+        best_s, best_raw, best = min(((self.calibration.scaled(side.name, "remote", r), r, side) for r, side in raw),
+                                     key=lambda t: t[0])
         if best_s <= REMOTE_COMFORT * self.slo.ttft_s or best_s <= local_s:
-            return Choice(best, local_s, best_s)
-        return Choice(None, local_s, best_s)
+            return Choice(best, local_s, best_s, local.name, best_raw)
+        return Choice(None, local_s, best_s, local.name, local_raw)
 
 
 def _fallback(sides: list[Side]) -> float:

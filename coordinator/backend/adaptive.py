@@ -4,7 +4,8 @@ the measurements placement and the planner decide by.
 Owns the roles' changes (by the planner, coordinator.backend.planner, or an operator: `set_role`), each logged
 and counted (`role_changes`, /metrics `pdserve_role_changes_total{from,to}`), the window of recent requests'
 latencies the planner judges by, and what each ended request teaches placement: the handoff's measured seconds
-per token (PlacementModel.observe_transfer) and which worker's prefix cache now holds the request's tokens
+per token (PlacementModel.observe_transfer), how far each placement's estimate was from its first token
+(PlacementModel.observe_first_token) and which worker's prefix cache now holds the request's tokens
 (Router.remember). A role change is routing only: the worker keeps running what it runs (every worker can prefill
 and decode), so it loses nothing; it races nothing either, since a role belongs to the slot and a replacement
 comes back in it (Supervisor).
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from coordinator.admission.admission import Admission
+from coordinator.admission.placement import Choice
 from coordinator.admission.router import WorkerState
 from coordinator.backend.planner import ROLES, Planner
 from coordinator.config.serve_config import ServeConfig
@@ -56,6 +58,10 @@ class AdaptiveLayout:
             return
         now = time.monotonic()
         self.window.add(now, first_at - started_at, (now - first_at) / (tokens - 1) if tokens > 1 else None)
+
+    def first_token(self, choice: Choice, seconds: float) -> None:
+        """A request placed by `choice` had its first token `seconds` after its placement."""
+        self.admission.placement.observe_first_token(choice, seconds)
 
     def handed_over(self, tokens: int, seconds: float) -> None:
         """A remote prefill's KV of `tokens` prompt tokens reached its decode worker in `seconds`."""

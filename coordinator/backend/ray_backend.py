@@ -174,6 +174,11 @@ class RayBackend:
             reservation.release()
             self._ids.discard(rid)
 
+    def _first_token(self, placement: Placement, placed_at: float) -> None:
+        """Adaptive placement learns how far its estimate was from this first token (admission.calibration)."""
+        if self.adaptive is not None and placement.choice is not None:
+            self.adaptive.first_token(placement.choice, time.monotonic() - placed_at)
+
     def generate_group(self, request: GenerateRequest) -> GroupRun:
         """request.n choices of one prompt, prefilled once (coordinator.backend.ray_group)."""
         return GroupRun(self, request)
@@ -185,6 +190,7 @@ class RayBackend:
         the intake hands the middle of the stream to the sink (OutputIntake.go_direct)."""
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
+        placed_at = time.monotonic()
         attempt = rid if move == 0 else f"{rid}~{move}"
         queue = self.intake.open(attempt, request.stream_interval)
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
@@ -207,6 +213,7 @@ class RayBackend:
                     priority=placement.priority))
             else:
                 first = await self._prefill(attempt, request, prior, placement, reservation, cleanup, trace)
+                self._first_token(placement, placed_at)
                 finished = first.finish_reason is not None
                 yield first
                 if finished:
@@ -217,6 +224,8 @@ class RayBackend:
                     if joined:
                         trace.mark("decode")
                     else:  # the worker's durations up to its first token, inside the interval since the last mark
+                        if placement.prefill is None:
+                            self._first_token(placement, placed_at)
                         durations = self.intake.take_phases(attempt)
                         trace.split(durations)
                         if self.adaptive is not None and placement.prefill is not None:

@@ -45,6 +45,8 @@ def backend_stats(backend: Any) -> dict:
             "pool_down_seconds": supervisor.downtime_s(),
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
             "placements": dict(admission.placements) if admission else {},
+            "placement_calibration": admission.placement.calibration.factors()
+            if admission and admission.placement else {},
             "role_changes": {f"{a}>{b}": n for (a, b), n in backend.adaptive.role_changes.items()}
             if backend.adaptive else {},
             "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}

@@ -135,6 +135,12 @@ def backend_families(stats: dict) -> list[Metric]:
         out.append(_family("pdserve_prefill_placement_total", "Prompts prefilled remotely (on another worker, the KV "
                            "handed over) or locally (on the worker that decodes them)",
                            [({"placement": k}, v) for k, v in sorted(placements.items()) if _number(v) is not None]))
+    factors = stats.get("placement_calibration")
+    if isinstance(factors, dict) and factors:
+        out.append(_family("pdserve_placement_estimate_factor", "Mode adaptive: what the placement model multiplies a "
+                           "worker's first-token estimates by, learnt from its placements' measured first tokens",
+                           [({"worker": k.rsplit("/", 1)[0], "placement": k.rsplit("/", 1)[1]}, v)
+                            for k, v in sorted(factors.items()) if _number(v) is not None and "/" in k]))
     changes = stats.get("role_changes")
     if isinstance(changes, dict):
         out.append(_family("pdserve_role_changes_total", "Workers' role changes (mode adaptive), by old and new role",
