@@ -40,12 +40,13 @@ from coordinator.api.single_serve import serve_single
 from coordinator.api.sse import DirectStreamAPI, Formatter
 from coordinator.api.stall_watch import StallPolicy
 from coordinator.api.text_output import TextOutput
-from coordinator.config.settings import ServerSettings
+from coordinator.config.settings import ServerSettings, tracing_on
 from coordinator.config.tenants_config import TenantsConfig
 from coordinator.contract import GenerateRequest, ServingBackend
 from coordinator.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
+from coordinator.observability.tracing import RequestSpan, RequestTracer
 from engine.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -68,6 +69,8 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
         anyio.create_task_group()  # anyio imports its asyncio backend on first use: here, not in the first stream
         yield
         app.state.lifecycle.begin_drain()
+        if app.state.tracer is not None:
+            app.state.tracer.shutdown()
 
     app = DirectStreamAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
@@ -78,6 +81,8 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.metrics = Metrics(app.state.model_name, backend.max_model_len)
     app.state.tenants = registry or TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one key, or tenants'
     app.state.metrics.watch(backend, app.state.lifecycle, app.state.tenants)  # read afresh at each scrape
+    app.state.tracer = RequestTracer(settings.otlp_traces_endpoint, settings.traces_file,
+                                     settings.trace_sample_ratio) if tracing_on(settings) else None
     app.state.stall_policy = StallPolicy(settings.stall_timeout_s, app.state.metrics.stalled_clients.inc)
     errors.install_handlers(app, app.state.metrics.errors.inc)
 
@@ -186,8 +191,10 @@ def _generate(app: FastAPI, internal: InternalRequest, grant: Any) -> Generation
     trace = PhaseTrace(internal.arrival)
     generate = GenerateRequest(internal.request_id, internal.prompt, internal.params, internal.priority, trace=trace,
                                stream_interval=internal.tenant.stream_interval(settings.stream_interval))
+    tracer = app.state.tracer
+    span = None if tracer is None else RequestSpan(tracer, internal.traceparent, app.state.model_name)
     return Generation(app.state.backend, generate, text, app.state.metrics, settings.request_timeout_s,
-                      internal.num_logprobs is not None, internal.arrival, grant, trace=trace)
+                      internal.num_logprobs is not None, internal.arrival, grant, trace=trace, span=span)
 
 
 def _formatter(app: FastAPI, internal: InternalRequest, gen: Generation) -> Formatter:

@@ -42,6 +42,7 @@ class InternalRequest:
     max_tokens: int = 0
     num_logprobs: int | None = None  # logprobs asked for (chat's top_logprobs or completions' logprobs)
     params: SamplingParams | None = None
+    traceparent: str | None = None   # the client's W3C trace context, continued by the request's spans
 
     @property
     def multi_choice(self) -> bool:
@@ -81,4 +82,5 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
-    return InternalRequest(req, chat, tenant, request_id, arrival, prompt, max_tokens, num_logprobs, params)
+    return InternalRequest(req, chat, tenant, request_id, arrival, prompt, max_tokens, num_logprobs, params,
+                           request.headers.get("traceparent"))

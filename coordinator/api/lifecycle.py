@@ -10,7 +10,8 @@ Owns:
   unless it already finished), shielded from cancellation, and records the outcome. With a PhaseTrace
   (coordinator.observability.phases) it marks `ingress` when the backend stream opens, and `close()` observes the
   final phases,
-  closed at the same instant as the end-to-end latency, so their sum equals it. It reports the sequence's end
+  closed at the same instant as the end-to-end latency, so their sum equals it, and (tracing on) exports the
+  request's spans (coordinator.observability.tracing). It reports the sequence's end
   (outcome, finish reason as the client got it, tokens, first and last token times, phases) to
   coordinator.observability.request_metrics.
 """
@@ -31,6 +32,7 @@ from coordinator.contract import BackendError, GenerateRequest, Overloaded, Requ
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
 from coordinator.observability.request_metrics import Parent, SequenceEnd
+from coordinator.observability.tracing import RequestSpan
 
 CLOSE_TIMEOUT_S = 10.0  # the backend promises a bounded close; never wait on it forever
 
@@ -51,7 +53,8 @@ class Generation:
 
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
                  timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
-                 counts_request: bool = True, trace: PhaseTrace | None = None, parent: Parent | None = None) -> None:
+                 counts_request: bool = True, trace: PhaseTrace | None = None, parent: Parent | None = None,
+                 span: RequestSpan | None = None) -> None:
         self._backend = backend
         self.request = request
         self.text = text
@@ -74,6 +77,7 @@ class Generation:
         self._counts_request = counts_request
         self.trace = trace  # the request's phases (the one given to the backend in request.trace), if traced
         self._parent = parent  # the choices of its prompt, when it is one of several
+        self._span = span      # its OpenTelemetry trace, when tracing is on (with a PhaseTrace)
         self.finish_reason: str | None = None
         self.client_finish: str | None = None  # the finish reason the client got, where the API changed it (tool_calls)
 
@@ -231,6 +235,10 @@ class Generation:
                 phases = self.trace.finish(now)
                 for phase, seconds in phases.items():
                     self._metrics.phases.labels(phase).observe(seconds)
+                if self._span is not None:
+                    self._span.end(self.trace, self.request.request_id, outcome, self.prompt_tokens,
+                                   self.completion_tokens, self.request.params.max_tokens,
+                                   self.client_finish or self.finish_reason)
         self._metrics.generation_tokens.inc(self.completion_tokens)
         self._metrics.sequences.observe(SequenceEnd(
             outcome, self.client_finish or self.finish_reason, self.prompt_tokens, self.completion_tokens,

@@ -191,6 +191,7 @@ class RayBackend:
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         placed_at = time.monotonic()
+        trace.attributes = _span_attributes(placement)  # the latest placement's, for the request's trace
         attempt = rid if move == 0 else f"{rid}~{move}"
         queue = self.intake.open(attempt, request.stream_interval)
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
@@ -481,3 +482,12 @@ async def _in_order(attempt: str, ends: list[Any]) -> None:
     """End an attempt on its workers one after the other (each call's failure ignored)."""
     for end in ends:
         await quietly(end.remote(attempt))
+
+
+def _span_attributes(placement: Placement) -> dict[str, str]:
+    """Where a placement runs the request, as its OpenTelemetry span says (coordinator.observability.tracing)."""
+    out = {"pdserve.decode_worker": placement.decode.name,
+           "pdserve.placement": "local" if placement.prefill is None else "remote"}
+    if placement.prefill is not None:
+        out["pdserve.prefill_worker"] = placement.prefill.name
+    return out

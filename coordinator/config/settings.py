@@ -43,6 +43,12 @@ class ServerSettings:
     # a streamed response whose client has taken none of its bytes for this long (its write blocked on the socket)
     # is cut: the request is aborted on every worker and its KV freed (coordinator.api.stall_watch)
     stall_timeout_s: float = 30.0
+    # OpenTelemetry traces of requests (coordinator.observability.tracing), off while both are None: an OTLP/HTTP
+    # collector's traces URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces) and/or a file that
+    # gets one JSON span per line; the share of requests traced (a client's sampled traceparent decides for its own)
+    otlp_traces_endpoint: str | None = None
+    traces_file: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -75,6 +81,13 @@ class ServerSettings:
              "must be a number in [0, 60000] (0: off)"),
             ("stall_timeout_s", _is_number(self.stall_timeout_s) and 0 < self.stall_timeout_s <= 3600,
              "must be a number in (0, 3600]"),
+            ("otlp_traces_endpoint", self.otlp_traces_endpoint is None or (
+                isinstance(self.otlp_traces_endpoint, str)
+                and self.otlp_traces_endpoint.startswith(("http://", "https://"))),
+             "must be None or an http:// or https:// URL"),
+            ("traces_file", _optional_str(self.traces_file), "must be None or a file path"),
+            ("trace_sample_ratio", _is_number(self.trace_sample_ratio) and 0 <= self.trace_sample_ratio <= 1,
+             "must be a number in [0, 1]"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -83,6 +96,10 @@ class ServerSettings:
         if self.admin_api and self.admin_api_key is None:
             raise ValueError("ServerSettings.admin_api needs admin_api_key: the operator's own key (without it, "
                              "anyone who reaches the port could kill workers)")
+
+
+def tracing_on(settings: ServerSettings) -> bool:
+    return settings.otlp_traces_endpoint is not None or settings.traces_file is not None
 
 
 def _is_int(x: object) -> bool:

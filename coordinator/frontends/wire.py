@@ -11,11 +11,10 @@ from typing import Any
 
 from coordinator import errors
 from coordinator.contract import BackendError, Overloaded, RequestTooLarge, TransferFailed, WorkerLost
-from coordinator.observability.phases import PhaseTrace
+from coordinator.observability.phases import PhaseTrace, TraceState
 
 _BACKEND_ERRORS = {cls.__name__: cls for cls in (BackendError, RequestTooLarge, WorkerLost, TransferFailed)}
 ErrorTuple = tuple[Any, ...]
-TraceState = tuple[float, dict[str, float], float]
 
 
 def encode_error(e: BaseException) -> ErrorTuple:

@@ -38,6 +38,9 @@ attempt lost is `migration`. The sum identity is untouched, since every interval
 Scope: single-choice requests (ServingBackend.generate). Requests on the choices path (n > 1, best_of, prompt lists,
 echo, prompt_logprobs) are not traced: no phase histogram samples, and `stream_options.include_phases` is a 400.
 A backend that records no phases (the tests' in-process engine) leaves everything after ingress in `overhead`.
+Besides the sums, a trace keeps its intervals in order (phase, start, end; consecutive ones of one phase merged, at
+most MAX_INTERVALS) and a few attributes its backend notes (its workers, its placement): what the request's
+OpenTelemetry spans are made of (coordinator.observability.tracing).
 Exported as the histogram `pdserve_request_phase_seconds{phase}` (coordinator.observability.metrics; every phase a
 request has,
 observed once when it ends, whatever its outcome) and, when the client asks (`stream_options.include_phases`), as
@@ -54,6 +57,9 @@ PHASES = ("ingress", "admission", "prefill_queue", "prefill_compute", "kv_transf
 DISAGGREGATED_ONLY = ("kv_transfer", "decode_join", "first_decode_step")
 REMAINDER = "overhead"
 WIRE_DIGITS = 6  # seconds on the usage chunk, to the microsecond
+MAX_INTERVALS = 256  # a trace keeps at most this many intervals (a request moved many times); the sums stay whole
+Interval = tuple[str, float, float]  # (phase, start, end), time.monotonic() seconds
+TraceState = tuple[float, dict[str, float], float, list[Interval], dict[str, str]]
 
 
 class PhaseTrace:
@@ -64,6 +70,8 @@ class PhaseTrace:
         self._cursor = start
         self._seconds: dict[str, float] = {}
         self._final: dict[str, float] | None = None
+        self._intervals: list[Interval] = []
+        self.attributes: dict[str, str] = {}  # what the backend noted (workers, placement), for the spans
 
     @classmethod
     def now(cls) -> PhaseTrace:
@@ -72,19 +80,19 @@ class PhaseTrace:
     def mark(self, phase: str, now: float | None = None) -> None:
         """The time since the previous boundary was `phase`; `now` becomes the boundary."""
         now = self._clamp(now)
-        self._add(phase, now - self._cursor)
+        self._add(phase, self._cursor, now)
         self._cursor = now
 
     def split(self, parts: Iterable[tuple[str, float]], now: float | None = None) -> None:
         """Close the interval since the previous boundary with worker-measured durations, in order: each gets at
         most what is left of the interval (a negative or NaN one counts as 0), the remainder is overhead."""
         now = self._clamp(now)
-        left = now - self._cursor
+        at = self._cursor
         for phase, seconds in parts:
-            take = min(seconds, left) if seconds > 0 else 0.0  # NaN > 0 is False
-            self._add(phase, take)
-            left -= take
-        self._add(REMAINDER, left)
+            take = min(seconds, now - at) if seconds > 0 else 0.0  # NaN > 0 is False
+            self._add(phase, at, at + take)
+            at += take
+        self._add(REMAINDER, at, now)
         self._cursor = now
 
     def snapshot(self, now: float | None = None) -> dict[str, float]:
@@ -98,28 +106,45 @@ class PhaseTrace:
     def finish(self, now: float | None = None) -> dict[str, float]:
         """The final phases (the open interval as overhead); later marks change nothing. Idempotent."""
         if self._final is None:
-            self._final = self.snapshot(now)
+            now = self._clamp(now)
+            self._add(REMAINDER, self._cursor, now)
+            self._cursor = now
+            self._final = dict(self._seconds)
         return dict(self._final)
 
-    def state(self) -> tuple[float, dict[str, float], float]:
-        """(start, seconds per phase so far, cursor): what another process needs to go on with this trace."""
-        return self.start, dict(self._seconds), self._cursor
+    def intervals(self) -> list[Interval]:
+        """The phases' intervals in order, partitioning [start, cursor] (after finish(): [start, end])."""
+        return list(self._intervals)
+
+    def state(self) -> TraceState:
+        """What another process needs to go on with this trace: start, seconds per phase, cursor, intervals,
+        attributes."""
+        return self.start, dict(self._seconds), self._cursor, list(self._intervals), dict(self.attributes)
 
     @classmethod
-    def restored(cls, state: tuple[float, dict[str, float], float]) -> PhaseTrace:
+    def restored(cls, state: TraceState) -> PhaseTrace:
         trace = cls(state[0])
         trace.adopt(state)
         return trace
 
-    def adopt(self, state: tuple[float, dict[str, float], float]) -> None:
+    def adopt(self, state: TraceState) -> None:
         """Take over another process's copy of this trace (it went on marking it): its phases and cursor. Both
         read the same clock (time.monotonic is system-wide on a host). A finished trace does not change."""
         if self._final is None and state[2] >= self._cursor:
             self._seconds, self._cursor = dict(state[1]), state[2]
+            self._intervals, self.attributes = list(state[3]), dict(state[4])
 
-    def _add(self, phase: str, seconds: float) -> None:
-        if self._final is None:
-            self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+    def _add(self, phase: str, start: float, end: float) -> None:
+        if self._final is not None:
+            return
+        self._seconds[phase] = self._seconds.get(phase, 0.0) + (end - start)
+        if end <= start:
+            return
+        last = self._intervals[-1] if self._intervals else None
+        if last is not None and last[0] == phase and last[2] == start:
+            self._intervals[-1] = (phase, last[1], end)
+        elif len(self._intervals) < MAX_INTERVALS:
+            self._intervals.append((phase, start, end))
 
     def _clamp(self, now: float | None) -> float:
         return max(time.monotonic() if now is None else now, self._cursor)
