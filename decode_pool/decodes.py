@@ -204,10 +204,23 @@ class Decodes:
         self._timing.drop(request_id)
         self.handoffs.forget(request_id)
         if await self.reservations.cancel(request_id):  # booked early, never handed off
+            await self.report_load()
             return True
         if self.handoffs.abort(request_id):  # its KV in flight: freed once the transfer has ended
             return True
-        return await self.loop.call(lambda e: e.abort(request_id))
+        freed = await self.loop.call(lambda e: e.abort(request_id))
+        if freed:
+            await self.report_load()
+        return freed
+
+    async def report_load(self) -> None:
+        """Blocks were freed outside a step (an abort): the coordinator gets the load now, not with the next step or
+        LOAD_REFRESH_S later (vllm:kv_cache_usage_perc kept an aborted stream's blocks for up to a second)."""
+        if self.stream is not None:
+            self.stream.send(([], await self._load(), {}, {}))
+            self._stream_sent_at = time.monotonic()
+        else:
+            self._outbox_ready.set()  # the long-poll returns now, with the load as of now
 
     # ---- the stream's commands and the engine's outputs
     def command(self, command: tuple) -> None:

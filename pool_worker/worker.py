@@ -161,7 +161,10 @@ class Worker:
     async def abort(self, request_id: str) -> bool:
         """End a request here, whichever duty holds it; its blocks are freed once no transfer touches them."""
         if self.prefills.owns(request_id):
-            return await self.prefills.abort(request_id)
+            freed = await self.prefills.abort(request_id)
+            if freed:
+                await self.decodes.report_load()  # the load reaches the coordinator on the decode duty's channel
+            return freed
         return await self.decodes.abort(request_id)
 
     async def add_peer(self, agent_metadata: bytes) -> str:
