@@ -261,3 +261,18 @@ def test_modelopt_fp8_config_is_read(fp8, tmp_path):
     (folder / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
     with pytest.raises(ConfigError, match=r"hf_quant_config\.json: key 'quantization': quant_algo 'NVFP4'"):
         ModelConfig.from_folder(folder)
+
+
+def test_make_random_checkpoint_writes_fp8_shapes(tmp_path):
+    """benchmarks/make_random_checkpoint.py --fp8: e4m3 linears with their scales, bf16 elsewhere; it loads."""
+    from benchmarks.make_random_checkpoint import write_checkpoint
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
+    write_checkpoint(tmp_path, shape, fp8="channel")
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors["model.layers.1.mlp.down_proj.weight"].dtype == FP8
+    assert tensors["model.layers.1.mlp.down_proj.weight_scale"].shape == (64, 1)
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.weight_scale" not in tensors
+    assert ModelConfig.from_folder(tmp_path).fp8 == Fp8Scheme("compressed-tensors", "channel", "dynamic", ("lm_head",))
+    out = LLM(str(tmp_path), max_model_len=64).generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
