@@ -4,7 +4,7 @@ Prints one JSON line per case, each figure next to the ceiling measured in this 
 - ceilings: device copy bandwidth (bytes read + written by a 2 GiB copy) and a bf16 8192^3 matmul's FLOP/s;
 - decode steps (batch 1 at 1k context, batch 64 at 2k): median engine.step() wall time against its floor,
   (weights read per step + KV read and written per step) / copy bandwidth; weights exclude the embedding table
-  (one row per token is read), include the LM head;
+  (one row per token is read), include the LM head, and count each parameter's own bytes (FP8 linears: one);
 - prefill (one 2k prompt; 8 x 512): FLOP/s against the matmul's, counting 2 x matmul parameters x tokens for
   the layers, 2 x LM-head parameters per sampled row, and 4 x heads x head_dim x (attended keys) per layer;
 - the decode attention kernel alone (batch 64, 4k context): KV bytes read / time against copy bandwidth;
@@ -76,6 +76,11 @@ class Bench:
             self.layer_params = total - self.embed_params
         else:
             self.layer_params = total - self.embed_params - self.head_params
+        # bytes a decode step reads, by each parameter's own dtype (FP8 linears: 1 byte a value, plus their float32
+        # scales): every parameter but the embedding table, whose rows are gathered; a tied one is the LM head
+        nbytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+        embed_bytes = nbytes["model.embed_tokens.weight"]
+        self.weight_bytes = sum(nbytes.values()) - (0 if self.cfg.tie_word_embeddings else embed_bytes)
         self.gen = torch.Generator().manual_seed(0)
 
     def _prompts(self, n: int, length: int) -> list[list[int]]:
@@ -122,7 +127,7 @@ class Bench:
             _print_kernel_profile(graph.replay, f"bare replay, decode batch {batch}")
         self._drain()
         step_s = statistics.median(times)
-        weight_bytes = 2 * (self.layer_params + self.head_params)  # bf16
+        weight_bytes = self.weight_bytes
         mean_ctx = context + 1 + steps / 2
         kv_bytes = batch * (mean_ctx + 1) * self.kv_token_bytes  # read the context, write the new token
         floor_s = (weight_bytes + kv_bytes) / self.bandwidth

@@ -4,6 +4,8 @@
 # peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
 # kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
+# fp8 (1 GPU, unmeasured so far): the 8B shape's decode step with FP8 weights (per-channel, dummy) vs bfloat16, each
+#   against its weight-read floor (benchmarks/fp8_decode_gpu.py).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
@@ -184,6 +186,11 @@ for step in "$@"; do
       timeout 590 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
         --set load_format=dummy --kill decode-0:1 --recovery-timeout-s 400 2>&1 | tee "$OUT/recovery70b.log" \
         | grep -v "^(" | tail -10 ;;
+    fp8)
+      checkpoint8b
+      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+      python3 benchmarks/fp8_decode_gpu.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 --load-format dummy 2>&1 \
+        | tee "$OUT/fp8.log" | grep -v "^(" | tail -12 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

@@ -5,6 +5,9 @@ Weights are N(0, 0.02) in bfloat16 (norms 1). The tokenizer is synthesized for e
 (benchmarks/vocab_tokenizer.py: Llama 3's byte-level layout, every id decodes to text), and config.json's bos/eos ids
 are its. Only shapes matter for speed; no weights can be downloaded here. Tensors are written in shards of at most
 `SHARD_BYTES` (with model.safetensors.index.json) as they are drawn, so memory holds one shard, not the model.
+`--fp8 tensor|channel` writes the decoder's linears as FP8 in the compressed-tensors layout (benchmarks/
+fp8_checkpoint.py: e4m3 weights, float32 scales per tensor or per output channel, dynamic per-token activations;
+embedding, norms and lm_head stay bfloat16), as an FP8 checkpoint such as RedHatAI's Llama-3.1-8B-Instruct-FP8 is.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.fp8_checkpoint import STRATEGIES, is_quantized, quantization_config, quantize_weight  # noqa: E402
 from benchmarks.vocab_tokenizer import write_tokenizer  # noqa: E402
 
 LLAMA3_VOCAB = 128256
@@ -56,12 +60,14 @@ def tensor_shapes(shape: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]
         yield "lm_head.weight", (vocab, h)
 
 
-def plan_shards(shape: dict[str, Any], shard_bytes: int = SHARD_BYTES) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """Tensors grouped in file order into shards of at most `shard_bytes` (a larger tensor gets a shard alone)."""
+def plan_shards(shape: dict[str, Any], shard_bytes: int = SHARD_BYTES,
+                fp8: str | None = None) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Tensors grouped in file order into shards of at most `shard_bytes` (a larger tensor gets a shard alone);
+    with `fp8`, the quantized linears count one byte per value."""
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, dims in tensor_shapes(shape):
-        nbytes = DTYPE_BYTES * torch.Size(dims).numel()
+        nbytes = (1 if fp8 and is_quantized(name) else DTYPE_BYTES) * torch.Size(dims).numel()
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -71,9 +77,13 @@ def plan_shards(shape: dict[str, Any], shard_bytes: int = SHARD_BYTES) -> list[l
 
 
 def write_checkpoint(folder: Path, shape: dict[str, Any], device: str = "cpu", seed: int = 0,
-                     shard_bytes: int = SHARD_BYTES, weights: bool = True) -> None:
+                     shard_bytes: int = SHARD_BYTES, weights: bool = True, fp8: str | None = None) -> None:
     """config.json, generation_config.json, tokenizer files and (`weights`) safetensors weights of `shape` into
-    `folder`. Without weights the folder serves only with `load_format: dummy` (random weights drawn in place)."""
+    `folder`. Without weights the folder serves only with `load_format: dummy` (random weights drawn in place).
+    `fp8` ("tensor" or "channel"): the linears as FP8 compressed-tensors with scales of that strategy (with
+    `weights` False only the config says so: `load_format: dummy` then draws FP8 weights in place)."""
+    if fp8 is not None and fp8 not in STRATEGIES:
+        raise ValueError(f"fp8 must be one of {STRATEGIES}, got {fp8!r}")
     folder.mkdir(parents=True, exist_ok=True)
     stale = sorted(f.name for f in folder.glob("model*.safetensors*"))
     if stale:  # a leftover index or shard would be loaded with (or instead of) the new weights
@@ -82,13 +92,15 @@ def write_checkpoint(folder: Path, shape: dict[str, Any], device: str = "cpu", s
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
               "torch_dtype": "bfloat16", "bos_token_id": ids.bos, "eos_token_id": ids.eos_ids, **shape}
+    if fp8 is not None:
+        config["quantization_config"] = quantization_config(fp8)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / "generation_config.json").write_text(
         json.dumps({"bos_token_id": ids.bos, "eos_token_id": ids.eos_ids}, indent=2) + "\n")
     if not weights:
         return
     gen = torch.Generator(device=device).manual_seed(seed)
-    shards = plan_shards(shape, shard_bytes)
+    shards = plan_shards(shape, shard_bytes, fp8)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total = {}, 0
@@ -98,9 +110,14 @@ def write_checkpoint(folder: Path, shape: dict[str, Any], device: str = "cpu", s
             if len(dims) == 1:
                 drawn[name] = torch.ones(dims, dtype=torch.bfloat16)
             else:
-                drawn[name] = (torch.randn(dims, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+                drawn[name] = (torch.randn(dims, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+            if fp8 is not None and is_quantized(name):
+                scale_name = name.removesuffix("weight") + "weight_scale"
+                drawn[name], drawn[scale_name] = quantize_weight(drawn[name], fp8)
+                weight_map[scale_name] = file
             weight_map[name] = file
-            total += drawn[name].numel() * DTYPE_BYTES
+        drawn = {name: t.cpu() for name, t in drawn.items()}
+        total += sum(t.numel() * t.element_size() for t in drawn.values())
         save_file(drawn, str(folder / file), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -115,11 +132,13 @@ def main() -> None:
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is much faster)")
+    parser.add_argument("--fp8", choices=STRATEGIES, default=None,
+                        help="FP8 linears (compressed-tensors) with per-tensor or per-channel weight scales")
     parser.add_argument("--no-weights", action="store_true",
                         help="config and tokenizer only, for load_format: dummy (a 70B shape without 141 GB of disk)")
     args = parser.parse_args()
     try:
-        write_checkpoint(args.folder, PRESETS[args.preset], args.device, weights=not args.no_weights)
+        write_checkpoint(args.folder, PRESETS[args.preset], args.device, weights=not args.no_weights, fp8=args.fp8)
     except FileExistsError as e:
         parser.error(str(e))
     print(f"wrote {args.preset} to {args.folder}")

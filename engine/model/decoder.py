@@ -14,6 +14,10 @@ and the KV store fused in.
 
 With a TPGroup (engine.model.parallel) the layers are built from the rank's local config (its heads and slice of
 the intermediate size) and o/down all-reduce; without one (TP=1) no collective or extra op runs.
+
+FP8 checkpoints (ModelConfig.fp8): the quantized linears are engine.model.fp8_linear.Fp8Linear (swapped in before
+the weights are allocated), which run their own FP8 matmul on both paths; the skinny GEMV and the fused
+qkv-RoPE kernel read 16-bit weights and are skipped for them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 from engine.model import torch_attention
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
+from engine.model.fp8_linear import Fp8Linear, fuse_fp8
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope, rotate
@@ -105,7 +110,8 @@ class Attention(nn.Module):
         """The part before attention: x [T, hidden] -> q [T, H, D], with k and v rotated and stored at `slots`."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         use_kernels = self.use_kernels
-        if use_kernels and t <= SKINNY_ROWS and not self.qk_norm:  # one kernel: projection, RoPE, KV store
+        if use_kernels and t <= SKINNY_ROWS and not self.qk_norm and type(self.qkv_proj) is nn.Linear:
+            # one kernel: projection, RoPE, KV store (16-bit weights; an Fp8Linear takes the path below)
             from engine.kernels.qkv_rope import qkv_rope_store
             qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
                                  rope.sin, kv_layer, slots)  # [T, (H + 2 KVH) D]
@@ -316,21 +322,30 @@ class CausalLM(nn.Module):
             if not self.config.tie_word_embeddings:
                 return self.lm_head(hidden).float()  # an nn.Linear, or packed (use_packed_linears)
             return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        local = nn.functional.linear(hidden, weight)  # [S, ceil(V / N)]
+        if self.config.tie_word_embeddings:
+            local = nn.functional.linear(hidden, self.model.embed_tokens.weight)  # [S, ceil(V / N)]
+        else:
+            local = self.lm_head(hidden)  # an nn.Linear without bias, or an Fp8Linear
         return self.tp.all_gather_last(local)[:, : self.config.vocab_size].float().contiguous()
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) on the kernel path: the skinny GEMV for a few rows (one pass over the weight), cuBLAS otherwise."""
-    if x.shape[0] <= SKINNY_ROWS:
+def _linear(layer: nn.Linear | Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) on the kernel path: the skinny GEMV for a few rows (one pass over the weight), cuBLAS otherwise
+    (an Fp8Linear always runs its own FP8 matmul)."""
+    if x.shape[0] <= SKINNY_ROWS and type(layer) is nn.Linear:
         from engine.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
-def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
-    """One Linear whose output is the concatenation of the given ones' outputs (same input)."""
+def _fuse_linears(*linears: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
+    """One Linear whose output is the concatenation of the given ones' outputs (same input); FP8 ones stay FP8."""
+    fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
+    if any(fp8):
+        if not all(fp8):
+            raise ValueError("the FP8 quantization config quantizes some of the projections fused into one "
+                             "(q/k/v or gate/up) and ignores others; quantize all of them or none")
+        return fuse_fp8(*linears)
     weight = torch.cat([lin.weight.data for lin in linears])  # [sum of outs, in]
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
                       device=weight.device, dtype=weight.dtype)

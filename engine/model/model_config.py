@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config_error import ConfigError
+from engine.model.quant_config import Fp8Scheme, read_fp8_scheme
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -60,6 +61,7 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    fp8: Fp8Scheme | None = None  # FP8 linear weights (engine.model.quant_config); None: all in torch_dtype
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -89,6 +91,11 @@ class ModelConfig:
         num_layers = get("num_hidden_layers", int)
         rope_theta, rope_scaling = _rope(raw, path)
         bos, eos = _special_ids(raw, path, folder / GENERATION_CONFIG_FILE)
+        fp8 = read_fp8_scheme(folder, raw)
+        tied = get("tie_word_embeddings", bool, False)
+        if fp8 is not None and tied and fp8.quantizes("lm_head"):
+            raise ConfigError(f"{path}: the FP8 quantization config does not exclude 'lm_head', but the model ties "
+                              "it to the embedding (tie_word_embeddings); add it to the ignore list")
         return cls(
             architecture=arch,
             vocab_size=get("vocab_size", int),
@@ -103,7 +110,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=get("max_position_embeddings", int),
             sliding_window=_sliding_window(raw, arch, num_layers, path),
-            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            tie_word_embeddings=tied,
             qkv_bias=arch == "Qwen2ForCausalLM" or get("attention_bias", bool, False),
             mlp_bias=get("mlp_bias", bool, False),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -111,6 +118,7 @@ class ModelConfig:
             torch_dtype=dtype,
             bos_token_id=bos,
             eos_token_ids=eos,
+            fp8=fp8,
         )
 
     @property

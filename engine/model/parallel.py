@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.model.fp8_linear import Fp8Linear
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -66,10 +68,16 @@ class TPGroup:
             self.one_shot.close()
         self.pg.abort()
 
-    def row_parallel(self, layer: nn.Linear, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def row_parallel(self, layer: nn.Linear | Fp8Linear, x: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """A row-parallel layer: partial products summed over the ranks, the bias added once after the sum.
         `out`: the partial product already computed (by a kernel) without the bias."""
-        y = nn.functional.linear(x, layer.weight) if out is None else out
+        if out is not None:
+            y = out
+        elif isinstance(layer, Fp8Linear):
+            y = layer.matmul(x)
+        else:
+            y = nn.functional.linear(x, layer.weight)
         self.all_reduce(y)
         return y if layer.bias is None else y + layer.bias
 

@@ -9,6 +9,8 @@ Tensor parallelism: given `slices` (engine.model.parallel.TPLayout.slices), a ra
 tensor through `safe_open(...).get_slice` (memory-mapped), never the whole tensor; a part shorter than the
 parameter (the padded tail of the last vocabulary shard) leaves the rest zero. `LoadStats` counts what was read.
 `init_dummy_weights` (load_format "dummy") fills the model with random values generated on its device instead.
+FP8 linears (engine.model.fp8_linear) are filled by the same names (`weight` e4m3, `weight_scale`, `input_scale`);
+an FP8 entry must be stored as FP8, and a scale may be stored as a scalar or a column of the same values.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
 TIED_EMBED = "model.embed_tokens.weight"
+SCALE_SUFFIXES = (".weight_scale", ".input_scale")
+DUMMY_SCALE = 1e-3
 
 
 @dataclass
@@ -62,19 +66,34 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
 
 
 def _read(f, name: str, target: torch.Tensor, cut: tuple[int, int, int, int] | None, path: Path) -> torch.Tensor:
-    """The stored tensor `name`, or only its `cut` (dim, start, stop, full size) part, checked against `target`."""
+    """The stored tensor `name`, or only its `cut` (dim, start, stop, full size) part, checked against `target`.
+    An FP8 scale (`*_scale`) may be stored in any shape of the same values ([] or [1]; [out] or [out, 1])."""
     sl = f.get_slice(name)
     shape = tuple(sl.get_shape())
     expected = tuple(target.shape)
     if cut is not None:
         dim, start, stop, full = cut
         expected = expected[:dim] + (full,) + expected[dim + 1:]
+    if shape != expected and name.endswith(SCALE_SUFFIXES) and _squeezed(shape) == _squeezed(expected):
+        whole = f.get_tensor(name).reshape(expected)
+        return whole if cut is None else whole.narrow(dim, start, stop - start)
     if shape != expected:
         raise WeightsError(f"{path}: tensor {name!r} has shape {shape} in the checkpoint but {expected} in the "
                            "model" + (" (before the tensor-parallel cut)" if cut is not None else ""))
     if cut is None:
         return sl[:]
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
+def _check_dtype(path: Path, name: str, part: torch.Tensor, target: torch.Tensor) -> None:
+    """FP8 entries must be stored as FP8 (a copy would otherwise round a wider weight without its scale)."""
+    if target.dtype == torch.float8_e4m3fn and part.dtype != target.dtype:
+        raise WeightsError(f"{path}: tensor {name!r} is stored as {part.dtype}, but config.json's quantization "
+                           "config declares it float8_e4m3fn")
 
 
 def _check_tied_head(path: Path, targets: dict[str, torch.Tensor],
@@ -116,9 +135,12 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
                         continue
                     target = targets.get(name)
                     if target is None:
-                        raise WeightsError(f"{path}: unexpected tensor {name!r} (the model has no such entry)")
+                        hint = (" (an FP8 scale: config.json declares no FP8 quantization_config, or its ignore "
+                                "list names this linear)" if name.endswith(SCALE_SUFFIXES) else "")
+                        raise WeightsError(f"{path}: unexpected tensor {name!r} (the model has no such entry){hint}")
                     cut = slices.get(name)
                     part = _read(f, name, target, cut, path)
+                    _check_dtype(path, name, part, target)
                     stats.tensors += 1
                     stats.bytes += part.numel() * part.element_size()
                     if part.shape == target.shape:
@@ -144,5 +166,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
+            if name.endswith(SCALE_SUFFIXES):  # FP8: weights in [-1, 1] scaled by 1e-3, as the 16-bit range above
+                p.fill_(DUMMY_SCALE if name.endswith(".weight_scale") else 1.0)
+                continue
             gen = torch.Generator(device=p.device).manual_seed(seed + i)
-            p.uniform_(-1e-3, 1e-3, generator=gen)
+            if p.dtype == torch.float8_e4m3fn:
+                p.copy_(torch.empty(p.shape, device=p.device).uniform_(-1.0, 1.0, generator=gen))
+            else:
+                p.uniform_(-1e-3, 1e-3, generator=gen)

@@ -2,8 +2,9 @@
 LLMEngine, the others in engine.runner.tp_follower), and the only start-up TP=1 runs.
 
 Owns: building the model on the meta device and filling it (a checkpoint, only this rank's slices with TP, or
-dummy weights), the rank's KVCacheSpec (its local KV heads), sizing the cache from the memory budget, and the
-graphs. The number of blocks is agreed before allocation (`agree`: with TP the minimum over the ranks), so every
+dummy weights; an FP8 checkpoint's linears as engine.model.fp8_linear.Fp8Linear), the rank's KVCacheSpec (its
+local KV heads), sizing the cache from the memory budget, and the graphs. The number of blocks is agreed before
+allocation (`agree`: with TP the minimum over the ranks), so every
 rank's cache has the same blocks and one block table addresses all of them.
 """
 
@@ -20,6 +21,7 @@ from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 from engine.load import PhaseClock
 from engine.model.decoder import CausalLM
+from engine.model.fp8_linear import finish_fp8, fp8_scale_slices, swap_in_fp8
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
 from engine.model.tp_layout import TPLayout
@@ -109,12 +111,21 @@ def _load_model(mc: ModelConfig, path: Path, config: EngineConfig, device: torch
         model = CausalLM(mc, config.max_model_len, tp)
     # the dtype first, on the meta device: to_empty() then allocates the weights once, in their own dtype (a
     # float32 allocation converted afterwards would need twice the memory: a 70B shard would not fit an 80 GB GPU)
-    model = model.to(TORCH_DTYPES[config.dtype]).to_empty(device=device)
+    dtype = TORCH_DTYPES[config.dtype]
+    model = model.to(dtype)
+    if mc.fp8 is not None:  # after the dtype conversion, which would upcast FP8 weights
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"EngineConfig.dtype {config.dtype!r}: an FP8 checkpoint on CUDA computes in bfloat16 "
+                             "(torch._scaled_mm's per-row scales give a bfloat16 output); set dtype auto or bfloat16")
+        swap_in_fp8(model, mc.fp8, dtype)
+    model = model.to_empty(device=device)
     model.rope.build(device)  # float32 tables, not converted
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        load_weights(model, path, None if tp is None else TPLayout(mc, tp.rank, tp.size).slices())
+        slices = None if tp is None else fp8_scale_slices(TPLayout(mc, tp.rank, tp.size).slices(), mc.fp8)
+        load_weights(model, path, slices)
+    finish_fp8(model)
     return model.eval()
 
 

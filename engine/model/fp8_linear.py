@@ -1,0 +1,142 @@
+"""FP8 (e4m3) linear layers: the checkpoint's FP8 weights and scales, and how a matmul runs on them.
+
+Owns: `Fp8Linear` (named like the checkpoint: `weight` float8_e4m3fn [out, in], `weight_scale` float32 [1] or
+[out, 1], `input_scale` [1] with static activations, `bias` in the compute dtype), `swap_in_fp8` (replace the
+model's nn.Linear layers the scheme quantizes, on the meta device before the weights are allocated),
+`finish_fp8` (after loading: every scale as one float32 row [1, out]), `fuse_fp8` (q/k/v or gate/up as one layer,
+exactly: each output row keeps its own scale), `fp8_scale_slices` (tensor parallelism: a per-channel scale is cut
+with its column-parallel weight's rows and replicated with a row-parallel one), `quantize_rows`.
+
+A matmul: the activations x [M, K] are quantized to e4m3 per token (dynamic: each row's amax / 448) or with the
+stored per-tensor scale (static); then y = (x_q @ w_q^T) * s_x[M, 1] * s_w[1, N] (+ bias), in the compute dtype.
+CUDA: `torch._scaled_mm` (FP8 tensor cores on Hopper; rowwise scales need a bfloat16 output). Elsewhere (the CPU)
+the weight stays FP8 in memory and is upcast to float32 per matmul (exact: every e4m3 value and every product of
+two is a float32), with the same activation quantization, so the CPU computes the numbers the GPU does up to the
+order of float32 sums; CI measures real FP8 serving accuracy with it. Upcasting once at load would be faster on
+a CPU but would hold the model at twice the bytes and skip the activation rounding the GPU does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.quant_config import Fp8Scheme
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite scale
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] e4m3, scales [M, 1] float32) with x ~= x_q * scales: per row (dynamic) or the
+    stored per-tensor `input_scale` [1] (static)."""
+    xf = x.float()
+    if input_scale is None:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)  # [M, 1]
+    else:
+        scale = input_scale.view(1, 1).expand(x.shape[0], 1).contiguous()
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W stored as e4m3 and its scales; x [..., in] -> [..., out] in `out_dtype`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme,
+                 out_dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        frozen = dict(requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), **frozen)
+        scale_shape = (out_features, 1) if scheme.weight_strategy == "channel" else (1,)
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device=device), **frozen)
+        self.input_scale = None
+        if scheme.activations == "static":
+            self.input_scale = nn.Parameter(torch.empty(1, dtype=torch.float32, device=device), **frozen)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=out_dtype, device=device), **frozen)
+        self.scale_row: torch.Tensor | None = None  # [1, out] float32, set by finish()
+
+    def finish(self) -> None:
+        """After loading: the weight scale as one contiguous float32 row [1, out] (a per-tensor scale repeated)."""
+        s = self.weight_scale.detach().float().reshape(-1)
+        if s.numel() not in (1, self.out_features):
+            raise ValueError(f"weight_scale has {s.numel()} values for {self.out_features} output rows")
+        self.scale_row = s.expand(self.out_features).reshape(1, -1).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> x @ W^T [M, out] in out_dtype, without the bias (a row-parallel layer adds it after the sum)."""
+        if self.scale_row is None:
+            raise RuntimeError("Fp8Linear used before finish() (its scales are not prepared)")
+        xq, xs = quantize_rows(x, self.input_scale)
+        if x.is_cuda:  # FP8 tensor cores; W [out, in] row-major is the column-major [in, out] operand cuBLAS wants
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale_row,
+                                    out_dtype=self.out_dtype)
+        return ((xq.float() @ self.weight.float().t()) * xs * self.scale_row).to(self.out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+def swap_in_fp8(model: nn.Module, scheme: Fp8Scheme, out_dtype: torch.dtype) -> int:
+    """Replace every nn.Linear of `model` that `scheme` quantizes by an Fp8Linear of its shape (on its device:
+    call on the meta device, after the dtype conversion, which would otherwise upcast the FP8 weights); how many."""
+    swapped = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is nn.Linear and scheme.quantizes(full):
+                setattr(parent, name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
+                                                scheme, out_dtype, device=child.weight.device))
+                swapped += 1
+    return swapped
+
+
+def finish_fp8(model: nn.Module) -> None:
+    """After the weights are loaded: every Fp8Linear's scales prepared (Fp8Linear.finish)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.finish()
+
+
+def fuse_fp8(*layers: Fp8Linear) -> Fp8Linear:
+    """One Fp8Linear whose output is the concatenation of the given ones' (same input), exactly: weights and the
+    per-row scales are concatenated; a static input scale becomes the largest of theirs (the weights are exact, the
+    activation is quantized once; with equal input scales, as ModelOpt usually writes for q/k/v, nothing changes)."""
+    first = layers[0]
+    weight = torch.cat([lin.weight.data for lin in layers])  # [sum of outs, in] e4m3
+    static = first.input_scale is not None
+    scheme = Fp8Scheme("fused", "channel", "static" if static else "dynamic")
+    fused = Fp8Linear(weight.shape[1], weight.shape[0], first.bias is not None, scheme, first.out_dtype,
+                      device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.weight_scale = nn.Parameter(torch.cat([lin.scale_row.reshape(-1, 1) for lin in layers]),
+                                      requires_grad=False)  # [sum of outs, 1]
+    if static:
+        fused.input_scale = nn.Parameter(torch.stack([lin.input_scale.data for lin in layers]).amax().reshape(1),
+                                         requires_grad=False)
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.data for lin in layers]), requires_grad=False)
+    fused.finish()
+    return fused
+
+
+def fp8_scale_slices(slices: dict[str, tuple[int, int, int, int]], scheme: Fp8Scheme | None
+                     ) -> dict[str, tuple[int, int, int, int]]:
+    """`slices` (engine.model.tp_layout.TPLayout.slices) plus the per-channel weight scales of the column-parallel
+    linears, cut like their weights' rows. Per-tensor and input scales, and a row-parallel layer's per-channel
+    scale (one per output row, which every rank holds whole), are replicated: absent from the map."""
+    if scheme is None or scheme.weight_strategy != "channel":
+        return dict(slices)
+    out = dict(slices)
+    for name, cut in slices.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in COLUMN_PARALLEL and cut[0] == 0:
+            out[module + ".weight_scale"] = cut
+    return out
