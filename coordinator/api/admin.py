@@ -8,6 +8,11 @@
 - POST /admin/workers/{name}/role: mode adaptive, give a worker a role ({"role": "prefill" | "decode" | "mixed"}).
 - POST /admin/faults: set the injected faults of every worker now and of every replacement later (a JSON body with
   FaultsConfig's fields; `{}` turns them off).
+- GET /admin/requests: the ids of the single-choice requests in flight ({"object": "list", "data": [ids]}).
+  GET /admin/requests/{id}: one of them as the coordinator sees it (coordinator.backend.inflight: state, placement,
+  workers, KV blocks booked and used, phases so far, migrations); a 404 for an id not in flight (finished, unknown,
+  or a choice of an n > 1 request). The id is the request's X-Request-Id (the response body's id without its
+  `chatcmpl-` / `cmpl-` prefix is accepted too).
 - GET /admin/integrity: the coordinator's bookings checked against the requests in flight, every live engine's
   block ownership check, and what each worker holds against what is booked there (`mismatches`:
   coordinator.backend.block_audit); `ok` is false with the reason when any fails.
@@ -119,7 +124,32 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
         await backend.set_faults(faults)
         return JSONResponse({"faults": dataclasses.asdict(faults)})
 
+    @app.get("/admin/requests")
+    async def requests_in_flight(request: Request) -> JSONResponse:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": _requests(backend).requests_in_flight()})
+
+    @app.get("/admin/requests/{request_id}")
+    async def request_in_flight(request_id: str, request: Request) -> JSONResponse:
+        check_auth(request)
+        inflight = _requests(backend)
+        for rid in (request_id, request_id.removeprefix("chatcmpl-"), request_id.removeprefix("cmpl-")):
+            view = inflight.request_view(rid)
+            if view is not None:
+                return JSONResponse(view)
+        raise errors.APIError(404, f"no request {request_id[:64]!r} in flight (finished, unknown, or a choice of an "
+                              "n > 1 request)", "invalid_request_error", "not_found", "request_id")
+
     @app.get("/admin/integrity")
     async def integrity(request: Request) -> JSONResponse:
         check_auth(request)
         return JSONResponse(await backend.integrity())
+
+
+def _requests(backend: Any) -> Any:
+    """The backend's view of its requests in flight; a 501 where this process has none (an HTTP frontend process
+    of several: ask the core process's port, coordinator.frontends)."""
+    if not hasattr(backend, "request_view"):
+        raise errors.APIError(501, "this process does not run the requests (ask the server's first HTTP process)",
+                              "invalid_request_error", "not_implemented")
+    return backend

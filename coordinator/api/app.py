@@ -30,7 +30,7 @@ from fastapi.responses import Response
 
 from coordinator import errors
 from coordinator.admission.tenants import TenantRegistry
-from coordinator.api import model_api
+from coordinator.api import model_api, reasoning
 from coordinator.api.admin import health_response, install_admin_routes
 from coordinator.api.choices_serve import serve_choices
 from coordinator.api.drain import Lifecycle, Ticket
@@ -193,15 +193,18 @@ def _generate(app: FastAPI, internal: InternalRequest, grant: Any) -> Generation
                                stream_interval=internal.tenant.stream_interval(settings.stream_interval))
     tracer = app.state.tracer
     span = None if tracer is None else RequestSpan(tracer, internal.traceparent, app.state.model_name)
+    split = reasoning.for_request(settings.reasoning_parser, req) if internal.chat else None
     return Generation(app.state.backend, generate, text, app.state.metrics, settings.request_timeout_s,
-                      internal.num_logprobs is not None, internal.arrival, grant, trace=trace, span=span)
+                      internal.num_logprobs is not None, internal.arrival, grant, trace=trace, span=span,
+                      reasoning=split)
 
 
 def _formatter(app: FastAPI, internal: InternalRequest, gen: Generation) -> Formatter:
     """How the shape stage writes this request's chunks and body (coordinator.api.sse)."""
     req = internal.openai
     fmt = Formatter(internal.chat, app.state.model_name, req.include_usage, internal.request_id, req.include_phases,
-                    bool(req.return_token_ids), internal.prompt)
+                    bool(req.return_token_ids), internal.prompt,
+                    internal.chat and app.state.settings.reasoning_parser is not None)
     if req.continuous_usage:
         fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
     return fmt

@@ -1,16 +1,17 @@
-"""Choices: requests with several outputs (n, best_of, a list of prompts) or echo / prompt_logprobs, fanned out to
-the backend and aggregated into one OpenAI (or vLLM) response, whole or streamed.
+"""Choices: requests with several outputs (n, best_of, a list of prompts) or echo / prompt_logprobs, fanned out to the
+backend and aggregated into one OpenAI (or vLLM) response, whole or streamed.
 
-Each prompt is one backend group (ServingBackend.generate_group: prefilled once, n choices forked from it);
-`Fanout` splits a group's (choice, delta) pairs into one stream per choice, so every choice runs through its own
-lifecycle.Generation (its own TextOutput: stop strings, detokenization, logprobs, deadline). A choice that ends on
-a stop string closes its stream, which aborts that choice only (GroupStream.stop); the group ends when every
-choice has, or on the first error; a client disconnect closes every choice. Indices follow OpenAI: prompt i,
-choice j -> i * n + j. Usage: each prompt counted once, completion tokens summed over every choice generated
-(best_of: all best_of sequences, which OpenAI bills too). best_of (never streamed) keeps the n choices of highest
-cumulative logprob, in that order. echo puts the prompt's text (and with logprobs its tokens, the first one's
-logprob null) before each choice's own; prompt_logprobs (vLLM) returns, per choice (chat: once, top level), a
-null then {token id: {logprob, rank, decoded_token}} per prompt token.
+Each prompt is one backend group (ServingBackend.generate_group: prefilled once, n choices forked from it); `Fanout`
+splits a group's (choice, delta) pairs into one stream per choice, so every choice runs through its own
+lifecycle.Generation (its own TextOutput: stop strings, detokenization, logprobs, deadline). A choice that ends on a
+stop string closes its stream, which aborts that choice only (GroupStream.stop); the group ends when every choice
+has, or on the first error; a client disconnect closes every choice. Indices follow OpenAI: prompt i, choice j -> i *
+n + j. Chat `echo` (vLLM's) puts the last message's content before each choice's when its role is the generated one's
+(protocol.chat_echo). Usage: each prompt counted once, completion tokens summed over every choice generated (best_of:
+all best_of sequences, which OpenAI bills too). best_of (never streamed) keeps the n choices of highest cumulative
+logprob, in that order. echo puts the prompt's text (and with logprobs its tokens, the first one's logprob null)
+before each choice's own; prompt_logprobs (vLLM) returns, per choice (chat: once, top level), a null then {token id:
+{logprob, rank, decoded_token}} per prompt token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coordinator.api import protocol
+from coordinator.api import protocol, reasoning
 from coordinator.api.lifecycle import Generation, Piece
 from coordinator.api.sse import Formatter
 from coordinator.api.text_output import TextOutput
@@ -120,6 +121,8 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
     n, fan = req.n or 1, (getattr(req, "best_of", None) or req.n or 1)
     num_logprobs = req.num_logprobs if chat else req.logprobs
     echo = not chat and req.echo
+    echoed = protocol.chat_echo(req) if chat else ""  # vLLM's chat echo: the last message's content, or ""
+    parser = settings.reasoning_parser if chat else None
     out: list[Choice] = []
     for i, prompt in enumerate(prompts):
         one = req if chat else req.model_copy(update={"prompt": prompt})
@@ -140,15 +143,20 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
                                 req.min_tokens, bool(req.return_tokens_as_token_ids))
             choice = GenerateRequest(f"{rid}#{j}", ids, params, priority, stream_interval=stream_interval)
             gen = Generation(fanout.choice(j), choice, output, app.state.metrics, settings.request_timeout_s,
-                             params.logprobs is not None, arrival, counts_request=j == 0, parent=parent)
-            out.append(Choice(i * fan + j, gen, fanout, text if echo else "", ids))
+                             params.logprobs is not None, arrival, counts_request=j == 0, parent=parent,
+                             reasoning=reasoning.for_request(parser, req))
+            out.append(Choice(i * fan + j, gen, fanout, text if echo else echoed, ids))
     return out
 
 
-def usage(choices: list[Choice]) -> tuple[int, int]:
-    """(prompt tokens, each prompt once; completion tokens of every choice)."""
+def usage(choices: list[Choice], reasoning: bool = False) -> tuple[int, ...]:
+    """(prompt tokens, each prompt once; completion tokens of every choice), and with `reasoning` (a reasoning
+    parser) their reasoning tokens."""
     prompts = {c.index // len([d for d in choices if d.fanout is c.fanout]): len(c.prompt_ids) for c in choices}
-    return sum(prompts.values()), sum(c.gen.completion_tokens for c in choices)
+    counts = sum(prompts.values()), sum(c.gen.completion_tokens for c in choices)
+    if not reasoning:
+        return counts
+    return *counts, sum(c.gen.reasoning.tokens for c in choices if c.gen.reasoning is not None)
 
 
 def best(choices: list[Choice], n: int, fan: int) -> list[Choice]:

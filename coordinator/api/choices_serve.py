@@ -23,7 +23,8 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
     choices = await asyncio.to_thread(build, app, req, chat, request_id, tenant.priority_for(req.priority), arrival,
                                       tenant.stream_interval(app.state.settings.stream_interval))
     fmt = Formatter(chat, app.state.model_name, req.include_usage, request_id,
-                    return_token_ids=bool(req.return_token_ids))
+                    return_token_ids=bool(req.return_token_ids),
+                    reasoning=chat and app.state.settings.reasoning_parser is not None)
     ticket = app.state.lifecycle.admit()
     try:
         grant = await app.state.tenants.charge(tenant,
@@ -58,17 +59,19 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
         kept = best(choices, n, len(choices) // len({id(c.fanout) for c in choices}))
         bodies, top = [], {}
         for c in kept:
-            whole = Piece(c.gen.text.text, [t for p in c.pieces for t in p.tokens], c.gen.finish_reason,
-                          [i for p in c.pieces for i in p.token_ids])
+            whole = Piece("".join(p.text for p in c.pieces), [t for p in c.pieces for t in p.tokens],
+                          c.gen.finish_reason, [i for p in c.pieces for i in p.token_ids])
             lp = logprobs_body(fmt, c, whole, True, echo_lp) if want_lp else None
-            body = fmt.choice(c.index, c.prompt_text + whole.text, lp, whole.finish_reason or "stop", False)
+            thought = "".join(p.reasoning for p in c.pieces) if c.gen.reasoning and c.gen.reasoning.opened else None
+            body = fmt.choice(c.index, c.prompt_text + whole.text, lp, whole.finish_reason or "stop", False,
+                              reasoning=thought)
             fmt.add_token_ids(top, body, whole.token_ids, c.prompt_ids)  # chat's prompt ids go on the response
             if not chat:  # vLLM's: on each completion choice, on the chat response; null unless asked for
                 body["prompt_logprobs"] = _prompt_lps(c) if req.prompt_logprobs is not None else None
             bodies.append(body)
         extra = {"prompt_logprobs": _prompt_lps(choices[0]) if req.prompt_logprobs is not None else None} \
             if chat else {}
-        return JSONResponse(fmt.body(bodies, False, usage(choices), **extra, **top))
+        return JSONResponse(fmt.body(bodies, False, usage(choices, fmt.reasoning), **extra, **top))
     return SSEResponse(_events(choices, fmt, req, chat, want_lp, echo_lp, close),
                        deadline=max(c.gen.deadline for c in choices) + grace_s, stall=app.state.stall_policy)
 
@@ -101,12 +104,12 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
             first = c.index not in started
             started.add(c.index)
             left -= piece.finish_reason is not None
-            if not (first or piece.text or piece.tokens or piece.finish_reason
+            if not (first or piece.text or piece.tokens or piece.finish_reason or piece.reasoning
                     or (fmt.return_token_ids and piece.token_ids)):
                 continue
             lp = logprobs_body(fmt, c, piece, first, echo_lp) if want_lp else None
             body = fmt.choice(c.index, (c.prompt_text if first else "") + piece.text, lp, piece.finish_reason,
-                              True, first)
+                              True, first, piece.reasoning)
             extra: dict = {}
             if first and req.prompt_logprobs is not None:
                 if chat:
@@ -116,7 +119,8 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
             fmt.add_token_ids(extra, body, piece.token_ids, c.prompt_ids if first else None)
             yield event(fmt.body([body], True, **extra))
         if fmt.include_usage:
-            yield event(fmt.usage_chunk(*usage(choices)))
+            yield event(fmt.usage_chunk(*usage(choices)[:2], reasoning_tokens=(usage(choices, True)[2]
+                                                                               if fmt.reasoning else None)))
         outcome = "finished"
         yield DONE
     except errors.APIError as e:

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 
 from coordinator import errors
 from coordinator.admission.tenants import Tenant
-from coordinator.api import choices, protocol
+from coordinator.api import choices, protocol, reasoning
 from coordinator.api.http_body import read_json
 from engine.core.sampling_params import SamplingParams
 
@@ -64,6 +64,8 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
     req = protocol.parse(model, await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
     if req.model != app.state.model_name:
         raise errors.model_not_found(req.model, app.state.model_name)
+    if chat:  # a structured output or forced tool call would constrain the reasoning too
+        reasoning.refuse_constraints(settings.reasoning_parser, req)
     request_id: str = request.state.request_id
     if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
         REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)

@@ -27,6 +27,7 @@ import anyio
 
 from coordinator import errors
 from coordinator.admission.tenants import Grant
+from coordinator.api.reasoning import ReasoningSplit
 from coordinator.api.text_output import TextOutput, TokenInfo
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
 from coordinator.observability.metrics import Metrics
@@ -46,6 +47,7 @@ class Piece:
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    reasoning: str = ""  # with a reasoning parser (coordinator.api.reasoning): the reasoning text; `text` is content
 
 
 class Generation:
@@ -54,7 +56,7 @@ class Generation:
     def __init__(self, backend: ServingBackend, request: GenerateRequest, text: TextOutput, metrics: Metrics,
                  timeout_s: float, want_logprobs: bool, arrival: float, grant: Grant | None = None,
                  counts_request: bool = True, trace: PhaseTrace | None = None, parent: Parent | None = None,
-                 span: RequestSpan | None = None) -> None:
+                 span: RequestSpan | None = None, reasoning: ReasoningSplit | None = None) -> None:
         self._backend = backend
         self.request = request
         self.text = text
@@ -80,6 +82,8 @@ class Generation:
         self._span = span      # its OpenTelemetry trace, when tracing is on (with a PhaseTrace)
         self.finish_reason: str | None = None
         self.client_finish: str | None = None  # the finish reason the client got, where the API changed it (tool_calls)
+        self.reasoning = reasoning  # splits the text into reasoning and content (chat with a reasoning parser)
+        self._reasoning_parts: list[str] = []  # the reasoning of the piece being gathered
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,13 +115,25 @@ class Generation:
                 if not count:
                     raise
                 self._pending_error = e
-                return Piece("".join(parts), infos, None, ids)
+                return Piece("".join(parts), infos, None, ids, self._take_reasoning())
             finish = self._take(delta, parts, infos, ids)
             count += len(delta.token_ids)
             if finish is not None or first or count >= self.request.stream_interval:
                 break
         self.finish_reason = finish
-        return Piece("".join(parts), infos, finish, ids)
+        return Piece("".join(parts), infos, finish, ids, self._take_reasoning())
+
+    def _take_reasoning(self) -> str:
+        text, self._reasoning_parts = "".join(self._reasoning_parts), []
+        return text
+
+    def _split(self, text: str, token: bool) -> str:
+        """The content of newly released text (its reasoning set aside for the piece), or the text itself."""
+        if self.reasoning is None:
+            return text
+        reasoning, content = self.reasoning.take_token(text) if token else self.reasoning.feed(text)
+        self._reasoning_parts.append(reasoning)
+        return content
 
     def _take(self, delta: TokenDelta, parts: list[str], infos: list[TokenInfo], ids: list[int]) -> str | None:
         """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`, the ids consumed
@@ -125,7 +141,8 @@ class Generation:
         now = time.monotonic()
         consumed = 0
         for i, token_id in enumerate(delta.token_ids):
-            parts.append(self.text.add_token(token_id))
+            text = self.text.add_token(token_id)
+            parts.append(text if self.reasoning is None else self._split(text, True))
             ids.append(token_id)
             consumed += 1
             if self._want_logprobs and i < len(delta.logprobs):
@@ -146,7 +163,11 @@ class Generation:
             self._last_token_at = now
         finish = "stop" if self.text.stopped else delta.finish_reason
         if finish is not None and not self.text.stopped:
-            parts.append(self.text.finish())
+            parts.append(self._split(self.text.finish(), False))
+        if finish is not None and self.reasoning is not None:
+            reasoning, content = self.reasoning.finish()
+            self._reasoning_parts.append(reasoning)
+            parts.append(content)
         return finish
 
     async def collect(self) -> list[Piece]:

@@ -9,7 +9,8 @@ model than the served one is a 404.
 
 /tokenize takes either `prompt` (a string, encoded as /v1/completions encodes it: with the tokenizer's special
 tokens unless `add_special_tokens` is false) or `messages` (rendered by the chat template exactly as
-/v1/chat/completions renders them, with `add_generation_prompt`, `chat_template_kwargs` and `tools`, so its count is
+/v1/chat/completions renders them, with `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and
+`tools`, so its count is
 the prompt_tokens a chat request with the same fields reports; `add_special_tokens` must stay false there: the
 template writes the special tokens), and returns `count`, `max_model_len`, `tokens` and
 `token_strs` (each id's vocabulary string when `return_token_strs`, else null). /detokenize takes `tokens`, ids in
@@ -59,6 +60,7 @@ class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: list[protocol.ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -136,7 +138,9 @@ def _encode(req: TokenizeCompletionRequest | TokenizeChatRequest, state: Any) ->
                                      "special tokens)", "add_special_tokens")
     chat = protocol.parse(protocol.ChatCompletionRequest, {  # the chat endpoint's own checks and rendering
         "model": state.model_name, "messages": [m.model_dump(exclude_unset=True) for m in req.messages],
-        "add_generation_prompt": req.add_generation_prompt, "chat_template_kwargs": req.chat_template_kwargs,
+        "continue_final_message": req.continue_final_message, "chat_template_kwargs": req.chat_template_kwargs,
+        **({"add_generation_prompt": req.add_generation_prompt} if "add_generation_prompt" in req.model_fields_set
+           else {}),
         "tools": None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]})
     return protocol.prompt_token_ids(chat, state.tokenizer, state.backend.vocab_size,
                                      state.settings.allow_special_tokens_in_content)

@@ -16,7 +16,9 @@ Vendor extensions accepted on both endpoints (vLLM's names and meanings): `top_k
 response, on each completion choice; streamed, every chunk's new ids and the prompt's on a choice's first chunk),
 `return_tokens_as_token_ids` (logprobs' token strings, alternatives and echoed prompt tokens included, read
 `token_id:<id>`; their `bytes` stay the token's own); on chat also
-`add_generation_prompt` and `chat_template_kwargs` (keys in TEMPLATE_KWARGS). pdserve's own extension:
+`add_generation_prompt`, `continue_final_message` (the prompt ends inside the last message, which the output
+continues; with add_generation_prompt true a 400, as vLLM; left out, it is false), `echo` (chat_echo) and
+`chat_template_kwargs` (keys in TEMPLATE_KWARGS). pdserve's own extension:
 `stream_options.include_phases` (with `include_usage`): the usage chunk carries the request's phases
 (coordinator.observability.phases).
 
@@ -193,12 +195,25 @@ class ChatCompletionRequest(_Common, ToolFields):  # tools, tool_choice, paralle
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message, which the output continues
+    echo: bool = False  # vLLM's: the last message's content before the output when its role is the generated one's
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.echo and self.tool_mode != "none":
+            raise ValueError("echo: not with tools on this server (tool_choice none lets the tools reach the template)")
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message: cannot be used with add_generation_prompt true (as vLLM: "
+                                 "set add_generation_prompt to false, or leave it out)")
+            last = self.messages[-1]
+            if not (last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
+                    ).strip():
+                raise ValueError(f"messages[{len(self.messages) - 1}].content: continue_final_message needs a final "
+                                 "message with text to continue")
         for i, m in enumerate(self.messages):
             if m.role not in ROLES:
                 raise ValueError(f"messages[{i}].role: unknown role {m.role[:40]!r}; expected one of {list(ROLES)}")
@@ -216,12 +231,29 @@ class ChatCompletionRequest(_Common, ToolFields):  # tools, tool_choice, paralle
         return self
 
     @property
+    def generation_prompt(self) -> bool:
+        """Whether the template opens a new assistant message (not with continue_final_message)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content when its role is the role of the message generated (assistant
+    when a generation prompt opens one, else the last message's own role), or ""."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.generation_prompt else last.role
+    if last.role != role:
+        return ""
+    return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
 
 
 def param_of(loc: tuple) -> str | None:
@@ -314,8 +346,9 @@ def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int,
     where = "messages" if chat else "prompt"
     try:
         if chat:
-            ids = tokenizer.encode_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
-                                        special_tokens_in_content, **(req.chat_template_kwargs or {}),
+            ids = tokenizer.encode_chat([m.for_template() for m in req.messages], req.generation_prompt,
+                                        special_tokens_in_content, continue_final_message=req.continue_final_message,
+                                        **(req.chat_template_kwargs or {}),
                                         **({"tools": req.template_tools()} if req.tools else {}))
         else:
             prompt = req.single_prompt

@@ -58,11 +58,21 @@ def _response_body(fmt: Formatter, gen: Generation, result: list[Any], want_lp: 
                    tools: ToolStream | None) -> dict:
     """A whole (not streamed) response's body, with its tool calls when the request has tools."""
     tokens = [t for p in result for t in p.tokens]
-    body = fmt.response(gen.text.text, tokens, want_lp, gen.finish_reason or "stop", gen.prompt_tokens,
-                        gen.completion_tokens, [i for p in result for i in p.token_ids])
+    split = gen.reasoning  # with a reasoning parser, the pieces' text is the content and their reasoning apart
+    body = fmt.response("".join(p.text for p in result), tokens, want_lp, gen.finish_reason or "stop",
+                        gen.prompt_tokens, gen.completion_tokens, [i for p in result for i in p.token_ids],
+                        "".join(p.reasoning for p in result) if split is not None and split.opened else None,
+                        reasoning_tokens(fmt, gen))
     if tools is not None:
         body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
     return body
+
+
+def reasoning_tokens(fmt: Formatter, gen: Generation) -> int | None:
+    """usage's completion_tokens_details.reasoning_tokens: with a reasoning parser only (vLLM's)."""
+    if not fmt.reasoning:
+        return None
+    return 0 if gen.reasoning is None else gen.reasoning.tokens
 
 
 def _tool_stream(req: Any, parser: str) -> ToolStream | None:
@@ -82,12 +92,13 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
             yield chunk
         while piece.finish_reason is None:
             piece = await gen.next_piece()
-            if piece.text or piece.tokens or piece.finish_reason or (fmt.return_token_ids and piece.token_ids):
+            if (piece.text or piece.tokens or piece.finish_reason or piece.reasoning
+                    or (fmt.return_token_ids and piece.token_ids)):
                 for chunk in _chunks(fmt, tools, piece, want_lp, gen):
                     yield chunk
         if fmt.include_usage:
             phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
-            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases))
+            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases, reasoning_tokens(fmt, gen)))
         outcome = "finished"
         yield DONE
     except errors.APIError as e:

@@ -33,6 +33,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from coordinator.api.lifecycle import Piece
+from coordinator.api.reasoning import fields as reasoning_fields
 from coordinator.api.stall_watch import StallPolicy, StallWatch
 from coordinator.api.text_output import TokenInfo, floored
 from coordinator.observability.phases import wire
@@ -106,8 +107,11 @@ class Formatter:
 
     def __init__(self, chat: bool, model: str, include_usage: bool = False, request_id: str | None = None,
                  include_phases: bool = False, return_token_ids: bool = False,
-                 prompt_token_ids: list[int] | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, reasoning: bool = False) -> None:
         self.chat = chat
+        # a reasoning parser reads this request (coordinator.api.reasoning): messages carry `reasoning` (null when
+        # the output had none), deltas carry it when they have some, usage counts reasoning_tokens
+        self.reasoning = reasoning
         self.return_token_ids = return_token_ids  # vLLM's: token_ids on choices, prompt_token_ids (add_token_ids)
         self.prompt_token_ids = prompt_token_ids  # the single-choice path's prompt
         self.model = model
@@ -125,14 +129,19 @@ class Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+        body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
+        if reasoning_tokens is not None:  # vLLM's (and OpenAI's) place for it, with a reasoning parser only
+            body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return body
 
     def chunk(self, piece: Piece, logprobs: bool, first: bool = False) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": piece.text} if first else (
                 {"content": piece.text} if piece.text else {})
+            if piece.reasoning:
+                delta.update(reasoning_fields(piece.reasoning))
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": piece.text}
@@ -155,7 +164,7 @@ class Formatter:
     def chunk_event(self, piece: Piece, logprobs: bool, first: bool = False) -> bytes:
         """`event(self.chunk(piece, logprobs, first))`; a plain text chunk (most of a stream) from its template."""
         if (logprobs or first or not piece.text or piece.finish_reason is not None or self.usage_so_far is not None
-                or self.return_token_ids):
+                or self.return_token_ids or piece.reasoning):
             return event(self.chunk(piece, logprobs, first))
         return self.text_event(piece.text)
 
@@ -169,38 +178,50 @@ class Formatter:
         head, tail = self._text_template
         return head + _encode(text).encode() + tail
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, phases: dict[str, float] | None = None) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, phases: dict[str, float] | None = None,
+                    reasoning_tokens: int | None = None) -> dict:
         body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(prompt_tokens, completion_tokens)}
+                "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens)}
         if phases is not None:
             body["phases"] = wire(phases)
         return body
 
     def response(self, text: str, tokens: list[TokenInfo], logprobs: bool, finish_reason: str,
-                 prompt_tokens: int, completion_tokens: int, token_ids: list[int] = ()) -> dict:
+                 prompt_tokens: int, completion_tokens: int, token_ids: list[int] = (),
+                 reasoning: str | None = None, reasoning_tokens: int | None = None) -> dict:
         lp = self.logprobs(tokens) if logprobs else None
         if self.chat:  # vLLM's prompt_logprobs, null unless asked for (coordinator.api.choices serves those)
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            choice = {"index": 0, "message": self.message(text, reasoning), "logprobs": lp,
                       "finish_reason": finish_reason}
             extra = {"prompt_logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "prompt_logprobs": None}
             extra = {}
         body = {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self.usage(prompt_tokens, completion_tokens), **extra}
+                "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens), **extra}
         self.add_token_ids(body, choice, token_ids, self.prompt_token_ids)
         return body
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, stream: bool,
-               first: bool = False) -> dict:
+               first: bool = False, reasoning: str | None = None) -> dict:
         """One entry of `choices` (coordinator.api.choices: several per body, each with its own index)."""
         if not self.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if stream:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            if reasoning:
+                delta.update(reasoning_fields(reasoning))
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        return {"index": index, "message": self.message(text, reasoning), "logprobs": logprobs,
                 "finish_reason": finish_reason}
+
+    def message(self, content: str, reasoning: str | None) -> dict:
+        """A whole chat message; with a reasoning parser, its reasoning (null when the output had none) and a
+        content that is null when nothing followed the reasoning (vLLM's)."""
+        if not self.reasoning:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or (None if reasoning is not None else content),
+                **reasoning_fields(reasoning)}
 
     def body(self, choices: list[dict], stream: bool, usage: tuple[int, int] | None = None, **extra: Any) -> dict:
         """A whole response (stream false) or one chunk holding `choices`; `extra`: vLLM's top-level fields."""

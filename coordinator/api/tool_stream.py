@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from coordinator.api.reasoning import FIELDS as REASONING_FIELDS
 from coordinator.api.tool_calls import ToolCall, parse_calls
 
 ARGUMENT_FRAGMENT_CHARS = 64
@@ -23,6 +24,8 @@ _HERMES_TAG = "<tool_call>"
 def shape_response(body: dict[str, Any], mode: str, parser: str, named: str | None, parallel: bool) -> dict:
     """Rewrite a chat.completion body's single choice for the request's tool mode (in place; returned)."""
     choice = body["choices"][0]
+    if choice["message"]["content"] is None:  # all reasoning (coordinator.api.reasoning): no call to read
+        return body
     content, calls = parse_calls(mode, parser, choice["message"]["content"], named, parallel)
     choice["message"]["content"] = content
     if calls:
@@ -115,8 +118,11 @@ def tool_chunks(base: dict[str, Any], tools: ToolStream, text: str, finish_reaso
         more, finish_reason = tools.finish(finish_reason)
         deltas += more
     own = base["choices"][0]
-    if not deltas and (first or finish_reason is not None or own.get("logprobs") or own.get("token_ids")):
+    thought = {k: v for k, v in own["delta"].items() if k in REASONING_FIELDS}  # the piece's reasoning, if any
+    if not deltas and (first or finish_reason is not None or own.get("logprobs") or own.get("token_ids") or thought):
         deltas = [{}]
+    if thought:
+        deltas[0] = thought | deltas[0]
     chunks = []
     for i, delta in enumerate(deltas):
         last = i == len(deltas) - 1

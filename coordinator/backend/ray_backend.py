@@ -46,6 +46,7 @@ from coordinator.backend.adaptive import AdaptiveLayout
 from coordinator.backend.block_audit import BlockAudit
 from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
+from coordinator.backend.inflight import InFlight
 from coordinator.backend.output_intake import OutputIntake, coalesced
 from coordinator.backend.pools import Pools
 from coordinator.backend.ray_calls import quietly
@@ -82,6 +83,8 @@ class RayBackend:
         self.intake = OutputIntake(self.supervisor, lambda: self._count(self.errors, "worker_error"))
         self._push_waits: dict[str, Durations] = {}  # attempt id -> the prefill side's wait for its pushed KV
         self._ids: set[str] = set()                   # request ids in flight (the ids on the workers)
+        self.inflight: dict[str, InFlight] = {}       # single-choice requests in flight, for /admin/requests
+        self._block_size = 0
         self._tasks: set[asyncio.Task] = set()
         self.transfer_totals: dict[str, float] = {}
         self.errors: dict[str, int] = {}
@@ -99,6 +102,7 @@ class RayBackend:
         capacity = min(i.num_kv_blocks * i.block_size - i.block_size for i in infos)
         self.max_model_len = min(min(i.max_model_len for i in infos), capacity)
         self.vocab_size = min(i.vocab_size for i in infos)
+        self._block_size = infos[0].block_size
         self.admission = Admission(self.config, self.drains, Router(infos[0].block_size), self.ledger)
         if self.config.admission.reserve_output is None:
             self.growth = BookingGrowth(infos[0].block_size, self.config.admission.reserve_ahead_tokens)
@@ -142,12 +146,16 @@ class RayBackend:
         sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
         moves = 0 if moved_after is None else 1
         started_at, first_at = time.monotonic(), None
+        record = self.inflight[rid] = InFlight(rid, len(request.prompt_token_ids), request.params.max_tokens,
+                                               request.priority, self._block_size, trace, reservation, started_at,
+                                               moves=moves)
         try:
             while True:
                 try:
                     async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
+                            record.output_tokens = len(sent)
                             first_at = first_at or time.monotonic()
                             if delta.finish_reason is not None and moves:  # before the yield: the consumer
                                 self._count(self.migrations, "outcome_completed")  # closes us at the last one
@@ -164,6 +172,7 @@ class RayBackend:
                         raise BackendError(f"{e}; the request was moved {moves} times already "
                                            "(recovery.max_migrations)") from None
                     moves += 1
+                    record.moves, record.state = moves, "migrating"
                     reservation.clear()
                     log.warning("request %s: %s; resuming after %d tokens", rid, e, len(sent))
         except BackendError:
@@ -173,6 +182,7 @@ class RayBackend:
         finally:
             reservation.release()
             self._ids.discard(rid)
+            self.inflight.pop(rid, None)
 
     def _first_token(self, placement: Placement, placed_at: float) -> None:
         """Adaptive placement learns how far its estimate was from this first token (admission.calibration)."""
@@ -188,10 +198,15 @@ class RayBackend:
         """One placement of the request: deltas until its end; WorkerLost if a worker under it died. `prior`: the
         tokens streamed so far, which generate() extends. With request.sink, once its first decode token is out,
         the intake hands the middle of the stream to the sink (OutputIntake.go_direct)."""
+        record = self.inflight.get(rid)
+        if record is not None:
+            record.state = "queued"
         placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
         trace.mark("admission")
         placed_at = time.monotonic()
         trace.attributes = _span_attributes(placement)  # the latest placement's, for the request's trace
+        if record is not None:
+            record.placed(placement.prefill, placement.decode)
         attempt = rid if move == 0 else f"{rid}~{move}"
         queue = self.intake.open(attempt, request.stream_interval)
         cleanup: list[tuple[WorkerState, str]] = []  # (worker, how to end the attempt there)
@@ -215,6 +230,8 @@ class RayBackend:
             else:
                 first = await self._prefill(attempt, request, prior, placement, reservation, cleanup, trace)
                 self._first_token(placement, placed_at)
+                if record is not None:
+                    record.state = "decode"  # its first token is out; the handoff brings the rest
                 finished = first.finish_reason is not None
                 yield first
                 if finished:
@@ -227,6 +244,8 @@ class RayBackend:
                     else:  # the worker's durations up to its first token, inside the interval since the last mark
                         if placement.prefill is None:
                             self._first_token(placement, placed_at)
+                        if record is not None:
+                            record.state = "decode"
                         durations = self.intake.take_phases(attempt)
                         trace.split(durations)
                         if self.adaptive is not None and placement.prefill is not None:
@@ -401,6 +420,15 @@ class RayBackend:
             self._capacity_freed()  # waiting requests also look again on a timer
 
     # ---- figures
+    def request_view(self, request_id: str) -> dict | None:
+        """GET /admin/requests/{id}: a single-choice request in flight (coordinator.backend.inflight), or None."""
+        record = self.inflight.get(request_id)
+        return None if record is None else record.view({w.key: w.name for w in self.pools.all_workers})
+
+    def requests_in_flight(self) -> list[str]:
+        """GET /admin/requests: the ids of the single-choice requests in flight."""
+        return list(self.inflight)
+
     def health(self) -> tuple[bool, list[dict]]:
         return self.drains.healthy(), self.drains.states()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TOOL_CALL_PARSERS = ("llama3_json", "hermes")  # the chat-template families tool_choice "auto" can read
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # coordinator.api.reasoning (vLLM's --reasoning-parser names)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class ServerSettings:
     allow_special_tokens_in_content: bool = False
     # how `tool_choice: auto` reads the model's tool calls: the chat-template family (TOOL_CALL_PARSERS)
     tool_call_parser: str = "llama3_json"
+    # how chat responses keep a `<think>` model's reasoning apart (coordinator.api.reasoning); None: not at all
+    reasoning_parser: str | None = None
     # a streamed response sends a chunk per this many new tokens (the first token and the end at once): larger
     # values trade smoothness for the coordinator's CPU per token (vLLM's and SGLang's --stream-interval)
     stream_interval: int = 1
@@ -73,6 +76,8 @@ class ServerSettings:
              "must be true or false"),
             ("tool_call_parser", self.tool_call_parser in TOOL_CALL_PARSERS,
              f"must be one of {list(TOOL_CALL_PARSERS)}"),
+            ("reasoning_parser", self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+             f"must be null or one of {list(REASONING_PARSERS)}"),
             ("stream_interval", _is_int(self.stream_interval) and 1 <= self.stream_interval <= 1024,
              "must be an integer in [1, 1024]"),
             ("api_processes", _is_int(self.api_processes) and 1 <= self.api_processes <= 64,

@@ -97,6 +97,18 @@ def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _ending_with_final(text: str, final: Any) -> str:
+    """`text` cut right after the last occurrence of the final message's content (its trailing whitespace kept only
+    where the template kept it)."""
+    core = final.strip() if isinstance(final, str) else ""
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the final message's "
+                                "content as given, so the prompt cannot end inside it")
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(core))]
+
+
 class Tokenizer:
     """One checkpoint's tokenizer; immutable after construction, safe to share between requests."""
 
@@ -177,11 +189,14 @@ class Tokenizer:
         return re.compile("|".join(map(re.escape, specials))) if specials else None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False, **template_kwargs: Any) -> list[int]:
+                    special_tokens_in_content: bool = False, continue_final_message: bool = False,
+                    **template_kwargs: Any) -> list[int]:
         """The conversation's prompt ids: the template's special tokens as control tokens; special-token text
-        in the messages and `template_kwargs` (tools) as plain text unless `special_tokens_in_content`."""
+        in the messages and `template_kwargs` (tools) as plain text unless `special_tokens_in_content`;
+        `continue_final_message`: the prompt ends with the last message's text (apply_chat_template)."""
         if special_tokens_in_content or self._special_pattern is None:
-            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                            **template_kwargs)
             return self.encode(text, add_special_tokens=False)
         nonce = f"\ue000{uuid.uuid4().hex}"
         found: list[str] = []
@@ -196,7 +211,7 @@ class Tokenizer:
 
         hidden = [{k: (v if k == "role" else hide(v)) for k, v in m.items()} for m in messages]
         template_kwargs = {k: hide(v) for k, v in template_kwargs.items()}  # `tools`: names, descriptions, schemas
-        text = self.apply_chat_template(hidden, add_generation_prompt, **template_kwargs)
+        text = self.apply_chat_template(hidden, add_generation_prompt, continue_final_message, **template_kwargs)
         if not found:
             return self.encode(text, add_special_tokens=False)
         placeholder = re.compile(re.escape(nonce) + r":(\d+)\ue001")
@@ -243,8 +258,11 @@ class Tokenizer:
         return self._chat_template is not None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
-        """The rendered prompt text (transformers' `apply_chat_template(..., tokenize=False)`)."""
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """The rendered prompt text (transformers' `apply_chat_template(..., tokenize=False)`). With
+        `continue_final_message` (transformers' and vLLM's), the text ends right after the last message's content
+        (whatever the template writes after it, an end-of-turn token, is cut), so the model continues that message;
+        its content must appear in the rendering (ChatTemplateError otherwise)."""
         if self._chat_template is None:
             raise ChatTemplateError(f"{self._source}: the tokenizer has no chat template (neither "
                                     f"{CHAT_TEMPLATE_FILE} nor 'chat_template' in {TOKENIZER_CONFIG_FILE})")
@@ -253,7 +271,8 @@ class Tokenizer:
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         variables = {**self.special_tokens_map, "tools": None, "documents": None, **template_kwargs}
         try:
-            return self._chat_template.render(messages=chat, add_generation_prompt=add_generation_prompt,
+            text = self._chat_template.render(messages=chat, add_generation_prompt=add_generation_prompt,
                                               **variables)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"{self._source}: chat template failed: {e}") from e
+        return _ending_with_final(text, chat[-1].get("content")) if continue_final_message else text
