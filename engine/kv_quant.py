@@ -77,9 +77,7 @@ def load_kv_scales(folder: str | Path | None, num_layers: int) -> KVScales:
     if folder is None:
         return KVScales(tuple(k), tuple(v))
     from safetensors import safe_open
-
-    from engine.model.weights import checkpoint_files
-    for path in checkpoint_files(folder):
+    for path in sorted(Path(folder).glob("*.safetensors")):  # (not weights.checkpoint_files: it imports this module)
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 match = _SCALE_NAME.search(name)
