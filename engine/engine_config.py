@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv_quant import KV_CACHE_DTYPES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
@@ -14,6 +16,9 @@ TP_ALL_REDUCES = ("auto", "nccl", "one_shot")
 class EngineConfig:
     model: str = "tiny"                 # "tiny" or a local Hugging Face checkpoint folder
     dtype: str = "auto"                 # "auto" = the checkpoint's torch_dtype
+    # what the KV cache stores: "auto" = `dtype`; "fp8" (= "fp8_e4m3"): float8 e4m3 with per-layer K/V scales from
+    # the checkpoint or 1.0 (engine.kv_quant): twice the tokens per byte, half the bytes per KV handoff
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"                 # "cpu", "cuda", "cuda:1", ...
     block_size: int = 16
     max_num_seqs: int = 64
@@ -57,6 +62,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             ("dtype", self.dtype in DTYPES, f"must be one of {DTYPES}"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"must be one of {KV_CACHE_DTYPES} ('auto': the model's dtype; 'fp8' = 'fp8_e4m3')"),
             ("block_size", self.block_size > 0, "must be positive"),
             ("max_num_seqs", self.max_num_seqs > 0, "must be positive"),
             ("max_num_batched_tokens", self.max_num_batched_tokens > 0, "must be positive"),

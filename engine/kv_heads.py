@@ -82,14 +82,17 @@ class KVHeadRange:
 
 
 # the fields of KVCacheSpec that must agree for heads to move; num_kv_heads is the one that may differ
-PER_HEAD_FIELDS = ("model_id", "num_layers", "head_dim", "block_size", "dtype", "layout_version")
+PER_HEAD_FIELDS = ("model_id", "num_layers", "head_dim", "block_size", "dtype", "layout_version", "kv_scales")
+# what a differing field means in the serving config (the message names the setting to fix)
+SETTING_HINTS = {"dtype": " (the KV cache dtype: the pools' kv_cache_dtype settings must agree)",
+                 "kv_scales": " (the fp8 KV scales: both sides must load the same checkpoint's k_scale/v_scale)"}
 
 
 def transfer_incompatibility(a: KVCacheSpec, a_heads: KVHeadRange, b: KVCacheSpec, b_heads: KVHeadRange) -> str | None:
     """None if heads can move between a cache (`a`, `a_heads`) and one (`b`, `b_heads`), else the differing
     fields, each as "field: a's value != b's value"."""
     da, db = asdict(a), asdict(b)
-    diffs = [f"{k}: {da[k]!r} != {db[k]!r}" for k in PER_HEAD_FIELDS if da[k] != db[k]]
+    diffs = [f"{k}: {da[k]!r} != {db[k]!r}{SETTING_HINTS.get(k, '')}" for k in PER_HEAD_FIELDS if da[k] != db[k]]
     if a_heads.total != b_heads.total:
         diffs.append(f"total KV heads: {a_heads.total} != {b_heads.total}")
     return "; ".join(diffs) if diffs else None

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 KV_LAYOUT_VERSION = 1
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # float8: kv_cache_dtype fp8
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,16 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" (engine.kv_quant)
     layout_version: int = KV_LAYOUT_VERSION
+    kv_scales: str = ""  # float8: the fingerprint of the per-layer K/V scales (engine.kv_quant.KVScales.digest)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"KVCacheSpec.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if bool(self.kv_scales) != (self.dtype == "float8_e4m3fn"):
+            raise ValueError(f"KVCacheSpec.kv_scales is set exactly for a float8 cache, got {self.kv_scales!r} "
+                             f"with dtype {self.dtype!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")

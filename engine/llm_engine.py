@@ -40,9 +40,11 @@ from engine.core.step_budget import StepBudget
 from engine.engine_config import EngineConfig
 from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
+from engine.kv_quant import load_kv_scales
 from engine.load import EngineLoad, PhaseClock
 from engine.model.model_config import ModelConfig
 from engine.model.tp_layout import TPLayout
+from engine.runner.kv_cache import cache_spec
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
 from engine.runner.step_extras import plan_extras, record_extras, with_extras
@@ -86,9 +88,10 @@ class LLMEngine:
         self.config = replace(config, dtype=dtype, max_model_len=max_model_len)
         n = config.tensor_parallel_size
         TPLayout.check(mc, n)
+        scales = load_kv_scales(None if config.load_format == "dummy" else path, mc.num_layers)
         self.kv_shards: tuple[tuple[KVCacheSpec, KVHeadRange], ...] = tuple(
-            (KVCacheSpec(mc.fingerprint, mc.num_layers, TPLayout(mc, r, n).kv_heads, mc.head_dim, config.block_size,
-                         dtype), TPLayout(mc, r, n).kv_head_range) for r in range(n))  # per rank: cache, heads
+            (cache_spec(mc, TPLayout(mc, r, n).kv_heads, self.config, scales), TPLayout(mc, r, n).kv_head_range)
+            for r in range(n))  # per rank: cache, heads
         self.followers = None
         if n > 1:
             from engine.runner.tp_leader import TPFollowers, rank_devices

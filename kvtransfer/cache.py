@@ -21,7 +21,8 @@ from engine.kv_layout import KVCacheSpec
 from .descriptors import contiguous_start
 from .metadata import CacheInfo
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class RegisteredCache:

@@ -38,6 +38,7 @@ class PoolConfig:
     mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
     warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
     tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
+    kv_cache_dtype: str | None = None  # None: the top-level kv_cache_dtype (both pools must hold the same)
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
     resources: dict[str, float] = field(default_factory=dict, hash=False)
 
@@ -137,6 +138,7 @@ class FaultsConfig:
 class ServeConfig:
     model: str = "tiny"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"   # "auto": dtype's; "fp8" / "fp8_e4m3": float8 KV cache (engine.kv_quant)
     load_format: str = "auto"      # "auto": the checkpoint's weights; "dummy": random ones (benchmarks of big shapes)
     block_size: int = 16
     max_model_len: int | None = None
@@ -161,9 +163,14 @@ class ServeConfig:
     def adaptive(self) -> bool:
         return self.mode == "adaptive"
 
+    def kv_cache_dtype_of(self, pool: PoolConfig) -> str:
+        """The kv_cache_dtype a pool's engines run: its own, else the top-level one."""
+        return pool.kv_cache_dtype if pool.kv_cache_dtype is not None else self.kv_cache_dtype
+
     def engine_config(self, pool: PoolConfig, seed: int = 0) -> EngineConfig:
         return EngineConfig(
             model=self.model, dtype=self.dtype, device="cuda" if pool.num_gpus > 0 else "cpu",
+            kv_cache_dtype=self.kv_cache_dtype_of(pool),
             block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
             head_bypass_steps=pool.head_bypass_steps,
@@ -220,7 +227,21 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
         except ValueError as e:
             raise ConfigError(f"{path}: {pool} workers' engine: {e}") from None
     _check_adaptive(config, raw, path)
+    _check_kv_cache_dtype(config, path)
     return config
+
+
+def _check_kv_cache_dtype(config: ServeConfig, path: Path) -> None:
+    """KV blocks move between the pools byte for byte: both pools must store the same KV cache dtype."""
+    prefill, decode = config.kv_cache_dtype_of(config.prefill), config.kv_cache_dtype_of(config.decode)
+    if config.mode != "collocated" and _fp8(prefill) != _fp8(decode):
+        raise ConfigError(f"{path}: prefill.kv_cache_dtype {prefill!r} and decode.kv_cache_dtype {decode!r} disagree: "
+                          "the KV cache moves between the pools as it is stored, so both must hold the same dtype "
+                          "(set kv_cache_dtype once at the top level)")
+
+
+def _fp8(kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype != "auto"  # "fp8" and "fp8_e4m3" name the same cache
 
 
 def _check_adaptive(config: ServeConfig, raw: dict, path: Path) -> None:

@@ -8,7 +8,12 @@
  * body that scores 16 tokens at a time and sums their 16 partial-sum vectors with one transpose-add (one horizontal
  * reduction per token was most of the time), and for a bfloat16 cache on CPUs with AVX512-BF16 (head_dim a multiple
  * of 32) the same shape of body on the raw bfloat16 lanes; elsewhere a portable loop the compiler vectorizes as it
- * can. */
+ * can.
+ *
+ * The cache may also hold float8 e4m3 (kv_dtype 2, an fp8 cache: engine.kv_quant) while q and out are float32 or
+ * bfloat16: its bytes are widened through a 256-entry float32 table the caller passes (`lut`), by the portable body
+ * or, with AVX-512, the float32 vector body (a gather from the table); the caller folds k_scale into `scale`, and
+ * `v_scale` multiplies each output row before it is written. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -27,10 +32,16 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-/* Loads n elements (dtype 0: float32, 1: bfloat16) into dst as float32. */
-static inline void load_row(float *dst, const void *src, int64_t n, int dtype) {
+/* Bytes per element of dtype 0 (float32), 1 (bfloat16), 2 (float8 e4m3). */
+static inline int64_t elem_bytes(int dtype) { return dtype == 0 ? 4 : dtype == 1 ? 2 : 1; }
+
+/* Loads n elements (dtype 0: float32, 1: bfloat16, 2: float8 e4m3 through lut) into dst as float32. */
+static inline void load_row(float *dst, const void *src, int64_t n, int dtype, const float *lut) {
     if (dtype == 0) {
         memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == 2) {
+        const uint8_t *s = (const uint8_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = lut[s[i]];
     } else {
         const uint16_t *s = (const uint16_t *)src;
         for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
@@ -62,13 +73,13 @@ static void softmax_rows(float *scores, int64_t num_heads, int64_t n) {
 /* Portable body for one sequence: scores [H, n], qf [H * D] (scaled), row [KVH * D] scratch. */
 static void attend_portable(const float *qf, const char *kvb, const int32_t *table, int64_t first, int64_t n,
                             int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, float *scores,
-                            float *row, float *o) {
-    const int64_t group = num_heads / num_kv_heads, elem = dtype == 0 ? 4 : 2;
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, const float *lut,
+                            float *scores, float *row, float *o) {
+    const int64_t group = num_heads / num_kv_heads, elem = elem_bytes(dtype);
     for (int64_t t = 0; t < n; t++) {
         const int64_t off = token_offset(table, first + t, block_size, s_block, s_tok);
         for (int64_t g = 0; g < num_kv_heads; g++)
-            load_row(row + g * head_dim, kvb + (off + g * s_head) * elem, head_dim, dtype);
+            load_row(row + g * head_dim, kvb + (off + g * s_head) * elem, head_dim, dtype, lut);
         for (int64_t head = 0; head < num_heads; head++) {
             const float *qh = qf + head * head_dim, *kh = row + (head / group) * head_dim;
             float acc = 0.0f;
@@ -82,7 +93,7 @@ static void attend_portable(const float *qf, const char *kvb, const int32_t *tab
     for (int64_t t = 0; t < n; t++) {
         const int64_t off = token_offset(table, first + t, block_size, s_block, s_tok) + s_kv;
         for (int64_t g = 0; g < num_kv_heads; g++)
-            load_row(row + g * head_dim, kvb + (off + g * s_head) * elem, head_dim, dtype);
+            load_row(row + g * head_dim, kvb + (off + g * s_head) * elem, head_dim, dtype, lut);
         for (int64_t head = 0; head < num_heads; head++) {
             const float p = scores[head * n + t], *vh = row + (head / group) * head_dim;
             float *oh = o + head * head_dim;
@@ -93,9 +104,10 @@ static void attend_portable(const float *qf, const char *kvb, const int32_t *tab
 }
 
 #ifdef __AVX512F__
-/* 16 float32 from float32 or bfloat16 memory. */
-static inline __m512 load16(const char *p, int dtype) {
+/* 16 float32 from float32, bfloat16 or float8 e4m3 (through lut) memory. */
+static inline __m512 load16(const char *p, int dtype, const float *lut) {
     if (dtype == 0) return _mm512_loadu_ps(p);
+    if (dtype == 2) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), lut, 4);
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
@@ -120,8 +132,9 @@ static inline __m512 sum16(const __m512 v[16]) {
 /* Vector body for one sequence (head_dim a multiple of 16, at most MAX_DIM; group at most MAX_GROUP). */
 static inline __attribute__((always_inline)) void attend_avx512(
         const float *qf, const char *kvb, const int64_t *offsets, int64_t n, int64_t s_kv, int64_t s_head,
-        int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, const int dtype, float *scores, float *o) {
-    const int64_t group = num_heads / num_kv_heads, elem = dtype == 0 ? 4 : 2, dv = head_dim / 16;
+        int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, const int dtype, const float *lut,
+        float *scores, float *o) {
+    const int64_t group = num_heads / num_kv_heads, elem = elem_bytes(dtype), dv = head_dim / 16;
     __m512 part[16];
     for (int64_t g = 0; g < num_kv_heads; g++) {
         for (int64_t j = 0; j < group; j++) {
@@ -133,8 +146,9 @@ static inline __attribute__((always_inline)) void attend_avx512(
                 for (int64_t i = 0; i < 16; i++) {
                     if (i >= m) { part[i] = _mm512_setzero_ps(); continue; }
                     const char *k = kvb + (offsets[t0 + i] + g * s_head) * elem;
-                    __m512 acc = _mm512_mul_ps(qv[0], load16(k, dtype));
-                    for (int64_t v = 1; v < dv; v++) acc = _mm512_fmadd_ps(qv[v], load16(k + 16 * v * elem, dtype), acc);
+                    __m512 acc = _mm512_mul_ps(qv[0], load16(k, dtype, lut));
+                    for (int64_t v = 1; v < dv; v++)
+                        acc = _mm512_fmadd_ps(qv[v], load16(k + 16 * v * elem, dtype, lut), acc);
                     part[i] = acc;
                 }
                 _mm512_mask_storeu_ps(scores + head * n + t0, (__mmask16)((1u << m) - 1), sum16(part));
@@ -152,7 +166,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
                 const char *vr = kvb + (offsets[t] + s_kv + g * s_head) * elem;
                 const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
                 for (int64_t v = 0; v < dv; v++) {
-                    const __m512 x = load16(vr + 16 * v * elem, dtype);
+                    const __m512 x = load16(vr + 16 * v * elem, dtype, lut);
                     acc0[v] = _mm512_fmadd_ps(w0, x, acc0[v]);
                     acc1[v] = _mm512_fmadd_ps(w1, x, acc1[v]);
                 }
@@ -235,12 +249,12 @@ static inline __attribute__((always_inline)) void attend_bf16(
 /* One sequence's attention into o [H * D] float32 (scratch: scores, q, a row, token offsets; see below). */
 static void attend_row(const char *qb, const char *kvb, int64_t b, int64_t first, int64_t n, const int32_t *table,
                        int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int dtype, float *o,
-                       float *scratch) {
-    const int64_t elem = dtype == 0 ? 4 : 2;
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int dtype,
+                       int kv_dtype, const float *lut, float *o, float *scratch) {
+    const int64_t elem = elem_bytes(dtype);
     float *scores = scratch, *qf = scores + num_heads * n, *row = qf + num_heads * head_dim;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (dtype == 1 && head_dim % 32 == 0 && head_dim <= MAX_DIM) {
+    if (dtype == 1 && kv_dtype == 1 && head_dim % 32 == 0 && head_dim <= MAX_DIM) {
         int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
         for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
         const uint16_t *qr = (const uint16_t *)qb + b * num_heads * head_dim;
@@ -253,26 +267,26 @@ static void attend_row(const char *qb, const char *kvb, int64_t b, int64_t first
         return;
     }
 #endif
-    load_row(qf, qb + b * num_heads * head_dim * elem, num_heads * head_dim, dtype);
+    load_row(qf, qb + b * num_heads * head_dim * elem, num_heads * head_dim, dtype, lut);
     for (int64_t e = 0; e < num_heads * head_dim; e++) qf[e] *= scale;
 #ifdef __AVX512F__
     const int vector = head_dim % 16 == 0 && head_dim <= MAX_DIM && num_heads / num_kv_heads <= MAX_GROUP;
     int64_t *offsets = (int64_t *)(row + num_kv_heads * head_dim);
     if (vector)
         for (int64_t t = 0; t < n; t++) offsets[t] = token_offset(table, first + t, block_size, s_block, s_tok);
-#define BODY(D, T) attend_avx512(qf, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, T, scores, o)
-    if (vector && head_dim == 32 && dtype == 1) BODY(32, 1);
-    else if (vector && head_dim == 64 && dtype == 1) BODY(64, 1);
-    else if (vector && head_dim == 128 && dtype == 1) BODY(128, 1);
-    else if (vector && head_dim == 32 && dtype == 0) BODY(32, 0);
-    else if (vector && head_dim == 64 && dtype == 0) BODY(64, 0);
-    else if (vector && head_dim == 128 && dtype == 0) BODY(128, 0);
-    else if (vector) BODY(head_dim, dtype);
+#define BODY(D, T) attend_avx512(qf, kvb, offsets, n, s_kv, s_head, num_heads, num_kv_heads, D, T, lut, scores, o)
+    if (vector && head_dim == 32 && kv_dtype == 1) BODY(32, 1);
+    else if (vector && head_dim == 64 && kv_dtype == 1) BODY(64, 1);
+    else if (vector && head_dim == 128 && kv_dtype == 1) BODY(128, 1);
+    else if (vector && head_dim == 32 && kv_dtype == 0) BODY(32, 0);
+    else if (vector && head_dim == 64 && kv_dtype == 0) BODY(64, 0);
+    else if (vector && head_dim == 128 && kv_dtype == 0) BODY(128, 0);
+    else if (vector) BODY(head_dim, kv_dtype);
     else
 #undef BODY
 #endif
         attend_portable(qf, kvb, table, first, n, s_block, s_kv, s_tok, s_head, num_heads, num_kv_heads,
-                        head_dim, block_size, dtype, scores, row, o);
+                        head_dim, block_size, kv_dtype, lut, scores, row, o);
 }
 
 static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
@@ -282,7 +296,8 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* q, out: [B, H, D] contiguous, dtype (0: float32, 1: bfloat16). kv: the layer's cache, element strides (block, kv,
+/* q, out: [B, H, D] contiguous, dtype (0: float32, 1: bfloat16). kv: the layer's cache, of kv_dtype (q's, or 2:
+ * float8 e4m3 widened through lut [256], k_scale folded into scale, outputs multiplied by v_scale), element strides (block, kv,
  * token, head), D contiguous. tables: [B, W] int32 block ids; ctx_lens: [B] int32 (context including the new token;
  * 0: a padding row, written as zeros). scratch: float32, at least H * D + H * max_ctx + (H + KVH) * D + 2 * max_ctx
  * (the float32 output row first; the last part holds int64 token offsets, x86 loads them unaligned). window <= 0:
@@ -290,7 +305,8 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
 void paged_decode_attention(const void *q, const void *kv, int64_t s_block, int64_t s_kv, int64_t s_tok,
                             int64_t s_head, const int32_t *tables, int64_t width, const int32_t *ctx_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, int dtype, void *out, float *scratch) {
+                            int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype,
+                            const float *lut, float v_scale, void *out, float *scratch) {
     const int64_t size = num_heads * head_dim;
     float *o = scratch;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -298,7 +314,10 @@ void paged_decode_attention(const void *q, const void *kv, int64_t s_block, int6
         if (ctx > 0) {
             const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
             attend_row((const char *)q, (const char *)kv, b, first, ctx - first, tables + b * width, s_block, s_kv,
-                       s_tok, s_head, num_heads, num_kv_heads, head_dim, block_size, scale, dtype, o, scratch + size);
+                       s_tok, s_head, num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, lut, o,
+                       scratch + size);
+            if (v_scale != 1.0f)
+                for (int64_t e = 0; e < size; e++) o[e] *= v_scale;
         } else {
             for (int64_t e = 0; e < size; e++) o[e] = 0.0f;
         }

@@ -3,7 +3,8 @@
 path's gather + SDPA.
 
 Owns loading the kernel (`load`) and the call's argument checks. Without a C compiler, or if the build fails,
-`load()` is None and the engine keeps the torch path (logged once).
+`load()` is None and the engine keeps the torch path (logged once). An fp8 cache (engine.kv_quant) is read by the
+kernel itself: its bytes widened through a float32 table of the 256 e4m3 values, the scales folded into the call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from engine.cpu_kernels.build import build
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # q's (and a cache in q's dtype)
+FP8 = 2  # the kernel's code for a float8_e4m3fn cache
 MAX_THREADS = 2  # the kernel is single-threaded: engines with more torch threads keep torch's parallel path
 
 
@@ -30,9 +32,15 @@ def load() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ctypes.c_int, ptr, ptr]
+                   ctypes.c_int, ctypes.c_int, ptr, ctypes.c_float, ptr, ptr]
     fn.restype = None
     return lib
+
+
+@functools.cache
+def fp8_table() -> torch.Tensor:
+    """[256] float32: the value of each float8_e4m3fn bit pattern (NaN for the two NaN codes)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def check_tables(tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -52,13 +60,17 @@ def scratch_floats(heads: int, kv_heads: int, head_dim: int, longest: int) -> in
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int | None, checked: bool = False,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q [B, H, D]; kv_layer [NB, 2, bs, KVH, D] (the new tokens' K/V stored); tables [B, W] int32; context_lens
     [B] int32 (0: a padding row, zeros) -> [B, H, D] in q's dtype, into `out` where given (contiguous). `checked`:
-    the caller ran check_tables on these tables (once a step, for every layer)."""
+    the caller ran check_tables on these tables (once a step, for every layer). The cache is in q's dtype, or
+    float8_e4m3fn holding K / k_scale and V / v_scale (the scales are ignored for other caches)."""
     b, h, d = q.shape
     nb, _, bs, kvh, kd = kv_layer.shape
-    if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,) or kv_layer.dtype != q.dtype:
+    fp8 = kv_layer.dtype == torch.float8_e4m3fn
+    if kd != d or h % kvh or tables.shape[0] != b or context_lens.shape != (b,) or q.dtype not in DTYPES \
+            or not (fp8 or kv_layer.dtype == q.dtype):
         raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} {q.dtype}, kv_layer {tuple(kv_layer.shape)} "
                          f"{kv_layer.dtype}, tables {tuple(tables.shape)}, context_lens {tuple(context_lens.shape)} "
                          "do not agree")
@@ -75,6 +87,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
     s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
     load().paged_decode_attention(
         q.data_ptr(), kv_layer.data_ptr(), s_block, s_kv, s_tok, s_head, tables.data_ptr(), tables.shape[1],
-        context_lens.data_ptr(), b, h, kvh, d, bs, window or 0, scale, DTYPES[q.dtype], out.data_ptr(),
+        context_lens.data_ptr(), b, h, kvh, d, bs, window or 0, scale * k_scale if fp8 else scale, DTYPES[q.dtype],
+        FP8 if fp8 else DTYPES[q.dtype], fp8_table().data_ptr(), v_scale if fp8 else 1.0, out.data_ptr(),
         scratch.data_ptr())
     return out

@@ -2,7 +2,8 @@
 
 Owns `decode_attention`: the semantics of engine.attention.paged_attention's decode branch (the query sits at
 position context_len - 1 and sees every cached key up to it, or the last `sliding_window` of them; GQA), read
-straight from the paged cache through the block table, without gathering K/V.
+straight from the paged cache through the block table, without gathering K/V. An fp8 cache (engine.kv_quant) is
+widened to q's dtype as it is loaded, k_scale folded into the score scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
-from engine.kernels.attention_args import check_paged_attention
+from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 
 LOG2E = 1.4426950408889634
 MERGE_TILE = 8192  # fp32 elements of the merge's [GROUP, splits, D] tile: 64 registers a thread at 4 warps
@@ -41,7 +42,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_tb, stride_ob, stride_oh,
-    qk_scale,
+    qk_scale, v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
@@ -88,6 +89,8 @@ def _decode_split_kernel(
             kv_mask = t_mask[:, None] & d_mask[None, :]
             k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(q.dtype)  # no-ops unless the cache is fp8 (its scales are folded into qk_scale, v_scale)
+            v = v.to(q.dtype)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -106,6 +109,8 @@ def _decode_split_kernel(
         has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
+        if kv_ptr.dtype.element_ty == tl.float8e4nv:  # an fp8 cache: its values are V / v_scale
+            o = o * v_scale
         if NUM_SPLITS == 1:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -197,11 +202,14 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      context_lens: torch.Tensor,  # [B] int32, 0 = padding row
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
-                     semaphores: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, D]
+                     semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
-    caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call."""
+    caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
+    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
+    k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
     check("context_lens", context_lens, 1, (torch.int32,), dev, inner_contiguous=True)
     batch, num_heads, head_dim = q.shape
@@ -235,7 +243,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E,
+        scale * k_scale * LOG2E, v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, merge_g),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,

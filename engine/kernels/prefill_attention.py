@@ -3,7 +3,8 @@
 Owns `prefill_attention`: the semantics of engine.attention.paged_attention's prefill branch (query j of a chunk of
 q_len new tokens sits at position context_len - q_len + j and attends causally to every key up to it, or the last
 `sliding_window` of them; GQA). Keys and values, the cached prefix (chunked prefill, prefix-cache hit) and the new
-tokens alike, are read from the paged cache through the block table.
+tokens alike, are read from the paged cache through the block table. An fp8 cache (engine.kv_quant) is widened to
+q's dtype as it is loaded, k_scale folded into the score scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
-from engine.kernels.attention_args import check_paged_attention
+from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 
 LOG2E = 1.4426950408889634
 
@@ -41,6 +42,8 @@ def _attend_tile(acc, l_i, m_i, q, kv_ptr, table_row, tile, hi, pos, offs_n, off
     else:
         k = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
         v = tl.load(ptrs + stride_kv_kv, mask=d_mask[None, :], other=0.0)
+    k = k.to(q.dtype)  # no-ops unless the cache is fp8 (its scales are folded into qk_scale and the output)
+    v = v.to(q.dtype)
     if DOT_F32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -79,7 +82,7 @@ def _prefill_kernel(
     stride_qt, stride_qh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_tb, stride_ot, stride_oh,
-    qk_scale,
+    qk_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -135,6 +138,8 @@ def _prefill_kernel(
                                      BLOCK_SIZE, HEAD_DIM == BLOCK_D, True, WINDOW, DOT_F32)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real row sees its own key, so l_i > 0 there
+    if kv_ptr.dtype.element_ty == tl.float8e4nv:  # an fp8 cache: its values are V / v_scale
+        o = o * v_scale
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -160,11 +165,14 @@ def prefill_attention(q: torch.Tensor,             # [T, H, D]
                       context_lens: torch.Tensor,  # [N] int32, context incl. the new tokens
                       max_query_len: int,
                       scale: float, sliding_window: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each sequence's new tokens (already in the cache) over its whole context."""
+                      out: torch.Tensor | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:  # [T, H, D]
+    """Causal attention of each sequence's new tokens (already in the cache) over its whole context. kv_layer holds
+    q's dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales)."""
     check("context_lens", context_lens, 1, (torch.int32,), q.device, inner_contiguous=True)
     num_seqs = context_lens.shape[0]
     out = check_paged_attention(q, kv_layer, block_tables, num_seqs, sliding_window, out)
+    k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     check("query_start", query_start, 1, (torch.int32,), q.device, inner_contiguous=True)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
@@ -182,7 +190,7 @@ def prefill_attention(q: torch.Tensor,             # [T, H, D]
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E,
+        scale * k_scale * LOG2E, v_scale,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=sliding_window or 0,
         DOT_F32=interpreting() or q.dtype == torch.float32,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
-from engine.kernels.kv_store import check_kv_args
+from engine.kernels.kv_store import check_kv_args, check_scales, to_cache
 from engine.kernels.rope import check_rope_args, rotate_halves, round_to
 from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
 
@@ -26,7 +26,7 @@ from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
 # they wait behind the weight stream rather than after it.
 @triton.jit
 def _qkv_rope_store_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr,
+    x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, k_scale, v_scale,
     M, K, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs, stride_ch,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -65,16 +65,20 @@ def _qkv_rope_store_kernel(
         + kv_head * stride_ch + j
     # head >= H tested on a block: the interpreter mistypes (scalar mask) & (block mask)
     store = m_mask & (slot >= 0) & ((tl.zeros([BLOCK_M], tl.int32) + head) >= H)
-    tl.store(dst, o1.to(DTYPE), mask=store)
-    tl.store(dst + HALF, o2.to(DTYPE), mask=store)
+    cache_scale = tl.where(head < H + KVH, k_scale, v_scale)  # an fp8 cache's (ignored by others)
+    tl.store(dst, to_cache(o1.to(DTYPE), cache_scale, kv_ptr.dtype.element_ty), mask=store)
+    tl.store(dst + HALF, to_cache(o2.to(DTYPE), cache_scale, kv_ptr.dtype.element_ty), mask=store)
 
 
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
                    num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   kv_layer: torch.Tensor, slots: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
     """x [M, hidden] (M <= MAX_M) @ weight [(H + 2 KVH) D, hidden]^T (+ bias) -> qkv [M, (H + 2 KVH) D] with q and k
     rotated by cos/sin [P, D] (float32) at positions [M], and k, v stored into kv_layer [NB, 2, bs, KVH, D] at
-    slots [M] (negative: not stored). The same as skinny_linear then rope.rope_and_store on its q, k, v views."""
+    slots [M] (negative: not stored; an fp8 cache stores k / k_scale, v / v_scale). The same as skinny_linear then
+    rope.rope_and_store on its q, k, v views."""
+    check_scales(k_scale, v_scale)
     check("x", x, 2, (torch.float32, torch.bfloat16, torch.float16), inner_contiguous=True)
     check("weight", weight, 2, (x.dtype,), x.device, inner_contiguous=True)
     m, hidden = x.shape
@@ -98,6 +102,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _, block_k, num_warps = launch_config(m, heads * d, hidden)
     _qkv_rope_store_kernel[(heads * d // 2,)](
         x, weight, bias if bias is not None else weight, out, positions, cos, sin, kv_layer, slots,
+        float(k_scale), float(v_scale),
         m, hidden, x.stride(0), weight.stride(0), out.stride(0), cos.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         H=num_heads, KVH=num_kv_heads, HALF=d // 2, BS=kv_layer.shape[2], HAS_BIAS=bias is not None,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
-from engine.kernels.kv_store import KV_DTYPES, check_kv_args
+from engine.kernels.kv_store import KV_DTYPES, check_kv_args, check_scales, to_cache
 
 POS_DTYPES = (torch.int64, torch.int32)
 
@@ -87,7 +87,7 @@ def _rope_kernel(
 
 @triton.jit
 def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, k_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_p,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     BS: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
@@ -96,6 +96,7 @@ def _rope_store_kernel(
     # Grid (T,): as _rope_kernel, then the same program stores its rotated k (still in registers) and its v row
     # into the cache slot; a negative slot folds into the store mask. One launch per layer instead of two.
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    CACHE: tl.constexpr = kv_ptr.dtype.element_ty  # DTYPE, or fp8 (stores k / k_scale, v / v_scale)
     t = tl.program_id(0)
     c1, s1, c2, s2 = _load_tables(cos_ptr, sin_ptr, pos_ptr, t, stride_p, HALF, BLOCK_HALF, DTYPE)
     _rotate_rows(q_ptr + t * stride_qt, stride_qh, H, c1, s1, c2, s2, HALF, BLOCK_H, BLOCK_HALF)
@@ -107,11 +108,11 @@ def _rope_store_kernel(
     # slot >= 0 tested on a block: the interpreter mistypes (scalar mask) & (block mask); the compiler folds it.
     mask = (h < KVH) & (d < HALF) & ((tl.zeros([BLOCK_KVH, 1], tl.int64) + slot) >= 0)
     dst = kv_ptr + (slot // BS) * stride_cb + (slot % BS) * stride_cs + h * stride_ch + d
-    tl.store(dst, k1.to(DTYPE), mask=mask)
-    tl.store(dst + HALF, k2.to(DTYPE), mask=mask)
+    tl.store(dst, to_cache(k1.to(DTYPE), k_scale, CACHE), mask=mask)  # rounded to DTYPE first, as k itself is
+    tl.store(dst + HALF, to_cache(k2.to(DTYPE), k_scale, CACHE), mask=mask)
     src_v = v_ptr + t * stride_vt + h * stride_vh + d
-    tl.store(dst + stride_ckv, tl.load(src_v, mask=mask), mask=mask)
-    tl.store(dst + stride_ckv + HALF, tl.load(src_v + HALF, mask=mask), mask=mask)
+    tl.store(dst + stride_ckv, to_cache(tl.load(src_v, mask=mask), v_scale, CACHE), mask=mask)
+    tl.store(dst + stride_ckv + HALF, to_cache(tl.load(src_v + HALF, mask=mask), v_scale, CACHE), mask=mask)
 
 
 def check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -155,18 +156,21 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+                   sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
     """apply_rope_(q, k, positions, cos, sin) then store_kv(k, v, kv_layer, slots), in one kernel launch.
     q [T, H, D], k/v [T, KVH, D]; kv_layer [NB, 2, bs, KVH, D] (strided layer view); slots [T] int64/int32,
-    negative = padding token (rotated in place like the others, but nothing stored)."""
+    negative = padding token (rotated in place like the others, but nothing stored). An fp8 cache stores
+    k / k_scale and v / v_scale (engine.kernels.kv_store.to_cache)."""
     check_rope_args(q, k, positions, cos, sin)
     check_kv_args(k, v, kv_layer, slots)
+    check_scales(k_scale, v_scale)
     t, h, d = q.shape
     if t == 0:
         return
     kvh, bs = k.shape[1], kv_layer.shape[2]
     _rope_store_kernel[(t,)](
-        q, k, v, positions, cos, sin, kv_layer, slots,
+        q, k, v, positions, cos, sin, kv_layer, slots, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         BS=bs, H=h, KVH=kvh, HALF=d // 2,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.kv_quant import KVScales
 from engine.model import torch_attention
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
@@ -94,6 +95,8 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k and v in one GEMM
         self.use_kernels = False
         self.cpu_fused = False  # RoPE and the KV store by engine.cpu_kernels.elementwise (use_cpu_elementwise)
+        # an fp8 cache (engine.kv_quant) stores k / k_scale and v / v_scale; other caches ignore them
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def fuse(self) -> None:
         self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -103,36 +106,42 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; kv_layer [NB, 2, bs, KVH, D] -> [T, hidden]."""
         q = self.project(x, rope, kv_layer, meta.slots)
-        return self.output(attend(q, kv_layer, meta, self.head_dim ** -0.5, self.use_kernels))
+        return self.output(self.attend(q, kv_layer, meta))
+
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] over kv_layer [NB, 2, bs, KVH, D] (the new K/V stored) -> [T, H, D] (engine.model.attention)."""
+        return attend(q, kv_layer, meta, self.head_dim ** -0.5, self.use_kernels, out, self.k_scale, self.v_scale)
 
     def project(self, x: torch.Tensor, rope: RopeInputs, kv_layer: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
         """The part before attention: x [T, hidden] -> q [T, H, D], with k and v rotated and stored at `slots`."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        use_kernels = self.use_kernels
+        use_kernels, scales = self.use_kernels, (self.k_scale, self.v_scale)
         if use_kernels and t <= SKINNY_ROWS and not self.qk_norm and type(self.qkv_proj) is nn.Linear:
             # one kernel: projection, RoPE, KV store (16-bit weights; an Fp8Linear takes the path below)
             from engine.kernels.qkv_rope import qkv_rope_store
             qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
-                                 rope.sin, kv_layer, slots)  # [T, (H + 2 KVH) D]
+                                 rope.sin, kv_layer, slots, *scales)  # [T, (H + 2 KVH) D]
             return qkv[:, : h * d].view(t, h, d)
-        if self.cpu_fused and not self.qk_norm:  # bfloat16 on the CPU: RoPE and the store in one C pass
+        # bfloat16 on the CPU: RoPE and the store in one C pass (a bfloat16 cache only: an fp8 one takes torch's)
+        if self.cpu_fused and not self.qk_norm and kv_layer.dtype == torch.bfloat16:
             from engine.cpu_kernels.elementwise import rope_store
             return rope_store(self.qkv_proj(x), h, kvh, rope.cos, rope.sin, kv_layer, slots)
         if not use_kernels and self.qkv_proj is not None and not self.qk_norm:  # torch path, fused projection
             qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
             qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), rope.cos, rope.sin)  # q and k at once
-            write_kv(kv_layer, slots, qk[:, h:], qkv[:, (h + kvh) * d:].view(t, kvh, d))
+            write_kv(kv_layer, slots, qk[:, h:], qkv[:, (h + kvh) * d:].view(t, kvh, d), *scales)
             return qk[:, :h]
         q, k, v = self._project_qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if use_kernels:
             from engine.kernels.rope import rope_and_store
-            rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, slots)
+            rope_and_store(q, k, v, rope.positions, rope.cos, rope.sin, kv_layer, slots, *scales)
         else:
             q, k = apply_rope(q, k, rope.cos, rope.sin)
-            write_kv(kv_layer, slots, k, v)
+            write_kv(kv_layer, slots, k, v, *scales)
         return q
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -192,9 +201,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (not yet added to the residual stream) -> (this layer's, residual)."""
-        attn = self.self_attn
         q, residual = self.before_attention(x, residual, rope, kv_layer, meta.slots)
-        return self.after_attention(attend(q, kv_layer, meta, attn.head_dim ** -0.5, attn.use_kernels), residual)
+        return self.after_attention(self.self_attn.attend(q, kv_layer, meta), residual)
 
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
                          kv_layer: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +273,13 @@ class CausalLM(nn.Module):
             if layer.self_attn.qkv_proj is None:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+
+    def set_kv_scales(self, scales: KVScales) -> None:
+        """The per-layer K/V scales an fp8 cache is written and read with (engine.kv_quant)."""
+        if len(scales.k) != len(self.model.layers):
+            raise ValueError(f"{len(scales.k)} KV scales for {len(self.model.layers)} layers")
+        for layer, k, v in zip(self.model.layers, scales.k, scales.v, strict=True):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = k, v
 
     def use_cpu_decode_kernel(self) -> bool:
         """On the torch path, attend the decode rows with the C kernel where it builds here (float32 and bfloat16

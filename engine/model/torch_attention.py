@@ -7,6 +7,10 @@ attended together in one padded batch, or, where the model chose it (the CPU's d
 engine.cpu_kernels.paged_decode, which reads each key and value once. What depends only on the step (block indices,
 masks) is built once per step (`plan`), not once per layer: on a small model on the CPU those few ops per layer were
 a tenth of a decode step.
+
+An fp8 cache (engine.kv_quant): write_kv quantizes; the SDPA paths dequantize the K and V they gather (only the
+step's context, into the activations' dtype); the C decode kernel reads the fp8 bytes itself (a lookup table,
+scales folded); the C prefill kernel (bfloat16 caches only) is not used, the chunks take the SDPA path.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.cpu_kernels.paged_decode import check_tables, paged_decode_attention
 from engine.cpu_kernels.prefill_attention import prefill_attention
+from engine.kv_quant import dequantize, quantize
 from engine.model.attention_metadata import AttentionMetadata, ChunkPlan, TorchAttentionPlan
 
 
@@ -27,7 +32,8 @@ def plan(meta: AttentionMetadata, kv: torch.Tensor, decode_kernel: bool = False,
     [NB, L, 2, bs, KVH, D] or one layer of it [NB, 2, bs, KVH, D]). `prefill_kernel`: the chunks go to the C kernel
     (not with a sliding window, which it does not apply)."""
     dev, num_blocks, block_size = meta.slots.device, kv.shape[0], kv.shape[-3]
-    kernel = prefill_kernel and bool(meta.prefill_lens) and meta.sliding_window is None
+    kernel = prefill_kernel and bool(meta.prefill_lens) and meta.sliding_window is None \
+        and kv.dtype == torch.bfloat16  # the C kernel reads a bfloat16 cache only (not an fp8 one)
     chunks, rows, start = [], [], meta.num_decode  # ChunkPlans for SDPA, or the kernel's (start, n, ctx) rows
     for i, (n, ctx) in enumerate(meta.prefill_lens):
         nb = -(-ctx // block_size)
@@ -66,16 +72,23 @@ def with_plan(meta: AttentionMetadata, kv_cache: torch.Tensor, decode_kernel: bo
     return replace(meta, torch_plan=plan(meta, kv_cache, decode_kernel, prefill_kernel))
 
 
-def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """kv_layer [NB, 2, bs, KVH, D]; slots [T] (no padding); k, v [T, KVH, D]."""
+def write_kv(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+    """kv_layer [NB, 2, bs, KVH, D]; slots [T] (no padding); k, v [T, KVH, D]. An fp8 cache stores k / k_scale and
+    v / v_scale (engine.kv_quant.quantize); other caches ignore the scales."""
     bs = kv_layer.shape[2]
     blocks, offsets = slots // bs, slots % bs
+    if kv_layer.dtype == torch.float8_e4m3fn:
+        k, v = quantize(k, k_scale), quantize(v, v_scale)
     kv_layer[blocks, 0, offsets] = k
     kv_layer[blocks, 1, offsets] = v
 
 
-def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]."""
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D]. An fp8
+    cache holds K / k_scale and V / v_scale; other caches ignore the scales."""
+    fp8 = kv_layer.dtype == torch.float8_e4m3fn
     step = meta.torch_plan if meta.torch_plan is not None else plan(meta, kv_layer)
     if step.prefill_chunks is not None:  # every chunk in one call, straight from the cache
         q = q.contiguous()  # (a no-op for the fused RoPE's q; a view of the projection's output otherwise)
@@ -86,6 +99,8 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
         out = torch.empty_like(q)
     for chunk in step.chunks:
         k, v = _gather(kv_layer, chunk.blocks, 1)  # [1, KVH, ctx rounded up to blocks, D]
+        if fp8:
+            k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         qi = q[chunk.start:chunk.start + chunk.length].transpose(0, 1)[None]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
                                            enable_gqa=True)  # causal from key 0: query j sees keys 0..j
@@ -93,9 +108,11 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
     nd = meta.num_decode
     if nd and step.decode_kernel:  # written in place: out's first nd rows are contiguous
         paged_decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
-                               meta.sliding_window, checked=True, out=out[:nd])
+                               meta.sliding_window, checked=True, out=out[:nd], k_scale=k_scale, v_scale=v_scale)
     elif nd:
         k, v = _gather(kv_layer, step.decode_blocks, nd)  # [B, KVH, L, D]
+        if fp8:
+            k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=step.decode_mask, scale=scale,
                                            enable_gqa=True)
         out[:nd] = o[:, :, 0, :]

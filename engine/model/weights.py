@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.kv_quant import is_kv_scale
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
@@ -128,7 +130,7 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
         for path in checkpoint_files(folder):
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name.endswith("rotary_emb.inv_freq"):
+                    if name.endswith("rotary_emb.inv_freq") or is_kv_scale(name):  # KV scales: engine.kv_quant
                         continue
                     if name == TIED_HEAD and name not in targets:
                         tied_head_file = path

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM, RopeInputs
 from engine.runner.graph_capture import capture_graph
@@ -38,7 +37,7 @@ def mixed_buckets(max_tokens: int) -> list[int]:
 class MixedGraphs:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_tokens: int, capture: bool = True) -> None:
         """`capture=False` runs the pieces eagerly instead of replaying them (a CPU test of the decomposition)."""
-        cfg, dev, dtype = model.config, kv_cache.device, kv_cache.dtype
+        cfg, dev, dtype = model.config, kv_cache.device, model.model.embed_tokens.weight.dtype  # activations
         self.model, self.kv_cache = model, kv_cache
         self.buckets = mixed_buckets(max_tokens)
         self.layers = model.model.layers
@@ -50,7 +49,6 @@ class MixedGraphs:
         self.o = torch.zeros(t, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)    # [T, H, D] attention out
         self.residual = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)          # [T, hidden]
         self.hidden = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)            # [T, hidden] final
-        self.scale = cfg.head_dim ** -0.5
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.replays = 0
         if capture:
@@ -79,7 +77,7 @@ class MixedGraphs:
             else:  # capture=False
                 self._piece(i, bucket)
             if i < len(self.layers):
-                attend(self.q[:t], self.kv_cache[:, i], meta, self.scale, True, out=self.o[:t])
+                self.layers[i].self_attn.attend(self.q[:t], self.kv_cache[:, i], meta, out=self.o[:t])
         self.replays += 1
         return self.hidden[:t]
 

@@ -19,6 +19,7 @@ import torch
 from engine.engine_config import EngineConfig
 from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
+from engine.kv_quant import FP8_DTYPE, load_kv_scales
 from engine.load import PhaseClock
 from engine.model.decoder import CausalLM
 from engine.model.fp8_linear import finish_fp8, fp8_scale_slices, swap_in_fp8
@@ -28,7 +29,7 @@ from engine.model.tp_layout import TPLayout
 from engine.model.weights import init_dummy_weights, load_weights
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.host_memory import keep_freed_memory
-from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache
+from engine.runner.kv_cache import TORCH_DTYPES, allocate_kv_cache, cache_spec
 from engine.runner.mixed_graphs import MixedGraphs
 from engine.runner.prefill_graphs import PrefillGraphs
 
@@ -68,8 +69,10 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
     if device.type == "cpu":
         keep_freed_memory()  # each prefill step's large activations re-use heap pages instead of new mappings
     layout = TPLayout(mc, 0, 1) if tp is None else TPLayout(mc, tp.rank, tp.size)
-    spec = KVCacheSpec(model_id=mc.fingerprint, num_layers=mc.num_layers, num_kv_heads=layout.kv_heads,
-                       head_dim=mc.head_dim, block_size=config.block_size, dtype=config.dtype)
+    scales = load_kv_scales(None if config.load_format == "dummy" else path, mc.num_layers)
+    spec = cache_spec(mc, layout.kv_heads, config, scales)
+    if spec.dtype == FP8_DTYPE:
+        model.set_kv_scales(scales)
     blocks = agree(_affordable_blocks(config, spec, device))
     if blocks < blocks_for(min(config.max_model_len, 2 * config.block_size), config.block_size):
         raise ValueError(f"KV cache budget holds only {blocks} blocks of {spec.block_bytes} bytes")

@@ -112,7 +112,8 @@ def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks
     kv_layer = kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
     bs, kvh, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
     heads = model.config.num_heads
-    qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=kv_cache.dtype, device=kv_cache.device)
+    dtype = model.model.embed_tokens.weight.dtype  # the activations' (an fp8 cache's is not q's)
+    qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=dtype, device=kv_cache.device)
     q = qkv[:, :heads * d].view(1, heads, d)  # a view of the qkv projection, as in the model
     for splits in plan(max_num_seqs, max_blocks_per_seq, False).decode_splits:
         tables = torch.zeros(1, splits, dtype=torch.int32, device=kv_cache.device)
