@@ -120,6 +120,17 @@ def test_fp8_checkpoint_agrees_with_bf16(fp8, reference, strategy):
     assert llm.engine.check_integrity()["in_use"] == 0
 
 
+def test_fp8_weights_with_an_fp8_kv_cache_stay_within_the_bound(fp8, reference):
+    """Both FP8 features at once (the way FP8 is served on Hopper): FP8 linears over an e4m3 KV cache. The cache adds
+    its own rounding (tests/test_kv_fp8_engine.py measures it alone: KL ~0.02), well inside the weights' bound."""
+    _, _, prefixes, ref_logits = reference
+    llm = LLM(str(fp8["channel"]), kv_cache_dtype="fp8")
+    assert llm.engine.runner.kv_cache.dtype == FP8  # e4m3 bytes, like the weights
+    agree, kl = agreement_and_kl(next_logits(llm, prefixes), ref_logits)
+    print(f"FP8 weights + fp8 KV: teacher-forced agreement {agree:.3f}, mean KL {kl:.4f} nats")
+    assert agree >= MIN_AGREEMENT and kl <= MAX_MEAN_KL, (agree, kl)
+
+
 def test_misplaced_scales_fail_the_bound(fp8, reference, tmp_path):
     """The bound discriminates: per-channel scales rolled by one row (what a mis-cut slice does) fail it."""
     folder = tmp_path / "rolled"
