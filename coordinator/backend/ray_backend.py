@@ -44,6 +44,7 @@ from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
 from coordinator.backend.block_audit import BlockAudit
+from coordinator.backend.cycling import Cycler, RollingRestart
 from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
 from coordinator.backend.output_intake import OutputIntake, coalesced
@@ -75,6 +76,8 @@ class RayBackend:
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
+        self.cycler = Cycler(self.pools, self.supervisor, self.drains)  # one worker replaced on purpose at a time
+        self.rolling = RollingRestart(self.cycler)
         self.audit = BlockAudit(config.transfer.pin_lease_s, self.ledger, lambda: len(self._ids))  # for integrity
         self.admission: Admission | None = None
         self.growth: BookingGrowth | None = None  # growing decode bookings (admission.reserve_output null)
@@ -120,6 +123,7 @@ class RayBackend:
         self.gc_pauses.remove()
         for task in list(self._tasks):
             task.cancel()
+        await self.rolling.shutdown()
         await self.supervisor.shutdown()
         await self.drains.shutdown()
         self.intake.fail_all(BackendError("the server is shutting down"))
@@ -447,6 +451,17 @@ class RayBackend:
 
     async def undrain_worker(self, name: str) -> bool | None:
         return self.drains.undrain(name)
+
+    async def revive_worker(self, name: str) -> bool | None:
+        """Start a slot whose restarts gave up again (Supervisor.revive): True; False if it had not; None: no slot."""
+        return self.supervisor.revive(name)
+
+    async def restart_workers(self, drain_timeout_s: float, allow_pause: bool) -> list[str]:
+        """Begin a rolling restart (coordinator.backend.cycling); its order. CycleRefused (a ValueError)."""
+        return self.rolling.start(drain_timeout_s, allow_pause)
+
+    async def restart_status(self) -> dict:
+        return self.rolling.status()
 
     def _booked_prompt_tokens(self, worker: WorkerState) -> float:
         return self.ledger.booked(worker.key, "prompt_tokens")
