@@ -65,13 +65,15 @@ class Cycler:
                 if [w.name for w in self.drains.live(role)] == [name]]
 
     async def cycle(self, name: str, why: str, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-                    allow_pause: bool = False) -> Step:
-        """Drain, empty, replace and undrain live worker `name`. CycleRefused: it is the last of a pool and
-        `allow_pause` is false; CycleFailed: it is not live, or no replacement came up."""
+                    allow_pause: bool = False, key: str | None = None) -> Step:
+        """Drain, empty, replace and undrain live worker `name` (`key`: only that incarnation). CycleRefused: it is
+        the last of a pool and `allow_pause` is false; CycleFailed: it is not live (or replaced since), or no
+        replacement came up."""
         async with self.lock:
             worker = self._live(name)
-            if worker is None:
-                raise CycleFailed(f"{name} is not live (a dead slot is being replaced already, or gave up)")
+            if worker is None or (key is not None and worker.key != key):
+                raise CycleFailed(f"{name} is not live, or was replaced since (a dead slot is being replaced already, "
+                                  "or gave up)")
             lone = self.lone_roles(name)
             if lone and not allow_pause:
                 raise CycleRefused(f"{name} is the only live worker that can {' or '.join(lone)}: restarting it "

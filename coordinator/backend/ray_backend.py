@@ -52,6 +52,7 @@ from coordinator.backend.pools import Pools
 from coordinator.backend.ray_calls import quietly
 from coordinator.backend.ray_group import GroupRun
 from coordinator.backend.stats import backend_stats, transfer_totals
+from coordinator.backend.stragglers import StragglerWatch
 from coordinator.backend.supervisor import Supervisor
 from coordinator.config.serve_config import FaultsConfig, ServeConfig
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
@@ -78,6 +79,7 @@ class RayBackend:
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
         self.cycler = Cycler(self.pools, self.supervisor, self.drains)  # one worker replaced on purpose at a time
         self.rolling = RollingRestart(self.cycler)
+        self.stragglers = StragglerWatch(config.stragglers)  # workers much slower than their peers
         self.audit = BlockAudit(config.transfer.pin_lease_s, self.ledger, lambda: len(self._ids))  # for integrity
         self.admission: Admission | None = None
         self.growth: BookingGrowth | None = None  # growing decode bookings (admission.reserve_output null)
@@ -386,6 +388,7 @@ class RayBackend:
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
             await self.supervisor.probe()
+            self._watch_stragglers()
             self.audit.observe(self.pools.all_workers)  # what workers hold that no booking explains, since when
             live = [w for w in self.pools.all_workers if w.alive]
             snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
@@ -393,6 +396,14 @@ class RayBackend:
             self.transfer_totals = transfer_totals([m for ranks in snapshots if isinstance(ranks, list)
                                                     for m in ranks if isinstance(m, dict)])  # every rank's
             self._capacity_freed()  # waiting requests also look again on a timer
+
+    def _watch_stragglers(self) -> None:
+        """Compare the workers' step times (coordinator.backend.stragglers); replace a straggler if configured."""
+        if not self.config.stragglers.enabled:
+            return
+        for worker, why in self.stragglers.observe(self.pools.all_workers, time.monotonic()):
+            if self.config.stragglers.replace and self.drains.state(worker.name) is None:  # an operator's drain
+                self._spawn(self.stragglers.replace(self.cycler, worker, why))            # stays theirs
 
     # ---- figures
     def health(self) -> tuple[bool, list[dict]]:
