@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from coordinator import errors
-from coordinator.backend.cycling import DRAIN_TIMEOUT_S
 
+DRAIN_TIMEOUT_S = 300.0  # default wait for a drained worker's requests before they are moved
 MAX_DRAIN_TIMEOUT_S = 3600.0
 RESTART_FIELDS = ("allow_pause", "drain_timeout_s")
 

@@ -31,7 +31,6 @@ from coordinator.backend.supervisor import Supervisor
 
 log = logging.getLogger("pdserve")
 POLL_S = 0.1
-DRAIN_TIMEOUT_S = 300.0  # default wait for a drained worker's requests before they are moved
 
 
 class CycleRefused(ValueError):
@@ -64,8 +63,8 @@ class Cycler:
         return [role for role in self.drains.roles
                 if [w.name for w in self.drains.live(role)] == [name]]
 
-    async def cycle(self, name: str, why: str, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-                    allow_pause: bool = False, key: str | None = None) -> Step:
+    async def cycle(self, name: str, why: str, drain_timeout_s: float, allow_pause: bool = False,
+                    key: str | None = None) -> Step:
         """Drain, empty, replace and undrain live worker `name` (`key`: only that incarnation). CycleRefused: it is
         the last of a pool and `allow_pause` is false; CycleFailed: it is not live (or replaced since), or no
         replacement came up."""
