@@ -110,6 +110,7 @@ def test_a_rolling_restart_under_load_replaces_every_worker_with_no_failed_reque
         outcomes = metric_values(url, "pdserve_requests_total")
         assert outcomes.get('{outcome="failed"}', 0) == 0 and outcomes.get('{outcome="aborted"}', 0) == 0, outcomes
         assert outcomes['{outcome="finished"}'] == len(results)
+        assert metric_values(url, "pdserve_backend_errors_total").get('{kind="worker_died"}', 0) == 0  # on purpose
         restarts = metric_values(url, "pdserve_worker_restarts_total")
         assert all(v == 1 for v in restarts.values()) and len(restarts) == 3, restarts
         assert_nothing_booked(url)

@@ -124,6 +124,7 @@ def test_a_planned_restart_starts_at_once_and_is_not_counted_against_max_restart
     asyncio.run(run())
     assert live == ["decode-0#1", "decode-0#2", "decode-0#3"] and pools.decode[0].alive
     assert [reason for _, reason in dead] == ["rolling restart"] * 3
+    assert sup.planned(pools.decode[0]) is False  # the live one; each replaced one was
 
 
 def test_a_start_that_fails_once_is_retried_and_the_slot_comes_back():

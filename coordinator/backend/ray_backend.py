@@ -370,7 +370,8 @@ class RayBackend:
 
     # ---- workers
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
-        self._count(self.errors, "worker_died")
+        if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
+            self._count(self.errors, "worker_died")
         for attempt in list(worker.requests):
             self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
 

@@ -49,6 +49,7 @@ class Supervisor:
         self.recoveries: dict[str, dict[str, float]] = {}  # slot name -> phases of its last recovery, seconds
         self.gave_up: dict[str, str] = {}                # slot name -> why its restarts stopped (state "failed")
         self._died_at: dict[str, float] = {}
+        self._planned: set[str] = set()                  # keys of incarnations replaced on purpose
         self._tried: dict[str, int] = {}                 # slot name -> the last incarnation a start was tried for
         self._down_since: dict[str, float | None] = dict.fromkeys(pools.roles, None)
         self._down_total: dict[str, float] = dict.fromkeys(pools.roles, 0.0)
@@ -61,6 +62,8 @@ class Supervisor:
         if worker.state not in ("live", "starting"):
             return
         worker.state = "dead"
+        if planned:
+            self._planned.add(worker.key)
         if worker.handle is not None:  # a hung actor (failed probe) must give its bundle back
             ray.kill(worker.handle, no_restart=True)
         self._died_at[worker.name] = time.monotonic()
@@ -85,6 +88,10 @@ class Supervisor:
         if worker is not None:
             self.worker_died(worker, why, planned=True)
         return worker
+
+    def planned(self, worker: WorkerState) -> bool:
+        """Whether `worker` (an incarnation) was replaced on purpose rather than lost."""
+        return worker.key in self._planned
 
     def revive(self, name: str) -> bool | None:
         """Start slot `name` again after its restarts gave up (state "failed"), with a fresh restart count: True;
