@@ -132,6 +132,7 @@ class LLMEngine:
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
         self.step_time_last_s = 0.0
         self.step_time_total_s = 0.0
+        self.step_delay_s = 0.0  # injected: each step sleeps this long first (drills: a throttled worker)
         self.num_expired_pins = 0  # pinned requests their lease freed: nobody released nor aborted them in time
         self.step_budget = None if config.decode_step_target_s is None else StepBudget(
             config.decode_step_target_s, min(STEP_BUDGET_FLOOR, config.max_num_batched_tokens),
@@ -273,6 +274,8 @@ class LLMEngine:
         each layer has written its K/V (layer-wise KV pushes: prefill_pool.kv_push); such a step runs eagerly."""
         start = time.perf_counter()
         try:
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             return self._step(layer_hook)
         finally:
             self.num_steps += 1

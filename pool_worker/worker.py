@@ -190,9 +190,12 @@ class Worker:
         """Drills: SIGKILL tensor-parallel rank `rank` (1..N-1) of this worker; its pid. ValueError without it."""
         return self.loop.kill_rank(rank)
 
-    async def set_faults(self, kv: dict, prefill_error_fraction: float = 0.0, seed: int = 0) -> None:
-        """Inject failures from now on: this fraction of prefill calls fail, and the transfer agent's `kv` faults."""
+    async def set_faults(self, kv: dict, prefill_error_fraction: float = 0.0, seed: int = 0,
+                         step_delay_s: float = 0.0) -> None:
+        """Inject failures from now on: this fraction of prefill calls fail, the transfer agent's `kv` faults, and
+        each engine step sleeps `step_delay_s` (a throttled worker, for the straggler watch)."""
         self.prefills.set_faults(prefill_error_fraction, seed)
+        self.loop.engine.step_delay_s = step_delay_s
         if self.agents is not None:
             await asyncio.to_thread(self.agents.set_faults, kv)
 

@@ -96,7 +96,8 @@ def test_a_pool_without_live_workers_is_named_in_the_503(mode):
     pools.decode[0].state = "restarting"
 
     async def run():
-        with pytest.raises(Overloaded, match="the decode pool has no live worker \\(decode-0 restarting\\)"):
+        with pytest.raises(Overloaded, match="the decode pool has no live worker \\(decode-0 restarting: a "
+                                             "replacement is being started\\)"):
             await admission.place(_request(10, 5), 0, ledger.open("x"))
     asyncio.run(run())
 

@@ -211,6 +211,15 @@ def test_bad_injected_faults_are_400s_and_change_nothing(backend, faults):
     assert "transfer_stall_s must be a number in [0, 600]" in assert_openai_error(r, 400)["message"]
 
 
+@pytest.mark.parametrize("faults", [{"slow_step_s": float("nan")}, {"slow_step_s": -1}, {"slow_step_s": 10.5},
+                                    {"slow_step_s": "1"}])
+def test_a_bad_injected_step_delay_is_a_400(backend, faults):
+    app = make_app(backend, admin_api=True, admin_api_key="op")
+    r = send(app, backend, "POST", "/admin/faults", content=json.dumps(faults),
+             headers={"Content-Type": "application/json", "Authorization": "Bearer op"})
+    assert "slow_step_s must be a number in [0, 10]" in assert_openai_error(r, 400)["message"]
+
+
 def test_only_the_operators_key_opens_admin_routes_and_health_details(backend):
     """A client's key (server.api_key here; tenants' likewise) is not an operator's: /admin/* answers 401 to it
     and to no key; /health shows pids, hosts and failures only to the operator."""
@@ -218,9 +227,11 @@ def test_only_the_operators_key_opens_admin_routes_and_health_details(backend):
     for headers in ({}, {"Authorization": "Bearer client"}, {"Authorization": "Bearer op2"}):
         r = send(app, backend, "GET", "/admin/integrity", headers=headers)
         assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
-        for action in ("kill", "drain", "undrain"):
+        for action in ("kill", "drain", "undrain", "revive"):
             r = send(app, backend, "POST", f"/admin/workers/decode-0/{action}", headers=headers)
             assert r.status_code == 401, action
+        for method in ("POST", "GET"):
+            assert send(app, backend, method, "/admin/workers/restart", headers=headers).status_code == 401, method
     # (the operator's own key reaching these routes is every serving suite's: tests/server_process.OPERATOR)
     with pytest.raises(ValueError, match="admin_api needs admin_api_key"):
         ServerSettings(admin_api=True)

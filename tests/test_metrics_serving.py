@@ -45,7 +45,7 @@ _COUNTERS = (
     "vllm:request_success", "pdserve_admission_booking_grown_blocks", "pdserve_stalled_clients",
     "pdserve_worker_engine_expired_pins", "pdserve_worker_engine_head_bypassed",
     "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
-    "pdserve_worker_preemptions")
+    "pdserve_worker_preemptions", "pdserve_stragglers")
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
@@ -60,6 +60,7 @@ _GAUGES = (
     "pdserve_worker_used_kv_blocks",
     "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
+    "pdserve_worker_step_time_ratio", "pdserve_worker_straggler",
     "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 # every family /metrics exports (as its `# TYPE` lines name them: counters with `_total`), none other; besides these,
 # `pdserve_transfer_<key>` for each number the KV-transfer agents count (which depends on the transfer path taken):

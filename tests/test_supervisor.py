@@ -53,7 +53,8 @@ def test_a_dead_worker_is_replaced_in_its_slot_and_health_follows():
         old = pools.decode[0]
         sup.worker_died(old, "actor died")
         sup.worker_died(old, "again")  # once per incarnation
-        assert not sup.healthy() and sup.down_reason("decode") == "the decode pool has no live worker (decode-0 dead)"
+        assert not sup.healthy() and sup.down_reason("decode") == \
+            "the decode pool has no live worker (decode-0 dead: a replacement is being started)"
         while not live:
             await asyncio.sleep(0.005)
         new = pools.decode[0]
@@ -81,6 +82,49 @@ def test_failed_starts_are_retried_with_doubling_backoff_until_the_limit():
     assert pools.starts == [("prefill", 0, 1), ("prefill", 0, 2), ("prefill", 0, 3)]  # then it gives up
     assert live == [] and sup.restart_failures == {"prefill-0": 3} and not sup.healthy()
     assert "replacement failed to start: RuntimeError: the model did not load" in sup.reasons["prefill-0"]
+    # it says it gave up, not that a replacement is coming
+    reason = sup.down_reason("prefill")
+    assert "prefill-0 failed: gave up after 3 restarts within 600 s (recovery.max_restarts 3)" in reason, reason
+    assert "no replacement is being started" in reason and "the admin API's revive of prefill-0" in reason
+    assert "being started until" in reason and "a replacement is being started" not in reason
+    state = next(s for s in sup.states() if s["name"] == "prefill-0")
+    assert state["state"] == "failed" and state["gave_up"].startswith("gave up after 3 restarts"), state
+
+
+def test_a_slot_that_gave_up_is_revived_with_a_fresh_count_and_only_then():
+    pools = _Slots(fail=3)
+    sup, _, live = _supervised(pools, max_restarts=2)
+
+    async def run():
+        assert sup.revive("decode-0") is False and sup.revive("nobody") is None  # live: nothing to revive
+        sup.worker_died(pools.decode[0], "killed")
+        while pools.decode[0].state != "failed":
+            await asyncio.sleep(0.005)
+        assert len(pools.starts) == 2 and "decode-0" in sup.gave_up
+        assert sup.revive("decode-0") is True  # the 3rd start fails too: counted afresh, so a 4th is tried
+        while not live:
+            await asyncio.sleep(0.005)
+        assert sup.revive("decode-0") is False
+    asyncio.run(run())
+    assert [s[2] for s in pools.starts] == [1, 2, 3, 4] and live == ["decode-0#4"] and sup.gave_up == {}
+    assert "gave_up" not in next(s for s in sup.states() if s["name"] == "decode-0")
+
+
+def test_a_planned_restart_starts_at_once_and_is_not_counted_against_max_restarts():
+    pools = _Slots()
+    sup, dead, live = _supervised(pools, max_restarts=1)
+
+    async def run():
+        for n in range(1, 4):  # three on purpose with max_restarts 1: none gives up
+            old = sup.restart("decode-0", "rolling restart")
+            assert old is not None and old.incarnation == n - 1
+            while len(live) < n:
+                await asyncio.sleep(0.005)
+        assert sup.restart("nobody", "x") is None
+    asyncio.run(run())
+    assert live == ["decode-0#1", "decode-0#2", "decode-0#3"] and pools.decode[0].alive
+    assert [reason for _, reason in dead] == ["rolling restart"] * 3
+    assert sup.planned(pools.decode[0]) is False  # the live one; each replaced one was
 
 
 def test_a_start_that_fails_once_is_retried_and_the_slot_comes_back():

@@ -192,7 +192,7 @@ class Admission:
         for role in self.workers.roles:
             reason = self.workers.down_reason(role)
             if reason is not None:
-                return Overloaded(f"{reason}; a replacement is being started", retry_after_s=5.0)
+                return Overloaded(reason, retry_after_s=5.0)  # it says whether a replacement is coming
         if self.config.mode == "disaggregated" and not any(
                 self._backlog_allows(w, tokens) for w in self.workers.live("prefill")):
             return Overloaded(f"every prefill worker's backlog is full (admission.max_prefill_backlog_tokens "

@@ -121,7 +121,10 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
             raise errors.invalid_request(f"faults: {e}") from None
         if faults is None:
             raise errors.invalid_request("faults: the body must be a JSON object of FaultsConfig fields")
-        await backend.set_faults(faults)
+        try:
+            await backend.set_faults(faults)
+        except ValueError as e:  # a worker name that names none (coordinator.backend.drills)
+            raise errors.invalid_request(f"faults: {e}", "slow_workers") from None
         return JSONResponse({"faults": dataclasses.asdict(faults)})
 
     @app.get("/admin/requests")

@@ -32,6 +32,7 @@ from coordinator import errors
 from coordinator.admission.tenants import TenantRegistry
 from coordinator.api import model_api, reasoning
 from coordinator.api.admin import health_response, install_admin_routes
+from coordinator.api.admin_fleet import install_fleet_routes
 from coordinator.api.choices_serve import serve_choices
 from coordinator.api.drain import Lifecycle, Ticket
 from coordinator.api.internal_request import InternalRequest, parse_request
@@ -94,6 +95,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
 
     if settings.admin_api:
         install_admin_routes(app, lambda request: _check_operator(settings, request))
+        install_fleet_routes(app, lambda request: _check_operator(settings, request))  # revive, rolling restart
 
     @app.get("/metrics")
     async def metrics() -> Response:

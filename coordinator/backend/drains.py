@@ -85,15 +85,16 @@ class Drains:
                 for s in self.supervisor.states()]
 
     # ---- operators
-    def drain(self, name: str) -> str | None:
+    def drain(self, name: str, force: bool = False) -> str | None:
         """Take worker `name` out of routing; its state ("draining", or "drained" once nothing runs there), None if
-        no worker has that name. DrainRefused if it is the last live undrained worker that can do a pool's work."""
+        no worker has that name. DrainRefused if it is the last live undrained worker that can do a pool's work,
+        unless `force` (a restart that accepted the pause: coordinator.backend.cycling)."""
         worker = self._slot(name)
         if worker is None:
             return None
         if name in self._states:
             return self._states[name]
-        for role in self.roles:
+        for role in () if force else self.roles:
             live = self.live(role)
             if len(live) == 1 and live[0] is worker:
                 raise DrainRefused(f"{name} is the last live worker that can {role}: draining it would leave none "

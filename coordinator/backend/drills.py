@@ -1,8 +1,10 @@
 """Drills: what operators do to live pools on purpose (coordinator/api/admin.py's routes) and the injected faults.
 
 Owns the drill config in force (FaultsConfig): applied to every live worker when set, and to every replacement
-when it comes up (`on_worker_live`). Killing goes through the Supervisor (a whole worker) or the worker itself
-(one tensor-parallel rank, after which the worker dies and the Supervisor replaces the whole group).
+when it comes up (`on_worker_live`), except the injected slowness (`slow_step_s`): it slows the named workers'
+processes live when it is set, not their replacements (a throttled process, which replacing cures). Killing goes
+through the Supervisor (a whole worker) or the worker itself (one tensor-parallel rank, after which the worker dies
+and the Supervisor replaces the whole group).
 """
 
 from __future__ import annotations
@@ -45,14 +47,21 @@ class Drills:
         return True
 
     async def set_faults(self, faults: FaultsConfig) -> None:
-        """Inject `faults` on every live worker now, and on every replacement from now on."""
+        """Inject `faults` on every live worker now, and on every replacement from now on. ValueError when
+        `slow_workers` names no worker slot."""
+        names = {w.name for w in self.pools.all_workers}
+        unknown = [n for n in faults.slow_workers if n not in names]
+        if unknown:
+            raise ValueError(f"slow_workers: no worker is named {unknown[0]!r} (the workers: {sorted(names)})")
         self.faults = faults
-        await asyncio.gather(*[self.on_worker_live(w) for w in self.pools.all_workers if w.alive])
+        await asyncio.gather(*[self.on_worker_live(w, fresh=False) for w in self.pools.all_workers if w.alive])
 
-    async def on_worker_live(self, worker: WorkerState) -> None:
-        """Give a (new) worker the faults in force."""
+    async def on_worker_live(self, worker: WorkerState, fresh: bool = True) -> None:
+        """Give a worker the faults in force (`fresh`: a replacement, which the injected slowness spares)."""
+        slowed = not fresh and (not self.faults.slow_workers or worker.name in self.faults.slow_workers)
         try:
-            await worker.handle.set_faults.remote(**worker_faults(self.faults))
+            await worker.handle.set_faults.remote(**worker_faults(self.faults),
+                                                  step_delay_s=self.faults.slow_step_s if slowed else 0.0)
         except (RayActorError, RayTaskError) as e:
             log.warning("could not set faults on %s: %s", worker.name, e)
 

@@ -44,6 +44,7 @@ from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.adaptive import AdaptiveLayout
 from coordinator.backend.block_audit import BlockAudit
+from coordinator.backend.cycling import Cycler, RollingRestart
 from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
 from coordinator.backend.inflight import InFlight
@@ -52,6 +53,7 @@ from coordinator.backend.pools import Pools
 from coordinator.backend.ray_calls import quietly
 from coordinator.backend.ray_group import GroupRun
 from coordinator.backend.stats import backend_stats, transfer_totals
+from coordinator.backend.stragglers import StragglerWatch
 from coordinator.backend.supervisor import Supervisor
 from coordinator.config.serve_config import FaultsConfig, ServeConfig
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
@@ -76,6 +78,9 @@ class RayBackend:
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
+        self.cycler = Cycler(self.pools, self.supervisor, self.drains)  # one worker replaced on purpose at a time
+        self.rolling = RollingRestart(self.cycler)
+        self.stragglers = StragglerWatch(config.stragglers)  # workers much slower than their peers
         self.audit = BlockAudit(config.transfer.pin_lease_s, self.ledger, lambda: len(self._ids))  # for integrity
         self.admission: Admission | None = None
         self.growth: BookingGrowth | None = None  # growing decode bookings (admission.reserve_output null)
@@ -124,6 +129,7 @@ class RayBackend:
         self.gc_pauses.remove()
         for task in list(self._tasks):
             task.cancel()
+        await self.rolling.shutdown()
         await self.supervisor.shutdown()
         await self.drains.shutdown()
         self.intake.fail_all(BackendError("the server is shutting down"))
@@ -393,7 +399,8 @@ class RayBackend:
 
     # ---- workers
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
-        self._count(self.errors, "worker_died")
+        if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
+            self._count(self.errors, "worker_died")
         for attempt in list(worker.requests):
             self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
 
@@ -411,6 +418,7 @@ class RayBackend:
         while True:
             await asyncio.sleep(STATS_PERIOD_S)
             await self.supervisor.probe()
+            self._watch_stragglers()
             self.audit.observe(self.pools.all_workers)  # what workers hold that no booking explains, since when
             live = [w for w in self.pools.all_workers if w.alive]
             snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
@@ -418,6 +426,14 @@ class RayBackend:
             self.transfer_totals = transfer_totals([m for ranks in snapshots if isinstance(ranks, list)
                                                     for m in ranks if isinstance(m, dict)])  # every rank's
             self._capacity_freed()  # waiting requests also look again on a timer
+
+    def _watch_stragglers(self) -> None:
+        """Compare the workers' step times (coordinator.backend.stragglers); replace a straggler if configured."""
+        if not self.config.stragglers.enabled:
+            return
+        for worker, why in self.stragglers.observe(self.pools.all_workers, time.monotonic()):
+            if self.config.stragglers.replace and self.drains.state(worker.name) is None:  # an operator's drain
+                self._spawn(self.stragglers.replace(self.cycler, worker, why))            # stays theirs
 
     # ---- figures
     def request_view(self, request_id: str) -> dict | None:
@@ -485,6 +501,17 @@ class RayBackend:
 
     async def undrain_worker(self, name: str) -> bool | None:
         return self.drains.undrain(name)
+
+    async def revive_worker(self, name: str) -> bool | None:
+        """Start a slot whose restarts gave up again (Supervisor.revive): True; False if it had not; None: no slot."""
+        return self.supervisor.revive(name)
+
+    async def restart_workers(self, drain_timeout_s: float, allow_pause: bool) -> list[str]:
+        """Begin a rolling restart (coordinator.backend.cycling); its order. CycleRefused (a ValueError)."""
+        return self.rolling.start(drain_timeout_s, allow_pause)
+
+    async def restart_status(self) -> dict:
+        return self.rolling.status()
 
     def _booked_prompt_tokens(self, worker: WorkerState) -> float:
         return self.ledger.booked(worker.key, "prompt_tokens")

@@ -1,6 +1,7 @@
 """backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
 
-Per worker: its state, restarts, bookings and drain (coordinator.backend.drains) always; its last reported engine
+Per worker: its state, restarts, bookings, drain (coordinator.backend.drains) and step-time ratio to its peers
+(coordinator.backend.stragglers) always; its last reported engine
 load (every numeric EngineLoad field, and the KV blocks its requests use, to compare with those booked) only while it
 is live, so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission
 queue's length (requests waiting for room, not those running), requests in flight, errors and migrations by kind,
@@ -24,7 +25,9 @@ def backend_stats(backend: Any) -> dict:
                  "booked_kv_blocks": ledger.booked(w.key, "kv_blocks"),
                  "booked_prompt_tokens": ledger.booked(w.key, "prompt_tokens"), "total_blocks": w.info.num_kv_blocks,
                  "draining": int(backend.drains.state(w.name) == "draining"),
-                 "drained": int(backend.drains.state(w.name) == "drained")}
+                 "drained": int(backend.drains.state(w.name) == "drained"),
+                 "step_time_ratio": backend.stragglers.ratios.get(w.name, 0.0) if w.alive else 0.0,
+                 "straggler": int(w.alive and backend.stragglers.slow_now(w.name))}
         if backend.adaptive is not None and w.name in backend.adaptive.planner.busy:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
         if w.alive and w.load is not None:
@@ -43,6 +46,7 @@ def backend_stats(backend: Any) -> dict:
             "booking_grown_blocks": backend.growth.grown_blocks if backend.growth is not None else 0,
             "errors": dict(backend.errors), "migrations": dict(backend.migrations),
             "pool_down_seconds": supervisor.downtime_s(),
+            "stragglers": {"detected": backend.stragglers.detected, "replaced": backend.stragglers.replaced},
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
             "placements": dict(admission.placements) if admission else {},
             "placement_calibration": admission.placement.calibration.factors()

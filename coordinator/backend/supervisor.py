@@ -8,7 +8,11 @@ each restart of that slot within `restart_window_s`), starts a new actor with th
 placement bundle, waits until it has loaded its model, wires it to its live peers (Pools.connect), puts it in its
 slot (in the role the slot had: adaptive roles outlive an incarnation) and calls `on_live`. A start that fails counts
 as a restart and is retried after the next backoff; past
-`max_restarts` within the window the slot stays down ("failed") instead of burning a GPU in a crash loop.
+`max_restarts` within the window the slot stays down ("failed") instead of burning a GPU in a crash loop, and says
+so: /health's entry has `gave_up` (when and why), and the 503 of a pool left with no live worker names the slot as
+given up, not as being replaced. `revive()` (POST /admin/workers/{name}/revive) starts such a slot again with a
+fresh restart count. `restart()` replaces a live worker on purpose (a rolling restart's or a straggler's step:
+coordinator.backend.cycling): at once, without backoff, and not counted against `max_restarts`.
 Figures: restarts per role, seconds each pool spent with no live worker.
 """
 
@@ -43,17 +47,23 @@ class Supervisor:
         self.restart_failures: dict[str, int] = {}       # slot name -> replacement starts that failed
         self.reasons: dict[str, str] = {}                # slot name -> why its last incarnation died
         self.recoveries: dict[str, dict[str, float]] = {}  # slot name -> phases of its last recovery, seconds
+        self.gave_up: dict[str, str] = {}                # slot name -> why its restarts stopped (state "failed")
         self._died_at: dict[str, float] = {}
+        self._planned: set[str] = set()                  # keys of incarnations replaced on purpose
+        self._tried: dict[str, int] = {}                 # slot name -> the last incarnation a start was tried for
         self._down_since: dict[str, float | None] = dict.fromkeys(pools.roles, None)
         self._down_total: dict[str, float] = dict.fromkeys(pools.roles, 0.0)
         self._tasks: set[asyncio.Task] = set()
 
     # ---- what happened
-    def worker_died(self, worker: WorkerState, reason: str) -> None:
-        """Mark `worker` dead (idempotent per incarnation) and start replacing its slot."""
+    def worker_died(self, worker: WorkerState, reason: str, planned: bool = False) -> None:
+        """Mark `worker` dead (idempotent per incarnation) and start replacing its slot (`planned`: on purpose,
+        at once and not counted against max_restarts)."""
         if worker.state not in ("live", "starting"):
             return
         worker.state = "dead"
+        if planned:
+            self._planned.add(worker.key)
         if worker.handle is not None:  # a hung actor (failed probe) must give its bundle back
             ray.kill(worker.handle, no_restart=True)
         self._died_at[worker.name] = time.monotonic()
@@ -61,7 +71,7 @@ class Supervisor:
         log.warning("worker %s died: %s", worker.name, self.reasons[worker.name])
         self._update_downtime()
         self._on_dead(worker, reason)
-        self._spawn(self._replace(worker))
+        self._spawn(self._replace(worker, planned))
 
     def kill(self, name: str) -> bool:
         """Kill a live worker's process (operators' drills); the supervisor then replaces it as any dead one."""
@@ -69,6 +79,33 @@ class Supervisor:
         if worker is None:
             return False
         self.worker_died(worker, "killed through the admin API")  # gone now: no need to wait for a call to fail
+        return True
+
+    def restart(self, name: str, why: str) -> WorkerState | None:
+        """Replace live worker `name` on purpose, at once (no backoff, not counted against max_restarts); the
+        incarnation that was killed, or None if no live worker has that name."""
+        worker = next((w for w in self.pools.all_workers if w.name == name and w.alive), None)
+        if worker is not None:
+            self.worker_died(worker, why, planned=True)
+        return worker
+
+    def planned(self, worker: WorkerState) -> bool:
+        """Whether `worker` (an incarnation) was replaced on purpose rather than lost."""
+        return worker.key in self._planned
+
+    def revive(self, name: str) -> bool | None:
+        """Start slot `name` again after its restarts gave up (state "failed"), with a fresh restart count: True;
+        False if the slot has not given up (it is live or being replaced); None if no slot has that name."""
+        worker = next((w for w in self.pools.all_workers if w.name == name), None)
+        if worker is None:
+            return None
+        if worker.state != "failed":
+            return False
+        self._recent.pop(name, None)
+        self.gave_up.pop(name, None)
+        worker.state = "dead"
+        log.warning("worker %s: revived by an operator; starting it again", name)
+        self._spawn(self._replace(worker, planned=True))
         return True
 
     async def probe(self) -> None:
@@ -100,6 +137,7 @@ class Supervisor:
         return [{"name": w.name, "role": w.role, "state": w.state, "restarts": self.restarts.get(w.name, 0),
                  "pid": w.info.pid, "host": w.info.host,
                  **({"last_failure": self.reasons[w.name]} if w.name in self.reasons else {}),
+                 **({"gave_up": self.gave_up[w.name]} if w.state == "failed" and w.name in self.gave_up else {}),
                  **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {})}
                 for w in self.pools.all_workers]
 
@@ -107,8 +145,17 @@ class Supervisor:
         """Why `role`'s pool cannot take requests now, or None if it has a live worker."""
         if self.live(role):
             return None
-        states = ", ".join(f"{w.name} {w.state}" for w in self.pools.role_workers(role))
+        states = "; ".join(self._slot_story(w) for w in self.pools.role_workers(role))
         return f"the {role} pool has no live worker ({states})"
+
+    def _slot_story(self, w: WorkerState) -> str:
+        """What is true of a slot that is not live, for a 503: being replaced, or given up (and how to revive)."""
+        if w.state == "failed":
+            return (f"{w.name} failed: {self.gave_up.get(w.name, 'its restarts gave up')}; no replacement is being "
+                    f"started until an operator revives it (the admin API's revive of {w.name})")
+        if w.state in ("dead", "restarting"):
+            return f"{w.name} {w.state}: a replacement is being started"
+        return f"{w.name} {w.state}"
 
     def downtime_s(self) -> dict[str, float]:
         now = time.monotonic()
@@ -121,9 +168,9 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- replacement
-    async def _replace(self, dead: WorkerState) -> None:
+    async def _replace(self, dead: WorkerState, planned: bool = False) -> None:
         name, role = dead.name, "prefill" if dead.info.role == "prefill" else "decode"
-        incarnation = dead.incarnation
+        incarnation = max(dead.incarnation, self._tried.get(name, 0))  # a revived slot goes on counting
         recent = self._recent.setdefault(name, deque())
         try:
             await asyncio.wait_for(self.pools.disconnect(dead), PROBE_TIMEOUT_S)
@@ -133,16 +180,24 @@ class Supervisor:
             now = time.monotonic()
             while recent and now - recent[0] > self.config.restart_window_s:
                 recent.popleft()
-            if len(recent) >= self.config.max_restarts:
+            if planned:  # on purpose (an operator, a rolling restart, a straggler): now, and not a crash to count
+                planned = False
+            elif len(recent) >= self.config.max_restarts:
                 dead.state = "failed"
-                log.error("worker %s: %d restarts within %.0f s; not restarting it again", name, len(recent),
-                          self.config.restart_window_s)
+                self.gave_up[name] = (f"gave up after {len(recent)} restarts within "
+                                      f"{self.config.restart_window_s:g} s (recovery.max_restarts "
+                                      f"{self.config.max_restarts})")  # its last failure: self.reasons
+                log.error("worker %s: %s, the last: %s; not restarting it until an operator revives it (POST "
+                          "/admin/workers/%s/revive)", name, self.gave_up[name], self.reasons.get(name), name)
+                self._update_downtime()
                 return
-            delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** len(recent))
-            recent.append(now)
-            await asyncio.sleep(delay)
+            else:
+                delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** len(recent))
+                recent.append(now)
+                await asyncio.sleep(delay)
             dead.state = "restarting"
             incarnation += 1
+            self._tried[name] = incarnation
             try:
                 spawned = time.monotonic()
                 worker = await asyncio.wait_for(

@@ -14,6 +14,7 @@ import yaml
 
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
 from coordinator.config.settings import ServerSettings
+from coordinator.config.straggler_config import StragglerConfig
 from coordinator.config.tenants_config import TenantsConfig, parse_tenants
 from engine.config_error import ConfigError
 from engine.engine_config import EngineConfig
@@ -111,6 +112,7 @@ class RecoveryConfig:
 
 
 MAX_STALL_S = 600.0  # an injected transfer stall longer than a request's default timeout tests nothing more
+MAX_SLOW_STEP_S = 10.0  # an injected step sleep: slower than this is a hung worker (the liveness probe's to find)
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,19 @@ class FaultsConfig:
     transfer_stall_fraction: float = 0.0  # KV transfers held back for transfer_stall_s before they proceed
     transfer_stall_s: float = 0.0
     seed: int = 0
+    # a throttled worker: each engine step of the workers named (none named: every worker) sleeps this long; only the
+    # processes live when it is set (a replacement is a fresh process, as a straggler's is: it is not slowed)
+    slow_step_s: float = 0.0
+    slow_workers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        slow = self.slow_step_s
+        if isinstance(slow, bool) or not isinstance(slow, int | float) or not 0 <= slow <= MAX_SLOW_STEP_S:
+            raise ValueError(f"slow_step_s must be a number in [0, {MAX_SLOW_STEP_S:g}], got {slow!r}")
+        names = self.slow_workers
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"slow_workers must be a list of worker names, got {names!r}")
+        object.__setattr__(self, "slow_workers", tuple(names))  # a JSON list (POST /admin/faults) too
         for name in ("prefill_error_fraction", "transfer_fail_fraction", "transfer_stall_fraction"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
@@ -154,6 +167,7 @@ class ServeConfig:
     admission: AdmissionConfig = AdmissionConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     faults: FaultsConfig = FaultsConfig()
+    stragglers: StragglerConfig = StragglerConfig()  # workers much slower than their peers: found, replaced
     server: ServerSettings = ServerSettings()
     tenants: TenantsConfig = TenantsConfig()  # API keys -> tenants with rate limits and a priority class
     slo: SLOConfig | None = None    # mode adaptive: the targets placement and the planner serve (required there)
@@ -186,6 +200,7 @@ class ServeConfig:
 
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
              "admission": AdmissionConfig, "recovery": RecoveryConfig, "faults": FaultsConfig,
+             "stragglers": StragglerConfig,
              "server": ServerSettings, "slo": SLOConfig, "planner": PlannerConfig}
 _CHOICES = {"mode": ("disaggregated", "collocated", "adaptive"), "placement": ("pack", "spread"),
             "on_failure": ("recompute", "fail")}
@@ -290,7 +305,7 @@ def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
             value = _build(_SECTIONS[name], value, path, f"{key}.")
         elif name in _CHOICES and value not in _CHOICES[name]:
             raise ConfigError(f"{path}: {key!r} must be one of {_CHOICES[name]}, got {value!r}")
-        elif name == "backends":
+        elif name in ("backends", "slow_workers"):
             value = tuple([value] if isinstance(value, str) else value)
         elif name == "resources" and cls is PoolConfig:
             _check_resources(value, path, key)

@@ -162,6 +162,15 @@ class CoreBackend:
     async def undrain_worker(self, name: str) -> bool | None:
         return await self.call("undrain_worker", name)
 
+    async def revive_worker(self, name: str) -> bool | None:
+        return await self.call("revive_worker", name)
+
+    async def restart_workers(self, drain_timeout_s: float, allow_pause: bool) -> list[str]:
+        return await self.call("restart_workers", drain_timeout_s, allow_pause)
+
+    async def restart_status(self) -> dict:
+        return await self.call("restart_status")
+
     # ---- the link
     def _send(self, message: tuple) -> None:
         if self._link is None or self._link.closed:

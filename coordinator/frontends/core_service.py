@@ -58,6 +58,7 @@ class _Frontend:
 
 class CoreService:
     CALLS = ("integrity", "kill_worker", "kill_rank", "set_faults", "set_role", "drain_worker", "undrain_worker",
+             "revive_worker", "restart_workers", "restart_status",
              "tenant_admit", "tenant_settle", "metrics_state", "frontend_ready")
 
     def __init__(self, backend: ServingBackend, tenants: TenantRegistry) -> None:
@@ -205,6 +206,15 @@ class CoreService:
 
     async def _call_undrain_worker(self, fe: _Frontend, name: str) -> bool | None:
         return await self.backend.undrain_worker(name)
+
+    async def _call_revive_worker(self, fe: _Frontend, name: str) -> bool | None:
+        return await self.backend.revive_worker(name)
+
+    async def _call_restart_workers(self, fe: _Frontend, drain_timeout_s: float, allow_pause: bool) -> list[str]:
+        return await self.backend.restart_workers(drain_timeout_s, allow_pause)  # a refusal reaches the caller
+
+    async def _call_restart_status(self, fe: _Frontend) -> dict:
+        return await self.backend.restart_status()
 
     def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
         grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429

@@ -33,7 +33,10 @@ _WORKER_HELP = {
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled",
     "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping",
     "draining": "1 while an operator's drain waits for the worker's running requests (no new work routed to it)",
-    "drained": "1 while the worker is drained: nothing runs there and no new work is routed to it until undrained"}
+    "drained": "1 while the worker is drained: nothing runs there and no new work is routed to it until undrained",
+    "step_time_ratio": "The worker's mean engine step time over its same-role peers' median at a similar batch, over "
+                       "stragglers.window_s (0 until there is enough to compare)",
+    "straggler": "1 while the worker's step_time_ratio is over stragglers.factor"}
 
 _LOOP_HELP = {"loop_lag_seconds": "How late the coordinator's event loop runs (weighted mean lateness of a 5 ms "
                                   "timer): near 0 idle, milliseconds when every stream's work queues behind others'",
@@ -121,7 +124,9 @@ def backend_families(stats: dict) -> list[Metric]:
             ("migrations", "pdserve_migrations_total", "event", "Request moves after a worker or transfer failure: "
              "attempted, and outcome_completed / outcome_failed of moved requests"),
             ("pool_down_seconds", "pdserve_pool_down_seconds_total", "pool", "Seconds each pool spent with no live "
-             "worker")):
+             "worker"),
+            ("stragglers", "pdserve_stragglers_total", "event", "Workers found much slower than their peers "
+             "(detected) and of those, replaced (stragglers.replace)")):
         table = stats.get(key)
         if isinstance(table, dict):
             out.append(_family(name, help, [({label: k}, _number(v)) for k, v in sorted(table.items())

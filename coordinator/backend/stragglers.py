@@ -1,0 +1,116 @@
+"""Stragglers: finds a worker that steps much slower than its peers on the same shape of work, and replaces it.
+
+Owns the step-time window of every live worker and the verdicts. Each stats period (`observe`, after the
+liveness probe refreshed every worker's EngineLoad) a worker's new steps since its last report become one sample:
+its steps, their summed host time, and its batch shape, the power-of-two bucket of tokens per step (1, 2-3, 4-7,
+...). Over the last `stragglers.window_s`, per worker and bucket: steps and mean step time. A worker's ratio is
+its mean step time over the median of its same-role peers' in each bucket both have at least `min_steps` steps in,
+weighted by its steps there; over `factor` it is a straggler: logged once per incarnation, counted
+(`detected`), shown per worker (`ratios`, `flagged`), and with `replace` handed to `replace()`, which cycles it
+(coordinator.backend.cycling: drained, its requests given `drain_timeout_s` to finish then moved, replaced, routed
+to again). A replacement is a new incarnation with an empty window.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from coordinator.admission.router import WorkerState
+from coordinator.backend.cycling import CycleFailed, Cycler, CycleRefused
+from coordinator.config.straggler_config import StragglerConfig
+
+log = logging.getLogger("pdserve")
+
+
+@dataclass(frozen=True)
+class _Sample:
+    at: float       # coordinator monotonic time it was taken
+    steps: int
+    seconds: float  # host time of those steps
+    bucket: int     # (tokens per step) rounded, its bit length: 1 for 1, 2 for 2-3, 3 for 4-7, ...
+
+
+class StragglerWatch:
+    def __init__(self, config: StragglerConfig) -> None:
+        self.config = config
+        self._last: dict[str, tuple[int, float, int]] = {}  # worker key -> (steps, step seconds, tokens) totals
+        self._samples: dict[str, deque[_Sample]] = {}       # worker key -> its samples within the window
+        self.ratios: dict[str, float] = {}                  # worker name -> its step time over its peers' (last look)
+        self.flagged: dict[str, str] = {}                   # worker name -> the key of the incarnation found slow
+        self.detected = 0
+        self.replaced = 0
+
+    def observe(self, workers: Iterable[WorkerState], now: float) -> list[tuple[WorkerState, str]]:
+        """Take a sample of every live worker; the stragglers newly found, each with why."""
+        live = [w for w in workers if w.alive and w.load is not None]
+        keys = {w.key for w in live}
+        for gone in set(self._last) - keys:  # dead incarnations
+            self._last.pop(gone, None)
+            self._samples.pop(gone, None)
+        for w in live:
+            self._sample(w, now)
+        found = []
+        for w in live:
+            ratio = self._ratio(w, [p for p in live if p.role == w.role and p is not w])
+            self.ratios[w.name] = ratio
+            if ratio > self.config.factor and self.flagged.get(w.name) != w.key:
+                self.flagged[w.name] = w.key
+                self.detected += 1
+                why = (f"straggler: its mean step time is {ratio:.1f}x its {w.role} peers' at a similar batch over the "
+                       f"last {self.config.window_s:g} s (stragglers.factor {self.config.factor:g})")
+                log.warning("worker %s: %s%s", w.name, why, "; replacing it" if self.config.replace else "")
+                found.append((w, why))
+        return found
+
+    def slow_now(self, name: str) -> bool:
+        """Whether worker `name`'s last look found it over the factor."""
+        return self.ratios.get(name, 0.0) > self.config.factor
+
+    async def replace(self, cycler: Cycler, worker: WorkerState, why: str) -> None:
+        """Drain and replace straggler `worker` (never the last worker of its pool: that is logged instead)."""
+        name = worker.name
+        try:
+            await cycler.cycle(name, why, self.config.drain_timeout_s, key=worker.key)
+        except (CycleRefused, CycleFailed) as e:
+            log.error("worker %s is a straggler but was not replaced: %s", name, e)
+            return
+        self.replaced += 1
+
+    def _sample(self, w: WorkerState, now: float) -> None:
+        load = w.load
+        totals = (load.steps, load.step_time_total_s, load.scheduled_tokens_total)
+        last = self._last.get(w.key)
+        self._last[w.key] = totals
+        samples = self._samples.setdefault(w.key, deque())
+        while samples and now - samples[0].at > self.config.window_s:
+            samples.popleft()
+        if last is None or totals[0] <= last[0]:
+            return
+        steps = totals[0] - last[0]
+        per_step = max(1, round((totals[2] - last[2]) / steps))
+        samples.append(_Sample(now, steps, max(0.0, totals[1] - last[1]), per_step.bit_length()))
+
+    def _buckets(self, w: WorkerState) -> dict[int, tuple[int, float]]:
+        """bucket -> (steps, mean step seconds) within the window, buckets with at least min_steps steps only."""
+        sums: dict[int, list[float]] = {}
+        for s in self._samples.get(w.key, ()):
+            acc = sums.setdefault(s.bucket, [0, 0.0])
+            acc[0] += s.steps
+            acc[1] += s.seconds
+        return {b: (int(n), t / n) for b, (n, t) in sums.items() if n >= self.config.min_steps}
+
+    def _ratio(self, w: WorkerState, peers: list[WorkerState]) -> float:
+        """w's step time over its peers' median, weighted by w's steps per shared bucket; 0.0 with nothing shared."""
+        mine = self._buckets(w)
+        theirs = [self._buckets(p) for p in peers]
+        weighted, steps = 0.0, 0
+        for bucket, (n, mean) in mine.items():
+            peer_means = [b[bucket][1] for b in theirs if bucket in b]
+            if peer_means and statistics.median(peer_means) > 0:
+                weighted += n * mean / statistics.median(peer_means)
+                steps += n
+        return weighted / steps if steps else 0.0
