@@ -161,7 +161,7 @@ _REDACTIONS = [  # (pattern, replacement), applied in order
     (re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"), "<address>"),
     (re.compile(r"(?i)(?<![\w:])(?:[0-9a-f]{1,4}:){1,7}:(?:[0-9a-f]{1,4}(?::[0-9a-f]{1,4}){0,6})?(?![\w:])"
                 r"|(?<![\w:])::[0-9a-f]{1,4}\b|\b(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}\b"), "<address>"),
-    (re.compile(r"(?<![\w.<])/(?:[\w.@+-]+/)+[\w.@+-]*"), "<path>/"),
+    (re.compile(r"(?<![\w.<])/(?!admin/)(?:[\w.@+-]+/)+[\w.@+-]*"), "<path>/"),  # pdserve's own routes stay
     (re.compile(r"\s*,\s*(?=[,)])|\(\s*,\s*"), ""),  # separators left behind by the removals
 ]
 MAX_REDACTED_LEN = 500

@@ -142,6 +142,12 @@ LEAKS = ["48213", "4242", "10.0.0.12", "172.31.5.7", "192.168.7.21", "fe80", "8f
          "0b5e4d3c2a1f", "3c9e1f0a2b4d", "5e1c6a2b", "31337", "627253db", "0x7f3a", "/home/ubuntu", "namespace '"]
 
 
+def test_redact_keeps_pdserves_own_admin_routes():
+    text = "decode-0 failed: gave up; an operator revives it (POST /admin/workers/decode-0/revive) /home/x/y.py"
+    out = redact(text)
+    assert "POST /admin/workers/decode-0/revive" in out and "/home" not in out, out
+
+
 @pytest.mark.parametrize(("text", "kept"), RAY_ERRORS)
 def test_redact_drops_ray_identities_and_keeps_the_reason(text, kept):
     out = redact(text)

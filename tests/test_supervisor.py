@@ -85,7 +85,7 @@ def test_failed_starts_are_retried_with_doubling_backoff_until_the_limit():
     # it says it gave up, not that a replacement is coming
     reason = sup.down_reason("prefill")
     assert "prefill-0 failed: gave up after 3 restarts within 600 s (recovery.max_restarts 3)" in reason, reason
-    assert "no replacement is being started" in reason and "the admin API's revive of prefill-0" in reason
+    assert "no replacement is being started" in reason and "POST /admin/workers/prefill-0/revive" in reason
     assert "being started until" in reason and "a replacement is being started" not in reason
     state = next(s for s in sup.states() if s["name"] == "prefill-0")
     assert state["state"] == "failed" and state["gave_up"].startswith("gave up after 3 restarts"), state

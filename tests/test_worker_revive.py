@@ -52,7 +52,7 @@ def test_a_slot_past_max_restarts_says_it_gave_up_and_an_operator_revives_it(tmp
         assert refused.status_code == 503, refused.text
         message = refused.json()["error"]["message"]
         assert "decode-0 failed: gave up after 1 restarts within 600 s (recovery.max_restarts 1)" in message
-        assert "no replacement is being started until an operator revives it (the admin API's revive of decode-0)" \
+        assert "no replacement is being started until an operator revives it (POST /admin/workers/decode-0/revive)" \
             in message, message
         assert "a replacement is being started" not in message
         health = httpx.get(f"{url}/health", timeout=10)

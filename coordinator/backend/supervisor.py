@@ -152,7 +152,7 @@ class Supervisor:
         """What is true of a slot that is not live, for a 503: being replaced, or given up (and how to revive)."""
         if w.state == "failed":
             return (f"{w.name} failed: {self.gave_up.get(w.name, 'its restarts gave up')}; no replacement is being "
-                    f"started until an operator revives it (the admin API's revive of {w.name})")
+                    f"started until an operator revives it (POST /admin/workers/{w.name}/revive)")
         if w.state in ("dead", "restarting"):
             return f"{w.name} {w.state}: a replacement is being started"
         return f"{w.name} {w.state}"
