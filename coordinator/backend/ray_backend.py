@@ -25,6 +25,9 @@ attempt's work is cancelled on live workers and the Reservation is released, exa
 (OutputIntake.on_tokens), so that release gives back the grown booking too. Dead workers are the Supervisor's: it
 replaces them, and this backend starts polling the replacement. Workers an operator drained get no new work
 (coordinator.backend.drains: admission and the adaptive planner see the pools through it).
+
+Two parts live in their own modules and are inherited: the remote prefill and its handoff
+(coordinator.backend.remote_prefill) and what the admin routes and /health call (coordinator.backend.operator_calls).
 """
 
 from __future__ import annotations
@@ -48,14 +51,16 @@ from coordinator.backend.cycling import Cycler, RollingRestart
 from coordinator.backend.drains import Drains
 from coordinator.backend.drills import Drills
 from coordinator.backend.inflight import InFlight
+from coordinator.backend.operator_calls import OperatorCalls
 from coordinator.backend.output_intake import OutputIntake, coalesced
 from coordinator.backend.pools import Pools
-from coordinator.backend.ray_calls import quietly
+from coordinator.backend.ray_calls import in_order, quietly
 from coordinator.backend.ray_group import GroupRun
+from coordinator.backend.remote_prefill import RemotePrefill
 from coordinator.backend.stats import backend_stats, transfer_totals
 from coordinator.backend.stragglers import StragglerWatch
 from coordinator.backend.supervisor import Supervisor
-from coordinator.config.serve_config import FaultsConfig, ServeConfig
+from coordinator.config.serve_config import ServeConfig
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, TokenDelta, TransferFailed, WorkerLost
 from coordinator.observability.loop_lag import LoopLag
 from coordinator.observability.phases import PhaseTrace
@@ -67,7 +72,7 @@ log = logging.getLogger("pdserve")
 STATS_PERIOD_S = 1.0
 
 
-class RayBackend:
+class RayBackend(RemotePrefill, OperatorCalls):
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.pools = Pools(config)
@@ -283,106 +288,10 @@ class RayBackend:
                 elif worker.alive and (action == "release" or not finished):
                     ends.append(getattr(worker.handle, action))
             if self.pools.pushes and len(ends) > 1:  # the prefill's abort first: the decode worker's blocks are
-                self._spawn(_in_order(attempt, ends))  # freed only once no push writes into them
+                self._spawn(in_order(attempt, ends))  # freed only once no push writes into them
             else:
                 for end in ends:
                     self._spawn(quietly(end.remote(attempt)))
-
-    async def _prefill(self, attempt: str, request: GenerateRequest, prior: list[int], placement: Placement,
-                       reservation: Reservation, cleanup: list, trace: PhaseTrace) -> TokenDelta:
-        """Prefill on the prefill worker and return the first new token; unless it ends the request, the handoff
-        to the decode worker is under way (in its own task, which owns the prefill side from then on)."""
-        prefill, decode = placement.prefill, placement.decode
-        cleanup.append((prefill, "abort"))
-        # the decode worker books the KV's blocks while the prompt is prefilled, so the handoff starts with the
-        # pull (decode_pool.reservations); its abort gives them back if no handoff comes
-        cleanup.append((decode, "abort"))
-        decode.requests.add(attempt)
-        num_tokens = len(request.prompt_token_ids) + len(prior)
-        if self.pools.pushes:
-            self._spawn(self._push_target(attempt, request, prior, prefill, decode, placement.priority))
-        else:
-            self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
-        result = await self._call(prefill, prefill.handle.prefill.remote(
-            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
-            push=self.pools.pushes))
-        trace.split(result.phases)
-        reservation.unbook(prefill.key, "prompt_tokens")
-        if not result.pushed:  # nothing pinned (it ended), or the handoff releases it; while a push is under way
-            cleanup.remove((prefill, "abort"))  # the prefill's abort stays first in line (_in_order): it waits out
-        prefill.load = result.load            # the writes before the decode worker frees their blocks
-        first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
-                           result.finish_reason)
-        if result.finish_reason is None:
-            self._spawn(self._handoff(attempt, request, prior, result, placement, cleanup))
-        else:  # the first token ended it: no handoff takes the early booking, freed after any write into it ended
-            cleanup.remove((decode, "abort"))
-            decode.requests.discard(attempt)
-            ends = [w.handle.abort for w in (prefill, decode) if w.alive] if self.pools.pushes else (
-                [decode.handle.abort] if decode.alive else [])
-            self._spawn(_in_order(attempt, ends))
-        return first
-
-    @staticmethod
-    async def _push_target(attempt: str, request: GenerateRequest, prior: list[int], prefill: WorkerState,
-                           decode: WorkerState, priority: int) -> None:
-        """Book the KV's blocks on the decode worker and name them to the prefill worker, which then writes the KV
-        into them during its forward (prefill_pool.kv_push) and tells the decode worker, which joins the request
-        at once (decode_pool.handoff). A failure here leaves the handoff to a pull."""
-        try:
-            agent, blocks = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
-                                                                       request.params, prior, priority)
-            await prefill.handle.push_to.remote(attempt, agent, blocks)
-        except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
-            log.debug("request %s: no push target: %s", attempt, e)
-
-    async def _handoff(self, attempt: str, request: GenerateRequest, prior: list[int], result: Any,
-                       placement: Placement, cleanup: list) -> None:
-        """The decode worker takes the KV: joins once a push under way has landed (push_outcome), else pulls it
-        (or recomputes it, per transfer.on_failure); then the prefill worker frees its pinned copy: only after the
-        pull or the writes ended, so no block is reused while it may still be read. Errors go into the attempt's
-        stream."""
-        prefill, decode = placement.prefill, placement.decode
-        try:
-            if attempt not in self.intake.queues:  # the request ended before this task ran: its abort is already sent,
-                return                        # and a decode() behind it would run a request nobody reads
-            pushed = False
-            if result.pushed:  # the first token went out before the writes ended: how did they?
-                pushed, waited = await self._call(prefill, prefill.handle.push_outcome.remote(attempt))
-                if (prefill, "abort") in cleanup:
-                    cleanup.remove((prefill, "abort"))  # no write is in flight now: the decode side may free
-                if attempt not in self.intake.queues:
-                    return
-                if self.adaptive is not None:
-                    self._push_waits[attempt] = (("kv_transfer", waited),)
-            decode.load = await self._call(decode, decode.handle.decode.remote(
-                attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
-                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed, priority=placement.priority))
-        except TransferFailed as e:
-            self._count(self.errors, "transfer_failed")
-            if self.config.transfer.on_failure == "fail":
-                self.intake.fail(attempt, BackendError(f"{e} (transfer.on_failure: fail)"))
-            elif attempt in self.intake.queues:
-                log.warning("request %s: %s; the decode worker recomputes its prompt", attempt, e)
-                await self._recompute(attempt, request, prior + [result.first_token_id], placement)
-        except BackendError as e:
-            self.intake.fail(attempt, e)
-        finally:
-            if prefill.alive:
-                self._spawn(quietly(prefill.handle.release.remote(attempt)))
-
-    async def _recompute(self, attempt: str, request: GenerateRequest, prior: list[int],
-                         placement: Placement) -> None:
-        decode = placement.decode
-        try:
-            await self._call(decode, decode.handle.generate.remote(
-                attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
-                priority=placement.priority))
-        except BackendError as e:
-            self.intake.fail(attempt, e)
-            return
-        if attempt not in self.intake.queues and decode.alive:  # the request ended meanwhile: its abort may have
-            self._spawn(quietly(decode.handle.abort.remote(attempt)))  # arrived first
 
     async def _call(self, worker: WorkerState, ref: Any) -> Any:
         try:
@@ -435,84 +344,6 @@ class RayBackend:
             if self.config.stragglers.replace and self.drains.state(worker.name) is None:  # an operator's drain
                 self._spawn(self.stragglers.replace(self.cycler, worker, why))            # stays theirs
 
-    # ---- figures
-    def request_view(self, request_id: str) -> dict | None:
-        """GET /admin/requests/{id}: a single-choice request in flight (coordinator.backend.inflight), or None."""
-        record = self.inflight.get(request_id)
-        return None if record is None else record.view({w.key: w.name for w in self.pools.all_workers})
-
-    def requests_in_flight(self) -> list[str]:
-        """GET /admin/requests: the ids of the single-choice requests in flight."""
-        return list(self.inflight)
-
-    def health(self) -> tuple[bool, list[dict]]:
-        return self.drains.healthy(), self.drains.states()
-
-    def check_integrity(self) -> dict[str, dict[str, int]]:
-        """Assert that the bookings are exactly those of the requests in flight; return them per worker."""
-        booked = self.ledger.check_integrity()
-        assert self.ledger.live_requests == len(self._ids), (self.ledger.live_requests, self._ids)
-        return booked
-
-    async def integrity(self) -> dict:
-        """check_integrity() here and on every live engine, and what the engines hold against the bookings
-        (coordinator.backend.block_audit: `mismatches`), as a report: ok, or the first failure."""
-        report: dict = {"ok": True, "error": None, "coordinator": self.ledger.snapshot(), "workers": {}}
-        try:
-            report["coordinator"] = self.check_integrity()
-        except AssertionError as e:
-            report.update(ok=False, error=f"coordinator: {e}")
-        live = [w for w in self.pools.all_workers if w.alive]
-        checks = await asyncio.gather(*[w.handle.check_integrity.remote() for w in live], return_exceptions=True)
-        for w, check in zip(live, checks, strict=True):
-            if isinstance(check, BaseException):
-                report.update(ok=False, error=report["error"] or f"{w.name}: {check}")
-            else:
-                report["workers"][w.name] = check
-        report["mismatches"] = self.audit.report(live, report["workers"])
-        if report["mismatches"]:
-            report.update(ok=False, error=report["error"] or report["mismatches"][0])
-        return report
-
-    # ---- drills (coordinator.backend.drills; the admin routes call them here)
-    async def kill_worker(self, name: str) -> bool:
-        killed = self.drills.kill_worker(name)
-        if killed:  # a restart on purpose ends a drain (coordinator.backend.drains)
-            self.drains.restarted(name)
-        return killed
-
-    async def kill_rank(self, name: str, rank: int) -> bool:
-        return await self.drills.kill_rank(name, rank)
-
-    async def set_faults(self, faults: FaultsConfig) -> None:
-        await self.drills.set_faults(faults)
-
-    async def set_role(self, name: str, role: str) -> bool:
-        """An operator's role change (mode adaptive; coordinator.backend.adaptive). ValueError if it cannot be."""
-        if self.adaptive is None:
-            raise ValueError(f"roles change only in mode adaptive (this server runs mode {self.config.mode})")
-        if self.drains.state(name) is not None:
-            raise ValueError(f"{name} is {self.drains.state(name)}: undrain it before changing its role")
-        return self.adaptive.set_role(name, role, "set through the admin API")
-
-    async def drain_worker(self, name: str) -> str | None:
-        """Take a worker out of routing (coordinator.backend.drains); DrainRefused (a ValueError) for the last."""
-        return self.drains.drain(name)
-
-    async def undrain_worker(self, name: str) -> bool | None:
-        return self.drains.undrain(name)
-
-    async def revive_worker(self, name: str) -> bool | None:
-        """Start a slot whose restarts gave up again (Supervisor.revive): True; False if it had not; None: no slot."""
-        return self.supervisor.revive(name)
-
-    async def restart_workers(self, drain_timeout_s: float, allow_pause: bool) -> list[str]:
-        """Begin a rolling restart (coordinator.backend.cycling); its order. CycleRefused (a ValueError)."""
-        return self.rolling.start(drain_timeout_s, allow_pause)
-
-    async def restart_status(self) -> dict:
-        return self.rolling.status()
-
     def _booked_prompt_tokens(self, worker: WorkerState) -> float:
         return self.ledger.booked(worker.key, "prompt_tokens")
 
@@ -531,12 +362,6 @@ class RayBackend:
 def _connected(worker: WorkerState) -> bool:
     """Whether the worker's stream takes commands now (decode_pool.worker_stream)."""
     return worker.link is not None and worker.link.connected
-
-
-async def _in_order(attempt: str, ends: list[Any]) -> None:
-    """End an attempt on its workers one after the other (each call's failure ignored)."""
-    for end in ends:
-        await quietly(end.remote(attempt))
 
 
 def _span_attributes(placement: Placement) -> dict[str, str]:

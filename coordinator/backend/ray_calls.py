@@ -15,3 +15,9 @@ async def quietly(ref: Any) -> None:
         await ref
     except (RayActorError, RayTaskError, asyncio.CancelledError):
         pass
+
+
+async def in_order(attempt: str, ends: list[Any]) -> None:
+    """End an attempt on its workers one after the other (each call's failure ignored)."""
+    for end in ends:
+        await quietly(end.remote(attempt))
