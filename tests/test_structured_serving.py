@@ -120,6 +120,37 @@ def test_tool_choice_required_and_named_give_calls_that_validate(client):
         assert chunks[-1].choices[0].finish_reason == ("stop" if choice == named else "tool_calls")
 
 
+def test_every_choice_of_n_gets_its_own_tool_calls_whole_and_streamed(client):
+    """n > 1 with tools: each choice's text is read as its own calls (it came back as content before)."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400, seed=4, tools=TOOLS,
+                                             tool_choice=choice, n=3, parallel_tool_calls=False)
+        assert sorted(c.index for c in out.choices) == [0, 1, 2]
+        for c in out.choices:
+            assert c.finish_reason == ("stop" if choice == named else "tool_calls"), c
+            assert c.message.content is None and len(c.message.tool_calls) == 1
+            call = c.message.tool_calls[0]
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        assert len({c.message.tool_calls[0].id for c in out.choices}) == 3
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400, seed=5,
+                                                     tools=TOOLS, tool_choice=choice, n=2, stream=True))
+        calls: dict[tuple[int, int], dict] = {}  # (choice index, call index) -> the call
+        finish: dict[int, str] = {}
+        for chunk in chunks:
+            for c in chunk.choices:
+                assert not c.delta.content, c  # every choice's text went out as a call
+                for d in c.delta.tool_calls or []:
+                    entry = calls.setdefault((c.index, d.index), {"name": d.function.name, "arguments": ""})
+                    entry["arguments"] += d.function.arguments or ""
+                if c.finish_reason:
+                    finish[c.index] = c.finish_reason
+        assert {i for i, _ in calls} == {0, 1} and set(finish.values()) == {"stop" if choice == named else "tool_calls"}
+        for entry in calls.values():
+            jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
+
+
 def test_auto_and_none_leave_plain_text_as_content(client):
     for choice in ("auto", "none"):
         out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,

@@ -15,6 +15,7 @@ from coordinator import errors
 from coordinator.api.choices import Choice, best, build, logprobs_body, usage
 from coordinator.api.lifecycle import Piece
 from coordinator.api.sse import DONE, Formatter, SSEResponse, event
+from coordinator.api.tool_stream import ToolStream, shape_choice, tool_chunks, tool_stream_for
 
 
 async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arrival: float, *, chat: bool,
@@ -52,28 +53,44 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
         except BaseException:
             await close("failed")
             raise
-        await close("finished" if done else "aborted")
         if not done:
+            await close("aborted")
             return Response(status_code=499)
-        n = req.n or 1
-        kept = best(choices, n, len(choices) // len({id(c.fanout) for c in choices}))
-        bodies, top = [], {}
-        for c in kept:
-            whole = Piece("".join(p.text for p in c.pieces), [t for p in c.pieces for t in p.tokens],
-                          c.gen.finish_reason, [i for p in c.pieces for i in p.token_ids])
-            lp = logprobs_body(fmt, c, whole, True, echo_lp) if want_lp else None
-            thought = "".join(p.reasoning for p in c.pieces) if c.gen.reasoning and c.gen.reasoning.opened else None
-            body = fmt.choice(c.index, c.prompt_text + whole.text, lp, whole.finish_reason or "stop", False,
-                              reasoning=thought)
-            fmt.add_token_ids(top, body, whole.token_ids, c.prompt_ids)  # chat's prompt ids go on the response
-            if not chat:  # vLLM's: on each completion choice, on the chat response; null unless asked for
-                body["prompt_logprobs"] = _prompt_lps(c) if req.prompt_logprobs is not None else None
-            bodies.append(body)
-        extra = {"prompt_logprobs": _prompt_lps(choices[0]) if req.prompt_logprobs is not None else None} \
-            if chat else {}
-        return JSONResponse(fmt.body(bodies, False, usage(choices, fmt.reasoning), **extra, **top))
-    return SSEResponse(_events(choices, fmt, req, chat, want_lp, echo_lp, close),
+        try:  # the bodies first: their finish reasons (tool_calls) are the ones the choices are counted with
+            body = _whole_body(choices, fmt, req, chat, want_lp, echo_lp, app.state.settings.tool_call_parser)
+        except BaseException:
+            await close("failed")
+            raise
+        await close("finished")
+        return JSONResponse(body)
+    tools = {c.index: tool_stream_for(req, app.state.settings.tool_call_parser) for c in choices} if chat else {}
+    return SSEResponse(_events(choices, fmt, req, chat, want_lp, echo_lp, close, tools),
                        deadline=max(c.gen.deadline for c in choices) + grace_s, stall=app.state.stall_policy)
+
+
+def _whole_body(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, want_lp: bool, echo_lp: bool,
+                parser: str) -> dict:
+    """The whole (not streamed) response: the n best choices, each with its tool calls when the request has tools."""
+    n = req.n or 1
+    kept = best(choices, n, len(choices) // len({id(c.fanout) for c in choices}))
+    bodies, top = [], {}
+    for c in kept:
+        whole = Piece("".join(p.text for p in c.pieces), [t for p in c.pieces for t in p.tokens],
+                      c.gen.finish_reason, [i for p in c.pieces for i in p.token_ids])
+        lp = logprobs_body(fmt, c, whole, True, echo_lp) if want_lp else None
+        thought = "".join(p.reasoning for p in c.pieces) if c.gen.reasoning and c.gen.reasoning.opened else None
+        body = fmt.choice(c.index, c.prompt_text + whole.text, lp, whole.finish_reason or "stop", False,
+                          reasoning=thought)
+        tools = tool_stream_for(req, parser) if chat else None
+        if tools is not None:
+            shape_choice(body, tools.mode, tools.parser, tools.named, tools.parallel)
+            c.gen.client_finish = body["finish_reason"]
+        fmt.add_token_ids(top, body, whole.token_ids, c.prompt_ids)  # chat's prompt ids go on the response
+        if not chat:  # vLLM's: on each completion choice, on the chat response; null unless asked for
+            body["prompt_logprobs"] = _prompt_lps(c) if req.prompt_logprobs is not None else None
+        bodies.append(body)
+    extra = {"prompt_logprobs": _prompt_lps(choices[0]) if req.prompt_logprobs is not None else None} if chat else {}
+    return fmt.body(bodies, False, usage(choices, fmt.reasoning), **extra, **top)
 
 
 def _prompt_lps(c: Choice) -> list | None:
@@ -81,7 +98,8 @@ def _prompt_lps(c: Choice) -> list | None:
 
 
 async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, want_lp: bool, echo_lp: bool,
-                  close: Callable[[str], Awaitable[None]]) -> AsyncIterator[bytes]:
+                  close: Callable[[str], Awaitable[None]], tools: dict[int, ToolStream | None]
+                  ) -> AsyncIterator[bytes]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: Choice) -> None:
@@ -117,7 +135,15 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
                 else:
                     body["prompt_logprobs"] = _prompt_lps(c)
             fmt.add_token_ids(extra, body, piece.token_ids, c.prompt_ids if first else None)
-            yield event(fmt.body([body], True, **extra))
+            stream = tools.get(c.index)
+            if stream is None:
+                yield event(fmt.body([body], True, **extra))
+                continue
+            chunks = tool_chunks(fmt.body([body], True, **extra), stream, piece.text, piece.finish_reason, first)
+            if piece.finish_reason is not None:  # the reason the client gets (tool_calls) is the one counted
+                c.gen.client_finish = chunks[-1]["choices"][0]["finish_reason"]
+            for chunk in chunks:
+                yield event(chunk)
         if fmt.include_usage:
             yield event(fmt.usage_chunk(*usage(choices)[:2], reasoning_tokens=(usage(choices, True)[2]
                                                                                if fmt.reasoning else None)))

@@ -17,7 +17,7 @@ from coordinator import errors
 from coordinator.api.drain import Ticket
 from coordinator.api.lifecycle import Generation
 from coordinator.api.sse import DONE, Formatter, SSEResponse, event
-from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks
+from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks, tool_stream_for
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -30,7 +30,7 @@ def outcome_of(exc: BaseException) -> str:
 async def serve_single(app: FastAPI, request: Request, req: Any, gen: Generation, fmt: Formatter, ticket: Ticket, *,
                        chat: bool, until_disconnect: Callable[..., Awaitable[Any]], grace_s: float) -> Response:
     want_lp = gen.request.params.logprobs is not None
-    tools = _tool_stream(req, app.state.settings.tool_call_parser) if chat else None
+    tools = tool_stream_for(req, app.state.settings.tool_call_parser) if chat else None
     try:
         result = await until_disconnect(request, gen.next_piece if req.stream else gen.collect)
     except BaseException as e:
@@ -73,14 +73,6 @@ def reasoning_tokens(fmt: Formatter, gen: Generation) -> int | None:
     if not fmt.reasoning:
         return None
     return 0 if gen.reasoning is None else gen.reasoning.tokens
-
-
-def _tool_stream(req: Any, parser: str) -> ToolStream | None:
-    """How a chat request's text becomes tool calls (coordinator.api.tool_stream); None when it uses no tools."""
-    if req.tool_mode == "none":
-        return None
-    named = req.tool_choice.function.name if req.tool_mode == "named" else None
-    return ToolStream(req.tool_mode, parser, named, req.parallel_tool_calls is not False)
 
 
 async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ticket: Ticket,

@@ -21,18 +21,31 @@ ARGUMENT_FRAGMENT_CHARS = 64
 _HERMES_TAG = "<tool_call>"
 
 
+def tool_stream_for(req: Any, parser: str) -> ToolStream | None:
+    """How a chat request's text becomes tool calls, one ToolStream per choice; None when it uses no tools."""
+    if req.tool_mode == "none":
+        return None
+    named = req.tool_choice.function.name if req.tool_mode == "named" else None
+    return ToolStream(req.tool_mode, parser, named, req.parallel_tool_calls is not False)
+
+
 def shape_response(body: dict[str, Any], mode: str, parser: str, named: str | None, parallel: bool) -> dict:
     """Rewrite a chat.completion body's single choice for the request's tool mode (in place; returned)."""
-    choice = body["choices"][0]
+    shape_choice(body["choices"][0], mode, parser, named, parallel)
+    return body
+
+
+def shape_choice(choice: dict[str, Any], mode: str, parser: str, named: str | None, parallel: bool) -> dict:
+    """Rewrite one choice of a chat.completion body (its message and finish_reason) for the tool mode, in place."""
     if choice["message"]["content"] is None:  # all reasoning (coordinator.api.reasoning): no call to read
-        return body
+        return choice
     content, calls = parse_calls(mode, parser, choice["message"]["content"], named, parallel)
     choice["message"]["content"] = content
     if calls:
         choice["message"]["tool_calls"] = [c.as_dict() for c in calls]
         if choice["finish_reason"] == "stop" and mode != "named":
             choice["finish_reason"] = "tool_calls"
-    return body
+    return choice
 
 
 class ToolStream:
