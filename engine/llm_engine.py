@@ -183,12 +183,21 @@ class LLMEngine:
             return False
         return self.scheduler.finish(request_id, "stop")
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def reserve_blocks(self, request_id: str, num_tokens: int, leave_room: bool = False) -> list[int] | None:
         """Decode side: take blocks for `num_tokens` tokens of KV (the prompt's, plus the prior outputs' for a
         resumed request) to be written in from outside. None when the cache has no room now (try later). Abort the
-        id to give them back."""
+        id to give them back. `leave_room`: room means more than free blocks: none while a preempted request waits
+        to resume (its stream is paused: it comes first), and the running requests keep the blocks they need to
+        cross their next block boundary (Scheduler.growth_headroom), as does this request for its first token, so
+        the reservation makes no running stream the victim of a preemption (the joining request, the newest, would
+        be the first: its KV moved here for nothing)."""
         if request_id in self.scheduler.requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if leave_room:
+            bm, s = self.block_manager, self.scheduler
+            own = bm.blocks_needed(num_tokens + 1) - bm.blocks_needed(num_tokens)
+            if s.has_paused or bm.num_free_blocks < bm.blocks_needed(num_tokens) + own + s.growth_headroom():
+                return None
         if not self.block_manager.allocate(request_id, num_tokens):
             return None
         self._reserved.add(request_id)

@@ -146,6 +146,21 @@ class Scheduler:
         return [r.request_id for r in self.requests.values()
                 if r.status == RequestStatus.PINNED and r.pin_deadline is not None and r.pin_deadline <= now]
 
+    def growth_headroom(self) -> int:
+        """Blocks the running requests need beyond those they hold to compute their next block_size tokens (each
+        crosses its next block boundary; a request's last token, whose KV is never computed, not counted): what a
+        reservation from outside should leave free so that no running request is preempted for it soon."""
+        bs, need = self.bm.block_size, 0
+        for r in self.running:
+            last_kv = min(len(r.prompt_token_ids) + r.params.max_tokens, r.max_model_len) - 1
+            need += max(0, self.bm.blocks_needed(min(r.num_tokens + bs, last_kv)) - len(self.bm.table(r.request_id)))
+        return need
+
+    @property
+    def has_paused(self) -> bool:
+        """Whether a preempted request waits to resume (its stream paused until blocks free up)."""
+        return any(r.num_preemptions > 0 for r in self.waiting)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
