@@ -44,15 +44,15 @@ class HostSwapStore:
         holds them (at start)."""
         n = max(1, min(self.host.shape[0], self.cache.shape[0], max_bytes // self.block_bytes))
         pairs = [(i, i) for i in range(n)]
-        self.copy_out(pairs[:1])  # first touch (page faults, pinned mappings) not timed
-        self._sync()
+        self.copy_out(pairs)  # first touch of the host pages (page faults) not timed
+        self.sync()
         start = time.perf_counter()
         self.copy_out(pairs)
         self.copy_in(pairs)
-        self._sync()
+        self.sync()
         return 2 * n * self.block_bytes / max(time.perf_counter() - start, 1e-9)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.cache.is_cuda:
             torch.cuda.synchronize(self.cache.device)
 
