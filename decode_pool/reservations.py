@@ -1,7 +1,12 @@
 """Reservations of a decode worker's KV blocks for prompts prefilled elsewhere.
 
-A booking runs on the engine loop between two steps (LLMEngine.reserve_blocks), retried while the cache is full,
-up to the admission timeout (NoCapacity). The coordinator books early: while the prompt is still being prefilled on
+A booking runs on the engine loop between two steps (LLMEngine.reserve_blocks), retried while the cache has no
+room, up to the admission timeout (NoCapacity). Room leaves the running requests what they need to cross their next
+block boundary and yields to preempted requests waiting to resume (reserve_blocks' leave_room): under growing
+bookings (admission.reserve_output null) a booking that took those blocks made the engine preempt a running stream
+at its next block, most often the request that had just joined (the newest), its KV moved here for nothing; now the
+booking waits for room instead (streams end and free their blocks), and fails with NoCapacity after the timeout.
+The coordinator books early: while the prompt is still being prefilled on
 the prefill worker (`book_early`), so when the prefill ends the handoff finds its blocks booked and goes straight
 to the pull, instead of first waiting for the decode step under way to end. Owns the early bookings in flight
 (request id -> task); the engine owns the blocks. Every early booking ends in exactly one of: `take` (the handoff
@@ -57,7 +62,7 @@ class Reservations:
         deadline = time.monotonic() + self.timeout_s
 
         def reserve(e) -> Booking | None:
-            blocks = e.reserve_blocks(request_id, num_tokens)
+            blocks = e.reserve_blocks(request_id, num_tokens, leave_room=True)
             return None if blocks is None else Booking(blocks, e.launch_fence())
         while True:
             booking = await self.loop.call(reserve)

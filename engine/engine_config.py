@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 TP_ALL_REDUCES = ("auto", "nccl", "one_shot")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # engine.core.swap_space
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class EngineConfig:
     # steps a waiting request short of KV blocks may be passed by ones of its priority behind it that fit; then what
     # frees is kept for it (engine.core.waiting: no head-of-line blocking, no starvation; 0: strict head of line)
     head_bypass_steps: int = 128
+    # a request preempted for lack of KV blocks: "recompute" its KV when it resumes; "swap" its blocks to host memory
+    # and back (recompute when the swap space is full); "auto": swap when the copy is cheaper than the recompute,
+    # by the copy bandwidth measured at start and the engine's own prompt steps (engine.core.swap_space).
+    # swap and auto: tensor_parallel_size 1
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 4 << 30     # host memory for swapped-out KV (swap, auto); pinned on CUDA
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
     kv_cache_memory_bytes: int | None = None
@@ -77,6 +84,11 @@ class EngineConfig:
             ("head_bypass_steps", isinstance(self.head_bypass_steps, int)
              and not isinstance(self.head_bypass_steps, bool) and self.head_bypass_steps >= 0,
              "must be an integer >= 0"),
+            ("preemption_mode", self.preemption_mode in PREEMPTION_MODES and (
+                self.preemption_mode == "recompute" or self.tensor_parallel_size == 1),
+             f"must be one of {PREEMPTION_MODES} ('swap' and 'auto' need tensor_parallel_size 1)"),
+            ("swap_space_bytes", isinstance(self.swap_space_bytes, int) and not isinstance(self.swap_space_bytes, bool)
+             and self.swap_space_bytes > 0, "must be a positive integer (bytes)"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("decode_step_target_s", self.decode_step_target_s is None or (
                 isinstance(self.decode_step_target_s, (int, float)) and not isinstance(self.decode_step_target_s, bool)

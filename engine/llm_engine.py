@@ -48,6 +48,7 @@ from engine.runner.kv_cache import cache_spec
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
 from engine.runner.step_extras import plan_extras, record_extras, with_extras
+from engine.runner.swap_store import build_swap
 from engine.runner.warmup import warm_up
 from engine.sampling.sampler import Sampler
 from engine.text.tokenizer import Tokenizer
@@ -114,9 +115,12 @@ class LLMEngine:
         self.kv_spec, self.kv_head_range, self.num_kv_blocks = rank.kv_spec, rank.kv_head_range, rank.num_kv_blocks
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # preempted requests' KV on the host (preemption_mode swap / auto; None: recomputed)
+        self.swap_space, self.swap_store = build_swap(config.preemption_mode, config.swap_space_bytes,
+                                                      self.kv_cache) or (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk,
-                                   head_bypass_steps=config.head_bypass_steps)
+                                   head_bypass_steps=config.head_bypass_steps, swap=self.swap_space)
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests,
                           cpu_kernel=config.kernels == "auto")
         if self.followers is None:
@@ -183,12 +187,21 @@ class LLMEngine:
             return False
         return self.scheduler.finish(request_id, "stop")
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def reserve_blocks(self, request_id: str, num_tokens: int, leave_room: bool = False) -> list[int] | None:
         """Decode side: take blocks for `num_tokens` tokens of KV (the prompt's, plus the prior outputs' for a
         resumed request) to be written in from outside. None when the cache has no room now (try later). Abort the
-        id to give them back."""
+        id to give them back. `leave_room`: room means more than free blocks: none while a preempted request waits
+        to resume (its stream is paused: it comes first), and the running requests keep the blocks they need to
+        cross their next block boundary (Scheduler.growth_headroom), as does this request for its first token, so
+        the reservation makes no running stream the victim of a preemption (the joining request, the newest, would
+        be the first: its KV moved here for nothing)."""
         if request_id in self.scheduler.requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if leave_room:
+            bm, s = self.block_manager, self.scheduler
+            own = bm.blocks_needed(num_tokens + 1) - bm.blocks_needed(num_tokens)
+            if s.has_paused or bm.num_free_blocks < bm.blocks_needed(num_tokens) + own + s.growth_headroom():
+                return None
         if not self.block_manager.allocate(request_id, num_tokens):
             return None
         self._reserved.add(request_id)
@@ -284,6 +297,8 @@ class LLMEngine:
             if self.step_budget is not None and self._applied is not None:
                 self.step_budget.observe(*self._applied, self.step_time_last_s)
                 self.scheduler.prefill_cap = self.step_budget.tokens
+            if self.swap_space is not None and self._applied is not None:  # auto's recompute cost
+                self.swap_space.observe_prefill(self._applied[1], self.step_time_last_s)
             self._applied = None
 
     def _step(self, layer_hook: LayerHook | None) -> list[StepOutput]:
@@ -294,6 +309,7 @@ class LLMEngine:
             return outputs + self._overlapped_step(may_continue=layer_hook is None)
         sched = self.scheduler.schedule()
         on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
+        self._move_swapped(sched)
         launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done,
                                       extras=plan_extras(sched, self.scheduler.requests))
         if self.overlap and on_layer_done is None and sched.chunks and not self.scheduler.plans_alone(sched):
@@ -307,12 +323,21 @@ class LLMEngine:
         current, self._in_flight = self._in_flight, None
         nxt = self.scheduler.schedule_after(current.sched) if may_continue else None
         if nxt is not None:
+            self._move_swapped(nxt)
             self._in_flight = self.runner.launch(nxt, self._params(nxt), after=current)
         return self._apply(current)
 
+    def _move_swapped(self, sched: SchedulerOutput) -> None:
+        """Queue the step's KV copies to and from the host (preempted requests swapped out, resumed ones swapped
+        in) ahead of the step, on the stream it launches on."""
+        if sched.swap_out:
+            self.swap_store.copy_out(sched.swap_out)
+        if sched.swap_in:
+            self.swap_store.copy_in(sched.swap_in)
+
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
         sampled = launched.result()
-        if self.step_budget is not None:  # what the step whose time step() measures carried
+        if self.step_budget is not None or self.swap_space is not None:  # what the step step() times carried
             chunks = launched.sched.chunks
             decodes = sum(1 for c in chunks if len(c.token_ids) == 1 and c.output_index > 0)
             self._applied = (decodes, launched.sched.num_tokens - decodes)
@@ -374,7 +399,7 @@ class LLMEngine:
             preemptions_decode_total=s.preemptions_by_cause["decode"],
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             expired_pins_total=self.num_expired_pins,
-            taken_at_s=time.monotonic(), **self._budget_figures())
+            taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures())
 
     def _budget_figures(self) -> dict[str, float]:
         b = self.step_budget
@@ -382,6 +407,15 @@ class LLMEngine:
             return {}
         return {"prefill_budget_tokens": b.tokens, "decode_step_s": b.base_s or 0.0,
                 "prefill_token_s": b.per_token_s or 0.0}
+
+    def _swap_figures(self) -> dict[str, int]:
+        w = self.swap_space
+        if w is None:
+            return {}
+        return {"swapped_out_total": w.num_swapped_out, "swapped_in_total": w.num_swapped_in,
+                "swap_out_bytes_total": w.blocks_out * w.block_bytes,
+                "swap_in_bytes_total": w.blocks_in * w.block_bytes,
+                "swap_full_total": w.num_full, "swap_used_blocks": w.num_slots - w.num_free}
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and
@@ -399,6 +433,10 @@ class LLMEngine:
             assert holds == (r.status != RequestStatus.WAITING), f"request {r.request_id} ({r.status}) blocks"
         result = {"free": counts["free"], "cached": counts["cached"], "pinned": len(pinned),
                   "in_use": len(active), "total": counts["total"]}
+        if self.swap_space is not None:  # every host slot free or held by one swapped-out (waiting) request
+            swapped = [r for r in self.scheduler.requests.values() if r.swap_slots is not None]
+            assert all(r.status == RequestStatus.WAITING for r in swapped), "a swapped-out request is not waiting"
+            self.swap_space.check_integrity(r.swap_slots for r in swapped)
         assert result["free"] + result["cached"] + result["pinned"] + result["in_use"] == result["total"]
         return result | {"expired_pins": self.num_expired_pins}
 

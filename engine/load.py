@@ -38,6 +38,15 @@ class EngineLoad:
     preemptions_prompt_total: int = 0   # or because a prompt chunk (or a recompute) needed blocks
     head_bypassed_total: int = 0        # waiting requests started ahead of a head short of blocks (engine.core.waiting)
     expired_pins_total: int = 0         # pinned prefill-only requests freed by their lease (nobody released them)
+    # preempted requests whose KV went to host memory instead of being recomputed (EngineConfig.preemption_mode swap
+    # or auto; 0 with recompute): swapped out and back in, the bytes copied each way, preemptions that found the swap
+    # space full (recomputed), and the host blocks held now
+    swapped_out_total: int = 0
+    swapped_in_total: int = 0
+    swap_out_bytes_total: int = 0
+    swap_in_bytes_total: int = 0
+    swap_full_total: int = 0
+    swap_used_blocks: int = 0
     # the hosting process's garbage collector (engine.gc_pauses; a pool worker fills them in): collections, full ones,
     # their summed and longest pause (the step thread waits through each)
     gc_pauses_total: int = 0

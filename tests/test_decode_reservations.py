@@ -94,3 +94,39 @@ def test_an_engine_call_arriving_after_a_cancel_finds_the_blocks_given_back(wait
         assert (await res.loop.call(lambda e: e.load())).num_reserved == 0
         assert await cancel
     run_with_loop(body)
+
+
+def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts_none():
+    """3 streams of 31 prompt tokens (2 blocks each) decode to 41 tokens (3 blocks each) on 10 blocks: 4 are free
+    while they run, enough for a 40-token booking (3 blocks) but then not for the streams' third blocks, which would
+    preempt one of them. The booking waits until they end instead: made, and nothing preempted."""
+    from engine import SamplingParams
+    from tests.engine_helpers import random_prompts
+
+    engine = LLM("tiny", num_kv_blocks=10, enable_prefix_caching=False).engine
+    prompts = random_prompts((31, 31, 31), 2000, seed=3802)
+
+    async def main():
+        loop = AsyncEngine(engine, lambda outputs, load: None)
+        task = asyncio.create_task(loop.run())
+        try:
+            for i, p in enumerate(prompts):
+                await loop.call(lambda e, i=i, p=p: e.add_request(
+                    f"s{i}", p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))
+            while not await loop.call(lambda e: len(e.scheduler.running) == 3
+                                      and all(r.num_output_tokens for r in e.scheduler.running)):
+                await asyncio.sleep(0.001)
+            refused = await loop.call(lambda e: (e.block_manager.num_free_blocks, e.reserve_blocks("x", 40, True)))
+            res = Reservations(loop, "decode-test", timeout_s=60)
+            booking = await res.take("x", 40)
+            running_then = await loop.call(lambda e: len(e.scheduler.running))
+            await loop.call(lambda e: e.abort("x"))
+            return refused, booking, running_then
+        finally:
+            loop.close()
+            await task
+    (free, refused), booking, running_then = asyncio.run(main())
+    assert free >= 3 and refused is None  # it fit the free blocks, not beside the streams' next blocks
+    assert len(booking.blocks) == 3
+    assert engine.load().preemptions_total == 0
+    assert engine.check_integrity()["in_use"] == 0

@@ -42,13 +42,14 @@ def test_the_victim_is_the_worst_priority_even_when_planned_earlier_in_the_step(
     _step(s)  # low at 7 tokens, high at 8: both still fit their 2 blocks
     out = _step(s)  # low plans its 8th token first; then high's 9th needs a third block
     assert out.preempted == ["low"]  # not the newest ("high"), as before: the worse priority
+    assert s.has_paused  # a reservation from outside now waits for it (LLMEngine.reserve_blocks' leave_room)
     assert [c.request_id for c in out.chunks] == ["high"]  # low's planned row went back to the budget
     assert s.preemptions_by_cause == {"decode": 1, "prompt": 0}
     for _ in range(100):  # each fits the cache alone (11 and 13 tokens of 16): both end
         if not s.has_work:
             break
         _step(s)
-    assert not s.has_work and s.bm.check_integrity()["used"] == 0
+    assert not s.has_work and s.bm.check_integrity()["used"] == 0 and not s.has_paused
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +127,33 @@ def test_a_handed_over_request_of_a_better_priority_is_not_the_victim_though_new
     with pytest.raises(ValueError, match="priority must be an int"):
         decode.add_prefilled_request("r9", prompts[0], 5, params[0], priority="high")
     assert decode.abort("r9") and decode.check_integrity()["in_use"] == 0
+
+
+def test_a_reservation_taking_the_blocks_running_streams_grow_into_preempts_one_unless_it_leaves_room(folder):
+    """3 handed-over streams of 31 prompt tokens hold 2 blocks each of 10; a 20-token reservation (2 blocks) fits the
+    4 free ones, but the streams' third blocks then do not: taken anyway, the next steps preempt a stream; with
+    leave_room (what decode_pool.reservations asks for) it is refused until there is room for both."""
+    prompts = random_prompts((31, 31, 31), VOCAB, seed=3803)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prefill = LLM(folder).engine
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+    firsts = {}
+    while prefill.has_unfinished():
+        firsts.update({o.request_id: o for o in prefill.step()})
+    preemptions = {}
+    for leave_room in (False, True):
+        decode = LLM(folder, num_kv_blocks=10, enable_prefix_caching=False).engine
+        for i, prompt in enumerate(prompts):
+            blocks = decode.reserve_blocks(f"r{i}", len(prompt))
+            decode.kv_cache[blocks] = prefill.kv_cache[firsts[f"r{i}"].pinned_block_ids]
+            decode.add_prefilled_request(f"r{i}", prompt, firsts[f"r{i}"].new_token_ids[0], params)
+        got = decode.reserve_blocks("x", 20, leave_room=leave_room)
+        assert (got is None) == leave_room and decode.block_manager.num_free_blocks >= 2
+        while decode.has_unfinished():
+            decode.step()
+        preemptions[leave_room] = decode.load().preemptions_total
+        assert decode.reserve_blocks("y", 20, leave_room=True) is not None  # room once the streams ended
+    assert preemptions == {False: 1, True: 0}
+    for i in range(3):
+        prefill.release(f"r{i}")

@@ -45,7 +45,9 @@ _COUNTERS = (
     "vllm:request_success", "pdserve_admission_booking_grown_blocks", "pdserve_stalled_clients",
     "pdserve_worker_engine_expired_pins", "pdserve_worker_engine_head_bypassed",
     "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
-    "pdserve_worker_preemptions", "pdserve_stragglers")
+    "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_worker_engine_swapped_out",
+    "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
+    "pdserve_worker_engine_swap_full")
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
@@ -57,7 +59,7 @@ _GAUGES = (
     "pdserve_worker_engine_prefill_budget_tokens", "pdserve_worker_engine_prefill_token_s",
     "pdserve_worker_engine_step_time_last_s", "pdserve_worker_engine_step_time_total_s",
     "pdserve_worker_engine_steps", "pdserve_worker_drained", "pdserve_worker_draining",
-    "pdserve_worker_used_kv_blocks",
+    "pdserve_worker_used_kv_blocks", "pdserve_worker_engine_swap_used_blocks",
     "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
     "pdserve_worker_step_time_ratio", "pdserve_worker_straggler",

@@ -27,8 +27,8 @@ MAX_TOKENS = 120
 PROMPTS = random_prompts([30 + (7 * i) % 20 for i in range(12)], 2000, seed=3801)  # 30-49 tokens
 
 
-def _config(mode: str, reserve_output: float | None = None) -> dict:
-    small = {**HALF_CPU, "num_kv_blocks": 40}  # 640 tokens: the context is capped at 624
+def _config(mode: str, reserve_output: float | None = None, preemption_mode: str = "recompute") -> dict:
+    small = {**HALF_CPU, "num_kv_blocks": 40, "preemption_mode": preemption_mode}  # 640 tokens: context capped at 624
     pools = {"decode": small} if mode == "collocated" else {"prefill": HALF_CPU, "decode": small,
                                                             "transfer": {"backends": ["ucx"]}}
     return {"model": "tiny", "mode": mode, **pools, "server": {"admin_api": True},
@@ -99,6 +99,20 @@ def test_streams_outgrowing_a_small_decode_cache_are_preempted_and_end_exactly(t
         if mode == "disaggregated":
             _metered_chat_without_max_tokens(url)
             assert_nothing_booked(url)
+
+
+def test_streams_swapped_to_host_memory_end_exactly_and_leave_nothing_behind(tmp_path, expected):
+    """preemption_mode swap on the decode worker: its victims' KV goes to host memory and back (counted in /metrics),
+    every stream ends exactly, /admin/integrity (host slots included) is clean and nothing is booked afterwards."""
+    with running_server(tmp_path, _config("disaggregated", preemption_mode="swap")) as server:
+        url = server.url
+        assert _run_load(url) == expected
+        assert sum(_preemptions(url).values()) > 0
+        out = sum(metric_values(url, "pdserve_worker_engine_swapped_out_total").values())
+        assert out > 0 and sum(metric_values(url, "pdserve_worker_engine_swap_out_bytes_total").values()) > 0
+        assert_nothing_booked(url)
+        assert sum(metric_values(url, "pdserve_worker_engine_swap_used_blocks").values()) == 0
+        assert sum(metric_values(url, "pdserve_worker_engine_swapped_in_total").values()) == out
 
 
 def _metered_chat_without_max_tokens(url: str) -> None:

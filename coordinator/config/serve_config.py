@@ -29,6 +29,10 @@ class PoolConfig:
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = None          # most prompt tokens of one request per step
     head_bypass_steps: int = 128   # steps a waiting request short of KV blocks may be passed in the engine's queue
+    # a request preempted for lack of KV blocks: "recompute", "swap" its KV to host memory and back, or "auto" (swap
+    # when the copy is cheaper); swap_space_bytes of host memory per worker for swap and auto (EngineConfig)
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 4 << 30
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -187,7 +191,8 @@ class ServeConfig:
             kv_cache_dtype=self.kv_cache_dtype_of(pool),
             block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
-            head_bypass_steps=pool.head_bypass_steps,
+            head_bypass_steps=pool.head_bypass_steps, preemption_mode=pool.preemption_mode,
+            swap_space_bytes=pool.swap_space_bytes,
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,

@@ -118,8 +118,8 @@ def backend_families(stats: dict) -> list[Metric]:
             for key, samples in sorted(engine.items())]
     if preemptions:
         out.append(_family("pdserve_worker_preemptions_total", "Running requests sent back to the engine's queue for "
-                           "lack of KV blocks (recomputed later), by cause: a decode row or a prompt chunk needed "
-                           "the blocks", preemptions))
+                           "lack of KV blocks (recomputed later, or swapped to host memory and back), by cause: a "
+                           "decode row or a prompt chunk needed the blocks", preemptions))
     for key, name, label, help in (
             ("migrations", "pdserve_migrations_total", "event", "Request moves after a worker or transfer failure: "
              "attempted, and outcome_completed / outcome_failed of moved requests"),

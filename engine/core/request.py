@@ -71,6 +71,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     pin_deadline: float | None = None
     num_preemptions: int = 0
+    swap_slots: list[int] | None = None  # while swapped out (waiting): the host slots holding its computed blocks
     first_scheduled_at: float | None = None  # scheduler clock: its first step (for per-request phase timings)
     fork_params: tuple[SamplingParams, ...] | None = None  # a group prefill: choices 1..n-1's first-token params
     fork_first: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # their first tokens

@@ -5,7 +5,11 @@ the BlockManager, every block they hold. One rule covers prefill, chunked prefil
 request computes its pending tokens, as many as the step's token budget allows; when it reaches its last token the
 runner samples the next one. When blocks run out, a running request is preempted (the worst priority, the most
 recently admitted within it: engine.core.waiting.victim): its blocks are freed and it goes back to the front of the
-queue to be recomputed (its sampled tokens are kept). Waiting requests start in the WaitingQueue's order, where one
+queue to be recomputed (its sampled tokens are kept), or, with a SwapSpace (EngineConfig.preemption_mode swap or
+auto), its computed blocks are first copied to host slots (SchedulerOutput.swap_out) and copied back into new
+blocks when it is admitted again (swap_in; blocks of its prefix still in the prefix cache are taken, not copied).
+The runner executes both before it launches the step (the copies are ordered before any step that reuses the
+blocks). Waiting requests start in the WaitingQueue's order, where one
 that fits may pass a head that does not, for a while (engine.core.waiting).
 
 Overlapped scheduling: `schedule_after` plans the step that follows one still on the device, before its tokens are
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
 from engine.core.request import PromptLogprob, Request, RequestStatus, TokenLogprob
+from engine.core.swap_space import SwapSpace
 from engine.core.waiting import WaitingQueue, victim
 from engine.engine_config import EngineConfig
 
@@ -52,6 +57,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot): copy before the step
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, block): copy before the step
 
     @property
     def num_tokens(self) -> int:
@@ -75,8 +82,9 @@ class StepOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None,
-                 head_bypass_steps: int = EngineConfig.head_bypass_steps) -> None:
+                 head_bypass_steps: int = EngineConfig.head_bypass_steps, swap: SwapSpace | None = None) -> None:
         self.bm = block_manager
+        self.swap = swap  # None: preempted requests are recomputed
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,6 +136,7 @@ class Scheduler:
         elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         self.bm.free(request_id)
+        self._drop_swap(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
         return True
@@ -136,6 +145,21 @@ class Scheduler:
         now = self.clock()
         return [r.request_id for r in self.requests.values()
                 if r.status == RequestStatus.PINNED and r.pin_deadline is not None and r.pin_deadline <= now]
+
+    def growth_headroom(self) -> int:
+        """Blocks the running requests need beyond those they hold to compute their next block_size tokens (each
+        crosses its next block boundary; a request's last token, whose KV is never computed, not counted): what a
+        reservation from outside should leave free so that no running request is preempted for it soon."""
+        bs, need = self.bm.block_size, 0
+        for r in self.running:
+            last_kv = min(len(r.prompt_token_ids) + r.params.max_tokens, r.max_model_len) - 1
+            need += max(0, self.bm.blocks_needed(min(r.num_tokens + bs, last_kv)) - len(self.bm.table(r.request_id)))
+        return need
+
+    @property
+    def has_paused(self) -> bool:
+        """Whether a preempted request waits to resume (its stream paused until blocks free up)."""
+        return any(r.num_preemptions > 0 for r in self.waiting)
 
     @property
     def has_work(self) -> bool:
@@ -165,7 +189,7 @@ class Scheduler:
                     granted = scheduled.pop(k)[1]
                     budget += granted
                     prompt_budget += 0 if _decodes(v) else granted
-                self._preempt(v, cause)
+                self._preempt(v, cause, out)
                 out.preempted.append(v.request_id)
                 if at < i:  # it ran ahead of req: req moved up one
                     i -= 1
@@ -177,7 +201,7 @@ class Scheduler:
                 prompt_budget -= 0 if _decodes(req) else n
                 i += 1
         if not out.preempted:
-            self._admit_waiting(scheduled, min(budget, prompt_budget))
+            self._admit_waiting(scheduled, min(budget, prompt_budget), swap_in=out.swap_in)
         out.chunks = [self._chunk(r, n) for r, n in scheduled]
         self.num_scheduled_tokens += out.num_tokens
         return out
@@ -242,11 +266,12 @@ class Scheduler:
         if self.waiting and len(self.running) - leaving < self.max_num_seqs and _plans_alone(self.waiting[0], 0):
             return None
         admitted: list[tuple[Request, int]] = []
-        self._admit_waiting(admitted, min(budget, prompt_budget), leaving, overlappable_only=True)
+        swap_in: list[tuple[int, int]] = []
+        self._admit_waiting(admitted, min(budget, prompt_budget), leaving, overlappable_only=True, swap_in=swap_in)
         chunks += [self._chunk(r, n) for r, n in admitted]
         if not chunks:
             return None
-        out = SchedulerOutput(chunks)
+        out = SchedulerOutput(chunks, swap_in=swap_in)
         self.num_scheduled_tokens += out.num_tokens
         return out
 
@@ -300,11 +325,12 @@ class Scheduler:
         return self.prefill_cap if decoding and self.prefill_cap is not None else float("inf")
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
-                       overlappable_only: bool = False) -> None:
+                       overlappable_only: bool = False, *, swap_in: list[tuple[int, int]]) -> None:
         """Start waiting requests in queue order while the budget, the slots (`leaving` of the running ones are
         about to end) and the blocks allow; with `overlappable_only`, stop at one schedule_after may not plan (or
         skip it, behind a head). A head short of blocks may be passed by requests of its priority that fit
-        (WaitingQueue.head_blocked)."""
+        (WaitingQueue.head_blocked). A swapped-out request resumes where it stopped: the copies of its blocks
+        back from the host go to `swap_in`."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
             if not self.waiting.may_try(i):
@@ -315,9 +341,12 @@ class Scheduler:
                     break
                 i += 1
                 continue
+            swapped = req.swap_slots is not None
             fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None  # cached KV has no logits
-            prefix = self.bm.cached_prefix(req.all_token_ids) if fresh else []
-            cached_tokens = len(prefix) * self.bm.block_size
+            prefix = self.bm.cached_prefix(req.all_token_ids) if fresh or swapped else []
+            if swapped:  # its own KV comes back from the host; what the prefix cache still holds is not copied
+                prefix = prefix[:req.num_computed_tokens // self.bm.block_size]
+            cached_tokens = req.num_computed_tokens if swapped else len(prefix) * self.bm.block_size
             n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
             if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
                 if i == 0 and not self.waiting.head_blocked(self.num_updates):
@@ -325,10 +354,13 @@ class Scheduler:
                 i += 1
                 continue
             self.waiting.take(i)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = cached_tokens
-            self.num_prefix_query_tokens += req.num_tokens
-            self.num_prefix_hit_tokens += cached_tokens
+            if swapped:
+                self._swap_in(req, len(prefix), swap_in)
+            else:
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = cached_tokens
+                self.num_prefix_query_tokens += req.num_tokens
+                self.num_prefix_hit_tokens += cached_tokens
             req.num_computed_tokens = cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -343,15 +375,45 @@ class Scheduler:
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
                               sample=start + n == req.num_tokens, output_index=req.num_output_tokens)
 
-    def _preempt(self, req: Request, cause: str) -> None:
+    def _preempt(self, req: Request, cause: str, out: SchedulerOutput) -> None:
+        """Send a running request back to the queue's front: its KV swapped out (where the SwapSpace takes it) or
+        dropped, to be recomputed."""
         self.running.remove(req)
+        blocks = self.bm.blocks_needed(req.num_computed_tokens)
+        slots = None
+        if self.swap is not None and blocks and self.swap.wants_swap(req.num_computed_tokens, blocks):
+            slots = self.swap.take(blocks)
+        if slots is not None:  # copied out before the step that may reuse its blocks (SchedulerOutput.swap_out)
+            out.swap_out += zip(self.bm.table(req.request_id)[:blocks], slots, strict=True)
+            req.swap_slots = slots
+            self.swap.num_swapped_out += 1
+            self.swap.blocks_out += blocks
+        else:
+            req.num_computed_tokens = 0
         self.bm.free(req.request_id)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_cause[cause] += 1
         self.waiting.push_front(req)
+
+    def _swap_in(self, req: Request, num_prefix: int, swap_in: list[tuple[int, int]]) -> None:
+        """Queue the copies of `req`'s swapped-out blocks back into its new table (all but the first
+        `num_prefix`, taken from the prefix cache) and free its host slots (a later copy out into one is ordered
+        after these copies)."""
+        slots = req.swap_slots
+        table = self.bm.table(req.request_id)
+        pairs = list(zip(slots[num_prefix:], table[num_prefix:len(slots)], strict=True))
+        swap_in += pairs
+        self.swap.give_back(slots)
+        self.swap.num_swapped_in += 1
+        self.swap.blocks_in += len(pairs)
+        req.swap_slots = None
+
+    def _drop_swap(self, req: Request) -> None:
+        if req.swap_slots is not None:
+            self.swap.give_back(req.swap_slots)
+            req.swap_slots = None
 
 
 def _plans_alone(req: Request, start: int) -> bool:
