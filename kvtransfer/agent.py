@@ -34,7 +34,7 @@ from engine.kv_layout import KVCacheSpec
 from . import backends, wire
 from .agent_config import AgentConfig
 from .backends.cuda_ipc import CudaIpcPeer, export
-from .backends.ucx import UcxServer
+from .backends.ucx import UcxConnection, UcxServer
 from .cache import RegisteredCache, event_done
 from .client import ucx_chunk
 from .descriptors import Chunk
@@ -63,6 +63,7 @@ class KVAgent:
         self._faults = FaultInjector(faults)
         self._address = address or default_address()
         self._metrics = TransferMetrics()
+        self._handshake = self.config.handshake
         self._inbox = Inbox()
         self._xids = itertools.count(1)
         self._cache: RegisteredCache | None = None
@@ -152,11 +153,15 @@ class KVAgent:
             # the same agent again after an injected drop: its own connection to us stays up
             await self._remove_remote(meta.name, "replaced by a new agent of the same name", incoming=not same)
         remote = Remote(meta, backend)
-        await remote.connect(self._hello, time.monotonic() + self.config.connect_timeout_s)
+        await self._connect(remote, time.monotonic() + self.config.connect_timeout_s)
         if backend == "cuda_ipc":
             assert self._cache is not None and meta.cache is not None
             remote.ipc = CudaIpcPeer(self._cache, meta.cache)
         self._remotes[meta.name] = remote
+
+    async def _connect(self, r: Remote, deadline: float) -> UcxConnection:
+        """`r`'s UCX connection, opened (with the handshake's retries) if there is none or it broke."""
+        return await r.connect(self._hello, deadline, self._handshake, self._metrics)
 
     def _hello(self) -> dict:
         return {"op": "hello", "meta": wire.b64(self.metadata().to_bytes())}
@@ -322,7 +327,7 @@ class KVAgent:
 
     async def _transfer(self, op: str, r: Remote, cache: RegisteredCache, chunks: list[Chunk],
                         ready: torch.cuda.Event | None, notify: bytes | None, deadline: float, t0: float) -> None:
-        conn = await r.connect(self._hello, deadline)
+        conn = await self._connect(r, deadline)
         cache.wait_event(ready)
         pool = self._client_pool
         assert pool is not None
@@ -339,7 +344,7 @@ class KVAgent:
         if r.meta.notify_port is not None:  # its TCP notification stream (kvtransfer.notify_channel): far quicker
             await r.notify(self.name, msg, deadline)
             return
-        conn = await r.connect(self._hello, deadline)
+        conn = await self._connect(r, deadline)
         await conn.send_request({"op": "notify", "msg": wire.b64(msg)}, deadline)
 
     async def _notify(self, r: Remote, msg: bytes, deadline: float) -> None:

@@ -29,6 +29,7 @@ class TransferMetrics:
     _failures_by_kind: dict[str, int] = field(default_factory=dict)
     _injected: dict[str, int] = field(default_factory=dict)
     _injected_failures: int = 0
+    _handshakes: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_ok(self, op: str, nbytes: int, seconds: float) -> None:
@@ -53,16 +54,24 @@ class TransferMetrics:
         with self._lock:
             self._injected[kind] = self._injected.get(kind, 0) + 1
 
+    def record_handshake(self, outcome: str) -> None:
+        """A connection attempt's outcome (kvtransfer.backends.ucx_handshake.with_retries): "connected",
+        "retried" (timed out or broke, tried again), "refused" (nothing listens) or "failed" (retries used up)."""
+        with self._lock:
+            self._handshakes[outcome] = self._handshakes.get(outcome, 0) + 1
+
     def snapshot(self) -> dict:
         """{"ops": {op: {count, bytes, seconds_sum, seconds_max, failures}}, "failures": {kind: n},
         "bytes_total": int, "failures_total": int, "injected_faults": {"fail"|"stall"|"drop": n},
         "injected_faults_total": int, "injected_failures_total": int (the failures injection caused; real
-        failures = failures_total - injected_failures_total)}."""
+        failures = failures_total - injected_failures_total), "handshakes": {"connected"|"retried"|"refused"|
+        "failed": n}, "handshake_retries_total": int}."""
         with self._lock:
             ops = {k: dict(vars(v)) for k, v in self._ops.items()}
             fails = dict(self._failures_by_kind)
             injected = dict(self._injected)
             injected_failures = self._injected_failures
+            handshakes = {k: self._handshakes.get(k, 0) for k in ("connected", "retried", "refused", "failed")}
         return {
             "ops": ops,
             "failures": fails,
@@ -71,4 +80,6 @@ class TransferMetrics:
             "injected_faults": injected,
             "injected_faults_total": sum(injected.values()),
             "injected_failures_total": injected_failures,
+            "handshakes": handshakes,
+            "handshake_retries_total": handshakes["retried"],
         }

@@ -13,8 +13,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from .agent_config import HandshakePolicy
 from .backends.cuda_ipc import CudaIpcPeer
 from .backends.ucx import UcxConnection
+from .backends.ucx_handshake import with_retries
 from .errors import PeerLost, TransferError, TransferTimeout
 from .faults import Fault
 from .metadata import AgentMetadata
@@ -44,14 +46,17 @@ class Remote:
         if self.lost is not None:
             raise PeerLost(f"remote {self.name!r} was {self.lost}")
 
-    async def connect(self, hello: Callable[[], dict], deadline: float) -> UcxConnection:
+    async def connect(self, hello: Callable[[], dict], deadline: float, policy: HandshakePolicy,
+                      metrics: TransferMetrics) -> UcxConnection:
         """The open connection, or a new one (introduced by `hello()`) if there is none or it broke (PeerLost once
-        the remote is lost)."""
+        the remote is lost). A handshake that timed out or broke is tried again under `policy` before `deadline`;
+        one refused (nothing listens: the peer is gone) fails at once with PeerLost; outcomes go to `metrics`."""
         async with self.lock:
             self.check()
             if self.conn is None or self.conn.broken is not None:
                 m = self.meta
-                conn = await UcxConnection.open(m.address, m.port, m.name, hello(), deadline)
+                conn = await with_retries(lambda d: UcxConnection.open(m.address, m.port, m.name, hello(), d),
+                                          policy, deadline, f"connect to {m.name!r}", metrics.record_handshake)
                 if self.lost is not None:  # dropped while we were connecting: never keep that endpoint
                     conn.abort("remote dropped")
                     self.check()

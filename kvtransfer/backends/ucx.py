@@ -25,6 +25,7 @@ import ucxx
 
 from .. import wire
 from ..errors import PeerLost, TransferTimeout
+from .ucx_handshake import open_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +107,10 @@ class UcxConnection:
 
     @classmethod
     async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
-        try:
-            ep = await asyncio.wait_for(ucxx.create_endpoint(address, port), _remaining(deadline))
-        except (asyncio.TimeoutError, ucxx.exceptions.UCXError) as e:
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"connect to {peer!r} at {address}:{port} timed out") from e
-            # ucxx gives up by itself (~5 s) when nobody answers: the peer is gone
-            raise PeerLost(f"cannot connect to {peer!r} at {address}:{port}: {type(e).__name__} {e}") from e
-        conn = cls(ep, peer)
+        """One handshake attempt (endpoint, peer-info exchange, our hello) that must finish before `deadline`:
+        HandshakeRefused when nothing listens, HandshakeTimedOut / TransferTimeout when the peer did not answer
+        in time, PeerLost when it closed the connection, the peer's own error when it refused the hello."""
+        conn = cls(await open_endpoint(address, port, peer, deadline), peer)
         try:
             await conn.request(hello, 0, deadline)
         except BaseException:
