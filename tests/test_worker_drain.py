@@ -171,3 +171,7 @@ def test_mode_adaptive_the_planner_does_not_make_a_drained_worker_decode(tmp_pat
         assert back and "drain" not in back, back
         assert [r["text"] for r in asyncio.run(run())] == wanted
         assert_nothing_booked(url)
+        for _ in range(8):  # whichever HTTP process takes it asks the core (it was a 501 in all but the first)
+            listed = httpx.get(f"{url}/admin/requests", headers=OPERATOR, timeout=30)
+            assert listed.status_code == 200 and listed.json() == {"object": "list", "data": []}, listed.text
+            assert httpx.get(f"{url}/admin/requests/gone-1", headers=OPERATOR, timeout=30).status_code == 404

@@ -130,14 +130,14 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
     @app.get("/admin/requests")
     async def requests_in_flight(request: Request) -> JSONResponse:
         check_auth(request)
-        return JSONResponse({"object": "list", "data": _requests(backend).requests_in_flight()})
+        return JSONResponse({"object": "list", "data": await _requests(backend).requests_in_flight()})
 
     @app.get("/admin/requests/{request_id}")
     async def request_in_flight(request_id: str, request: Request) -> JSONResponse:
         check_auth(request)
         inflight = _requests(backend)
         for rid in (request_id, request_id.removeprefix("chatcmpl-"), request_id.removeprefix("cmpl-")):
-            view = inflight.request_view(rid)
+            view = await inflight.request_view(rid)
             if view is not None:
                 return JSONResponse(view)
         raise errors.APIError(404, f"no request {request_id[:64]!r} in flight (finished, unknown, or a choice of an "
@@ -150,9 +150,9 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
 
 
 def _requests(backend: Any) -> Any:
-    """The backend's view of its requests in flight; a 501 where this process has none (an HTTP frontend process
-    of several: ask the core process's port, coordinator.frontends)."""
+    """The backend's view of its requests in flight (an HTTP frontend process of several asks the core process:
+    coordinator.frontends); a 501 from a backend that keeps none."""
     if not hasattr(backend, "request_view"):
-        raise errors.APIError(501, "this process does not run the requests (ask the server's first HTTP process)",
+        raise errors.APIError(501, "this server's backend keeps no view of its requests in flight",
                               "invalid_request_error", "not_implemented")
     return backend

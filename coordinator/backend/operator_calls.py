@@ -13,12 +13,12 @@ from coordinator.config.serve_config import FaultsConfig
 
 
 class OperatorCalls:
-    def request_view(self, request_id: str) -> dict | None:
+    async def request_view(self, request_id: str) -> dict | None:
         """GET /admin/requests/{id}: a single-choice request in flight (coordinator.backend.inflight), or None."""
         record = self.inflight.get(request_id)
         return None if record is None else record.view({w.key: w.name for w in self.pools.all_workers})
 
-    def requests_in_flight(self) -> list[str]:
+    async def requests_in_flight(self) -> list[str]:
         """GET /admin/requests: the ids of the single-choice requests in flight."""
         return list(self.inflight)
 

@@ -171,6 +171,12 @@ class CoreBackend:
     async def restart_status(self) -> dict:
         return await self.call("restart_status")
 
+    async def request_view(self, request_id: str) -> dict | None:
+        return await self.call("request_view", request_id)
+
+    async def requests_in_flight(self) -> list[str]:
+        return await self.call("requests_in_flight")
+
     # ---- the link
     def _send(self, message: tuple) -> None:
         if self._link is None or self._link.closed:

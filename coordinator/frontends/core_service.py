@@ -58,7 +58,7 @@ class _Frontend:
 
 class CoreService:
     CALLS = ("integrity", "kill_worker", "kill_rank", "set_faults", "set_role", "drain_worker", "undrain_worker",
-             "revive_worker", "restart_workers", "restart_status",
+             "revive_worker", "restart_workers", "restart_status", "request_view", "requests_in_flight",
              "tenant_admit", "tenant_settle", "metrics_state", "frontend_ready")
 
     def __init__(self, backend: ServingBackend, tenants: TenantRegistry) -> None:
@@ -215,6 +215,12 @@ class CoreService:
 
     async def _call_restart_status(self, fe: _Frontend) -> dict:
         return await self.backend.restart_status()
+
+    async def _call_request_view(self, fe: _Frontend, request_id: str) -> dict | None:
+        return await self.backend.request_view(request_id)
+
+    async def _call_requests_in_flight(self, fe: _Frontend) -> list[str]:
+        return await self.backend.requests_in_flight()
 
     def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
         grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429
