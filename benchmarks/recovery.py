@@ -1,11 +1,14 @@
 """Recovery time: kill a worker of a running `pdserve serve` under streaming load and time how it comes back.
 
 For each worker named with --kill (in turn), while `--streams` greedy streams run in a closed loop: the kill goes
-through `POST /admin/workers/{name}/kill`; the client side measures the time until /health turns 503 (death
-noticed) and back to 200 (replacement live), the longest gap between two chunks of any stream (the pause a user
-sees) and whether every stream still got exactly its tokens; the server side reports the replacement's phases
-from /health (`last_recovery_s`: backoff, actor start = process + engine, engine = weights, KV cache and CUDA
-graphs, agent, peer exchange). The reference is the same run's chunk gap p50 before the kill.
+through `POST /admin/workers/{name}/kill`; the client side measures the time until /health shows the slot down
+(death noticed; or already replaced) and live again with /health 200, the longest gap between two chunks of any
+stream (the pause a user sees) and whether every stream still got exactly its tokens; the server side reports the
+replacement's phases from /health (`last_recovery_s`: backoff, actor start = process + engine, engine = weights, KV
+cache and CUDA graphs, agent, peer exchange; a warm spare's `takeover_s` instead of a start). With
+`recovery.spares`, each kill waits until the spares are ready. The reference is the same run's chunk gap p50 before
+the kill. Pauses with and without the fallback: `--set recovery.fallback=false`; with spares `--set
+recovery.spares=1`.
 
     python benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b --kill decode-0 prefill-0
     python benchmarks/recovery.py configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b --set load_format=dummy \
@@ -63,13 +66,28 @@ async def _load(url: str, model: str, args, stop: asyncio.Event, results: list[d
         await asyncio.gather(*[loop(client) for _ in range(args.streams)])
 
 
-async def _until_health(client: httpx.AsyncClient, code: int, timeout_s: float) -> float:
+async def _until_slot(client: httpx.AsyncClient, name: str, restarts: int, live: bool, timeout_s: float) -> float:
+    """When slot `name` was seen not live (`live` false) or live again (true) after `restarts` restarts, and the
+    server healthy: polled from /health (a spare's takeover may be over before a poll sees the slot down)."""
     deadline = time.perf_counter() + timeout_s
-    while (r := await client.get("/health")).status_code != code:
+    while True:
+        r = await client.get("/health")
+        slot = next(w for w in r.json()["workers"] if w["name"] == name)
+        again = slot["restarts"] > restarts
+        if (again and slot["state"] == "live" and r.status_code == 200) if live else (again or slot["state"] != "live"):
+            return time.perf_counter()
         if time.perf_counter() > deadline:
-            raise TimeoutError(f"/health not {code} within {timeout_s} s: {r.text}")
+            raise TimeoutError(f"{name} not {'back' if live else 'down'} within {timeout_s} s: {r.text}")
         await asyncio.sleep(0.02)
-    return time.perf_counter()
+
+
+async def _until_spares(client: httpx.AsyncClient, wanted: int, timeout_s: float) -> None:
+    """Until /health lists `wanted` warm spares (recovery.spares per pool: they start after the pools)."""
+    deadline = time.perf_counter() + timeout_s
+    while sum(w["state"] == "spare" for w in (await client.get("/health")).json()["workers"]) < wanted:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"fewer than {wanted} spares ready within {timeout_s} s")
+        await asyncio.sleep(0.2)
 
 
 async def drive(url: str, model: str, args) -> list[dict]:
@@ -78,6 +96,8 @@ async def drive(url: str, model: str, args) -> list[dict]:
         for target in args.kill:
             name, _, rank = target.partition(":")  # "decode-0:1": rank 1 of decode-0's tensor-parallel group
             query = f"?rank={rank}" if rank else ""
+            await _until_spares(admin, args.spares, args.recovery_timeout_s)
+            restarts = next(w["restarts"] for w in (await admin.get("/health")).json()["workers"] if w["name"] == name)
             stop, results = asyncio.Event(), []
             load = asyncio.create_task(_load(url, model, args, stop, results))
             await asyncio.sleep(args.settle_s)
@@ -85,8 +105,8 @@ async def drive(url: str, model: str, args) -> list[dict]:
             killed = time.perf_counter()
             assert (await admin.post(f"/admin/workers/{name}/kill{query}")).status_code == 200
             print(f"killed {target} after {len(results)} finished requests", flush=True)
-            noticed = await _until_health(admin, 503, args.recovery_timeout_s)
-            back = await _until_health(admin, 200, args.recovery_timeout_s)
+            noticed = await _until_slot(admin, name, restarts, False, args.recovery_timeout_s)
+            back = await _until_slot(admin, name, restarts, True, args.recovery_timeout_s)
             print(f"{name} back after {back - killed:.2f} s", flush=True)
             await asyncio.sleep(args.settle_s)
             stop.set()
@@ -128,6 +148,8 @@ def main() -> None:
     set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     config.setdefault("server", {}).update(admin_api=True, admin_api_key=ADMIN_KEY)
     config.setdefault("recovery", {}).setdefault("backoff_initial_s", 0.1)
+    recovery = config["recovery"]
+    args.spares = recovery.get("spares", 0) * (1 if config.get("mode") == "collocated" else 2)
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(args.workdir or tmp), config) as server:
         print(f"serving {config['model']} at {server.url}", flush=True)
         for row in asyncio.run(drive(server.url, config["model"], args)):

@@ -171,6 +171,12 @@ class WorkerAgents:
     def metadata(self) -> bytes:
         return self.group.to_bytes()
 
+    def rename(self, name: str) -> None:
+        """Peers know this worker as `name` from now on (a warm spare taking over a slot); its ranks' agents keep
+        their own names, which peers reach through the group."""
+        self.name = name
+        self.group = GroupMetadata(name, self.group.ranks)
+
     def add_peer(self, data: bytes) -> str:
         """Blocking: every rank connects to the ranks of peer worker `data` (GroupMetadata) it pulls from."""
         followers = self._followers("add_group", data)  # they connect while rank 0 does

@@ -55,6 +55,7 @@ class Worker:
         self.decodes: Decodes | None = None
         self._stream: WorkerStream | None = None
         self._tasks: list[asyncio.Task] = []  # kept: not collected while they run
+        self._info: WorkerInfo | None = None  # what start() (or a spare's adopt()) reported
 
     async def start(self) -> WorkerInfo:
         # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
@@ -95,12 +96,22 @@ class Worker:
         if self._stream is not None:
             outputs_at = (*self._stream.address, self._stream.token)
             self._tasks.append(asyncio.get_running_loop().create_task(self.decodes.keep_load_fresh()))
-        return WorkerInfo(self.name, self.role, engine.num_kv_blocks, engine.config.block_size,
+        self._info = WorkerInfo(self.name, self.role, engine.num_kv_blocks, engine.config.block_size,
                           engine.config.max_model_len, engine.model_config.vocab_size,
                           self.agents.metadata() if self.agents else None,
                           (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
                            ("agent", time.monotonic() - started - engine_s)),
                           pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
+        return self._info
+
+    async def adopt(self, name: str) -> WorkerInfo:
+        """A warm spare takes over worker slot `name` (coordinator.backend.spares): from now on it is that worker to
+        the coordinator and, its transfer metadata renamed, to its peers; engine, agents and stream are kept."""
+        self.name = self.prefills.name = self.decodes.name = name
+        if self.agents is not None:
+            self.agents.rename(name)
+        self._info = replace(self._info, name=name, agent_metadata=self.agents.metadata() if self.agents else None)
+        return self._info
 
     # ---- the prefill duty (prefill_pool.prefills)
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -172,6 +172,11 @@ def test_no_live_decoder_makes_one_mixed_at_once():
                       lambda w, r, why: setattr(w, "role", r), lambda w: 0, clock)
     change = planner.tick()
     assert (change.worker, change.new) == ("w-0", "mixed") and workers[0].decodes
+    workers[0].role, workers[1].state = "prefill", "live"  # and the moment the last decoder dies, without a look
+    assert planner.ensure_decoder() is None
+    workers[1].state = "dead"
+    change = planner.ensure_decoder()
+    assert (change.worker, change.new) == ("w-0", "mixed") and workers[0].decodes
 
 
 def test_the_planner_measures_how_busy_each_engine_was():

@@ -94,12 +94,48 @@ def test_no_room_within_the_timeout_is_a_503_naming_the_missing_room():
 def test_a_pool_without_live_workers_is_named_in_the_503(mode):
     admission, ledger, pools = _setup(mode=mode)
     pools.decode[0].state = "restarting"
+    for w in pools.prefill:  # (disaggregated: with a live prefill worker the request would run whole there)
+        w.state = "dead"
 
     async def run():
         with pytest.raises(Overloaded, match="the decode pool has no live worker \\(decode-0 restarting: a "
                                              "replacement is being started\\)"):
             await admission.place(_request(10, 5), 0, ledger.open("x"))
     asyncio.run(run())
+
+
+def test_a_pool_with_no_live_worker_sends_whole_requests_to_the_other_pool_until_its_replacement_is_live():
+    admission, ledger, pools = _setup()
+    pools.decode[0].state = "restarting"
+
+    async def run():
+        moved = await admission.place(_request(100, 50), 7, ledger.open("moved"), migrating=True)
+        new = await admission.place(_request(20, 5), 0, ledger.open("new"))
+        for placement in (moved, new):  # whole on the prefill worker (the collocated path), booked there
+            assert placement.decode is pools.prefill[0] and placement.prefill is None
+        blocks = admission.kv_blocks(_request(100, 50), 7) + admission.kv_blocks(_request(20, 5), 0)
+        assert ledger.check_integrity() == {"prefill-0#0": {"kv_blocks": blocks, "prompt_tokens": 107 + 20}}
+        pools.decode[0].state = "live"  # the replacement is live: the normal split again
+        back = await admission.place(_request(20, 5), 0, ledger.open("back"))
+        assert back.decode is pools.decode[0] and back.prefill is pools.prefill[0]
+        pools.prefill[0].state = "restarting"  # and the other way round: a local prefill on the decode worker
+        local = await admission.place(_request(20, 5), 0, ledger.open("local"))
+        assert local.decode is pools.decode[0] and local.prefill is None
+        assert ledger.booked("decode-0#0", "prompt_tokens") == 20
+    asyncio.run(run())
+    assert admission.fallbacks == {"decode": 2, "prefill": 1}
+
+
+def test_a_fallback_worker_without_room_waits_like_any_other():
+    admission, ledger, pools = _setup()
+    pools.decode[0].state = "dead"
+
+    async def run():
+        await admission.place(_request(1500, 10), 0, ledger.open("big"))  # 96 of prefill-0's 100 blocks
+        with pytest.raises(Overloaded, match="the decode pool has no live worker"):
+            await admission.place(_request(100, 10), 0, ledger.open("late"))
+    asyncio.run(run())
+    assert admission.fallbacks == {"decode": 1, "prefill": 0}
 
 
 def test_partial_loss_routes_around_the_dead_worker_at_once():

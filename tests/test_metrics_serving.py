@@ -33,7 +33,8 @@ _HISTOGRAMS = ("pdserve_e2e_request_latency_seconds", "pdserve_inter_token_laten
 _COUNTERS = (
     "pdserve_admission_bypassed", "pdserve_backend_errors", "pdserve_coordinator_gc_full_collections",
     "pdserve_coordinator_gc_pause_seconds", "pdserve_coordinator_gc_pauses", "pdserve_coordinator_loop_stalls",
-    "pdserve_errors", "pdserve_generation_tokens", "pdserve_migrations", "pdserve_pool_down_seconds",
+    "pdserve_errors", "pdserve_fallback_placements", "pdserve_generation_tokens", "pdserve_migrations",
+    "pdserve_pool_down_seconds",
     "pdserve_prefill_placement", "pdserve_prefix_affinity_hits", "pdserve_prompt_tokens", "pdserve_request_finish",
     "pdserve_requests", "pdserve_role_changes", "pdserve_worker_engine_gc_full_collections",
     "pdserve_worker_engine_gc_pause_seconds", "pdserve_worker_engine_gc_pauses", "pdserve_worker_engine_preemptions",
@@ -45,13 +46,14 @@ _COUNTERS = (
     "vllm:request_success", "pdserve_admission_booking_grown_blocks", "pdserve_stalled_clients",
     "pdserve_worker_engine_expired_pins", "pdserve_worker_engine_head_bypassed",
     "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
-    "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_worker_engine_swapped_out",
+    "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
     "pdserve_worker_engine_swap_full")
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
-    "pdserve_queue_length", "pdserve_requests_in_flight", "pdserve_tenant_in_flight", "pdserve_worker_alive",
+    "pdserve_queue_length", "pdserve_requests_in_flight", "pdserve_spares_ready", "pdserve_tenant_in_flight",
+    "pdserve_worker_alive",
     "pdserve_worker_booked_kv_blocks",
     "pdserve_worker_booked_prompt_tokens", "pdserve_worker_engine_cached_blocks",
     "pdserve_worker_engine_decode_step_s", "pdserve_worker_engine_gc_pause_max_s", "pdserve_worker_engine_num_pinned",

@@ -19,6 +19,13 @@ prompt is prefilled, remotely on a worker that takes prefills for others or loca
 PlacementModel's choice (coordinator.admission.placement), counted in `placements` and logged per request
 (logger coordinator.placement).
 
+Fallback (`mode: disaggregated`, `recovery.fallback`, on by default): while one pool has no live worker (its slot
+dead and being replaced, or every worker of it drained), a request, new or moving off the dead worker, runs whole on
+a live worker of the other pool (every worker can prefill and decode: the collocated path), its KV blocks and prompt
+booked there, instead of waiting for the replacement. Once both pools have a live worker, placements split again
+(what runs on the other pool's worker finishes there). Counted in `fallbacks` by the missing pool (/metrics
+`pdserve_fallback_placements_total`).
+
 A request whose whole length (prompt, max_tokens) cannot fit even an empty worker is refused at once
 (RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
@@ -75,6 +82,8 @@ class Admission:
         self.queue = AdmissionQueue(aging_s=config.admission.priority_aging_s, bypass_s=config.admission.bypass_s)
         self.placement = PlacementModel(config.slo) if config.adaptive and config.slo else None
         self.placements: dict[str, int] = {"remote": 0, "local": 0}  # where prompts were prefilled
+        # disaggregated requests run whole on the other pool's worker while this pool had no live worker
+        self.fallbacks: dict[str, int] = {"decode": 0, "prefill": 0}
 
     def output_budget(self, request: GenerateRequest, num_prior: int) -> int:
         """Output tokens (per choice) booked at admission: reserve_ahead_tokens (growing bookings) or the
@@ -132,8 +141,11 @@ class Admission:
         if self.placement is not None:
             return self._place_adaptive(request, tokens, blocks, reservation, priority, share)
         prefill_role = "prefill" if self.config.mode == "disaggregated" else "decode"
-        backlog_ok = [w for w in self.workers.live(prefill_role) if self._backlog_allows(w, tokens, share)]
         decode_live = self.workers.live("decode")
+        if prefill_role == "prefill" and self.config.recovery.fallback and not (
+                decode_live and self.workers.live("prefill")):
+            return self._place_fallback(request, tokens, blocks, reservation, priority, share)
+        backlog_ok = [w for w in self.workers.live(prefill_role) if self._backlog_allows(w, tokens, share)]
         if prefill_role == "decode":
             decode_live = [w for w in decode_live if w in backlog_ok]
         if not backlog_ok or not decode_live:
@@ -148,6 +160,25 @@ class Admission:
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
         self.placements["local" if prefill is None else "remote"] += 1
         return Placement(decode, prefill, blocks, priority)
+
+    def _place_fallback(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
+                        priority: int, share: float) -> Placement | None:
+        """Disaggregated, with one pool that has no live worker (a dead slot being replaced): the request runs whole
+        on a live worker of the other pool (every worker can prefill and decode), booked there, instead of waiting
+        for the replacement. Counted in `fallbacks` by the pool that was missing."""
+        missing = "prefill" if self.workers.live("decode") else "decode"
+        other = "decode" if missing == "prefill" else "prefill"
+        candidates = [w for w in self.workers.live(other) if self._backlog_allows(w, tokens, share)]
+        worker = self.router.pick_decode(candidates, lambda w: self._room(w, share), blocks)
+        if worker is None:
+            return None
+        reservation.book(worker.key, "kv_blocks", blocks)
+        reservation.book(worker.key, "prompt_tokens", tokens)
+        self.placements["local"] += 1
+        self.fallbacks[missing] += 1
+        log.info("request %s: no live %s worker; running it whole on %s worker %s", request.request_id, missing,
+                 other, worker.name)
+        return Placement(worker, None, blocks, priority)
 
     def _place_adaptive(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
                         priority: int, share: float) -> Placement | None:
@@ -189,10 +220,9 @@ class Admission:
         return cap is None or booked == 0 or booked + tokens <= cap * share  # an idle worker takes any prompt
 
     def _why_not(self, blocks: int, tokens: int) -> Overloaded:
-        for role in self.workers.roles:
-            reason = self.workers.down_reason(role)
-            if reason is not None:
-                return Overloaded(reason, retry_after_s=5.0)  # it says whether a replacement is coming
+        reasons = [r for role in self.workers.roles if (r := self.workers.down_reason(role)) is not None]
+        if reasons:  # each says whether a replacement is coming
+            return Overloaded("; ".join(reasons), retry_after_s=5.0)
         if self.config.mode == "disaggregated" and not any(
                 self._backlog_allows(w, tokens) for w in self.workers.live("prefill")):
             return Overloaded(f"every prefill worker's backlog is full (admission.max_prefill_backlog_tokens "

@@ -9,7 +9,8 @@ at a time (a lock): two workers out at once could leave a pool empty.
 
 A worker that is the last live one able to do its pool's work cannot be drained without stopping that work: the
 step refuses it (`CycleRefused`, a 409 at the HTTP edge) unless `allow_pause`, and then the pause is stated:
-new requests for that pool wait in admission (up to admission.timeout_s) while it restarts.
+new requests for that pool wait in admission (up to admission.timeout_s) while it restarts (in mode disaggregated
+with recovery.fallback, they run whole on the other pool's workers meanwhile).
 
 `RollingRestart` cycles every worker slot in turn (prefill slots first, then decode) in a background task; its
 `status()` is what GET /admin/workers/restart shows: state ("running", "done", "failed"), the slot being cycled,

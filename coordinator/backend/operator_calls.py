@@ -23,7 +23,7 @@ class OperatorCalls:
         return list(self.inflight)
 
     def health(self) -> tuple[bool, list[dict]]:
-        return self.drains.healthy(), self.drains.states()
+        return self.drains.healthy(), self.drains.states() + self.spares.states()  # spares: state "spare"
 
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Assert that the bookings are exactly those of the requests in flight; return them per worker."""

@@ -16,8 +16,8 @@ lives on: its prompts would share decoding steps within their budget), else a mi
 prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always keeping a worker that
 decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s` without changes, and
 a change is judged only by requests that ended after it. Both short, or neither: no change. One exception needs no
-verdict: when no live worker decodes but another lives, one becomes mixed at once (a dead decode worker's
-replacement takes seconds; its streams should not wait for it).
+verdict: when no live worker decodes but another lives, one becomes mixed at once, the moment the last decoding
+worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its streams should not wait for it).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ class Planner:
         now = self._clock()
         workers = self._workers()
         self._measure_busy(workers, now)
-        live = [w for w in workers if w.alive]
-        if live and not any(w.role != "prefill" for w in live):
-            return self._change(min(live, key=self._pressure), "mixed", "no live worker decodes", now)
+        change = self.ensure_decoder()
+        if change is not None:
+            return change
         if not self.config.enabled or now - self._last_change < self.config.cooldown_s:
             return None
         since = max(now - self.config.window_s, self._last_change)
@@ -125,6 +125,14 @@ class Planner:
         why = (f"{short} is short: TTFT p90 {ttft_p90 * 1000:.0f} ms (target {self.slo.ttft_ms:g}), TPOT p90 "
                f"{tpot_p90 * 1000:.1f} ms (target {self.slo.tpot_ms:g}) over {count} requests; {busy}")
         return self._change(*move, why, now)
+
+    def ensure_decoder(self) -> RoleChange | None:
+        """The exception to the verdicts: when no live worker decodes but another lives, the least pressed one
+        becomes mixed now (called by each look, and by the backend the moment a worker dies)."""
+        live = [w for w in self._workers() if w.alive]
+        if live and not any(w.role != "prefill" for w in live):
+            return self._change(min(live, key=self._pressure), "mixed", "no live worker decodes", self._clock())
+        return None
 
     def _measure_busy(self, workers: list[WorkerState], now: float) -> None:
         """Each live worker's share of time between its last two reports that its engine spent stepping

@@ -48,6 +48,9 @@ class Pools:
         self.decode: list[WorkerState] = []
         self.model_path = ""
         self._groups: dict[str, object] = {}
+        # actor name -> (placement group key, bundle index) where not its slot's own bundle (warm spares, and a slot
+        # a spare took over: coordinator.backend.spares)
+        self.bundles: dict[str, tuple[str, int]] = {}
         self._started_ray = False
 
     @property
@@ -113,11 +116,13 @@ class Pools:
         return (self.transfers and cfg.transfer.push and cfg.prefill.tensor_parallel_size == 1
                 and cfg.decode.tensor_parallel_size == 1)
 
-    async def start_slot(self, role: str, index: int, incarnation: int = 0, current_role: str = "") -> WorkerState:
+    async def start_slot(self, role: str, index: int, incarnation: int = 0, current_role: str = "",
+                         name: str | None = None) -> WorkerState:
         """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model; it takes
-        `current_role` (adaptive: the role its slot had; "": its pool's). On any failure the new actor is killed,
+        `current_role` (adaptive: the role its slot had; "": its pool's). `name`: an actor of `role`'s config under
+        another name (a warm spare), in the bundle `bundles` gives it. On any failure the new actor is killed,
         so a failed start leaves nothing behind."""
-        handle = self._actor(role, index)
+        handle = self._actor(role, index, name)
         try:
             info = await handle.start.remote()
             load = await handle.load.remote()  # its gauges exist from the moment it is installed
@@ -206,18 +211,26 @@ class Pools:
     def _pool(self, role: str) -> PoolConfig:
         return self.config.prefill if role == "prefill" else self.config.decode
 
-    def _group(self, pool: PoolConfig, role: str):
+    def _group(self, pool: PoolConfig, role: str, count: int | None = None):
         strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
-        return placement_group([worker_bundle(pool)] * pool.workers, strategy=strategy, name=f"pdserve-{role}")
+        return placement_group([worker_bundle(pool)] * (pool.workers if count is None else count), strategy=strategy,
+                               name=f"pdserve-{role}")
 
-    def _actor(self, role: str, index: int):
+    async def add_group(self, key: str, role: str, count: int) -> None:
+        """Another placement group `key` of `count` bundles of `role`'s pool (warm spares), once it is placed;
+        removed at shutdown with the pools' own."""
+        self._groups[key] = self._group(self._pool(role), key, count)
+        await self._placed()
+
+    def _actor(self, role: str, index: int, name: str | None = None):
         cfg, pool = self.config, self._pool(role)
+        name = name or f"{role}-{index}"
+        group, bundle = self.bundles.get(name, (role, index))
         options = dict(num_cpus=pool.num_cpus, num_gpus=worker_bundle(pool).get("GPU", 0),
                        resources=dict(pool.resources), max_concurrency=10_000,
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[role],
-                                                                            placement_group_bundle_index=index))
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[group],
+                                                                            placement_group_bundle_index=bundle))
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
-        name = f"{role}-{index}"
         seed = index if role == "prefill" else 1000 + index
         return ray.remote(Worker).options(**options).remote(
             name, cfg.engine_config(pool, seed=seed), agent if self.transfers else None, _threads(pool),

@@ -57,6 +57,7 @@ from coordinator.backend.pools import Pools
 from coordinator.backend.ray_calls import in_order, quietly
 from coordinator.backend.ray_group import GroupRun
 from coordinator.backend.remote_prefill import RemotePrefill
+from coordinator.backend.spares import Spares
 from coordinator.backend.stats import backend_stats, transfer_totals
 from coordinator.backend.stragglers import StragglerWatch
 from coordinator.backend.supervisor import Supervisor
@@ -82,6 +83,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
         self.vocab_size = 0
         self.ledger = Ledger(on_release=self._capacity_freed)
         self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.spares = Spares(self.pools, config.recovery.spares)  # warm workers that take over a dead slot
+        self.supervisor.spares = self.spares if config.recovery.spares else None
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
         self.cycler = Cycler(self.pools, self.supervisor, self.drains)  # one worker replaced on purpose at a time
         self.rolling = RollingRestart(self.cycler)
@@ -105,6 +108,7 @@ class RayBackend(RemotePrefill, OperatorCalls):
 
     async def start(self) -> None:
         await self.pools.start()
+        await self.spares.start()  # places their bundles; they start in the background
         infos = [w.info for w in self.pools.all_workers]
         self.model_path = self.pools.model_path
         # a request must fit one worker's whole KV cache (decode also books one block ahead): larger ones are
@@ -136,6 +140,7 @@ class RayBackend(RemotePrefill, OperatorCalls):
             task.cancel()
         await self.rolling.shutdown()
         await self.supervisor.shutdown()
+        await self.spares.shutdown()
         await self.drains.shutdown()
         self.intake.fail_all(BackendError("the server is shutting down"))
         await self.pools.shutdown()
@@ -310,6 +315,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
         if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
             self._count(self.errors, "worker_died")
+        if self.adaptive is not None:  # the last decoding worker died: another decodes now, before its requests move
+            self.adaptive.planner.ensure_decoder()
         for attempt in list(worker.requests):
             self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
 

@@ -49,6 +49,9 @@ def backend_stats(backend: Any) -> dict:
             "stragglers": {"detected": backend.stragglers.detected, "replaced": backend.stragglers.replaced},
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
             "placements": dict(admission.placements) if admission else {},
+            "fallbacks": dict(admission.fallbacks) if admission else {},
+            "spare_takeovers": dict(backend.spares.taken),
+            "spares_ready": {pool: len(ready) for pool, ready in backend.spares.ready.items()},
             "placement_calibration": admission.placement.calibration.factors()
             if admission and admission.placement else {},
             "role_changes": {f"{a}>{b}": n for (a, b), n in backend.adaptive.role_changes.items()}

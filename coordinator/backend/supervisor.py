@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from coordinator.admission.router import WorkerState
 from coordinator.backend.pools import START_TIMEOUT_S, Pools
+from coordinator.backend.spares import Spares
 from coordinator.config.serve_config import RecoveryConfig
 
 log = logging.getLogger("pdserve")
@@ -54,6 +55,8 @@ class Supervisor:
         self._down_since: dict[str, float | None] = dict.fromkeys(pools.roles, None)
         self._down_total: dict[str, float] = dict.fromkeys(pools.roles, 0.0)
         self._tasks: set[asyncio.Task] = set()
+        self.spares: Spares | None = None                # warm spares that take over a dead slot (recovery.spares)
+        self._adopted: set[int] = set()                  # pids of spares that took over a slot
 
     # ---- what happened
     def worker_died(self, worker: WorkerState, reason: str, planned: bool = False) -> None:
@@ -194,17 +197,23 @@ class Supervisor:
             else:
                 delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** len(recent))
                 recent.append(now)
-                await asyncio.sleep(delay)
+                if not self._spare_ready(role):  # a warm spare takes over at once
+                    await asyncio.sleep(delay)
             dead.state = "restarting"
             incarnation += 1
             self._tried[name] = incarnation
+            worker = None
             try:
                 spawned = time.monotonic()
-                worker = await asyncio.wait_for(
-                    self.pools.start_slot(role, Pools.slot_index(dead), incarnation, dead.role), START_TIMEOUT_S)
+                worker = await self._take_over(dead, incarnation)
+                if worker is None:
+                    worker = await asyncio.wait_for(
+                        self.pools.start_slot(role, Pools.slot_index(dead), incarnation, dead.role), START_TIMEOUT_S)
                 started = time.monotonic()
                 await self.pools.connect(worker)
             except Exception as e:  # noqa: BLE001 - any failed start is retried after the next backoff
+                if worker is not None:  # started (or a spare adopted) but not wired: it gives its bundle back
+                    ray.kill(worker.handle, no_restart=True)
                 cause = getattr(e, "cause", None) or e  # a RayTaskError's own text is mostly its traceback
                 self.restart_failures[name] = self.restart_failures.get(name, 0) + 1
                 self.reasons[name] = _short(f"replacement failed to start: {type(cause).__name__}: {cause}")
@@ -216,15 +225,28 @@ class Supervisor:
             self.restarts[name] = self.restarts.get(name, 0) + 1
             self._update_downtime()
             now = time.monotonic()
-            phases = dict(worker.info.startup_s)
+            adopted = worker.info.pid in self._adopted  # a warm spare: its start-up phases were long before
+            phases = {} if adopted else {f"{k}_s": v for k, v in worker.info.startup_s}
             self.recoveries[name] = {
                 "total_s": now - self._died_at[name], "backoff_s": spawned - self._died_at[name],
-                "actor_start_s": started - spawned, **{f"{k}_s": v for k, v in phases.items()},
+                ("takeover_s" if adopted else "actor_start_s"): started - spawned, **phases,
                 "peer_exchange_s": now - started}
             log.warning("worker %s is back (incarnation %d): %s", name, incarnation,
                         ", ".join(f"{k} {v:.2f}" for k, v in self.recoveries[name].items()))
             self._on_live(worker)
             return
+
+    def _spare_ready(self, role: str) -> bool:
+        return self.spares is not None and bool(self.spares.ready.get(role))
+
+    async def _take_over(self, dead: WorkerState, incarnation: int) -> WorkerState | None:
+        """A warm spare as the slot's next incarnation (coordinator.backend.spares), or None: start a new actor."""
+        if self.spares is None:
+            return None
+        worker = await self.spares.take_over(dead, incarnation)
+        if worker is not None:
+            self._adopted.add(worker.info.pid)
+        return worker
 
     def _update_downtime(self) -> None:
         now = time.monotonic()

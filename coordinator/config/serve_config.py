@@ -99,6 +99,9 @@ class AdmissionConfig:
             raise ValueError(f"bypass_s must be in [0, 3600], got {self.bypass_s}")
 
 
+MAX_SPARES = 64
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     """Self-healing: replacing dead workers (with backoff) and moving their requests elsewhere."""
@@ -108,8 +111,13 @@ class RecoveryConfig:
     backoff_initial_s: float = 0.5   # wait before the first replacement of a slot; doubles per recent restart
     backoff_max_s: float = 30.0
     max_migrations: int = 3          # per request: moves to another worker after a worker or transfer failure
+    # disaggregated: while one pool has no live worker, requests (new and moved) run whole on the other pool's workers
+    fallback: bool = True
+    spares: int = 0                  # warm spare workers per pool (model loaded, not routed to); take over a dead slot
 
     def __post_init__(self) -> None:
+        if not 0 <= self.spares <= MAX_SPARES:
+            raise ValueError(f"spares must be in [0, {MAX_SPARES}] (warm spare workers per pool), got {self.spares}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s "
                              f"({self.backoff_initial_s})")

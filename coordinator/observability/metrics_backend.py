@@ -125,6 +125,12 @@ def backend_families(stats: dict) -> list[Metric]:
              "attempted, and outcome_completed / outcome_failed of moved requests"),
             ("pool_down_seconds", "pdserve_pool_down_seconds_total", "pool", "Seconds each pool spent with no live "
              "worker"),
+            ("fallbacks", "pdserve_fallback_placements_total", "missing", "Requests (new or moving off a dead "
+             "worker) run whole on the other pool's worker while this pool (missing) had no live worker"),
+            ("spare_takeovers", "pdserve_spare_takeovers_total", "pool", "Dead worker slots taken over by a warm "
+             "spare of their pool (recovery.spares)"),
+            ("spares_ready", "pdserve_spares_ready", "pool", "Warm spare workers ready to take over a dead slot, per "
+             "pool (recovery.spares; fewer while one is being started)"),
             ("stragglers", "pdserve_stragglers_total", "event", "Workers found much slower than their peers "
              "(detected) and of those, replaced (stragglers.replace)")):
         table = stats.get(key)
