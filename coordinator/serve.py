@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 
 from coordinator.api.app import create_app
 from coordinator.api.http_server import DrainingServer, bind_listener, log_serving, uvicorn_config
@@ -20,11 +21,14 @@ from coordinator.config.serve_config import ServeConfig
 from coordinator.observability.stall_reporter import start_stall_reporter
 
 
-async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(config: ServeConfig, ready: asyncio.Event | None = None,
+                listener: socket.socket | None = None) -> None:
+    """`listener`: a socket already listening (`pdserve serve`'s process supervisor holds it across coordinator
+    restarts); None: bind server.host:server.port here."""
     from coordinator.backend.ray_backend import (
         RayBackend,  # Ray only for the real server (tests build the HTTP config alone)
     )
-    listener = bind_listener(config.server.host, config.server.port)
+    listener = listener or bind_listener(config.server.host, config.server.port)
     backend = RayBackend(config)
     stalls = None
     try:

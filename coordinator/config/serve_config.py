@@ -104,6 +104,9 @@ class RecoveryConfig:
     backoff_initial_s: float = 0.5   # wait before the first replacement of a slot; doubles per recent restart
     backoff_max_s: float = 30.0
     max_migrations: int = 3          # per request: moves to another worker after a worker or transfer failure
+    # coordinator crashes `pdserve serve` restarts it after within restart_window_s (with the backoff above); it
+    # adopts the running workers (coordinator.process_supervisor). 0: a crashed coordinator ends the server
+    coordinator_max_restarts: int = 5
 
     def __post_init__(self) -> None:
         if self.backoff_max_s < self.backoff_initial_s:
@@ -161,6 +164,9 @@ class ServeConfig:
     mode: str = "disaggregated"
     placement: str = "pack"        # "pack" | "spread"
     ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    # the Ray namespace of the server's workers, which outlive a crashed coordinator there (coordinator.backend.fleet);
+    # None: `pdserve serve` derives one from the host name and port (pdserve-HOST-PORT)
+    namespace: str | None = None
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig(max_num_seqs=256)
     transfer: TransferConfig = TransferConfig()
