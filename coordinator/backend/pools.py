@@ -56,6 +56,7 @@ class Pools:
         self._started_ray = False
         self.fleet = ""  # the fleet's fingerprint when it has a namespace (coordinator.backend.fleet)
         self.adopted = False  # start() took over a dead coordinator's workers
+        self.keep_fleet = False  # shutdown() leaves the workers running (a crash: the next coordinator adopts them)
 
     @property
     def all_workers(self) -> list[WorkerState]:
@@ -205,6 +206,8 @@ class Pools:
         return int(worker.name.rsplit("-", 1)[1])
 
     async def shutdown(self) -> None:
+        if self.keep_fleet:  # a crashed coordinator's: left running for the next one (coordinator.backend.adoption)
+            return
         workers = self.all_workers
         await asyncio.gather(*[w.handle.shutdown.remote() for w in workers if w.alive], return_exceptions=True)
         for w in workers:
