@@ -3,7 +3,9 @@
 clients' streams with an error (not a hang), the process supervisor starts it again by itself, and the new one adopts
 the same worker processes (no second model load, the orphaned requests aborted, integrity clean) and serves exactly
 the engine's greedy outputs; a worker killed while no coordinator runs is replaced after the adoption; `pdserve stop`
-stops it all, no worker left. Prints the time from the kill to the first request served (docs/operations.md)."""
+stops it all, no worker left. On a joined Ray cluster: a whole server SIGKILLed and started again adopts its workers,
+one started with another pool config replaces them, and `pdserve stop` empties the namespace a killed one left.
+Prints the time from the kill to the first request served (docs/operations.md)."""
 
 import asyncio
 import os
@@ -21,7 +23,9 @@ from coordinator.config.serve_config import PoolConfig, ServeConfig
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
+    ADMIN_KEY,
     HALF_CPU,
+    OPERATOR,
     admin_integrity,
     assert_nothing_booked,
     complete,
@@ -193,3 +197,82 @@ def test_fleet_names_and_fingerprints():
     assert fingerprint(replace(base, recovery=replace(base.recovery, max_migrations=9)), pools) == same
     assert fingerprint(replace(base, decode=PoolConfig(workers=2, max_num_seqs=256)), pools) != same
     assert fingerprint(replace(base, model="elsewhere"), pools) != same
+
+
+def _serve(config_path: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(config_path)],
+                            stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _pids(url: str) -> dict[str, int]:
+    workers = httpx.get(f"{url}/health", headers=OPERATOR, timeout=10).json()["workers"]
+    return {w["name"]: w["pid"] for w in workers}
+
+
+def test_on_a_joined_cluster_a_whole_server_restart_adopts_a_changed_config_replaces_and_stop_empties(tmp_path):
+    """`ray_address` set: the workers are the cluster's, not the server's processes. SIGKILL of the whole
+    `pdserve serve` leaves them in the namespace; the next `pdserve serve` with the same config adopts them (same
+    pids), one with another pool config tears them down and starts its own; `pdserve stop` with no server running
+    removes what a killed one left: the namespace ends empty."""
+    import ray
+    import yaml
+
+    from benchclient.launcher import free_port
+    ray.init(include_dashboard=False, num_cpus=2, logging_level="WARNING")
+    procs: list[subprocess.Popen] = []
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = {**CONFIG, "ray_address": ray.get_runtime_context().gcs_address,
+                  "server": {**CONFIG["server"], "admin_api_key": ADMIN_KEY, "port": port}}
+        path, log = tmp_path / "serve.yaml", tmp_path / "server.log"
+        path.write_text(yaml.safe_dump(config))
+
+        def start() -> subprocess.Popen:
+            procs.append(_serve(path, log))
+            assert poll(lambda: _serving(url), DEADLINE_S), log.read_text()[-3000:]
+            return procs[-1]
+
+        def kill(server: subprocess.Popen) -> None:
+            """SIGKILL of the whole server: the supervisor (its watchdog then kills the coordinator)."""
+            coordinator = _coordinator_pid(server.pid)
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            assert poll(lambda: not _alive(coordinator), DEADLINE_S)  # the port is free again
+
+        def ours() -> list[str]:
+            return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["namespace"].startswith("pdserve-") and a["namespace"].endswith(f"-{port}")]
+
+        first = start()
+        pids = _pids(url)
+        kill(first)
+        assert sorted(ours()) == ["decode-0@0", "prefill-0@0"]  # left running in the cluster
+        assert all(_alive(pid) for pid in pids.values())
+
+        second = start()  # the same config: adopted, no model loaded again
+        assert _pids(url) == pids
+        assert log.read_text().count(" ready: engine") == 2
+        kill(second)
+
+        path.write_text(yaml.safe_dump({**config, "decode": {**HALF_CPU, "max_num_seqs": 32}}))
+        third = start()  # another decode config: the old fleet is torn down, a new one started
+        assert "were started for another config" in log.read_text()
+        fresh = _pids(url)
+        assert not set(fresh.values()) & set(pids.values()), (fresh, pids)
+        assert poll(lambda: not any(_alive(pid) for pid in pids.values()), DEADLINE_S)
+        kill(third)
+
+        stop = subprocess.run([sys.executable, "-m", "coordinator.cli", "stop", str(path)], capture_output=True,
+                              text=True, timeout=DEADLINE_S)
+        assert stop.returncode == 0, stop.stderr
+        assert "removed 2 workers" in stop.stdout, stop.stdout
+        assert poll(lambda: not ours(), DEADLINE_S), ours()
+        assert poll(lambda: not any(_alive(pid) for pid in fresh.values()), DEADLINE_S)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        ray.shutdown()
