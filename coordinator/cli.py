@@ -1,5 +1,7 @@
-"""The `pdserve` command line: `serve` (the disaggregated server), `generate` (offline, one engine), `bench`
-(load-test an OpenAI-compatible endpoint) and `sweep` (pool-sizing experiments; both in benchclient/).
+"""The `pdserve` command line: `serve` (the disaggregated server), `stop` (stop one on purpose), `generate`
+(offline, one engine), `bench` (load-test an OpenAI-compatible endpoint) and `sweep` (pool-sizing experiments; both
+in benchclient/). `serve` runs the coordinator under a process supervisor (coordinator.process_supervisor), which
+starts it again after a crash as the hidden command `_coordinator` (this module's `coordinator_main`).
 
 Also the server's watchdog: `pdserve serve` starts a tiny process (its own session, so a signal to the server's
 process group spares it) that keeps a snapshot of the server's process tree (Ray's GCS, raylet, agents, workers)
@@ -19,9 +21,11 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 COMMANDS = {
     "serve": "serve the OpenAI-compatible API from Ray prefill/decode pools",
+    "stop": "stop a running `pdserve serve` on purpose: drain, stop its workers, empty its Ray namespace",
     "generate": "complete prompts offline on one engine",
     "bench": "load-test an OpenAI-compatible endpoint (pdserve, vLLM, ...)",
     "sweep": "pool-sizing sweep: layouts x workloads x loads, each on a fresh server",
@@ -47,6 +51,12 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--host", help="overrides server.host")
     serve.add_argument("--port", type=int, help="overrides server.port")
     serve.add_argument("--ray-address", help="'auto' to join the running Ray cluster; default: the config's")
+    stop = sub.add_parser("stop", help=COMMANDS["stop"], description=COMMANDS["stop"])
+    stop.add_argument("config", help="the YAML config the server was started with")
+    stop.add_argument("--host", help="overrides server.host, as given to serve")
+    stop.add_argument("--port", type=int, help="overrides server.port, as given to serve")
+    stop.add_argument("--ray-address", help="as given to serve: with a cluster it joined, workers left by a server "
+                      "that is gone are removed from it")
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -65,16 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["generate"]:
         from engine import cli as engine_cli  # lazy: imports torch
         return engine_cli.main(argv)
-    if argv[:1] != ["serve"]:
+    if argv[:1] == ["_coordinator"]:
+        return coordinator_main(argv[1:])
+    if argv[:1] not in (["serve"], ["stop"]):
         _top_parser().parse_args(argv)  # prints the help or the usage error, and exits
         return 2
     parser = argparse.ArgumentParser(prog="pdserve")
     _serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return _serve_main(args)
+    return _serve_main(args) if args.command == "serve" else _stop_main(args)
 
 
-def _serve_main(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace):
+    """The validated config with the command line's overrides, and those overrides; None after printing why not."""
     from coordinator.config.serve_config import check_tensor_parallel, load_serve_config
     from engine.config_error import ConfigError
     overrides = {k: v for k, v in (("server.host", args.host), ("server.port", args.port),
@@ -84,17 +97,106 @@ def _serve_main(args: argparse.Namespace) -> int:
         check_tensor_parallel(config, args.config)
     except ConfigError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
+        return None
+    return config, overrides
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    loaded = _load(args)
+    if loaded is None:
         return 2
+    config, overrides = loaded
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from coordinator.api.http_server import ListenError
-    from coordinator.serve import serve  # after validation: imports Ray and FastAPI
-    start_watchdog()  # its pipe closes when this process has ended, after Ray's own exit handlers
-    try:
-        asyncio.run(serve(config))
+    from coordinator.api.http_server import ListenError, bind_listener
+    from coordinator.process_supervisor import ProcessSupervisor
+    try:  # bound before anything starts: a port in use fails in a second
+        listener = bind_listener(config.server.host, config.server.port)
     except ListenError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 3
+    start_watchdog()  # its pipe closes when this process has ended, after Ray's own exit handlers
+    return ProcessSupervisor(args.config, overrides, config, listener).run()
+
+
+def coordinator_main(argv: list[str]) -> int:
+    """The coordinator under `pdserve serve`'s supervisor: CONFIG OVERRIDES_JSON LISTEN_FD READY_FD local|joined.
+    It joins the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD
+    once it serves."""
+    import json
+    import socket
+
+    from coordinator.config.serve_config import load_serve_config
+    config_path, overrides, listen_fd, ready_fd, ray_kind = argv
+    config = load_serve_config(config_path, json.loads(overrides))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    import ray
+
+    from coordinator.backend.pools import init_ray
+    from coordinator.serve import serve
+    start_watchdog()  # its own tree (HTTP frontend processes); Ray's processes are the supervisor's
+    if ray_kind == "local":  # the supervisor's own cluster: the workers inherit its environment already
+        ray.init(address=config.ray_address, namespace=config.namespace, include_dashboard=False,
+                 logging_level="WARNING")
+    else:
+        init_ray(config.ray_address, config.namespace)
+    listener = socket.socket(fileno=int(listen_fd))
+
+    async def run() -> None:
+        ready = asyncio.Event()
+
+        async def report() -> None:
+            await ready.wait()
+            os.write(int(ready_fd), b"1")
+        reporter = asyncio.get_running_loop().create_task(report())
+        try:
+            await serve(config, ready, listener)
+        finally:
+            reporter.cancel()
+    asyncio.run(run())
     return 0
+
+
+def _stop_main(args: argparse.Namespace) -> int:
+    """SIGTERM to the server's supervisor (found by its namespace's pid file), then wait for it; with no server
+    running and a joined cluster, remove what is left of its namespace there."""
+    loaded = _load(args)
+    if loaded is None:
+        return 2
+    config, _ = loaded
+    from coordinator.backend.fleet import default_namespace
+    from coordinator.process_supervisor import pid_file
+    if config.namespace is None and not config.server.port:
+        print("pdserve: error: server.port 0 names no namespace: give the server's --port (or set namespace)",
+              file=sys.stderr)
+        return 2
+    namespace = config.namespace or default_namespace(config.server.port)
+    path = pid_file(namespace)
+    pid = int(path.read_text()) if path.exists() else 0
+    if pid and _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + config.server.drain_timeout_s + 60
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pid):
+            print(f"pdserve: error: the server (pid {pid}) did not stop; it is still draining or hung",
+                  file=sys.stderr)
+            return 1
+        print(f"pdserve: stopped the server of namespace {namespace} (pid {pid})")
+        return 0
+    if config.ray_address is None:
+        print(f"pdserve: no server of namespace {namespace} is running (its local Ray ended with it)")
+        return 0
+    import ray
+
+    from coordinator.backend.fleet import teardown
+    ray.init(address=config.ray_address, namespace=namespace, logging_level="WARNING")
+    killed = asyncio.run(teardown("pdserve stop"))
+    print(f"pdserve: no server of namespace {namespace} is running; removed {len(killed)} workers left in it")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    return pid in _process_table()  # a zombie is gone
 
 
 def start_watchdog() -> subprocess.Popen:

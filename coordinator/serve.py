@@ -5,14 +5,16 @@ capacity reported) -> freeze the start-up objects out of the garbage collector's
 Binding first means a port in use fails in a second, before any worker starts, and Ray's own port allocations
 (GCS, workers, object store) cannot take the port meanwhile.
 On the first signal: new requests get 503, running streams get up to `server.drain_timeout_s` to finish, then
-HTTP stops and the actors are shut down. A second signal skips the wait. The HTTP server itself is
-coordinator.api.http_server's.
+HTTP stops and the actors are shut down. A second signal skips the wait. A coordinator under `pdserve serve`'s
+supervisor that fails with an exception after it served leaves its workers running for the next one to adopt.
+The HTTP server itself is coordinator.api.http_server's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 
 from coordinator.api.app import create_app
 from coordinator.api.http_server import DrainingServer, bind_listener, log_serving, uvicorn_config
@@ -20,11 +22,14 @@ from coordinator.config.serve_config import ServeConfig
 from coordinator.observability.stall_reporter import start_stall_reporter
 
 
-async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(config: ServeConfig, ready: asyncio.Event | None = None,
+                listener: socket.socket | None = None) -> None:
+    """`listener`: a socket already listening (`pdserve serve`'s process supervisor holds it across coordinator
+    restarts); None: bind server.host:server.port here."""
     from coordinator.backend.ray_backend import (
         RayBackend,  # Ray only for the real server (tests build the HTTP config alone)
     )
-    listener = bind_listener(config.server.host, config.server.port)
+    listener = listener or bind_listener(config.server.host, config.server.port)
     backend = RayBackend(config)
     stalls = None
     try:
@@ -44,6 +49,10 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None) -> None
         # skip it from now on. A full collection over it stalled every stream ~0.1 s and cost ~9% of the CPU/token.
         gc.freeze()
         await server.serve(sockets=[listener])
+    except Exception:
+        if config.namespace is not None and ready is not None and ready.is_set():
+            backend.pools.keep_fleet = True  # a crash, not a stop: the next coordinator adopts the workers
+        raise
     finally:
         if stalls is not None:
             stalls.stop()

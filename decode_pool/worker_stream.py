@@ -72,6 +72,12 @@ class WorkerStream:
                 return
             self._write(frame)
 
+    def drop_backlog(self) -> None:
+        """Forget the batches kept for a coordinator that is gone (its successor aborted their requests)."""
+        with self._lock:
+            if self._conn is None:
+                self._backlog.clear()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -32,6 +32,7 @@ from engine.engine_config import EngineConfig
 from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
+from pool_worker.orphans import Adoption, abort_held
 from prefill_pool.prefills import PrefillResult, Prefills
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ if TYPE_CHECKING:
 
 class Worker:
     def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
-                 admission_timeout_s: float, role: str = "decode", stream: bool = False) -> None:
+                 admission_timeout_s: float, role: str = "decode", stream: bool = False, fleet: str = "") -> None:
         self.name = name
+        self.fleet = fleet  # the fingerprint of the fleet it belongs to (coordinator.backend.fleet); "": none
         self.role = role  # the role it started in ("prefill", "decode", "collocated", "mixed"), for WorkerInfo
         self._engine_config = engine_config
         self._agent_config = agent_config  # None when collocated: no transfers
@@ -55,7 +57,7 @@ class Worker:
         self.decodes: Decodes | None = None
         self._stream: WorkerStream | None = None
         self._tasks: list[asyncio.Task] = []  # kept: not collected while they run
-        self._info: WorkerInfo | None = None  # what start() (or a spare's adopt()) reported
+        self._info: WorkerInfo | None = None  # what start() (or a spare's take_over_slot()) reported
 
     async def start(self) -> WorkerInfo:
         # torch, the engine and the agents load here, in the worker's own process: the coordinator, which only
@@ -104,7 +106,7 @@ class Worker:
                           pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
         return self._info
 
-    async def adopt(self, name: str) -> WorkerInfo:
+    async def take_over_slot(self, name: str) -> WorkerInfo:
         """A warm spare takes over worker slot `name` (coordinator.backend.spares): from now on it is that worker to
         the coordinator and, its transfer metadata renamed, to its peers; engine, agents and stream are kept."""
         self.name = self.prefills.name = self.decodes.name = name
@@ -112,6 +114,19 @@ class Worker:
             self.agents.rename(name)
         self._info = replace(self._info, name=name, agent_metadata=self.agents.metadata() if self.agents else None)
         return self._info
+
+    async def adopt(self, fleet: str) -> Adoption | None:
+        """A new coordinator takes this worker over (pool_worker.orphans): unless `fleet` is another fingerprint
+        than its own, every request held for the dead one is aborted and the stream's unsent backlog dropped.
+        None while it is still starting (its start was the dead coordinator's call)."""
+        if self._info is None or self.loop is None:
+            return None
+        if fleet != self.fleet:
+            return Adoption(self.fleet, None)
+        aborted = await abort_held(self)
+        if self._stream is not None:
+            self._stream.drop_backlog()
+        return Adoption(self.fleet, self._info, tuple(aborted), await self.check_integrity(), await self.load())
 
     # ---- the prefill duty (prefill_pool.prefills)
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

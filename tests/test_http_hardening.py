@@ -268,8 +268,8 @@ def test_special_tokens_in_content_parse_as_control_tokens_only_when_allowed(per
 def test_pdserve_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "coordinator.cli", "--help"], capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 0 and "{serve,generate,bench,sweep}" in out.stdout
-    for command in ("serve", "generate", "bench", "sweep"):
+    assert out.returncode == 0 and "{serve,stop,generate,bench,sweep}" in out.stdout
+    for command in ("serve", "stop", "generate", "bench", "sweep"):
         sub = subprocess.run([sys.executable, "-m", "coordinator.cli", command, "--help"], capture_output=True,
                              text=True, timeout=120)
         assert sub.returncode == 0 and sub.stdout.startswith(f"usage: pdserve {command} "), (command, sub.stderr)
@@ -326,11 +326,12 @@ def test_sigkill_of_pdserve_serve_leaves_no_process_of_its_ray_behind(tmp_path):
         commands = [cmd for _, cmd in tree.values()]
         assert any("raylet" in c for c in commands) and any("ray::DashboardAgent" in c for c in commands), commands
         assert sum("coordinator.frontends.main" in c for c in commands) == 2, commands  # its HTTP processes too
+        # the process supervisor's watchdog and its coordinator's (coordinator.process_supervisor)
         watchdogs = [pid for pid, (_, cmd) in tree.items() if "watchdog_main" in cmd]
-        assert len(watchdogs) == 1, commands
+        assert len(watchdogs) == 2, commands
         proc.kill()  # SIGKILL: no handler, no atexit, no drain
         proc.wait(30)
-        assert wait_until(lambda: _proc_start(watchdogs[0]) is None, 120, 0.1), "the watchdog did not finish"
+        assert wait_until(lambda: all(_proc_start(w) is None for w in watchdogs), 120, 0.1), "a watchdog is left"
         def left() -> dict[int, str]:
             return {pid: cmd for pid, (start, cmd) in tree.items() if _proc_start(pid) == start}
         # a SIGKILLed process with a large address space takes a moment to exit on a loaded machine

@@ -38,6 +38,10 @@ class BlockAudit:
         self._since: dict[str, float] = {}  # worker key -> when its current unexplained holding was first seen
         self._expired_reported: dict[str, int] = {}  # worker key -> its expired pins named in earlier reports
 
+    def baseline(self, worker: WorkerState, expired_pins: int) -> None:
+        """An adopted worker's pins that expired under a dead coordinator are not this one's to report."""
+        self._expired_reported[worker.key] = expired_pins
+
     def unexplained(self, worker: WorkerState) -> str | None:
         """What `worker`'s last load shows held that the coordinator's books do not explain, or None."""
         load = worker.load

@@ -11,6 +11,9 @@ brings one slot up again
 (same config, same bundle: Ray re-places a bundle whose node died, when the cluster has room) and `connect()`
 wires it to its live peers; the Supervisor (coordinator.backend.supervisor) decides when. The actor classes live in
 pool_worker/ (one class: a worker's role is what the coordinator sends it).
+With a namespace (`pdserve serve` always sets one) the workers and placement groups are detached and named
+(coordinator.backend.fleet): they outlive this coordinator, and start() first adopts the fleet a dead one left
+(coordinator.backend.adoption) instead of starting its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator.admission.router import WorkerState
+from coordinator.backend.adoption import adopt
+from coordinator.backend.fleet import actor_name, fingerprint, group_name, teardown
 from coordinator.config.serve_config import PoolConfig, ServeConfig
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
@@ -52,6 +57,9 @@ class Pools:
         # a spare took over: coordinator.backend.spares)
         self.bundles: dict[str, tuple[str, int]] = {}
         self._started_ray = False
+        self.fleet = ""  # the fleet's fingerprint when it has a namespace (coordinator.backend.fleet)
+        self.adopted = False  # start() took over a dead coordinator's workers
+        self.keep_fleet = False  # shutdown() leaves the workers running (a crash: the next coordinator adopts them)
 
     @property
     def all_workers(self) -> list[WorkerState]:
@@ -82,13 +90,25 @@ class Pools:
         cfg = self.config
         self.model_path = str(resolve_model_path(cfg.model))  # builds `tiny` once, before the workers race to
         if not ray.is_initialized():
-            _init_ray(cfg.ray_address)
+            init_ray(cfg.ray_address, cfg.namespace)
             self._started_ray = cfg.ray_address is None
         self.config = cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
+        if cfg.namespace is not None:
+            self.fleet = fingerprint(cfg, self.pool_names)
+            found = await adopt(self)
+            if found is not None:
+                workers, fresh = found
+                self.adopted = True
+                self.prefill = [w for w in workers if w.info.role == "prefill"]
+                self.decode = [w for w in workers if w.info.role != "prefill"]
+                for w in fresh:
+                    await self.connect(w)
+                return
+            await teardown("starting a new fleet")  # what a crash between two starts may have left
         for role in self.pool_names:
-            self._groups[role] = self._group(self._pool(role), role)
+            self._groups[role] = self._group(self.pool(role), role)
         await self._placed()
-        slots = [(role, i) for role in self.pool_names for i in range(self._pool(role).workers)]
+        slots = [(role, i) for role in self.pool_names for i in range(self.pool(role).workers)]
         started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i) for role, i in slots]),
                                          START_TIMEOUT_S)
         for w in started:  # start-up time per phase, the operator's first question about a slow start
@@ -122,7 +142,7 @@ class Pools:
         `current_role` (adaptive: the role its slot had; "": its pool's). `name`: an actor of `role`'s config under
         another name (a warm spare), in the bundle `bundles` gives it. On any failure the new actor is killed,
         so a failed start leaves nothing behind."""
-        handle = self._actor(role, index, name)
+        handle = self._actor(role, index, incarnation, name)
         try:
             info = await handle.start.remote()
             load = await handle.load.remote()  # its gauges exist from the moment it is installed
@@ -182,11 +202,17 @@ class Pools:
                 return
         workers.append(worker)
 
+    def adopt_groups(self, groups: dict[str, object]) -> None:
+        """The placement groups of an adopted fleet (replacements start in their bundles)."""
+        self._groups = dict(groups)
+
     @staticmethod
     def slot_index(worker: WorkerState) -> int:
         return int(worker.name.rsplit("-", 1)[1])
 
     async def shutdown(self) -> None:
+        if self.keep_fleet:  # a crashed coordinator's: left running for the next one (coordinator.backend.adoption)
+            return
         workers = self.all_workers
         await asyncio.gather(*[w.handle.shutdown.remote() for w in workers if w.alive], return_exceptions=True)
         for w in workers:
@@ -194,6 +220,8 @@ class Pools:
         for group in self._groups.values():
             remove_placement_group(group)
         self._groups.clear()
+        if self.config.namespace is not None:  # on purpose: the namespace ends empty (a start under way included)
+            await teardown("the server is stopping")
         if self._started_ray:
             ray.shutdown()
 
@@ -208,22 +236,25 @@ class Pools:
                                f"{wanted}, the cluster has {ray.available_resources()}; lower num_cpus / num_gpus "
                                "or workers in the config") from None
 
-    def _pool(self, role: str) -> PoolConfig:
+    def pool(self, role: str) -> PoolConfig:
         return self.config.prefill if role == "prefill" else self.config.decode
 
     def _group(self, pool: PoolConfig, role: str, count: int | None = None):
         strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
+        # the pools' groups outlive this coordinator with a namespace (coordinator.backend.fleet); spares' do not
+        lifetime = "detached" if self.config.namespace is not None and count is None else None
         return placement_group([worker_bundle(pool)] * (pool.workers if count is None else count), strategy=strategy,
-                               name=f"pdserve-{role}")
+                               name=group_name(role), lifetime=lifetime)
 
     async def add_group(self, key: str, role: str, count: int) -> None:
         """Another placement group `key` of `count` bundles of `role`'s pool (warm spares), once it is placed;
         removed at shutdown with the pools' own."""
-        self._groups[key] = self._group(self._pool(role), key, count)
+        self._groups[key] = self._group(self.pool(role), key, count)
         await self._placed()
 
-    def _actor(self, role: str, index: int, name: str | None = None):
-        cfg, pool = self.config, self._pool(role)
+    def _actor(self, role: str, index: int, incarnation: int = 0, name: str | None = None):
+        cfg, pool = self.config, self.pool(role)
+        spare = name is not None
         name = name or f"{role}-{index}"
         group, bundle = self.bundles.get(name, (role, index))
         options = dict(num_cpus=pool.num_cpus, num_gpus=worker_bundle(pool).get("GPU", 0),
@@ -232,9 +263,11 @@ class Pools:
                                                                             placement_group_bundle_index=bundle))
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
         seed = index if role == "prefill" else 1000 + index
+        if cfg.namespace is not None and not spare:  # outlives this coordinator (coordinator.backend.fleet); a
+            options |= dict(name=actor_name(role, index, incarnation), lifetime="detached")  # spare dies with it
         return ray.remote(Worker).options(**options).remote(
             name, cfg.engine_config(pool, seed=seed), agent if self.transfers else None, _threads(pool),
-            cfg.admission.timeout_s, role=role if self.transfers else "collocated", stream=True)
+            cfg.admission.timeout_s, role=role if self.transfers else "collocated", stream=True, fleet=self.fleet)
 
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:
@@ -243,7 +276,7 @@ def worker_bundle(pool: PoolConfig) -> dict[str, float]:
     return {"CPU": pool.num_cpus} | ({"GPU": gpus} if gpus else {}) | pool.resources
 
 
-def _init_ray(address: str | None) -> None:
+def init_ray(address: str | None, namespace: str | None = None) -> None:
     """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
     for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
     env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
@@ -251,7 +284,8 @@ def _init_ray(address: str | None) -> None:
     runtime_env = {"env_vars": env} if env and address is not None else None
     for attempt in (1, 2):
         try:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env)
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env,
+                     namespace=namespace)
             return
         except Exception as e:  # Ray raises a bare Exception for this
             if address is not None or attempt == 2 or "timed out during startup" not in str(e):

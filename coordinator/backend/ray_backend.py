@@ -108,6 +108,10 @@ class RayBackend(RemotePrefill, OperatorCalls):
 
     async def start(self) -> None:
         await self.pools.start()
+        if self.pools.adopted:  # a dead coordinator's workers (coordinator.backend.adoption)
+            checks = await asyncio.gather(*[w.handle.check_integrity.remote() for w in self.pools.all_workers])
+            for w, check in zip(self.pools.all_workers, checks, strict=True):
+                self.audit.baseline(w, check.get("expired_pins", 0))
         await self.spares.start()  # places their bundles; they start in the background
         infos = [w.info for w in self.pools.all_workers]
         self.model_path = self.pools.model_path

@@ -61,7 +61,7 @@ class Spares:
         while spares:
             spare = spares.pop(0)
             try:
-                info = await spare.handle.adopt.remote(dead.name)
+                info = await spare.handle.take_over_slot.remote(dead.name)
             except (RayActorError, RayTaskError) as e:
                 log.warning("spare %s could not take over %s (%s); trying the next", spare.name, dead.name, e)
                 ray.kill(spare.handle, no_restart=True)

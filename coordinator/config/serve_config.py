@@ -114,6 +114,9 @@ class RecoveryConfig:
     # disaggregated: while one pool has no live worker, requests (new and moved) run whole on the other pool's workers
     fallback: bool = True
     spares: int = 0                  # warm spare workers per pool (model loaded, not routed to); take over a dead slot
+    # coordinator crashes `pdserve serve` restarts it after within restart_window_s (with the backoff above); it
+    # adopts the running workers (coordinator.process_supervisor). 0: a crashed coordinator ends the server
+    coordinator_max_restarts: int = 5
 
     def __post_init__(self) -> None:
         if not 0 <= self.spares <= MAX_SPARES:
@@ -173,6 +176,9 @@ class ServeConfig:
     mode: str = "disaggregated"
     placement: str = "pack"        # "pack" | "spread"
     ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
+    # the Ray namespace of the server's workers, which outlive a crashed coordinator there (coordinator.backend.fleet);
+    # None: `pdserve serve` derives one from the host name and port (pdserve-HOST-PORT)
+    namespace: str | None = None
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig(max_num_seqs=256)
     transfer: TransferConfig = TransferConfig()

@@ -1,0 +1,154 @@
+"""`pdserve serve`'s process supervisor: it runs the coordinator as a child process and starts it again when it
+crashes; the workers outlive it (coordinator.backend.fleet) and the new coordinator adopts them
+(coordinator.backend.adoption).
+
+Why a process supervisor and not Ray's restart of a detached coordinator actor: what must survive a coordinator's
+crash is not only the workers but the listening socket (bound here once: connections that arrive during a restart
+wait in its backlog and are served by the next coordinator, on the same port), the local Ray cluster (started here,
+so the workers are not the coordinator's children and no reaper of its takes them along) and the namespace (derived
+once, from the port bound). A coordinator inside Ray would need all three passed around and Ray's own restart
+machinery to behave under a SIGKILL of its owner; a parent process that waits on a child is a few dozen lines.
+
+Life: bind -> start (or join) Ray in namespace `namespace` (or pdserve-HOST-PORT) -> the child
+(`python -m coordinator.cli _coordinator`, its own session) gets the socket and a pipe on which it says when it
+serves. A child that exits after our SIGTERM, or with status 0, ended on purpose. Any other exit of a coordinator
+is a crash: it is started again after recovery.backoff_initial_s, doubling per restart within
+recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_restarts times in that window; a
+server whose first coordinator never served (a start error: no model, pools that cannot be placed) is not
+restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
+skips the wait), then whatever is left in the namespace is torn down and Ray shut down. A pid file
+(`pid_file(namespace)`) lets `pdserve stop` find this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from coordinator.config.serve_config import ServeConfig
+
+log = logging.getLogger("pdserve")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pid_file(namespace: str) -> Path:
+    """Where the supervisor of `namespace`'s server keeps its pid while it runs."""
+    return Path(tempfile.gettempdir()) / "pdserve" / f"{namespace}.pid"
+
+
+class ProcessSupervisor:
+    def __init__(self, config_path: str, overrides: dict[str, Any], config: ServeConfig, listener: Any) -> None:
+        self._config_path = config_path
+        self._overrides = overrides
+        self.config = config
+        self._listener = listener  # bound by the caller (a port in use is its error to print)
+        self.port = listener.getsockname()[1]
+        from coordinator.backend.fleet import default_namespace
+        self.namespace = config.namespace or default_namespace(self.port)
+        self._stopping = threading.Event()
+        self._child: subprocess.Popen | None = None
+        self._recent: deque[float] = deque()
+        self.restarts = 0
+
+    def run(self) -> int:
+        """Serve until stopped on purpose (0) or until the coordinator cannot be kept up (its exit status)."""
+        from coordinator.backend.pools import init_ray
+        local = self.config.ray_address is None
+        init_ray(self.config.ray_address, self.namespace)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
+            signal.signal(sig, self._on_signal)
+        import ray
+        address = ray.get_runtime_context().gcs_address
+        path = pid_file(self.namespace)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(os.getpid()))
+        try:
+            return self._loop(address, local)
+        finally:
+            self._teardown()
+            if path.read_text() == str(os.getpid()):
+                path.unlink()
+            ray.shutdown()
+
+    def _loop(self, address: str, local: bool) -> int:
+        served_once = False
+        while True:
+            started = time.monotonic()
+            rc, served = self._run_child(address, local)
+            served_once = served_once or served
+            if self._stopping.is_set() or rc == 0:
+                return 0
+            if not served_once:
+                log.error("pdserve: the coordinator exited with status %s before it served; stopping", rc)
+                return rc if rc > 0 else 1
+            now = time.monotonic()
+            while self._recent and now - self._recent[0] > self.config.recovery.restart_window_s:
+                self._recent.popleft()
+            limit = self.config.recovery.coordinator_max_restarts
+            if len(self._recent) >= limit:
+                log.error("pdserve: the coordinator exited with status %s; %d restarts within %g s "
+                          "(recovery.coordinator_max_restarts %d): stopping", rc, len(self._recent),
+                          self.config.recovery.restart_window_s, limit)
+                return rc if rc > 0 else 1
+            delay = min(self.config.recovery.backoff_max_s,
+                        self.config.recovery.backoff_initial_s * 2 ** len(self._recent))
+            self._recent.append(now)
+            log.warning("pdserve: the coordinator (pid %d) exited with status %s after %.1f s; starting it again "
+                        "in %.1f s (it adopts the running workers)", self._child.pid, rc, now - started, delay)
+            if self._stopping.wait(delay):
+                return 0
+            self.restarts += 1
+
+    def _run_child(self, address: str, local: bool) -> tuple[int, bool]:
+        """Run one coordinator until it exits: (its exit status, whether it served)."""
+        ready_r, ready_w = os.pipe()
+        overrides = {**self._overrides, "server.port": self.port, "namespace": self.namespace,
+                     "ray_address": address}
+        fd = self._listener.fileno()
+        command = [sys.executable, "-m", "coordinator.cli", "_coordinator", self._config_path, json.dumps(overrides),
+                   str(fd), str(ready_w), "local" if local else "joined"]
+        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True, cwd=ROOT)
+        os.close(ready_w)
+        if self._stopping.is_set():  # a signal that came while it was being started
+            self._child.send_signal(signal.SIGTERM)
+        served = False
+        try:
+            while True:
+                if select.select([ready_r], [], [], 0.5)[0]:
+                    if not os.read(ready_r, 1):  # the pipe closed: the child is ending
+                        return self._child.wait(), served
+                    served = True
+                    log.warning("pdserve: coordinator pid %d serving (namespace %s)", self._child.pid,
+                                self.namespace)
+                rc = self._child.poll()
+                if rc is not None:
+                    return rc, served
+        finally:
+            os.close(ready_r)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stopping.set()
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)  # the child drains; a second signal skips its wait
+
+    def _teardown(self) -> None:
+        """Nothing of this server stays in the namespace (the child stopped its workers; this is for a child that
+        could not: killed, crashed past its restarts, or stopped before it served)."""
+        from coordinator.backend.fleet import teardown
+        try:
+            asyncio.run(teardown("the server is stopping"))
+        except Exception as e:  # noqa: BLE001 - the local Ray's shutdown still follows; a joined one says why
+            log.error("pdserve: tearing down namespace %s failed: %s: %s", self.namespace, type(e).__name__, e)
