@@ -155,7 +155,7 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict,
     body = {**body, "stream_options": {"include_usage": True}}
     text, finish, usage, received = [], None, None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, (r.status_code, (await r.aread()).decode()[:2000])
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
