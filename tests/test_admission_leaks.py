@@ -89,7 +89,8 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
     with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}) as s:
         stamps = [time.monotonic() - start for line in s.iter_lines() if line.startswith("data: {")]
-    assert len(stamps) == 4 and stamps[0] < 2.0 <= stamps[1], stamps  # token 1 before the writes, 2 after
+    # token 1 before the writes, the rest after (tokens that arrive together may share a chunk: 2-4 chunks)
+    assert 2 <= len(stamps) <= 4 and stamps[0] < 2.0 <= stamps[1], stamps
     short = random_prompts([100 + i for i in range(60)], VOCAB, seed=42)
 
     async def drop_after(chunks: int, prompts, max_tokens: int):

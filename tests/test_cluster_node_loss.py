@@ -177,8 +177,10 @@ def fits_elsewhere(workdir: Path, head: str) -> dict:
 def no_room_elsewhere(workdir: Path, head: str) -> dict:
     workdir.mkdir()
     node = start_node(workdir, "node-b", DECODE_NODE)
+    # recovery.fallback off: this is the path where nothing can take the decode pool's work (with it on, the
+    # prefill worker would run the requests whole meanwhile: tests/test_worker_loss_fallback.py)
     config = {"model": "tiny", **POOLS, "decode": {**HALF_CPU, "resources": {"decode_node": 1}},
-              "admission": {"timeout_s": 3}}
+              "admission": {"timeout_s": 3}, "recovery": {**POOLS["recovery"], "fallback": False}}
     out: dict = {"head": head}
     with serving(workdir, config, out) as url:
         out["before"] = cluster_view(url)

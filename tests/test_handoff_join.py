@@ -101,10 +101,11 @@ def test_copies_that_never_end_take_the_process_down(monkeypatch):
         exits.append(why)
         raise SystemExit(70)
     monkeypatch.setattr(handoff_module, "exit_process", exit_process)
-    threading.Timer(0.2, pull.future.set_exception, (TransferTimeout("GPU copy did not finish"),)).start()
-    threading.Timer(1.0, pull.event.ended.set).start()  # at last: the loop's executor thread waiting on it may go
 
     async def body(loop, handoffs):
+        # the timers start once the engine is built (a slow start on a loaded machine used to outlast them)
+        threading.Timer(0.2, pull.future.set_exception, (TransferTimeout("GPU copy did not finish"),)).start()
+        threading.Timer(1.0, pull.event.ended.set).start()  # at last: the loop's executor thread waiting on it may go
         with pytest.raises(SystemExit):
             await handoffs.take_over("r", PROMPT, PARAMS, 5, None, "prefill-0", list(range(8)), [])
     run(body, pull)
