@@ -1,11 +1,12 @@
-"""Decode-side prefix reuse on the real server (issue 34, part 2; `pdserve serve`, tiny, real Ray workers, real UCX),
-1 prefill + 1 decode, with pushed KV (transfer.push, the default) and with pulled KV (transfer.push false): a
-two-turn conversation whose second prompt extends the first prompt and its answer. The decode worker's prefix cache
-holds the first turn's blocks, so the second handoff moves only the blocks it lacks: the transfer agents' bytes
-for that turn are exactly those blocks' bytes (fewer than the whole prompt's), the decode worker counts the blocks
-it skipped (pdserve_worker_engine_handoff_hit_blocks_total), and both turns' tokens equal engine.LLM's (greedy and
-seeded). Streams of such turns dropped by their clients during the handoff leave /admin/integrity clean and
-nothing booked. The same with a decode worker of another TP size (P TP=1 -> D TP=2, pulled, on a tiny Llama).
+"""Decode-side prefix reuse on the real server (issue 34, part 2; `pdserve serve`, tiny, real Ray workers, real UCX), 1
+prefill + 1 decode, with pushed KV (transfer.push, the default) and with pulled KV (transfer.push false): a two-turn
+conversation whose second prompt extends the first prompt and its answer. The decode worker's prefix cache holds the
+first turn's blocks, so the second handoff moves only the blocks it lacks: the transfer agents' bytes for that turn
+are exactly those blocks' bytes (fewer than the whole prompt's), the decode worker counts the blocks it skipped
+(pdserve_worker_engine_handoff_hit_blocks_total), and both turns' tokens equal engine.LLM's (greedy and seeded).
+Streams of such turns dropped by their clients during the handoff leave /admin/integrity clean and nothing booked, as
+does a turn whose transfer failed (recomputed on the decode worker). The same with a decode worker of another TP size
+(P TP=1 -> D TP=2, pulled, on a tiny Llama).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
-from tests.server_process import HALF_CPU, assert_nothing_booked, metric_values, running_server
+from tests.server_process import HALF_CPU, OPERATOR, assert_nothing_booked, metric_values, running_server
 
 pytestmark = pytest.mark.timeout(600)
 BLOCK = 16
@@ -89,11 +90,16 @@ def test_a_second_turn_moves_only_the_blocks_the_decode_worker_lacks(tmp_path, e
     with running_server(tmp_path, _config("tiny", push)) as server:
         url = server.url
         pushed_before = sum(metric_values(url, "pdserve_transfer_push_completed_total").values())
+        if push:  # slow prefill steps: the target (two calls away) comes before the second turns' last chunks
+            _faults(url, {"slow_step_s": 0.05, "slow_workers": ["prefill-0"]})
         _check_two_turns(url, "tiny", expected)
-        if push:  # the long second turns at least were pushed, not pulled after a late target
+        if push:  # the second turns were pushed, not pulled after a late target
             pushed = sum(metric_values(url, "pdserve_transfer_push_completed_total").values()) - pushed_before
             assert pushed >= 2, pushed
+            _faults(url, {})
         asyncio.run(_dropped_during_handoffs(url, "tiny", expected[0][0]))
+        assert_nothing_booked(url)
+        _failed_transfer_recomputes(url, expected[0])
         assert_nothing_booked(url)
 
 
@@ -153,3 +159,24 @@ async def _dropped_during_handoffs(url: str, model: str, a1: list[int]) -> None:
                         break
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(*[one(client, i, 1 + i % 3) for i in range(8)])
+
+
+def _failed_transfer_recomputes(url: str, answers: tuple[list[int], list[int]]) -> None:
+    """Every transfer fails (injected): the greedy conversation's third turn, whose booking shares the blocks of the
+    turns before, is recomputed on the decode worker (transfer.on_failure: recompute) and still equals the engine;
+    the failed handoff gave its shared blocks back (the caller's integrity check)."""
+    a1, a2 = answers
+    turn3 = [*FIRST, *a1, *EXTRA, *a2, *EXTRA[:30]]
+    want = LLM("tiny").generate([turn3], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0))
+    failed = metric_values(url, "pdserve_backend_errors_total").get('{kind="transfer_failed"}', 0)
+    _faults(url, {"transfer_fail_fraction": 1.0, "seed": 1})
+    try:
+        assert _complete(url, "tiny", turn3, {"temperature": 0}) == want[0].token_ids
+    finally:
+        _faults(url, {})
+    assert metric_values(url, "pdserve_backend_errors_total").get('{kind="transfer_failed"}', 0) == failed + 1
+
+
+def _faults(url: str, faults: dict) -> None:
+    r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, json=faults, timeout=30)
+    assert r.status_code == 200, r.text
