@@ -188,10 +188,9 @@ class Handoffs:
         """Every rank pulls its KV heads into the booked blocks (`remote_ids`: the peer's, in the same order),
         those this worker's prefix cache held (Booking.skip) left out, after the booking's fence: rank 0 after its
         event, each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A
-        rank that
-        cannot even answer (its process died) means this worker's TP group is broken for good: the process exits,
-        so the request moves and the worker is replaced, instead of failing this request and waiting for the next
-        step to notice."""
+        rank that cannot even answer (its process died) means this worker's TP group is broken for good: the
+        process exits, so the request moves and the worker is replaced, instead of failing this request and
+        waiting for the next step to notice."""
         try:
             fence = booking.fence
             k = booking.skip

@@ -206,7 +206,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         bm = self.block_manager
-        hits = bm.cached_blocks(prefix_hashes)[:bm.blocks_needed(num_tokens) - 1]  # at least one block written
+        hits = bm.cached_blocks(prefix_hashes)[:max(bm.blocks_needed(num_tokens) - 1, 0)]  # one block is written
         if leave_room:
             s = self.scheduler
             own = bm.blocks_needed(num_tokens + 1) - bm.blocks_needed(num_tokens)
