@@ -18,7 +18,9 @@ import asyncio
 import gc
 import os
 import random
+import sys
 import tracemalloc
+from collections import Counter
 
 os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] = "0"  # two agents in one process (kvtransfer.backends.ucx.use_python_futures)
 
@@ -32,6 +34,12 @@ from pool_worker.worker import Worker
 def rss_kb() -> int:
     with open(f"/proc/{os.getpid()}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def type_counts() -> Counter[str]:
+    """How many objects the garbage collector tracks, by type name."""
+    gc.collect()
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
 def sizes(obj: object, prefix: str, depth: int = 2) -> dict[str, int]:
@@ -48,16 +56,21 @@ def sizes(obj: object, prefix: str, depth: int = 2) -> dict[str, int]:
 
 def engine_figures(worker: Worker, prefix: str) -> dict[str, int]:
     """The engine's per-request and per-block structures: requests, block tables, and the prefix cache's hash map
-    (one entry per block that ever held a full block's KV, until the block is reused: bounded by the blocks)."""
+    (one entry per block that ever held a full block's KV, until the block is reused: bounded by the blocks), with
+    the bytes of that map's and the LRU's own tables (sys.getsizeof: CPython resizes a dict's table, when its
+    deleted slots run out, to the next power of two above 3x its entries, so these grow after the count is full,
+    up to that bound)."""
     e = worker.loop.engine
     bm = e.scheduler.bm
     return {f"{prefix}.requests": len(e.scheduler.requests), f"{prefix}.tables": len(bm._tables),
-            f"{prefix}.hashes": len(bm._hash_to_block), f"{prefix}.blocks": bm.num_blocks}
+            f"{prefix}.hashes": len(bm._hash_to_block), f"{prefix}.blocks": bm.num_blocks,
+            f"{prefix}.hash_map_kb": sys.getsizeof(bm._hash_to_block) // 1024,
+            f"{prefix}.lru_kb": sys.getsizeof(bm._cached) // 1024}
 
 
 async def main(args: argparse.Namespace) -> None:
     agent = AgentConfig(backends=("ucx",), timeout_s=30.0)
-    cfg = EngineConfig(model="tiny", max_num_seqs=16)
+    cfg = EngineConfig(model="tiny", max_num_seqs=16, num_kv_blocks=args.num_kv_blocks)
     prefill = Worker("prefill-m", cfg, agent, 1, 30.0, role="prefill")
     decode = Worker("decode-m", cfg, agent, 1, 30.0, role="decode", stream=True)
     p_info, d_info = await prefill.start(), await decode.start()
@@ -94,6 +107,7 @@ async def main(args: argparse.Namespace) -> None:
 
     tracemalloc.start(args.frames)
     base = None
+    base_types: Counter[str] = Counter()
     sem = asyncio.Semaphore(args.concurrency)
 
     async def limited(i: int) -> None:
@@ -111,8 +125,15 @@ async def main(args: argparse.Namespace) -> None:
         print(f"{done},{rss_kb()},{tracemalloc.get_traced_memory()[0] // 1024},{struct}", flush=True)
         if done == args.warmup:
             base = tracemalloc.take_snapshot()
+            base_types = type_counts()
     last = tracemalloc.take_snapshot()
     if base is not None:
+        grown = Counter(type_counts())
+        grown.subtract(base_types)
+        print(f"\nobjects tracked by gc, growth over the last {args.requests - args.warmup} requests (type: count):")
+        for name, n in grown.most_common(args.top):
+            if n > 0:
+                print(f"  {name}: {n:+d}")
         keep = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib*")]
         stats = last.filter_traces(keep).compare_to(base.filter_traces(keep), "traceback")
         n = args.requests - args.warmup
@@ -135,4 +156,6 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--frames", type=int, default=6)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV blocks per engine (default: sized from memory); a few hundred fill the prefix cache early")
     asyncio.run(main(ap.parse_args()))

@@ -42,3 +42,29 @@ class LogitsRecorder:
 def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def prefill_then_hand_over(prefill, decode, prompts: list[list[int]], params: list[SamplingParams]
+                           ) -> dict[str, list[int]]:
+    """Disaggregation on two engines in one process: `prefill` runs each prompt prefill-only (request ids r0, r1, ...),
+    `decode` reserves its blocks, takes a copy of the pinned KV (what kvtransfer does) and decodes it to the end,
+    checking its integrity after every step. Each request's tokens, the first (sampled by `prefill`) included."""
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params[i], prefill_only=True)
+    firsts = {}
+    while prefill.has_unfinished():
+        firsts.update({o.request_id: o for o in prefill.step()})
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        rid, first = f"r{i}", firsts[f"r{i}"]
+        blocks = decode.reserve_blocks(rid, len(prompt))
+        assert blocks is not None and len(blocks) == -(-len(prompt) // decode.config.block_size)  # the prompt's KV
+        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]
+        prefill.release(rid)
+        assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], params[i]) is None
+        got[rid] = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+        decode.check_integrity()
+    return got

@@ -63,17 +63,24 @@ def worker_pids(server: LaunchedServer, role: str | None = None) -> list[int]:
 
 def frontend_pids(server_pid: int) -> dict[int, int]:
     """{index: pid} of a server's HTTP frontend processes (`server.api_processes` > 1: children of its core process,
-    coordinator.frontends); empty for a one-process server."""
-    found = {}
+    coordinator.frontends, which is itself a child of `pdserve serve`'s supervisor); empty for a one-process
+    server."""
+    parent, cmds = {}, {}
     for entry in Path("/proc").iterdir():
         try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmds[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == server_pid and b"coordinator.frontends.main" in cmd:
-            found[int(cmd[cmd.index(b"--index") + 1])] = int(entry.name)
-    return found
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == server_pid:
+                return True
+        return False
+    return {int(cmd[cmd.index(b"--index") + 1]): pid for pid, cmd in cmds.items()
+            if b"coordinator.frontends.main" in cmd and descends(pid)}
 
 
 def tp_followers(actor_pid: int) -> list[int]:
@@ -155,7 +162,7 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict,
     body = {**body, "stream_options": {"include_usage": True}}
     text, finish, usage, received = [], None, None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, (r.status_code, (await r.aread()).decode()[:2000])
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -4,9 +4,13 @@ decode duty and the engine is back to empty, and the one structure that keeps gr
 prefix cache's hash map, holds at most one entry per KV block: a cache bounded by the blocks, not a leak."""
 
 import asyncio
+import random
+import tracemalloc
 
 from decode_pool.worker_stream import StreamLink
 from engine import SamplingParams
+from engine.core import block_manager
+from engine.core.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from pool_worker.worker import Worker
 
@@ -62,3 +66,33 @@ def test_per_request_structures_return_to_empty_and_the_prefix_cache_is_bounded_
         assert not any(structures.values()), structures
         assert hashes <= BLOCKS
     assert figures[-1][1] > BLOCKS // 2  # the cache did fill (the bound above is not vacuous)
+
+
+def test_the_prefix_cache_bookkeeping_grows_past_a_full_hash_map_then_levels_off():
+    """What the harness saw after the hash map's entry count was full: its and the LRU's own tables still grow,
+    since CPython resizes a dict (an OrderedDict too) whose deleted slots ran out to the next power of two above 3x
+    its entries, so the first resize after the map filled doubles them. That is the last growth: from then on the
+    block manager's memory stays level however many distinct prompts pass, at under half a KB per block."""
+    blocks, per_sample = 256, 20
+    bm = BlockManager(blocks, 16)
+    rng = random.Random(0)
+    samples: list[tuple[int, int]] = []  # (entries in the hash map, bytes allocated in block_manager.py)
+    only_here = [tracemalloc.Filter(True, block_manager.__file__)]
+    tracemalloc.start()
+    try:
+        for i in range(200 * per_sample):  # ~2.7 full blocks per request: the map fills in ~100 requests
+            tokens = [rng.randrange(3, 2000) for _ in range(rng.randrange(16, 80))]
+            assert bm.allocate(f"r{i}", len(tokens) + 6, bm.cached_prefix(tokens))
+            bm.cache_full_blocks(f"r{i}", tokens, len(tokens))
+            bm.free(f"r{i}")
+            if (i + 1) % per_sample == 0:
+                traced = tracemalloc.take_snapshot().filter_traces(only_here)
+                samples.append((len(bm._hash_to_block), sum(s.size for s in traced.statistics("filename"))))
+    finally:
+        tracemalloc.stop()
+    full = next(i for i, (entries, _) in enumerate(samples) if entries >= blocks - 8)  # after ~120 requests
+    after_full = [size for _, size in samples[full:]]
+    assert after_full[-1] > after_full[0] + 8 * 1024, samples  # the tables still grew once the count was full
+    settled = after_full[len(after_full) // 4:]  # ~1,000 requests on: 3,000 more requests, 30 more fills
+    assert max(settled) - min(settled) < 512, samples  # level: no growth per request (a leak of one object would)
+    assert max(after_full) < 512 * blocks, samples

@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import prefill_then_hand_over, random_prompts
 
 VOCAB = 2000
 
@@ -68,28 +68,10 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
 @pytest.mark.parametrize("overlap", [False, True])
 def test_handed_over_requests_outgrowing_a_small_cache_are_recomputed_locally_and_exact(folder, overlap):
     expected = [o.token_ids for o in LLM(folder, enable_prefix_caching=False).generate(PROMPTS, PARAMS)]
-    prefill = LLM(folder).engine
-    for i, prompt in enumerate(PROMPTS):
-        prefill.add_request(f"r{i}", prompt, PARAMS[i], prefill_only=True)
-    firsts = {}
-    while prefill.has_unfinished():
-        firsts.update({o.request_id: o for o in prefill.step()})
     # 10 blocks of 16 tokens: every prompt's KV fits (2 blocks each), their full lengths (48-60 tokens, 3-4 blocks
     # each, 18 in all) do not
     decode = LLM(folder, num_kv_blocks=10, async_scheduling=overlap).engine
-    got: dict[str, list[int]] = {}
-    for i, prompt in enumerate(PROMPTS):
-        rid, first = f"r{i}", firsts[f"r{i}"]
-        blocks = decode.reserve_blocks(rid, len(prompt))
-        assert blocks is not None and len(blocks) == -(-len(prompt) // decode.config.block_size)  # the prompt's KV
-        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]  # what kvtransfer does
-        prefill.release(rid)
-        assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], PARAMS[i]) is None
-        got[rid] = list(first.new_token_ids)
-    while decode.has_unfinished():
-        for out in decode.step():
-            got[out.request_id] += out.new_token_ids
-        decode.check_integrity()
+    got = prefill_then_hand_over(LLM(folder).engine, decode, PROMPTS, PARAMS)
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
     load = decode.load()
     assert load.preemptions_total > 0

@@ -22,7 +22,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.swap_space import SwapSpace
 from engine.engine_config import EngineConfig
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import prefill_then_hand_over, random_prompts
 
 VOCAB = 2000
 PROMPTS = random_prompts((20, 25, 18, 30, 22, 27), VOCAB, seed=381)
@@ -181,25 +181,8 @@ def test_auto_mode_measures_the_copy_and_stays_exact(folder, expected):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_handed_over_requests_outgrowing_a_small_cache_are_swapped_and_exact(folder, expected, overlap):
     tokens, _ = expected
-    prefill = LLM(folder).engine
-    for i, prompt in enumerate(PROMPTS):
-        prefill.add_request(f"r{i}", prompt, PARAMS[i], prefill_only=True)
-    firsts = {}
-    while prefill.has_unfinished():
-        firsts.update({o.request_id: o for o in prefill.step()})
     decode = LLM(folder, num_kv_blocks=12, async_scheduling=overlap, preemption_mode="swap").engine
-    got: dict[str, list[int]] = {}
-    for i, prompt in enumerate(PROMPTS):
-        rid, first = f"r{i}", firsts[f"r{i}"]
-        blocks = decode.reserve_blocks(rid, len(prompt))
-        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]  # what kvtransfer does
-        prefill.release(rid)
-        assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], PARAMS[i]) is None
-        got[rid] = list(first.new_token_ids)
-    while decode.has_unfinished():
-        for out in decode.step():
-            got[out.request_id] += out.new_token_ids
-        decode.check_integrity()
+    got = prefill_then_hand_over(LLM(folder).engine, decode, PROMPTS, PARAMS)
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == tokens
     load = decode.load()
     assert load.swapped_out_total == load.preemptions_total > 0 and load.swapped_in_total == load.swapped_out_total

@@ -221,17 +221,20 @@ def test_a_bad_injected_step_delay_is_a_400(backend, faults):
 
 
 def test_only_the_operators_key_opens_admin_routes_and_health_details(backend):
-    """A client's key (server.api_key here; tenants' likewise) is not an operator's: /admin/* answers 401 to it
-    and to no key; /health shows pids, hosts and failures only to the operator."""
+    """A client's key (server.api_key here; tenants' likewise) is not an operator's: /admin/* answers 403 to it
+    (a known key, not allowed) and 401 to no key or an unknown one; /health shows pids, hosts and failures only to
+    the operator."""
     app = make_app(backend, api_key="client", admin_api=True, admin_api_key="op")
-    for headers in ({}, {"Authorization": "Bearer client"}, {"Authorization": "Bearer op2"}):
+    for headers, status in (({}, 401), ({"Authorization": "Bearer client"}, 403),
+                            ({"Authorization": "Bearer op2"}, 401)):
         r = send(app, backend, "GET", "/admin/integrity", headers=headers)
-        assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
-        for action in ("kill", "drain", "undrain", "revive"):
-            r = send(app, backend, "POST", f"/admin/workers/decode-0/{action}", headers=headers)
-            assert r.status_code == 401, action
-        for method in ("POST", "GET"):
-            assert send(app, backend, method, "/admin/workers/restart", headers=headers).status_code == 401, method
+        assert assert_openai_error(r, status)["code"] == ("invalid_api_key" if status == 401 else
+                                                          "operator_key_required")
+        routes = [("POST", f"/admin/workers/decode-0/{a}") for a in ("kill", "drain", "undrain", "revive", "role")]
+        routes += [("POST", "/admin/workers/restart"), ("GET", "/admin/workers/restart"), ("POST", "/admin/faults"),
+                   ("GET", "/admin/requests"), ("GET", "/admin/requests/x"), ("GET", "/admin/integrity")]
+        for method, path in routes:
+            assert send(app, backend, method, path, headers=headers).status_code == status, (method, path)
     # (the operator's own key reaching these routes is every serving suite's: tests/server_process.OPERATOR)
     with pytest.raises(ValueError, match="admin_api needs admin_api_key"):
         ServerSettings(admin_api=True)

@@ -112,7 +112,9 @@ def test_streams_swapped_to_host_memory_end_exactly_and_leave_nothing_behind(tmp
         assert out > 0 and sum(metric_values(url, "pdserve_worker_engine_swap_out_bytes_total").values()) > 0
         assert_nothing_booked(url)
         assert sum(metric_values(url, "pdserve_worker_engine_swap_used_blocks").values()) == 0
-        assert sum(metric_values(url, "pdserve_worker_engine_swapped_in_total").values()) == out
+        # each came back in, unless the coordinator moved it first (a booking's own preemption aborts it on the
+        # worker, host slots freed: swap_used_blocks is 0 above), so fewer may come in than went out
+        assert 0 < sum(metric_values(url, "pdserve_worker_engine_swapped_in_total").values()) <= out
 
 
 def _metered_chat_without_max_tokens(url: str) -> None:

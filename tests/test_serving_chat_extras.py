@@ -93,7 +93,7 @@ def test_admin_requests_shows_a_request_in_flight(server, client, think):
     assert v["kv_blocks"]["used"] >= 1 and sum(k.get("kv_blocks", 0) for k in v["kv_blocks"]["booked"].values())
     assert {"admission", "prefill_compute"} <= set(v["phases"]) and v["age_s"] > 0
     assert listed.status_code == 200 and listed.json()["object"] == "list", listed.text
-    assert tenant.status_code == 401 and tenant.json()["error"]["type"] == "authentication_error"
+    assert tenant.status_code == 403 and tenant.json()["error"]["type"] == "permission_error"
     gone = httpx.get(f"{server.url}/admin/requests/{rid}", headers=OPERATOR)
     for _ in range(50):
         if gone.status_code == 404:

@@ -7,7 +7,7 @@ tests/test_stragglers.py."""
 from dataclasses import replace
 
 from coordinator.admission.router import WorkerState
-from coordinator.backend.stragglers import StragglerWatch
+from coordinator.backend.stragglers import MIN_HANDOFFS, StragglerWatch
 from coordinator.config.straggler_config import StragglerConfig
 from engine.load import EngineLoad, WorkerInfo
 
@@ -69,3 +69,28 @@ def test_a_slower_step_at_a_much_larger_batch_or_with_too_few_steps_is_no_stragg
     few = StragglerWatch(StragglerConfig(factor=3.0, window_s=10.0, min_steps=100))
     few.observe(workers, 20.0)
     assert _run(few, workers, 8, {"decode-0": (0.01, 4), "decode-1": (0.09, 4)}, start=21.0) == []
+
+
+def test_a_decode_worker_whose_handoffs_are_several_times_slower_is_found():
+    """Same steps, but decode-1's KV handoffs take 5x its peers' per prompt token (a link fallen back to TCP)."""
+    watch = StragglerWatch(CONFIG)
+    workers = [_worker("decode-0"), _worker("decode-1"), _worker("decode-2")]
+    for w in workers:
+        w.state = "live"
+    watch.observe(workers, -1.0)
+    shapes = {w.name: (0.01, 4) for w in workers}
+    for i in range(3):  # too few handoffs yet (MIN_HANDOFFS): nothing to compare
+        for w, per_token in zip(workers, (1e-5, 5e-5, 1.2e-5), strict=True):
+            watch.handoff(w, 1000, 1000 * per_token, float(i))
+    assert _run(watch, workers, 2, shapes) == []
+    for i in range(3, 8):
+        for w, per_token in zip(workers, (1e-5, 5e-5, 1.2e-5), strict=True):
+            watch.handoff(w, 1000, 1000 * per_token, float(i))
+    assert _run(watch, workers, 1, shapes, start=8.0) == ["decode-1"]
+    assert 4.0 < watch.ratios["decode-1"] < 5.0 and watch.ratios["decode-0"] == 1.0  # (its steps: its peers' pace)
+    # handoffs older than the window no longer count: decode-1 is compared on its recent ones only
+    for w in workers:
+        for i in range(MIN_HANDOFFS):
+            watch.handoff(w, 1000, 0.01, 30.0 + i)
+    _run(watch, workers, 1, shapes, start=40.0)
+    assert watch.ratios["decode-1"] == 1.0 and watch.detected == 1

@@ -218,9 +218,9 @@ def test_a_killed_http_process_is_replaced_and_what_its_streams_held_is_freed(se
                       60, 0.2)
     for key in ("k-high", "k-low"):  # a tenant's key is a client's, not an operator's, whatever its class
         r = httpx.get(f"{server.url}/admin/integrity", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.status_code == 403 and r.json()["error"]["code"] == "operator_key_required"
         assert httpx.post(f"{server.url}/admin/workers/decode-0/kill", headers={"Authorization": f"Bearer {key}"},
-                          timeout=30).status_code == 401
+                          timeout=30).status_code == 403
     assert_nothing_booked(server.url)
     # the core aborted the dead process's streams, rather than letting them run to their end
     sampled = sum(metric_values(server.url, "pdserve_worker_engine_sampled_tokens_total").values()) - sampled

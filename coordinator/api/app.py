@@ -94,8 +94,8 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
         return health_response(backend, app.state.lifecycle.draining, _is_operator(settings, request))
 
     if settings.admin_api:
-        install_admin_routes(app, lambda request: _check_operator(settings, request))
-        install_fleet_routes(app, lambda request: _check_operator(settings, request))  # revive, rolling restart
+        install_admin_routes(app, lambda request: _check_operator(app, request))
+        install_fleet_routes(app, lambda request: _check_operator(app, request))  # revive, rolling restart
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -124,11 +124,22 @@ def _is_operator(settings: ServerSettings, request: Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.admin_api_key.encode())
 
 
-def _check_operator(settings: ServerSettings, request: Request) -> None:
-    """/admin/*: the operator's key or a 401 (any other key, a tenant's included, is not an operator's)."""
-    if not _is_operator(settings, request):
-        raise errors.APIError(401, "This route needs the operator's key (server.admin_api_key)",
-                              "authentication_error", "auth", code="invalid_api_key")
+def _check_operator(app: FastAPI, request: Request) -> None:
+    """/admin/*: the operator's key; a client's or tenant's valid key is not one (403: known, not allowed); no key or
+    an unknown one, 401."""
+    if _is_operator(app.state.settings, request):
+        return
+    header = request.headers.get("authorization")
+    if header:
+        try:
+            app.state.tenants.authenticate(header)
+        except errors.APIError:
+            pass
+        else:
+            raise errors.APIError(403, "This route needs the operator's key (server.admin_api_key); a client's key "
+                                  "is not one", "permission_error", "forbidden", code="operator_key_required")
+    raise errors.APIError(401, "This route needs the operator's key (server.admin_api_key)",
+                          "authentication_error", "auth", code="invalid_api_key")
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:

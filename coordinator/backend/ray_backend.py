@@ -209,6 +209,16 @@ class RayBackend(RemotePrefill, OperatorCalls):
         if self.adaptive is not None and placement.choice is not None:
             self.adaptive.first_token(placement.choice, time.monotonic() - placed_at)
 
+    def _handed_over(self, decode: WorkerState, tokens: int, durations: Durations, attempt: str) -> None:
+        """A remote prefill's KV reached `decode`: the straggler watch compares its handoffs with its peers', and
+        adaptive placement learns the handoff's seconds per token (the push's wait on the prefill side included)."""
+        if self.config.stragglers.enabled:  # (its observe() keeps the window: only while it runs)
+            own = sum(s for p, s in durations if p in ("kv_transfer", "decode_join"))
+            self.stragglers.handoff(decode, tokens, own, time.monotonic())
+        if self.adaptive is not None:
+            self.adaptive.handed_over(tokens, sum(
+                s for p, s in (*durations, *self._push_waits.pop(attempt, ())) if p == "kv_transfer"))
+
     def generate_group(self, request: GenerateRequest) -> GroupRun:
         """request.n choices of one prompt, prefilled once (coordinator.backend.ray_group)."""
         return GroupRun(self, request)
@@ -268,9 +278,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
                             record.state = "decode"
                         durations = self.intake.take_phases(attempt)
                         trace.split(durations)
-                        if self.adaptive is not None and placement.prefill is not None:
-                            self.adaptive.handed_over(len(request.prompt_token_ids) + len(prior), sum(
-                                s for p, s in (*durations, *self._push_waits.pop(attempt, ())) if p == "kv_transfer"))
+                        if placement.prefill is not None:
+                            self._handed_over(decode, len(request.prompt_token_ids) + len(prior), durations, attempt)
                         joined = True
                         reservation.unbook(decode.key, "prompt_tokens")  # collocated: its prefill is done
                         if request.sink is not None and type(queue) is asyncio.Queue:  # not held back in chunks

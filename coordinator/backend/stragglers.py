@@ -9,6 +9,11 @@ weighted by its steps there; over `factor` it is a straggler: logged once per in
 (`detected`), shown per worker (`ratios`, `flagged`), and with `replace` handed to `replace()`, which cycles it
 (coordinator.backend.cycling: drained, its requests given `drain_timeout_s` to finish then moved, replaced, routed
 to again). A replacement is a new incarnation with an empty window.
+
+Handoffs are judged the same way: each decode worker's handoffs (kv_transfer + decode_join of its remote requests,
+`handoff()`, from what the worker measured) over the window give its seconds per prompt token; over `factor` times
+its peers' median (each with at least MIN_HANDOFFS handoffs in the window) it is a straggler too (a slow NIC, a
+link that fell back from NVLink to TCP). Its ratio is the larger of the two (`ratios`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from coordinator.backend.cycling import CycleFailed, Cycler, CycleRefused
 from coordinator.config.straggler_config import StragglerConfig
 
 log = logging.getLogger("pdserve")
+MIN_HANDOFFS = 5  # handoffs in the window, per side, before a worker's handoff time is compared
 
 
 @dataclass(frozen=True)
@@ -41,27 +47,40 @@ class StragglerWatch:
         self._samples: dict[str, deque[_Sample]] = {}       # worker key -> its samples within the window
         self.ratios: dict[str, float] = {}                  # worker name -> its step time over its peers' (last look)
         self.flagged: dict[str, str] = {}                   # worker name -> the key of the incarnation found slow
+        self._handoffs: dict[str, deque[tuple[float, int, float]]] = {}  # worker key -> (at, tokens, seconds)
         self.detected = 0
         self.replaced = 0
+
+    def handoff(self, worker: WorkerState, tokens: int, seconds: float, now: float) -> None:
+        """Decode worker `worker` took a remote prefill's KV of `tokens` prompt tokens in `seconds` (worker-measured
+        kv_transfer + decode_join)."""
+        if tokens > 0 and seconds >= 0:
+            self._handoffs.setdefault(worker.key, deque()).append((now, tokens, seconds))
 
     def observe(self, workers: Iterable[WorkerState], now: float) -> list[tuple[WorkerState, str]]:
         """Take a sample of every live worker; the stragglers newly found, each with why."""
         live = [w for w in workers if w.alive and w.load is not None]
         keys = {w.key for w in live}
-        for gone in set(self._last) - keys:  # dead incarnations
+        for gone in (set(self._last) | set(self._handoffs)) - keys:  # dead incarnations
             self._last.pop(gone, None)
             self._samples.pop(gone, None)
+            self._handoffs.pop(gone, None)
         for w in live:
             self._sample(w, now)
         found = []
+        for handoffs in self._handoffs.values():
+            while handoffs and now - handoffs[0][0] > self.config.window_s:
+                handoffs.popleft()
         for w in live:
-            ratio = self._ratio(w, [p for p in live if p.role == w.role and p is not w])
-            self.ratios[w.name] = ratio
+            peers = [p for p in live if p.role == w.role and p is not w]
+            step, handoff = self._ratio(w, peers), self._handoff_ratio(w, peers)
+            ratio = self.ratios[w.name] = max(step, handoff)
             if ratio > self.config.factor and self.flagged.get(w.name) != w.key:
                 self.flagged[w.name] = w.key
                 self.detected += 1
-                why = (f"straggler: its mean step time is {ratio:.1f}x its {w.role} peers' at a similar batch over the "
-                       f"last {self.config.window_s:g} s (stragglers.factor {self.config.factor:g})")
+                what = "mean step time" if step >= handoff else "handoff time per prompt token"
+                why = (f"straggler: its {what} is {ratio:.1f}x its {w.role} peers' over the last "
+                       f"{self.config.window_s:g} s (stragglers.factor {self.config.factor:g})")
                 log.warning("worker %s: %s%s", w.name, why, "; replacing it" if self.config.replace else "")
                 found.append((w, why))
         return found
@@ -114,3 +133,14 @@ class StragglerWatch:
                 weighted += n * mean / statistics.median(peer_means)
                 steps += n
         return weighted / steps if steps else 0.0
+
+    def _handoff_ratio(self, w: WorkerState, peers: list[WorkerState]) -> float:
+        """w's handoff seconds per token over its peers' median (each with MIN_HANDOFFS in the window); 0.0 if not."""
+        def rate(key: str) -> float | None:
+            handoffs = self._handoffs.get(key, ())
+            tokens = sum(t for _, t, _ in handoffs)
+            return sum(s for _, _, s in handoffs) / tokens if len(handoffs) >= MIN_HANDOFFS and tokens else None
+        mine, theirs = rate(w.key), [r for p in peers if (r := rate(p.key)) is not None]
+        if mine is None or not theirs or statistics.median(theirs) <= 0:
+            return 0.0
+        return mine / statistics.median(theirs)
