@@ -148,8 +148,6 @@ def test_second_turns_sharing_cached_blocks_outgrowing_a_small_cache_end_exact(f
     table starts with the cached blocks of its first turn (shared), and only the rest is copied in. On 24 blocks
     they outgrow the cache and are preempted (their KV recomputed, or swapped out and back): every stream ends with
     the single engine's tokens, the shared blocks are counted and accounted for at every step."""
-    from engine.core.block_manager import prefix_block_hashes
-
     firsts_p = random_prompts((20, 25, 18, 30, 22), VOCAB, seed=3404)
     extras = random_prompts((9, 12, 7, 14, 10), VOCAB, seed=3405)
     params = PARAMS
@@ -159,38 +157,13 @@ def test_second_turns_sharing_cached_blocks_outgrowing_a_small_cache_end_exact(f
     answers2 = [o.token_ids for o in reference.generate(seconds, params)]
     prefill = LLM(folder).engine
     decode = LLM(folder, num_kv_blocks=24, preemption_mode=mode, swap_space_bytes=8 << 20).engine
-    bs = decode.config.block_size
-
-    def turn(prompts: list[list[int]], tag: str) -> tuple[list[list[int]], int]:
-        for i, prompt in enumerate(prompts):
-            prefill.add_request(f"{tag}{i}", prompt, params[i], prefill_only=True)
-        firsts = {}
-        while prefill.has_unfinished():
-            firsts.update({o.request_id: o for o in prefill.step()})
-        got, skipped = {}, 0
-        for i, prompt in enumerate(prompts):
-            rid, first = f"{tag}{i}", firsts[f"{tag}{i}"]
-            blocks = decode.reserve_blocks(rid, len(prompt), prefix_hashes=prefix_block_hashes(prompt[:-1], bs))
-            k = decode.reserved_hits(rid)
-            skipped += k
-            assert blocks is not None and k < len(blocks) == -(-len(prompt) // bs)
-            decode.kv_cache[blocks[k:]] = prefill.kv_cache[first.pinned_block_ids[k:]]  # only the lacking blocks
-            prefill.release(rid)
-            assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], params[i]) is None
-            got[rid] = list(first.new_token_ids)
-        while decode.has_unfinished():
-            for out in decode.step():
-                got[out.request_id] += out.new_token_ids
-            decode.check_integrity()
-        return [got[f"{tag}{i}"] for i in range(len(prompts))], skipped
-
-    assert turn(firsts_p, "a") == (answers1, 0)
+    got1 = prefill_then_hand_over(prefill, decode, firsts_p, params, "a", reuse_prefix=True)
+    assert [got1[f"a{i}"] for i in range(5)] == answers1 and decode.load().handoff_hit_blocks_total == 0
     before = decode.load().preemptions_total
-    got2, skipped = turn(seconds, "b")
-    assert got2 == answers2
+    got2 = prefill_then_hand_over(prefill, decode, seconds, params, "b", reuse_prefix=True)
+    assert [got2[f"b{i}"] for i in range(5)] == answers2
     load = decode.load()
-    assert skipped > 0 and load.handoff_hit_blocks_total == skipped
-    assert load.preemptions_total > before
+    assert load.handoff_hit_blocks_total > 0 and load.preemptions_total > before
     if mode == "swap":
         assert load.swapped_out_total > 0
     counts = decode.check_integrity()
