@@ -97,7 +97,7 @@ async def main(args: argparse.Namespace) -> None:
         rid = f"req-{i}"
         prompt = [rng.randrange(3, 2000) for _ in range(rng.randrange(16, 80))]
         finished[rid] = asyncio.Event()
-        await decode.reserve(rid, len(prompt))
+        await decode.reserve(rid, prompt)
         result = await prefill.prefill(rid, prompt, params)
         await decode.decode(rid, prompt, params, result.first_token_id, result.first_logprob, "prefill-m",
                             result.block_ids)

@@ -82,22 +82,25 @@ class Decodes:
                 lambda sender, msg: self._event_loop.call_soon_threadsafe(self._notified, msg, time.monotonic()))
 
     # ---- requests handed over from a prefill elsewhere
-    def reserve(self, request_id: str, num_tokens: int) -> None:
-        """Book the blocks of a request's KV while its prompt is still prefilled elsewhere (decode_pool.reservations);
-        its decode() takes them, its abort() gives them back."""
-        self.reservations.book_early(request_id, num_tokens)
+    def reserve(self, request_id: str, token_ids: list[int]) -> None:
+        """Book the blocks of a request's KV (of `token_ids`: its prompt, then prior outputs) while its prompt is
+        still prefilled elsewhere (decode_pool.reservations: those this worker's prefix cache holds are shared, and
+        the pull skips them); its decode() takes them, its abort() gives them back."""
+        self.reservations.book_early(request_id, token_ids)
 
     async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                               prior_output_ids: Sequence[int] = (), priority: int = 0) -> tuple[str, list[int]]:
+                               prior_output_ids: Sequence[int] = (), priority: int = 0
+                               ) -> tuple[str, list[int], int]:
         """Book the blocks of a request's KV for its prefill worker to write into (prefill_pool.kv_push): (this
-        worker's agent, the block ids), once nothing launched here before the booking can touch them. The request
-        joins as soon as the prefill worker's notification says its KV has landed (decode_pool.handoff). TP=1."""
+        worker's agent, the block ids, how many leading ones this worker's prefix cache holds already: nothing is
+        written into those), once nothing launched here before the booking can touch them. The request joins as
+        soon as the prefill worker's notification says its KV has landed (decode_pool.handoff). TP=1."""
         if self.agents is None or self.agents.tp_size != 1:
             raise ValueError(f"worker {self.name}: pushed handoffs need a tensor_parallel_size 1 worker")
         prior = list(prior_output_ids)
         self.handoffs.expect_push(request_id, prompt_token_ids, params, prior, priority)
-        blocks = await self.reservations.settled(request_id, len(prompt_token_ids) + len(prior))
-        return self.agents.local.agent.name, blocks
+        booking = await self.reservations.settled(request_id, [*prompt_token_ids, *prior])
+        return self.agents.local.agent.name, booking.blocks, booking.skip
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      first_token_id: int, first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
@@ -150,7 +153,7 @@ class Decodes:
             transferring[cid] = False
         try:
             if peer is not None:
-                booking = await self.reservations.book(group_id, n_tok)
+                booking = await self.reservations.book(group_id, prompt_token_ids)
                 await self.handoffs.pull_into(peer, peer_block_ids[:len(booking.blocks)], booking)
             deadline = time.monotonic() + self._admission_timeout_s
             for cid in choice_ids:

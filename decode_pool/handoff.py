@@ -9,7 +9,8 @@ Otherwise it starts once the pull has landed. Either way `take_over` returns onl
 prefill worker then frees its copy). An abort while the KV is in flight is applied when the transfer has ended;
 anything that frees the blocks of a request joined early waits for its copies on the device.
 A pushed handoff (`pushed`: the prefill worker wrote the KV into the booked blocks already, prefill_pool.kv_push)
-skips the pull: the request only joins.
+skips the pull: the request only joins. Blocks this worker's prefix cache held at the booking (Booking.skip: the
+leading ones, shared) are neither pulled nor pushed: the request's table is those, then the ones moved.
 With PDSERVE_TRACE_HANDOFF=1 in the environment every take_over prints its stages (blocks booked, pull launched,
 the join's engine call taken by the engine thread, the request added, joined as the event loop sees it, KV seen
 landed, the request's first step scheduled: ms since the call) as one JSON line on stderr, for
@@ -110,7 +111,7 @@ class Handoffs:
         landing: tuple = ()  # the pull's copy events, once the request has joined before they ended
         done = None
         try:
-            booking = await self.reservations.take(request_id, len(prompt_token_ids) + len(prior))
+            booking = await self.reservations.take(request_id, [*prompt_token_ids, *prior])
             _stage(stages, "booked")
             n = len(booking.blocks)
             if len(peer_block_ids) < n and not pushed:
@@ -184,14 +185,16 @@ class Handoffs:
         return start
 
     def _pull(self, peer: str, remote_ids: list[int], booking: Booking) -> GroupRead:
-        """Every rank pulls its KV heads into the booked blocks, after the booking's fence: rank 0 after its event,
-        each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A rank that
-        cannot even answer (its process died) means this worker's TP group is broken for good: the process exits,
-        so the request moves and the worker is replaced, instead of failing this request and waiting for the next
-        step to notice."""
+        """Every rank pulls its KV heads into the booked blocks (`remote_ids`: the peer's, in the same order),
+        those this worker's prefix cache held (Booking.skip) left out, after the booking's fence: rank 0 after its
+        event, each follower once it has launched as much of rank 0's work as rank 0 had sent at the booking. A
+        rank that cannot even answer (its process died) means this worker's TP group is broken for good: the
+        process exits, so the request moves and the worker is replaced, instead of failing this request and
+        waiting for the next step to notice."""
         try:
             fence = booking.fence
-            return self.agents.read(peer, remote_ids, booking.blocks, ready=fence.event,
+            k = booking.skip
+            return self.agents.read(peer, remote_ids[k:], booking.blocks[k:], ready=fence.event,
                                     after_launches=fence.follower_launches)
         except RankCallError as e:
             exit_process(self.worker, str(e))

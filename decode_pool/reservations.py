@@ -13,6 +13,11 @@ to the pull, instead of first waiting for the decode step under way to end. Owns
 uses it), `cancel` (the request ended first: whatever it booked is given back).
 A booking carries its launch fence (LLMEngine.launch_fence): the pull into its blocks waits for that, the steps
 launched before the booking, not for the decode steps queued on the engine's stream by the time the pull starts.
+A booking reuses what this worker's prefix cache holds of the KV (multi-turn chat: the previous turn's prompt and
+answer): its table starts with the cached blocks of the longest cached prefix of the tokens (ref counted, as a
+prompt's prefix hits are, so nothing evicts them), and only the blocks after them (`Booking.skip` on) are written
+from outside; the partial last block always is. The tokens' block hashes are computed here, on the event loop,
+not on the engine thread.
 A cancelled id is remembered for ENDED_TTL_S: an abort can overtake its request's handoff (the coordinator sends
 the abort as the client leaves, the handoff from its own task), and a handoff arriving after it must not book
 blocks and decode, to max_tokens, a request nobody reads (`take` raises RequestEnded).
@@ -23,8 +28,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from engine.core.block_manager import prefix_block_hashes
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -49,6 +57,8 @@ class Booking:
 
     blocks: list[int]
     fence: LaunchFence  # after every step launched before the booking, on every rank
+    token_ids: Sequence[int] = ()  # the tokens whose KV the blocks hold (prompt, then prior outputs)
+    skip: int = 0  # blocks[:skip] hold their KV already (this worker's prefix cache): only blocks[skip:] are written
 
 
 class Reservations:
@@ -57,13 +67,18 @@ class Reservations:
         self._early: dict[str, asyncio.Task] = {}
         self._ended: OrderedDict[str, float] = OrderedDict()  # cancelled id -> when, oldest first
 
-    async def book(self, request_id: str, num_tokens: int) -> Booking:
-        """The blocks of `num_tokens` tokens of KV, booked under `request_id`; NoCapacity after the timeout."""
+    async def book(self, request_id: str, token_ids: Sequence[int]) -> Booking:
+        """The blocks of the KV of `token_ids`, booked under `request_id` (those this worker's prefix cache holds
+        shared, not written: Booking.skip); NoCapacity after the timeout."""
         deadline = time.monotonic() + self.timeout_s
+        num_tokens = len(token_ids)
+        config = self.loop.engine.config
+        hashes = prefix_block_hashes(token_ids[:-1], config.block_size) if config.enable_prefix_caching else []
 
         def reserve(e) -> Booking | None:
-            blocks = e.reserve_blocks(request_id, num_tokens, leave_room=True)
-            return None if blocks is None else Booking(blocks, e.launch_fence())
+            blocks = e.reserve_blocks(request_id, num_tokens, leave_room=True, prefix_hashes=hashes)
+            return None if blocks is None else Booking(blocks, e.launch_fence(), token_ids,
+                                                       e.reserved_hits(request_id))
         while True:
             booking = await self.loop.call(reserve)
             if booking is not None:
@@ -73,16 +88,16 @@ class Reservations:
                                  f"{self.timeout_s} s")
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    def book_early(self, request_id: str, num_tokens: int) -> None:
+    def book_early(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Start booking now, for a `take` later (a second early booking of the same id is ignored)."""
         if request_id not in self._early and request_id not in self._ended:
-            self._early[request_id] = asyncio.ensure_future(self.book(request_id, num_tokens))
+            self._early[request_id] = asyncio.ensure_future(self.book(request_id, token_ids))
 
-    async def settled(self, request_id: str, num_tokens: int) -> list[int]:
+    async def settled(self, request_id: str, token_ids: Sequence[int]) -> Booking:
         """Book early (unless booked already) and wait until the booking is made and its fence has passed on the
         device: from then on the blocks may be written from another process (a pushed handoff) with no ordering
         on this device. The booking stays for `take` (or `cancel`); its NoCapacity is raised here as well."""
-        self.book_early(request_id, num_tokens)
+        self.book_early(request_id, token_ids)
         task = self._early.get(request_id)
         if task is None:
             raise RequestEnded(f"request {request_id} was aborted before its blocks were booked")
@@ -91,17 +106,22 @@ class Reservations:
             from kvtransfer.cache import event_done  # torch: this module is imported by the torch-free coordinator
 
             await event_done(booking.fence.event, time.monotonic() + self.timeout_s, spin_s=0.0)
-        return booking.blocks
+        return booking
 
-    async def take(self, request_id: str, num_tokens: int) -> Booking:
+    async def take(self, request_id: str, token_ids: Sequence[int]) -> Booking:
         """The request's early booking once it is made (its NoCapacity raised here), or a booking made now;
-        RequestEnded if the request was cancelled first."""
+        RequestEnded if the request was cancelled first. ValueError (the booking given back by the caller's abort)
+        if the early booking was made for other tokens: its shared blocks would hold another prefix's KV."""
         if request_id in self._ended:
             raise RequestEnded(f"request {request_id} was aborted before its handoff arrived")
         task = self._early.pop(request_id, None)
         if task is None:
-            return await self.book(request_id, num_tokens)
-        return await task
+            return await self.book(request_id, token_ids)
+        booking = await task
+        if list(booking.token_ids) != list(token_ids):
+            raise ValueError(f"request {request_id!r}: booked for {len(booking.token_ids)} tokens of KV, handed "
+                             f"over with {len(token_ids)} other ones")
+        return booking
 
     async def cancel(self, request_id: str) -> bool:
         """End an early booking that no handoff will take, giving back what it booked; False if there is none.

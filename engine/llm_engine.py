@@ -131,6 +131,8 @@ class LLMEngine:
             self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
                                         rank.prefill_graphs, rank.mixed_graphs, followers=self.followers)
         self._reserved: set[str] = set()
+        self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks
+        self.num_handoff_hit_blocks = 0  # blocks of requests started by add_prefilled_request the prefix cache held
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
@@ -176,6 +178,7 @@ class LLMEngine:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
         if request_id in self._reserved:
             self._reserved.discard(request_id)
+            self._reserved_hits.pop(request_id, None)
             self.block_manager.free(request_id)
             return True
         return self.scheduler.finish(request_id, "abort")
@@ -187,25 +190,40 @@ class LLMEngine:
             return False
         return self.scheduler.finish(request_id, "stop")
 
-    def reserve_blocks(self, request_id: str, num_tokens: int, leave_room: bool = False) -> list[int] | None:
+    def reserve_blocks(self, request_id: str, num_tokens: int, leave_room: bool = False,
+                       prefix_hashes: Sequence[bytes] = ()) -> list[int] | None:
         """Decode side: take blocks for `num_tokens` tokens of KV (the prompt's, plus the prior outputs' for a
         resumed request) to be written in from outside. None when the cache has no room now (try later). Abort the
         id to give them back. `leave_room`: room means more than free blocks: none while a preempted request waits
         to resume (its stream is paused: it comes first), and the running requests keep the blocks they need to
         cross their next block boundary (Scheduler.growth_headroom), as does this request for its first token, so
         the reservation makes no running stream the victim of a preemption (the joining request, the newest, would
-        be the first: its KV moved here for nothing)."""
+        be the first: its KV moved here for nothing).
+        `prefix_hashes`: the hashes of the KV's leading full blocks (engine.core.block_manager.prefix_block_hashes
+        of its tokens but the last). The longest run of them the prefix cache holds starts the table, shared (ref
+        counted, as a prompt's prefix hits are): their KV is here already, and only the blocks after them need
+        writing (`reserved_hits` says how many lead the table)."""
         if request_id in self.scheduler.requests or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+        bm = self.block_manager
+        hits = bm.cached_blocks(prefix_hashes)[:max(bm.blocks_needed(num_tokens) - 1, 0)]  # one block is written
         if leave_room:
-            bm, s = self.block_manager, self.scheduler
+            s = self.scheduler
             own = bm.blocks_needed(num_tokens + 1) - bm.blocks_needed(num_tokens)
-            if s.has_paused or bm.num_free_blocks < bm.blocks_needed(num_tokens) + own + s.growth_headroom():
+            new = bm.blocks_needed(num_tokens) - len(hits) + bm.num_unreferenced(hits)  # cached hits leave the pool
+            if s.has_paused or bm.num_free_blocks < new + own + s.growth_headroom():
                 return None
-        if not self.block_manager.allocate(request_id, num_tokens):
+        if not bm.allocate(request_id, num_tokens, hits):
             return None
         self._reserved.add(request_id)
-        return list(self.block_manager.table(request_id))
+        if hits:
+            self._reserved_hits[request_id] = len(hits)
+        return list(bm.table(request_id))
+
+    def reserved_hits(self, request_id: str) -> int:
+        """How many leading blocks of `request_id`'s reservation the prefix cache supplied (reserve_blocks'
+        prefix_hashes): their KV is not to be written from outside."""
+        return self._reserved_hits.get(request_id, 0)
 
     def launch_fence(self) -> LaunchFence:
         """The point behind every device launch queued so far. A block is freed only once every step naming it has
@@ -272,6 +290,7 @@ class LLMEngine:
         req = self._request(request_id, prompt_token_ids, params, False, prior, priority)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
+        self.num_handoff_hit_blocks += self._reserved_hits.pop(request_id, 0)
         req.append_token(first_token_id, first_logprob)
         if grammar is not None:
             self.grammar.attach(request_id, grammar)
@@ -398,7 +417,7 @@ class LLMEngine:
             prefix_hit_tokens_total=s.num_prefix_hit_tokens, preemptions_total=s.num_preemptions,
             preemptions_decode_total=s.preemptions_by_cause["decode"],
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
-            expired_pins_total=self.num_expired_pins,
+            expired_pins_total=self.num_expired_pins, handoff_hit_blocks_total=self.num_handoff_hit_blocks,
             taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures())
 
     def _budget_figures(self) -> dict[str, float]:

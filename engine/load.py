@@ -38,6 +38,7 @@ class EngineLoad:
     preemptions_prompt_total: int = 0   # or because a prompt chunk (or a recompute) needed blocks
     head_bypassed_total: int = 0        # waiting requests started ahead of a head short of blocks (engine.core.waiting)
     expired_pins_total: int = 0         # pinned prefill-only requests freed by their lease (nobody released them)
+    handoff_hit_blocks_total: int = 0   # blocks of handed-over requests' KV this worker's prefix cache held: not moved
     # preempted requests whose KV went to host memory instead of being recomputed (EngineConfig.preemption_mode swap
     # or auto; 0 with recompute): swapped out and back in, the bytes copied each way, preemptions that found the swap
     # space full (recomputed), and the host blocks held now

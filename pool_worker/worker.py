@@ -137,8 +137,10 @@ class Worker:
         return await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
                                            fork_params, push)
 
-    async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int]) -> bool:
-        return self.prefills.push_to(request_id, remote, remote_block_ids)
+    async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int], skip: int = 0) -> bool:
+        """Name the decode worker's booked blocks to push `request_id`'s KV into, the first `skip` left out (its
+        prefix cache holds them: Decodes.reserve_for_push)."""
+        return self.prefills.push_to(request_id, remote, remote_block_ids, skip)
 
     async def push_outcome(self, request_id: str) -> tuple[bool, float]:
         """How a pushed request's writes ended (PrefillResult.pushed: they were under way): (all landed, seconds)."""
@@ -149,11 +151,13 @@ class Worker:
         return await self.prefills.release(request_id)
 
     # ---- the decode duty (decode_pool.decodes)
-    async def reserve(self, request_id: str, num_tokens: int) -> None:
-        self.decodes.reserve(request_id, num_tokens)
+    async def reserve(self, request_id: str, token_ids: list[int]) -> None:
+        """Book the blocks of the KV of `token_ids` (prompt, then prior outputs) for a handoff to come."""
+        self.decodes.reserve(request_id, token_ids)
 
     async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                               prior_output_ids: Sequence[int] = (), priority: int = 0) -> tuple[str, list[int]]:
+                               prior_output_ids: Sequence[int] = (), priority: int = 0
+                               ) -> tuple[str, list[int], int]:
         return await self.decodes.reserve_for_push(request_id, prompt_token_ids, params, prior_output_ids,
                                                    priority)
 

@@ -13,17 +13,18 @@ and their write handles. Three threads meet here, each with its own part:
   still catches it), `finish` awaits a done request's writes (True only if every block landed), `settle` waits out
   an aborted one's;
 - the transfer agent's threads move the data.
-Each block is written exactly once (two writes of one block could land in either order): full blocks once their
-chunk's forward is launched, the last, partial block with the prompt's last chunk. A target that comes after the
-last layer of the last chunk was launched is too late: that request is pulled (`finish` False), as is one whose push
-failed or that was preempted (its blocks change). Prompts short enough for a prefill CUDA graph are not pushed (a
-layer hook makes a step eager; their KV is small). The decode worker's notification leaves from the agent's thread
-once the writes have landed (`sampled`: the engine thread hands it over at the step's end). The first token leaves
-as soon as it is sampled (prefill_pool.prefills): it no longer waits for the last layer group's copy (on a link
-slower than the forward, the part of the transfer the forward did not hide); the decode worker joins on the
-notification once the writes have landed. Block ownership: the
-local blocks stay the request's (pinned after its prefill) until release or abort, which the worker applies only
-after `finish` or `settle`: no copy reads a block after it is reused.
+Blocks the decode worker's prefix cache held at its booking (the target's `skip`: the leading ones) are not written
+at all. Each other block is written exactly once (two writes of one block could land in either order): full blocks
+once their chunk's forward is launched, the last, partial block with the prompt's last chunk. A target that comes
+after the last layer of the last chunk was launched is too late: that request is pulled (`finish` False), as is one
+whose push failed or that was preempted (its blocks change). Prompts short enough for a prefill CUDA graph are not
+pushed (a layer hook makes a step eager; their KV is small). The decode worker's notification leaves from the agent's
+thread once the writes have landed (`sampled`: the engine thread hands it over at the step's end). The first token
+leaves as soon as it is sampled (prefill_pool.prefills): it no longer waits for the last layer group's copy (on a
+link slower than the forward, the part of the transfer the forward did not hide); the decode worker joins on the
+notification once the writes have landed. Block ownership: the local blocks stay the request's (pinned after its
+prefill) until release or abort, which the worker applies only after `finish` or `settle`: no copy reads a block
+after it is reused.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Push:
     num_blocks: int              # the blocks they fill
     remote_ids: list[int] = field(default_factory=list)  # the decode worker's booked blocks (set before `remote`)
     remote: str | None = None    # its agent, once named
+    skip: int = 0                # blocks [0, skip) are not written: the decode worker's prefix cache holds them
     written: int = 0             # blocks [0, written) are written (their writes queued), every layer
     closed: bool = False         # no more writes: the last chunk was launched, or the request ended here
     error: BaseException | None = None
@@ -82,7 +84,7 @@ class KVPushes:
         step = math.ceil(num_layers / min(WRITES_PER_FORWARD, num_layers))
         self.group_ends = {min(end, num_layers) for end in range(step, num_layers + step, step)}
         self._pushes: dict[str, Push] = {}
-        self._early: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # targets that came before `expect`
+        self._early: OrderedDict[str, tuple[str, list[int], int]] = OrderedDict()  # targets before `expect`
         self.pushed = self.failed = self.late = 0  # outcomes, for /metrics (counters)
 
     def expect(self, e: LLMEngine, request_id: str) -> bool:
@@ -96,22 +98,26 @@ class KVPushes:
             return False
         push = self._pushes[request_id] = Push(req.num_tokens, math.ceil(req.num_tokens / self.block_size))
         early = self._early.pop(request_id, None)
-        if early is not None and len(early[1]) >= push.num_blocks:
-            push.remote_ids, push.remote = early[1], early[0]
+        if early is not None and len(early[1]) >= push.num_blocks and early[2] < push.num_blocks:
+            push.remote_ids, push.skip, push.remote = early[1], early[2], early[0]
         return True
 
-    def target(self, request_id: str, remote: str, remote_ids: list[int]) -> bool:
-        """Name the blocks of agent `remote` to write `request_id`'s KV into (any thread); False if it has no open
-        push here (not expected, or ended). Whether it came in time, `finish` says."""
+    def target(self, request_id: str, remote: str, remote_ids: list[int], skip: int = 0) -> bool:
+        """Name the blocks of agent `remote` to write `request_id`'s KV into (any thread), but for the first `skip`
+        (that agent's worker holds their KV already: its prefix cache); False if it has no open push here (not
+        expected, or ended) or `skip` leaves no block to write. Whether it came in time, `finish` says."""
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"request {request_id!r}: skip must be a non-negative int, got {skip!r}")
         push = self._pushes.get(request_id)
         if push is None:  # its prefill call may not have reached the engine yet
-            self._early[request_id] = (remote, list(remote_ids))
+            self._early[request_id] = (remote, list(remote_ids), skip)
             while len(self._early) > MAX_EARLY:
                 self._early.popitem(last=False)
             return True
-        if push.closed or push.remote is not None or len(remote_ids) < push.num_blocks:
+        if push.closed or push.remote is not None or len(remote_ids) < push.num_blocks or skip >= push.num_blocks:
             return False
         push.remote_ids = list(remote_ids)
+        push.skip = skip
         push.remote = remote  # last: the engine thread writes once it sees this
         return True
 
@@ -162,14 +168,17 @@ class KVPushes:
         return on_layer_done
 
     def _write(self, plan: _Plan, upto: int) -> None:
-        """Queue the write of layers [plan.sent, upto) of the plan's blocks, once the target is known."""
+        """Queue the write of layers [plan.sent, upto) of the plan's blocks (those past the target's skip), once
+        the target is known."""
         push = plan.push
-        if push.remote is None or push.error is not None or plan.hi <= plan.lo:
+        if push.remote is None or push.error is not None:
+            return
+        lo = max(plan.lo, push.skip)  # skip is set before remote (target): seen here whenever remote is
+        if plan.hi <= lo:
             return
         try:
-            push.handles.append(self.agent.write(push.remote, plan.table[plan.lo:plan.hi],
-                                                 push.remote_ids[plan.lo:plan.hi], layers=(plan.sent, upto),
-                                                 timeout=self.timeout_s))
+            push.handles.append(self.agent.write(push.remote, plan.table[lo:plan.hi], push.remote_ids[lo:plan.hi],
+                                                 layers=(plan.sent, upto), timeout=self.timeout_s))
             plan.sent = upto
         except TransferError as e:  # refused at once (the peer is lost): the request is pulled instead
             push.error = e

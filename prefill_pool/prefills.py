@@ -113,11 +113,12 @@ class Prefills:
             await self.abort(request_id)
             raise
 
-    def push_to(self, request_id: str, remote: str, remote_block_ids: list[int]) -> bool:
+    def push_to(self, request_id: str, remote: str, remote_block_ids: list[int], skip: int = 0) -> bool:
         """Write `request_id`'s KV into `remote_block_ids` of decode agent `remote` as its prefill runs (from the
-        next layer group on: not a step boundary); False if it expects no push. Too late for its last layer, it
-        is pulled: the prefill's result says which (`pushed`)."""
-        return self.pushes is not None and self.pushes.target(request_id, remote, remote_block_ids)
+        next layer group on: not a step boundary), but for its first `skip` blocks (the decode worker's prefix
+        cache holds them); False if it expects no push. Too late for its last layer, it is pulled: the prefill's
+        result says which (`pushed`)."""
+        return self.pushes is not None and self.pushes.target(request_id, remote, remote_block_ids, skip)
 
     async def push_outcome(self, request_id: str) -> tuple[bool, float]:
         """How a pushed request's writes ended, once they have: (every block landed in the decode worker's booking,

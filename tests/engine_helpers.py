@@ -44,22 +44,29 @@ def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-def prefill_then_hand_over(prefill, decode, prompts: list[list[int]], params: list[SamplingParams]
-                           ) -> dict[str, list[int]]:
-    """Disaggregation on two engines in one process: `prefill` runs each prompt prefill-only (request ids r0, r1, ...),
-    `decode` reserves its blocks, takes a copy of the pinned KV (what kvtransfer does) and decodes it to the end,
-    checking its integrity after every step. Each request's tokens, the first (sampled by `prefill`) included."""
+def prefill_then_hand_over(prefill, decode, prompts: list[list[int]], params: list[SamplingParams], tag: str = "r",
+                           reuse_prefix: bool = False) -> dict[str, list[int]]:
+    """Disaggregation on two engines in one process: `prefill` runs each prompt prefill-only (request ids tag0, tag1,
+    ...), `decode` reserves its blocks, takes a copy of the pinned KV (what kvtransfer does) and decodes it to the end,
+    checking its integrity after every step. Each request's tokens, the first (sampled by `prefill`) included. With
+    `reuse_prefix`, the reservation names the prompt's block hashes (decode_pool.reservations): the blocks the
+    decode engine's prefix cache holds lead its table and only the others are copied."""
+    from engine.core.block_manager import prefix_block_hashes
+
     for i, prompt in enumerate(prompts):
-        prefill.add_request(f"r{i}", prompt, params[i], prefill_only=True)
+        prefill.add_request(f"{tag}{i}", prompt, params[i], prefill_only=True)
     firsts = {}
     while prefill.has_unfinished():
         firsts.update({o.request_id: o for o in prefill.step()})
     got: dict[str, list[int]] = {}
+    bs = decode.config.block_size
     for i, prompt in enumerate(prompts):
-        rid, first = f"r{i}", firsts[f"r{i}"]
-        blocks = decode.reserve_blocks(rid, len(prompt))
-        assert blocks is not None and len(blocks) == -(-len(prompt) // decode.config.block_size)  # the prompt's KV
-        decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]
+        rid, first = f"{tag}{i}", firsts[f"{tag}{i}"]
+        hashes = prefix_block_hashes(prompt[:-1], bs) if reuse_prefix else ()
+        blocks = decode.reserve_blocks(rid, len(prompt), prefix_hashes=hashes)
+        k = decode.reserved_hits(rid)
+        assert blocks is not None and k < len(blocks) == -(-len(prompt) // bs)  # the prompt's KV
+        decode.kv_cache[blocks[k:]] = prefill.kv_cache[first.pinned_block_ids[k:]]  # the blocks decode lacks
         prefill.release(rid)
         assert decode.add_prefilled_request(rid, prompt, first.new_token_ids[0], params[i]) is None
         got[rid] = list(first.new_token_ids)

@@ -11,6 +11,8 @@ from decode_pool.reservations import NoCapacity, Reservations
 from engine import LLM
 from engine.async_engine import AsyncEngine
 
+T40 = list(range(3, 43))  # 40 tokens of KV: 3 blocks of 16
+
 
 def run_with_loop(body, **engine_kwargs):
     """body(reservations, engine) on a running AsyncEngine loop; then the engine's integrity check."""
@@ -31,8 +33,8 @@ def run_with_loop(body, **engine_kwargs):
 
 def test_an_early_booking_is_taken_by_the_handoff():
     async def body(res: Reservations, engine):
-        res.book_early("a", 40)
-        booking = await res.take("a", 40)
+        res.book_early("a", T40)
+        booking = await res.take("a", T40)
         assert len(booking.blocks) == 3 and engine.load().num_reserved == 1 and len(res) == 0
         assert booking.fence.event is None and booking.fence.follower_launches is None  # CPU, no followers
         await res.loop.call(lambda e: e.abort("a"))
@@ -42,7 +44,7 @@ def test_an_early_booking_is_taken_by_the_handoff():
 @pytest.mark.parametrize("wait_s", [None, 0.0, 0.05])  # before the loop applied it, just after, long after
 def test_a_cancelled_early_booking_gives_its_blocks_back(wait_s):
     async def body(res: Reservations, engine):
-        res.book_early("b", 40)
+        res.book_early("b", T40)
         if wait_s is not None:
             await asyncio.sleep(wait_s)
         if wait_s == 0.05:  # the booking was made: the cancel must free it
@@ -56,10 +58,10 @@ def test_a_cancelled_early_booking_gives_its_blocks_back(wait_s):
 def test_a_booking_that_finds_no_room_ends_in_no_capacity_and_leaks_nothing():
     async def body(res: Reservations, engine):
         whole = engine.num_kv_blocks * engine.config.block_size
-        res.book_early("big", whole + 1)
+        res.book_early("big", [3] * (whole + 1))
         with pytest.raises(NoCapacity, match="decode-test: no room for"):
-            await res.take("big", whole + 1)
-        res.book_early("big2", whole + 1)
+            await res.take("big", [3] * (whole + 1))
+        res.book_early("big2", [3] * (whole + 1))
         assert await res.cancel("big2")  # ended while it was still retrying
     run_with_loop(body, num_kv_blocks=8)
 
@@ -71,11 +73,11 @@ def test_a_handoff_arriving_after_its_abort_books_nothing():
 
     async def body(res: Reservations, engine):
         assert not await res.cancel("late")  # nothing booked yet: the abort still remembers the id
-        res.book_early("late", 40)
+        res.book_early("late", T40)
         with pytest.raises(RequestEnded, match="late was aborted before its handoff"):
-            await res.take("late", 40)
+            await res.take("late", T40)
         assert engine.load().num_reserved == 0 and len(res) == 0
-        booking = await res.take("other", 40)  # other requests are untouched
+        booking = await res.take("other", T40)  # other requests are untouched
         assert len(booking.blocks) == 3
         await res.loop.call(lambda e: e.abort("other"))
     run_with_loop(body)
@@ -86,7 +88,7 @@ def test_an_engine_call_arriving_after_a_cancel_finds_the_blocks_given_back(wait
     """The abort is queued on the loop before the cancel first waits: a call that reaches the worker after it (the
     admin integrity check after the coordinator's aborts) never sees the cancelled booking."""
     async def body(res: Reservations, engine):
-        res.book_early("c", 40)
+        res.book_early("c", T40)
         if wait_s is not None:
             await asyncio.sleep(wait_s)
         cancel = asyncio.create_task(res.cancel("c"))
@@ -120,7 +122,7 @@ def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts
                 await asyncio.sleep(0.001)
             refused = await loop.call(lambda e: (e.block_manager.num_free_blocks, e.reserve_blocks("x", 40, True)))
             res = Reservations(loop, "decode-test", timeout_s=60)
-            booking = await res.take("x", 40)
+            booking = await res.take("x", T40)
             running_then = await loop.call(lambda e: len(e.scheduler.running))
             await loop.call(lambda e: e.abort("x"))
             return refused, booking, running_then
@@ -132,3 +134,53 @@ def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts
     assert len(booking.blocks) == 3
     assert engine.load().preemptions_total == 0
     assert engine.check_integrity()["in_use"] == 0
+
+
+def test_a_booking_shares_the_blocks_the_prefix_cache_holds_and_gives_them_back():
+    """A conversation's first turn ran here (prompt + answer now in the prefix cache); the next turn's booking
+    starts its table with those blocks (shared, ref counted: `skip` of them), books new blocks only for the rest,
+    and the partial last block is always new. Cancelled, the shared blocks go back to the cache, nothing leaks; taken
+    and joined, the engine counts them (EngineLoad.handoff_hit_blocks_total)."""
+    from engine import SamplingParams
+    from engine.core.request import RequestStatus
+    from tests.engine_helpers import random_prompts
+
+    llm = LLM("tiny")
+    engine = llm.engine
+    first = random_prompts((40,), 2000, seed=3401)[0]
+    answer = llm.generate([first], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].token_ids
+    turn2 = [*first, *answer, *range(100, 127)]  # 97 tokens: 7 blocks; 69 tokens of KV computed: 4 full blocks
+    cached = engine.block_manager.cached_prefix(turn2)
+    assert len(cached) == 4
+
+    async def main():
+        loop = AsyncEngine(engine, lambda outputs, load: None)
+        task = asyncio.create_task(loop.run())
+        res = Reservations(loop, "decode-test", timeout_s=5)
+        try:
+            res.book_early("t2", turn2)
+            booking = await res.settled("t2", turn2)
+            state = await loop.call(lambda e: (e.check_integrity(), e.block_manager.num_cached_blocks))
+            assert await res.cancel("t2")
+            after_cancel = await loop.call(lambda e: (e.check_integrity(), e.block_manager.num_cached_blocks))
+            with pytest.raises(ValueError, match="handed over with 97 other ones"):
+                res.book_early("t3", turn2[:-1] + [5])
+                await res.take("t3", turn2)
+            await loop.call(lambda e: e.abort("t3"))
+            taken = await res.take("t4", turn2)
+            done = await loop.call(lambda e: (e.add_prefilled_request("t4", turn2, 7, SamplingParams(max_tokens=2)),
+                                              e.scheduler.requests["t4"].status, e.load()))
+            return booking, state, after_cancel, taken, done
+        finally:
+            loop.close()
+            await task
+    booking, (integrity, cached_then), (integrity_after, cached_after), taken, done = asyncio.run(main())
+    assert booking.skip == 4 and booking.blocks[:4] == cached and len(booking.blocks) == 7
+    assert not set(booking.blocks[4:]) & set(cached)
+    assert integrity["in_use"] == 0 and integrity["pinned"] == 7  # the reservation's 4 shared + 3 new
+    assert cached_after == cached_then + 4 and integrity_after["pinned"] == 0
+    assert taken.skip == 4 and taken.blocks[:4] == cached
+    assert done[0] is None and done[1] == RequestStatus.RUNNING and done[2].handoff_hit_blocks_total == 4
+    engine.abort("t4")
+    assert engine.check_integrity()["in_use"] == 0
+    assert engine.block_manager.cached_prefix(turn2)[:4] == cached  # (t4's own full blocks were cached after it)

@@ -139,3 +139,32 @@ def test_a_reservation_taking_the_blocks_running_streams_grow_into_preempts_one_
     assert preemptions == {False: 1, True: 0}
     for i in range(3):
         prefill.release(f"r{i}")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_second_turns_sharing_cached_blocks_outgrowing_a_small_cache_end_exact(folder, mode):
+    """Decode-side prefix reuse (decode_pool.reservations): five conversations' first turns are handed over and
+    decoded here; their second turns (first prompt + answer + more) are booked with their prefix hashes, so each
+    table starts with the cached blocks of its first turn (shared), and only the rest is copied in. On 24 blocks
+    they outgrow the cache and are preempted (their KV recomputed, or swapped out and back): every stream ends with
+    the single engine's tokens, the shared blocks are counted and accounted for at every step."""
+    firsts_p = random_prompts((20, 25, 18, 30, 22), VOCAB, seed=3404)
+    extras = random_prompts((9, 12, 7, 14, 10), VOCAB, seed=3405)
+    params = PARAMS
+    reference = LLM(folder)
+    answers1 = [o.token_ids for o in reference.generate(firsts_p, params)]
+    seconds = [[*p, *a, *x] for p, a, x in zip(firsts_p, answers1, extras, strict=True)]
+    answers2 = [o.token_ids for o in reference.generate(seconds, params)]
+    prefill = LLM(folder).engine
+    decode = LLM(folder, num_kv_blocks=24, preemption_mode=mode, swap_space_bytes=8 << 20).engine
+    got1 = prefill_then_hand_over(prefill, decode, firsts_p, params, "a", reuse_prefix=True)
+    assert [got1[f"a{i}"] for i in range(5)] == answers1 and decode.load().handoff_hit_blocks_total == 0
+    before = decode.load().preemptions_total
+    got2 = prefill_then_hand_over(prefill, decode, seconds, params, "b", reuse_prefix=True)
+    assert [got2[f"b{i}"] for i in range(5)] == answers2
+    load = decode.load()
+    assert load.handoff_hit_blocks_total > 0 and load.preemptions_total > before
+    if mode == "swap":
+        assert load.swapped_out_total > 0
+    counts = decode.check_integrity()
+    assert counts["in_use"] == counts["pinned"] == 0

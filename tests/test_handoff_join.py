@@ -146,7 +146,7 @@ def test_a_notification_after_decode_started_the_join_starts_nothing():
 def test_an_abort_right_after_the_notification_frees_the_blocks_and_decode_gets_the_cancellation():
     async def body(loop, handoffs):
         handoffs.expect_push("r", PROMPT, PARAMS, [])
-        handoffs.reservations.book_early("r", len(PROMPT))
+        handoffs.reservations.book_early("r", PROMPT)
         handoffs.pushed("r", 5, None, time.monotonic())
         await handoffs.reservations.cancel("r")  # DecodeWorker.abort: the booking, then the flag
         handoffs.abort("r")

@@ -40,7 +40,7 @@ def pair():
 
 
 def _prefill(engine, agents, rid: str, prompt: list[int], remote_ids: list[int], name_after_steps: int = 0,
-             abort_while_pushing: bool = False, notify: bool = False):
+             abort_while_pushing: bool = False, notify: bool = False, skip: int = 0):
     """Prefill `prompt` on an AsyncEngine with the push hook (and, with `notify`, KVPushes.sampled as its step
     hook, as the prefill worker runs it), naming the target after `name_after_steps` of its steps; (target accepted,
     pushed, the request's pinned blocks here, the KVPushes, its first token, the agent finish() left to notify)."""
@@ -59,7 +59,7 @@ def _prefill(engine, agents, rid: str, prompt: list[int], remote_ids: list[int],
             def add(e) -> bool:  # the target with the request: nothing of it can run before
                 e.add_request(rid, prompt, GREEDY, prefill_only=True)
                 assert pushes.expect(e, rid)
-                return pushes.target(rid, "decode-t", remote_ids) if not name_after_steps else False
+                return pushes.target(rid, "decode-t", remote_ids, skip) if not name_after_steps else False
             accepted = await loop.call(add)
             if name_after_steps:
                 steps = loop.steps
@@ -98,6 +98,28 @@ def test_a_pushed_prompt_lands_bit_exact_in_the_booked_blocks(pair):
         assert bits(engine.kv_cache[local_ids]).equal(after) and not after.equal(before)
     ops = agents.local.agent.metrics()["ops"]
     assert ops["write"]["count"] >= 4 * 4 + 4 + 4 and ops["write"]["failures"] == 0  # layer by layer, each chunk
+    engine.check_integrity()
+
+
+def test_the_blocks_the_decode_side_holds_already_are_not_written(pair):
+    """A target with skip k (the decode worker's prefix cache holds the prompt's first k blocks): blocks [k, n) land
+    bit exact, blocks [0, k) of the target are left as they were, the bytes written are those of n - k blocks;
+    a skip that leaves nothing to write is refused."""
+    engine, agents, peer = pair
+    prompt = random_prompts([170], 2000, seed=40)[0]  # 11 blocks, 4 chunks
+    remote_ids, k = list(range(10, 21)), 6
+    before = bits(peer.call("blocks", remote_ids)).clone()
+    written = agents.local.agent.metrics()["ops"].get("write", {}).get("bytes", 0)
+    accepted, pushed, local_ids, pushes, _, _ = _prefill(engine, agents, "sk", prompt, remote_ids, skip=k)
+    assert accepted and pushed
+    after = bits(peer.call("blocks", remote_ids))
+    assert after[:k].equal(before[:k]) and bits(engine.kv_cache[local_ids[k:]]).equal(after[k:])
+    per_block = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+    assert agents.local.agent.metrics()["ops"]["write"]["bytes"] - written == (len(remote_ids) - k) * per_block
+    accepted, pushed, *_ = _prefill(engine, agents, "sk2", prompt, remote_ids, skip=len(remote_ids))
+    assert not accepted and not pushed
+    with pytest.raises(ValueError, match="skip must be a non-negative int"):
+        pushes.target("sk3", "decode-t", remote_ids, -1)
     engine.check_integrity()
 
 

@@ -48,7 +48,7 @@ _COUNTERS = (
     "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
     "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
-    "pdserve_worker_engine_swap_full")
+    "pdserve_worker_engine_swap_full", "pdserve_worker_engine_handoff_hit_blocks")
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",

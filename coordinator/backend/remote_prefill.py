@@ -3,7 +3,8 @@ worker and hands its KV to the decode worker: the prefill call (the first token 
 worker's booking of the KV's blocks (pushed during the forward: prefill_pool.kv_push, else pulled), the handoff
 task, and the recompute of a prompt whose transfer failed (`transfer.on_failure`). It holds no state of its own:
 the attempt's cleanup list and the backend's intake, pools and counters are what it works on. RayBackend inherits
-it; `_attempt` calls `_prefill`.
+it; `_attempt` calls `_prefill`. The decode worker's booking gets the KV's tokens (prompt, then prior outputs): what
+its prefix cache holds of them is not moved (decode_pool.reservations).
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ class RemotePrefill:
         # pull (decode_pool.reservations); its abort gives them back if no handoff comes
         cleanup.append((decode, "abort"))
         decode.requests.add(attempt)
-        num_tokens = len(request.prompt_token_ids) + len(prior)
         if self.pools.pushes:
             self._spawn(self._push_target(attempt, request, prior, prefill, decode, placement.priority))
         else:
-            self._spawn(quietly(decode.handle.reserve.remote(attempt, num_tokens)))
+            self._spawn(quietly(decode.handle.reserve.remote(attempt, [*request.prompt_token_ids, *prior])))
         result = await self._call(prefill, prefill.handle.prefill.remote(
             attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
             push=self.pools.pushes))
@@ -64,9 +64,9 @@ class RemotePrefill:
         into them during its forward (prefill_pool.kv_push) and tells the decode worker, which joins the request
         at once (decode_pool.handoff). A failure here leaves the handoff to a pull."""
         try:
-            agent, blocks = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
-                                                                       request.params, prior, priority)
-            await prefill.handle.push_to.remote(attempt, agent, blocks)
+            agent, blocks, skip = await decode.handle.reserve_for_push.remote(attempt, request.prompt_token_ids,
+                                                                             request.params, prior, priority)
+            await prefill.handle.push_to.remote(attempt, agent, blocks, skip)
         except Exception as e:  # noqa: BLE001 - e.g. the request ended first, or no room: decode() says what counts
             log.debug("request %s: no push target: %s", attempt, e)
 

@@ -95,13 +95,23 @@ class BlockManager:
         """Blocks holding the longest cached prefix of `token_ids`, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
+        return self.cached_blocks(prefix_block_hashes(token_ids[:-1], self.block_size))
+
+    def cached_blocks(self, hashes: Sequence[bytes]) -> list[int]:
+        """Blocks holding the longest cached run of `hashes` (a prefix's chained block hashes, from the first)."""
+        if not self.enable_prefix_caching:
+            return []
         hits: list[int] = []
-        for h in prefix_block_hashes(token_ids[:-1], self.block_size):
+        for h in hashes:
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def num_unreferenced(self, block_ids: Sequence[int]) -> int:
+        """How many of `block_ids` no table holds (cached: counted in num_free_blocks until taken)."""
+        return sum(1 for b in block_ids if self._blocks[b].ref_count == 0)
 
     # ---- changes
     def allocate(self, owner: str, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
