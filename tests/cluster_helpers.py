@@ -408,8 +408,9 @@ def ray_up_local(workdir: Path) -> dict:
         result["completion"] = stream_completion(url)
         result["ray_status"] = sh([*ray_cli, "exec", "--no-config-cache", cluster,
                                    "RAY_AUTH_MODE=token ~/pdserve/.venv/bin/ray status"], timeout_s=60)
+        # (300 lines: after the coordinator drains, the supervisor tears the namespace down and Ray logs its end)
         stop = ("kill -TERM $(cat ~/pdserve-serve.pid) && while kill -0 $(cat ~/pdserve-serve.pid) 2>/dev/null; "
-                "do sleep 1; done; tail -n 30 ~/pdserve-serve.log")
+                "do sleep 1; done; tail -n 300 ~/pdserve-serve.log")
         result["stop_output"] = sh([*ray_cli, "exec", "--no-config-cache", cluster, stop], timeout_s=120)
         result["server_still_answers"] = _answers(url)
     finally:
