@@ -40,24 +40,3 @@ def reference(llama):
     """The single engine on `llama`: what served outputs must equal."""
     from engine import LLM
     return LLM(str(llama))
-
-
-_SERVER_CALLS = ("running_server(", "launched_server(", "run_isolated(", "serving(")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Files that start servers run first, the most servers first. Under `-n 2 --dist loadfile` (the README's test
-    command) whole files go to the two workers in collection order: long files started last left one worker alone
-    for minutes at the end; unit-test files now fill the end instead. Each file's tests stay together and in order
-    (a stable sort by a per-file key)."""
-    servers: dict = {}
-
-    def weight(item) -> int:
-        if item.path not in servers:
-            try:
-                text = item.path.read_text()
-            except OSError:
-                text = ""
-            servers[item.path] = sum(text.count(call) for call in _SERVER_CALLS)
-        return -servers[item.path]
-    items.sort(key=weight)
