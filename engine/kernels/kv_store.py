@@ -6,7 +6,7 @@ are not stored. The layer view kv_layer[NB, 2, bs, KVH, D] is a strided slice of
 (engine.kv_layout), so every stride is taken from the tensor, never assumed.
 
 An fp8 cache (float8_e4m3fn, engine.kv_quant) stores k / k_scale and v / v_scale, clamped to +-448 and rounded to
-nearest even, as engine.kv_quant.quantize does (`to_cache`, shared with the fused RoPE stores).
+nearest even, as engine.kv_quant.quantize does (`to_cache`, shared with the fused RoPE stores; engine.kernels.e4m3).
 """
 
 from __future__ import annotations
@@ -16,29 +16,19 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
+from engine.kernels.e4m3 import to_e4m3
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations' (k and v)
 CACHE_DTYPES = (*KV_DTYPES, torch.float8_e4m3fn)  # a cache's: the activations' or fp8
 SLOT_DTYPES = (torch.int64, torch.int32)
-FP8_MAX = 448.0
 
 
 @triton.jit
 def to_cache(x, scale, CACHE_DTYPE: tl.constexpr):
     # x (any float) as the cache stores it: converted, or for an fp8 cache x / scale clamped to e4m3's range and
-    # rounded to nearest even (torch's cast of the same float32 value: engine.kv_quant.quantize). The rounding is
-    # done in float32 first, so the cast itself is exact: Triton's interpreter rounds fp8 casts wrongly (Triton
-    # 3.9: a carry out of the mantissa is dropped, 1.9375 -> 1.0), and CPU CI tests these kernels there. An e4m3
-    # value of binade 2^E has 3 mantissa bits, so its spacing is 2^(E-3), and 2^-9 below the smallest normal 2^-6
-    # (biased float32 exponent 121); adding and subtracting 1.5 * 2^23 spacings rounds to a multiple of the spacing,
-    # ties to even, in float32's own round-to-nearest-even.
+    # rounded to nearest even (torch's cast of the same float32 value: engine.kv_quant.quantize; engine.kernels.e4m3)
     if CACHE_DTYPE == tl.float8e4nv:
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
-        biased = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        spacing = ((tl.maximum(biased, 121) - 3) << 23).to(tl.float32, bitcast=True)
-        magic = spacing * 12582912.0  # 1.5 * 2^23
-        y = (y + magic) - magic
-        return y.to(CACHE_DTYPE)
+        return to_e4m3(x.to(tl.float32) / scale)
     else:
         return x.to(CACHE_DTYPE)
 
