@@ -29,6 +29,9 @@ from tests.engine_helpers import LogitsRecorder, random_prompts
 from tests.inprocess_backend import InProcessBackend, run_asgi
 
 pytestmark = pytest.mark.timeout(120)
+# the accuracy tests run where the FP8 path they describe runs: on a GPU (Triton kernels, FP8 tensor cores, CUDA
+# graphs) when there is one, else the CPU's upcast path
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEW_TOKENS = 12
 # Bounds on teacher-forced agreement with the bfloat16 original (every position sees the same prefix: the original's
 # greedy continuation; 8 prompts x 12 positions) and the mean KL(bf16 || fp8) of the next-token distributions, in
@@ -59,7 +62,7 @@ def fp8(bf16, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference(bf16):
     """The original's greedy continuations, the teacher-forced prefixes and their next-token logits."""
-    llm = LLM(str(bf16))
+    llm = LLM(str(bf16), device=DEVICE)
     prompts = random_prompts([5, 7, 9, 11, 13, 15, 17, 19], 2000, seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     prefixes = [p + o.token_ids[:i] for p, o in zip(prompts, outs, strict=True) for i in range(NEW_TOKENS)]
@@ -87,7 +90,8 @@ def agreement_and_kl(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, fl
 def test_fp8_matmul_error_and_scaled_mm():
     """One FP8 linear: ~3.5% relative error against the exact product (e4m3: 3 mantissa bits, a relative rounding
     error of std 2^-4/sqrt(3) ~ 3.6% on each operand), and the CPU's upcast matmul equals torch._scaled_mm given
-    the arguments the CUDA path passes (e4m3 operands, [M, 1] and [1, N] float32 scales) up to its bfloat16 output."""
+    the arguments the CUDA path passes (e4m3 operands, [M, 1] and [1, N] float32 scales) up to its bfloat16 output.
+    torch._scaled_mm runs on the GPU where there is one (torch's CPU build has it too, not every CUDA build's CPU)."""
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 64, generator=gen) / 8, torch.randn(10, 64, generator=gen)
     exact = x @ w.t()
@@ -99,14 +103,15 @@ def test_fp8_matmul_error_and_scaled_mm():
         assert 0.01 < ((y - exact).norm() / exact.norm()).item() < 0.05
         xq, xs = quantize_rows(x, None)
         assert xq.dtype == FP8 and xs.shape == (10, 1)
-        scaled = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.scale_row, out_dtype=torch.bfloat16)
+        scaled = torch._scaled_mm(xq.to(DEVICE), layer.weight.t().to(DEVICE), scale_a=xs.to(DEVICE),
+                                  scale_b=layer.scale_row.to(DEVICE), out_dtype=torch.bfloat16).cpu()
         assert (scaled.float() - y).abs().max().item() <= 2 ** -8 * y.abs().max().item()
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "channel"])
 def test_fp8_checkpoint_agrees_with_bf16(fp8, reference, strategy):
     prompts, ref_tokens, prefixes, ref_logits = reference
-    llm = LLM(str(fp8[strategy]))
+    llm = LLM(str(fp8[strategy]), device=DEVICE)
     attn = llm.engine.model.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, Fp8Linear) and attn.qkv_proj.weight.dtype == FP8
     assert isinstance(llm.engine.model.model.layers[1].mlp.down_proj, Fp8Linear)
@@ -124,7 +129,7 @@ def test_fp8_weights_with_an_fp8_kv_cache_stay_within_the_bound(fp8, reference):
     """Both FP8 features at once (the way FP8 is served on Hopper): FP8 linears over an e4m3 KV cache. The cache adds
     its own rounding (tests/test_kv_fp8_engine.py measures it alone: KL ~0.02), well inside the weights' bound."""
     _, _, prefixes, ref_logits = reference
-    llm = LLM(str(fp8["channel"]), kv_cache_dtype="fp8")
+    llm = LLM(str(fp8["channel"]), kv_cache_dtype="fp8", device=DEVICE)
     assert llm.engine.runner.kv_cache.dtype == FP8  # e4m3 bytes, like the weights
     agree, kl = agreement_and_kl(next_logits(llm, prefixes), ref_logits)
     print(f"FP8 weights + fp8 KV: teacher-forced agreement {agree:.3f}, mean KL {kl:.4f} nats")
@@ -139,7 +144,7 @@ def test_misplaced_scales_fail_the_bound(fp8, reference, tmp_path):
     for name in [n for n in tensors if n.endswith("weight_scale")]:
         tensors[name] = tensors[name].roll(1, dims=0).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    agree, kl = agreement_and_kl(next_logits(LLM(str(folder)), reference[2]), reference[3])
+    agree, kl = agreement_and_kl(next_logits(LLM(str(folder), device=DEVICE), reference[2]), reference[3])
     print(f"FP8 channel, scales rolled by a row: teacher-forced agreement {agree:.3f}, mean KL {kl:.4f} nats")
     assert agree < MIN_AGREEMENT or kl > MAX_MEAN_KL, (agree, kl)
 

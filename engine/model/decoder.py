@@ -17,7 +17,9 @@ the intermediate size) and o/down all-reduce; without one (TP=1) no collective o
 
 FP8 checkpoints (ModelConfig.fp8): the quantized linears are engine.model.fp8_linear.Fp8Linear (swapped in before
 the weights are allocated), which run their own FP8 matmul on both paths; the skinny GEMV and the fused
-qkv-RoPE kernel read 16-bit weights and are skipped for them.
+qkv-RoPE kernel read 16-bit weights and are skipped for them. On the kernel path the RMSNorm before q/k/v and
+gate/up and the SiLU-and-mul before down hand their FP8 linear its activations already quantized (Fp8Rows), in
+the same pass (engine.kernels.fp8_quant).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from engine.kv_quant import KVScales
 from engine.model import torch_attention
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.fp8_linear import Fp8Linear, fuse_fp8
+from engine.model.fp8_linear import Fp8Linear, Fp8Rows, fuse_fp8
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope, rotate
@@ -59,9 +61,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_kernels = False
         self.cpu_fused = False  # bfloat16 rows on the CPU: engine.cpu_kernels.elementwise (use_cpu_elementwise)
+        # kernel path: the FP8 linear this norm feeds; its output is then quantized for it (Fp8Rows)
+        self.quantize_for: Fp8Linear | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., dim] -> normed. With `residual`, first x = x + residual; returns (normed, that sum)."""
+        if self.use_kernels and x.dim() == 2 and self.quantize_for is not None:
+            from engine.kernels.fp8_quant import rms_norm_quant
+            rows = Fp8Rows(*rms_norm_quant(x, self.weight, self.eps, residual, self.quantize_for.input_scale))
+            return rows if residual is None else (rows, residual)  # residual updated in place
         if self.use_kernels and x.dim() == 2:
             from engine.kernels.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)  # updates residual in place
@@ -176,7 +184,10 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels:
+        if self.use_kernels and isinstance(self.down_proj, Fp8Linear):
+            from engine.kernels.fp8_quant import silu_mul_quant
+            act = Fp8Rows(*silu_mul_quant(_linear(self.gate_up_proj, x), self.down_proj.input_scale))  # [T, I]
+        elif self.use_kernels:
             from engine.kernels.silu_mul import silu_and_mul
             act = silu_and_mul(_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
         elif self.cpu_fused:
@@ -328,8 +339,12 @@ class CausalLM(nn.Module):
         """Switch to the GPU path (after the weights are loaded): fused projections and Triton kernels."""
         self.fuse_projections()
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP, Fp8Linear)):
                 module.use_kernels = True
+        for layer in self.model.layers:  # FP8 linears take their activations quantized by the norm before them
+            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                norm.quantize_for = linear if isinstance(linear, Fp8Linear) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab] (with TP: gathered, the same on every rank)."""
@@ -344,7 +359,7 @@ class CausalLM(nn.Module):
         return self.tp.all_gather_last(local)[:, : self.config.vocab_size].float().contiguous()
 
 
-def _linear(layer: nn.Linear | Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+def _linear(layer: nn.Linear | Fp8Linear, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
     """layer(x) on the kernel path: the skinny GEMV for a few rows (one pass over the weight), cuBLAS otherwise
     (an Fp8Linear always runs its own FP8 matmul)."""
     if x.shape[0] <= SKINNY_ROWS and type(layer) is nn.Linear:

@@ -9,14 +9,22 @@ with its column-parallel weight's rows and replicated with a row-parallel one), 
 
 A matmul: the activations x [M, K] are quantized to e4m3 per token (dynamic: each row's amax / 448) or with the
 stored per-tensor scale (static); then y = (x_q @ w_q^T) * s_x[M, 1] * s_w[1, N] (+ bias), in the compute dtype.
-CUDA: `torch._scaled_mm` (FP8 tensor cores on Hopper; rowwise scales need a bfloat16 output). Elsewhere (the CPU)
-the weight stays FP8 in memory and is upcast to float32 per matmul (exact: every e4m3 value and every product of
-two is a float32), with the same activation quantization, so the CPU computes the numbers the GPU does up to the
-order of float32 sums; CI measures real FP8 serving accuracy with it. Upcasting once at load would be faster on
-a CPU but would hold the model at twice the bytes and skip the activation rounding the GPU does.
+On the kernel path (`use_kernels`, set by CausalLM.use_kernels: the GPU, or the Triton interpreter in CPU tests) the
+activations arrive already quantized as `Fp8Rows` where the op before could do it in its own pass (RMSNorm before
+q/k/v and gate/up, SiLU-and-mul before down: engine.kernels.fp8_quant), else one kernel quantizes them; the matmul
+is chosen by M (the step's tokens), from timings on an H200 (docs/benchmark-log.md): a GEMV over the e4m3 weight for
+the smallest decode batches, FP8 tensor cores with the operands swapped for the rest of the decode sizes
+(engine.kernels.fp8_gemm), and cuBLASLt's `torch._scaled_mm` with row-wise scales for prefill. All three compute
+the same products in float32 with the same scales. On the torch path (the CPU) the weight stays FP8 in memory and
+is upcast to float32 per matmul (exact: every e4m3 value and every product of two is a float32), with the same
+activation quantization, so the CPU computes the numbers the GPU does up to the order of float32 sums; CI
+measures real FP8 serving accuracy with it. Upcasting once at load would be faster on a CPU but would hold the
+model at twice the bytes and skip the activation rounding the GPU does.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +35,21 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite scale
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+# kernel path, by M: fp8_gemv up to GEMV_ROWS, fp8_mm up to MM_ROWS, torch._scaled_mm beyond (H200 timings)
+GEMV_ROWS = 2
+MM_ROWS = 128
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized for an Fp8Linear: q [M, K] e4m3 and scales [M, 1] float32 (x ~= q * scales)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +81,7 @@ class Fp8Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=out_dtype, device=device), **frozen)
         self.scale_row: torch.Tensor | None = None  # [1, out] float32, set by finish()
+        self.use_kernels = False  # the Triton/cuBLASLt path (module docstring), set by CausalLM.use_kernels
 
     def finish(self) -> None:
         """After loading: the weight scale as one contiguous float32 row [1, out] (a per-tensor scale repeated)."""
@@ -66,21 +90,36 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"weight_scale has {s.numel()} values for {self.out_features} output rows")
         self.scale_row = s.expand(self.out_features).reshape(1, -1).contiguous()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] -> x @ W^T [M, out] in out_dtype, without the bias (a row-parallel layer adds it after the sum)."""
+    def matmul(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] (or its Fp8Rows) -> x @ W^T (+ `bias`) [M, out] in out_dtype. A row-parallel layer passes no
+        bias (it adds it after the sum over ranks)."""
         if self.scale_row is None:
             raise RuntimeError("Fp8Linear used before finish() (its scales are not prepared)")
-        xq, xs = quantize_rows(x, self.input_scale)
-        if x.is_cuda:  # FP8 tensor cores; W [out, in] row-major is the column-major [in, out] operand cuBLAS wants
-            return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale_row,
-                                    out_dtype=self.out_dtype)
-        return ((xq.float() @ self.weight.float().t()) * xs * self.scale_row).to(self.out_dtype)
+        if self.use_kernels:
+            return self._kernel_matmul(x, bias)
+        xq, xs = (x.q, x.scales) if isinstance(x, Fp8Rows) else quantize_rows(x, self.input_scale)
+        y = ((xq.float() @ self.weight.float().t()) * xs * self.scale_row).to(self.out_dtype)
+        return y if bias is None else y + bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel_matmul(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
+        if not isinstance(x, Fp8Rows):
+            from engine.kernels.fp8_quant import quantize_rows as quantize_kernel
+            x = Fp8Rows(*quantize_kernel(x, self.input_scale))
+        m = x.q.shape[0]
+        if m <= GEMV_ROWS:
+            return fp8_gemv(x.q, x.scales, self.weight, self.scale_row, bias, self.out_dtype)
+        # torch._scaled_mm's row-wise scales need a bfloat16 output (and CUDA); other dtypes stay on Triton
+        if m <= MM_ROWS or not x.q.is_cuda or self.out_dtype != torch.bfloat16:
+            return fp8_mm(x.q, x.scales, self.weight, self.scale_row, bias, self.out_dtype)
+        return torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scales, scale_b=self.scale_row, bias=bias,
+                                out_dtype=self.out_dtype)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            return self.matmul(x, self.bias)
         lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, self.in_features))
-        if self.bias is not None:
-            y = y + self.bias
+        y = self.matmul(x.reshape(-1, self.in_features), self.bias)
         return y.reshape(*lead, self.out_features)
 
 

@@ -1,0 +1,168 @@
+"""y = (x_q @ w_q^T) * s_x * s_w (+ bias): an FP8 linear's matmul on e4m3 activations and weights, in Triton.
+
+x_q [M, K] and w_q [N, K] are float8_e4m3fn (K contiguous), s_x [M, 1] the activations' per-row scales, s_w [1, N]
+the weight's per-output-channel scales (a per-tensor one repeated), both float32; y [M, N] in the model's dtype.
+Products are summed in float32 and scaled once at the end: the numbers torch._scaled_mm with row-wise scales gives.
+
+Two kernels for the sizes a decode step has (engine.model.fp8_linear picks per M; torch._scaled_mm takes prefill):
+- `fp8_gemv` (M of 1-2): engine.kernels.skinny_gemm's GEMV over the e4m3 weight, each weight row read once, at
+  half a bfloat16 GEMV's bytes (e4m3 is one byte a value). Whole rows of K per tile, many small programs
+  so every SM has its loads in flight; the products on the CUDA cores (a decode GEMV is bound by bytes, not FLOPs).
+- `fp8_mm` (M up to a few hundred): FP8 tensor cores with the operands swapped, y^T [N, M] = w_q [N, K] @ x_q^T
+  [K, M], so the weight's rows fill the MMA's wide side and the few tokens its narrow one (>= 16 wide: a step of
+  M < 16 pads its tokens with masked zeros). Each program owns BLOCK_N output channels for BLOCK_M tokens and
+  walks K; the weight is read once per BLOCK_M tokens.
+Launch parameters come from shapes alone (CUDA-graph safe), from the table `FP8_MM_CONFIGS` measured on an H200
+(benchmarks/fp8_gemm_sweep.py). Under TRITON_INTERPRET=1 (CPU CI) the dot upcasts its operands to float32: the
+interpreter's tl.dot on narrow floats is not exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import check, interpreting
+from engine.kernels.skinny_gemm import gemv_tile
+
+FP8 = torch.float8_e4m3fn
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GEMV_MAX_M = 16
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (cdiv(N, BLOCK_N),): engine.kernels.skinny_gemm's program over e4m3 operands (upcast in registers)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K)  # [BLOCK_M, BLOCK_N]
+    ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T tile
+    # [BLOCK_K, BLOCK_M] over K. x^T's tile is K-contiguous per token: the K-major B operand FP8 MMAs take.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    acc = acc * ws[:, None] * xs[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+# (largest M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) by the step's M, first row whose M bound holds.
+# Placeholder values until benchmarks/fp8_gemm_sweep.py has run on an H200 (see docs/benchmark-log.md).
+FP8_MM_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (16, 32, 16, 256, 4, 4),
+    (32, 32, 32, 256, 4, 4),
+    (64, 64, 64, 128, 4, 4),
+    (1 << 30, 128, 64, 128, 8, 4),
+)
+
+
+def gemv_config(m: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of fp8_gemv: 4 weight rows of up to 4096 bytes a tile."""
+    if interpreting():
+        return 16, 64, 4
+    return 4, min(triton.next_power_of_2(k), 4096), 8 if m == 1 else 4
+
+
+def mm_config(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) of fp8_mm for M tokens."""
+    if interpreting():
+        return 16, 16, 32, 4, 1
+    for bound, *config in FP8_MM_CONFIGS:
+        if m <= bound:
+            return tuple(config)
+    raise AssertionError("FP8_MM_CONFIGS' last row covers every M")
+
+
+def _check(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+           bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, int, int]:
+    check("x", x, 2, (FP8,), inner_contiguous=True)
+    dev = x.device
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(f"x must be on a CUDA device (or run under TRITON_INTERPRET=1), got {dev}")
+    check("weight", weight, 2, (FP8,), dev, inner_contiguous=True)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x must have {weight.shape[1]} columns (weight's in-features), got {k}")
+    check("x_scales", x_scales, 2, (torch.float32,), dev)
+    if tuple(x_scales.shape) != (m, 1) or not x_scales.is_contiguous():
+        raise ValueError(f"x_scales must be a contiguous [{m}, 1], got {tuple(x_scales.shape)}")
+    check("w_scales", w_scales, 2, (torch.float32,), dev)
+    if tuple(w_scales.shape) != (1, n) or not w_scales.is_contiguous():
+        raise ValueError(f"w_scales must be a contiguous [1, {n}], got {tuple(w_scales.shape)}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        check("bias", bias, 1, (out_dtype,), dev, inner_contiguous=True)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias must have {n} entries (weight's out-features), got {bias.shape[0]}")
+    return m, n, k
+
+
+def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] e4m3 (M <= GEMV_MAX_M) @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype."""
+    m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
+    if m > GEMV_MAX_M:
+        raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {m}")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m and n:
+        block_n, block_k, warps = gemv_config(m, k)
+        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+           bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] e4m3 @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype on FP8 tensor cores.
+    `config` (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) overrides mm_config (the sweep times several)."""
+    m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m and n:
+        block_n, block_m, block_k, warps, stages = config or mm_config(m)
+        _fp8_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+            x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            BLOCK_M=block_m, BLOCK_K=block_k, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+    return out

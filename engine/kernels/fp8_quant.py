@@ -1,0 +1,178 @@
+"""Quantizing activations to float8 e4m3 for FP8 linears (engine.model.fp8_linear), in the pass that makes them.
+
+An FP8 linear multiplies e4m3 activations by e4m3 weights; the activations x [T, K] are quantized per row
+("dynamic": scale = max(|x_row|) / 448, at least MIN_SCALE) or with the checkpoint's per-tensor `input_scale`
+("static"), x_q = round_e4m3(x / scale), exactly as engine.model.fp8_linear.quantize_rows does in torch (the
+division and the rounding are the same float32 operations: the results are bit for bit torch's). Three kernels,
+each one pass over the activations, so quantizing costs no extra trip through device memory:
+- `quantize_rows`: the rows as they are (the attention output before o_proj);
+- `rms_norm_quant`: engine.kernels.rms_norm's RMSNorm (with its residual add), its bf16-rounded output quantized
+  (before q/k/v and gate/up);
+- `silu_mul_quant`: engine.kernels.silu_mul's SwiGLU, quantized (before down_proj).
+Each returns (x_q [T, K] float8_e4m3fn, scales [T, 1] float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import check
+from engine.kernels.e4m3 import FP8_MAX, to_e4m3
+from engine.kernels.rms_norm import DTYPES, MAX_N
+
+FP8 = torch.float8_e4m3fn
+MIN_SCALE = 1.0 / (448.0 * 512.0)  # engine.model.fp8_linear.MIN_SCALE: a row of zeros still gets a finite scale
+CHUNK = 4096  # silu_mul_quant: elements of one row per loop iteration
+
+
+@triton.jit
+def _row_scale(amax, static_ptr, STATIC: tl.constexpr, MIN: tl.constexpr):
+    # the row's scale: the stored per-tensor one (static), or amax / 448 (dynamic), never below MIN
+    if STATIC:
+        return tl.load(static_ptr).to(tl.float32)
+    else:
+        return tl.maximum(amax / FP8_MAX, MIN)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, N: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr):
+    # Grid (T,): one program per row, the row one tile (N <= MAX_N)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = _row_scale(tl.max(tl.abs(x), axis=0), static_ptr, STATIC, MIN)
+    tl.store(q_ptr + row * stride_q + cols, to_e4m3(x / scale), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q, eps,
+                           N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                           STATIC: tl.constexpr, MIN: tl.constexpr):
+    # Grid (T,): engine.kernels.rms_norm's program (same rounding steps), then its output row quantized in registers
+    DTYPE = x_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(DTYPE)
+        tl.store(r_ptr + row * stride_r + cols, h, mask=mask)
+    h = h.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    normed = (h * rstd).to(DTYPE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * normed).to(DTYPE).to(tl.float32)  # the normed row as the bf16 model has it
+    scale = _row_scale(tl.max(tl.abs(y), axis=0), static_ptr, STATIC, MIN)
+    tl.store(q_ptr + row * stride_q + cols, to_e4m3(y / scale), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _silu(g, u, DTYPE: tl.constexpr):
+    # engine.kernels.silu_mul's numerics: silu in fp32 rounded to the dtype, times up, rounded again
+    s = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return (s * u).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, stride_gu, stride_q, INTER: tl.constexpr,
+                           CHUNK: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr):
+    # Grid (T,): one program per row in two sweeps of CHUNK columns: the row's amax, then the quantized values (the
+    # second sweep re-reads the row from L2: a row is 2 x INTER values, tens of KiB)
+    DTYPE = gu_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    base = gu_ptr + row * stride_gu
+    amax = 0.0
+    if not STATIC:
+        for c0 in range(0, INTER, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < INTER
+            g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(base + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(_silu(g, u, DTYPE)), axis=0))
+    scale = _row_scale(amax, static_ptr, STATIC, MIN)
+    for c0 in range(0, INTER, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < INTER
+        g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(_silu(g, u, DTYPE) / scale), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def _outputs(t: int, k: int, device: torch.device, input_scale: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if input_scale is not None:
+        check("input_scale", input_scale, 1, (torch.float32,), device)
+        if input_scale.numel() != 1:
+            raise ValueError(f"input_scale must hold one number, got shape {tuple(input_scale.shape)}")
+    q = torch.empty((t, k), dtype=FP8, device=device)
+    scales = torch.empty((t, 1), dtype=torch.float32, device=device)
+    return q, scales, input_scale if input_scale is not None else scales  # an unused pointer when dynamic
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 512))
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x_q [T, K] e4m3, scales [T, 1] float32) with x ~= x_q * scales: per row, or with the static
+    `input_scale` [1] float32."""
+    check("x", x, 2, DTYPES, inner_contiguous=True)
+    t, k = x.shape
+    if not 0 < k <= MAX_N:
+        raise ValueError(f"x's row length must be in [1, {MAX_N}], got {k}")
+    q, scales, static = _outputs(t, k, x.device, input_scale)
+    if t > 0:
+        block = triton.next_power_of_2(k)
+        _quant_rows_kernel[(t,)](x, q, scales, static, x.stride(0), q.stride(0), N=k, BLOCK_N=block,
+                                 STATIC=input_scale is not None, MIN=MIN_SCALE, num_warps=_warps(block))
+    return q, scales
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                   input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.kernels.rms_norm.rms_norm(x, weight, eps, residual), its output quantized: (x_q [T, N] e4m3,
+    scales [T, 1] float32). With `residual` [T, N], x + residual is written into it in place first."""
+    check("x", x, 2, DTYPES, inner_contiguous=True)
+    t, n = x.shape
+    if not 0 < n <= MAX_N:
+        raise ValueError(f"x's row length must be in [1, {MAX_N}], got {n}")
+    check("weight", weight, 1, (x.dtype,), x.device, inner_contiguous=True)
+    if weight.shape[0] != n:
+        raise ValueError(f"weight must have {n} entries (x's row length), got {weight.shape[0]}")
+    if residual is not None:
+        check("residual", residual, 2, (x.dtype,), x.device, inner_contiguous=True)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    q, scales, static = _outputs(t, n, x.device, input_scale)
+    if t > 0:
+        block = triton.next_power_of_2(n)
+        r = residual if residual is not None else x
+        _rms_norm_quant_kernel[(t,)](x, r, weight, q, scales, static, x.stride(0), r.stride(0), q.stride(0),
+                                     float(eps), N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
+                                     STATIC=input_scale is not None, MIN=MIN_SCALE, num_warps=_warps(block))
+    return q, scales
+
+
+def silu_mul_quant(gate_up: torch.Tensor, input_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.kernels.silu_mul.silu_and_mul(gate_up) quantized: gate_up [T, 2I] -> (x_q [T, I] e4m3, scales [T, 1])."""
+    check("gate_up", gate_up, 2, DTYPES, inner_contiguous=True)
+    t, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"gate_up's last dimension must be even (gate then up), got {two_i}")
+    inter = two_i // 2
+    q, scales, static = _outputs(t, inter, gate_up.device, input_scale)
+    if t > 0 and inter > 0:
+        chunk = min(CHUNK, triton.next_power_of_2(inter))
+        _silu_mul_quant_kernel[(t,)](gate_up, q, scales, static, gate_up.stride(0), q.stride(0), INTER=inter,
+                                     CHUNK=chunk, STATIC=input_scale is not None, MIN=MIN_SCALE,
+                                     num_warps=_warps(chunk))
+    return q, scales

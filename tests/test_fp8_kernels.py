@@ -1,0 +1,139 @@
+"""The FP8 linears' kernel path (engine.kernels.fp8_quant, engine.kernels.fp8_gemm, Fp8Linear.use_kernels): the
+quantizing kernels give torch's e4m3 bytes and scales bit for bit; the GEMV and the tensor-core kernel compute the
+upcast product up to float32 summation order; Fp8Linear's three matmuls (by M) agree with its torch path; an FP8
+model's kernel path gives its torch path's greedy tokens. On a GPU all of it runs compiled (FP8 tensor cores and
+torch._scaled_mm for the large M); on the CPU under Triton's interpreter, where torch._scaled_mm's branch is
+replaced by the tensor-core kernel's (it needs CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.fp8_checkpoint import quantize_folder, quantize_weight
+from engine import LLM, SamplingParams
+from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
+from engine.kernels.fp8_quant import quantize_rows, rms_norm_quant, silu_mul_quant
+from engine.kernels.rms_norm import rms_norm
+from engine.kernels.silu_mul import silu_and_mul
+from engine.model import fp8_linear
+from engine.model.fp8_linear import FP8, Fp8Linear, Fp8Rows
+from engine.model.fp8_linear import quantize_rows as torch_quantize_rows
+from engine.model.quant_config import Fp8Scheme
+from tests.engine_helpers import LogitsRecorder, random_prompts
+from tests.test_model_exactness import vocab_size_of
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter runs every program in Python: small shapes there, the model's on a GPU
+K, N = (4096, 6144) if DEVICE == "cuda" else (96, 72)
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == FP8 and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def rand(*shape: int, seed: int, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_is_torchs_bit_for_bit(static):
+    x = rand(7, K, seed=1, scale=3.0)
+    x[2] = 0  # a row of zeros gets the smallest scale, not a division by zero
+    x[3, 5] = 1e4  # saturates at 448 under a static scale
+    input_scale = torch.tensor([0.02], device=DEVICE) if static else None
+    q, s = quantize_rows(x, input_scale)
+    q_ref, s_ref = torch_quantize_rows(x, input_scale)
+    assert same_fp8(q, q_ref) and torch.equal(s, s_ref)
+    assert torch.isfinite(q.float()).all()
+
+
+def test_rms_norm_quant_is_rms_norm_then_quantize():
+    x, weight, residual = rand(5, K, seed=2), rand(K, seed=3), rand(5, K, seed=4)
+    r_plain, r_fused = residual.clone(), residual.clone()
+    normed, _ = rms_norm(x, weight, 1e-5, r_plain)
+    q, s = rms_norm_quant(x, weight, 1e-5, r_fused)
+    q_ref, s_ref = torch_quantize_rows(normed, None)
+    assert same_fp8(q, q_ref) and torch.equal(s, s_ref)
+    assert torch.equal(r_plain, r_fused)  # the residual stream is updated in place the same way
+    q2, s2 = rms_norm_quant(x, weight, 1e-5, None, torch.tensor([0.05], device=DEVICE))
+    q2_ref, _ = torch_quantize_rows(rms_norm(x, weight, 1e-5), torch.tensor([0.05], device=DEVICE))
+    assert same_fp8(q2, q2_ref) and (s2 == 0.05).all()
+
+
+def test_silu_mul_quant_is_silu_mul_then_quantize():
+    gate_up = rand(4, 2 * (K + 40), seed=5, scale=2.0)  # a row longer than one chunk, not a multiple of it
+    q, s = silu_mul_quant(gate_up)
+    q_ref, s_ref = torch_quantize_rows(silu_and_mul(gate_up), None)
+    assert same_fp8(q, q_ref) and torch.equal(s, s_ref)
+
+
+def fp8_operands(m: int, seed: int) -> tuple[torch.Tensor, ...]:
+    xq, xs = torch_quantize_rows(rand(m, K, seed=seed), None)
+    wq, ws = quantize_weight(rand(N, K, seed=seed + 1, dtype=torch.float32, scale=0.05), "channel")
+    return xq, xs, wq, ws.reshape(1, -1).contiguous()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 33, 64, 130])
+def test_fp8_gemms_compute_the_upcast_product(m):
+    xq, xs, wq, ws = fp8_operands(m, seed=10 + m)
+    bias = rand(N, seed=9)
+    exact = (xq.double() @ wq.double().t()) * xs.double() * ws.double()  # [M, N]
+    kernels = [fp8_mm] + ([fp8_gemv] if m <= 16 else [])
+    for kernel in kernels:
+        out = kernel(xq, xs, wq, ws, None, torch.float32)
+        assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, kernel.__name__
+        with_bias = kernel(xq, xs, wq, ws, bias, torch.bfloat16)
+        ref = (exact + bias.double()).to(torch.bfloat16)
+        assert ((with_bias.double() - ref.double()).abs().max() / ref.double().abs().max()).item() < 2 ** -7
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 64, 200])
+def test_fp8_linear_kernel_path_agrees_with_its_torch_path(m, monkeypatch):
+    """By M: the GEMV (1, 2), the tensor-core kernel (3, 64), torch._scaled_mm on CUDA (200); static scales too."""
+    w = rand(N, K, seed=20, dtype=torch.float32, scale=0.05)
+    x = rand(m, K, seed=21)
+    for strategy, activations in (("channel", "dynamic"), ("tensor", "static")):
+        layer = Fp8Linear(K, N, True, Fp8Scheme("compressed-tensors", strategy, activations), torch.bfloat16,
+                          device=DEVICE)
+        layer.weight.data, scale = (t.to(DEVICE) for t in quantize_weight(w, strategy))
+        layer.weight_scale.data = scale
+        layer.bias.data = rand(N, seed=22)
+        if activations == "static":
+            layer.input_scale.data = torch.tensor([0.02], device=DEVICE)
+        layer.finish()
+        expected = layer(x).float()
+        layer.use_kernels = True
+        got = layer(x).float()
+        quantized = layer(Fp8Rows(*torch_quantize_rows(x, layer.input_scale))).float()
+        for y in (got, quantized):
+            assert ((y - expected).abs().max() / expected.abs().max()).item() < 2 ** -6, (strategy, m)
+
+
+def test_an_fp8_models_kernel_path_gives_its_torch_paths_tokens(checkpoints, tmp_path):
+    """Two layers in float32 (no bfloat16 rounding between the paths): the same greedy tokens and logits within a
+    few hundredths (the activations' e4m3 rounding may differ where float32 sums in another order cross a rounding
+    boundary). The norms quantize for q/k/v and gate/up, SiLU-mul for down, o_proj quantizes itself."""
+    folder = quantize_folder(checkpoints.get("LlamaForCausalLM", num_hidden_layers=2), tmp_path / "fp8", "channel")
+    prompts = random_prompts((6, 19), vocab_size_of(folder), seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
+    outputs = []
+    for kernels in ("torch", "triton"):
+        llm = LLM(str(folder), device=DEVICE if kernels == "triton" else "cpu", kernels=kernels, dtype="float32",
+                  enable_prefix_caching=False)
+        if kernels == "triton":
+            layer = llm.engine.model.model.layers[0]
+            assert layer.input_layernorm.quantize_for is layer.self_attn.qkv_proj
+            assert layer.post_attention_layernorm.quantize_for is layer.mlp.gate_up_proj
+        recorder = LogitsRecorder(llm.engine)
+        outs = llm.generate(prompts, params)
+        outputs.append(([o.token_ids for o in outs], [recorder.logits_of(p).float().cpu() for p in params]))
+    (ref_tokens, ref_logits), (tokens, logits) = outputs
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 0.03
+
+
+def test_thresholds_order_the_paths():
+    assert 1 <= fp8_linear.GEMV_ROWS < fp8_linear.MM_ROWS
