@@ -56,14 +56,15 @@ def ceilings() -> tuple[float, float]:
 
 class Bench:
     def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False,
-                 tensor_parallel_size: int = 1, load_format: str = "auto", tp_all_reduce: str = "nccl") -> None:
+                 tensor_parallel_size: int = 1, load_format: str = "auto", tp_all_reduce: str = "nccl",
+                 kv_cache_dtype: str = "auto") -> None:
         """With TP, every figure is rank 0's: its shard of the weights and KV heads against one GPU's bandwidth."""
         self.profile, self.tp = profile, tensor_parallel_size
         self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
                                              max_num_batched_tokens=8192, enable_prefix_caching=False,
                                              kv_cache_memory_bytes=kv_bytes, max_model_len=8192,
                                              tensor_parallel_size=tensor_parallel_size, load_format=load_format,
-                                             tp_all_reduce=tp_all_reduce))
+                                             tp_all_reduce=tp_all_reduce, kv_cache_dtype=kv_cache_dtype))
         self.bandwidth, self.flops = bandwidth, flops
         e = self.engine
         self.cfg = e.model_config
@@ -110,10 +111,11 @@ class Bench:
                              f"cache ({self.engine.kv_cache.shape[0]} blocks); raise --kv-gib")
         torch.cuda.synchronize()
         times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            self.engine.step()
-            times.append(time.perf_counter() - start)
+        with HostPhases(self.engine) as phases:
+            for _ in range(steps):
+                start = time.perf_counter()
+                self.engine.step()
+                times.append(time.perf_counter() - start)
         graphs = self.engine.runner.graphs
         graph = graphs.graphs[graphs.bucket_for(batch)][0]
         print(json.dumps({"static_context_lens": graphs.context_lens[:4].tolist(),
@@ -137,7 +139,7 @@ class Bench:
                 "gpu_replay_ms": None if replay_ms is None else round(replay_ms, 3),
                 "replay_x_floor": None if replay_ms is None else round(replay_ms / 1e3 / floor_s, 3),
                 "tokens_per_s": round(batch / step_s, 1), "bytes_per_step": int(weight_bytes + kv_bytes),
-                "copy_gb_per_s": round(self.bandwidth / 1e9, 1)}
+                "copy_gb_per_s": round(self.bandwidth / 1e9, 1), "host_ms_per_step": phases.per_step(steps)}
 
     def prefill(self, lengths: list[int]) -> dict:
         prompts = [self._prompts(1, n)[0] for n in lengths]
@@ -184,6 +186,60 @@ class Bench:
         start = time.perf_counter()
         self._drain()
         return time.perf_counter() - start
+
+
+class HostPhases:
+    """Host milliseconds per step spent in each phase of LLMEngine.step (wrapping the engine's own methods for the
+    duration of a `with`): scheduling, building the inputs, launching the graph, sampling's launch, waiting for the
+    tokens (the host idle while the GPU runs) and applying them. Where `wait` is near zero the step is host-bound."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        import engine.runner.model_runner as model_runner
+        self.totals: dict[str, float] = {}
+        self._patches = [(engine.scheduler, "schedule_after", "schedule"), (engine.scheduler, "update", "update"),
+                         (model_runner, "build_step_inputs", "build_inputs"), (engine.runner, "launch", "launch"),
+                         (engine.runner.sampler, "launch", "sampler_launch")]
+        self._engine = engine
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> HostPhases:
+        from engine.sampling.sampler import SampledTokens
+        self._saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in self._patches]
+        for owner, name, label in self._patches:
+            self._wrap(owner, name, label)
+        self._result = SampledTokens.result
+        phases = self
+
+        def result(tokens):
+            start = time.perf_counter()
+            if tokens.copied is not None:
+                tokens.copied.synchronize()
+            phases.totals["wait"] = phases.totals.get("wait", 0.0) + time.perf_counter() - start
+            return phases._result(tokens)
+        SampledTokens.result = result
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from engine.sampling.sampler import SampledTokens
+        SampledTokens.result = self._result
+        for owner, name, value in self._saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {label: round(total / steps * 1e3, 3) for label, total in sorted(self.totals.items())}
 
 
 def _print_kernel_profile(fn, label: str, top: int = 12) -> None:

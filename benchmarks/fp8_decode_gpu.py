@@ -1,15 +1,17 @@
-"""GPU benchmark: the decode step with FP8 weights against the same shape in bfloat16, and each against its floor.
+"""GPU benchmark of FP8 on one GPU: FP8 weights against bfloat16, and the fp8 KV cache against the bfloat16 one.
 
 `python benchmarks/fp8_decode_gpu.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 --load-format dummy`
 (`bash benchmarks/gpu_run.sh fp8` writes both 8B-shaped folders with make_random_checkpoint.py, the FP8 one with
-`--fp8 channel`, and runs this). UNMEASURED: written without GPU time, checked by reading only; its first run is
-its test. Prints one JSON line per case, in one process and on one GPU:
+`--fp8 channel`, and runs this). Prints one JSON line per case, in one process on one GPU, each figure next to its
+reference measured in the same run:
 - the ceilings (engine_bench_gpu.ceilings: copy bandwidth, bf16 matmul);
-- per checkpoint, decode at batch 1 (1k context) and batch 64 (2k context): the median engine.step() time
-  against the floor (weights read per step, counted in each parameter's own bytes, + KV read and written) /
-  copy bandwidth (engine_bench_gpu.Bench.decode), so the FP8 line's floor is the FP8 weight-read floor;
-- the FP8 step's speedup over the bfloat16 step at each batch (issue 38's goals: <= 1.2x its floor, >= 1.6x
-  faster than bfloat16 at batch 64).
+- per checkpoint: decode at batch 1 (1k context) and batch 64 (2k context), the median engine.step() time against
+  its floor (weights read per step, each parameter in its own bytes, + KV read and written, over the copy
+  bandwidth: the FP8 line's floor is the FP8 weight-read floor), the bare graph replay, and the host time per step
+  by phase (engine_bench_gpu.HostPhases); prefill of one 2,048-token prompt against the matmul rate;
+- FP8 against bfloat16: the speedup of each decode case and of the prefill;
+- the fp8 KV cache (bfloat16 weights): its capacity in tokens against the bfloat16 cache's for the same bytes, and
+  decode at batch 16 with an 8k context (where reading the KV is most of the step) against the bfloat16 cache.
 It refuses to print a figure that would describe something else: a GPU without FP8 tensor cores (compute
 capability below 8.9), two folders of different shapes, an "FP8" engine that built no FP8 linear, or a bf16 one
 that did.
@@ -31,6 +33,7 @@ from engine.model.fp8_linear import Fp8Linear  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
 
 CASES = ((1, 1024), (64, 2048))
+LONG_CONTEXT = (16, 8000)  # the fp8 KV cache's case: batch, context (+ the steps within max_model_len 8192)
 
 
 def check_inputs(bf16: str, fp8: str) -> None:
@@ -48,7 +51,15 @@ def check_inputs(bf16: str, fp8: str) -> None:
                          f"({fp8}: {b.fp8})")
 
 
-def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str) -> list[dict]:
+def close(bench: Bench) -> None:
+    bench.engine.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def measure_weights(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
+                    cases: str) -> tuple[list[dict], dict | None]:
+    """(decode rows per CASES, the prefill row) of one checkpoint."""
     bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format)
     try:
         layers = [m for m in bench.engine.model.modules() if isinstance(m, Fp8Linear)]
@@ -57,18 +68,36 @@ def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: in
                              f"{'some' if fp8 else 'none'}")
         if fp8 and not all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in layers):
             raise SystemExit(f"{folder}: an FP8 linear's weight is not float8_e4m3fn on the GPU")
+        tag = {"weights": "fp8" if fp8 else "bf16", "weight_bytes": bench.weight_bytes, "fp8_linears": len(layers)}
         rows = []
         for batch, context in CASES:
-            row = bench.decode(batch, context)
-            row |= {"weights": "fp8" if fp8 else "bf16", "weight_bytes": bench.weight_bytes, "fp8_linears": len(layers)}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        return rows
+            if f"decode{batch}" in cases:
+                rows.append(bench.decode(batch, context) | tag)
+                print(json.dumps(rows[-1]), flush=True)
+        prefill = None
+        if "prefill" in cases:
+            prefill = bench.prefill([2048]) | tag
+            print(json.dumps(prefill), flush=True)
+        return rows, prefill
     finally:
-        bench.engine.close()
-        del bench
-        gc.collect()
-        torch.cuda.empty_cache()
+        close(bench)
+
+
+def measure_kv(folder: str, bandwidth: float, flops: float, kv_bytes: int, load_format: str) -> dict[str, dict]:
+    """Per KV dtype (bfloat16 weights): tokens the same bytes hold, and decode at LONG_CONTEXT."""
+    out = {}
+    for kv_dtype in ("auto", "fp8"):
+        bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format, kv_cache_dtype=kv_dtype)
+        try:
+            e = bench.engine
+            row = bench.decode(*LONG_CONTEXT) | {"kv_cache_dtype": kv_dtype,
+                                                 "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size,
+                                                 "kv_bytes_budget": kv_bytes}
+            print(json.dumps(row), flush=True)
+            out[kv_dtype] = row
+        finally:
+            close(bench)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,19 +106,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument("--kv-gib", type=float, default=40)
+    parser.add_argument("--cases", default="decode1,decode64,prefill,kv")
     args = parser.parse_args(argv)
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
                       round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
     kv_bytes = int(args.kv_gib * (1 << 30))
-    bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format)
-    fp8 = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format)
-    for (batch, context), a, b in zip(CASES, bf16, fp8, strict=True):
-        print(json.dumps({"case": f"fp8 vs bf16, decode batch {batch}, {context} context",
-                          "bf16_step_ms": a["step_ms"], "fp8_step_ms": b["step_ms"],
-                          "speedup": round(a["step_ms"] / b["step_ms"], 3), "fp8_x_floor": b["x_floor"],
-                          "bf16_x_floor": a["x_floor"]}), flush=True)
+    bf16, bf16_prefill = measure_weights(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, args.cases)
+    fp8, fp8_prefill = measure_weights(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, args.cases)
+    for a, b in zip(bf16, fp8, strict=True):
+        print(json.dumps({"case": f"fp8 vs bf16 weights, {a['case']}", "bf16_step_ms": a["step_ms"],
+                          "fp8_step_ms": b["step_ms"], "speedup": round(a["step_ms"] / b["step_ms"], 3),
+                          "fp8_x_floor": b["x_floor"], "bf16_x_floor": a["x_floor"]}), flush=True)
+    if bf16_prefill and fp8_prefill:
+        print(json.dumps({"case": "fp8 vs bf16 weights, prefill 1 x 2048", "bf16_ms": bf16_prefill["ms"],
+                          "fp8_ms": fp8_prefill["ms"], "speedup": round(bf16_prefill["ms"] / fp8_prefill["ms"], 3)}),
+              flush=True)
+    if "kv" in args.cases:
+        kv = measure_kv(args.bf16, bandwidth, flops, kv_bytes, args.load_format)
+        a, b = kv["auto"], kv["fp8"]
+        print(json.dumps({"case": f"fp8 vs bf16 KV cache, decode batch {LONG_CONTEXT[0]}, {LONG_CONTEXT[1]} context",
+                          "bf16_kv_step_ms": a["step_ms"], "fp8_kv_step_ms": b["step_ms"],
+                          "speedup": round(a["step_ms"] / b["step_ms"], 3), "bf16_kv_tokens": a["kv_tokens"],
+                          "fp8_kv_tokens": b["kv_tokens"], "capacity_ratio": round(b["kv_tokens"] / a["kv_tokens"], 3),
+                          "fp8_kv_x_floor": b["x_floor"], "bf16_kv_x_floor": a["x_floor"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT).
-# tests: kernel tests at real sizes, the engine's kernel path vs transformers, the sampler on CUDA.
+# tests: every test marked gpu (kernels compiled, FP8 weights and KV, CUDA graphs, sampler, CUDA-only tests);
+#   lists by name the tests that need more GPUs than the machine has.
 # peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
 # kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
-# fp8 (1 GPU, unmeasured so far): the 8B shape's decode step with FP8 weights (per-channel, dummy) vs bfloat16, each
-#   against its weight-read floor (benchmarks/fp8_decode_gpu.py).
+# fp8 (1 GPU): the 8B shape with FP8 weights (per-channel, dummy) vs bfloat16: decode steps against their floors,
+#   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_decode_gpu.py).
+# fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gemm_sweep.py).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
@@ -58,10 +60,11 @@ sweep() {
 }
 for step in "$@"; do
   case $step in
-    tests)  # TESTS_TIMEOUT: every engine a test builds captures its graphs (mixed-step pieces too): give it room
-      timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_elementwise.py \
-        tests/test_engine_kernel_path.py tests/test_sampler.py tests/test_cuda.py tests/test_mixed_graphs.py} -rs 2>&1 \
-        | tee "$OUT/tests.log" | tail -25 ;;
+    tests)  # every test marked gpu (tests/conftest.py): kernels compiled, FP8, CUDA graphs, the CUDA-only tests; the
+      # summary names the tests that need more devices than this machine has. TESTS: other files or -k filters.
+      timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 -rs ${TESTS:-tests} \
+        > "$OUT/tests.log" 2>&1; grep -E "passed|failed|error|need more CUDA|  tests/|^FAILED|^ERROR" "$OUT/tests.log" \
+        | tail -40 ;;
     peer)
       timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
       timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
@@ -189,8 +192,11 @@ for step in "$@"; do
     fp8)
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
-      python3 benchmarks/fp8_decode_gpu.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 --load-format dummy 2>&1 \
-        | tee "$OUT/fp8.log" | grep -v "^(" | tail -12 ;;
+      timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_decode_gpu.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
+        --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
+    fp8sweep)
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
+        | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"' | cut -c1-400 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

@@ -1,6 +1,12 @@
 """Shared fixtures: tiny Hugging Face checkpoints built once per session.
 
-Without a GPU, Triton kernels run in Triton's interpreter (set before any kernel module is imported)."""
+Without a GPU, Triton kernels run in Triton's interpreter (set before any kernel module is imported).
+
+GPU markers (pyproject.toml): `gpu` marks a test that runs a GPU path on a CUDA device when one is there (kernels
+compiled rather than interpreted, FP8 tensor cores, CUDA graphs); `gpus(n)` a test that needs n devices, skipped
+here with that reason where fewer are present, never run through a CPU fallback. `bash benchmarks/gpu_run.sh tests`
+runs every `gpu` test; the summary names each test skipped for want of devices (pytest_terminal_summary).
+"""
 
 import gc
 import os
@@ -12,6 +18,33 @@ if not torch.cuda.is_available():  # before anything imports triton (transformer
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.hf_checkpoints import CheckpointCache  # noqa: E402
+
+SKIPPED_FOR_DEVICES = "needs {n} CUDA device(s), {have} here"
+
+
+def pytest_collection_modifyitems(config, items):
+    have = torch.cuda.device_count()
+    for item in items:
+        marker = item.get_closest_marker("gpus")
+        if marker is None:
+            continue
+        item.add_marker(pytest.mark.gpu)
+        n = marker.args[0] if marker.args else 1
+        if have < n:
+            item.add_marker(pytest.mark.skip(reason=SKIPPED_FOR_DEVICES.format(n=n, have=have)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name every test skipped for want of CUDA devices (on a one-GPU machine: the ones a larger kind must run)."""
+    lines = []
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if "CUDA device(s)" in reason:
+            lines.append(f"{report.nodeid}: {reason.removeprefix('Skipped: ')}")
+    if lines:
+        terminalreporter.write_line(f"{len(lines)} test(s) need more CUDA devices than this machine has:")
+        for line in lines:
+            terminalreporter.write_line(f"  {line}")
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,11 @@
 """The engine on a CUDA device (torch path) gives the CPU engine's tokens. Runs where CUDA exists (the lent GPUs)."""
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.engine_helpers import LogitsRecorder, random_prompts
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpus(1)
 
 
 def test_cuda_greedy_equals_cpu_and_disaggregated_decode_works(checkpoints):

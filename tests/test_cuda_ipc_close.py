@@ -12,7 +12,7 @@ import torch
 from kvtransfer.errors import PeerLost
 from tests.kvtransfer_helpers import SPEC, bits, random_cache
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpus(1)
 NUM_BLOCKS = 64
 
 

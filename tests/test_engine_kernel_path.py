@@ -8,6 +8,8 @@ from engine import LLM, SamplingParams
 from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEW_TOKENS = 10
 LENGTHS = (5, 17, 40)

@@ -23,6 +23,8 @@ from engine.model.quant_config import Fp8Scheme
 from tests.engine_helpers import LogitsRecorder, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter runs every program in Python: small shapes there, the model's on a GPU
 K, N = (4096, 6144) if DEVICE == "cuda" else (96, 72)

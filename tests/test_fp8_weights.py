@@ -87,6 +87,7 @@ def agreement_and_kl(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, fl
     return agree, kl.mean().item()
 
 
+@pytest.mark.gpu
 def test_fp8_matmul_error_and_scaled_mm():
     """One FP8 linear: ~3.5% relative error against the exact product (e4m3: 3 mantissa bits, a relative rounding
     error of std 2^-4/sqrt(3) ~ 3.6% on each operand), and the CPU's upcast matmul equals torch._scaled_mm given
@@ -108,6 +109,7 @@ def test_fp8_matmul_error_and_scaled_mm():
         assert (scaled.float() - y).abs().max().item() <= 2 ** -8 * y.abs().max().item()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["tensor", "channel"])
 def test_fp8_checkpoint_agrees_with_bf16(fp8, reference, strategy):
     prompts, ref_tokens, prefixes, ref_logits = reference
@@ -125,6 +127,7 @@ def test_fp8_checkpoint_agrees_with_bf16(fp8, reference, strategy):
     assert llm.engine.check_integrity()["in_use"] == 0
 
 
+@pytest.mark.gpu
 def test_fp8_weights_with_an_fp8_kv_cache_stay_within_the_bound(fp8, reference):
     """Both FP8 features at once (the way FP8 is served on Hopper): FP8 linears over an e4m3 KV cache. The cache adds
     its own rounding (tests/test_kv_fp8_engine.py measures it alone: KL ~0.02), well inside the weights' bound."""
@@ -136,6 +139,7 @@ def test_fp8_weights_with_an_fp8_kv_cache_stay_within_the_bound(fp8, reference):
     assert agree >= MIN_AGREEMENT and kl <= MAX_MEAN_KL, (agree, kl)
 
 
+@pytest.mark.gpu
 def test_misplaced_scales_fail_the_bound(fp8, reference, tmp_path):
     """The bound discriminates: per-channel scales rolled by one row (what a mis-cut slice does) fail it."""
     folder = tmp_path / "rolled"

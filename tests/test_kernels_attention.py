@@ -13,6 +13,8 @@ from engine.kernels import prefill_attention as prefill_mod
 from engine.kernels.decode_attention import decode_attention
 from engine.kernels.prefill_attention import prefill_attention
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 LAYERS = 3  # the kernels get kv[:, 1], a strided view of a multi-layer cache

@@ -20,6 +20,8 @@ from engine.kernels.rope import apply_rope_, rope_and_store
 from engine.kernels.silu_mul import silu_and_mul
 from engine.model.rope import RotaryEmbedding, apply_rope
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 cuda_only = pytest.mark.skipif(not CUDA, reason="real-size runs need a CUDA device")

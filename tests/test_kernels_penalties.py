@@ -10,6 +10,8 @@ import torch
 from engine.kernels.penalties import apply_penalties
 from engine.sampling.logits_processing import LogitsProcessing, ProcessingBatch
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # the CPU runs Triton's interpreter (tests/conftest.py)
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from engine.kernels.skinny_gemm import skinny_linear
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}

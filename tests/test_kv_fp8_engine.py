@@ -14,6 +14,8 @@ from engine.kv_quant import FP8_DTYPE, KVScales
 from tests.engine_helpers import LogitsRecorder, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 NEW_TOKENS = 24
 LENGTHS = (7, 19, 33, 50, 64, 90)
 # Measured on this random checkpoint (printed with -s): teacher-forced top-1 agreement ~0.9 and mean KL ~0.02 nats.

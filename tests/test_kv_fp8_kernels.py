@@ -18,6 +18,8 @@ from engine.kernels.rope import apply_rope_, rope_and_store
 from engine.kv_quant import dequantize, quantize
 from tests.test_kernels_attention import make_tables, reference
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.37, 1.9

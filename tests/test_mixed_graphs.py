@@ -3,12 +3,15 @@ over padded static buffers give transformers' greedy tokens and logits, whether 
 with decodes. On the CPU the pieces run eagerly in Triton's interpreter (a CUDA graph replays exactly them); on a
 GPU they are captured and replayed for real."""
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.runner.mixed_graphs import MixedGraphs, mixed_buckets
 from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
+
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEW_TOKENS = 4

@@ -3,6 +3,7 @@ transformers' greedy tokens and logits: padding tokens store nothing, padding se
 chunks after a cached prefix read it. On the CPU the padded forward runs eagerly in Triton's interpreter (a CUDA
 graph replays exactly that forward); on a GPU the graphs are captured and replayed for real."""
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -10,6 +11,8 @@ from engine.runner.prefill_graphs import PrefillBuckets, PrefillGraphs
 from engine.runner.rank_setup import blocks_for
 from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
+
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = (5, 17, 20, 3, 11)

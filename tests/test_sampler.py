@@ -17,6 +17,8 @@ from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.sampling.sampler import Sampler, argmax_rows, chunked_argmax, exp_noise, step_seed
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MASK64 = 2**64 - 1
 

@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import complete, running_server, wait_for_idle_workers
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = pytest.mark.gpus(2)
 
 POOL = {"workers": 1, "num_gpus": 1, "num_cpus": 2, "kv_cache_memory_bytes": 256 << 20}
 

@@ -7,12 +7,11 @@ Runs where two GPUs exist (the lent nvidia-h200-x2)."""
 import time
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = pytest.mark.gpus(2)
 
 
 def test_tp2_kernels_and_graphs_equal_tp1_and_eager(checkpoints):

@@ -15,6 +15,8 @@ from engine.runner.prefill_graphs import PrefillBuckets
 from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import plan, step_variants, warm_up
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 BLOCK = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -137,14 +137,16 @@ def _check(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
 
 
 def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
-             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [M, K] e4m3 (M <= GEMV_MAX_M) @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype."""
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] e4m3 (M <= GEMV_MAX_M) @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype.
+    `config` (BLOCK_N, BLOCK_K, num_warps) overrides gemv_config (the sweep times several)."""
     m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
     if m > GEMV_MAX_M:
         raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {m}")
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m and n:
-        block_n, block_k, warps = gemv_config(m, k)
+        block_n, block_k, warps = config or gemv_config(m, k)
         _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, m, n, k,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,

@@ -1,0 +1,31 @@
+"""No GPU path left unrun: every test module that can run on a CUDA device carries the `gpu` (or `gpus(n)`) marker,
+so `bash benchmarks/gpu_run.sh tests` (pytest -m gpu) runs it on the lent GPU; and a test skipped for want of
+devices is named in the run's summary (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+NAMES_CUDA = re.compile(r"torch\.cuda\.is_available\(\)|device_count\(\)|device=\"cuda\"|\.cuda\(\)")
+MARKED = re.compile(r"pytest\.mark\.gpus?\b")
+
+
+def test_every_module_that_can_use_cuda_is_marked():
+    texts = {p.name: p.read_text() for p in sorted(TESTS.glob("test_*.py")) if p.name != Path(__file__).name}
+    unmarked = [name for name, text in texts.items() if NAMES_CUDA.search(text) and not MARKED.search(text)]
+    assert not unmarked, f"mark these pytest.mark.gpu (or gpus(n)) so the GPU run includes them: {unmarked}"
+
+
+def test_tests_needing_more_devices_are_skipped_by_name(tmp_path):
+    (tmp_path / "test_two.py").write_text("import pytest\n\n@pytest.mark.gpus(64)\ndef test_needs_many():\n"
+                                          "    raise AssertionError('ran without its devices')\n")
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                          str(tmp_path / "test_two.py")], capture_output=True, text=True, cwd=TESTS.parent,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 skipped" in run.stdout and "test_two.py::test_needs_many: needs 64 CUDA device(s)" in run.stdout
