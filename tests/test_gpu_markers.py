@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-NAMES_CUDA = re.compile(r"torch\.cuda\.is_available\(\)|device_count\(\)|device=\"cuda\"|\.cuda\(\)")
+# naming CUDA, or importing another test module's device choice (CUDA, DEV, DEVICE)
+NAMES_CUDA = re.compile(r"torch\.cuda\.is_available\(\)|device_count\(\)|device=\"cuda\"|\.cuda\(\)"
+                        r"|^\s+(CUDA|DEV|DEVICE),$", re.M)
 MARKED = re.compile(r"pytest\.mark\.gpus?\b")
 
 

@@ -24,6 +24,8 @@ from tests.test_kernels_elementwise import (
     rope_tables,
 )
 
+pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+
 
 def run_case(m: int, h: int, kvh: int, d: int, hidden: int, dtype: torch.dtype, bias: bool, bs: int,
              n_pad: int, seed: int) -> None:

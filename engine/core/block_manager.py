@@ -1,7 +1,8 @@
 """BlockManager: owns the KV block pool's bookkeeping: block tables, reference counts and the prefix cache.
 
 Every block is in exactly one state:
-- free:   no owner, no cached content (a min-heap: low ids first, so a new request gets contiguous runs);
+- free:   no owner, no cached content (low ids first, so a new request gets contiguous runs: a min-heap of the
+          blocks given back, below a mark past which no block was ever handed out);
 - cached: no owner, but holds the KV of a full block identified by its hash chain; reusable by a later request
           with the same prefix, evictable least-recently-used first;
 - used:   referenced by one or more block tables (ref_count = number of tables holding it).
@@ -54,6 +55,16 @@ class _Block:
     hash: bytes | None = None
 
 
+class _BlockStates(dict):
+    """Block id -> _Block, made on first use: a block nobody touched is free (ref_count 0, no hash). Bookkeeping
+    grows with the blocks in use, not the pool: a small model on a large GPU has millions of blocks (a tiny test
+    model on an H200: 7.5 million, whose eager list took seconds per engine)."""
+
+    def __missing__(self, block_id: int) -> _Block:
+        state = self[block_id] = _Block()
+        return state
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -61,8 +72,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [_Block() for _ in range(num_blocks)]
-        self._free: list[int] = list(range(num_blocks))  # heap
+        self._blocks = _BlockStates()
+        self._free: list[int] = []  # heap of blocks given back; every block >= _fresh is free too, never handed out
+        self._fresh = 0
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evict first
         self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
@@ -72,7 +84,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free plus evictable cached)."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + (self.num_blocks - self._fresh) + len(self._cached)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -194,32 +206,40 @@ class BlockManager:
         """Forget all cached content (e.g. after new weights); used blocks keep their data but lose their hash."""
         for b in list(self._cached):
             self._evict(b, to_free_heap=True)
-        for block in self._blocks:
+        for block in self._blocks.values():
             block.hash = None
         self._hash_to_block.clear()
 
     def check_integrity(self) -> dict[str, int]:
         """Assert the invariants; return {"free", "cached", "used", "total"}."""
-        refs = [0] * self.num_blocks
+        refs: dict[int, int] = {}
         for owner, table in self._tables.items():
             assert len(set(table)) == len(table), f"table {owner} repeats a block"
             for b in table:
-                refs[b] += 1
+                refs[b] = refs.get(b, 0) + 1
         free, cached = set(self._free), set(self._cached)
         assert len(free) == len(self._free), "free heap holds a block twice"
         assert not free & cached, "a block is both free and cached"
-        for b, block in enumerate(self._blocks):
-            assert block.ref_count == refs[b], f"block {b}: ref_count {block.ref_count} but {refs[b]} tables"
+        beyond = [b for b in (*free, *cached, *refs) if not 0 <= b < self._fresh]
+        assert not beyond, f"blocks {beyond[:5]} are past the never-handed-out mark {self._fresh}"
+        for b in range(self._fresh):
+            block = self._blocks.get(b, _Block())
+            expected = refs.get(b, 0)
+            assert block.ref_count == expected, f"block {b}: ref_count {block.ref_count} but {expected} tables"
             if b in free:
                 assert block.ref_count == 0 and block.hash is None, f"free block {b} is referenced or hashed"
             elif b in cached:
                 assert block.ref_count == 0 and block.hash is not None, f"cached block {b} is referenced or bare"
             else:
                 assert block.ref_count > 0, f"block {b} is lost: not free, cached or used"
+        for b, block in self._blocks.items():
+            if b >= self._fresh:
+                assert block.ref_count == 0 and block.hash is None, f"block {b} was never handed out but is used"
         for h, b in self._hash_to_block.items():
             assert self._blocks[b].hash == h, f"hash index points block {b} at a stale hash"
-        used = self.num_blocks - len(free) - len(cached)
-        return {"free": len(free), "cached": len(cached), "used": used, "total": self.num_blocks}
+        num_free = len(free) + self.num_blocks - self._fresh
+        used = self.num_blocks - num_free - len(cached)
+        return {"free": num_free, "cached": len(cached), "used": used, "total": self.num_blocks}
 
     # ---- internals
     def _take(self, b: int) -> None:
@@ -228,8 +248,11 @@ class BlockManager:
         self._blocks[b].ref_count += 1
 
     def _pop_free(self) -> int:
-        if self._free:
+        if self._free:  # every block given back is below the mark: the lowest free block either way
             b = heapq.heappop(self._free)
+        elif self._fresh < self.num_blocks:
+            b = self._fresh
+            self._fresh += 1
         else:
             b = next(iter(self._cached))
             self._evict(b, to_free_heap=False)

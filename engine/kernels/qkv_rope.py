@@ -3,6 +3,9 @@
 Owns `qkv_rope_store`: for M <= skinny_gemm.MAX_M tokens, qkv = x @ W_qkv^T (+ bias), then the q and k heads
 rotated in place exactly as engine.kernels.rope.rope_and_store does, and every token's k and v stored into its
 cache slot. At batch 1 that is one launch instead of two, and the rotation costs nothing on the way out of the GEMV.
+An FP8 projection (engine.model.fp8_linear) passes its e4m3 activations and weight with their scales (x_scales
+[M, 1], w_scales [1, N] float32): the GEMV then sums the e4m3 products in float32 and scales them, as
+engine.kernels.fp8_gemm does, before the rounding and the rotation.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
 # they wait behind the weight stream rather than after it.
 @triton.jit
 def _qkv_rope_store_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, k_scale, v_scale,
+    x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, k_scale, v_scale, xs_ptr, ws_ptr,
     M, K, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs, stride_ch,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
 ):
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     head = tl.program_id(0) // HALF
@@ -47,6 +50,8 @@ def _qkv_rope_store_kernel(
     cols = head * 2 * HALF + j + pair * HALF  # [2]: columns j and j + HALF of this head
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K)  # [BLOCK_M, 2]
+    if SCALED:  # FP8 operands: x ~= x_q * x_scale (per row), W ~= w_q * w_scale (per output column)
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None] * tl.load(ws_ptr + cols)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     y = round_to(acc, DTYPE)
@@ -73,15 +78,32 @@ def _qkv_rope_store_kernel(
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
                    num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_layer: torch.Tensor, slots: torch.Tensor, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> torch.Tensor:
+                   v_scale: float = 1.0, x_scales: torch.Tensor | None = None,
+                   w_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, hidden] (M <= MAX_M) @ weight [(H + 2 KVH) D, hidden]^T (+ bias) -> qkv [M, (H + 2 KVH) D] with q and k
     rotated by cos/sin [P, D] (float32) at positions [M], and k, v stored into kv_layer [NB, 2, bs, KVH, D] at
     slots [M] (negative: not stored; an fp8 cache stores k / k_scale, v / v_scale). The same as skinny_linear then
-    rope.rope_and_store on its q, k, v views."""
+    rope.rope_and_store on its q, k, v views. FP8: x and weight float8_e4m3fn with x_scales [M, 1] and w_scales
+    [1, N] (float32, contiguous), the output in `out_dtype` (the model's dtype)."""
     check_scales(k_scale, v_scale)
-    check("x", x, 2, (torch.float32, torch.bfloat16, torch.float16), inner_contiguous=True)
+    act_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    scaled = x.dtype == torch.float8_e4m3fn
+    check("x", x, 2, (*act_dtypes, torch.float8_e4m3fn), inner_contiguous=True)
     check("weight", weight, 2, (x.dtype,), x.device, inner_contiguous=True)
     m, hidden = x.shape
+    if scaled:
+        if out_dtype not in act_dtypes or x_scales is None or w_scales is None:
+            raise ValueError("FP8 x needs x_scales, w_scales and an out_dtype among float32/bfloat16/float16")
+        check("x_scales", x_scales, 2, (torch.float32,), x.device)
+        check("w_scales", w_scales, 2, (torch.float32,), x.device)
+        if tuple(x_scales.shape) != (m, 1) or tuple(w_scales.shape) != (1, weight.shape[0]) \
+                or not (x_scales.is_contiguous() and w_scales.is_contiguous()):
+            raise ValueError(f"x_scales must be a contiguous [{m}, 1] and w_scales [1, {weight.shape[0]}], got "
+                             f"{tuple(x_scales.shape)} and {tuple(w_scales.shape)}")
+    elif x_scales is not None or w_scales is not None:
+        raise ValueError("x_scales and w_scales go with FP8 (float8_e4m3fn) x and weight only")
+    else:
+        out_dtype = x.dtype
     heads = num_heads + 2 * num_kv_heads
     if weight.shape[1] != hidden or weight.shape[0] % heads:
         raise ValueError(f"weight must be [(H + 2 KVH) x D, {hidden}] with H = {num_heads}, KVH = {num_kv_heads}, "
@@ -89,11 +111,11 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not 0 <= m <= MAX_M:
         raise ValueError(f"x must have at most {MAX_M} rows, got {m}")
     if bias is not None:
-        check("bias", bias, 1, (x.dtype,), x.device, inner_contiguous=True)
+        check("bias", bias, 1, (out_dtype,), x.device, inner_contiguous=True)
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must have {weight.shape[0]} entries, got {bias.shape[0]}")
     d = weight.shape[0] // heads
-    out = torch.empty((m, heads * d), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, heads * d), dtype=out_dtype, device=x.device)
     q, k, v = out.view(m, heads, d).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     check_rope_args(q, k, positions, cos, sin)
     check_kv_args(k, v, kv_layer, slots)
@@ -102,10 +124,10 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _, block_k, num_warps = launch_config(m, heads * d, hidden)
     _qkv_rope_store_kernel[(heads * d // 2,)](
         x, weight, bias if bias is not None else weight, out, positions, cos, sin, kv_layer, slots,
-        float(k_scale), float(v_scale),
+        float(k_scale), float(v_scale), x_scales if scaled else out, w_scales if scaled else out,
         m, hidden, x.stride(0), weight.stride(0), out.stride(0), cos.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         H=num_heads, KVH=num_kv_heads, HALF=d // 2, BS=kv_layer.shape[2], HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, SCALED=scaled, num_warps=num_warps,
     )
     return out

@@ -34,7 +34,7 @@ from engine.kv_quant import KVScales
 from engine.model import torch_attention
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.fp8_linear import Fp8Linear, Fp8Rows, fuse_fp8
+from engine.model.fp8_linear import GEMV_ROWS, Fp8Linear, Fp8Rows, fuse_fp8
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope, rotate
@@ -126,11 +126,14 @@ class Attention(nn.Module):
         """The part before attention: x [T, hidden] -> q [T, H, D], with k and v rotated and stored at `slots`."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         use_kernels, scales = self.use_kernels, (self.k_scale, self.v_scale)
-        if use_kernels and t <= SKINNY_ROWS and not self.qk_norm and type(self.qkv_proj) is nn.Linear:
-            # one kernel: projection, RoPE, KV store (16-bit weights; an Fp8Linear takes the path below)
+        if use_kernels and not self.qk_norm and self._fuses_rope(x):
+            # one kernel: projection, RoPE, KV store (an FP8 projection's e4m3 GEMV with its scales)
             from engine.kernels.qkv_rope import qkv_rope_store
-            qkv = qkv_rope_store(x, self.qkv_proj.weight, self.qkv_proj.bias, h, kvh, rope.positions, rope.cos,
-                                 rope.sin, kv_layer, slots, *scales)  # [T, (H + 2 KVH) D]
+            proj = self.qkv_proj
+            fp8 = dict(x_scales=x.scales, w_scales=proj.scale_row, out_dtype=proj.out_dtype) \
+                if isinstance(x, Fp8Rows) else {}
+            qkv = qkv_rope_store(x.q if isinstance(x, Fp8Rows) else x, proj.weight, proj.bias, h, kvh,
+                                 rope.positions, rope.cos, rope.sin, kv_layer, slots, *scales, **fp8)  # [T, (H+2KVH)D]
             return qkv[:, : h * d].view(t, h, d)
         # bfloat16 on the CPU: RoPE and the store in one C pass (a bfloat16 cache only: an fp8 one takes torch's)
         if self.cpu_fused and not self.qk_norm and kv_layer.dtype == torch.bfloat16:
@@ -151,6 +154,13 @@ class Attention(nn.Module):
             q, k = apply_rope(q, k, rope.cos, rope.sin)
             write_kv(kv_layer, slots, k, v, *scales)
         return q
+
+    def _fuses_rope(self, x: torch.Tensor | Fp8Rows) -> bool:
+        """Whether the kernel path's one-kernel projection + RoPE + store takes this step: 16-bit weights up to
+        SKINNY_ROWS tokens (its GEMV), FP8 ones where their GEMV runs (fp8_linear.GEMV_ROWS, activations quantized)."""
+        if type(self.qkv_proj) is nn.Linear:
+            return x.shape[0] <= SKINNY_ROWS
+        return isinstance(x, Fp8Rows) and x.shape[0] <= GEMV_ROWS
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The part after attention: o [T, H, D] -> [T, hidden] (o_proj, then the all-reduce under TP)."""
