@@ -11,7 +11,11 @@ reference measured in the same run:
   by phase (engine_bench_gpu.HostPhases); prefill of one 2,048-token prompt against the matmul rate;
 - FP8 against bfloat16: the speedup of each decode case and of the prefill;
 - the fp8 KV cache (bfloat16 weights): its capacity in tokens against the bfloat16 cache's for the same bytes, and
-  decode at batch 16 with an 8k context (where reading the KV is most of the step) against the bfloat16 cache.
+  decode at batch 16 with an 8k context (where reading the KV is most of the step) against the bfloat16 cache;
+- FP8 weights with the fp8 KV cache (how FP8 is served on Hopper) against bfloat16, at batch 1 and 64: at batch 64
+  with a 2k context the KV read is more than the weights' (17 GB against 8), so FP8 weights alone can speed the
+  step up by at most its floor ratio (1.27x), both together by 1.9x;
+- the decode attention kernel alone on both caches, per launch configuration (--skip-attention: not).
 It refuses to print a figure that would describe something else: a GPU without FP8 tensor cores (compute
 capability below 8.9), two folders of different shapes, an "FP8" engine that built no FP8 linear, or a bf16 one
 that did.
@@ -57,47 +61,66 @@ def close(bench: Bench) -> None:
     torch.cuda.empty_cache()
 
 
-def measure_weights(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
-                    cases: str) -> tuple[list[dict], dict | None]:
-    """(decode rows per CASES, the prefill row) of one checkpoint."""
-    bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format)
+def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
+            cases: list[str], kv_cache_dtype: str = "auto", profile: bool = False) -> dict[str, dict]:
+    """One engine's rows by case name: "decode1", "decode64" (CASES), "prefill" (1 x 2,048) and "long"
+    (LONG_CONTEXT), each tagged with the weights, the KV cache dtype and the KV capacity in tokens."""
+    bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
+                  profile=profile)
     try:
-        layers = [m for m in bench.engine.model.modules() if isinstance(m, Fp8Linear)]
+        e = bench.engine
+        layers = [m for m in e.model.modules() if isinstance(m, Fp8Linear)]
         if bool(layers) != fp8:
             raise SystemExit(f"{folder}: the engine built {len(layers)} FP8 linears; expected "
                              f"{'some' if fp8 else 'none'}")
         if fp8 and not all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in layers):
             raise SystemExit(f"{folder}: an FP8 linear's weight is not float8_e4m3fn on the GPU")
-        tag = {"weights": "fp8" if fp8 else "bf16", "weight_bytes": bench.weight_bytes, "fp8_linears": len(layers)}
-        rows = []
-        for batch, context in CASES:
-            if f"decode{batch}" in cases:
-                rows.append(bench.decode(batch, context) | tag)
-                print(json.dumps(rows[-1]), flush=True)
-        prefill = None
-        if "prefill" in cases:
-            prefill = bench.prefill([2048]) | tag
-            print(json.dumps(prefill), flush=True)
-        return rows, prefill
+        tag = {"weights": "fp8" if fp8 else "bf16", "kv_cache_dtype": kv_cache_dtype, "weight_bytes":
+               bench.weight_bytes, "fp8_linears": len(layers), "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size}
+        rows = {}
+        for name in cases:
+            if name == "prefill":
+                rows[name] = bench.prefill([2048]) | tag
+            else:
+                batch, context = {"decode1": CASES[0], "decode64": CASES[1], "long": LONG_CONTEXT}[name]
+                rows[name] = bench.decode(batch, context) | tag
+            print(json.dumps(rows[name]), flush=True)
+        return rows
     finally:
         close(bench)
 
 
-def measure_kv(folder: str, bandwidth: float, flops: float, kv_bytes: int, load_format: str) -> dict[str, dict]:
-    """Per KV dtype (bfloat16 weights): tokens the same bytes hold, and decode at LONG_CONTEXT."""
-    out = {}
-    for kv_dtype in ("auto", "fp8"):
-        bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format, kv_cache_dtype=kv_dtype)
-        try:
-            e = bench.engine
-            row = bench.decode(*LONG_CONTEXT) | {"kv_cache_dtype": kv_dtype,
-                                                 "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size,
-                                                 "kv_bytes_budget": kv_bytes}
-            print(json.dumps(row), flush=True)
-            out[kv_dtype] = row
-        finally:
-            close(bench)
-    return out
+def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
+    print(json.dumps({"case": label, "reference_ms": base[key], "ms": new[key],
+                      "speedup": round(base[key] / new[key], 3), "x_floor": new.get("x_floor"),
+                      "reference_x_floor": base.get("x_floor")}), flush=True)
+
+
+def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000) -> None:
+    """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
+    K/V): each launch configuration's KV read rate against the copy bandwidth."""
+    from triton.testing import do_bench
+
+    from engine.kernels.decode_attention import decode_attention
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+    per_seq = -(-context // bs)
+    blocks = batch * per_seq + 8
+    q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(blocks - 8, device="cuda")[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    base = torch.randn(blocks, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
+        nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
+        for launch in (None, (64, 4, 3), (128, 8, 3), (128, 4, 3), (64, 8, 3), (128, 8, 4)):
+            try:
+                ms = do_bench(lambda launch=launch, layer=layer: decode_attention(
+                    q, layer, tables, lens, d ** -0.5, launch=launch), warmup=5, rep=40, return_mode="median")
+            except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot run: reported)
+                print(json.dumps({"attention": name, "launch": launch, "error": str(e).splitlines()[0][:120]}))
+                continue
+            print(json.dumps({"attention": name, "launch": launch or "default", "batch": batch, "context": context,
+                              "ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 1),
+                              "x_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,32 +129,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument("--kv-gib", type=float, default=40)
-    parser.add_argument("--cases", default="decode1,decode64,prefill,kv")
+    parser.add_argument("--skip-attention", action="store_true", help="no decode-attention kernel variants")
+    parser.add_argument("--profile", action="store_true", help="the bf16 engine's top GPU kernels, live vs replay")
     args = parser.parse_args(argv)
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
                       round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
     kv_bytes = int(args.kv_gib * (1 << 30))
-    bf16, bf16_prefill = measure_weights(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, args.cases)
-    fp8, fp8_prefill = measure_weights(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, args.cases)
-    for a, b in zip(bf16, fp8, strict=True):
-        print(json.dumps({"case": f"fp8 vs bf16 weights, {a['case']}", "bf16_step_ms": a["step_ms"],
-                          "fp8_step_ms": b["step_ms"], "speedup": round(a["step_ms"] / b["step_ms"], 3),
-                          "fp8_x_floor": b["x_floor"], "bf16_x_floor": a["x_floor"]}), flush=True)
-    if bf16_prefill and fp8_prefill:
-        print(json.dumps({"case": "fp8 vs bf16 weights, prefill 1 x 2048", "bf16_ms": bf16_prefill["ms"],
-                          "fp8_ms": fp8_prefill["ms"], "speedup": round(bf16_prefill["ms"] / fp8_prefill["ms"], 3)}),
-              flush=True)
-    if "kv" in args.cases:
-        kv = measure_kv(args.bf16, bandwidth, flops, kv_bytes, args.load_format)
-        a, b = kv["auto"], kv["fp8"]
-        print(json.dumps({"case": f"fp8 vs bf16 KV cache, decode batch {LONG_CONTEXT[0]}, {LONG_CONTEXT[1]} context",
-                          "bf16_kv_step_ms": a["step_ms"], "fp8_kv_step_ms": b["step_ms"],
-                          "speedup": round(a["step_ms"] / b["step_ms"], 3), "bf16_kv_tokens": a["kv_tokens"],
-                          "fp8_kv_tokens": b["kv_tokens"], "capacity_ratio": round(b["kv_tokens"] / a["kv_tokens"], 3),
-                          "fp8_kv_x_floor": b["x_floor"], "bf16_kv_x_floor": a["x_floor"]}), flush=True)
-
+    if not args.skip_attention:
+        attention_variants(bandwidth)
+    bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format,
+                   ["decode1", "decode64", "prefill", "long"], profile=args.profile)
+    fp8 = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "prefill"])
+    kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
+    both = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
+                   kv_cache_dtype="fp8")
+    for name in ("decode1", "decode64"):
+        compare(f"fp8 weights vs bf16, {bf16[name]['case']}", bf16[name], fp8[name])
+        compare(f"fp8 weights + fp8 KV vs bf16, {bf16[name]['case']}", bf16[name], both[name])
+    compare("fp8 weights vs bf16, prefill 1 x 2048", bf16["prefill"], fp8["prefill"], key="ms")
+    compare(f"fp8 KV vs bf16 KV (bf16 weights), {bf16['long']['case']}", bf16["long"], kv8["long"])
+    print(json.dumps({"case": "KV capacity, same bytes", "kv_bytes": kv_bytes,
+                      "bf16_kv_tokens": bf16["long"]["kv_tokens"], "fp8_kv_tokens": kv8["long"]["kv_tokens"],
+                      "ratio": round(kv8["long"]["kv_tokens"] / bf16["long"]["kv_tokens"], 3)}), flush=True)
 
 if __name__ == "__main__":
     main()

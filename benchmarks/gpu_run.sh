@@ -7,6 +7,7 @@
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # fp8 (1 GPU): the 8B shape with FP8 weights (per-channel, dummy) vs bfloat16: decode steps against their floors,
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_decode_gpu.py).
+# fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor).
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gemm_sweep.py).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
@@ -62,11 +63,19 @@ for step in "$@"; do
   case $step in
     tests)  # every test marked gpu (tests/conftest.py): kernels compiled, FP8, CUDA graphs, the CUDA-only tests; the
       # summary names the tests that need more devices than this machine has. TESTS: other files or -k filters.
-      # (only the modules that mark tests gpu are collected: the others import what this machine lacks, e.g. openai)
-      timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 -rs \
-        ${TESTS:-$(grep -lE "pytest\.mark\.gpus?\b" tests/test_*.py)} \
-        > "$OUT/tests.log" 2>&1; grep -E "passed|failed|error|need more CUDA|  tests/|^FAILED|^ERROR" "$OUT/tests.log" \
-        | tail -40 ;;
+      # (only the modules that mark tests gpu are collected: the others import what this machine lacks, e.g. openai;
+      # the FP8 ones first; a failure's traceback is printed when it happens)
+      files=$(ls tests/test_fp8_*.py tests/test_kv_fp8_*.py; grep -lE "pytest\.mark\.gpus?\b" tests/test_*.py \
+        | grep -v "fp8")
+      PDSERVE_TESTS_INSTAFAIL=1 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -v -m gpu -p no:cacheprovider \
+        --timeout ${TEST_TIMEOUT:-150} --durations=20 -rs ${TESTS:-$files} > "$OUT/tests.log" 2>&1
+      grep -E "passed|failed|error|need more CUDA|  tests/|^FAILED" "$OUT/tests.log" | tail -40 ;;
+    fp8_70b)  # the Llama-3-70B shape in FP8 (per-channel, dummy weights) served collocated on one GPU, 4 streams
+      [ -d /tmp/l70b-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b-fp8 --no-weights \
+        --fp8 channel
+      timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml \
+        --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
+        --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
     peer)
       timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
       timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log" ;;

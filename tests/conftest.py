@@ -34,6 +34,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=SKIPPED_FOR_DEVICES.format(n=n, have=have)))
 
 
+def pytest_runtest_logreport(report):
+    """With PDSERVE_TESTS_INSTAFAIL=1 (benchmarks/gpu_run.sh tests), a failure's traceback is printed when it
+    happens, not at the end: a device run cut short by its time limit still shows why each failed test failed."""
+    if report.failed and os.environ.get("PDSERVE_TESTS_INSTAFAIL") == "1":
+        print(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-3000:]}\n", flush=True)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Name every test skipped for want of CUDA devices (on a one-GPU machine: the ones a larger kind must run)."""
     lines = []

@@ -166,14 +166,19 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
              o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
     in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~114 registers, 39 KiB shared memory, so ~4 programs
-    per SM). fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
+    per SM). An fp8 cache: 128 tokens a tile, the same 16 KiB of K and V in flight (64 tokens would halve the bytes
+    each program has in flight, and the fp8 cache ran slower than bf16 at 8k context on an H200), on 8 warps, which
+    hold the widened [128, D] tiles in as many registers a thread as bf16's 64-token tiles on 4.
+    fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
     if interpreting():
         return 32, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 32, 8, 2
+    if fp8_cache:
+        return 128, 8, 3
     return 64, 4, 3
 
 
@@ -203,11 +208,12 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> torch.Tensor:  # [B, H, D]
+                     v_scale: float = 1.0, launch: tuple[int, int, int] | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
-    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales)."""
+    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` (BLOCK_N, num_warps,
+    num_stages) overrides _launch_config (benchmarks time several)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
@@ -224,7 +230,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = _launch_config(q.dtype, head_dim)
+    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim,
+                                                              kv_layer.dtype == torch.float8_e4m3fn)
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
