@@ -32,6 +32,8 @@ pytestmark = pytest.mark.timeout(120)
 # the accuracy tests run where the FP8 path they describe runs: on a GPU (Triton kernels, FP8 tensor cores, CUDA
 # graphs) when there is one, else the CPU's upcast path
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# engines that share a GPU with a module's others (fixtures keep them alive): a fixed KV budget each there
+ON = dict(device=DEVICE, kv_cache_memory_bytes=256 << 20) if DEVICE == "cuda" else dict(device=DEVICE)
 NEW_TOKENS = 12
 # Bounds on teacher-forced agreement with the bfloat16 original (every position sees the same prefix: the original's
 # greedy continuation; 8 prompts x 12 positions) and the mean KL(bf16 || fp8) of the next-token distributions, in
@@ -62,7 +64,7 @@ def fp8(bf16, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference(bf16):
     """The original's greedy continuations, the teacher-forced prefixes and their next-token logits."""
-    llm = LLM(str(bf16), device=DEVICE)
+    llm = LLM(str(bf16), **ON)
     prompts = random_prompts([5, 7, 9, 11, 13, 15, 17, 19], 2000, seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     prefixes = [p + o.token_ids[:i] for p, o in zip(prompts, outs, strict=True) for i in range(NEW_TOKENS)]
@@ -113,7 +115,7 @@ def test_fp8_matmul_error_and_scaled_mm():
 @pytest.mark.parametrize("strategy", ["tensor", "channel"])
 def test_fp8_checkpoint_agrees_with_bf16(fp8, reference, strategy):
     prompts, ref_tokens, prefixes, ref_logits = reference
-    llm = LLM(str(fp8[strategy]), device=DEVICE)
+    llm = LLM(str(fp8[strategy]), **ON)
     attn = llm.engine.model.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, Fp8Linear) and attn.qkv_proj.weight.dtype == FP8
     assert isinstance(llm.engine.model.model.layers[1].mlp.down_proj, Fp8Linear)
@@ -132,7 +134,7 @@ def test_fp8_weights_with_an_fp8_kv_cache_stay_within_the_bound(fp8, reference):
     """Both FP8 features at once (the way FP8 is served on Hopper): FP8 linears over an e4m3 KV cache. The cache adds
     its own rounding (tests/test_kv_fp8_engine.py measures it alone: KL ~0.02), well inside the weights' bound."""
     _, _, prefixes, ref_logits = reference
-    llm = LLM(str(fp8["channel"]), kv_cache_dtype="fp8", device=DEVICE)
+    llm = LLM(str(fp8["channel"]), kv_cache_dtype="fp8", **ON)
     assert llm.engine.runner.kv_cache.dtype == FP8  # e4m3 bytes, like the weights
     agree, kl = agreement_and_kl(next_logits(llm, prefixes), ref_logits)
     print(f"FP8 weights + fp8 KV: teacher-forced agreement {agree:.3f}, mean KL {kl:.4f} nats")
@@ -148,7 +150,7 @@ def test_misplaced_scales_fail_the_bound(fp8, reference, tmp_path):
     for name in [n for n in tensors if n.endswith("weight_scale")]:
         tensors[name] = tensors[name].roll(1, dims=0).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    agree, kl = agreement_and_kl(next_logits(LLM(str(folder), device=DEVICE), reference[2]), reference[3])
+    agree, kl = agreement_and_kl(next_logits(LLM(str(folder), **ON), reference[2]), reference[3])
     print(f"FP8 channel, scales rolled by a row: teacher-forced agreement {agree:.3f}, mean KL {kl:.4f} nats")
     assert agree < MIN_AGREEMENT or kl > MAX_MEAN_KL, (agree, kl)
 

@@ -28,6 +28,8 @@ LENGTHS = (7, 19, 33, 50, 64, 90)
 MAX_MEAN_KL = 0.06
 # on a GPU (Triton kernels, CUDA graphs) when there is one: the path the fp8 cache exists for
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# engines that share a GPU with a module's others (fixtures keep them alive): a fixed KV budget each there
+ON = dict(device=DEVICE, kv_cache_memory_bytes=256 << 20) if DEVICE == "cuda" else dict(device=DEVICE)
 MIN_AGREEMENT = 0.8
 
 
@@ -57,8 +59,8 @@ def teacher_forced(ref_llm: LLM, llm: LLM, prompts: list[list[int]]) -> tuple[fl
 def test_fp8_cache_agrees_with_bfloat16(checkpoints):
     folder = checkpoints.get("LlamaForCausalLM")
     prompts = random_prompts(LENGTHS, vocab_size_of(folder), seed=5)
-    ref_llm = LLM(str(folder), dtype="bfloat16", device=DEVICE)
-    llm = LLM(str(folder), dtype="bfloat16", device=DEVICE, kv_cache_dtype="fp8")
+    ref_llm = LLM(str(folder), dtype="bfloat16", **ON)
+    llm = LLM(str(folder), dtype="bfloat16", **ON, kv_cache_dtype="fp8")
     assert llm.engine.kv_cache.dtype == torch.float8_e4m3fn and llm.engine.kv_spec.dtype == FP8_DTYPE
     free, top1, kl = teacher_forced(ref_llm, llm, prompts)
     print(f"\nfp8 vs bfloat16 KV cache: free-running greedy agreement {free:.3f}; teacher-forced top-1 agreement "
@@ -89,7 +91,7 @@ def test_kernel_path_reads_and_writes_the_cache_as_the_torch_path(checkpoints):
     prompts = random_prompts((5, 17, 30), vocab_size_of(folder), seed=6)
     kw = dict(kv_cache_dtype="fp8", max_num_batched_tokens=8, block_size=8, enable_prefix_caching=False)
     torch_path = _greedy(LLM(str(folder), **kw), prompts)
-    llm = LLM(str(folder), kernels="triton", device=DEVICE, **kw)
+    llm = LLM(str(folder), kernels="triton", **ON, **kw)
     assert llm.engine.model.kernels_enabled
     for (ref_tokens, ref_logits), (tokens, logits) in zip(torch_path, _greedy(llm, prompts), strict=True):
         assert tokens == ref_tokens
@@ -99,7 +101,7 @@ def test_kernel_path_reads_and_writes_the_cache_as_the_torch_path(checkpoints):
 def test_prefix_cache_hits_read_the_fp8_blocks(checkpoints):
     folder = checkpoints.get("LlamaForCausalLM")
     prompts = random_prompts((40, 56), vocab_size_of(folder), seed=7)
-    llm = LLM(str(folder), dtype="bfloat16", device=DEVICE, kv_cache_dtype="fp8", block_size=8)
+    llm = LLM(str(folder), dtype="bfloat16", **ON, kv_cache_dtype="fp8", block_size=8)
     first = _greedy(llm, prompts)
     before = llm.engine.scheduler.num_prefix_hit_tokens
     again = _greedy(llm, prompts)
@@ -123,16 +125,16 @@ def test_checkpoint_kv_scales_are_loaded(checkpoints, tmp_path):
         tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
     save_file(tensors, folder / "model.safetensors")
-    llm = LLM(str(folder), dtype="bfloat16", device=DEVICE, kv_cache_dtype="fp8_e4m3")
+    llm = LLM(str(folder), dtype="bfloat16", **ON, kv_cache_dtype="fp8_e4m3")
     got = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in llm.engine.model.model.layers]
     assert got == [scales[0], scales[1]]
     assert llm.engine.kv_spec.kv_scales == KVScales((0.25, 0.125), (0.5, 2.0)).digest() != KVScales.ones(2).digest()
     prompts = random_prompts(LENGTHS[:3], vocab_size_of(folder), seed=8)
-    _, top1, kl = teacher_forced(LLM(str(src), dtype="bfloat16", device=DEVICE), llm, prompts)
+    _, top1, kl = teacher_forced(LLM(str(src), dtype="bfloat16", **ON), llm, prompts)
     assert top1 >= MIN_AGREEMENT and kl <= MAX_MEAN_KL, (top1, kl)
     # a bfloat16 cache ignores the scales: the same checkpoint gives the unscaled engine's output exactly
-    plain = LLM(str(folder), dtype="bfloat16", device=DEVICE)
-    unscaled = LLM(str(src), dtype="bfloat16", device=DEVICE)
+    plain = LLM(str(folder), dtype="bfloat16", **ON)
+    unscaled = LLM(str(src), dtype="bfloat16", **ON)
     assert [t for t, _ in _greedy(plain, prompts)] == [t for t, _ in _greedy(unscaled, prompts)]
 
 

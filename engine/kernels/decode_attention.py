@@ -166,19 +166,17 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
              o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool = False) -> tuple[int, int, int]:
+def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
     in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~114 registers, 39 KiB shared memory, so ~4 programs
-    per SM). An fp8 cache: 128 tokens a tile, the same 16 KiB of K and V in flight (64 tokens would halve the bytes
-    each program has in flight, and the fp8 cache ran slower than bf16 at 8k context on an H200), on 8 warps, which
-    hold the widened [128, D] tiles in as many registers a thread as bf16's 64-token tiles on 4.
+    per SM). The same for an fp8 cache: on an H200 (batch 16, 8k context, benchmarks/fp8_decode_gpu.py) 128-token
+    tiles on 8 warps took 0.252 ms against 0.157 for these; either reads the fp8 cache no faster than bf16's 0.150
+    (widening e4m3 to bf16 in registers, not the bytes, bounds it there).
     fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
     if interpreting():
         return 32, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 32, 8, 2
-    if fp8_cache:
-        return 128, 8, 3
     return 64, 4, 3
 
 
@@ -230,8 +228,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim,
-                                                              kv_layer.dtype == torch.float8_e4m3fn)
+    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim)
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)

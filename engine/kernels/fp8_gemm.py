@@ -11,7 +11,9 @@ Two kernels for the sizes a decode step has (engine.model.fp8_linear picks per M
 - `fp8_mm` (M up to a few hundred): FP8 tensor cores with the operands swapped, y^T [N, M] = w_q [N, K] @ x_q^T
   [K, M], so the weight's rows fill the MMA's wide side and the few tokens its narrow one (>= 16 wide: a step of
   M < 16 pads its tokens with masked zeros). Each program owns BLOCK_N output channels for BLOCK_M tokens and
-  walks K; the weight is read once per BLOCK_M tokens.
+  walks K; the weight is read once per BLOCK_M tokens. Each BLOCK_K tile's MMA result is added to a float32
+  accumulator outside the MMA ("promotion"): Hopper's FP8 MMAs keep about 14 bits while they accumulate (DeepSeek-V3's
+  report), which over K = 4096 left 3.5e-3 of the largest output as error on an H200; torch._scaled_mm promotes too.
 Launch parameters come from shapes alone (CUDA-graph safe), from the table `FP8_MM_CONFIGS` measured on an H200
 (benchmarks/fp8_gemm_sweep.py). Under TRITON_INTERPRET=1 (CPU CI) the dot upcasts its operands to float32: the
 interpreter's tl.dot on narrow floats is not exact.
@@ -70,8 +72,8 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, strid
         xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
-        else:
-            acc = tl.dot(w, xt, acc)
+        else:  # each tile's MMA sum added in float32: Hopper's FP8 MMAs accumulate with fewer bits (module doc)
+            acc += tl.dot(w, xt)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)

@@ -117,10 +117,7 @@ def _load_model(mc: ModelConfig, path: Path, config: EngineConfig, device: torch
     dtype = TORCH_DTYPES[config.dtype]
     model = model.to(dtype)
     if mc.fp8 is not None:  # after the dtype conversion, which would upcast FP8 weights
-        if device.type == "cuda" and dtype != torch.bfloat16:
-            raise ValueError(f"EngineConfig.dtype {config.dtype!r}: an FP8 checkpoint on CUDA computes in bfloat16 "
-                             "(torch._scaled_mm's per-row scales give a bfloat16 output); set dtype auto or bfloat16")
-        swap_in_fp8(model, mc.fp8, dtype)
+        swap_in_fp8(model, mc.fp8, dtype)  # any dtype: the kernel path's FP8 GEMMs write each (fp8_linear)
     model = model.to_empty(device=device)
     model.rope.build(device)  # float32 tables, not converted
     if config.load_format == "dummy":
