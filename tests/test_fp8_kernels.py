@@ -119,8 +119,10 @@ def test_fp8_linear_kernel_path_agrees_with_its_torch_path(m, monkeypatch):
 
 def test_an_fp8_models_kernel_path_gives_its_torch_paths_tokens(checkpoints, tmp_path):
     """Two layers in float32 (no bfloat16 rounding between the paths): the same greedy tokens and logits within a
-    few hundredths (the activations' e4m3 rounding may differ where float32 sums in another order cross a rounding
-    boundary). The norms quantize for q/k/v and gate/up, SiLU-mul for down, o_proj quantizes itself."""
+    few hundredths of the largest (the activations' e4m3 rounding may differ where sums in another order cross a
+    rounding boundary: one e4m3 step is 6%). The norms quantize for q/k/v and gate/up, SiLU-mul for down, o_proj
+    quantizes itself. Measured: under 0.03 interpreted on the CPU; 0.045-0.047 on an H200 (FP8 tensor cores, their
+    sums promoted every 256 products), with the same tokens. A wrong scale or index moves logits by whole units."""
     folder = quantize_folder(checkpoints.get("LlamaForCausalLM", num_hidden_layers=2), tmp_path / "fp8", "channel")
     prompts = random_prompts((6, 19), vocab_size_of(folder), seed=3)
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
@@ -138,7 +140,7 @@ def test_an_fp8_models_kernel_path_gives_its_torch_paths_tokens(checkpoints, tmp
     (ref_tokens, ref_logits), (tokens, logits) = outputs
     diffs = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(logits, ref_logits, strict=True)]
     assert tokens == ref_tokens, (tokens, ref_tokens, diffs)
-    assert max(diffs) < 0.03, diffs
+    assert max(diffs) < (0.08 if DEVICE == "cuda" else 0.03), diffs
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
