@@ -157,21 +157,25 @@ def coordinator_main(argv: list[str]) -> int:
 
 
 def _stop_main(args: argparse.Namespace) -> int:
-    """SIGTERM to the server's supervisor (found by its namespace's pid file), then wait for it; with no server
-    running and a joined cluster, remove what is left of its namespace there."""
+    """SIGTERM to the server's supervisor (found by its namespace's pid file, trusted only while the supervisor holds
+    its lock: coordinator.process_supervisor.supervisor_pid), then wait for it; with no server running and a joined
+    cluster, remove what is left of its namespace there."""
     loaded = _load(args)
     if loaded is None:
         return 2
     config, _ = loaded
     from coordinator.backend.fleet import default_namespace
-    from coordinator.process_supervisor import pid_file
+    from coordinator.process_supervisor import pid_file, supervisor_pid
     if config.namespace is None and not config.server.port:
         print("pdserve: error: server.port 0 names no namespace: give the server's --port (or set namespace)",
               file=sys.stderr)
         return 2
     namespace = config.namespace or default_namespace(config.server.port)
     path = pid_file(namespace)
-    pid = int(path.read_text()) if path.exists() else 0
+    pid = supervisor_pid(path)  # only a pid whose supervisor still holds the file's lock is signalled
+    if pid is None and path.exists():
+        print(f"pdserve: ignoring the stale pid file {path}: no pdserve serve holds it (its server was killed); "
+              "the pid in it is not signalled", file=sys.stderr)
     if pid and _alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + config.server.drain_timeout_s + 60

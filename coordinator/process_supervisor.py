@@ -17,12 +17,13 @@ recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_
 server whose first coordinator never served (a start error: no model, pools that cannot be placed) is not
 restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
 skips the wait), then whatever is left in the namespace is torn down and Ray shut down. A pid file
-(`pid_file(namespace)`) lets `pdserve stop` find this process.
+(`pid_file(namespace)`), locked as long as this process lives, lets `pdserve stop` find this process and only it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -44,8 +45,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pid_file(namespace: str) -> Path:
-    """Where the supervisor of `namespace`'s server keeps its pid while it runs."""
+    """Where the supervisor of `namespace`'s server keeps its pid while it runs (and an exclusive lock on the file:
+    `supervisor_pid`)."""
     return Path(tempfile.gettempdir()) / "pdserve" / f"{namespace}.pid"
+
+
+def hold_pid_file(path: Path) -> Any:
+    """Write this process's pid into `path` under an exclusive flock(2), held as long as the returned file stays
+    open: the kernel drops it when this process ends however it ends, so a file left by a SIGKILLed supervisor is
+    known to be stale. RuntimeError if another live process holds it (a server of the same namespace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 - held open for the server's life (non-inheritable: no child keeps the lock)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RuntimeError(f"another pdserve serve holds {path}: a server of this namespace is running") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def supervisor_pid(path: Path) -> int | None:
+    """The pid in `path` if a live supervisor holds the file's lock; None if there is no file or it is stale (no
+    process holds it: its supervisor was killed; the pid in it may be anyone's by now)."""
+    try:
+        f = open(path)  # noqa: SIM115
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: the supervisor is alive (it wrote the pid before anyone could read it)
+            text = f.read().strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
 
 
 class ProcessSupervisor:
@@ -65,22 +101,27 @@ class ProcessSupervisor:
     def run(self) -> int:
         """Serve until stopped on purpose (0) or until the coordinator cannot be kept up (its exit status)."""
         from coordinator.backend.pools import init_ray
-        local = self.config.ray_address is None
-        init_ray(self.config.ray_address, self.namespace)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
-            signal.signal(sig, self._on_signal)
-        import ray
-        address = ray.get_runtime_context().gcs_address
         path = pid_file(self.namespace)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(os.getpid()))
         try:
-            return self._loop(address, local)
+            held = hold_pid_file(path)
+        except RuntimeError as e:
+            log.error("pdserve: error: %s", e)
+            return 3
+        try:
+            local = self.config.ray_address is None
+            init_ray(self.config.ray_address, self.namespace)
+            for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
+                signal.signal(sig, self._on_signal)
+            import ray
+            address = ray.get_runtime_context().gcs_address
+            try:
+                return self._loop(address, local)
+            finally:
+                self._teardown()
+                ray.shutdown()
         finally:
-            self._teardown()
-            if path.read_text() == str(os.getpid()):
-                path.unlink()
-            ray.shutdown()
+            path.unlink(missing_ok=True)  # ours while we hold its lock
+            held.close()
 
     def _loop(self, address: str, local: bool) -> int:
         served_once = False
