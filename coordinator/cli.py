@@ -105,7 +105,7 @@ def _serve_main(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if loaded is None:
         return 2
-    config, overrides = loaded
+    config, _ = loaded
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from coordinator.api.http_server import ListenError, bind_listener
     from coordinator.process_supervisor import ProcessSupervisor
@@ -115,19 +115,21 @@ def _serve_main(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 3
     start_watchdog()  # its pipe closes when this process has ended, after Ray's own exit handlers
-    return ProcessSupervisor(args.config, overrides, config, listener).run()
+    return ProcessSupervisor(config, listener).run()
 
 
 def coordinator_main(argv: list[str]) -> int:
-    """The coordinator under `pdserve serve`'s supervisor: CONFIG OVERRIDES_JSON LISTEN_FD READY_FD local|joined.
-    It joins the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD
-    once it serves."""
-    import json
+    """The coordinator under `pdserve serve`'s supervisor: STATE_DIR LISTEN_FD READY_FD local|joined. It runs with the
+    configuration the supervisor froze at start (STATE_DIR's CHILD_CONFIG, never the YAML file as it is now), joins
+    the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD once it
+    serves."""
+    import pickle
     import socket
+    from pathlib import Path
 
-    from coordinator.config.serve_config import load_serve_config
-    config_path, overrides, listen_fd, ready_fd, ray_kind = argv
-    config = load_serve_config(config_path, json.loads(overrides))
+    from coordinator.process_supervisor import CHILD_CONFIG
+    state_dir, listen_fd, ready_fd, ray_kind = argv
+    config = pickle.loads((Path(state_dir) / CHILD_CONFIG).read_bytes())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     import ray
 

@@ -160,6 +160,9 @@ class FaultsConfig:
         stall = self.transfer_stall_s
         if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall <= MAX_STALL_S:
             raise ValueError(f"transfer_stall_s must be a number in [0, {MAX_STALL_S:g}], got {stall!r}")
+        seed = self.seed  # the workers' fault RNGs take an integer: NaN, inf, a string or a bool is refused here
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r:.40}")
 
 
 @dataclass(frozen=True)

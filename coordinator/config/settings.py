@@ -18,6 +18,9 @@ class ServerSettings:
     port: int = 8000                     # 0 = any free port (tests)
     api_key: str | None = None           # when set, /v1/* needs `Authorization: Bearer <api_key>`
     max_body_bytes: int = 4 << 20        # larger request bodies get 413
+    # a request head (request line + headers) larger than this gets 431 (414: a request line alone) and the connection
+    # closed, before any key is checked; a connection never holds more of a head (coordinator.api.http_protocol)
+    max_request_header_bytes: int = 64 << 10
     request_timeout_s: float = 600.0     # a request still running after this ends (504, or an in-band error)
     drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
     served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
@@ -59,6 +62,8 @@ class ServerSettings:
             ("port", _is_int(self.port) and 0 <= self.port <= 65535, "must be an integer in [0, 65535]"),
             ("api_key", _optional_str(self.api_key), "must be None or a non-empty string"),
             ("max_body_bytes", _is_int(self.max_body_bytes) and self.max_body_bytes > 0, "must be a positive integer"),
+            ("max_request_header_bytes", _is_int(self.max_request_header_bytes)
+             and 1024 <= self.max_request_header_bytes <= 64 << 20, "must be an integer in [1024, 67108864]"),
             ("request_timeout_s", _is_number(self.request_timeout_s) and self.request_timeout_s > 0,
              "must be a positive number"),
             ("drain_timeout_s", _is_number(self.drain_timeout_s) and self.drain_timeout_s >= 0,
