@@ -151,7 +151,7 @@ def coordinator_main(argv: list[str]) -> int:
             os.write(int(ready_fd), b"1")
         reporter = asyncio.get_running_loop().create_task(report())
         try:
-            await serve(config, ready, listener)
+            await serve(config, ready, listener, state_dir)
         finally:
             reporter.cancel()
     asyncio.run(run())

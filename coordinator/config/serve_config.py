@@ -255,6 +255,8 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
     config = replace(_build(ServeConfig, raw, path, ""), tenants=tenants)
     if any(config.server.admin_api_key in t.api_keys for t in tenants.tenants):
         raise ConfigError(f"{path}: server.admin_api_key is also a tenant's key: the operator's key must be its own")
+    if any(config.server.metrics_api_key in t.api_keys for t in tenants.tenants):
+        raise ConfigError(f"{path}: server.metrics_api_key is also a tenant's key: the metrics key must be its own")
     if tenants.tenants and config.server.api_key is not None:
         raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
                           "server's keys (move the key to a tenant)")

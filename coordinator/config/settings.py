@@ -28,6 +28,9 @@ class ServerSettings:
     # the operator's own key: /admin/* (needed with admin_api) and /health's details (pids, hosts, failures) take
     # this key and no other; a tenant's key or server.api_key is a client's, never an operator's
     admin_api_key: str | None = None
+    # a read-only key for monitoring: /metrics with it (or the operator's key) includes the tenant-labelled families
+    # (tenants' names and usage); without either key /metrics shows everything else
+    metrics_api_key: str | None = None
     keep_alive_timeout_s: float = 5.0    # an idle keep-alive connection is closed after this
     header_timeout_s: float = 10.0       # a connection must send a complete request head within this (else 408)
     body_read_timeout_s: float = 30.0    # the whole request body must arrive within this (else 408)
@@ -74,6 +77,10 @@ class ServerSettings:
                 self.admin_api_key is None or (self.admin_api_key.split() == [self.admin_api_key]
                                                and self.admin_api_key != self.api_key)),
              "must be None or a non-empty string without whitespace, other than api_key"),
+            ("metrics_api_key", _optional_str(self.metrics_api_key) and (
+                self.metrics_api_key is None or (self.metrics_api_key.split() == [self.metrics_api_key]
+                                                 and self.metrics_api_key not in (self.api_key, self.admin_api_key))),
+             "must be None or a non-empty string without whitespace, other than api_key and admin_api_key"),
             *[(name, _is_number(getattr(self, name)) and 0 < getattr(self, name) <= 3600,
                "must be a number in (0, 3600]") for name in ("keep_alive_timeout_s", "header_timeout_s",
                                                             "body_read_timeout_s")],
@@ -101,7 +108,7 @@ class ServerSettings:
         ]
         for name, ok, why in checks:
             if not ok:
-                shown = "<hidden>" if name == "admin_api_key" else repr(getattr(self, name))  # a secret
+                shown = "<hidden>" if name in ("admin_api_key", "metrics_api_key") else repr(getattr(self, name))
                 raise ValueError(f"ServerSettings.{name} {why}, got {shown}")
         if self.admin_api and self.admin_api_key is None:
             raise ValueError("ServerSettings.admin_api needs admin_api_key: the operator's own key (without it, "
