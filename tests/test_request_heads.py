@@ -2,7 +2,7 @@
 real uvicorn configuration and a real engine: a head of exactly the limit is served and one byte more is a 431 with
 the connection closed, wherever the reads split it; a head over the limit pipelined behind a request is answered only
 after that request's response; a request line alone over it is a 414. The flood on the whole server:
-tests/test_hostile_clients.py."""
+tests/test_hostile_limits.py."""
 
 import json
 import socket
