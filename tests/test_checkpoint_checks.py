@@ -1,6 +1,7 @@
 """A broken checkpoint is refused at load (engine.model.checkpoint_checks), naming the file, the tensor and the
 reason: each hostile checkpoint below is a transformers-written Llama (or its FP8 compressed-tensors version,
-benchmarks/fp8_checkpoint.py) with one tensor spoilt, loaded by the real engine."""
+benchmarks/fp8_checkpoint.py) with one tensor spoilt, loaded by the real engine; and `pdserve serve` on one fails
+at start with that message instead of serving NUL characters."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchclient.launcher import LaunchError
 from benchmarks.fp8_checkpoint import quantize_folder
 from engine import LLM
 from engine.config_error import ConfigError
 from engine.model.checkpoint_checks import max_scale
+from tests.server_process import HALF_CPU, running_server
 
 pytestmark = pytest.mark.timeout(180)
 FP8 = torch.float8_e4m3fn
@@ -109,6 +112,8 @@ CASES = [
     ("embedding_nan", "fp8", set_value("model.embed_tokens.weight", (7, 3), float("nan")), {},
      "model.embed_tokens.weight", r"holds 1 NaN and 0 infinite value\(s\)"),
     # a plain (float32, unquantized) checkpoint
+    ("tp2_nan_in_rank1s_slice", "plain", set_value("model.layers.1.self_attn.q_proj.weight", (40, 3), float("nan")),
+     {"tensor_parallel_size": 2}, "model.layers.1.self_attn.q_proj.weight", r"holds 1 NaN and 0 infinite value\(s\)"),
     ("linear_inf", "plain", set_value(LAYER + "mlp.gate_proj.weight", (0, 0), float("-inf")), {},
      LAYER + "mlp.gate_proj.weight", r"holds 0 NaN and 1 infinite value\(s\)"),
     ("overflows_float16", "plain", set_value(LAYER + "mlp.up_proj.weight", (1, 1), 1e6), {"dtype": "float16"},
