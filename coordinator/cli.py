@@ -126,6 +126,7 @@ def coordinator_main(argv: list[str]) -> int:
     import socket
 
     from coordinator.config.serve_config import load_serve_config
+    from engine.config_error import ConfigError
     config_path, overrides, listen_fd, ready_fd, ray_kind = argv
     config = load_serve_config(config_path, json.loads(overrides))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -152,7 +153,15 @@ def coordinator_main(argv: list[str]) -> int:
             await serve(config, ready, listener)
         finally:
             reporter.cancel()
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Exception as e:  # noqa: BLE001 - Ray wraps a worker's error; only a ConfigError is reported here
+        cause = getattr(e, "cause", e)  # a RayTaskError carries the worker's own exception as `cause`
+        if not isinstance(cause, ConfigError):
+            raise
+        # a checkpoint or setting a worker refused (engine.model.checkpoint_checks): one line, not a traceback
+        print(f"pdserve: error: a worker could not start: {cause}", file=sys.stderr)
+        return 2
     return 0
 
 

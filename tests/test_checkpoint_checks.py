@@ -142,3 +142,14 @@ def test_the_untouched_checkpoints_load_and_the_bound_is_e4m3s(fp8, llama):
     assert max_scale(torch.bfloat16) * 448 == torch.finfo(torch.bfloat16).max
     assert max_scale(torch.float16) == pytest.approx(65504 / 448)
 
+
+def test_serve_on_a_hostile_checkpoint_fails_at_start_with_the_reason(fp8, tmp_path):
+    """`pdserve serve` exits at start with the loader's message (one line, status 2), never a 200 with NULs."""
+    folder = spoilt(fp8, tmp_path / "hostile", set_value(LAYER + "mlp.up_proj.weight_scale", (3, 0), float("nan")))
+    config = {"model": str(folder), "mode": "collocated", "decode": {**HALF_CPU, "workers": 1}}
+    with pytest.raises(LaunchError) as err, running_server(tmp_path / "server", config):
+        pytest.fail("the server started on a checkpoint with a NaN weight scale")
+    log = str(err.value)
+    assert "the server exited with 2" in log, log
+    assert (f"pdserve: error: a worker could not start: {folder / 'model.safetensors'}: tensor "
+            f"'{LAYER}mlp.up_proj.weight_scale' is an FP8 scale of nan at row 3") in log, log
