@@ -296,7 +296,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     plain = stream(client, "/v1/completions", {**body, "stream_options": {"include_usage": True,
                                                                           "continuous_usage_stats": False}})
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6
-    for bad, extra in (({"continuous_usage_stats": True}, {}),  # needs include_usage
-                       ({"include_usage": True, "continuous_usage_stats": True}, {"n": 2})):  # single choices only
-        r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": bad, **extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    r = client.post("/v1/completions", json={**body, "stream": True, "n": 2})  # single choices only
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_without_include_usage_as_vllm_answers(client, path):
+    """vLLM's stream_options tests: continuous_usage_stats alone implies include_usage (vLLM's default), so every chunk
+    carries the usage so far; with include_usage false it is accepted and no chunk carries a usage."""
+    body = {**greedy_body(PROMPTS[1]), "max_tokens": 4}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+    alone = stream(client, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all(e["usage"]["prompt_tokens"] > 0 for e in alone) and alone[-1]["usage"]["completion_tokens"] == 4
+    assert alone[-1]["choices"] == []  # the usage chunk that include_usage adds
+    off = stream(client, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert off and all(e.get("usage") is None for e in off) and all(e["choices"] for e in off)
