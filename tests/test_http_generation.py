@@ -160,7 +160,7 @@ def test_stop_string_spanning_tokens_ends_output_before_it(server, client, ref):
     want = exp.text[:exp.text.index(stop)]
     body = completion(client, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "zzzz"])
     assert body["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop",
-                                  "prompt_logprobs": None}
+                                  "prompt_logprobs": None, "token_ids": None, "prompt_token_ids": None}
     assert body["usage"]["completion_tokens"] < 16
     assert body["id"] in server.backend.aborted  # the coordinator closed the stream: the engine stopped too
     events = stream(client, "/v1/completions", greedy_body(PROMPTS[1], stop=stop))
