@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 
 from coordinator.api.app import create_app
@@ -312,3 +313,17 @@ def test_continuous_usage_stats_without_include_usage_as_vllm_answers(client, pa
     assert alone[-1]["choices"] == []  # the usage chunk that include_usage adds
     off = stream(client, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
     assert off and all(e.get("usage") is None for e in off) and all(e["choices"] for e in off)
+
+
+def test_a_forced_call_cut_by_max_tokens_has_an_empty_tool_calls_list(server):
+    """vLLM's test_max_tokens_with_tool_choice_required, with the openai client: one token cannot hold a call;
+    finish_reason "length" and `len(message.tool_calls) == 0` (a list, not null: len(None) raised in that test)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0) as client:
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                                 max_completion_tokens=1, temperature=0, tools=tools,
+                                                 tool_choice=choice)
+            assert out.choices[0].finish_reason == "length", out
+            assert out.choices[0].message.tool_calls is not None and len(out.choices[0].message.tool_calls) == 0, out

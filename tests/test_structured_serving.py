@@ -151,16 +151,6 @@ def test_every_choice_of_n_gets_its_own_tool_calls_whole_and_streamed(client):
             jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
 
 
-def test_a_forced_call_cut_by_max_tokens_has_an_empty_tool_calls_list(client):
-    """vLLM's test_max_tokens_with_tool_choice_required: one token cannot hold a call; finish_reason "length" and
-    `len(message.tool_calls) == 0` (a list, not null: len(None) raised in that test)."""
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=1, temperature=0,
-                                             tools=TOOLS, tool_choice=choice)
-        assert out.choices[0].finish_reason == "length", out
-        assert out.choices[0].message.tool_calls is not None and len(out.choices[0].message.tool_calls) == 0, out
-
-
 def test_auto_and_none_leave_plain_text_as_content(client):
     for choice in ("auto", "none"):
         out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
