@@ -128,6 +128,7 @@ def coordinator_main(argv: list[str]) -> int:
     from pathlib import Path
 
     from coordinator.process_supervisor import CHILD_CONFIG
+    from engine.config_error import ConfigError
     state_dir, listen_fd, ready_fd, ray_kind = argv
     config = pickle.loads((Path(state_dir) / CHILD_CONFIG).read_bytes())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -154,7 +155,15 @@ def coordinator_main(argv: list[str]) -> int:
             await serve(config, ready, listener, state_dir)
         finally:
             reporter.cancel()
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Exception as e:  # noqa: BLE001 - Ray wraps a worker's error; only a ConfigError is reported here
+        cause = getattr(e, "cause", e)  # a RayTaskError carries the worker's own exception as `cause`
+        if not isinstance(cause, ConfigError):
+            raise
+        # a checkpoint or setting a worker refused (engine.model.checkpoint_checks): one line, not a traceback
+        print(f"pdserve: error: a worker could not start: {cause}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -418,6 +418,7 @@ class LLMEngine:
             preemptions_decode_total=s.preemptions_by_cause["decode"],
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             expired_pins_total=self.num_expired_pins, handoff_hit_blocks_total=self.num_handoff_hit_blocks,
+            iteration_tokens_total=s.iteration_tokens.total, iteration_token_counts=tuple(s.iteration_tokens.counts),
             taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures())
 
     def _budget_figures(self) -> dict[str, float]:

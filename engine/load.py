@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
+
+# vLLM's vllm:iteration_tokens_total buckets (tokens per engine step); a last count holds the steps above them
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)
 class EngineLoad:
     """Gauges (the state now) and counters (`*_total`, since the engine started; a rate is the difference of two
-    reports). Every field is a number, so a reader can export all of them. Derived figures: mean step time =
-    step_time_total_s / steps; tokens per step = scheduled_tokens_total / steps; prefix-cache hit rate =
-    prefix_hit_tokens_total / prefix_query_tokens_total."""
+    reports). Every field but iteration_token_counts (a histogram's counts) is a number, so a reader can export them.
+    Derived figures: mean step time = step_time_total_s / steps; tokens per step = scheduled_tokens_total / steps;
+    prefix-cache hit rate = prefix_hit_tokens_total / prefix_query_tokens_total."""
 
     queued_prompt_tokens: int  # tokens admitted but not yet computed (waiting requests + running prefills)
     num_waiting: int           # requests queued, holding no blocks (new, or preempted and waiting to recompute)
@@ -54,6 +58,10 @@ class EngineLoad:
     gc_full_collections_total: int = 0
     gc_pause_seconds_total: float = 0.0
     gc_pause_max_s: float = 0.0
+    # vLLM's iteration_tokens_total histogram (IterationTokens): over the steps that produced tokens, the tokens each
+    # carried (summed) and the steps per bucket of ITERATION_TOKEN_BUCKETS (a tuple: the one field not a number)
+    iteration_tokens_total: int = 0
+    iteration_token_counts: tuple[int, ...] = ()
     # when the report was taken, on the reporting process's monotonic clock (0: unknown): a rate between two reports
     # of one worker divides by this difference, not by when a reader happened to receive them (not compared: two
     # reports of the same state are equal whenever they were taken)
@@ -86,3 +94,18 @@ class PhaseClock:
         now = time.perf_counter()
         self.phases.append((phase, round(now - self._last, 3)))
         self._last = now
+
+
+@dataclass
+class IterationTokens:
+    """vLLM's `vllm:iteration_tokens_total`, kept by an engine's scheduler: `observe(tokens)` once per step that
+    produced tokens, with the tokens vLLM counts for it: the prompt tokens of the requests whose first token this
+    engine sampled in the step (their whole prompt, cached or handed-over tokens included) plus the tokens sampled.
+    A step that computed a prompt chunk and sampled nothing is not a step here (vLLM records steps with outputs)."""
+
+    total: int = 0
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+
+    def observe(self, tokens: int) -> None:
+        self.total += tokens
+        self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1  # the first bucket with le >= tokens

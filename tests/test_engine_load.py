@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.load import EngineLoad
+from engine.load import ITERATION_TOKEN_BUCKETS, EngineLoad
 from tests.engine_helpers import random_prompts
 
 VOCAB = 2000
@@ -51,7 +51,8 @@ def test_counters_and_gauges_of_a_scripted_run(folder, overlap):
     engine = LLM(folder, async_scheduling=overlap).engine
     prompt = random_prompts((33,), VOCAB, seed=1)[0]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    assert engine.load() == EngineLoad(0, 0, 0, 0, engine.num_kv_blocks, engine.num_kv_blocks)
+    assert engine.load() == EngineLoad(0, 0, 0, 0, engine.num_kv_blocks, engine.num_kv_blocks,
+                                       iteration_token_counts=(0,) * (len(ITERATION_TOKEN_BUCKETS) + 1))
     engine.add_request("a", prompt[:32], greedy)  # two full blocks
     load = engine.load()
     assert (load.num_waiting, load.num_running, load.queued_prompt_tokens) == (1, 0, 32)
@@ -64,6 +65,10 @@ def test_counters_and_gauges_of_a_scripted_run(folder, overlap):
     # 1 prefill + 4 decodes; overlapped, the step that queues the first decode returns no token: one more call
     assert load.steps == 5 + overlap
     assert (load.scheduled_tokens_total, load.sampled_tokens_total) == (32 + 4, 5)
+    # vLLM's tokens per step: the prompt with its first token (33: bucket le=64), then 4 steps of one token (le=1);
+    # overlapped, the call that returned no token is no step of it
+    assert load.iteration_tokens_total == 32 + 5
+    assert load.iteration_token_counts == (4, 0, 0, 0, 1) + (0,) * (len(ITERATION_TOKEN_BUCKETS) - 4)
     assert (load.prefix_query_tokens_total, load.prefix_hit_tokens_total, load.preemptions_total) == (32, 0, 0)
     assert load.cached_blocks == 2 and load.free_blocks == load.total_blocks  # the prompt's blocks, evictable
     assert load.step_time_total_s >= load.step_time_last_s > 0
@@ -109,6 +114,9 @@ def test_preemptions_and_tokens_match_the_schedulers_own_records(folder, overlap
     assert len(admissions) == len(prompts) + len(recorded) and load.prefix_hit_tokens_total == 0
     assert load.scheduled_tokens_total == sum(plan.num_tokens for plan in plans)
     assert load.sampled_tokens_total == 4 * 16
+    # vLLM's tokens per step: every prompt once (with its first token), recomputes after preemptions not again
+    assert load.iteration_tokens_total == sum(len(p) for p in prompts) + 4 * 16
+    assert sum(load.iteration_token_counts) <= load.steps
     assert (load.num_waiting, load.num_running, load.queued_prompt_tokens) == (0, 0, 0)
     assert engine.check_integrity()["in_use"] == 0
 
@@ -116,8 +124,9 @@ def test_preemptions_and_tokens_match_the_schedulers_own_records(folder, overlap
 def test_engine_load_is_numbers_with_defaults_and_imports_without_torch():
     old = EngineLoad(10, 1, 2, 0, 90, 100, 7)  # what existing callers construct
     assert (old.steps, old.preemptions_total, old.prefix_hit_tokens_total, old.step_time_total_s) == (7, 0, 0, 0.0)
-    values = dataclasses.asdict(old).values()
-    assert all(isinstance(v, int | float) for v in values)  # every field can be exported as a metric
+    values = dataclasses.asdict(old)
+    assert values.pop("iteration_token_counts") == ()  # a histogram's counts (coordinator.observability.vllm_engine)
+    assert all(isinstance(v, int | float) for v in values.values())  # every other field can be exported as a metric
     with pytest.raises(dataclasses.FrozenInstanceError):
         old.steps = 8
     code = "import sys, engine.load; assert 'torch' not in sys.modules, 'engine.load imported torch'"

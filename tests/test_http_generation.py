@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 
 from coordinator.api.app import create_app
@@ -160,7 +161,7 @@ def test_stop_string_spanning_tokens_ends_output_before_it(server, client, ref):
     want = exp.text[:exp.text.index(stop)]
     body = completion(client, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "zzzz"])
     assert body["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop",
-                                  "prompt_logprobs": None}
+                                  "prompt_logprobs": None, "token_ids": None, "prompt_token_ids": None}
     assert body["usage"]["completion_tokens"] < 16
     assert body["id"] in server.backend.aborted  # the coordinator closed the stream: the engine stopped too
     events = stream(client, "/v1/completions", greedy_body(PROMPTS[1], stop=stop))
@@ -296,7 +297,33 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     plain = stream(client, "/v1/completions", {**body, "stream_options": {"include_usage": True,
                                                                           "continuous_usage_stats": False}})
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6
-    for bad, extra in (({"continuous_usage_stats": True}, {}),  # needs include_usage
-                       ({"include_usage": True, "continuous_usage_stats": True}, {"n": 2})):  # single choices only
-        r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": bad, **extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    r = client.post("/v1/completions", json={**body, "stream": True, "n": 2})  # single choices only
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_without_include_usage_as_vllm_answers(client, path):
+    """vLLM's stream_options tests: continuous_usage_stats alone implies include_usage (vLLM's default), so every chunk
+    carries the usage so far; with include_usage false it is accepted and no chunk carries a usage."""
+    body = {**greedy_body(PROMPTS[1]), "max_tokens": 4}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+    alone = stream(client, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all(e["usage"]["prompt_tokens"] > 0 for e in alone) and alone[-1]["usage"]["completion_tokens"] == 4
+    assert alone[-1]["choices"] == []  # the usage chunk that include_usage adds
+    off = stream(client, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert off and all(e.get("usage") is None for e in off) and all(e["choices"] for e in off)
+
+
+def test_a_forced_call_cut_by_max_tokens_has_an_empty_tool_calls_list(server):
+    """vLLM's test_max_tokens_with_tool_choice_required, with the openai client: one token cannot hold a call;
+    finish_reason "length" and `len(message.tool_calls) == 0` (a list, not null: len(None) raised in that test)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0) as client:
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                                 max_completion_tokens=1, temperature=0, tools=tools,
+                                                 tool_choice=choice)
+            assert out.choices[0].finish_reason == "length", out
+            assert out.choices[0].message.tool_calls is not None and len(out.choices[0].message.tool_calls) == 0, out

@@ -23,9 +23,14 @@ pytestmark = pytest.mark.timeout(120)
 WORKER = {"name": "p0", "role": "prefill", "running": 1, "queued_prompt_tokens": 7, "free_blocks": 25,
           "total_blocks": 100, "alive": True, "state": "live",
           "engine": {"preemptions_total": 3, "steps": 9, "scheduled_tokens_total": 40, "prefix_query_tokens_total": 30,
-                     "prefix_hit_tokens_total": 16}}
+                     "prefix_hit_tokens_total": 16, "num_waiting": 0, "num_reserved": 0,
+                     "iteration_tokens_total": 45},
+          # steps by tokens, in engine.load.ITERATION_TOKEN_BUCKETS' buckets: 6 of one token, 2 of <= 16, 1 above all
+          "iteration_token_counts": [6, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]}
+DECODE = {**WORKER, "name": "d0", "role": "decode", "free_blocks": 90, "running": 3,
+          "engine": {**WORKER["engine"], "num_waiting": 5, "num_reserved": 2}}
 STATS = {"queue_length": 2, "in_flight": 4, "transfer": {"bytes_total": 4096, "last latency s": 0.01, "peer": "x"},
-         "workers": [WORKER, {**WORKER, "name": "d0", "role": "decode", "free_blocks": 90}],
+         "workers": [WORKER, DECODE],
          "errors": {"transfer": 2}, "prefix_affinity_hits": 5, "mode": "disaggregated",
          "coordinator": {"loop_lag_seconds": 0.004, "loop_stalls_total": 3, "gc_pause_max_s": 0.02},
          "migrations": {"attempted": 1}, "waiting_by_priority": {1: 2}}
@@ -104,10 +109,30 @@ def test_vllm_aliases_carry_the_same_figures_labelled_with_the_model():
         assert mine and all(got[key] == v for key, v in mine.items()), theirs
     assert got[("vllm:prompt_tokens_total", frozenset({model}))] == 7
     assert got[("vllm:generation_tokens_total", frozenset({model}))] == 5
-    assert got[("vllm:num_requests_running", frozenset({model}))] == 4  # placed on workers
-    assert got[("vllm:num_requests_waiting", frozenset({model}))] == 2
     assert got[("vllm:kv_cache_usage_perc", frozenset({model, ("engine", "p0")}))] == 0.75
     assert got[("vllm:kv_cache_usage_perc", frozenset({model, ("engine", "d0")}))] == pytest.approx(0.1)
+
+
+def test_vllm_scheduler_families_per_engine_as_vllm_defines_them():
+    """vllm:num_requests_running is each engine's running batch (not the 4 requests in flight); waiting splits into
+    vLLM's two reasons, an engine's queue (capacity) and its KV handoffs (deferred), the admission queue an engine of
+    its own; vllm:iteration_tokens_total has vLLM's buckets, cumulative, from each engine's counts."""
+    _, got = scrape(watched(STATS))
+    model = ("model_name", "tiny")
+
+    def one(name: str, engine: str, **labels: str) -> float:
+        return got[(name, frozenset({model, ("engine", engine), *labels.items()}))]
+    assert (one("vllm:num_requests_running", "p0"), one("vllm:num_requests_running", "d0")) == (1, 3)
+    assert not any(n == "vllm:num_requests_running" and ("engine", "admission") in labels for n, labels in got)
+    for engine, capacity, deferred in (("p0", 0, 0), ("d0", 5, 2), ("admission", 2, 0)):
+        assert one("vllm:num_requests_waiting_by_reason", engine, reason="capacity") == capacity, engine
+        assert one("vllm:num_requests_waiting_by_reason", engine, reason="deferred") == deferred, engine
+        assert one("vllm:num_requests_waiting", engine) == capacity + deferred, engine
+    buckets = {float(dict(labels)["le"]): v for (n, labels), v in got.items()
+               if n == "vllm:iteration_tokens_total_bucket" and ("engine", "p0") in labels}
+    assert sorted(buckets) == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, float("inf")]
+    assert (buckets[1], buckets[8], buckets[16], buckets[16384], buckets[float("inf")]) == (6, 6, 8, 8, 9)
+    assert one("vllm:iteration_tokens_total_count", "p0") == 9 and one("vllm:iteration_tokens_total_sum", "p0") == 45
 
 
 def test_per_worker_gauges_are_built_at_each_scrape_and_a_dead_workers_disappear():

@@ -3,10 +3,13 @@ every exported family's name and type equals the list below (pdserve's and vLLM'
 changed type fails here and is updated with the docs), and the figures add up to what the clients were answered:
 finished sequences by reason (tool_calls included), prompt and generated tokens equal to the usage the responses
 reported, one inter-token sample per token after each sequence's first (4 tokens a delivery here), vLLM's queue and
-prefill times equal to the phases they are made of."""
+prefill times equal to the phases they are made of. And vLLM's scheduler families as vLLM's own server tests read
+them (tests/entrypoints/openai/test_metrics.py): tokens per engine step counted as vLLM counts them, requests
+running in each engine's batch, waiting by reason."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -14,7 +17,7 @@ import re
 import httpx
 import pytest
 
-from tests.server_process import HALF_CPU, running_server, scrape, values_in
+from tests.server_process import HALF_CPU, poll, running_server, scrape, values_in
 
 pytestmark = pytest.mark.timeout(400)
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
@@ -48,7 +51,8 @@ _COUNTERS = (
     "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
     "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
-    "pdserve_worker_engine_swap_full", "pdserve_worker_engine_handoff_hit_blocks")
+    "pdserve_worker_engine_swap_full", "pdserve_worker_engine_handoff_hit_blocks",
+    "pdserve_worker_engine_iteration_tokens")
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
@@ -65,7 +69,8 @@ _GAUGES = (
     "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
     "pdserve_worker_step_time_ratio", "pdserve_worker_straggler",
-    "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+    "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason")
 # every family /metrics exports (as its `# TYPE` lines name them: counters with `_total`), none other; besides these,
 # `pdserve_transfer_<key>` for each number the KV-transfer agents count (which depends on the transfer path taken):
 # a counter when the key ends in `_total`, else a gauge
@@ -166,3 +171,92 @@ def test_metrics_name_every_family_and_add_up_to_the_responses(server):
     assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps
     queried = values_in(metrics, "vllm:prefix_cache_queries_total")  # prompts are looked up where prefilled
     assert queried['{engine="prefill-0",model_name="tiny"}'] > 0, queried
+
+
+ENGINES = ("decode-0", "prefill-0")  # the series' engine labels, in the order they are exported
+
+
+def _per_engine(text: str, name: str, **labels: str) -> dict[str, float]:
+    """{engine: value} of a vLLM per-engine series (model tiny), with the other `labels` given."""
+    values = values_in(text, re.escape(name))
+    extra = "".join(f',{k}="{v}"' for k, v in sorted(labels.items()))
+    return {e: values[f'{{engine="{e}",model_name="tiny"{extra}}}'] for e in (*ENGINES, "admission")
+            if f'{{engine="{e}",model_name="tiny"{extra}}}' in values}
+
+
+def test_iteration_tokens_count_steps_and_tokens_as_vllms_test_does(server):
+    """vLLM's test_metrics_counts: after N sequential completions of a P-token prompt with max_tokens M, the
+    histogram's _sum grew by N * (P + M) and its _count by N * M, summed over the engines (here the prefill worker
+    samples each first token with its prompt, the decode worker the M - 1 others), in vLLM's buckets."""
+    n, m, prompt = 3, 10, [5, 17, 300, 1200, 44, 9]
+    buckets = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+    def figures() -> tuple[float, float, dict[str, float]]:
+        text = scrape(server.url)
+        counts = values_in(text, re.escape("vllm:iteration_tokens_total_bucket"))
+        by_le = {le: math.fsum(v for k, v in counts.items() if f'le="{le}"' in k) for le in ("1.0", "8.0", "+Inf")}
+        return _one(text, "vllm:iteration_tokens_total_sum"), _one(text, "vllm:iteration_tokens_total_count"), by_le
+    text = scrape(server.url)
+    les = {re.search(r'le="([^"]+)"', line).group(1)
+           for line in text.splitlines() if line.startswith("vllm:iteration_tokens_total_bucket")}
+    assert les == {str(float(b)) for b in buckets} | {"+Inf"}, les  # vLLM's buckets
+    sum0, count0, le0 = figures()
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(n):
+            _post(client, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": m, "ignore_eos": True})
+    sum1, count1, le1 = figures()
+    assert (sum1 - sum0, count1 - count0) == (n * (len(prompt) + m), n * m)
+    # each prompt step carried 7 tokens (le=8), each decode step 1 (le=1)
+    assert (le1["1.0"] - le0["1.0"], le1["8.0"] - le0["8.0"], le1["+Inf"] - le0["+Inf"]) == (n * (m - 1), n * m, n * m)
+
+
+def test_running_counts_each_engines_batch_and_waiting_has_vllms_reasons(server):
+    """vLLM's test_abort_metrics_reset reads vllm:num_requests_running's first series: > 0 while requests generate,
+    0 once they are cancelled, as vllm:num_requests_waiting and vllm:kv_cache_usage_perc are. Here each engine has
+    its series (decode first: the running batch is the decode worker's; the prefill worker's is empty between
+    prompts), not one count of the requests booked; waiting is split by vLLM's two reasons, which add up to it."""
+    streams = 2
+
+    async def run() -> str:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            started, release = asyncio.Event(), asyncio.Event()
+            counted: list[int] = []
+
+            async def one() -> None:
+                body = {"model": "tiny", "prompt": "The sea", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    chunks = 0
+                    async for line in r.aiter_lines():
+                        chunks += line.startswith("data: {")
+                        if chunks == 3:
+                            counted.append(chunks)
+                            if len(counted) == streams:
+                                started.set()
+                            await release.wait()
+                            return  # leaving the block closes the stream: the client cancels it
+            tasks = [asyncio.create_task(one()) for _ in range(streams)]
+            await asyncio.wait_for(started.wait(), 60)
+            during = await asyncio.to_thread(scrape, server.url)
+            release.set()
+            await asyncio.gather(*tasks)
+            return during
+    during = asyncio.run(run())
+    running = _per_engine(during, "vllm:num_requests_running")
+    assert running == {"decode-0": streams, "prefill-0": 0}, running
+    first = re.search(r"^vllm:num_requests_running\{([^}]*)\} (\S+)$", during, re.M)
+    assert 'engine="decode-0"' in first.group(1) and float(first.group(2)) > 0  # what vLLM's test reads
+    assert _per_engine(during, "vllm:kv_cache_usage_perc")["decode-0"] > 0
+    def idle() -> str | None:  # the cancelled streams end on the worker within a bound
+        text = scrape(server.url)
+        return None if any(_per_engine(text, "vllm:num_requests_running").values()) else text
+    after = poll(idle, 30) or scrape(server.url)
+    assert _per_engine(after, "vllm:num_requests_running") == {"decode-0": 0, "prefill-0": 0}
+    assert _per_engine(after, "vllm:kv_cache_usage_perc") == {"decode-0": 0, "prefill-0": 0}
+    waiting = _per_engine(after, "vllm:num_requests_waiting")
+    assert waiting == {"decode-0": 0, "prefill-0": 0, "admission": 0}, waiting
+    for text in (during, after):
+        reasons = {r: _per_engine(text, "vllm:num_requests_waiting_by_reason", reason=r)
+                   for r in ("capacity", "deferred")}
+        assert set(reasons["capacity"]) == set(reasons["deferred"]) == {*ENGINES, "admission"}, reasons
+        total = _per_engine(text, "vllm:num_requests_waiting")
+        assert {e: reasons["capacity"][e] + reasons["deferred"][e] for e in total} == total

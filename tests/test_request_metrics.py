@@ -29,8 +29,8 @@ def test_vllm_engine_families_come_from_each_workers_engine_counters():
         assert got[("vllm:num_preemptions_total", labels)] == 3
         assert got[("vllm:prefix_cache_queries_total", labels)] == 30
         assert got[("vllm:prefix_cache_hits_total", labels)] == 16
-        assert got[("vllm:iteration_tokens_total_count", labels)] == 9  # engine steps
-        assert got[("vllm:iteration_tokens_total_sum", labels)] == 40   # tokens they computed
+        assert got[("vllm:iteration_tokens_total_count", labels)] == 9  # engine steps that produced tokens
+        assert got[("vllm:iteration_tokens_total_sum", labels)] == 45   # their prompts completed and tokens sampled
         assert got[("vllm:iteration_tokens_total_bucket", labels | {("le", "+Inf")})] == 9
     for line in ("# TYPE vllm:num_preemptions_total counter", "# TYPE vllm:prefix_cache_hits_total counter",
                  "# TYPE vllm:iteration_tokens_total histogram"):

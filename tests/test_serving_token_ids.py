@@ -83,3 +83,32 @@ def test_return_tokens_as_token_ids_names_echoed_prompt_tokens_by_id(client):
     assert lp["tokens"] == [f"token_id:{i}" for i in choice["prompt_token_ids"] + choice["token_ids"]]
     assert lp["text_offset"] == plain["text_offset"] and lp["token_logprobs"] == plain["token_logprobs"]
     assert all(re.match(r"^token_id:\d+$", k) for top in lp["top_logprobs"] if top for k in top)
+
+
+def test_token_id_fields_are_null_when_not_asked_for(client):
+    """vLLM's test_basic_completion_with_emoji reads `prompt_token_ids` as a key of every completion choice (null
+    without return_token_ids); the chat response's too."""
+    for extra in ({"n": 2}, {"echo": True}, {"n": 2, "return_token_ids": False}):
+        done = post(client, "/v1/completions", {"prompt": "The harbor", **SEEDED, **extra})
+        for c in done["choices"]:
+            assert "prompt_token_ids" in c and c["prompt_token_ids"] is None, done
+            assert "token_ids" in c and c["token_ids"] is None, done
+    chat = post(client, "/v1/chat/completions", {"messages": MSGS, "n": 2, **SEEDED})
+    assert "prompt_token_ids" in chat and chat["prompt_token_ids"] is None, chat
+    assert all("token_ids" in c and c["token_ids"] is None for c in chat["choices"]), chat
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_echo_logprobs_hold_each_tokens_own_logprob(client, k):
+    """vLLM's test_echo_logprob_completion: with echo, every entry of top_logprobs but the first (null) has between
+    max(k, 1) and k + 1 tokens, for a text and a token-id prompt; here also: each holds its own token's logprob (with
+    logprobs 0, only that: the echoed prompt tokens had none)."""
+    for prompt in ("Hello, my name is", [5, 17, 300, 1200, 44]):
+        choice = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
+                                                  "logprobs": k, "return_token_ids": True})["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(choice["prompt_token_ids"]) + len(choice["token_ids"]) > 5
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for token, own, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+            assert max(k, 1) <= len(top) <= k + 1, lp
+            assert top[token] == own, (token, top)

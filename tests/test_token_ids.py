@@ -1,7 +1,8 @@
 """vLLM's token-id response fields through a real uvicorn server and engine (`tiny`): `prompt_logprobs: null` where
 vLLM sends it (the chat response, each completion choice) when no prompt logprobs were asked for;
 `return_token_ids` (each choice's generated `token_ids`, and `prompt_token_ids` on the chat response or the
-completion choice; streamed, each chunk's new ids and the prompt's on the first chunk only), plain and with a
+completion choice, both null in a whole response without it, as vLLM's; streamed, each chunk's new ids and the
+prompt's on the first chunk only), plain and with a
 streamed tool call; `return_tokens_as_token_ids` (logprobs name each token `token_id:<id>`, the alternatives too,
 text offsets unchanged). The single-choice path: n > 1, echo and prompt_logprobs are tests/test_serving_token_ids.py's
 (they need the Ray backend's groups)."""
@@ -80,8 +81,10 @@ def test_return_token_ids_on_completions_whole_and_streamed(client, ref):
     assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == expected.token_ids
     assert chunks[0]["choices"][0]["prompt_token_ids"] == choice["prompt_token_ids"]
     assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
-    plain = post(client, "/v1/completions", {"prompt": prompt, **GREEDY})["choices"][0]
-    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    for off in ({}, {"return_token_ids": False}):  # vLLM's test_basic_completion_with_emoji: the keys are there, null
+        plain = post(client, "/v1/completions", {"prompt": prompt, **GREEDY, **off})["choices"][0]
+        assert "prompt_token_ids" in plain and plain["prompt_token_ids"] is None, plain
+        assert "token_ids" in plain and plain["token_ids"] is None, plain
     assert all("token_ids" not in c["choices"][0] for c in stream(client, "/v1/completions", {"prompt": prompt,
                                                                                               **GREEDY}))
 
@@ -96,6 +99,14 @@ def test_return_token_ids_on_chat_whole_and_streamed(client, ref):
     chunks = stream(client, "/v1/chat/completions", body)
     assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == expected.token_ids
     assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    plain = post(client, "/v1/chat/completions", {**body, "return_token_ids": False})  # vLLM's: null, not absent
+    assert "prompt_token_ids" in plain and plain["prompt_token_ids"] is None, plain
+    assert "token_ids" in plain["choices"][0] and plain["choices"][0]["token_ids"] is None, plain
+    assert all("token_ids" not in c["choices"][0] for c in stream(client, "/v1/chat/completions", plain_body(body)))
+
+
+def plain_body(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k != "return_token_ids"}
 
 
 def test_return_token_ids_with_a_streamed_tool_call(client):

@@ -1,6 +1,7 @@
 """Forced tool calls (`tool_choice: required` or a named function) whose output max_tokens cut short: no tool call
-and finish_reason "length", the generated text as content, as vLLM answers (it was a 500, or a call with arguments
-`{`); complete ones still give their calls."""
+(`tool_calls: []`, a list as vLLM's test_max_tokens_with_tool_choice_required reads it, not null) and finish_reason
+"length", the generated text as content (it was a 500, or a call with arguments `{`); complete ones still give their
+calls."""
 
 from coordinator.api.tool_calls import parse_calls
 from coordinator.api.tool_stream import ToolStream, shape_response
@@ -14,7 +15,7 @@ def test_a_cut_required_call_is_content_with_finish_length():
     cut = '[{"name": "get_weather", "parameters": {"city": "Os'
     body = shape_response(_body(cut, "length"), "required", "llama3_json", None, True)
     choice = body["choices"][0]
-    assert "tool_calls" not in choice["message"] and choice["message"]["content"] == cut
+    assert choice["message"]["tool_calls"] == [] and choice["message"]["content"] == cut  # a list, as vLLM's
     assert choice["finish_reason"] == "length"
     whole = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     done = shape_response(_body(whole, "stop"), "required", "llama3_json", None, True)["choices"][0]
@@ -24,7 +25,7 @@ def test_a_cut_required_call_is_content_with_finish_length():
 
 def test_a_named_call_cut_after_one_token_is_no_call():
     choice = shape_response(_body("{", "length"), "named", "llama3_json", "get_weather", True)["choices"][0]
-    assert "tool_calls" not in choice["message"] and choice["message"]["content"] == "{"
+    assert choice["message"]["tool_calls"] == [] and choice["message"]["content"] == "{"
     assert choice["finish_reason"] == "length"
     assert parse_calls("named", "llama3_json", '{"city": "Oslo"}', "get_weather")[1][0].name == "get_weather"
 

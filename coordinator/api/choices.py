@@ -171,7 +171,9 @@ def best(choices: list[Choice], n: int, fan: int) -> list[Choice]:
 
 
 def logprobs_body(fmt: Formatter, c: Choice, piece: Piece, first: bool, echo_lp: bool) -> dict:
-    """The choice's logprobs for this piece; with echo, the first piece starts with the prompt's tokens."""
+    """The choice's logprobs for this piece; with echo, the first piece starts with the prompt's tokens, each prompt
+    token's top_logprobs holding the token itself besides its alternatives, as a generated token's do (vLLM's:
+    `logprobs: 0` gives {token: logprob}, k gives k or k + 1 entries)."""
     body = fmt.logprobs(piece.tokens)
     if not (first and echo_lp) or fmt.chat:
         if c.prompt_text and not fmt.chat:
@@ -183,6 +185,6 @@ def logprobs_body(fmt: Formatter, c: Choice, piece: Piece, first: bool, echo_lp:
     offsets = [sum(len(w) for w in words[:k]) for k in range(len(words))]
     return {"tokens": [name(t) for t in c.prompt_ids] + body["tokens"],
             "token_logprobs": [None] + [e.logprob for e in entries] + body["token_logprobs"],
-            "top_logprobs": [None] + [{name(t): v for t, v in e.top_logprobs.items()} for e in entries]
-            + body["top_logprobs"],
+            "top_logprobs": [None] + [{**{name(t): v for t, v in e.top_logprobs.items()}, name(e.token_id): e.logprob}
+                                      for e in entries] + body["top_logprobs"],
             "text_offset": offsets + [o + len(c.prompt_text) for o in body["text_offset"]]}

@@ -85,7 +85,7 @@ def _whole_body(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, wan
         if tools is not None:
             shape_choice(body, tools.mode, tools.parser, tools.named, tools.parallel)
             c.gen.client_finish = body["finish_reason"]
-        fmt.add_token_ids(top, body, whole.token_ids, c.prompt_ids)  # chat's prompt ids go on the response
+        fmt.add_token_ids(top, body, whole.token_ids, c.prompt_ids, whole=True)  # chat's go on the response
         if not chat:  # vLLM's: on each completion choice, on the chat response; null unless asked for
             body["prompt_logprobs"] = _prompt_lps(c) if req.prompt_logprobs is not None else None
         bodies.append(body)

@@ -71,8 +71,9 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
     if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
         REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
     if choices.wanted(req):
-        for option in ("include_phases", "continuous_usage_stats"):
-            if getattr(req.stream_options, option, False):
+        options = (("include_phases", req.include_phases), ("continuous_usage_stats", req.continuous_usage))
+        for option, wanted in options:
+            if wanted:
                 raise errors.invalid_request(f"stream_options.{option}: only for single-choice requests (not with "
                                              "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
                                              f"stream_options.{option}")

@@ -62,16 +62,22 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    """`include_usage` left out is implied by `continuous_usage_stats: true` (vLLM's default is true); with
+    `include_usage: false` continuous usage has no usage to repeat, so no chunk carries one (vLLM's answer too)."""
+
+    include_usage: bool | None = None
     include_phases: bool = False  # pdserve's: `phases` on the usage chunk (coordinator.observability.phases)
     continuous_usage_stats: bool = False  # vLLM's and SGLang's: every chunk carries the usage so far
 
+    @property
+    def usage(self) -> bool:
+        """Whether the stream ends with a usage chunk."""
+        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
+
     @model_validator(mode="after")
     def _phases_need_usage(self) -> StreamOptions:
-        if self.include_phases and not self.include_usage:
+        if self.include_phases and not self.usage:
             raise ValueError("stream_options.include_phases: requires include_usage (the usage chunk carries them)")
-        if self.continuous_usage_stats and not self.include_usage:
-            raise ValueError("stream_options.continuous_usage_stats: requires include_usage")
         return self
 
 
@@ -125,7 +131,7 @@ class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, st
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and self.stream_options.usage)
 
     @property
     def include_phases(self) -> bool:
@@ -133,7 +139,7 @@ class _Common(_Strict, StructuredFields, SamplingFields):  # response_format, st
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats and self.stream_options.usage)
 
 
 class CompletionRequest(_Common):

@@ -9,7 +9,7 @@ of one request: chunks (chat's first has delta.role = "assistant"), the usage ch
 phase of coordinator.observability.phases, when the request asked for them), and non-streamed responses, all with the
 body id derived from the request id; with vLLM's fields where vLLM puts them: `prompt_logprobs` (null unless asked
 for) on a whole chat response and on each whole completion choice, and with `return_token_ids` the choices'
-`token_ids` and the prompt's `prompt_token_ids` (`add_token_ids`).
+`token_ids` and the prompt's `prompt_token_ids` (`add_token_ids`; null on a whole response without it).
 
 Per-chunk costs, paid once per token by a busy coordinator, are kept small: the middle chunks of a stream go to
 the ASGI server's own `send` (scope[SERVER_SEND], put there by `DirectStreamAPI`), past the middleware layers, which
@@ -153,13 +153,19 @@ class Formatter:
         self.add_token_ids(body, choice, piece.token_ids, self.prompt_token_ids if first else None)
         return body
 
-    def add_token_ids(self, body: dict, choice: dict, token_ids: list[int], prompt_ids: list[int] | None) -> None:
+    def add_token_ids(self, body: dict, choice: dict, token_ids: list[int], prompt_ids: list[int] | None,
+                      whole: bool = False) -> None:
         """With return_token_ids (vLLM's), the choice's `token_ids` and, when given (a whole response, a choice's
-        first chunk), `prompt_token_ids` on a chat body or a completion choice, where vLLM puts them."""
+        first chunk), `prompt_token_ids` on a chat body or a completion choice, where vLLM puts them. Without it a
+        `whole` response still has both keys, null, as vLLM's has (clients read them as fields, not maybe-keys)."""
+        prompt_at = body if self.chat else choice
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
             if prompt_ids is not None:
-                (body if self.chat else choice)["prompt_token_ids"] = list(prompt_ids)
+                prompt_at["prompt_token_ids"] = list(prompt_ids)
+        elif whole:
+            choice["token_ids"] = None
+            prompt_at["prompt_token_ids"] = None
 
     def chunk_event(self, piece: Piece, logprobs: bool, first: bool = False) -> bytes:
         """`event(self.chunk(piece, logprobs, first))`; a plain text chunk (most of a stream) from its template."""
@@ -199,7 +205,7 @@ class Formatter:
             extra = {}
         body = {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens), **extra}
-        self.add_token_ids(body, choice, token_ids, self.prompt_token_ids)
+        self.add_token_ids(body, choice, token_ids, self.prompt_token_ids, whole=True)
         return body
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, stream: bool,

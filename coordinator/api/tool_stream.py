@@ -1,12 +1,13 @@
 """Tool calls in chat responses, whole and streamed, as OpenAI shapes them.
 
 Owns: `shape_response` (a chat.completion body's message gets `tool_calls` and content null, finish_reason
-"tool_calls") and `ToolStream`, which turns a chat stream's text pieces into chunk deltas: each call's first delta
-carries its `index`, `id`, `type` and `function.name` with empty arguments, the following ones `function.arguments`
-fragments. A named tool_choice streams its arguments as they are generated; `required` and a parsed `auto` call are
-sent once the text is complete (their JSON names the function only mid-way). In `auto`, text that cannot begin a
-call streams as content at once; text that might (Llama 3 JSON: output starting with `{` or `<|python_tag|>`;
-Hermes: from `<tool_call>` on) is held back until the end and sent as calls, or as content if it holds none.
+"tool_calls"; a forced call cut short by max_tokens, `tool_calls: []`) and `ToolStream`, which turns a chat
+stream's text pieces into chunk deltas: each call's first delta carries its `index`, `id`, `type` and
+`function.name` with empty arguments, the following ones `function.arguments` fragments. A named tool_choice streams
+its arguments as they are generated; `required` and a parsed `auto` call are sent once the text is complete (their
+JSON names the function only mid-way). In `auto`, text that cannot begin a call streams as content at once; text
+that might (Llama 3 JSON: output starting with `{` or `<|python_tag|>`; Hermes: from `<tool_call>` on) is held back
+until the end and sent as calls, or as content if it holds none.
 """
 
 from __future__ import annotations
@@ -36,15 +37,20 @@ def shape_response(body: dict[str, Any], mode: str, parser: str, named: str | No
 
 
 def shape_choice(choice: dict[str, Any], mode: str, parser: str, named: str | None, parallel: bool) -> dict:
-    """Rewrite one choice of a chat.completion body (its message and finish_reason) for the tool mode, in place."""
+    """Rewrite one choice of a chat.completion body (its message and finish_reason) for the tool mode, in place.
+    A forced call (`required` or named) always answers a `tool_calls` list: empty when max_tokens cut it short
+    (finish_reason "length", the text as content), as vLLM's test_max_tokens_with_tool_choice_required reads it."""
+    forced = mode in ("required", "named")
     if choice["message"]["content"] is None:  # all reasoning (coordinator.api.reasoning): no call to read
+        if forced:
+            choice["message"]["tool_calls"] = []
         return choice
     content, calls = parse_calls(mode, parser, choice["message"]["content"], named, parallel)
     choice["message"]["content"] = content
-    if calls:
+    if calls or forced:
         choice["message"]["tool_calls"] = [c.as_dict() for c in calls]
-        if choice["finish_reason"] == "stop" and mode != "named":
-            choice["finish_reason"] = "tool_calls"
+    if calls and choice["finish_reason"] == "stop" and mode != "named":
+        choice["finish_reason"] = "tool_calls"
     return choice
 
 

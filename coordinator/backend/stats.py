@@ -1,8 +1,8 @@
 """backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
 
 Per worker: its state, restarts, bookings, drain (coordinator.backend.drains) and step-time ratio to its peers
-(coordinator.backend.stragglers) always; its last reported engine
-load (every numeric EngineLoad field, and the KV blocks its requests use, to compare with those booked) only while it
+(coordinator.backend.stragglers) always; its last reported engine load (every numeric EngineLoad field, its
+tokens-per-step histogram's counts, and the KV blocks its requests use, to compare with those booked) only while it
 is live, so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission
 queue's length (requests waiting for room, not those running), requests in flight, errors and migrations by kind,
 blocks added to growing bookings, seconds each pool spent with no live worker, transfer totals of the live agents,
@@ -36,6 +36,7 @@ def backend_stats(backend: Any) -> dict:
             entry |= {"queued_prompt_tokens": load.pop("queued_prompt_tokens"), "running": load.pop("num_running"),
                       "free_blocks": load.pop("free_blocks"), "total_blocks": load.pop("total_blocks")}
             entry["used_kv_blocks"] = entry["total_blocks"] - entry["free_blocks"]
+            entry["iteration_token_counts"] = list(load.pop("iteration_token_counts"))  # a histogram's (vllm_engine)
             entry["engine"] = {k: v for k, v in load.items() if isinstance(v, int | float)}
         workers.append(entry)
     admission = backend.admission

@@ -36,6 +36,7 @@ from engine.core.request import PromptLogprob, Request, RequestStatus, TokenLogp
 from engine.core.swap_space import SwapSpace
 from engine.core.waiting import WaitingQueue, victim
 from engine.engine_config import EngineConfig
+from engine.load import IterationTokens
 
 PENDING_TOKEN = -1  # token id of a chunk whose input is still being sampled on the device
 PREEMPTION_CAUSES = ("decode", "prompt")  # what needed the blocks: a decode row, or a prompt chunk (or recompute)
@@ -102,6 +103,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0    # of those, tokens whose KV came from the prefix cache
         self.num_scheduled_tokens = 0     # tokens planned for the device (prefill chunks, recomputes, decodes)
         self.num_sampled_tokens = 0       # tokens sampled and appended to a request
+        self.iteration_tokens = IterationTokens()  # vLLM's tokens per step (engine.load)
 
     # ---- intake and exits
     def add(self, req: Request) -> None:
@@ -296,6 +298,7 @@ class Scheduler:
         """Advance progress after the runner computed `sched`; `sampled` maps request id -> (token, logprob)."""
         self.num_updates += 1
         outputs = []
+        step_tokens = 0  # vLLM's count for the step: tokens sampled, and the prompt of each request's first token
         for chunk in sched.chunks:
             if not self.is_current(chunk):  # ended (or aborted) while this step was on the device
                 continue
@@ -307,6 +310,7 @@ class Scheduler:
             token, logprob = sampled[req.request_id]
             req.append_token(token, logprob)
             self.num_sampled_tokens += 1
+            step_tokens += req.num_tokens if len(req.new_output_token_ids) == 1 else 1
             pinned = None
             if req.finish_reason is None and req.prefill_only:
                 self.running.remove(req)
@@ -317,6 +321,8 @@ class Scheduler:
                                       req.finish_reason, pinned, prefill_only=req.prefill_only))
             if req.finish_reason is not None:
                 self.finish(req.request_id, req.finish_reason)
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
         return outputs
 
     # ---- internals

@@ -10,7 +10,8 @@ tensor through `safe_open(...).get_slice` (memory-mapped), never the whole tenso
 parameter (the padded tail of the last vocabulary shard) leaves the rest zero. `LoadStats` counts what was read.
 `init_dummy_weights` (load_format "dummy") fills the model with random values generated on its device instead.
 FP8 linears (engine.model.fp8_linear) are filled by the same names (`weight` e4m3, `weight_scale`, `input_scale`);
-an FP8 entry must be stored as FP8, and a scale may be stored as a scalar or a column of the same values.
+a scale may be stored as a scalar or a column of the same values. Each tensor read is checked where it is read
+(engine.model.checkpoint_checks: its dtype, an FP8 scale's value, no NaN or Inf), so a broken checkpoint fails here.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.config_error import ConfigError
 from engine.kv_quant import is_kv_scale
+from engine.model.checkpoint_checks import SCALE_SUFFIXES, check_loaded, check_stored
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
 TIED_EMBED = "model.embed_tokens.weight"
-SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 DUMMY_SCALE = 1e-3
 
 
@@ -41,8 +43,9 @@ class LoadStats:
     bytes: int = 0
 
 
-class WeightsError(ValueError):
-    """The checkpoint's tensors do not match the model: names the folder, file or tensor at fault."""
+class WeightsError(ConfigError):
+    """The checkpoint's tensors do not match the model: names the folder, file or tensor at fault (a ConfigError,
+    as a broken tensor's refusal by engine.model.checkpoint_checks is: one error for a checkpoint that cannot load)."""
 
 
 def checkpoint_files(folder: str | Path) -> list[Path]:
@@ -87,15 +90,15 @@ def _read(f, name: str, target: torch.Tensor, cut: tuple[int, int, int, int] | N
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
+def _compute_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
+    """The dtype the FP8 linear owning scale `name` computes in (Fp8Linear.out_dtype); None for other tensors."""
+    if not name.endswith(SCALE_SUFFIXES):
+        return None
+    return getattr(model.get_submodule(name.rsplit(".", 1)[0]), "out_dtype", None)
+
+
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n for n in shape if n != 1)
-
-
-def _check_dtype(path: Path, name: str, part: torch.Tensor, target: torch.Tensor) -> None:
-    """FP8 entries must be stored as FP8 (a copy would otherwise round a wider weight without its scale)."""
-    if target.dtype == torch.float8_e4m3fn and part.dtype != target.dtype:
-        raise WeightsError(f"{path}: tensor {name!r} is stored as {part.dtype}, but config.json's quantization "
-                           "config declares it float8_e4m3fn")
 
 
 def _check_tied_head(path: Path, targets: dict[str, torch.Tensor],
@@ -118,7 +121,8 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
 
     Entries that share storage with a filled entry (tied embeddings in a model that keeps `lm_head.weight`
     as an alias) count as filled. A stored `lm_head.weight` that a tied model lacks is skipped if it equals the
-    embedding. Raises `WeightsError` on an unexpected or missing tensor or a shape mismatch.
+    embedding. Raises `WeightsError` on an unexpected or missing tensor or a shape mismatch, ConfigError on a
+    broken tensor (engine.model.checkpoint_checks; WeightsError is one too).
     `slices`: tensor name -> (dim, start, stop, full size) of the part to read (tensor parallelism).
     """
     slices = slices or {}
@@ -142,7 +146,7 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
                         raise WeightsError(f"{path}: unexpected tensor {name!r} (the model has no such entry){hint}")
                     cut = slices.get(name)
                     part = _read(f, name, target, cut, path)
-                    _check_dtype(path, name, part, target)
+                    check_stored(path, name, part, target, _compute_dtype(model, name))
                     stats.tensors += 1
                     stats.bytes += part.numel() * part.element_size()
                     if part.shape == target.shape:
@@ -150,6 +154,7 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
                     else:  # the padded tail of the last vocabulary shard
                         target.zero_()
                         target.narrow(cut[0], 0, part.shape[cut[0]]).copy_(part)
+                    check_loaded(path, name, target, part)
                     loaded.add(name)
     filled = {targets[name].data_ptr() for name in loaded}
     missing = [n for n in targets if n not in loaded and targets[n].data_ptr() not in filled]

@@ -4,7 +4,8 @@ exactly the steps rank 0 plans, nothing else (no scheduler, no sampler).
 Protocol over its pipe from rank 0 (engine.runner.tp_leader): ("ready", affordable blocks) up, ("start", blocks)
 down, ("started", None) up, then a stream of ("step", StepPlan), ("copy", [(src, dst)]), ("warmup", (max_num_seqs,
 max_blocks_per_seq)) and ("close", None) down.
-Any failure goes up as ("error", traceback) before the process exits; a closed pipe (rank 0 gone) ends it.
+Any failure goes up as ("error", traceback) before the process exits (a ConfigError, such as a broken tensor of its
+slice, as ("config_error", message), which rank 0 raises as a ConfigError); a closed pipe (rank 0 gone) ends it.
 With a rank service (engine.runner.rank_service), its object is started once the cache exists, before "started",
 and answers rank 0's calls on a second pipe.
 Invariant: a follower's block tables are rank 0's, because it runs rank 0's SchedulerOutput as received; its
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.config_error import ConfigError
 from engine.core.scheduler import SchedulerOutput
 from engine.engine_config import EngineConfig
 from engine.gc_pauses import freeze_startup_objects
@@ -186,6 +188,11 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
                     clock.tick()
     except EOFError:
         return  # rank 0 is gone
+    except ConfigError as e:  # a broken checkpoint (a tensor of this rank's slice): rank 0 raises it as it is
+        try:
+            conn.send(("config_error", str(e)))
+        finally:
+            raise
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))

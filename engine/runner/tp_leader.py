@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from engine.config_error import ConfigError
 from engine.engine_config import EngineConfig
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
@@ -135,6 +136,9 @@ class TPFollowers:
                 if time.monotonic() > deadline:
                     raise TPError(f"tensor-parallel rank {rank} sent no {kind!r} within {COLLECTIVE_TIMEOUT_S} s")
             got, value = conn.recv()
+            if got == "config_error":  # the refusal rank 0 gives for its own slice (engine.model.checkpoint_checks)
+                self.failure = f"tensor-parallel rank {rank} failed: {value}"
+                raise ConfigError(value)
             if got == "error":
                 self.failure = f"tensor-parallel rank {rank} failed:\n{value}"
                 raise TPError(self.failure)
@@ -188,7 +192,7 @@ def _pending_error(conn) -> str | None:
     try:
         if conn.poll():
             kind, value = conn.recv()
-            return value if kind == "error" else f"unexpected message {kind!r}"
+            return value if kind in ("error", "config_error") else f"unexpected message {kind!r}"
     except (EOFError, OSError):
         return None
     return None
