@@ -20,7 +20,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.e4m3 import FP8_MAX, to_e4m3
-from engine.kernels.rms_norm import DTYPES, MAX_N
+from engine.kernels.rms_norm import DTYPES, MAX_N, rms_norm_row
 
 FP8 = torch.float8_e4m3fn
 MIN_SCALE = 1.0 / (448.0 * 512.0)  # engine.model.fp8_linear.MIN_SCALE: a row of zeros still gets a finite scale
@@ -53,23 +53,12 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, N: t
 def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q, eps,
                            N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                            STATIC: tl.constexpr, MIN: tl.constexpr):
-    # Grid (T,): engine.kernels.rms_norm's program (same rounding steps), then its output row quantized in registers
-    DTYPE = x_ptr.dtype.element_ty
+    # Grid (T,): engine.kernels.rms_norm's row (the same rounding steps), then quantized in registers
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(DTYPE)
-        tl.store(r_ptr + row * stride_r + cols, h, mask=mask)
-    h = h.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    normed = (h * rstd).to(DTYPE).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(DTYPE).to(tl.float32)  # the normed row as the bf16 model has it
+    y, mask = rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps, N, BLOCK_N, HAS_RESIDUAL)
+    y = y.to(tl.float32)  # the normed row as the bf16 model has it
     scale = _row_scale(tl.max(tl.abs(y), axis=0), static_ptr, STATIC, MIN)
-    tl.store(q_ptr + row * stride_q + cols, to_e4m3(y / scale), mask=mask)
+    tl.store(q_ptr + row * stride_q + tl.arange(0, BLOCK_N), to_e4m3(y / scale), mask=mask)
     tl.store(s_ptr + row, scale)
 
 

@@ -19,16 +19,13 @@ MAX_N = 65536  # one row is one register tile; wider rows would spill (models us
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr,
-    stride_x, stride_r, stride_o, eps,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):
-    # Grid (T,): one program per row, the whole row one tile of next_power_of_2(N) (N <= 8192 in practice, i.e.
-    # at most 32 fp32 values per thread at 8 warps), so x is read once and nothing is recomputed. With a residual
-    # the rounded sum is written back into the residual stream by the same program before it is normed.
+def rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps,
+                 N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # One row, the whole row one tile of next_power_of_2(N) (N <= 8192 in practice, i.e. at most 32 fp32 values per
+    # thread at 8 warps), so x is read once and nothing is recomputed. With a residual the rounded sum is written back
+    # into the residual stream before it is normed. Returns the normed row in x's dtype [BLOCK_N] and its mask.
+    # Shared with engine.kernels.fp8_quant (the same row, then quantized).
     DTYPE = x_ptr.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -40,7 +37,19 @@ def _rms_norm_kernel(
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     normed = (h * rstd).to(DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(DTYPE), mask=mask)
+    return (w * normed).to(DTYPE), mask
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr,
+    stride_x, stride_r, stride_o, eps,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    # Grid (T,): one program per row (rms_norm_row)
+    row = tl.program_id(0).to(tl.int64)
+    y, mask = rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps, N, BLOCK_N, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + tl.arange(0, BLOCK_N), y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
