@@ -5,7 +5,9 @@ forever. HeadTimeoutProtocol gives a connection `header_timeout_s` from its star
 later request, to complete the head; otherwise it answers 408 and closes (never in the middle of a response still
 being written: the 408 then waits for the response's end). Idle kept-alive connections are uvicorn's
 `timeout_keep_alive`. Each request's scope also gets `ABORT_CONNECTION` (coordinator.api.stall_watch): the
-connection's `transport.abort`, which drops a stalled client's connection without waiting for its buffer to drain.
+connection's `transport.abort`, which drops a stalled client's connection without waiting for its buffer to drain,
+and `CLIENT_PROGRESS`: how far the client has taken its bytes (coordinator.api.client_progress, read once per
+connection).
 httptools rather than h11: every streamed token is one HTTP chunk, and h11's state machine
 per chunk cost ~15% of the coordinator's CPU per token (benchmarks/coordinator_overhead.py, docs/benchmark-log.md).
 """
@@ -17,7 +19,8 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from coordinator.api.stall_watch import ABORT_CONNECTION
+from coordinator.api.client_progress import client_progress
+from coordinator.api.stall_watch import ABORT_CONNECTION, CLIENT_PROGRESS
 from coordinator.errors import APIError
 
 
@@ -28,6 +31,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_pending = True  # a request head is awaited: from the start, and from each later first byte
+        self._client_progress = client_progress(transport)
         self._arm_head_timer()
 
     def on_message_begin(self) -> None:
@@ -40,6 +44,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._head_pending = False
         self._cancel_head_timer()
         self.scope[ABORT_CONNECTION] = self.transport.abort  # type: ignore[typeddict-unknown-key]
+        self.scope[CLIENT_PROGRESS] = self._client_progress  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
