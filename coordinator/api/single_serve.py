@@ -23,7 +23,7 @@ from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks,
 def outcome_of(exc: BaseException) -> str:
     """The outcome a request that ended with `exc` is counted with."""
     if isinstance(exc, errors.APIError):
-        return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
+        return {"timeout": "timeout", "overloaded": "rejected", "unavailable": "rejected"}.get(exc.kind, "failed")
     return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
 
 

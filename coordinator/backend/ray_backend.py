@@ -82,7 +82,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
         self.max_model_len = 0
         self.vocab_size = 0
         self.ledger = Ledger(on_release=self._capacity_freed)
-        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live,
+                                     on_gave_up=self._capacity_freed)  # waiting requests learn it at once
         self.spares = Spares(self.pools, config.recovery.spares)  # warm workers that take over a dead slot
         self.supervisor.spares = self.spares if config.recovery.spares else None
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
