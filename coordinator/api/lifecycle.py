@@ -204,7 +204,7 @@ class Generation:
             raise errors.invalid_request(f"The request can never fit this server: {e}", "max_tokens",
                                          "context_length_exceeded") from None
         except BackendError as e:
-            raise errors.backend_failure(str(e) or type(e).__name__) from None
+            raise errors.backend_failure(str(e) or "the worker gave no reason") from None
         except StopAsyncIteration:
             raise errors.backend_failure("the token stream ended without a finish reason") from None
 

@@ -28,7 +28,7 @@ def encode_error(e: BaseException) -> ErrorTuple:
         return ("ValueError", str(e))
     if type(e).__name__ in _BACKEND_ERRORS and isinstance(e, BackendError):
         return (type(e).__name__, str(e))
-    return ("BackendError", f"internal error in the core process: {type(e).__name__}")
+    return ("BackendError", "internal error in the core process (logged there under the request's id)")
 
 
 def decode_error(t: ErrorTuple) -> Exception:
