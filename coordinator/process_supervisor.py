@@ -9,13 +9,13 @@ so the workers are not the coordinator's children and no reaper of its takes the
 once, from the port bound). A coordinator inside Ray would need all three passed around and Ray's own restart
 machinery to behave under a SIGKILL of its owner; a parent process that waits on a child is a few dozen lines.
 
-Life: bind -> start (or join) Ray in namespace `namespace` (or pdserve-HOST-PORT) -> the child
-(`python -m coordinator.cli _coordinator`, its own session) gets the socket and a pipe on which it says when it
-serves. A child that exits after our SIGTERM, or with status 0, ended on purpose. Any other exit of a coordinator
-is a crash: it is started again after recovery.backoff_initial_s, doubling per restart within
-recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_restarts times in that window; a
-server whose first coordinator never served (a start error: no model, pools that cannot be placed) is not
-restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
+Life: bind -> start Ray (a local one on the loopback only: coordinator.ray_network) or join it, in namespace
+`namespace` (or pdserve-HOST-PORT) -> the child (`python -m coordinator.cli _coordinator`, its own session) gets the
+socket and a pipe on which it says when it serves. A child that exits after our SIGTERM, or with status 0, ended on
+purpose. Any other exit of a coordinator is a crash: it is started again after recovery.backoff_initial_s, doubling
+per restart within recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_restarts times in
+that window; a server whose first coordinator never served (a start error: no model, pools that cannot be placed) is
+not restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
 skips the wait), then whatever is left in the namespace is torn down and Ray shut down. A pid file
 (`pid_file(namespace)`) lets `pdserve stop` find this process.
 """
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config.serve_config import ServeConfig
+from coordinator.ray_network import confine_local_ray
 
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +56,8 @@ class ProcessSupervisor:
         self.config = config
         self._listener = listener  # bound by the caller (a port in use is its error to print)
         self.port = listener.getsockname()[1]
+        if config.ray_address is None:  # one machine: Ray, the coordinator and the KV transfers on the loopback only
+            confine_local_ray(os.environ)  # before anything here imports Ray
         from coordinator.backend.fleet import default_namespace
         self.namespace = config.namespace or default_namespace(self.port)
         self._stopping = threading.Event()
@@ -64,8 +67,8 @@ class ProcessSupervisor:
 
     def run(self) -> int:
         """Serve until stopped on purpose (0) or until the coordinator cannot be kept up (its exit status)."""
-        from coordinator.backend.pools import init_ray
         local = self.config.ray_address is None
+        from coordinator.backend.pools import init_ray
         init_ray(self.config.ray_address, self.namespace)
         for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
             signal.signal(sig, self._on_signal)

@@ -1,12 +1,16 @@
 """What a stranger learns from the real server (`pdserve serve`, local Ray, 1 prefill + 1 decode, the `tiny`
 checkpoint served from a folder by its path, no served_model_name): error answers to hostile input name no Python
 exception type, no filesystem path and repeat at most a short excerpt of the input; /v1/models lists the folder's
-name, not its path (a request naming the path, as vLLM's clients do, is still served); a 100 KB URL is a 414."""
+name, not its path (a request naming the path, as vLLM's clients do, is still served); a 100 KB URL is a 414.
+And what it listens on: a single-host server's sockets are all on the loopback but its KV agents' UCX listeners."""
 
+import ipaddress
 import json
+import os
 import re
 import shutil
 import socket
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -14,7 +18,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.tiny import resolve_model_path
-from tests.server_process import HALF_CPU, running_server
+from tests.server_process import HALF_CPU, running_server, worker_pids
 
 pytestmark = pytest.mark.timeout(400)
 FOLDER = "my-tiny-checkpoint"
@@ -130,3 +134,61 @@ def test_a_100_kb_url_is_a_414(served):
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 414 "), answer[:300]
     assert json.loads(body)["error"]["code"] == "uri_too_long"
+
+
+def _listeners(root: int) -> list[tuple[str, int, int, str]]:
+    """(address, port, pid, command) of every listening TCP socket (IPv4 and IPv6) of `root` and its descendants."""
+    parent, command = {}, {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+    owner = {}
+    for pid in filter(descends, parent):
+        try:
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
+                continue
+            raw, port = fields[1].split(":")
+            packed = bytes.fromhex(raw)
+            packed = b"".join(packed[i:i + 4][::-1] for i in range(0, len(packed), 4))  # per 32-bit word
+            pid = owner[fields[9]]
+            found.append((socket.inet_ntop(family, packed), int(port, 16), pid, command[pid][:80]))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.removeprefix("::ffff:")).is_loopback
+
+
+def test_a_single_host_server_listens_on_loopback_only_but_the_ucx_listeners(served):
+    """Every listening socket of the server's processes (Ray's GCS, raylet, object manager, agents and core
+    workers; the coordinator; each worker's output stream and KV agent) is on the loopback, but one per worker: its
+    KV agent's UCX connection listener, which ucxx opens on every interface (its create_listener takes no
+    address; UCX_NET_DEVICES=lo keeps UCX's data path on the loopback)."""
+    server, _ = served
+    listening = _listeners(server.pid)
+    workers = set(worker_pids(server))
+    assert len(workers) == 2 and listening
+    exposed = [entry for entry in listening if not _loopback(entry[0])]
+    ucx = [entry for entry in exposed if entry[0] == "0.0.0.0" and entry[2] in workers]
+    assert sorted(pid for _, _, pid, _ in ucx) == sorted(workers), exposed  # one UCX listener per worker
+    assert not [entry for entry in exposed if entry not in ucx], exposed
