@@ -329,6 +329,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
         if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
             self._count(self.errors, "worker_died")
+        self.ledger.retire(worker.key)  # its books go once its requests have moved off (a bounded history)
+        self.audit.forget(worker)
         if self.adaptive is not None:  # the last decoding worker died: another decodes now, before its requests move
             self.adaptive.planner.ensure_decoder()
         for attempt in list(worker.requests):
