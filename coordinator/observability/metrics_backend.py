@@ -1,16 +1,17 @@
 """BackendCollector: the scrape-time half of /metrics, a prometheus_client custom Collector.
 
-Owns the families built afresh from the backend's figures at every scrape (nothing of them is stored between scrapes, so a dead or removed
-worker's gauges disappear instead of freezing at their last value; backend_stats leaves a dead worker's engine load
-out): `backend.stats()` as coordinator.backend.stats shapes it (queue length, per-worker KV usage, running, queued
-prompt tokens, liveness, state, bookings, every numeric engine-load field as `pdserve_worker_engine_<key>`,
-preemptions by cause (`pdserve_worker_preemptions_total{cause}`), errors, migrations, pool downtime, prefix-affinity
-hits, growing bookings, the KV tiers below each worker's device cache (`pdserve_kv_tier_*{worker, role, tier}`:
-hits, misses, bytes in and out, evictions, occupancy), the coordinator's event-loop lag and stalls
-(`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every numeric transfer
-total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the lifecycle's requests in
-flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself never fails for it),
-tenants' usage, and vLLM's scheduler and engine families (coordinator.observability.vllm_engine).
+Owns the families built afresh from the backend's figures at every scrape (nothing of them is stored between
+scrapes, so a dead or removed worker's gauges disappear instead of freezing at their last value; backend_stats
+leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend.stats shapes it (queue length,
+per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
+`pdserve_worker_engine_<key>`, preemptions by cause (`pdserve_worker_preemptions_total{cause}`), errors, migrations,
+pool downtime, prefix-affinity hits, growing bookings, the KV tiers below each worker's device cache
+(`pdserve_kv_tier_*{worker, role, tier}`: hits, misses, bytes in and out, evictions, occupancy), the coordinator's
+event-loop lag and stalls (`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`),
+every numeric transfer total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the
+lifecycle's requests in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself
+never fails for it), tenants' usage, and vLLM's scheduler and engine families
+(coordinator.observability.vllm_engine).
 """
 
 from __future__ import annotations

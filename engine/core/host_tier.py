@@ -7,8 +7,8 @@ computing them again. The tier is inclusive: a block restored to the device keep
 then copies nothing).
 Owns the slots: each is free or holds one block's KV under one hash (least recently used first: a store into a full
 tier evicts the oldest entry). Slots a copy of the step being planned reads (a copy back to the device) or writes (a
-store) are busy until `end_step()`: no store overwrites them before those copies are queued. The data movement is the runner's
-(engine.runner.host_tier_store; SchedulerOutput.tier_out / tier_in, executed before the step is launched).
+store) are busy until `end_step()`: no store overwrites them before those copies are queued. The data movement is
+the runner's (engine.runner.host_tier_store; SchedulerOutput.tier_out / tier_in, run before the step is launched).
 Fleet hints: the hashes added and evicted since the last `take_changes()` (the worker reports them in batches to the
 coordinator's prefix index; a lost hint costs a recompute, never a wrong token).
 Counters (totals since start, for metrics): blocks looked up here at admissions and found (hits) or not (misses),
