@@ -168,6 +168,11 @@ def backend_families(stats: dict) -> list[Metric]:
     if bypassed is not None:
         out.append(_family("pdserve_admission_bypassed_total", "Requests admitted ahead of a waiting request that did "
                            "not fit (admission.bypass_s)", [({}, bypassed)]))
+    host_index = stats.get("prefix_index_host_blocks")
+    if isinstance(host_index, dict):
+        out.append(_family("pdserve_prefix_index_host_blocks", "Blocks the coordinator's prefix index says each "
+                           "worker's host tier holds (from the workers' reports of what it added and evicted)",
+                           [({"worker": k}, v) for k, v in sorted(host_index.items()) if _number(v) is not None]))
     hits = _number(stats.get("prefix_affinity_hits"))
     if hits is not None:
         out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
