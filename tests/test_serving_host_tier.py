@@ -8,8 +8,11 @@ with small device caches and a host tier).
   (greedy and seeded).
 - A flood of distinct prompts: each worker's host tier stays within its bytes (it evicts), and afterwards
   /admin/integrity is clean (every device block and host slot accounted for) and nothing is booked.
+- The coordinator's prefix index learns each worker's host tier from the workers' reports (as many blocks as the
+  tier holds).
 - The prefill worker killed: its replacement starts with empty tiers (the next turn is computed: cached_tokens 0,
-  still exact); the decode worker, its process and its tier's figures, are untouched.
+  still exact) and the index forgets the dead one's; the decode worker, its process, its tier's figures and its
+  index entries, are untouched.
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ def _tier(url: str, name: str, worker: str) -> float:
     return sum(v for labels, v in values.items() if f'worker="{worker}"' in labels and 'tier="host"' in labels)
 
 
+def _indexed(url: str, worker: str) -> float:
+    """The blocks the coordinator's prefix index says `worker`'s host tier holds."""
+    return metric_values(url, "pdserve_prefix_index_host_blocks").get(f'{{worker="{worker}"}}', 0.0)
+
+
+def _index_caught_up(url: str, worker: str) -> float:
+    """The index's count for `worker`, once it equals what the worker's tier holds (its reports arrived)."""
+    return poll(lambda: (n := _indexed(url, worker)) == _tier(url, "used_blocks", worker) and n > 0 and n, 30)
+
+
 def _settled_tier(url: str, name: str, worker: str, at_least: float) -> float:
     """The figure once the worker's load report carrying it has reached the coordinator."""
     return poll(lambda: (v := _tier(url, name, worker)) >= at_least and v, 30)
@@ -108,6 +121,7 @@ def test_an_evicted_turn_comes_back_from_the_host_tier_exactly(server, reference
     assert _settled_tier(server.url, "hit_blocks_total", "prefill-0", hits_before + 2) == hits_before + 2
     assert _tier(server.url, "out_bytes_total", "prefill-0") >= 2 * _tier(server.url, "capacity_bytes",
                                                                           "prefill-0") / HOST_SLOTS
+    assert _index_caught_up(server.url, "prefill-0") >= 2  # the router knows where the history went
 
 
 def test_a_flood_stays_within_each_tier_and_leaves_everything_accounted_for(server):
@@ -128,9 +142,12 @@ def test_a_killed_worker_loses_its_tiers_and_nothing_else(server, reference):
         _complete(server.url, p, {"temperature": 0})
     decode_pid, prefill_pid = worker_pids(server, "decode"), worker_pids(server, "prefill")
     decode_in = _tier(server.url, "in_bytes_total", "decode-0")
+    _index_caught_up(server.url, "prefill-0")
+    decode_index = _index_caught_up(server.url, "decode-0")
     os.kill(prefill_pid[0], signal.SIGKILL)
     poll(lambda: worker_pids(server, "prefill") not in ([], prefill_pid), 120)  # its replacement is up
     wait_for_health(server.url, 200)
+    assert _indexed(server.url, "prefill-0") == 0 and _indexed(server.url, "decode-0") == decode_index
     expected = reference.generate([prompt + [7, 8, 9]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                        ignore_eos=True))[0].token_ids
     got, usage = _complete(server.url, prompt + [7, 8, 9], {"temperature": 0})

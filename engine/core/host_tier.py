@@ -31,8 +31,7 @@ class HostTier:
         self._free = list(range(num_slots))  # a heap: low slots first
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._busy: set[int] = set()  # slots the step being planned copies from or into
-        self._added: list[bytes] = []
-        self._removed: list[bytes] = []
+        self._changes: dict[bytes, bool] = {}  # since take_changes(): hash -> held now (the last change wins)
         # totals since start
         self.hits = 0       # blocks found here at admissions (restored)
         self.misses = 0     # blocks looked up here at admissions and not found (computed)
@@ -81,7 +80,7 @@ class HostTier:
                 continue
             self._entries[h] = slot
             self._busy.add(slot)
-            self._added.append(h)
+            self._changes[h] = True
             copies.append((block, slot))
         self.stored += len(copies)
         return copies
@@ -92,15 +91,17 @@ class HostTier:
 
     def clear(self) -> None:
         """Forget every entry (the device's prefix cache was reset: e.g. new weights)."""
-        self._removed += self._entries
+        self._changes.update(dict.fromkeys(self._entries, False))
         self._entries.clear()
         self._busy.clear()
         self._free = list(range(self.num_slots))
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """(hashes added, hashes evicted) since the last call, for the fleet's prefix index."""
-        added, removed, self._added, self._removed = self._added, self._removed, [], []
-        return added, removed
+        """(hashes added, hashes evicted) since the last call, for the fleet's prefix index: net of each other (a
+        hash stored then evicted since is only in the second list, one evicted then stored again only in the
+        first), so the two are disjoint and their order does not matter."""
+        changes, self._changes = self._changes, {}
+        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
 
     def check_integrity(self) -> dict[str, int]:
         """Assert every slot is free or holds one entry; return {"free", "cached", "busy", "total"}."""
@@ -119,7 +120,7 @@ class HostTier:
         for h, slot in self._entries.items():  # least recently used first
             if slot not in self._busy:
                 del self._entries[h]
-                self._removed.append(h)
+                self._changes[h] = False
                 self.evictions += 1
                 return slot
         return None
