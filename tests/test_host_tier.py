@@ -128,3 +128,23 @@ def test_settings_are_checked(checkpoints):
         EngineConfig(kv_host_cache_bytes=1 << 20, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_host_cache_bytes"):
         EngineConfig(kv_host_cache_bytes=1 << 20, enable_prefix_caching=False)
+
+
+def test_fp8_blocks_go_down_and_back_at_their_own_size(checkpoints):
+    """kv_cache_dtype fp8: the tier's slots are the fp8 cache's blocks (half the bfloat16 bytes), copied as they are:
+    the restored turn equals a cold fp8 engine's."""
+    folder = str(checkpoints.tiny())
+    turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=48)
+    kw = dict(dtype="bfloat16", num_kv_blocks=8)
+    engine = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=64 << 20, **kw).engine
+    wide = LLM(folder, kv_host_cache_bytes=64 << 20, **kw).engine
+    assert engine.host_tier.block_bytes * 2 == wide.host_tier.block_bytes
+    assert engine.host_tier_store.copies.host.dtype == engine.kv_cache.dtype
+    reply, _ = _run(engine, "t1", turn1, GREEDY)
+    for i, other in enumerate(others):
+        _run(engine, f"o{i}", other, GREEDY)
+    turn2 = turn1 + reply + [11, 12, 13]
+    got, first = _run(engine, "t2", turn2, GREEDY)
+    assert first.num_cached_tokens == 48 and engine.load().host_tier_hit_blocks_total == 3
+    cold = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=0, **kw).engine
+    assert got == _run(cold, "t2", turn2, GREEDY)[0]
