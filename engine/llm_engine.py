@@ -382,7 +382,7 @@ class LLMEngine:
         size = config.kv_host_cache_bytes
         if size is None:
             usable = config.enable_prefix_caching and config.tensor_parallel_size == 1
-            size = auto_host_cache_bytes() if usable else 0
+            size = auto_host_cache_bytes(self.device.type) if usable else 0
         store = build_host_tier_store(size, self.kv_cache) if size else None
         if store is None:
             if config.kv_host_cache_bytes:

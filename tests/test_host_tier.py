@@ -148,3 +148,17 @@ def test_fp8_blocks_go_down_and_back_at_their_own_size(checkpoints):
     assert first.num_cached_tokens == 48 and engine.load().host_tier_hit_blocks_total == 3
     cold = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=0, **kw).engine
     assert got == _run(cold, "t2", turn2, GREEDY)[0]
+
+
+def test_the_automatic_size_shares_the_node_s_memory_between_its_gpus(tmp_path):
+    from engine.runner.host_tier_store import auto_host_cache_bytes
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       268435456 kB\nMemAvailable:   209715200 kB\n")  # 200 GiB available
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    for i in range(8):
+        (gpus / f"0000:{i:02x}:00.0").mkdir()
+    assert auto_host_cache_bytes("cuda", str(meminfo), str(gpus)) == int((200 << 30) * 0.2 / 8)  # 5 GiB each
+    assert auto_host_cache_bytes("cuda", str(meminfo), str(tmp_path / "none")) == 32 << 30  # one GPU: capped
+    assert auto_host_cache_bytes("cpu", str(meminfo), str(gpus)) == 4 << 30
+    assert auto_host_cache_bytes("cpu", str(tmp_path / "missing")) == 0

@@ -16,6 +16,7 @@ Copies queued for blocks reserved for a write from outside (a KV handoff) go on 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,20 +83,28 @@ class HostTierStore:
         self.copies.copy_out(out)
 
 
-AUTO_FRACTION = 0.2     # kv_host_cache_bytes None: this share of the host memory available at start ...
-AUTO_MAX_BYTES = 32 << 30  # ... at most this much
+AUTO_FRACTION = 0.2  # kv_host_cache_bytes None: this share of the host memory available at start, split between
+AUTO_MAX_BYTES = {"cuda": 32 << 30, "cpu": 4 << 30}  # the node's GPUs (a CUDA engine), at most this much
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one entry per GPU of the node (the driver's, whatever a process sees)
 
 
-def auto_host_cache_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """The host tier's size when none is set: AUTO_FRACTION of the memory available now, at most AUTO_MAX_BYTES
-    (0 where the figure cannot be read: no tier)."""
+def auto_host_cache_bytes(device_type: str, meminfo: str = "/proc/meminfo", gpus: str = NVIDIA_GPUS) -> int:
+    """The host tier's size when none is set: AUTO_FRACTION of the memory available now, divided by the node's
+    GPUs for a CUDA engine (its peers on the node start alike: all of them pin together at most that share), at
+    most AUTO_MAX_BYTES; 0 where the figure cannot be read (no tier)."""
     try:
         with open(meminfo, encoding="ascii") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return 0
-    return min(int(available * AUTO_FRACTION), AUTO_MAX_BYTES)
+    share = 1
+    if device_type == "cuda":
+        try:
+            share = max(1, len(os.listdir(gpus)))
+        except OSError:
+            share = 1
+    return min(int(available * AUTO_FRACTION / share), AUTO_MAX_BYTES.get(device_type, AUTO_MAX_BYTES["cpu"]))
 
 
 def build_host_tier_store(host_bytes: int, kv_cache: torch.Tensor) -> HostTierStore | None:
