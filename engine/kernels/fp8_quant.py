@@ -20,7 +20,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.e4m3 import FP8_MAX, to_e4m3
-from engine.kernels.rms_norm import DTYPES, MAX_N, rms_norm_row
+from engine.kernels.rms_norm import DTYPES, MAX_N, check_norm_args, rms_norm_row
 
 FP8 = torch.float8_e4m3fn
 MIN_SCALE = 1.0 / (448.0 * 512.0)  # engine.model.fp8_linear.MIN_SCALE: a row of zeros still gets a finite scale
@@ -129,17 +129,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
                    input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """engine.kernels.rms_norm.rms_norm(x, weight, eps, residual), its output quantized: (x_q [T, N] e4m3,
     scales [T, 1] float32). With `residual` [T, N], x + residual is written into it in place first."""
-    check("x", x, 2, DTYPES, inner_contiguous=True)
-    t, n = x.shape
-    if not 0 < n <= MAX_N:
-        raise ValueError(f"x's row length must be in [1, {MAX_N}], got {n}")
-    check("weight", weight, 1, (x.dtype,), x.device, inner_contiguous=True)
-    if weight.shape[0] != n:
-        raise ValueError(f"weight must have {n} entries (x's row length), got {weight.shape[0]}")
-    if residual is not None:
-        check("residual", residual, 2, (x.dtype,), x.device, inner_contiguous=True)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    t, n = check_norm_args(x, weight, eps, residual)
     q, scales, static = _outputs(t, n, x.device, input_scale)
     if t > 0:
         block = triton.next_power_of_2(n)

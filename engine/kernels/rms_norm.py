@@ -52,11 +52,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + tl.arange(0, BLOCK_N), y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [T, N], weight [N] (x's dtype). Without residual: returns weight * norm(x) [T, N]. With residual [T, N]:
-    h = x + residual (in x's dtype) is written into `residual` in place and (weight * norm(h), residual) is
-    returned. `out` [T, N] receives the normed rows (allocated if None; it may be x itself)."""
+def check_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+                    ) -> tuple[int, int]:
+    """(T, N) of x [T, N]; ValueError naming the argument unless weight [N] and residual [T, N] (or None) match it
+    and eps >= 0. Shared with engine.kernels.fp8_quant.rms_norm_quant."""
     check("x", x, 2, DTYPES, inner_contiguous=True)
     t, n = x.shape
     if not 0 < n <= MAX_N:
@@ -70,6 +69,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         check("residual", residual, 2, (x.dtype,), x.device, inner_contiguous=True)
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    return t, n
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N], weight [N] (x's dtype). Without residual: returns weight * norm(x) [T, N]. With residual [T, N]:
+    h = x + residual (in x's dtype) is written into `residual` in place and (weight * norm(h), residual) is
+    returned. `out` [T, N] receives the normed rows (allocated if None; it may be x itself)."""
+    t, n = check_norm_args(x, weight, eps, residual)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
