@@ -25,12 +25,11 @@ ALLOWED_TOP = {
 ALLOWED_PARTS = {
     "config": set(),
     "observability": {"config"},
-    "client_text": set(),
-    "errors": {"client_text"},
+    "errors": set(),
     "contract": {"observability", "config"},
     "admission": {"contract", "errors", "observability", "config"},
     "backend": {"admission", "contract", "errors", "observability", "config"},
-    "api": {"admission", "contract", "errors", "client_text", "observability", "config"},
+    "api": {"admission", "contract", "errors", "observability", "config"},
     "frontends": {"api", "admission", "contract", "errors", "observability", "config"},
 }
 

@@ -80,8 +80,6 @@ def check(spec: StructuredSpec) -> str | None:
         from llguidance import LLMatcher
 
         error = LLMatcher.validate_grammar(grammar_text(spec))
-    except RecursionError:
-        return "nested too deeply"
     except Exception as e:  # noqa: BLE001 - the library's parse errors are the client's input problems
-        return str(e) or f"does not compile ({type(e).__name__})"
+        return f"{type(e).__name__}: {e}"
     return error or None
