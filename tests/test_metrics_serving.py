@@ -246,9 +246,11 @@ def test_running_counts_each_engines_batch_and_waiting_has_vllms_reasons(server)
     first = re.search(r"^vllm:num_requests_running\{([^}]*)\} (\S+)$", during, re.M)
     assert 'engine="decode-0"' in first.group(1) and float(first.group(2)) > 0  # what vLLM's test reads
     assert _per_engine(during, "vllm:kv_cache_usage_perc")["decode-0"] > 0
-    def idle() -> str | None:  # the cancelled streams end on the worker within a bound
-        text = scrape(server.url)
-        return None if any(_per_engine(text, "vllm:num_requests_running").values()) else text
+    def idle() -> str | None:  # the cancelled streams end, and their blocks are freed (the prefill worker's pinned
+        text = scrape(server.url)  # prompt blocks a moment after the decode side's), within a bound
+        busy = any(_per_engine(text, "vllm:num_requests_running").values()) or \
+            any(_per_engine(text, "vllm:kv_cache_usage_perc").values())
+        return None if busy else text
     after = poll(idle, 30) or scrape(server.url)
     assert _per_engine(after, "vllm:num_requests_running") == {"decode-0": 0, "prefill-0": 0}
     assert _per_engine(after, "vllm:kv_cache_usage_perc") == {"decode-0": 0, "prefill-0": 0}
