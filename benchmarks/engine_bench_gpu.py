@@ -57,9 +57,12 @@ def ceilings() -> tuple[float, float]:
 class Bench:
     def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto", tp_all_reduce: str = "nccl",
-                 kv_cache_dtype: str = "auto") -> None:
-        """With TP, every figure is rank 0's: its shard of the weights and KV heads against one GPU's bandwidth."""
+                 kv_cache_dtype: str = "auto", trace_dir: str | None = None, trace_tag: str = "",
+                 events: bool = False) -> None:
+        """With TP, every figure is rank 0's: its shard of the weights and KV heads against one GPU's bandwidth.
+        `trace_dir`: also write a chrome trace of live decode steps there, named by batch and `trace_tag`."""
         self.profile, self.tp = profile, tensor_parallel_size
+        self.trace_dir, self.trace_tag, self.events = trace_dir, trace_tag, events
         self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
                                              max_num_batched_tokens=8192, enable_prefix_caching=False,
                                              kv_cache_memory_bytes=kv_bytes, max_model_len=8192,
@@ -101,7 +104,8 @@ class Bench:
         # to compare the two schedulings
         self.engine.config = replace(self.engine.config, async_scheduling=overlap)
         self.engine.overlap = overlap
-        self._add(f"d{batch}-{overlap}-", self._prompts(batch, context), steps + 12)  # + room for --profile
+        # + room for --profile, the trace and the event timelines
+        self._add(f"d{batch}-{overlap}-", self._prompts(batch, context), steps + 48)
         while any(r.num_pending_tokens > 1 for r in self.engine.scheduler.running) or self.engine.scheduler.waiting:
             self.engine.step()  # prefill
         self.engine.step()
@@ -122,6 +126,12 @@ class Bench:
                           "static_tables": graphs.block_tables[:2, :6].tolist()}), flush=True)
         if self.profile:  # the live steps' GPU time (kernels + copies) next to a bare replay's
             _print_kernel_profile(self.engine.step, f"live step, decode batch {batch}, overlap {overlap}")
+        if self.events:  # the device's idle time between live steps, without a profiler attached
+            for flush in (False, True):
+                print(json.dumps(_event_timeline(self.engine, flush) | {"case": f"events, decode batch {batch}"}),
+                      flush=True)
+        if self.trace_dir:  # host and device timeline of live steps (chrome trace, summarised by trace_gaps)
+            _export_trace(self.engine.step, f"{self.trace_dir}/decode{batch}-{self.trace_tag}.json.gz")
         # the same step on the GPU alone (it rewrites the same K/V); not with TP: a replay on rank 0 alone would
         # wait forever in its all-reduce for followers that replay only what rank 0's engine plans
         replay_ms = _events_ms(graph.replay) if self.tp == 1 else None  # null in the JSON (NaN is not JSON)
@@ -240,6 +250,108 @@ class HostPhases:
 
     def per_step(self, steps: int) -> dict[str, float]:
         return {label: round(total / steps * 1e3, 3) for label, total in sorted(self.totals.items())}
+
+
+def _event_timeline(engine: LLMEngine, flush: bool, steps: int = 12) -> dict:
+    """Live steps timed by CUDA events (no profiler, which can change how work reaches the device): each
+    ModelRunner.launch and each graph replay bracketed by events; per step the device time from the launch's first
+    command to its last, the replay's share, and the device's idle time between one launch's end and the next's
+    start. `flush`: query the stream after each launch (makes the driver submit what it queued)."""
+    runner, graphs = engine.runner, engine.runner.graphs
+    launch, replay = runner.launch, graphs.run
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def bracketed(fn, into):
+        def call(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            if flush and fn is launch:
+                torch.cuda.current_stream().query()
+            into.append((start, end))
+            return out
+        return call
+
+    runner.launch, graphs.run = bracketed(launch, marks), bracketed(replay, replays)
+    times = []
+    try:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - begin)
+        torch.cuda.synchronize()
+    finally:
+        del runner.launch, graphs.run  # the instance attributes; the class's methods show through again
+    busy = [s.elapsed_time(e) for s, e in marks[1:]]
+    idle = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(1, len(marks) - 1)]
+    graph = [s.elapsed_time(e) for s, e in replays[1:]]
+    return {"flush": flush, "step_ms": round(statistics.median(times) * 1e3, 3),
+            "device_launch_ms": round(statistics.median(busy), 3),
+            "device_replay_ms": round(statistics.median(graph), 3),
+            "device_idle_between_ms": round(statistics.median(idle), 3), "steps": steps}
+
+
+def _export_trace(fn, path: str, calls: int = 6) -> None:
+    """A chrome trace (host ops and CUDA runtime calls, device kernels and copies) of `calls` calls of fn."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(path)
+    print(json.dumps({"trace": path}), flush=True)
+    for line in trace_gaps(path):
+        print(json.dumps(line), flush=True)
+
+
+def trace_gaps(path: str, min_gap_us: float = 30.0, top: int = 12) -> list[dict]:
+    """Where the device idled in a chrome trace of _export_trace: its busy share, the longest gaps between device
+    work, each with the host call that launched the work ending it (and the host op around that call), and the
+    host's CUDA runtime calls by total time (a synchronising call shows up here)."""
+    import gzip
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    launcher = {e["args"].get("correlation"): e for e in runtime}
+    out: list[dict] = []
+    if not device:
+        return [{"gaps": "no device events in the trace"}]
+    start, end = device[0]["ts"], max(e["ts"] + e["dur"] for e in device)
+    busy, gaps, reach = 0.0, [], device[0]["ts"]
+    for e in device:
+        if e["ts"] > reach:
+            gaps.append((e["ts"] - reach, reach, e))
+        busy += max(0.0, e["ts"] + e["dur"] - max(reach, e["ts"]))
+        reach = max(reach, e["ts"] + e["dur"])
+    out.append({"gaps": "summary", "span_us": round(end - start, 1), "busy_us": round(busy, 1),
+                "idle_us": round(end - start - busy, 1), "gaps_over_min": sum(g[0] >= min_gap_us for g in gaps)})
+    for gap, at, e in sorted(gaps, key=lambda g: g[0], reverse=True)[:top]:
+        call = launcher.get(e["args"].get("correlation"))
+        around = None
+        if call is not None:
+            inside = [o for o in ops if o["ts"] <= call["ts"] and o["ts"] + o["dur"] >= call["ts"] + call["dur"]]
+            around = min(inside, key=lambda o: o["dur"])["name"] if inside else None
+        out.append({"gap_us": round(gap, 1), "at_us": round(at - start, 1), "next": e["name"][:60],
+                    "launched_by": call["name"] if call else None,
+                    "launch_us_before_gap_end": round(e["ts"] - call["ts"], 1) if call else None,
+                    "host_op": around})
+    totals: dict[str, list[float]] = {}
+    for e in runtime:
+        totals.setdefault(e["name"], []).append(e["dur"])
+    for name, durs in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        out.append({"runtime_call": name, "count": len(durs), "total_us": round(sum(durs), 1),
+                    "max_us": round(max(durs), 1)})
+    return out
 
 
 def _print_kernel_profile(fn, label: str, top: int = 12) -> None:

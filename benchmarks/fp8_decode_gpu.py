@@ -62,11 +62,13 @@ def close(bench: Bench) -> None:
 
 
 def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
-            cases: list[str], kv_cache_dtype: str = "auto", profile: bool = False) -> dict[str, dict]:
+            cases: list[str], kv_cache_dtype: str = "auto", profile: bool = False,
+            trace_dir: str | None = None, events: bool = False) -> dict[str, dict]:
     """One engine's rows by case name: "decode1", "decode64" (CASES), "prefill" (1 x 2,048) and "long"
     (LONG_CONTEXT), each tagged with the weights, the KV cache dtype and the KV capacity in tokens."""
     bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
-                  profile=profile)
+                  profile=profile, trace_dir=trace_dir, events=events,
+                  trace_tag=f"{'fp8' if fp8 else 'bf16'}-kv{kv_cache_dtype}")
     try:
         e = bench.engine
         layers = [m for m in e.model.modules() if isinstance(m, Fp8Linear)]
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-gib", type=float, default=40)
     parser.add_argument("--skip-attention", action="store_true", help="no decode-attention kernel variants")
     parser.add_argument("--profile", action="store_true", help="the bf16 engine's top GPU kernels, live vs replay")
+    parser.add_argument("--trace-dir", help="write chrome traces of live decode steps here (with a summary)")
+    parser.add_argument("--events", action="store_true", help="time live decode steps with CUDA events too")
+    parser.add_argument("--only", choices=("bf16", "fp8"), help="measure one engine's decode and prefill only")
     args = parser.parse_args(argv)
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
@@ -139,9 +144,16 @@ def main(argv: list[str] | None = None) -> None:
     kv_bytes = int(args.kv_gib * (1 << 30))
     if not args.skip_attention:
         attention_variants(bandwidth)
+    if args.only:
+        fp8 = args.only == "fp8"
+        measure(args.fp8 if fp8 else args.bf16, fp8, bandwidth, flops, kv_bytes, args.load_format,
+                ["decode1", "decode64", "prefill"], profile=args.profile, trace_dir=args.trace_dir,
+                events=args.events)
+        return
     bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format,
-                   ["decode1", "decode64", "prefill", "long"], profile=args.profile)
-    fp8 = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "prefill"])
+                   ["decode1", "decode64", "prefill", "long"], profile=args.profile, trace_dir=args.trace_dir)
+    fp8 = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "prefill"],
+                  trace_dir=args.trace_dir)
     kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
     both = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
                    kv_cache_dtype="fp8")

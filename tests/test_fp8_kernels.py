@@ -13,7 +13,7 @@ import torch
 from benchmarks.fp8_checkpoint import quantize_folder, quantize_weight
 from engine import LLM, SamplingParams
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
-from engine.kernels.fp8_quant import quantize_rows, rms_norm_quant, silu_mul_quant
+from engine.kernels.fp8_quant import SPLIT_CHUNK, SPLIT_ROWS, quantize_rows, rms_norm_quant, silu_mul_quant
 from engine.kernels.rms_norm import rms_norm
 from engine.kernels.silu_mul import silu_and_mul
 from engine.model import fp8_linear
@@ -64,11 +64,18 @@ def test_rms_norm_quant_is_rms_norm_then_quantize():
     assert same_fp8(q2, q2_ref) and (s2 == 0.05).all()
 
 
-def test_silu_mul_quant_is_silu_mul_then_quantize():
-    gate_up = rand(4, 2 * (K + 40), seed=5, scale=2.0)  # a row longer than one chunk, not a multiple of it
+@pytest.mark.parametrize("rows", [1, 3, SPLIT_ROWS + 1])  # rows spread over programs (two launches), or one each
+def test_silu_mul_quant_is_silu_mul_then_quantize(rows: int):
+    inter = max(K, SPLIT_CHUNK) + 40  # a row longer than one chunk of either path, not a multiple of it
+    gate_up = rand(rows, 2 * inter, seed=5, scale=2.0)
+    gate_up[0, 1050] = gate_up[0, inter + 1050] = 30.0  # the row's largest SwiGLU value, in its second chunk
     q, s = silu_mul_quant(gate_up)
     q_ref, s_ref = torch_quantize_rows(silu_and_mul(gate_up), None)
     assert same_fp8(q, q_ref) and torch.equal(s, s_ref)
+    static = torch.tensor([0.05], device=DEVICE)
+    q2, s2 = silu_mul_quant(gate_up, static)
+    q2_ref, _ = torch_quantize_rows(silu_and_mul(gate_up), static)
+    assert same_fp8(q2, q2_ref) and (s2 == 0.05).all()
 
 
 def fp8_operands(m: int, seed: int) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -75,6 +75,8 @@ def _decode_split_kernel(
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
         if DOT_F32:
             q = q.to(tl.float32)
+        elif WIDEN_F16:  # an fp8 cache: e4m3 widens to float16 in one instruction (bfloat16 takes several)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -89,7 +91,7 @@ def _decode_split_kernel(
             kv_mask = t_mask[:, None] & d_mask[None, :]
             k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            k = k.to(q.dtype)  # no-ops unless the cache is fp8 (its scales are folded into qk_scale, v_scale)
+            k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
             v = v.to(q.dtype)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -242,6 +244,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     else:  # the program writes `out` directly; the scratch pointers are unused
         part_out = part_lse = semaphores = out
     merge_g = triton.next_power_of_2(group)
+    dot_f32 = interpreting() or q.dtype == torch.float32
     _decode_split_kernel[(num_kv_heads, splits, batch)](
         q, kv_layer, block_tables, context_lens, part_out, part_lse, semaphores, out,
         q.stride(0), q.stride(1),
@@ -252,7 +255,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
         MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
-        WINDOW=sliding_window or 0, DOT_F32=interpreting() or q.dtype == torch.float32,
+        WINDOW=sliding_window or 0, DOT_F32=dot_f32,
+        WIDEN_F16=not dot_f32 and kv_layer.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
