@@ -125,18 +125,54 @@ def sweep_gemm(name: str, n: int, k: int, bandwidth: float, ms: tuple[int, ...])
     return rows
 
 
+QKV_LAUNCHES = (None, (4096, 4), (2048, 4), (2048, 8), (1024, 4), (1024, 2))  # (BLOCK_K, num_warps); None: default
+
+
+def sweep_qkv_rope(bandwidth: float) -> None:
+    """engine.kernels.qkv_rope's fused q/k/v GEMV + RoPE + KV store at M = 1 (the 8B shape), bf16 and FP8 weights,
+    each launch configuration against the weight's read floor."""
+    from engine.kernels.qkv_rope import qkv_rope_store
+    (n, k), heads, kv_heads, d = SHAPES["llama-3-8b"]["qkv"], 32, 8, 128
+    positions = torch.tensor([1000], dtype=torch.int32, device="cuda")
+    cos = torch.randn(8192, d, device="cuda")
+    sin = torch.randn(8192, d, device="cuda")
+    kv = torch.zeros(64, 2, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([17], dtype=torch.int32, device="cuda")
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        w = copies(n, k, dtype)
+        fp8 = dtype == torch.float8_e4m3fn
+        extra = dict(x_scales=torch.ones(1, 1, device="cuda"), w_scales=torch.full((1, n), 0.01, device="cuda"),
+                     out_dtype=torch.bfloat16) if fp8 else {}
+        x = (torch.randn(1, k, device="cuda") * 0.5).to(dtype)
+        floor_ms = n * k * w[0].element_size() / bandwidth * 1e3  # the same floor as the GEMMs' rows
+
+        def call(i: int, launch: tuple[int, int] | None, w=w, x=x, extra=extra) -> None:
+            qkv_rope_store(x, w[i], None, heads, kv_heads, positions, cos, sin, kv, slots, launch=launch, **extra)
+        for launch in QKV_LAUNCHES:
+            ms = timed(lambda i, launch=launch, call=call: call(i, launch), len(w))
+            print(json.dumps({"qkv_rope": "fp8" if fp8 else "bf16", "launch": launch or "default",
+                              "ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "x_floor": round(ms / floor_ms, 2)}),
+                  flush=True)
+        del w
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     parser.add_argument("--gemms", default=None, help="comma-separated subset of the shape's GEMMs")
     parser.add_argument("--ms", default=None, help=f"comma-separated M values (default: {MS})")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--qkv-rope", action="store_true", help="only the fused qkv + RoPE + store launches")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("needs a CUDA device with FP8 tensor cores (compute capability 8.9 or higher)")
     bandwidth = copy_bandwidth()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(),
                       "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
+    if args.qkv_rope:
+        sweep_qkv_rope(bandwidth)
+        return
     ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
     gemms = SHAPES[args.shape] if args.gemms is None else {g: SHAPES[args.shape][g] for g in args.gemms.split(",")}
     rows = []

@@ -207,7 +207,7 @@ for step in "$@"; do
         --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
-        | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"' | cut -c1-400 ;;
+        | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

@@ -79,12 +79,14 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_layer: torch.Tensor, slots: torch.Tensor, k_scale: float = 1.0,
                    v_scale: float = 1.0, x_scales: torch.Tensor | None = None,
-                   w_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   w_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                   launch: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, hidden] (M <= MAX_M) @ weight [(H + 2 KVH) D, hidden]^T (+ bias) -> qkv [M, (H + 2 KVH) D] with q and k
     rotated by cos/sin [P, D] (float32) at positions [M], and k, v stored into kv_layer [NB, 2, bs, KVH, D] at
     slots [M] (negative: not stored; an fp8 cache stores k / k_scale, v / v_scale). The same as skinny_linear then
     rope.rope_and_store on its q, k, v views. FP8: x and weight float8_e4m3fn with x_scales [M, 1] and w_scales
-    [1, N] (float32, contiguous), the output in `out_dtype` (the model's dtype)."""
+    [1, N] (float32, contiguous), the output in `out_dtype` (the model's dtype). `launch` (BLOCK_K, num_warps)
+    overrides skinny_gemm.launch_config's (benchmarks time several)."""
     check_scales(k_scale, v_scale)
     act_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     scaled = x.dtype == torch.float8_e4m3fn
@@ -121,7 +123,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     check_kv_args(k, v, kv_layer, slots)
     if m == 0:
         return out
-    _, block_k, num_warps = launch_config(m, heads * d, hidden)
+    block_k, num_warps = launch or launch_config(m, heads * d, hidden)[1:]
     _qkv_rope_store_kernel[(heads * d // 2,)](
         x, weight, bias if bias is not None else weight, out, positions, cos, sin, kv_layer, slots,
         float(k_scale), float(v_scale), x_scales if scaled else out, w_scales if scaled else out,
