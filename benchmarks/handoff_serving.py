@@ -5,7 +5,7 @@ while transfers land.
     python benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8b   # 2 GPUs
     python benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8bd \\
         --set load_format=dummy --one-gpu --kv-dtypes auto,fp8 --no-streams   # 1 GPU, bf16 then fp8 KV
-    python benchmarks/handoff_serving.py --model tiny --device cpu --prompt-len 400 --stream-tokens 400 \\
+    python benchmarks/handoff_serving.py --model tiny --device cpu --prompt-len 400 --stream-tokens 1600 \\
         --window-s 3 --kv-dtypes auto,fp8 --set dtype=bfloat16   # a smoke run (UCX on loopback; figures mean little)
 
 The raw reference, measured before the first server starts and named in the first line printed: a 1 GiB copy
