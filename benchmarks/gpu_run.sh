@@ -16,6 +16,8 @@
 # oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
 # pullpath (2 GPUs): a cuda_ipc pull awaited on an actor's loop, stage by stage, with and without a busy thread.
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
+# handoff1 (1 GPU): the same 1P+1D sharing GPU 0 (num_gpus 0.5 each): a 2k prompt's handoff with bf16 then fp8 KV,
+#   bytes (the transfer counter) and time against a same-device copy; no slowdown windows (issue 42).
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
 # sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
@@ -133,6 +135,11 @@ for step in "$@"; do
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout ${HANDOFF_TIMEOUT:-400} python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l8bd --set load_format=dummy ${HANDOFF_ARGS:-} 2>&1 | tee "$OUT/handoff.log" | grep "^{" ;;
+    handoff1)  # both workers on GPU 0, one server per KV dtype; HANDOFF1_ARGS="--set transfer.push=false": the pull
+      checkpoint8b
+      timeout ${HANDOFF1_TIMEOUT:-230} python3 benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml \
+        --model /tmp/l8bd --set load_format=dummy --one-gpu --kv-dtypes auto,fp8 --no-streams ${HANDOFF1_ARGS:-} 2>&1 \
+        | tee "$OUT/handoff1.log" | grep "^{" ;;
     coldstart)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
       timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start_serving.py configs/gpu-1p1d-llama3-8b.yaml \

@@ -37,7 +37,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bits as integers (NaN-poisoned copies compare bitwise)."""
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def randn(shape, dtype, gen, scale: float = 1.0) -> torch.Tensor:
@@ -282,12 +282,13 @@ def test_scatter_blocks_touches_only_targets(dtype, bs, layers):
     assert torch.equal(bits(cache), bits(ref))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # fp8: kv_cache_dtype fp8 over cuda_ipc
 @pytest.mark.parametrize("bs", [16, 8])
 @pytest.mark.parametrize("layers", LAYER_RANGES)
-def test_copy_blocks_between_caches(bs, layers):
+def test_copy_blocks_between_caches(dtype, bs, layers):
     g = gen(81 + bs + layers[0])
-    src = randn(cache_shape(12, bs), torch.bfloat16, g)
-    dst = randn(cache_shape(9, bs), torch.bfloat16, g)
+    src = randn(cache_shape(12, bs), dtype, g)
+    dst = randn(cache_shape(9, bs), dtype, g)
     l0, l1 = layers[0], layers[1] or src.shape[1]
     src_ids, dst_ids = scattered_ids(6, 12, g), scattered_ids(6, 9, g, torch.int32)
     ref = dst.clone()

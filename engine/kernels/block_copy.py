@@ -25,7 +25,9 @@ import triton.language as tl
 
 from engine.kernels import check
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the kernel moves integer words, so any cache dtype copies bit for bit; fp8 is kv_cache_dtype fp8's (cuda_ipc moves
+# those caches' blocks through copy_blocks)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 ID_DTYPES = (torch.int64, torch.int32)
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 BLOCK_BYTES = 16384  # bytes per program: 128 B (8 x 16-byte vectors) per thread at 4 warps, many loads in flight
