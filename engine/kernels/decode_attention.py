@@ -168,18 +168,17 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
              o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
     in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~114 registers, 39 KiB shared memory, so ~4 programs
-    per SM). The same for an fp8 cache: on an H200 (batch 16, 8k context, benchmarks/fp8_decode_gpu.py) 128-token
-    tiles on 8 warps took 0.252 ms against 0.157 for these; either reads the fp8 cache no faster than bf16's 0.150
-    (widening e4m3 to bf16 in registers, not the bytes, bounds it there).
+    per SM). An fp8 cache (widened to float16): 128-token tiles, the same bytes in flight as bf16's 64; on an H200
+    (batch 16, 8k context, `gpu_run.sh fp8` at 851e631) 0.114 ms against 0.138 with 64-token tiles and bf16's 0.150.
     fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
     if interpreting():
         return 32, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 32, 8, 2
-    return 64, 4, 3
+    return (128, 4, 3) if fp8_cache else (64, 4, 3)
 
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # every value default_num_splits can return
@@ -230,7 +229,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim)
+    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim,
+                                                                 kv_layer.dtype == torch.float8_e4m3fn)
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
