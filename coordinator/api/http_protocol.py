@@ -1,4 +1,14 @@
-"""The HTTP/1.1 connection protocol pdserve serves with: uvicorn's httptools protocol plus a request-head timeout.
+"""The HTTP/1.1 connection protocol pdserve serves with: uvicorn's httptools protocol plus a request-head timeout
+and a request-head size limit.
+
+uvicorn's httptools protocol has no limit on a request head's size: httptools buffers a header line however long
+it is, so a client without any key could make the coordinator hold gigabytes (four connections sending 250 MB of
+header lines, issue 46). HeadTimeoutProtocol counts the bytes of each request head (request line and headers) as
+they arrive, before the parser sees them, and feeds the parser at most `max_head_bytes` of one head: a head that
+does not end within them is answered 431 (414 while the request line has not ended) and the connection closed,
+so a connection holds at most that much of a head. The count starts at a connection's start and again after each
+head; the bytes of a kept-alive connection's next head that arrive in the same read as the previous request's end
+are fed whole (one read, at most 256 KiB, as asyncio reads).
 
 uvicorn has no timeout for a request head, so a connection that sends half a head, or nothing, would stay open
 forever. HeadTimeoutProtocol gives a connection `header_timeout_s` from its start, and from the first byte of each
@@ -20,15 +30,68 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from coordinator.api.stall_watch import ABORT_CONNECTION
 from coordinator.errors import APIError
 
+REQUEST_LINE_REST = 32  # a request line's bytes besides its URL: the method, two spaces, at most "HTTP/1.1\r\n"
+
 
 class HeadTimeoutProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0  # set per server by a subclass (coordinator.api.http_server.uvicorn_config)
+    max_head_bytes: int = 64 << 10  # likewise (server.max_request_header_bytes)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_pending = True  # a request head is awaited: from the start, and from each later first byte
+        self._head_bytes = 0  # bytes of the pending head fed to the parser so far
+        self._head_too_large = False  # a head over the limit: refused (after the responses before it), then dropped
         self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        """Feed the parser; of a pending head, no more than max_head_bytes in all (what follows a refused head is
+        read and dropped)."""
+        if self._head_too_large:
+            return
+        if not self._head_pending:
+            super().data_received(data)
+            return
+        room = self.max_head_bytes - self._head_bytes
+        if len(data) <= room:
+            self._head_bytes += len(data)
+            super().data_received(data)
+            return
+        self._head_bytes = self.max_head_bytes
+        super().data_received(data[:room])
+        if self.transport.is_closing():
+            return
+        if not self._head_pending:  # the head ended within the limit: the rest is its body or the next request
+            self.data_received(data[room:])
+            return
+        self._head_too_large = True
+        self.transport.pause_reading()  # until the refusal is written: then read only to be dropped
+        if self.cycle is None or self.cycle.response_complete:
+            self._refuse_head()
+
+    def on_response_complete(self) -> None:
+        if self._head_too_large and not self.transport.is_closing() and not self.pipeline:  # the head over the
+            self._refuse_head()  # limit waited for the responses to the requests pipelined before it
+        super().on_response_complete()
+
+    def _refuse_head(self) -> None:
+        self._cancel_head_timer()
+        limit = f"{self.max_head_bytes} bytes (server.max_request_header_bytes)"
+        url = getattr(self, "url", b"")  # what the parser has passed of the request line's URL (in fragments)
+        if not self.headers and len(url) + REQUEST_LINE_REST >= self._head_bytes:  # still in the request line
+            self._close_with(414, "URI Too Long", APIError(
+                414, f"The request line is longer than {limit}", "invalid_request_error", "uri_too_long",
+                code="uri_too_long"))
+            return
+        self._close_with(431, "Request Header Fields Too Large", APIError(
+            431, f"The request head (request line and headers) is larger than {limit}", "invalid_request_error",
+            "request_header_fields_too_large", code="request_header_fields_too_large"))
+
+    def eof_received(self) -> bool | None:
+        if self._head_too_large:
+            self.transport.close()
+        return super().eof_received()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -38,6 +101,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_pending = False
+        self._head_bytes = 0  # the next head is counted from its own first byte
         self._cancel_head_timer()
         self.scope[ABORT_CONNECTION] = self.transport.abort  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
@@ -75,7 +139,16 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
             "request_timeout", code="request_timeout"))
 
     def _close_with(self, status: int, reason: str, error: APIError) -> None:
+        """Answer and close. After a refused head the close lingers (as nginx's lingering_close does): a client
+        still sending its head would otherwise get a reset before it reads the answer. The answer is followed by a
+        FIN, what still arrives is read and dropped, and the connection is closed when the client closes its side or
+        after header_timeout_s."""
         body = json.dumps(error.body()).encode()
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
                              b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))
-        self.transport.close()
+        if self._head_too_large and self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.transport.resume_reading()
+            self.loop.call_later(self.header_timeout_s, self.transport.close)
+        else:
+            self.transport.close()

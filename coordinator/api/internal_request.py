@@ -43,6 +43,7 @@ class InternalRequest:
     num_logprobs: int | None = None  # logprobs asked for (chat's top_logprobs or completions' logprobs)
     params: SamplingParams | None = None
     traceparent: str | None = None   # the client's W3C trace context, continued by the request's spans
+    max_tokens_given: bool = True    # False: max_tokens is the rest of the context (chat without max_tokens)
 
     @property
     def multi_choice(self) -> bool:
@@ -83,7 +84,8 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
     else:  # a long prompt: off the loop, so it does not stall every stream
         prompt = await asyncio.to_thread(protocol.prompt_token_ids, *args)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
+    given = (req.requested_max_tokens if chat else req.max_tokens) is not None
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
     return InternalRequest(req, chat, tenant, request_id, arrival, prompt, max_tokens, num_logprobs, params,
-                           request.headers.get("traceparent"))
+                           request.headers.get("traceparent"), given)

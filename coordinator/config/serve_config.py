@@ -160,6 +160,9 @@ class FaultsConfig:
         stall = self.transfer_stall_s
         if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall <= MAX_STALL_S:
             raise ValueError(f"transfer_stall_s must be a number in [0, {MAX_STALL_S:g}], got {stall!r}")
+        seed = self.seed  # the workers' fault RNGs take an integer: NaN, inf, a string or a bool is refused here
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,8 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
     config = replace(_build(ServeConfig, raw, path, ""), tenants=tenants)
     if any(config.server.admin_api_key in t.api_keys for t in tenants.tenants):
         raise ConfigError(f"{path}: server.admin_api_key is also a tenant's key: the operator's key must be its own")
+    if any(config.server.metrics_api_key in t.api_keys for t in tenants.tenants):
+        raise ConfigError(f"{path}: server.metrics_api_key is also a tenant's key: the metrics key must be its own")
     if tenants.tenants and config.server.api_key is not None:
         raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
                           "server's keys (move the key to a tenant)")

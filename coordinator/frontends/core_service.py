@@ -222,11 +222,14 @@ class CoreService:
     async def _call_requests_in_flight(self, fe: _Frontend) -> list[str]:
         return await self.backend.requests_in_flight()
 
-    def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
-        grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429
+    def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int,
+                           max_tokens_given: bool, min_tokens: int) -> tuple[int, int]:
+        """(the charge's id, the output it allows: Grant.output_tokens); raises the 429 or 400."""
+        grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens, max_tokens_given,
+                                   min_tokens)
         gid = next(self._ids)
         fe.grants[gid] = grant
-        return gid
+        return gid, grant.output_tokens
 
     def _call_tenant_settle(self, fe: _Frontend, gid: int, completion_tokens: int, outcome: str,
                             prompt_processed: bool) -> None:
