@@ -36,8 +36,8 @@ WATCH_INTERVAL_S = 0.5
 ENVIRONMENT = """environment (settings no YAML key holds: they belong to a machine or a debugging session):
   PDSERVE_CACHE=DIR         where the built `tiny` model and the compiled CPU kernels are kept
                             (default ~/.cache/pdserve); the workers get the same value
-  KVTRANSFER_ADDRESS=IP     the address a worker's KV agent advertises to its peers (default: this host's
-                            primary IP); set it on hosts with several networks
+  KVTRANSFER_ADDRESS=IP     the address a worker's KV agent advertises to its peers and listens on (default:
+                            its Ray node's address; the loopback on a single-host server)
   PDSERVE_KV_FAULTS=SPEC    transfer faults for tests and drills, e.g. "fail=0.05,stall=0.01:2.0,seed=7"
                             (the YAML's `faults:` and POST /admin/faults are the serving way)
   PDSERVE_TRACE_HANDOFF=1   every KV handoff prints its stages as JSON lines on stderr

@@ -70,6 +70,11 @@ class Overloaded(BackendError):
         self.retry_after_s = retry_after_s
 
 
+class Unavailable(Overloaded):
+    """No worker can serve the request until an operator acts (every slot of a pool it needs gave up its restarts):
+    503 with Retry-After at once, naming why, instead of a wait in admission that could only end in a timeout."""
+
+
 class GroupStream(Protocol):
     def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]: ...
 

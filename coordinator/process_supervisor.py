@@ -9,18 +9,18 @@ so the workers are not the coordinator's children and no reaper of its takes the
 once, from the port bound). A coordinator inside Ray would need all three passed around and Ray's own restart
 machinery to behave under a SIGKILL of its owner; a parent process that waits on a child is a few dozen lines.
 
-Life: bind -> start (or join) Ray in namespace `namespace` (or pdserve-HOST-PORT) -> the child (`python -m
-coordinator.cli _coordinator`, its own session) gets the socket, a pipe on which it says when it serves, and the
-server's state folder (private, removed at exit): the configuration loaded at start (frozen: a YAML file edited
-since is not read again, so an invalid edit cannot stop a restarted coordinator) and what the coordinators keep
-across restarts (the tenants' usage, coordinator.admission.tenant_usage_log). A child that exits after our SIGTERM,
-or with status 0, ended on purpose. Any other exit of a coordinator is a crash: it is started again after
-recovery.backoff_initial_s, doubling per restart within recovery.restart_window_s up to backoff_max_s, at most
-recovery.coordinator_max_restarts times in that window; a server whose first coordinator never served (a start
-error: no model, pools that cannot be placed) is not restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM
-(it drains and stops its workers; a second signal skips the wait), then whatever is left in the namespace is torn
-down and Ray shut down. A pid file (`pid_file(namespace)`), locked as long as this process lives, lets `pdserve
-stop` find this process and only it.
+Life: bind -> start Ray (a local one on the loopback only: coordinator.ray_network) or join it, in namespace
+`namespace` (or pdserve-HOST-PORT) -> the child (`python -m coordinator.cli _coordinator`, its own session) gets the
+socket, a pipe on which it says when it serves, and the server's state folder (private, removed at exit): the
+configuration loaded at start (frozen: a YAML file edited since is not read again, so an invalid edit cannot stop a
+restarted coordinator) and what the coordinators keep across restarts (the tenants' usage,
+coordinator.admission.tenant_usage_log). A child that exits after our SIGTERM, or with status 0, ended on purpose.
+Any other exit of a coordinator is a crash: it is started again after recovery.backoff_initial_s, doubling per
+restart within recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_restarts times in
+that window; a server whose first coordinator never served (a start error: no model, pools that cannot be placed) is
+not restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
+skips the wait), then whatever is left in the namespace is torn down and Ray shut down. A pid file
+(`pid_file(namespace)`), locked as long as this process lives, lets `pdserve stop` find this process and only it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config.serve_config import ServeConfig
+from coordinator.ray_network import confine_local_ray
 
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,8 @@ class ProcessSupervisor:
         self.config = config  # as loaded at start: every coordinator gets this one, never the file as it is now
         self._listener = listener  # bound by the caller (a port in use is its error to print)
         self.port = listener.getsockname()[1]
+        if config.ray_address is None:  # one machine: Ray, the coordinator and the KV transfers on the loopback only
+            confine_local_ray(os.environ)  # before anything here imports Ray
         from coordinator.backend.fleet import default_namespace
         self.namespace = config.namespace or default_namespace(self.port)
         self._stopping = threading.Event()

@@ -69,6 +69,11 @@ class Worker:
         from kvtransfer.worker_setup import prepare_process
 
         torch.set_num_threads(self._num_threads)
+        if self._agent_config is not None and self._agent_config.address is None:  # the interface Ray's node uses
+            import ray  # (a single-host server's: the loopback, coordinator.ray_network)
+
+            address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
+            self._agent_config = replace(self._agent_config, address=address)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()
         tp = self._engine_config.tensor_parallel_size

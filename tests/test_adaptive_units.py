@@ -3,6 +3,10 @@ planner's verdict, its ladder of roles, hysteresis and cooldown (coordinator.bac
 checks (mode adaptive needs an SLO; the SLO and planner belong to it alone)."""
 
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -230,8 +234,27 @@ def test_adaptive_config_is_checked_at_load(tmp_path):
     with pytest.raises(ConfigError, match="'planner' applies to mode: adaptive only"):
         load_serve_config(_yaml(tmp_path, "planner: {interval_s: 1}\n"))
     with pytest.raises(ConfigError, match="same tensor_parallel_size"):
-        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {}\nprefill: {tensor_parallel_size: 2}\n"))
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {ttft_ms: 500, tpot_ms: 40}\n"
+                                          "prefill: {tensor_parallel_size: 2}\n"))
     assert load_serve_config("configs/adaptive.yaml").adaptive
+
+
+@pytest.mark.parametrize("slo", ["{ttft_ms: 500}", "{tpot_ms: 40}", "{}"])
+def test_pdserve_serve_refuses_an_slo_without_both_targets_at_load(tmp_path, slo):
+    """A target left out was silently 40 ms (tpot) or 500 ms (ttft): `pdserve serve` now stops at load, naming
+    the key, before it binds a port or starts Ray."""
+    path = _yaml(tmp_path, f"model: tiny\nmode: adaptive\nslo: {slo}\nserver: {{port: 0}}\n")
+    missing = "slo.ttft_ms" if "ttft" not in slo else "slo.tpot_ms"
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # it started serving: stop it (a drain) before failing
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+        pytest.fail(f"pdserve serve started with slo {slo}")
+    assert proc.returncode == 2, err
+    assert f"{path}: '{missing}' is required (it has no default)" in err, err
 
 
 def test_a_decoder_without_headroom_takes_no_local_prompt_however_long_the_remote_queue():

@@ -78,7 +78,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app = DirectStreamAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
     app.state.settings = settings
-    app.state.model_name = settings.served_model_name or backend.model_name
+    app.state.model_name = model_api.model_id(backend.model_name, backend.model_path, settings.served_model_name)
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics(app.state.model_name, backend.max_model_len)

@@ -153,10 +153,10 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
         outcome = "failed"
         yield event(e.body())
         yield DONE
-    except Exception as e:  # a bug: still end the stream properly
+    except Exception:  # a bug: still end the stream properly
         errors.logger.exception("stream %s failed", fmt.id)
         outcome = "failed"
-        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
+        yield event(errors.internal(errors.INTERNAL_MESSAGE).body())
         yield DONE
     finally:
         for t in tasks:

@@ -13,9 +13,13 @@ are fed whole (one read, at most 256 KiB, as asyncio reads).
 uvicorn has no timeout for a request head, so a connection that sends half a head, or nothing, would stay open
 forever. HeadTimeoutProtocol gives a connection `header_timeout_s` from its start, and from the first byte of each
 later request, to complete the head; otherwise it answers 408 and closes (never in the middle of a response still
-being written: the 408 then waits for the response's end). Idle kept-alive connections are uvicorn's
+being written: the 408 then waits for the response's end). A request target (path and query) over MAX_URL_BYTES
+gets 414 URI Too Long and the connection closed (httptools cannot parse one over 64 KiB at all, which read as a
+malformed request). Idle kept-alive connections are uvicorn's
 `timeout_keep_alive`. Each request's scope also gets `ABORT_CONNECTION` (coordinator.api.stall_watch): the
-connection's `transport.abort`, which drops a stalled client's connection without waiting for its buffer to drain.
+connection's `transport.abort`, which drops a stalled client's connection without waiting for its buffer to drain,
+and `CLIENT_PROGRESS`: how far the client has taken its bytes (coordinator.api.client_progress, read once per
+connection).
 httptools rather than h11: every streamed token is one HTTP chunk, and h11's state machine
 per chunk cost ~15% of the coordinator's CPU per token (benchmarks/coordinator_overhead.py, docs/benchmark-log.md).
 """
@@ -27,10 +31,12 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from coordinator.api.stall_watch import ABORT_CONNECTION
+from coordinator.api.client_progress import client_progress
+from coordinator.api.stall_watch import ABORT_CONNECTION, CLIENT_PROGRESS
 from coordinator.errors import APIError
 
 REQUEST_LINE_REST = 32  # a request line's bytes besides its URL: the method, two spaces, at most "HTTP/1.1\r\n"
+MAX_URL_BYTES = 16384  # of a request target: every pdserve route is a short path; nginx allows 8 KiB, Node 16 KiB
 
 
 class HeadTimeoutProtocol(HttpToolsProtocol):
@@ -43,6 +49,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._head_pending = True  # a request head is awaited: from the start, and from each later first byte
         self._head_bytes = 0  # bytes of the pending head fed to the parser so far
         self._head_too_large = False  # a head over the limit: refused (after the responses before it), then dropped
+        self._url_too_long = False
+        self._client_progress = client_progress(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -99,11 +107,18 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         if self._head_timer is None:  # the first bytes of a new request on a kept-alive connection
             self._arm_head_timer()
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > MAX_URL_BYTES:
+            self._url_too_long = True
+            raise ValueError("request target too long")  # stops the parser: uvicorn calls send_400_response
+
     def on_headers_complete(self) -> None:
         self._head_pending = False
         self._head_bytes = 0  # the next head is counted from its own first byte
         self._cancel_head_timer()
         self.scope[ABORT_CONNECTION] = self.transport.abort  # type: ignore[typeddict-unknown-key]
+        self.scope[CLIENT_PROGRESS] = self._client_progress  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -114,6 +129,11 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         """A request httptools cannot parse (a malformed request line or header, such as a control character in a
         header value): OpenAI's error JSON, where uvicorn answers plain text."""
         self._cancel_head_timer()
+        if self._url_too_long:
+            self._close_with(414, "URI Too Long", APIError(
+                414, f"The request's URL is longer than {MAX_URL_BYTES} bytes", "invalid_request_error",
+                "invalid_request", code="uri_too_long"))
+            return
         self._close_with(400, "Bad Request", APIError(
             400, "Invalid HTTP request: a malformed request line or header (RFC 9110 forbids control characters "
             "in header values)", "invalid_request_error", "invalid_request", code="invalid_http_request"))

@@ -26,6 +26,7 @@ from coordinator import errors
 from coordinator.admission.tenants import Tenant
 from coordinator.api import choices, protocol, reasoning
 from coordinator.api.http_body import read_json
+from coordinator.api.model_api import accepts
 from engine.core.sampling_params import SamplingParams
 
 REQUEST_LOG = logging.getLogger("coordinator.requests")
@@ -63,7 +64,7 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
         app.state.lifecycle.admit()  # raises the draining 503
     model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
     req = protocol.parse(model, await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
-    if req.model != app.state.model_name:
+    if not accepts(app.state, req.model):
         raise errors.model_not_found(req.model, app.state.model_name)
     if chat:  # a structured output or forced tool call would constrain the reasoning too
         reasoning.refuse_constraints(settings.reasoning_parser, req)

@@ -29,7 +29,15 @@ from coordinator import errors
 from coordinator.admission.tenants import Grant
 from coordinator.api.reasoning import ReasoningSplit
 from coordinator.api.text_output import TextOutput, TokenInfo
-from coordinator.contract import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
+from coordinator.contract import (
+    BackendError,
+    GenerateRequest,
+    Overloaded,
+    RequestTooLarge,
+    ServingBackend,
+    TokenDelta,
+    Unavailable,
+)
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
 from coordinator.observability.request_metrics import Parent, SequenceEnd
@@ -187,13 +195,16 @@ class Generation:
             return await self._until_deadline(self._stream)
         except TimeoutError:
             raise errors.timeout(self._timeout_s) from None
+        except Unavailable as e:
+            raise errors.unavailable(f"No worker can serve this request until an operator acts: {e}",
+                                     e.retry_after_s, "unavailable") from None
         except Overloaded as e:
             raise errors.unavailable(f"The server is overloaded: {e}", e.retry_after_s, "overloaded") from None
         except RequestTooLarge as e:
             raise errors.invalid_request(f"The request can never fit this server: {e}", "max_tokens",
                                          "context_length_exceeded") from None
         except BackendError as e:
-            raise errors.backend_failure(str(e) or type(e).__name__) from None
+            raise errors.backend_failure(str(e) or "the worker gave no reason") from None
         except StopAsyncIteration:
             raise errors.backend_failure("the token stream ended without a finish reason") from None
 

@@ -23,7 +23,7 @@ from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks,
 def outcome_of(exc: BaseException) -> str:
     """The outcome a request that ended with `exc` is counted with."""
     if isinstance(exc, errors.APIError):
-        return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
+        return {"timeout": "timeout", "overloaded": "rejected", "unavailable": "rejected"}.get(exc.kind, "failed")
     return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
 
 
@@ -98,11 +98,11 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         on_error(e.kind)
         yield event(e.body())
         yield DONE
-    except Exception as e:  # a bug, not the client's or the backend's doing: still end the stream properly
+    except Exception:  # a bug, not the client's or the backend's doing: still end the stream properly
         errors.logger.exception("stream %s failed", fmt.id)
         outcome = "failed"
         on_error("internal")
-        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
+        yield event(errors.internal(errors.INTERNAL_MESSAGE).body())
         yield DONE
     finally:
         await gen.close(outcome)

@@ -82,7 +82,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
         self.max_model_len = 0
         self.vocab_size = 0
         self.ledger = Ledger(on_release=self._capacity_freed)
-        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live,
+                                     on_gave_up=self._capacity_freed)  # waiting requests learn it at once
         self.spares = Spares(self.pools, config.recovery.spares)  # warm workers that take over a dead slot
         self.supervisor.spares = self.spares if config.recovery.spares else None
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
@@ -328,6 +329,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
         if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
             self._count(self.errors, "worker_died")
+        self.ledger.retire(worker.key)  # its books go once its requests have moved off (a bounded history)
+        self.audit.forget(worker)
         if self.adaptive is not None:  # the last decoding worker died: another decodes now, before its requests move
             self.adaptive.planner.ensure_decoder()
         for attempt in list(worker.requests):

@@ -6,7 +6,7 @@ agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +334,10 @@ def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
         elif name == "resources" and cls is PoolConfig:
             _check_resources(value, path, key)
         values[name] = _check_type(value, known[name], path, key)
+    missing = [name for name, f in known.items() if name not in values and f.default is MISSING
+               and f.default_factory is MISSING]
+    if missing:
+        raise ConfigError(f"{path}: {prefix + missing[0]!r} is required (it has no default)")
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:

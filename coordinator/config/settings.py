@@ -49,8 +49,8 @@ class ServerSettings:
     # above 0: log the event loop's stack whenever it stalls this many ms (coordinator.observability.stall_reporter),
     # in every process that serves; a diagnostic for latency tails, off by default
     stall_report_ms: float = 0.0
-    # a streamed response whose client has taken none of its bytes for this long (its write blocked on the socket)
-    # is cut: the request is aborted on every worker and its KV freed (coordinator.api.stall_watch)
+    # a streamed response whose client has taken none of its bytes for this long (bytes waiting for it, none
+    # acknowledged) is cut: the request is aborted on every worker and its KV freed (coordinator.api.stall_watch)
     stall_timeout_s: float = 30.0
     # OpenTelemetry traces of requests (coordinator.observability.tracing), off while both are None: an OTLP/HTTP
     # collector's traces URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces) and/or a file that
