@@ -68,7 +68,7 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
             return
         self._head_bytes = self.max_head_bytes
         super().data_received(data[:room])
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._head_too_large:  # answered already (a URL over MAX_URL_BYTES)
             return
         if not self._head_pending:  # the head ended within the limit: the rest is its body or the next request
             self.data_received(data[room:])
@@ -129,7 +129,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         """A request httptools cannot parse (a malformed request line or header, such as a control character in a
         header value): OpenAI's error JSON, where uvicorn answers plain text."""
         self._cancel_head_timer()
-        if self._url_too_long:
+        if self._url_too_long:  # refused mid-head like one over the size limit: the rest of it is read and dropped
+            self._head_too_large = True
             self._close_with(414, "URI Too Long", APIError(
                 414, f"The request's URL is longer than {MAX_URL_BYTES} bytes", "invalid_request_error",
                 "invalid_request", code="uri_too_long"))
