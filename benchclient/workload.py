@@ -1,7 +1,8 @@
 """Workloads: what each benchmark request asks for (its prompt and how many tokens it may generate).
 
-Owns `WorkloadSpec` (a frozen description: synthetic `fixed`, `uniform` or long-tailed `chat` lengths, or a
-local `jsonl` / `sharegpt` file) and `build_requests`, which turns a spec into a seeded, reproducible list of
+Owns `WorkloadSpec` (a frozen description: synthetic `fixed`, `uniform` or long-tailed `chat` lengths, a local
+`jsonl` / `sharegpt` file, or `multiturn` conversations, synthetic or from a file: benchclient.conversations) and
+`build_requests`, which turns a spec into a seeded, reproducible list of
 `BenchRequest`s. Synthetic text prompts are built from common English words (about one token per word for
 Llama-class BPE tokenizers; the stream's usage reports the exact count), so any OpenAI-compatible server can take
 them; `prompt_format: ids` sends token-id lists instead (pdserve accepts them), whose lengths are exact.
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-KINDS = ("fixed", "uniform", "chat", "jsonl", "sharegpt")
+KINDS = ("fixed", "uniform", "chat", "jsonl", "sharegpt", "multiturn")
 PROMPT_FORMATS = ("text", "ids")
 ID_RANGE = (100, 1000)  # token ids drawn for `ids` prompts: inside any real vocabulary, clear of special tokens
 CHARS_PER_TOKEN = 4     # estimate of a file reply's token count when no max_tokens is given
@@ -36,7 +37,10 @@ air away animal house point page letter mother answer found study still learn sh
 class WorkloadSpec:
     """One workload. Lengths are in tokens (words for `text` prompts); `chat` draws both from log-normals
     (median `input_len` / `output_len`, spread `sigma`), clipped to [`min_len`, `max_input_len` / `max_output_len`]:
-    most requests short, a few very long, like chat traffic."""
+    most requests short, a few very long, like chat traffic. `multiturn`: `conversations` conversations of `turns`
+    turns, each turn's new user message and output drawn as `chat` draws them, `think_time_s` (mean, exponential)
+    between a reply and the next turn, a shared system prompt of `system_prompt_len` words (0: none); with `path`,
+    the conversations of a jsonl file (benchclient.conversations)."""
 
     name: str = "default"
     kind: str = "fixed"
@@ -47,8 +51,12 @@ class WorkloadSpec:
     max_output_len: int = 1024
     sigma: float = 1.0
     path: str | None = None       # `jsonl` / `sharegpt`
-    prompt_format: str = "text"   # "text" | "ids" (ids: synthetic kinds only)
+    prompt_format: str = "text"   # "text" | "ids" (ids: synthetic kinds but multiturn)
     seed: int = 0
+    conversations: int = 100      # `multiturn`: conversations in the run ...
+    turns: int = 4                # ... turns of each (a file's: at most this many)
+    think_time_s: float = 0.0     # ... mean pause between a reply and the next turn (exponential; 0: none)
+    system_prompt_len: int = 0    # ... words of one system prompt shared by every conversation (0: none)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -62,8 +70,19 @@ class WorkloadSpec:
             raise ValueError(f"min_len ({self.min_len}) must not exceed input_len and output_len")
         if self.kind in ("jsonl", "sharegpt") and not self.path:
             raise ValueError(f"kind {self.kind!r} needs a path")
-        if self.kind in ("jsonl", "sharegpt") and self.prompt_format == "ids":
-            raise ValueError("prompt_format 'ids' is for synthetic kinds; files hold text")
+        if self.kind in ("jsonl", "sharegpt", "multiturn") and self.prompt_format == "ids":
+            raise ValueError("prompt_format 'ids' is for synthetic single-turn kinds; files and conversations hold "
+                             "text")
+        for name in ("conversations", "turns"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.system_prompt_len, bool) or not isinstance(self.system_prompt_len, int) \
+                or self.system_prompt_len < 0:
+            raise ValueError(f"system_prompt_len must be an integer >= 0, got {self.system_prompt_len!r}")
+        think = self.think_time_s
+        if isinstance(think, bool) or not isinstance(think, (int, float)) or not 0 <= think <= 3600:
+            raise ValueError(f"think_time_s must be a number of seconds in [0, 3600], got {think!r}")
         if not self.sigma > 0:
             raise ValueError(f"sigma must be positive, got {self.sigma!r}")
 
@@ -91,13 +110,18 @@ def build_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:
 def iter_requests(spec: WorkloadSpec) -> Iterator[BenchRequest]:
     """An endless, seeded stream of requests (the same for the same spec); files cycle through their entries."""
     rng = random.Random(spec.seed)
+    if spec.kind == "multiturn":  # each conversation's first turn (a run sends the turns: benchclient.run)
+        from benchclient.conversations import build_conversations, turn_prompt
+        conversations = build_conversations(spec)
+        yield from itertools.cycle(BenchRequest(turn_prompt(c, [], 0, chat=True), _word_len(c.users[0]),
+                                                c.max_tokens[0]) for c in conversations)
     if spec.kind in ("jsonl", "sharegpt"):
         entries = load_jsonl(spec) if spec.kind == "jsonl" else load_sharegpt(spec)
         if not entries:
             raise ValueError(f"{spec.path}: no usable entries")
         yield from itertools.cycle(entries)
     while True:
-        lin, lout = _lengths(spec, rng)
+        lin, lout = draw_lengths(spec, rng)
         prompt: str | list[int]
         if spec.prompt_format == "ids":
             prompt = [rng.randrange(*ID_RANGE) for _ in range(lin)]
@@ -106,7 +130,8 @@ def iter_requests(spec: WorkloadSpec) -> Iterator[BenchRequest]:
         yield BenchRequest(prompt, lin, lout)
 
 
-def _lengths(spec: WorkloadSpec, rng: random.Random) -> tuple[int, int]:
+def draw_lengths(spec: WorkloadSpec, rng: random.Random) -> tuple[int, int]:
+    """(input, output) lengths of one request (of one turn's new message, for `multiturn`: drawn as `chat`)."""
     if spec.kind == "fixed":
         return spec.input_len, spec.output_len
     if spec.kind == "uniform":

@@ -43,6 +43,9 @@ class TokenDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[PromptLogprob] | None = None  # on the first delta, when params.prompt_logprobs is set
+    # on the first delta of an attempt whose worker computed its prompt: the prompt (and prior output) tokens whose
+    # KV was not computed for it (device prefix hits, host-tier restores): usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int | None = None
 
 
 class BackendError(Exception):

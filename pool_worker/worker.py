@@ -234,6 +234,11 @@ class Worker:
         if self.agents is not None:
             await asyncio.to_thread(self.agents.set_faults, kv)
 
+    async def host_tier_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The block hashes its engine's host tier added and evicted since the last call (engine.core.host_tier),
+        for the coordinator's prefix index; none without a tier."""
+        return await self.loop.call(lambda e: e.host_tier.take_changes() if e.host_tier is not None else ([], []))
+
     async def transfer_metrics(self) -> list[dict]:
         """Every rank's transfer figures (rank 0's with the push counters); none when collocated."""
         if self.agents is None:

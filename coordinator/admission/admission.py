@@ -230,7 +230,7 @@ class Admission:
 
     def _side(self, worker: WorkerState, prompt: list[int], tokens: int) -> Side:
         """`worker` as a place to prefill a prompt of `tokens` tokens (prompt and prior outputs)."""
-        cached = min(self.router.cached_tokens(prompt, worker.name), tokens - 1)
+        cached = min(self.router.effective_cached_tokens(prompt, worker.name), tokens - 1)
         decoding = worker.decodes and worker.load is not None and worker.load.num_running > 0
         return Side(worker.name, worker.load, self.ledger.booked(worker.key, "prompt_tokens"), tokens - cached,
                     decoding)

@@ -239,5 +239,5 @@ def _formatter(app: FastAPI, internal: InternalRequest, gen: Generation) -> Form
                     bool(req.return_token_ids), internal.prompt,
                     internal.chat and app.state.settings.reasoning_parser is not None)
     if req.continuous_usage:
-        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
+        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
     return fmt

@@ -92,6 +92,7 @@ class Generation:
         self.client_finish: str | None = None  # the finish reason the client got, where the API changed it (tool_calls)
         self.reasoning = reasoning  # splits the text into reasoning and content (chat with a reasoning parser)
         self._reasoning_parts: list[str] = []  # the reasoning of the piece being gathered
+        self._cached_tokens: int | None = None  # the first attempt's that reported it (TokenDelta.cached_tokens)
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,6 +101,13 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return self.text.num_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV the worker that computed the prompt did not compute (usage's
+        prompt_tokens_details.cached_tokens): as reported with the first delta that carried it, at most the
+        prompt (a resumed attempt also counts its prior outputs); 0 until then."""
+        return min(self._cached_tokens or 0, self.prompt_tokens)
 
     async def next_piece(self) -> Piece:
         """The next piece of output: one backend delta's tokens, or with the request's stream_interval n > 1 (after
@@ -147,6 +155,8 @@ class Generation:
         """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`, the ids consumed
         into `ids`); its finish."""
         now = time.monotonic()
+        if self._cached_tokens is None and delta.cached_tokens is not None:
+            self._cached_tokens = delta.cached_tokens
         consumed = 0
         for i, token_id in enumerate(delta.token_ids):
             text = self.text.add_token(token_id)

@@ -62,7 +62,7 @@ def _response_body(fmt: Formatter, gen: Generation, result: list[Any], want_lp: 
     body = fmt.response("".join(p.text for p in result), tokens, want_lp, gen.finish_reason or "stop",
                         gen.prompt_tokens, gen.completion_tokens, [i for p in result for i in p.token_ids],
                         "".join(p.reasoning for p in result) if split is not None and split.opened else None,
-                        reasoning_tokens(fmt, gen))
+                        reasoning_tokens(fmt, gen), gen.cached_tokens)
     if tools is not None:
         body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
     return body
@@ -90,7 +90,8 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
                     yield chunk
         if fmt.include_usage:
             phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
-            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases, reasoning_tokens(fmt, gen)))
+            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases, reasoning_tokens(fmt, gen),
+                                        gen.cached_tokens))
         outcome = "finished"
         yield DONE
     except errors.APIError as e:

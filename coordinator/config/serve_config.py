@@ -33,6 +33,9 @@ class PoolConfig:
     # when the copy is cheaper); swap_space_bytes of host memory per worker for swap and auto (EngineConfig)
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 4 << 30
+    # the host tier under each worker's prefix cache (engine.core.host_tier): bytes of host memory per worker (pinned
+    # on a GPU); null: a share of the host's available memory; 0: off (EngineConfig.kv_host_cache_bytes)
+    kv_host_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -209,7 +212,7 @@ class ServeConfig:
             block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
             head_bypass_steps=pool.head_bypass_steps, preemption_mode=pool.preemption_mode,
-            swap_space_bytes=pool.swap_space_bytes,
+            swap_space_bytes=pool.swap_space_bytes, kv_host_cache_bytes=pool.kv_host_cache_bytes,
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,

@@ -155,7 +155,7 @@ class CoreService:
                 async with aclosing(self.backend.generate(request)) as deltas:
                     async for delta in deltas:
                         state = trace_state(trace) if first or delta.finish_reason is not None else None
-                        if delta.logprobs or delta.prompt_logprobs is not None:
+                        if delta.logprobs or delta.prompt_logprobs is not None or delta.cached_tokens is not None:
                             send(("delta", sid, delta, state))
                         else:  # the common case as plain data: a dataclass costs ~8x more to pickle
                             send(("tokens", sid, delta.token_ids, delta.finish_reason, state))
