@@ -48,7 +48,7 @@ from coordinator.contract import GenerateRequest, ServingBackend
 from coordinator.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
-from coordinator.observability.scrape_cache import ScrapeCache
+from coordinator.observability.shared_scrapes import SharedScrapes
 from coordinator.observability.tracing import RequestSpan, RequestTracer
 from engine.text.tokenizer import Tokenizer
 
@@ -104,12 +104,13 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
         others = await refresh() if refresh is not None else ()  # frontends' shares (coordinator.frontends)
         return await app.state.metrics.exposition_async(others, tenants)
 
-    scrapes = ScrapeCache(exposition)
+    scrapes = SharedScrapes(exposition)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Open to all, but the tenant-labelled families (tenants' names and usage) only with the operator's key or
-        server.metrics_api_key; each text is reused briefly (coordinator.observability.scrape_cache)."""
+        server.metrics_api_key; concurrent scrapes share a build, built at a bounded rate and never before the
+        scrape arrived (coordinator.observability.shared_scrapes)."""
         full = _is_operator(settings, request) or _bearer_is(request, settings.metrics_api_key)
         return Response(await scrapes.get(full), media_type=METRICS_CONTENT_TYPE)
 
