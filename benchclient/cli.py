@@ -19,7 +19,8 @@ from benchclient.client import Target, first_model, serves_pdserve
 from benchclient.phase_table import format_phase_table
 from benchclient.run import RunConfig, run_load, run_report, save_json
 from benchclient.stats import SLO, format_summary
-from benchclient.workload import KINDS, WorkloadSpec, build_requests
+from benchclient.workload import build_requests
+from benchclient.workload_spec import KINDS, WorkloadSpec
 
 
 def add_bench_parser(sub) -> None:

@@ -18,10 +18,8 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from benchclient.workload import WorkloadSpec
+from benchclient.workload_spec import WORDS, WorkloadSpec, draw_lengths
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,6 @@ class Conversation:
 def build_conversations(spec: WorkloadSpec) -> list[Conversation]:
     """`spec.conversations` conversations (seeded): synthetic, or the file's (its first `conversations`, cycled
     when it holds fewer)."""
-    from benchclient.workload import WORDS, draw_lengths
-
     rng = random.Random(spec.seed)
     if spec.path:
         scripts = load_conversations(spec)

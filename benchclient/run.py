@@ -30,7 +30,8 @@ from benchclient.conversations import Conversation, build_conversations, turn_pr
 from benchclient.phase_table import phase_summary
 from benchclient.progress import Progress
 from benchclient.stats import SLO, summarize
-from benchclient.workload import BenchRequest, WorkloadSpec, iter_requests
+from benchclient.workload import BenchRequest, iter_requests
+from benchclient.workload_spec import WorkloadSpec
 
 
 @dataclass(frozen=True)
