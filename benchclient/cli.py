@@ -19,7 +19,8 @@ from benchclient.client import Target, first_model, serves_pdserve
 from benchclient.phase_table import format_phase_table
 from benchclient.run import RunConfig, run_load, run_report, save_json
 from benchclient.stats import SLO, format_summary
-from benchclient.workload import WorkloadSpec, build_requests
+from benchclient.workload import build_requests
+from benchclient.workload_spec import KINDS, WorkloadSpec
 
 
 def add_bench_parser(sub) -> None:
@@ -34,9 +35,15 @@ def add_bench_parser(sub) -> None:
                    help="ask for each request's server-side phases (pdserve's stream_options.include_phases); "
                         "auto: when /v1/models says the server is pdserve")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=["fixed", "uniform", "chat", "jsonl", "sharegpt"], default="fixed",
-                   help="length distribution, or a file (--dataset)")
-    w.add_argument("--dataset", help="JSONL (prompt|messages, max_tokens) or ShareGPT JSON file")
+    w.add_argument("--workload", choices=list(KINDS), default="fixed",
+                   help="length distribution, a file (--dataset), or multi-turn conversations")
+    w.add_argument("--dataset", help="JSONL (prompt|messages, max_tokens) or ShareGPT JSON file; multiturn: JSONL of "
+                                     "conversations (messages)")
+    w.add_argument("--conversations", type=int, default=100, help="multiturn: conversations in the run")
+    w.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    w.add_argument("--think-time", type=float, default=0.0, help="multiturn: mean seconds between a reply and the "
+                                                                 "next turn (exponential)")
+    w.add_argument("--system-prompt-len", type=int, default=0, help="multiturn: words of a shared system prompt")
     w.add_argument("--input-len", type=int, default=128, help="fixed length, uniform maximum, or chat median")
     w.add_argument("--output-len", type=int, default=64, help="fixed length, uniform maximum, or chat median")
     w.add_argument("--min-len", type=int, default=1)
@@ -89,7 +96,9 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     workload = WorkloadSpec(
         name=args.workload, kind=args.workload, input_len=args.input_len, output_len=args.output_len,
         min_len=args.min_len, sigma=args.sigma, max_input_len=args.max_input_len,
-        max_output_len=args.max_output_len, path=args.dataset, prompt_format=args.prompt_format, seed=args.seed)
+        max_output_len=args.max_output_len, path=args.dataset, prompt_format=args.prompt_format, seed=args.seed,
+        conversations=args.conversations, turns=args.turns, think_time_s=args.think_time,
+        system_prompt_len=args.system_prompt_len)
     model = args.model or first_model(args.url, args.api_key)
     phases = args.phases == "on" or (args.phases == "auto" and serves_pdserve(args.url, args.api_key))
     target = Target(url=args.url, model=model, endpoint=args.endpoint, api_key=args.api_key,

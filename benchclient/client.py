@@ -39,6 +39,10 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     phases: dict[str, float] | None = None  # the server's phases of the request (pdserve, when asked for)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
+    text: str = ""                    # the output text (a multi-turn conversation resends it)
+    conversation: int | None = None   # `multiturn`: which conversation and which turn (0 first) it is
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -188,8 +192,13 @@ def _on_event(result: RequestResult, t: float, event: str) -> bool:
         result.tokens_from_usage = True
         if isinstance(obj.get("phases"), dict):
             result.phases = obj["phases"]
+        details = obj["usage"].get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            result.cached_tokens = details["cached_tokens"]
     for choice in obj.get("choices") or []:
         result.chunk_times.append(t)
         result.finish_reason = choice.get("finish_reason") or result.finish_reason
+        delta = choice.get("delta")
+        result.text += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
         break
     return False

@@ -1,10 +1,14 @@
 """One load run: send a workload at an arrival process, collect every result, summarize, save.
 
-Owns `RunConfig` and `run_load`. Requests sent in the first `warmup_s` seconds are marked warm-up and left
-out of the figures; measured requests are those sent in the next `duration_s` seconds (or exactly
-`num_requests` of them). Sending stops then, and the run waits for every request in flight to finish or hit
-`timeout_s` (a timeout is a failed request). The saved document adds the server's per-request phases when it sent
-them (benchclient.phase_table). `pdserve bench` is `main` in benchclient/cli.py.
+Owns `RunConfig` and `run_load`. Requests sent in the first `warmup_s` seconds are marked warm-up and left out of
+the figures; measured requests are those sent in the next `duration_s` seconds (or exactly `num_requests` of them).
+A `multiturn` workload sends conversations: the arrival process starts them (a closed loop keeps `concurrency` of
+them going), each sends its turns one after the other, a turn after the previous reply and its think time, its
+prompt the history with the server's replies (benchclient.conversations); every turn is one measured (or warm-up)
+request, and no conversation starts or goes on once the run's sending ends. Sending stops then, and the run waits
+for every request in flight to finish or hit `timeout_s` (a timeout is a failed request). The saved document adds
+the server's per-request phases when it sent them (benchclient.phase_table). `pdserve bench` is `main` in
+benchclient/cli.py.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import httpx
 
 from benchclient.arrivals import ArrivalSpec, send_times
 from benchclient.client import RequestResult, Target, stream_request
+from benchclient.conversations import Conversation, build_conversations, turn_prompt
 from benchclient.phase_table import phase_summary
 from benchclient.progress import Progress
 from benchclient.stats import SLO, summarize
-from benchclient.workload import BenchRequest, WorkloadSpec, iter_requests
+from benchclient.workload import BenchRequest, iter_requests
+from benchclient.workload_spec import WorkloadSpec
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,9 @@ async def run_load(cfg: RunConfig, progress: bool = False) -> list[RequestResult
         send = _Sender(client, cfg, bar, time.perf_counter())
         ticker = asyncio.create_task(bar.tick_forever())
         try:
-            if cfg.arrival.open_loop:
+            if cfg.workload.kind == "multiturn":
+                await send.conversations()
+            elif cfg.arrival.open_loop:
                 await send.open_loop()
             else:
                 await asyncio.gather(*[send.closed_loop_worker() for _ in range(cfg.arrival.concurrency)])
@@ -85,6 +93,44 @@ class _Sender:
         task = asyncio.create_task(self._one(req, warmup))
         self.tasks.append(task)
         return task
+
+    async def conversations(self) -> None:
+        """Start each conversation at its arrival (open loop) or when one of `concurrency` ends (closed loop)."""
+        cfg = self.cfg
+        pending = build_conversations(cfg.workload)
+        if cfg.arrival.open_loop:
+            runs = []
+            for offset, conv in zip(send_times(cfg.arrival, math.inf, limit=len(pending)), pending, strict=False):
+                delay = self.t0 + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if not self._more(time.perf_counter()):
+                    break
+                runs.append(asyncio.create_task(self._conversation(conv)))
+            await asyncio.gather(*runs)
+            return
+
+        async def lane() -> None:
+            while pending and self._more(time.perf_counter()):
+                await self._conversation(pending.pop(0))
+        await asyncio.gather(*[lane() for _ in range(cfg.arrival.concurrency)])
+
+    async def _conversation(self, conv: Conversation) -> None:
+        """Its turns in order, each with the history and the server's replies so far; ends at a failed turn."""
+        replies: list[str] = []
+        for turn in range(conv.turns):
+            now = time.perf_counter()
+            if not self._more(now):
+                return
+            prompt = turn_prompt(conv, replies, turn, chat=self.cfg.target.endpoint == "chat")
+            result = await self._start(BenchRequest(prompt, len(conv.users[turn].split()), conv.max_tokens[turn]),
+                                       now)
+            result.conversation, result.turn = conv.index, turn
+            if not result.ok:
+                return
+            replies.append(result.text)
+            if conv.think_s[turn] > 0:
+                await asyncio.sleep(conv.think_s[turn])
 
     async def _one(self, req: BenchRequest, warmup: bool) -> RequestResult:
         start = time.perf_counter()
@@ -123,7 +169,8 @@ def result_record(r: RequestResult, t0: float) -> dict[str, Any]:
             "e2e_s": r.e2e, "tpot_s": r.tpot, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens, "max_tokens": r.max_tokens, "input_len": r.input_len,
             "chunks": len(r.chunk_times), "finish_reason": r.finish_reason,
-            "chunk_offsets_ms": [round((t - r.start) * 1000, 2) for t in r.chunk_times], "phases_s": r.phases}
+            "chunk_offsets_ms": [round((t - r.start) * 1000, 2) for t in r.chunk_times], "phases_s": r.phases,
+            "cached_tokens": r.cached_tokens, "conversation": r.conversation, "turn": r.turn}
 
 
 def run_report(cfg: RunConfig, results: list[RequestResult]) -> dict[str, Any]:

@@ -7,7 +7,10 @@ Definitions: TTFT = first output chunk - send; TPOT = (e2e - TTFT) / (completion
 (requests with one token have none); ITL = gaps between successive output chunks of a request, over all
 requests; e2e = `[DONE]` - send. Goodput = successful requests meeting both SLOs / window; a one-token
 request meets the TPOT SLO trivially. Throughputs divide by the window: from the first measured send to the
-last measured request's end.
+last measured request's end. Prompt caching: `cached_prompt_tokens_ratio` = the prompt tokens the server reported
+cached (usage.prompt_tokens_details.cached_tokens) / all prompt tokens of the requests that reported it (NaN: none
+did). Multi-turn runs add the TTFT of turns after the first (`ttft_later_turns_*`: those whose history a cache can
+serve) and `conversations`.
 """
 
 from __future__ import annotations
@@ -87,6 +90,12 @@ def summarize(results: Sequence[RequestResult], slo: SLO) -> dict[str, float | i
         "completion_tokens_mean": out_tokens / len(ok) if ok else math.nan,
         "tokens_from_usage": all(r.tokens_from_usage for r in ok),
         "slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms})
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    summary["cached_prompt_tokens_ratio"] = (sum(r.cached_tokens for r in reported)
+                                             / sum(r.prompt_tokens for r in reported)) if reported else math.nan
+    if any(r.turn is not None for r in measured):
+        summary["conversations"] = len({r.conversation for r in measured})
+        summary.update(distribution("ttft_later_turns", [r.ttft for r in ok if r.turn and r.ttft is not None]))
     return summary
 
 
@@ -108,7 +117,8 @@ def _error_kind(error: str | None) -> str:
 
 FORMAT = [("requests", "{:.0f}"), ("completed", "{:.0f}"), ("failed", "{:.0f}"), ("duration_s", "{:.2f}"),
           ("request_throughput", "{:.2f} req/s"), ("output_token_throughput", "{:.1f} tok/s"),
-          ("total_token_throughput", "{:.1f} tok/s"), ("goodput", "{:.2f} req/s"), ("slo_attainment", "{:.1%}")]
+          ("total_token_throughput", "{:.1f} tok/s"), ("goodput", "{:.2f} req/s"), ("slo_attainment", "{:.1%}"),
+          ("cached_prompt_tokens_ratio", "{:.1%}")]
 
 
 def format_summary(s: dict) -> str:
@@ -118,7 +128,8 @@ def format_summary(s: dict) -> str:
     if s["errors"]:
         lines.append(f"{'errors':<26}{s['errors']}")
     lines.append(f"{'(ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for name in ("ttft", "tpot", "itl", "e2e"):
+    for name in ("ttft", "tpot", "itl", "e2e", *(("ttft_later_turns",) if "ttft_later_turns_p50_ms" in s else ())):
         row = [s[f"{name}_mean_ms"]] + [s[f"{name}_p{q}_ms"] for q in PERCENTILES]
-        lines.append(f"{name.upper():<12}" + "".join(f"{v:>10.1f}" for v in row))
+        label = "TTFT turn>1" if name == "ttft_later_turns" else name.upper()
+        lines.append(f"{label:<12}" + "".join(f"{v:>10.1f}" for v in row))
     return "\n".join(lines)

@@ -34,7 +34,8 @@ SUMMARY_COLUMNS = ("requests", "completed", "failed", "duration_s", "goodput", "
                    "tpot_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
                    "itl_mean_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
                    "e2e_mean_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms",
-                   "prompt_tokens_mean", "completion_tokens_mean")
+                   "prompt_tokens_mean", "completion_tokens_mean", "cached_prompt_tokens_ratio",
+                   "ttft_later_turns_p50_ms", "ttft_later_turns_p99_ms")
 COLUMNS = ("cell", "status", "layout", "mode", "prefill_workers", "decode_workers", "workers", "workload",
            "load", "load_kind", "load_value") + SUMMARY_COLUMNS + (
     "errors", "error", "finished_at", "loadavg_1m")

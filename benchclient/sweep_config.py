@@ -17,7 +17,8 @@ import yaml
 
 from benchclient.arrivals import ArrivalSpec
 from benchclient.stats import SLO
-from benchclient.workload import WorkloadSpec, build_requests
+from benchclient.workload import build_requests
+from benchclient.workload_spec import WorkloadSpec
 from engine.config_error import ConfigError
 
 KEYS = {"description", "base_config", "output_dir", "ray_address", "overrides", "layouts", "workloads", "loads", "slo",

@@ -1,79 +1,27 @@
 """Workloads: what each benchmark request asks for (its prompt and how many tokens it may generate).
 
-Owns `WorkloadSpec` (a frozen description: synthetic `fixed`, `uniform` or long-tailed `chat` lengths, or a
-local `jsonl` / `sharegpt` file) and `build_requests`, which turns a spec into a seeded, reproducible list of
-`BenchRequest`s. Synthetic text prompts are built from common English words (about one token per word for
-Llama-class BPE tokenizers; the stream's usage reports the exact count), so any OpenAI-compatible server can take
-them; `prompt_format: ids` sends token-id lists instead (pdserve accepts them), whose lengths are exact.
+Owns `build_requests` and `iter_requests`, which turn a `WorkloadSpec` (benchclient.workload_spec: synthetic
+`fixed`, `uniform` or long-tailed `chat` lengths, a local `jsonl` / `sharegpt` file, or `multiturn` conversations,
+synthetic or from a file: benchclient.conversations) into a seeded, reproducible list of `BenchRequest`s. Synthetic
+text prompts are built from common English words (about one token per word for Llama-class BPE tokenizers; the
+stream's usage reports the exact count), so any OpenAI-compatible server can take them; `prompt_format: ids` sends
+token-id lists instead (pdserve accepts them), whose lengths are exact.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("fixed", "uniform", "chat", "jsonl", "sharegpt")
-PROMPT_FORMATS = ("text", "ids")
+from benchclient.conversations import build_conversations, turn_prompt
+from benchclient.workload_spec import WORDS, WorkloadSpec, draw_lengths
+
 ID_RANGE = (100, 1000)  # token ids drawn for `ids` prompts: inside any real vocabulary, clear of special tokens
 CHARS_PER_TOKEN = 4     # estimate of a file reply's token count when no max_tokens is given
-WORDS = tuple("""the of and to in is you that it he was for on are as with his they at be this have from or one
-had by word but not what all were we when your can said there use an each which she do how their if will up
-other about out many then them these so some her would make like him into time has look two more write go see
-number no way could people my than first water been call who oil its now find long down day did get come made may
-part over new sound take only little work know place year live me back give most very after thing our just name
-good sentence man think say great where help through much before line right too mean old any same tell boy follow
-came want show also around form three small set put end does another well large must big even such because turn
-here why ask went men read need land different home us move try kind hand picture again change off play spell
-air away animal house point page letter mother answer found study still learn should world high""".split())
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """One workload. Lengths are in tokens (words for `text` prompts); `chat` draws both from log-normals
-    (median `input_len` / `output_len`, spread `sigma`), clipped to [`min_len`, `max_input_len` / `max_output_len`]:
-    most requests short, a few very long, like chat traffic."""
-
-    name: str = "default"
-    kind: str = "fixed"
-    input_len: int = 128
-    output_len: int = 64
-    min_len: int = 1              # `uniform`: lengths in [min_len, input_len] and [min_len, output_len]
-    max_input_len: int = 4096     # `chat` and files: longer prompts are clipped / skipped
-    max_output_len: int = 1024
-    sigma: float = 1.0
-    path: str | None = None       # `jsonl` / `sharegpt`
-    prompt_format: str = "text"   # "text" | "ids" (ids: synthetic kinds only)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
-        for name in ("input_len", "output_len", "min_len", "max_input_len", "max_output_len"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.kind == "uniform" and self.min_len > min(self.input_len, self.output_len):
-            raise ValueError(f"min_len ({self.min_len}) must not exceed input_len and output_len")
-        if self.kind in ("jsonl", "sharegpt") and not self.path:
-            raise ValueError(f"kind {self.kind!r} needs a path")
-        if self.kind in ("jsonl", "sharegpt") and self.prompt_format == "ids":
-            raise ValueError("prompt_format 'ids' is for synthetic kinds; files hold text")
-        if not self.sigma > 0:
-            raise ValueError(f"sigma must be positive, got {self.sigma!r}")
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> WorkloadSpec:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}; known keys: {sorted(known)}")
-        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -91,29 +39,23 @@ def build_requests(spec: WorkloadSpec, n: int) -> list[BenchRequest]:
 def iter_requests(spec: WorkloadSpec) -> Iterator[BenchRequest]:
     """An endless, seeded stream of requests (the same for the same spec); files cycle through their entries."""
     rng = random.Random(spec.seed)
+    if spec.kind == "multiturn":  # each conversation's first turn (a run sends the turns: benchclient.run)
+        conversations = build_conversations(spec)
+        yield from itertools.cycle(BenchRequest(turn_prompt(c, [], 0, chat=True), _word_len(c.users[0]),
+                                                c.max_tokens[0]) for c in conversations)
     if spec.kind in ("jsonl", "sharegpt"):
         entries = load_jsonl(spec) if spec.kind == "jsonl" else load_sharegpt(spec)
         if not entries:
             raise ValueError(f"{spec.path}: no usable entries")
         yield from itertools.cycle(entries)
     while True:
-        lin, lout = _lengths(spec, rng)
+        lin, lout = draw_lengths(spec, rng)
         prompt: str | list[int]
         if spec.prompt_format == "ids":
             prompt = [rng.randrange(*ID_RANGE) for _ in range(lin)]
         else:
             prompt = " ".join(rng.choice(WORDS) for _ in range(lin))
         yield BenchRequest(prompt, lin, lout)
-
-
-def _lengths(spec: WorkloadSpec, rng: random.Random) -> tuple[int, int]:
-    if spec.kind == "fixed":
-        return spec.input_len, spec.output_len
-    if spec.kind == "uniform":
-        return rng.randint(spec.min_len, spec.input_len), rng.randint(spec.min_len, spec.output_len)
-    lin = round(math.exp(rng.gauss(math.log(spec.input_len), spec.sigma)))
-    lout = round(math.exp(rng.gauss(math.log(spec.output_len), spec.sigma)))
-    return (min(max(lin, spec.min_len), spec.max_input_len), min(max(lout, spec.min_len), spec.max_output_len))
 
 
 def load_jsonl(spec: WorkloadSpec) -> list[BenchRequest]:

@@ -34,6 +34,8 @@
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
+# multiturn1 / multiturn1p1d (1 GPU, issue 44): multi-turn conversations on the 8B shape, the host tier on against
+#   off, collocated / 1P+1D sharing the GPU (configs/sweeps/gpu-1x-llama3-8b-multiturn-*.yaml), packed into $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -168,6 +170,10 @@ for step in "$@"; do
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 200 python3 benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --device cuda 2>&1 | tee "$OUT/prefill.log" | grep "^{" ;;
+    multiturn1)
+      sweep multiturn1 gpu-1x-llama3-8b-multiturn-collocated "${SWEEP_TIMEOUT:-590}" ;;
+    multiturn1p1d)
+      sweep multiturn1p1d gpu-1x-llama3-8b-multiturn-1p1d "${SWEEP_TIMEOUT:-590}" ;;
     adaptive2)
       sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" ;;
     adaptive2x2)  # two sweeps side by side, one pair of GPUs each

@@ -36,8 +36,8 @@ WATCH_INTERVAL_S = 0.5
 ENVIRONMENT = """environment (settings no YAML key holds: they belong to a machine or a debugging session):
   PDSERVE_CACHE=DIR         where the built `tiny` model and the compiled CPU kernels are kept
                             (default ~/.cache/pdserve); the workers get the same value
-  KVTRANSFER_ADDRESS=IP     the address a worker's KV agent advertises to its peers (default: this host's
-                            primary IP); set it on hosts with several networks
+  KVTRANSFER_ADDRESS=IP     the address a worker's KV agent advertises to its peers and listens on (default:
+                            its Ray node's address; the loopback on a single-host server)
   PDSERVE_KV_FAULTS=SPEC    transfer faults for tests and drills, e.g. "fail=0.05,stall=0.01:2.0,seed=7"
                             (the YAML's `faults:` and POST /admin/faults are the serving way)
   PDSERVE_TRACE_HANDOFF=1   every KV handoff prints its stages as JSON lines on stderr
@@ -105,7 +105,7 @@ def _serve_main(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if loaded is None:
         return 2
-    config, overrides = loaded
+    config, _ = loaded
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from coordinator.api.http_server import ListenError, bind_listener
     from coordinator.process_supervisor import ProcessSupervisor
@@ -115,20 +115,22 @@ def _serve_main(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 3
     start_watchdog()  # its pipe closes when this process has ended, after Ray's own exit handlers
-    return ProcessSupervisor(args.config, overrides, config, listener).run()
+    return ProcessSupervisor(config, listener).run()
 
 
 def coordinator_main(argv: list[str]) -> int:
-    """The coordinator under `pdserve serve`'s supervisor: CONFIG OVERRIDES_JSON LISTEN_FD READY_FD local|joined.
-    It joins the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD
-    once it serves."""
-    import json
+    """The coordinator under `pdserve serve`'s supervisor: STATE_DIR LISTEN_FD READY_FD local|joined. It runs with the
+    configuration the supervisor froze at start (STATE_DIR's CHILD_CONFIG, never the YAML file as it is now), joins
+    the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD once it
+    serves."""
+    import pickle
     import socket
+    from pathlib import Path
 
-    from coordinator.config.serve_config import load_serve_config
+    from coordinator.process_supervisor import CHILD_CONFIG
     from engine.config_error import ConfigError
-    config_path, overrides, listen_fd, ready_fd, ray_kind = argv
-    config = load_serve_config(config_path, json.loads(overrides))
+    state_dir, listen_fd, ready_fd, ray_kind = argv
+    config = pickle.loads((Path(state_dir) / CHILD_CONFIG).read_bytes())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     import ray
 
@@ -150,7 +152,7 @@ def coordinator_main(argv: list[str]) -> int:
             os.write(int(ready_fd), b"1")
         reporter = asyncio.get_running_loop().create_task(report())
         try:
-            await serve(config, ready, listener)
+            await serve(config, ready, listener, state_dir)
         finally:
             reporter.cancel()
     try:
@@ -166,21 +168,25 @@ def coordinator_main(argv: list[str]) -> int:
 
 
 def _stop_main(args: argparse.Namespace) -> int:
-    """SIGTERM to the server's supervisor (found by its namespace's pid file), then wait for it; with no server
-    running and a joined cluster, remove what is left of its namespace there."""
+    """SIGTERM to the server's supervisor (found by its namespace's pid file, trusted only while the supervisor holds
+    its lock: coordinator.process_supervisor.supervisor_pid), then wait for it; with no server running and a joined
+    cluster, remove what is left of its namespace there."""
     loaded = _load(args)
     if loaded is None:
         return 2
     config, _ = loaded
     from coordinator.backend.fleet import default_namespace
-    from coordinator.process_supervisor import pid_file
+    from coordinator.process_supervisor import pid_file, supervisor_pid
     if config.namespace is None and not config.server.port:
         print("pdserve: error: server.port 0 names no namespace: give the server's --port (or set namespace)",
               file=sys.stderr)
         return 2
     namespace = config.namespace or default_namespace(config.server.port)
     path = pid_file(namespace)
-    pid = int(path.read_text()) if path.exists() else 0
+    pid = supervisor_pid(path)  # only a pid whose supervisor still holds the file's lock is signalled
+    if pid is None and path.exists():
+        print(f"pdserve: ignoring the stale pid file {path}: no pdserve serve holds it (its server was killed); "
+              "the pid in it is not signalled", file=sys.stderr)
     if pid and _alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + config.server.drain_timeout_s + 60

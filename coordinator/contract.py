@@ -43,6 +43,9 @@ class TokenDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[PromptLogprob] | None = None  # on the first delta, when params.prompt_logprobs is set
+    # on the first delta of an attempt whose worker computed its prompt: the prompt (and prior output) tokens whose
+    # KV was not computed for it (device prefix hits, host-tier restores): usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int | None = None
 
 
 class BackendError(Exception):
@@ -68,6 +71,11 @@ class Overloaded(BackendError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Unavailable(Overloaded):
+    """No worker can serve the request until an operator acts (every slot of a pool it needs gave up its restarts):
+    503 with Retry-After at once, naming why, instead of a wait in admission that could only end in a timeout."""
 
 
 class GroupStream(Protocol):

@@ -4,7 +4,9 @@ Owns: APIError (raised anywhere in the HTTP layer, turned into a JSON response o
 the constructors for each kind of failure, and the exception handlers that give FastAPI/Starlette's own errors
 (unknown route, wrong method, anything unexpected) the same shape. `kind` labels the errors metric.
 5xx messages pass through `redact()`: backend failures carry Ray's text (actor ids, pids, IPs, namespaces,
-tracebacks), which is logged in full server-side but never sent to the client.
+tracebacks, Python type names), which is logged in full server-side but never sent to the client; every other
+message through coordinator.client_text.plain (no Python type names, input excerpts cut short), and `param` is
+clipped (an unknown 7,000-character key is named by its first 100).
 
 Request ids: `RequestIdMiddleware` takes the client's `X-Request-Id` (1-128 printable ASCII characters, no spaces;
 anything else is a 400 naming the header) or generates one (`chatcmpl-<hex>`, `cmpl-<hex>`, `req-<hex>` by route),
@@ -26,6 +28,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from coordinator.client_text import ECHOED_CHARS, PYTHON_TYPE, clip, plain
+
 logger = logging.getLogger("coordinator")
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 128
@@ -37,14 +41,13 @@ _VALID_REQUEST_ID = re.compile(rf"^[\x21-\x7e]{{1,{MAX_REQUEST_ID_LEN}}}$")
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str, kind: str, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        if status >= 500:
-            message = redact(message)
+        message = redact(message) if status >= 500 else plain(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.kind = kind  # metric label: invalid_request, auth, not_found, too_large, overloaded, draining, ...
-        self.param = param
+        self.param = None if param is None else clip(param)
         self.code = code
         self.headers = headers or {}
 
@@ -64,12 +67,9 @@ def unauthorized() -> APIError:
                     "auth", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-ECHOED_CHARS = 100  # of a client's string an error message repeats (a 10 KB model name is not sent back whole)
-
-
 def model_not_found(model: str, served: str) -> APIError:
-    shown = model if len(model) <= ECHOED_CHARS else model[:ECHOED_CHARS] + f"... ({len(model)} characters)"
-    return APIError(404, f"The model `{shown}` does not exist; this server serves `{served}`",
+    """404 for an unknown model; a 10 KB name is not sent back whole (clip: ECHOED_CHARS)."""
+    return APIError(404, f"The model `{clip(model, ECHOED_CHARS)}` does not exist; this server serves `{served}`",
                     "invalid_request_error", "not_found", "model", "model_not_found")
 
 
@@ -105,6 +105,9 @@ def timeout(seconds: float) -> APIError:
                     code="timeout")
 
 
+INTERNAL_MESSAGE = "Internal server error (logged by the server under this request's X-Request-Id)"
+
+
 def internal(message: str) -> APIError:
     return APIError(500, message, "server_error", "internal", code="internal_error")
 
@@ -132,7 +135,7 @@ def install_handlers(app: FastAPI, on_error) -> None:
         rid = getattr(request.state, "request_id", None)
         logger.exception("unexpected error serving %s", request.url.path)
         on_error("internal")
-        response = internal(f"Internal server error: {type(exc).__name__}").response()
+        response = internal(INTERNAL_MESSAGE).response()
         if rid is not None:
             response.headers[REQUEST_ID_HEADER] = rid
         return response
@@ -147,6 +150,7 @@ def install_handlers(app: FastAPI, on_error) -> None:
 
 _TRACEBACK = re.compile(r'^\s*(Traceback \(most recent call last\):|File ".*", line \d+)')
 _REDACTIONS = [  # (pattern, replacement), applied in order
+    (re.compile(r"\bray::[\w.]+(?:\(\))?"), ""),  # the Ray task that failed ("ray::PrefillWorker.prefill()")
     # Ray's "(pid=123, ip=10.0.0.2, actor_id=..., repr=<... object at 0x...>)" after a task name
     (re.compile(r"\s*\((?=[^()]*\b(?:pid|ip|actor_id|node_id|worker_id|task_id|job_id)=)[^()]*\)"), ""),
     # ActorDiedError's field lines: "\tactor_id: ...", "\tpid: ...", "\tnamespace: ..."
@@ -168,8 +172,8 @@ MAX_REDACTED_LEN = 500
 
 
 def redact(text: str) -> str:
-    """`text` without pids, IPs, actor/node/worker ids, Ray namespaces, memory addresses, paths or tracebacks:
-    what may go to a client. The kind of failure and its explanation stay."""
+    """`text` without pids, IPs, actor/node/worker ids, Ray namespaces, memory addresses, paths, tracebacks or
+    Python type names: what may go to a client. The kind of failure and its explanation stay."""
     kept, skip_code = [], False
     for line in text.splitlines():
         if _TRACEBACK.match(line):
@@ -180,7 +184,7 @@ def redact(text: str) -> str:
             continue
         skip_code = False
         kept.append(line)
-    out = "\n".join(kept)
+    out = PYTHON_TYPE.sub("", "\n".join(kept))
     for pattern, replacement in _REDACTIONS:
         out = pattern.sub(replacement, out)
     out = re.sub(r"\s+", " ", out).strip()

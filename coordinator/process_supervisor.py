@@ -9,23 +9,28 @@ so the workers are not the coordinator's children and no reaper of its takes the
 once, from the port bound). A coordinator inside Ray would need all three passed around and Ray's own restart
 machinery to behave under a SIGKILL of its owner; a parent process that waits on a child is a few dozen lines.
 
-Life: bind -> start (or join) Ray in namespace `namespace` (or pdserve-HOST-PORT) -> the child
-(`python -m coordinator.cli _coordinator`, its own session) gets the socket and a pipe on which it says when it
-serves. A child that exits after our SIGTERM, or with status 0, ended on purpose. Any other exit of a coordinator
-is a crash: it is started again after recovery.backoff_initial_s, doubling per restart within
-recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_restarts times in that window; a
-server whose first coordinator never served (a start error: no model, pools that cannot be placed) is not
-restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
+Life: bind -> start Ray (a local one on the loopback only: coordinator.ray_network) or join it, in namespace
+`namespace` (or pdserve-HOST-PORT) -> the child (`python -m coordinator.cli _coordinator`, its own session) gets the
+socket, a pipe on which it says when it serves, and the server's state folder (private, removed at exit): the
+configuration loaded at start (frozen: a YAML file edited since is not read again, so an invalid edit cannot stop a
+restarted coordinator) and what the coordinators keep across restarts (the tenants' usage,
+coordinator.admission.tenant_usage_log). A child that exits after our SIGTERM, or with status 0, ended on purpose.
+Any other exit of a coordinator is a crash: it is started again after recovery.backoff_initial_s, doubling per
+restart within recovery.restart_window_s up to backoff_max_s, at most recovery.coordinator_max_restarts times in
+that window; a server whose first coordinator never served (a start error: no model, pools that cannot be placed) is
+not restarted. SIGTERM/SIGINT: forwarded to the child as SIGTERM (it drains and stops its workers; a second signal
 skips the wait), then whatever is left in the namespace is torn down and Ray shut down. A pid file
-(`pid_file(namespace)`) lets `pdserve stop` find this process.
+(`pid_file(namespace)`), locked as long as this process lives, lets `pdserve stop` find this process and only it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
+import fcntl
 import logging
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -38,23 +43,60 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config.serve_config import ServeConfig
+from coordinator.ray_network import confine_local_ray
 
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD_CONFIG = "config.pickle"  # in the server's state folder: the frozen configuration of every coordinator
 
 
 def pid_file(namespace: str) -> Path:
-    """Where the supervisor of `namespace`'s server keeps its pid while it runs."""
+    """Where the supervisor of `namespace`'s server keeps its pid while it runs (and an exclusive lock on the file:
+    `supervisor_pid`)."""
     return Path(tempfile.gettempdir()) / "pdserve" / f"{namespace}.pid"
 
 
+def hold_pid_file(path: Path) -> Any:
+    """Write this process's pid into `path` under an exclusive flock(2), held as long as the returned file stays
+    open: the kernel drops it when this process ends however it ends, so a file left by a SIGKILLed supervisor is
+    known to be stale. RuntimeError if another live process holds it (a server of the same namespace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 - held open for the server's life (non-inheritable: no child keeps the lock)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RuntimeError(f"another pdserve serve holds {path}: a server of this namespace is running") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def supervisor_pid(path: Path) -> int | None:
+    """The pid in `path` if a live supervisor holds the file's lock; None if there is no file or it is stale (no
+    process holds it: its supervisor was killed; the pid in it may be anyone's by now)."""
+    try:
+        f = open(path)  # noqa: SIM115
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: the supervisor is alive (it wrote the pid before anyone could read it)
+            text = f.read().strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
+
 class ProcessSupervisor:
-    def __init__(self, config_path: str, overrides: dict[str, Any], config: ServeConfig, listener: Any) -> None:
-        self._config_path = config_path
-        self._overrides = overrides
-        self.config = config
+    def __init__(self, config: ServeConfig, listener: Any) -> None:
+        self.config = config  # as loaded at start: every coordinator gets this one, never the file as it is now
         self._listener = listener  # bound by the caller (a port in use is its error to print)
         self.port = listener.getsockname()[1]
+        if config.ray_address is None:  # one machine: Ray, the coordinator and the KV transfers on the loopback only
+            confine_local_ray(os.environ)  # before anything here imports Ray
         from coordinator.backend.fleet import default_namespace
         self.namespace = config.namespace or default_namespace(self.port)
         self._stopping = threading.Event()
@@ -65,28 +107,45 @@ class ProcessSupervisor:
     def run(self) -> int:
         """Serve until stopped on purpose (0) or until the coordinator cannot be kept up (its exit status)."""
         from coordinator.backend.pools import init_ray
-        local = self.config.ray_address is None
-        init_ray(self.config.ray_address, self.namespace)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
-            signal.signal(sig, self._on_signal)
-        import ray
-        address = ray.get_runtime_context().gcs_address
         path = pid_file(self.namespace)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(os.getpid()))
         try:
-            return self._loop(address, local)
+            held = hold_pid_file(path)
+        except RuntimeError as e:
+            log.error("pdserve: error: %s", e)
+            return 3
+        try:
+            local = self.config.ray_address is None
+            init_ray(self.config.ray_address, self.namespace)
+            for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
+                signal.signal(sig, self._on_signal)
+            import ray
+            address = ray.get_runtime_context().gcs_address
+            state = tempfile.TemporaryDirectory(prefix="pdserve-state-")  # private (0700): ours and our children's
+            try:
+                self._write_child_config(Path(state.name), address)
+                return self._loop(Path(state.name), local)
+            finally:
+                self._teardown()
+                ray.shutdown()
+                state.cleanup()
         finally:
-            self._teardown()
-            if path.read_text() == str(os.getpid()):
-                path.unlink()
-            ray.shutdown()
+            path.unlink(missing_ok=True)  # ours while we hold its lock
+            held.close()
 
-    def _loop(self, address: str, local: bool) -> int:
+    def _write_child_config(self, state: Path, address: str) -> None:
+        """The configuration every coordinator of this server runs with (coordinator.cli's `_coordinator` reads it):
+        the one loaded at start, with the port bound, the namespace and the Ray address filled in. Frozen here, so
+        an edit of the YAML file reaches no coordinator restarted after a crash; a changed file is applied by
+        restarting the whole server (`pdserve stop`, then `pdserve serve`)."""
+        server = dataclasses.replace(self.config.server, port=self.port)
+        config = dataclasses.replace(self.config, server=server, namespace=self.namespace, ray_address=address)
+        (state / CHILD_CONFIG).write_bytes(pickle.dumps(config))
+
+    def _loop(self, state: Path, local: bool) -> int:
         served_once = False
         while True:
             started = time.monotonic()
-            rc, served = self._run_child(address, local)
+            rc, served = self._run_child(state, local)
             served_once = served_once or served
             if self._stopping.is_set() or rc == 0:
                 return 0
@@ -111,14 +170,12 @@ class ProcessSupervisor:
                 return 0
             self.restarts += 1
 
-    def _run_child(self, address: str, local: bool) -> tuple[int, bool]:
+    def _run_child(self, state: Path, local: bool) -> tuple[int, bool]:
         """Run one coordinator until it exits: (its exit status, whether it served)."""
         ready_r, ready_w = os.pipe()
-        overrides = {**self._overrides, "server.port": self.port, "namespace": self.namespace,
-                     "ray_address": address}
         fd = self._listener.fileno()
-        command = [sys.executable, "-m", "coordinator.cli", "_coordinator", self._config_path, json.dumps(overrides),
-                   str(fd), str(ready_w), "local" if local else "joined"]
+        command = [sys.executable, "-m", "coordinator.cli", "_coordinator", str(state), str(fd), str(ready_w),
+                   "local" if local else "joined"]
         self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True, cwd=ROOT)
         os.close(ready_w)
         if self._stopping.is_set():  # a signal that came while it was being started

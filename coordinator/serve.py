@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import socket
 
+from coordinator.admission.tenant_usage_log import USAGE_LOG, UsageLog
+from coordinator.admission.tenants import TenantRegistry
 from coordinator.api.app import create_app
 from coordinator.api.http_server import DrainingServer, bind_listener, log_serving, uvicorn_config
 from coordinator.config.serve_config import ServeConfig
@@ -23,23 +26,26 @@ from coordinator.observability.stall_reporter import start_stall_reporter
 
 
 async def serve(config: ServeConfig, ready: asyncio.Event | None = None,
-                listener: socket.socket | None = None) -> None:
+                listener: socket.socket | None = None, state_dir: str | None = None) -> None:
     """`listener`: a socket already listening (`pdserve serve`'s process supervisor holds it across coordinator
-    restarts); None: bind server.host:server.port here."""
+    restarts); None: bind server.host:server.port here. `state_dir`: the supervisor's state folder, where the
+    tenants' token charges outlive this coordinator (coordinator.admission.tenant_usage_log)."""
     from coordinator.backend.ray_backend import (
         RayBackend,  # Ray only for the real server (tests build the HTTP config alone)
     )
     listener = listener or bind_listener(config.server.host, config.server.port)
     backend = RayBackend(config)
     stalls = None
+    usage_log = UsageLog(os.path.join(state_dir, USAGE_LOG)) if state_dir is not None else None
     try:
         await backend.start()
+        tenants = TenantRegistry(config.tenants, config.server.api_key, usage_log=usage_log)
         if config.server.api_processes > 1:
             from coordinator.frontends.core_process import serve_core
-            await serve_core(config, backend, listener, ready)
+            await serve_core(config, backend, listener, ready, tenants)
             return
         stalls = start_stall_reporter(config.server, "coordinator")
-        app = create_app(backend, config.server, config.tenants)
+        app = create_app(backend, config.server, config.tenants, registry=tenants)
         uv_config = uvicorn_config(app, config.server)
         server = DrainingServer(uv_config, app.state.lifecycle, config.server.drain_timeout_s)
         log_serving(config, backend)
@@ -59,4 +65,6 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None,
         gc.unfreeze()  # exit as an unfrozen process: frozen objects are never freed at exit, and native bindings
         # (triton's nanobind) then print hundreds of "leaked" lines over the log's drain messages
         listener.close()
+        if usage_log is not None:
+            usage_log.close()
         await backend.shutdown()

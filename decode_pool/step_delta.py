@@ -22,9 +22,11 @@ class StepDelta(NamedTuple):
     new_logprobs: list[TokenLogprob]
     finish_reason: str | None
     prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when params.prompt_logprobs is set
+    num_cached_tokens: int | None = None  # with the first token computed here: StepOutput.num_cached_tokens
 
     @staticmethod
     def wire(outputs: Iterable[StepOutput]) -> list[tuple]:
         """The streamed fields of each output as plain tuples (a decode worker's outputs have no pinned blocks,
         prefill-only, and no fork_first, which group prefills hand over inside the worker)."""
-        return [(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.prompt_logprobs) for o in outputs]
+        return [(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.prompt_logprobs,
+                 o.num_cached_tokens) for o in outputs]

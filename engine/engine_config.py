@@ -39,6 +39,11 @@ class EngineConfig:
     # swap and auto: tensor_parallel_size 1
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 4 << 30     # host memory for swapped-out KV (swap, auto); pinned on CUDA
+    # the host tier under the prefix cache (engine.core.host_tier): bytes of host memory (pinned on CUDA) that keep
+    # full blocks evicted from the device, copied back for a later prompt instead of recomputed. None: a share of the
+    # host's available memory (engine.runner.host_tier_store.auto_host_cache_bytes); 0: none. Needs prefix caching
+    # and tensor_parallel_size 1 (None turns it off elsewhere)
+    kv_host_cache_bytes: int | None = None
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     num_kv_blocks: int | None = None    # None = sized from kv_cache_memory_bytes / gpu_memory_utilization
     kv_cache_memory_bytes: int | None = None
@@ -89,6 +94,12 @@ class EngineConfig:
              f"must be one of {PREEMPTION_MODES} ('swap' and 'auto' need tensor_parallel_size 1)"),
             ("swap_space_bytes", isinstance(self.swap_space_bytes, int) and not isinstance(self.swap_space_bytes, bool)
              and self.swap_space_bytes > 0, "must be a positive integer (bytes)"),
+            ("kv_host_cache_bytes", self.kv_host_cache_bytes is None or (
+                isinstance(self.kv_host_cache_bytes, int) and not isinstance(self.kv_host_cache_bytes, bool)
+                and self.kv_host_cache_bytes >= 0 and (self.kv_host_cache_bytes == 0 or (
+                    self.tensor_parallel_size == 1 and self.enable_prefix_caching))),
+             "must be null (sized from the host's memory), 0 (off) or a number of bytes; a host tier needs "
+             "enable_prefix_caching and tensor_parallel_size 1"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("decode_step_target_s", self.decode_step_target_s is None or (
                 isinstance(self.decode_step_target_s, (int, float)) and not isinstance(self.decode_step_target_s, bool)

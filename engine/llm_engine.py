@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.block_manager import BlockManager
+from engine.core.host_tier import HostTier
 from engine.core.request import Request, RequestStatus, TokenLogprob, check_token_ids, validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepOutput
@@ -44,6 +45,7 @@ from engine.kv_quant import load_kv_scales
 from engine.load import EngineLoad, PhaseClock
 from engine.model.model_config import ModelConfig
 from engine.model.tp_layout import TPLayout
+from engine.runner.host_tier_store import HostTierStore, auto_host_cache_bytes, build_host_tier_store
 from engine.runner.kv_cache import cache_spec
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
@@ -114,13 +116,17 @@ class LLMEngine:
         self.model, self.uses_kernels, self.kv_cache = rank.model, rank.uses_kernels, rank.kv_cache
         self.kv_spec, self.kv_head_range, self.num_kv_blocks = rank.kv_spec, rank.kv_head_range, rank.num_kv_blocks
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # the host tier under the prefix cache (kv_host_cache_bytes; None: none)
+        self.host_tier, self.host_tier_store = self._host_tier(config)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          record_evictions=self.host_tier is not None)
         # preempted requests' KV on the host (preemption_mode swap / auto; None: recomputed)
         self.swap_space, self.swap_store = build_swap(config.preemption_mode, config.swap_space_bytes,
                                                       self.kv_cache) or (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk,
-                                   head_bypass_steps=config.head_bypass_steps, swap=self.swap_space)
+                                   head_bypass_steps=config.head_bypass_steps, swap=self.swap_space,
+                                   tier=self.host_tier)
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests,
                           cpu_kernel=config.kernels == "auto")
         if self.followers is None:
@@ -146,6 +152,8 @@ class LLMEngine:
         self._applied: tuple[int, int] | None = None  # (decode rows, prompt tokens) of the step applied last
         if self.uses_kernels and config.warmup and self.device.type == "cuda":  # no compiles on the CPU
             warm_up(self)
+            if self.host_tier is not None:  # warm-up's blocks are no prompt's
+                self.host_tier.clear()
             clock.lap("warmup")
             if self.prepare_grammar():
                 clock.lap("grammar")
@@ -215,6 +223,7 @@ class LLMEngine:
                 return None
         if not bm.allocate(request_id, num_tokens, hits):
             return None
+        self._offload_now()
         self._reserved.add(request_id)
         if hits:
             self._reserved_hits[request_id] = len(hits)
@@ -266,6 +275,7 @@ class LLMEngine:
         copies = self.block_manager.fork(src_id, dst_id, num_tokens)
         if copies is None:
             return False
+        self._offload_now()
         self.runner.copy_blocks(copies)  # queued after any step in flight (on every rank)
         self._reserved.add(dst_id)
         return True
@@ -348,11 +358,38 @@ class LLMEngine:
 
     def _move_swapped(self, sched: SchedulerOutput) -> None:
         """Queue the step's KV copies to and from the host (preempted requests swapped out, resumed ones swapped
-        in) ahead of the step, on the stream it launches on."""
+        in; evicted prefix blocks to the host tier, prefixes restored from it: engine.runner.host_tier_store) ahead
+        of the step, on the stream it launches on."""
         if sched.swap_out:
             self.swap_store.copy_out(sched.swap_out)
         if sched.swap_in:
             self.swap_store.copy_in(sched.swap_in)
+        if self.host_tier is not None:
+            if sched.tier_out or sched.tier_in:
+                timer = self.host_tier_store.move(sched.tier_out, sched.tier_in)
+                for rid in sched.restored:  # for the request's kv_restore phase (engine.core.request_timing)
+                    self.scheduler.requests[rid].restore_timer = timer
+            self.host_tier.end_step()
+
+    def _offload_now(self) -> None:
+        """Blocks taken outside a step (a reservation, a fork) evicted cached ones: their copies to the host tier go
+        now, ahead of any write into them."""
+        if self.host_tier is not None:
+            self.host_tier_store.copy_out_now(self.host_tier.store(self.block_manager.take_evicted()))
+
+    def _host_tier(self, config: EngineConfig) -> tuple[HostTier | None, HostTierStore | None]:
+        """The host tier and its store, sized by kv_host_cache_bytes (None: auto where the tier can run)."""
+        size = config.kv_host_cache_bytes
+        if size is None:  # on a GPU only when set: its CUDA path (the copy stream) has not run on a GPU yet
+            usable = config.enable_prefix_caching and config.tensor_parallel_size == 1 and self.device.type != "cuda"
+            size = auto_host_cache_bytes(self.device.type) if usable else 0
+        store = build_host_tier_store(size, self.kv_cache) if size else None
+        if store is None:
+            if config.kv_host_cache_bytes:
+                block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+                raise ValueError(f"EngineConfig.kv_host_cache_bytes {size} holds no KV block ({block_bytes} bytes)")
+            return None, None
+        return HostTier(store.copies.host.shape[0], store.block_bytes), store
 
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
         sampled = launched.result()
@@ -419,7 +456,7 @@ class LLMEngine:
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             expired_pins_total=self.num_expired_pins, handoff_hit_blocks_total=self.num_handoff_hit_blocks,
             iteration_tokens_total=s.iteration_tokens.total, iteration_token_counts=tuple(s.iteration_tokens.counts),
-            taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures())
+            taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures(), **self._tier_figures())
 
     def _budget_figures(self) -> dict[str, float]:
         b = self.step_budget
@@ -436,6 +473,18 @@ class LLMEngine:
                 "swap_out_bytes_total": w.blocks_out * w.block_bytes,
                 "swap_in_bytes_total": w.blocks_in * w.block_bytes,
                 "swap_full_total": w.num_full, "swap_used_blocks": w.num_slots - w.num_free}
+
+    def _tier_figures(self) -> dict[str, int]:
+        t = self.host_tier
+        if t is None:
+            return {}
+        return {"host_tier_hit_blocks_total": t.hits, "host_tier_miss_blocks_total": t.misses,
+                "host_tier_in_bytes_total": t.stored * t.block_bytes,
+                "host_tier_out_bytes_total": t.hits * t.block_bytes,
+                "host_tier_evictions_total": t.evictions, "host_tier_dropped_total": t.dropped,
+                "host_tier_used_blocks": t.num_used, "host_tier_total_blocks": t.num_slots,
+                "host_tier_used_bytes": t.num_used * t.block_bytes,
+                "host_tier_capacity_bytes": t.num_slots * t.block_bytes}
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and
@@ -458,6 +507,9 @@ class LLMEngine:
             assert all(r.status == RequestStatus.WAITING for r in swapped), "a swapped-out request is not waiting"
             self.swap_space.check_integrity(r.swap_slots for r in swapped)
         assert result["free"] + result["cached"] + result["pinned"] + result["in_use"] == result["total"]
+        if self.host_tier is not None:  # per tier: every host slot free or holding one block
+            tier = self.host_tier.check_integrity()
+            result |= {f"host_{k}": v for k, v in tier.items()}
         return result | {"expired_pins": self.num_expired_pins}
 
     def rank_call(self, rank: int, method: str, *args) -> Future:

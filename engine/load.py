@@ -52,6 +52,19 @@ class EngineLoad:
     swap_in_bytes_total: int = 0
     swap_full_total: int = 0
     swap_used_blocks: int = 0
+    # the host tier under the prefix cache (engine.core.host_tier; all 0 without one): blocks found there and not
+    # found at admissions, bytes copied into it (evicted device blocks) and out of it (restored prefixes), entries it
+    # evicted for room, evicted device blocks it could not take, and its occupancy now
+    host_tier_hit_blocks_total: int = 0
+    host_tier_miss_blocks_total: int = 0
+    host_tier_in_bytes_total: int = 0
+    host_tier_out_bytes_total: int = 0
+    host_tier_evictions_total: int = 0
+    host_tier_dropped_total: int = 0
+    host_tier_used_blocks: int = 0
+    host_tier_total_blocks: int = 0
+    host_tier_used_bytes: int = 0
+    host_tier_capacity_bytes: int = 0
     # the hosting process's garbage collector (engine.gc_pauses; a pool worker fills them in): collections, full ones,
     # their summed and longest pause (the step thread waits through each)
     gc_pauses_total: int = 0

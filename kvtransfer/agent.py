@@ -61,7 +61,7 @@ class KVAgent:
         self.config = config or AgentConfig()
         faults = self.config.faults if self.config.faults is not None else FaultConfig.from_env()
         self._faults = FaultInjector(faults)
-        self._address = address or default_address()
+        self._address = address or self.config.address or default_address()
         self._metrics = TransferMetrics()
         self._handshake = self.config.handshake
         self._inbox = Inbox()

@@ -50,6 +50,9 @@ class AgentConfig:
     handshake_attempt_s: float = 4.0  # one attempt's time (or what is left of the deadline)
     handshake_backoff_s: float = 0.2  # wait before the second attempt, doubled before each further one
     backends: tuple[str, ...] = ("cuda_ipc", "ucx")  # preference order
+    # the address the agent advertises, where its notification listener listens (None: $KVTRANSFER_ADDRESS, else
+    # this host's primary IP); a pool worker sets its Ray node's (pool_worker.worker)
+    address: str | None = None
     faults: FaultConfig | None = None  # injected faults; None: those in $PDSERVE_KV_FAULTS, if set, else none
 
     def __post_init__(self) -> None:

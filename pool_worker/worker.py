@@ -69,6 +69,11 @@ class Worker:
         from kvtransfer.worker_setup import prepare_process
 
         torch.set_num_threads(self._num_threads)
+        if self._agent_config is not None and self._agent_config.address is None:  # the interface Ray's node uses
+            import ray  # (a single-host server's: the loopback, coordinator.ray_network)
+
+            address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
+            self._agent_config = replace(self._agent_config, address=address)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         started = time.monotonic()
         tp = self._engine_config.tensor_parallel_size
@@ -228,6 +233,11 @@ class Worker:
         self.loop.engine.step_delay_s = step_delay_s
         if self.agents is not None:
             await asyncio.to_thread(self.agents.set_faults, kv)
+
+    async def host_tier_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The block hashes its engine's host tier added and evicted since the last call (engine.core.host_tier),
+        for the coordinator's prefix index; none without a tier."""
+        return await self.loop.call(lambda e: e.host_tier.take_changes() if e.host_tier is not None else ([], []))
 
     async def transfer_metrics(self) -> list[dict]:
         """Every rank's transfer figures (rank 0's with the push counters); none when collocated."""

@@ -61,6 +61,7 @@ class PrefillResult:
     prompt_logprobs: list[PromptLogprob] | None = None  # when params.prompt_logprobs is set
     phases: Durations = ()  # (phase, seconds) measured here: prefill_queue, prefill_compute (, kv_transfer)
     pushed: bool = False  # a push of the KV into the decode worker's booked blocks is under way: ask push_outcome
+    num_cached_tokens: int = 0  # prompt (and prior output) tokens whose KV was not computed here (prefix hits)
 
 
 class Prefills:
@@ -159,7 +160,8 @@ class Prefills:
                 continue  # an expired pin, or an aborted request
             result = PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
                                    out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
-                                   out.prompt_logprobs, self._timing.first_output(out.request_id) or ())
+                                   out.prompt_logprobs, self._timing.first_output(out.request_id) or (),
+                                   num_cached_tokens=out.num_cached_tokens or 0)
             if self._trace:
                 self._step_ends[out.request_id] = self.loop.outputs_at
             if self.pushes is not None and out.request_id in self.pushes:

@@ -5,7 +5,8 @@
 127.0.0.1 and Ray's default ports without meeting another cluster on the machine), a PID namespace (`ray stop`,
 which `ray up` and `ray down` run, stops only this scenario's Ray; when the scenario ends or is killed on timeout,
 the kernel kills every process left in it) and a mount namespace with a private /tmp/ray (where Ray keeps
-sessions and finds the running cluster). The scenario writes what it saw to WORKDIR/result.json; the tests assert
+sessions and finds the running cluster) and /tmp/pdserve (pdserve serve's pid files, named by host and port: the
+same in every scenario). The scenario writes what it saw to WORKDIR/result.json; the tests assert
 on it. HOME is WORKDIR/home inside, so the cluster token (~/.ray/auth_token), Ray's files and the server's log
 and pid stay in the test's directory. Needs root (namespaces, sshd); CI runs as root.
 
@@ -102,11 +103,16 @@ def sh(cmd: list[str] | str, timeout_s: float = 120, env: dict | None = None, ch
 
 
 def enter_namespaces(workdir: Path) -> None:
-    """Loopback up, a private /tmp/ray, HOME in the work dir with the cluster's token, token auth on."""
+    """Loopback up, a private /tmp/ray and /tmp/pdserve (pdserve serve's pid files: a scenario's server on port 8000
+    is another machine's to a scenario running beside it, though the host name is the same), HOME in the work dir
+    with the cluster's token, token auth on."""
+    from coordinator.process_supervisor import pid_file
+
     sh(["ip", "link", "set", "lo", "up"])
-    (workdir / "ray-tmp").mkdir(exist_ok=True)
-    os.makedirs("/tmp/ray", exist_ok=True)
-    sh(["mount", "--bind", str(workdir / "ray-tmp"), "/tmp/ray"])
+    for private, where in (("ray-tmp", Path("/tmp/ray")), ("pdserve-tmp", pid_file("any").parent)):
+        (workdir / private).mkdir(exist_ok=True)
+        where.mkdir(parents=True, exist_ok=True)
+        sh(["mount", "--bind", str(workdir / private), str(where)])
     home = workdir / "home"
     (home / ".ray").mkdir(parents=True, exist_ok=True)
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))

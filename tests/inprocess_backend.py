@@ -143,7 +143,8 @@ class InProcessBackend:
                 queue = self._streams.get(out.request_id)
                 if queue is None:
                     continue
-                queue.put_nowait(TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason))
+                queue.put_nowait(TokenDelta(out.new_token_ids, out.new_logprobs, out.finish_reason,
+                                            cached_tokens=out.num_cached_tokens))
                 if out.finish_reason is not None:
                     del self._streams[out.request_id]
                     self.finished.append(out.request_id)

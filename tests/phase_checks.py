@@ -11,10 +11,10 @@ import time
 
 import httpx
 
-from coordinator.observability.phases import DISAGGREGATED_ONLY, PHASES
+from coordinator.observability.phases import DISAGGREGATED_ONLY, PHASES, RESTORE_ONLY
 from tests.server_process import metric_values
 
-DISAGGREGATED = set(PHASES) - {"migration"}
+DISAGGREGATED = set(PHASES) - {"migration", *RESTORE_ONLY}
 COLLOCATED = DISAGGREGATED - set(DISAGGREGATED_ONLY)
 WITH_PHASES = {"stream": True, "stream_options": {"include_usage": True, "include_phases": True}}
 

@@ -132,8 +132,9 @@ def _canonical(labels: str | None) -> str | None:
 
 
 def scrape(url: str) -> str:
-    """The server's /metrics text."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:  # no client to build: quick under load
+    """The server's /metrics text, as the operator reads it (with the tenant-labelled families)."""
+    request = urllib.request.Request(f"{url}/metrics", headers=OPERATOR)
+    with urllib.request.urlopen(request, timeout=10) as r:  # no client to build: quick under load
         return r.read().decode()
 
 

@@ -3,16 +3,21 @@ planner's verdict, its ladder of roles, hysteresis and cooldown (coordinator.bac
 checks (mode adaptive needs an SLO; the SLO and planner belong to it alone)."""
 
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from coordinator.admission.placement import PlacementModel, Side
-from coordinator.admission.router import Router, WorkerState
+from coordinator.admission.router import HOST_HIT_VALUE, Router, WorkerState
 from coordinator.backend.planner import Planner, step_toward, verdict
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
 from coordinator.config.serve_config import load_serve_config
 from coordinator.observability.latency_window import LatencyWindow
 from engine.config_error import ConfigError
+from engine.core.block_manager import prefix_block_hashes
 from engine.load import EngineLoad, WorkerInfo
 
 SLO = SLOConfig(ttft_ms=500, tpot_ms=40)
@@ -230,8 +235,27 @@ def test_adaptive_config_is_checked_at_load(tmp_path):
     with pytest.raises(ConfigError, match="'planner' applies to mode: adaptive only"):
         load_serve_config(_yaml(tmp_path, "planner: {interval_s: 1}\n"))
     with pytest.raises(ConfigError, match="same tensor_parallel_size"):
-        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {}\nprefill: {tensor_parallel_size: 2}\n"))
+        load_serve_config(_yaml(tmp_path, "mode: adaptive\nslo: {ttft_ms: 500, tpot_ms: 40}\n"
+                                          "prefill: {tensor_parallel_size: 2}\n"))
     assert load_serve_config("configs/adaptive.yaml").adaptive
+
+
+@pytest.mark.parametrize("slo", ["{ttft_ms: 500}", "{tpot_ms: 40}", "{}"])
+def test_pdserve_serve_refuses_an_slo_without_both_targets_at_load(tmp_path, slo):
+    """A target left out was silently 40 ms (tpot) or 500 ms (ttft): `pdserve serve` now stops at load, naming
+    the key, before it binds a port or starts Ray."""
+    path = _yaml(tmp_path, f"model: tiny\nmode: adaptive\nslo: {slo}\nserver: {{port: 0}}\n")
+    missing = "slo.ttft_ms" if "ttft" not in slo else "slo.tpot_ms"
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # it started serving: stop it (a drain) before failing
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+        pytest.fail(f"pdserve serve started with slo {slo}")
+    assert proc.returncode == 2, err
+    assert f"{path}: '{missing}' is required (it has no default)" in err, err
 
 
 def test_a_decoder_without_headroom_takes_no_local_prompt_however_long_the_remote_queue():
@@ -275,3 +299,38 @@ def test_small_or_unknown_estimates_teach_nothing():
     assert math.isinf(unknown.raw_s)
     model.observe_first_token(unknown, 0.3)
     assert model.calibration.factors() == {} and model.calibration.factor("decode-0", "local") == 1.0
+
+
+def test_a_host_tier_s_blocks_count_for_their_worker_below_a_device_run():
+    router = Router(block_size=4)
+    tokens = list(range(20))
+    hashes = prefix_block_hashes(tokens, 4)  # 5 blocks
+    router.remember(tokens[:8], "prefill-0")  # its device: blocks 0-1
+    router.host_report("prefill-0", hashes[2:4], [])  # its host tier: blocks 2-3 (evicted from its device)
+    router.host_report("prefill-1", hashes[:5], [])  # another worker's host tier: all 5
+    assert router.tier_tokens(tokens, "prefill-0") == (8, 8)
+    assert router.tier_tokens(tokens, "prefill-1") == (0, 20)
+    assert router.effective_cached_tokens(tokens, "prefill-0") == 8 + int(8 * HOST_HIT_VALUE)
+    # the prefill pick: 2 device + 2 host blocks (3.5) against 5 host blocks (3.75) with HOST_HIT_VALUE 0.75
+    workers = [_worker("prefill-0"), _worker("prefill-1")]
+    assert router.pick_prefill(tokens, workers, lambda w: 0).name == "prefill-1"
+    assert router.tier_tokens(tokens, "prefill-1") == (20, 0)  # routed there: its device will hold them
+    again = Router(block_size=4)
+    again.remember(tokens[:8], "prefill-0")
+    again.host_report("prefill-0", hashes[2:4], [])
+    again.host_report("prefill-1", hashes[:5], [])
+    again.host_report("prefill-1", [], hashes[3:5])  # evicted: it holds blocks 0-2 now (2.25 < 3.5)
+    assert again.pick_prefill(tokens, workers, lambda w: 0).name == "prefill-0"
+    assert again.host_blocks() == {"prefill-0": 2, "prefill-1": 3}
+    again.forget_host("prefill-0")  # it died: its host tier went with it
+    assert again.host_blocks() == {"prefill-1": 3} and again.tier_tokens(tokens, "prefill-0")[1] == 0
+    # a device block is worth more than a host block: at equal lengths the device owner wins
+    other = Router(block_size=4)
+    other.remember(tokens, "prefill-0")
+    other.host_report("prefill-1", hashes, [])
+    assert other.pick_prefill(tokens, workers, lambda w: 0).name == "prefill-0"
+
+
+def _worker(name: str) -> WorkerState:
+    info = WorkerInfo(name, "prefill", 100, 4, 1024, 2000, None)
+    return WorkerState(info, handle=None)

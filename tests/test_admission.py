@@ -11,13 +11,14 @@ from coordinator.admission.router import Router, WorkerState
 from coordinator.backend.pools import Pools
 from coordinator.backend.supervisor import Supervisor
 from coordinator.config.serve_config import AdmissionConfig, RecoveryConfig, ServeConfig
-from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge
+from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge, Unavailable
 from engine.core.sampling_params import SamplingParams
 from engine.load import WorkerInfo
 
 
-def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, **admission):
-    config = ServeConfig(mode=mode, admission=AdmissionConfig(**{"timeout_s": 0.3, **admission}))
+def _setup(mode="disaggregated", decode_blocks=(100,), prefills=1, fallback=True, **admission):
+    config = ServeConfig(mode=mode, admission=AdmissionConfig(**{"timeout_s": 0.3, **admission}),
+                         recovery=RecoveryConfig(fallback=fallback))
     pools = Pools(config)
     pools.decode = [WorkerState(WorkerInfo(f"decode-{i}", "decode" if mode == "disaggregated" else "collocated", n,
                                            16, 4096, 1000, None), handle=None) for i, n in enumerate(decode_blocks)]
@@ -227,4 +228,46 @@ def test_a_small_request_is_placed_ahead_of_a_large_one_waiting_for_room(bypass_
         assert small.done() == small_first and not big.done()
         held.release()                                                     # room for big (and small after it)
         await asyncio.wait_for(asyncio.gather(big, small), 2)
+    asyncio.run(run())
+
+
+def test_a_pool_whose_slots_gave_up_refuses_at_once_new_and_waiting_requests():
+    """Without fallback, a request needs both pools: once the only prefill slot gave up (state "failed", back only by
+    an operator's revive) it is refused at once, naming the slot, where it waited out admission.timeout_s before."""
+    admission, ledger, pools = _setup(fallback=False, timeout_s=600)
+
+    async def run():
+        pools.prefill[0].state = "restarting"                        # a replacement is coming: the request waits
+        waiting = asyncio.create_task(admission.place(_request(10, 5), 0, ledger.open("waits")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        pools.prefill[0].state = "failed"                             # its restarts gave up (the supervisor tells)
+        admission.notify()
+        with pytest.raises(Unavailable, match="the prefill pool has no live worker .prefill-0 failed") as refused:
+            await asyncio.wait_for(waiting, 5)
+        assert refused.value.retry_after_s > 0
+        with pytest.raises(Unavailable, match="revives it"):
+            await asyncio.wait_for(admission.place(_request(10, 5), 0, ledger.open("new")), 5)
+    asyncio.run(run())
+    assert ledger.check_integrity() == {} and len(admission.queue) == 0
+
+
+def test_with_fallback_one_pool_that_gave_up_leaves_the_other_serving_and_both_refuse_at_once():
+    admission, ledger, pools = _setup(fallback=True, timeout_s=600)
+
+    async def run():
+        pools.prefill[0].state = "failed"
+        placed = await asyncio.wait_for(admission.place(_request(10, 5), 0, booked := ledger.open("a")), 5)
+        assert placed.decode is pools.decode[0] and placed.prefill is None  # whole on the decode worker
+        booked.release()
+        pools.decode[0].state = "failed"
+        with pytest.raises(Unavailable, match="prefill pool has no live worker.*decode pool has no live worker"):
+            await asyncio.wait_for(admission.place(_request(10, 5), 0, ledger.open("b")), 5)
+        pools.decode[0].state = "restarting"  # one pool can come back: with fallback the request waits for it
+        waiting = asyncio.create_task(admission.place(_request(10, 5), 0, ledger.open("c")))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        pools.decode[0].state = "live"         # the replacement is up: the request runs on it (fallback)
+        admission.notify()
+        assert (await asyncio.wait_for(waiting, 5)).decode is pools.decode[0]
     asyncio.run(run())

@@ -98,12 +98,16 @@ def test_an_engine_call_arriving_after_a_cancel_finds_the_blocks_given_back(wait
     run_with_loop(body)
 
 
-def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts_none():
+@pytest.mark.parametrize("stagger_s", [0, 0.05])  # the streams admitted together, or steps apart (a loaded machine)
+def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts_none(stagger_s):
     """3 streams of 17 prompt tokens (2 blocks each) decode to 41 tokens (3 blocks each) on 10 blocks: 4 are free
     for their first 15 steps, enough for a 40-token booking (3 blocks) but then not for the streams' third blocks,
-    which would preempt one of them. The booking waits until they end instead: made, and nothing preempted. (The
-    15 steps before they cross into a third block leave the check room on a loaded machine; with 31-token prompts
-    there was one step, and the CI machine once missed it.)"""
+    which would preempt one of them. The booking waits until streams end and leave it room beside the others' next
+    blocks instead: made, and nothing preempted while the streams still running go on to their end beside it.
+    (The 15 steps before they cross into a third block leave the check room on a loaded machine; with 31-token
+    prompts there was one step, and the CI machine once missed it. A loaded machine may also admit the streams
+    steps apart, as `stagger_s` does, so that some still run when the booking is made: the loop is closed only once
+    they have ended.)"""
     from engine import SamplingParams
     from tests.engine_helpers import random_prompts
 
@@ -117,19 +121,21 @@ def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts
             for i, p in enumerate(prompts):
                 await loop.call(lambda e, i=i, p=p: e.add_request(
                     f"s{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)))
+                await asyncio.sleep(stagger_s)
             while not await loop.call(lambda e: len(e.scheduler.running) == 3
                                       and all(r.num_output_tokens for r in e.scheduler.running)):
                 await asyncio.sleep(0.001)
             refused = await loop.call(lambda e: (e.block_manager.num_free_blocks, e.reserve_blocks("x", 40, True)))
             res = Reservations(loop, "decode-test", timeout_s=60)
             booking = await res.take("x", T40)
-            running_then = await loop.call(lambda e: len(e.scheduler.running))
+            while await loop.call(lambda e: e.has_unfinished()):  # the streams end beside the booking
+                await asyncio.sleep(0.005)
             await loop.call(lambda e: e.abort("x"))
-            return refused, booking, running_then
+            return refused, booking
         finally:
             loop.close()
             await task
-    (free, refused), booking, running_then = asyncio.run(main())
+    (free, refused), booking = asyncio.run(main())
     assert free >= 3 and refused is None  # it fit the free blocks, not beside the streams' next blocks
     assert len(booking.blocks) == 3
     assert engine.load().preemptions_total == 0

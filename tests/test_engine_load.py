@@ -51,8 +51,12 @@ def test_counters_and_gauges_of_a_scripted_run(folder, overlap):
     engine = LLM(folder, async_scheduling=overlap).engine
     prompt = random_prompts((33,), VOCAB, seed=1)[0]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    tier = engine.host_tier  # on by default on the CPU, sized from the machine's memory: its capacity, nothing used
+    assert tier is not None and tier.num_slots > 0
     assert engine.load() == EngineLoad(0, 0, 0, 0, engine.num_kv_blocks, engine.num_kv_blocks,
-                                       iteration_token_counts=(0,) * (len(ITERATION_TOKEN_BUCKETS) + 1))
+                                       iteration_token_counts=(0,) * (len(ITERATION_TOKEN_BUCKETS) + 1),
+                                       host_tier_total_blocks=tier.num_slots,
+                                       host_tier_capacity_bytes=tier.num_slots * tier.block_bytes)
     engine.add_request("a", prompt[:32], greedy)  # two full blocks
     load = engine.load()
     assert (load.num_waiting, load.num_running, load.queued_prompt_tokens) == (1, 0, 32)

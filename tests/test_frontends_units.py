@@ -33,9 +33,11 @@ def test_errors_cross_with_what_the_http_layer_answers_with(error):
                                                                       {"Retry-After": "2"})
 
 
-def test_an_unexpected_error_crosses_as_a_backend_error_naming_its_type_only():
+def test_an_unexpected_error_crosses_as_a_backend_error_naming_nothing_of_it():
+    """Its type and text are the core process's log's (issue 46: no Python type names in answers)."""
     back = decode_error(encode_error(KeyError("secret detail")))
-    assert type(back) is BackendError and "KeyError" in str(back) and "secret" not in str(back)
+    assert type(back) is BackendError and "KeyError" not in str(back) and "secret" not in str(back)
+    assert "internal error in the core process" in str(back)
 
 
 def test_a_trace_taken_over_keeps_the_phases_summing_to_the_whole():

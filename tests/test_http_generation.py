@@ -72,7 +72,8 @@ def test_greedy_completions_equal_the_engine_streamed_and_not(client, ref):
         assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
         assert choice["text"] == exp.text and choice["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": len(exp.prompt_token_ids), "completion_tokens": 16,
-                                 "total_tokens": len(exp.prompt_token_ids) + 16}
+                                 "total_tokens": len(exp.prompt_token_ids) + 16,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}  # shorter than a block
         events = stream(client, "/v1/completions", greedy_body(prompt))
         assert "".join(e["choices"][0]["text"] for e in events) == exp.text
         assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
@@ -327,3 +328,28 @@ def test_a_forced_call_cut_by_max_tokens_has_an_empty_tool_calls_list(server):
                                                  tool_choice=choice)
             assert out.choices[0].finish_reason == "length", out
             assert out.choices[0].message.tool_calls is not None and len(out.choices[0].message.tool_calls) == 0, out
+
+
+def test_cached_tokens_count_the_prompt_blocks_the_prefix_cache_held_streamed_and_not(client, ref):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's, vLLM's): 0 for a prompt never seen, then every full
+    block of it but the one holding its last token (whose KV is always computed), on both endpoints, streamed or
+    not, and with continuous usage on every chunk; the output is the cold run's."""
+    prompt = list(range(300, 340))  # 40 tokens: 2 full blocks of 16 before the last token
+    exp = ref.generate([prompt], GREEDY)[0]
+    cold = completion(client, prompt, max_tokens=16, temperature=0, ignore_eos=True)
+    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    warm = completion(client, prompt, max_tokens=16, temperature=0, ignore_eos=True)
+    assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert cold["choices"][0]["text"] == warm["choices"][0]["text"] == exp.text
+    events = stream(client, "/v1/completions", greedy_body(prompt, stream_options={"include_usage": True}))
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == exp.text
+    events = stream(client, "/v1/completions", greedy_body(prompt, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert all(e["usage"]["prompt_tokens_details"] == {"cached_tokens": 32} for e in events)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "tell me " * 14}], "max_tokens": 4}
+    first = client.post("/v1/chat/completions", json=chat).json()["usage"]
+    assert first["prompt_tokens"] > 32 and first["prompt_tokens_details"] == {"cached_tokens": 0}
+    events = stream(client, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    assert events[-1]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": (first["prompt_tokens"] - 1) // 16 * 16}

@@ -25,11 +25,12 @@ ALLOWED_TOP = {
 ALLOWED_PARTS = {
     "config": set(),
     "observability": {"config"},
-    "errors": set(),
+    "client_text": set(),
+    "errors": {"client_text"},
     "contract": {"observability", "config"},
     "admission": {"contract", "errors", "observability", "config"},
     "backend": {"admission", "contract", "errors", "observability", "config"},
-    "api": {"admission", "contract", "errors", "observability", "config"},
+    "api": {"admission", "contract", "errors", "client_text", "observability", "config"},
     "frontends": {"api", "admission", "contract", "errors", "observability", "config"},
 }
 

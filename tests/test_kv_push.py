@@ -26,7 +26,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def pair():
     """A bfloat16 tiny engine prefilling in chunks of 48 tokens with its agent, and a decode-side agent in its own
-    process holding a cache of the same layout (random bits until written); connected both ways."""
+    process holding a cache of the same layout (random bits until written); connected both ways.
+    WorkerAgents opts its process into ucxx's Python futures (kvtransfer.backends.ucx.use_python_futures: one
+    event loop per process, as in a pool worker). This is the test process, whose later modules run agents each on
+    a loop of its own: ucxx's futures, bound to this module's loop, failed their handshakes ("attached to a
+    different loop"). So the test process keeps ucxx's default, as use_python_futures says tests should."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UCXPY_ENABLE_PYTHON_FUTURE", "0")
+        yield from _pair()
+
+
+def _pair():
     engine = LLM("tiny", dtype="bfloat16", max_prefill_chunk=48).engine
     agents = WorkerAgents("prefill-t", AgentConfig(**CONFIG), engine)
     peer = PeerProcess("decode-t", num_blocks=64, seed=5, config=CONFIG, spec=engine.kv_spec)

@@ -52,7 +52,9 @@ _COUNTERS = (
     "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
     "pdserve_worker_engine_swap_full", "pdserve_worker_engine_handoff_hit_blocks",
-    "pdserve_worker_engine_iteration_tokens")
+    "pdserve_worker_engine_iteration_tokens",
+    *(f"{prefix}{key}" for prefix in ("pdserve_kv_tier_", "pdserve_worker_engine_host_tier_")
+      for key in ("hit_blocks", "miss_blocks", "in_bytes", "out_bytes", "evictions", "dropped")))
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",
@@ -65,7 +67,9 @@ _GAUGES = (
     "pdserve_worker_engine_prefill_budget_tokens", "pdserve_worker_engine_prefill_token_s",
     "pdserve_worker_engine_step_time_last_s", "pdserve_worker_engine_step_time_total_s",
     "pdserve_worker_engine_steps", "pdserve_worker_drained", "pdserve_worker_draining",
-    "pdserve_worker_used_kv_blocks", "pdserve_worker_engine_swap_used_blocks",
+    "pdserve_worker_used_kv_blocks", "pdserve_worker_engine_swap_used_blocks", "pdserve_prefix_index_host_blocks",
+    *(f"{prefix}{key}" for prefix in ("pdserve_kv_tier_", "pdserve_worker_engine_host_tier_")
+      for key in ("used_blocks", "total_blocks", "used_bytes", "capacity_bytes")),
     "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
     "pdserve_worker_step_time_ratio", "pdserve_worker_straggler",

@@ -39,6 +39,15 @@ def test_a_pool_can_turn_the_gpu_fast_path_switches_off(tmp_path):
     assert cfg.engine_config(cfg.prefill).async_scheduling is None  # the other pool keeps the default (by device)
 
 
+def test_the_host_tier_is_on_by_default_and_a_pool_sizes_or_turns_it_off(tmp_path):
+    text = "decode:\n  kv_host_cache_bytes: 0\nprefill:\n  kv_host_cache_bytes: 4096\n"
+    cfg = load_serve_config(write(tmp_path, text))
+    assert cfg.engine_config(cfg.decode).kv_host_cache_bytes == 0
+    assert cfg.engine_config(cfg.prefill).kv_host_cache_bytes == 4096
+    default = load_serve_config(ROOT / "configs" / "default.yaml")
+    assert default.engine_config(default.decode).kv_host_cache_bytes is None  # sized from the host's memory
+
+
 def write(tmp_path, text):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -61,6 +70,11 @@ def write(tmp_path, text):
     ("block_size: true\n", "'block_size' must be int"),
     ("decode:\n  kernels: cuda\n", "decode workers' engine: EngineConfig.kernels must be one of"),
     ("prefill:\n  async_scheduling: 1\n", "'prefill.async_scheduling' must be bool"),
+    ("decode:\n  kv_host_cache_bytes: -1\n", "'decode.kv_host_cache_bytes' must not be negative"),
+    ("prefill:\n  kv_host_cache_bytes: true\n", "'prefill.kv_host_cache_bytes' must be int"),
+    ("prefill:\n  kv_host_cache_bytes: 2.5e9\n", "'prefill.kv_host_cache_bytes' must be int"),
+    ("enable_prefix_caching: false\ndecode:\n  kv_host_cache_bytes: 1000000\n",
+     "decode workers' engine: EngineConfig.kv_host_cache_bytes must be null"),
     ("[1, 2]\n", "top level must be a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
 ])

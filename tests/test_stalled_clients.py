@@ -1,7 +1,8 @@
 """Stalled clients on the real server (`pdserve serve`, local Ray, 1 prefill + 1 decode, the embedded `tiny` model):
 a client that stops reading its stream is cut after `server.stall_timeout_s` (coordinator.api.stall_watch): its
 request is aborted on the workers before its end, its KV booking freed, one stall counted in
-`pdserve_stalled_clients_total` and its connection dropped, while a client that reads is served meanwhile."""
+`pdserve_stalled_clients_total` and its connection dropped, while a client that reads is served meanwhile; also a
+plain client that never reads, whose default buffers (on loopback) could take its whole stream."""
 
 import asyncio
 import json
@@ -98,3 +99,27 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(server):
         assert poll(ended, 60), "the stalled client's connection is still open"
     finally:
         stalled.close()
+
+
+def test_a_client_that_never_reads_with_default_buffers_stops_its_generation(server):
+    """A plain client (the kernel's default buffers, which on loopback can take a whole stream) sends a long
+    streamed request and never reads a byte, not even the response head: once the bytes it leaves unread stay
+    unacknowledged for `server.stall_timeout_s`, its request is aborted on the workers well before its end."""
+    url = server.url
+    before = _sampled_tokens(url)
+    stalls = metric_values(url, "pdserve_stalled_clients_total").get(None, 0)
+    aborted = metric_values(url, "pdserve_requests_total").get('{outcome="aborted"}', 0)
+    address = urlparse(url)
+    body = json.dumps({"model": "tiny", "prompt": "A long road", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                       "stream": True, "temperature": 0, "logprobs": 20}).encode()
+    with socket.create_connection((address.hostname, address.port), timeout=60) as never_reads:
+        never_reads.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        cut = _poll(lambda: metric_values(url, "pdserve_stalled_clients_total").get(None, 0) > stalls)
+        assert cut, "the client that never reads was never cut"
+        assert metric_values(url, "pdserve_requests_total")['{outcome="aborted"}'] == aborted + 1
+        integrity = assert_nothing_booked(url)
+        assert integrity["ok"], integrity
+        # the generation stopped before its end (the client's default receive buffer holds a few hundred of
+        # these chunks): the engines sampled fewer tokens than the stream asked for
+        assert _sampled_tokens(url) - before < MAX_TOKENS

@@ -1,12 +1,16 @@
-"""Tenants: the YAML section and its errors, API-key authentication, token-bucket limits driven by a fake clock
-(429 bodies and Retry-After exact), settling a grant exactly once, usage counters and request priorities."""
+"""Tenants: the YAML section and its errors, API-key authentication, limits driven by a fake clock (the requests
+bucket, the tokens' sliding window: 429 bodies and Retry-After exact, no minute above the limit, the allowance of a
+request without max_tokens, charges that outlive a restart through the usage log), settling a grant exactly once,
+usage counters and request priorities."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
+from coordinator.admission.tenant_usage_log import UsageLog
 from coordinator.admission.tenants import TenantRegistry
+from coordinator.admission.token_window import WINDOW_S
 from coordinator.config.tenants_config import PRIORITY_CLASSES, TenantConfig, TenantsConfig, parse_tenants
 from coordinator.errors import APIError
 from engine.config_error import ConfigError
@@ -33,11 +37,10 @@ tenants:
 """
 
 
-def registry(clock: FakeClock, upfront: int = 500, **acme) -> TenantRegistry:
-    """`upfront`: output tokens charged at admission (500 here, so a request's whole max_tokens up to it)."""
+def registry(clock: FakeClock, usage_log: UsageLog | None = None, **acme) -> TenantRegistry:
     acme_config = TenantConfig("acme", ("sk-acme",), **acme)
     return TenantRegistry(TenantsConfig((acme_config, TenantConfig("other", ("sk-other",)))), clock=clock,
-                          upfront_output_tokens=upfront)
+                          usage_log=usage_log)
 
 
 def test_list_and_mapping_forms_parse_to_the_same_config(tmp_path) -> None:
@@ -148,45 +151,97 @@ def test_requests_per_minute_bucket_refills_continuously_and_says_when() -> None
 
 def test_tokens_per_minute_reserves_max_tokens_and_settle_corrects_to_actual_once() -> None:
     clock = FakeClock()
-    reg = registry(clock, tokens_per_minute=1200)  # 20 tokens per second
+    reg = registry(clock, tokens_per_minute=1200)
     acme = reg.tenants["acme"]
     first = reg.admit(acme, 100, 500)
-    second = reg.admit(acme, 100, 500)       # the bucket is empty now
+    second = reg.admit(acme, 100, 500)       # the window is full now
+    assert (first.output_tokens, second.output_tokens) == (500, 500)
     err = rate_error(reg, acme, 100, 100)
     assert (err.status, err.type, err.code) == (429, "tokens", "rate_limit_exceeded")
-    assert err.headers["Retry-After"] == "10" and err.headers["x-ratelimit-limit-tokens"] == "1200"
+    assert err.headers["Retry-After"] == "60" and err.headers["x-ratelimit-limit-tokens"] == "1200"
     assert first.settle(100) is True          # 400 unused max_tokens come back
     assert first.settle(100) is False and first.settle(0, "error") is False  # exactly once
+    clock.now += 10
     reg.admit(acme, 100, 300)
-    assert rate_error(reg, acme, 0, 1).headers["Retry-After"] == "1"
+    assert rate_error(reg, acme, 0, 1).headers["Retry-After"] == "50"  # the first charge leaves the window then
     assert second.settle(0, "overloaded", prompt_processed=False) is True  # never ran: prompt back too
     reg.admit(acme, 200, 400)
     assert rate_error(reg, acme, 0, 1).status == 429
     too_big = rate_error(reg, acme, 1000, 201)
     assert (too_big.status, too_big.param, too_big.code) == (400, "max_tokens", "rate_limit_exceeded")
-    assert "needs 1201 tokens (prompt 1000 + 201 of its output charged up front)" in too_big.message
-    assert reg.usage()["acme"] == {"in_flight": 2, "prompt_tokens": 100, "completion_tokens": 100,
+    assert "needs 1201 tokens (prompt 1000 + max_tokens 201)" in too_big.message
+    clock.now += WINDOW_S                     # every charge has left the window: the whole limit is free
+    reg.admit(acme, 200, 1000)
+    assert reg.usage()["acme"] == {"in_flight": 3, "prompt_tokens": 100, "completion_tokens": 100,
                                    "rate_limited": 4, "requests_ok": 1, "requests_overloaded": 1}
 
 
-def test_tokens_per_minute_charges_what_was_used_not_the_context_window() -> None:
-    # issue 38: a chat request without max_tokens gets the rest of the context (here 131,000 tokens), far above
-    # the tenant's limit; it is charged its prompt and the first 256 outputs, then what it generated
+def test_no_minute_holds_more_than_the_tokens_limit_however_requests_come() -> None:
+    """Issue 46: a tenant used 4,557 tokens in 21 s against 1,000 a minute. Every second for three minutes a request
+    is tried (prompt 10, max_tokens 90) and uses all it may: the charges admitted within any minute sum to at most
+    the limit (a token bucket let a full bucket and its refill through: twice the limit)."""
     clock = FakeClock()
-    reg = registry(clock, upfront=256, tokens_per_minute=6000)  # 100 tokens per second
+    reg = registry(clock, tokens_per_minute=1000)
+    acme, admitted = reg.tenants["acme"], []
+    for second in range(180):
+        clock.now = 100.0 + second
+        try:
+            grant = reg.admit(acme, 10, 90)
+        except APIError as e:
+            assert e.status == 429
+            continue
+        grant.settle(90)
+        admitted.append((second, 100))
+    assert len(admitted) == 30  # 10 a minute
+    for start in range(180):
+        assert sum(t for s, t in admitted if start <= s < start + 60) <= 1000
+
+
+def test_without_max_tokens_the_output_is_an_allowance_and_only_a_prompt_that_cannot_fit_is_a_400() -> None:
+    clock = FakeClock()
+    reg = registry(clock, tokens_per_minute=500)
     acme = reg.tenants["acme"]
-    grant = reg.admit(acme, 100, 131_000)  # was a 400: "needs 131100 tokens"
-    assert grant.output_charged == 256
-    assert grant.settle(40) is True  # used 140 tokens: 216 come back
-    grants = [reg.admit(acme, 100, 131_000) for _ in range(16)]  # 16 x 356 of the 5,860 left
-    assert rate_error(reg, acme, 100, 131_000).status == 429
-    assert grants[0].settle(3000) is True  # generated 2,744 beyond its charge: the bucket goes 2,580 below zero
-    err = rate_error(reg, acme, 0, 1)
-    assert err.status == 429 and err.headers["Retry-After"] == "26"  # until the refill has paid the debt
-    clock.now += 26
-    reg.admit(acme, 0, 1)
-    assert rate_error(reg, acme, 5800, 1001).status == 400  # a prompt too long for the limit still is one
-    assert reg.usage()["acme"]["completion_tokens"] == 3040
+    # a chat request without max_tokens (the context's rest: 324) whose prompt + 256 is above the limit: admitted
+    # (it was a 400) with the output the limit leaves
+    grant = reg.admit(acme, 300, 324, max_tokens_given=False)
+    assert grant.output_tokens == 200
+    grant.settle(50)                                   # 350 used: 150 left in this minute
+    err = rate_error(reg, acme, 100, 424)             # with max_tokens 424: never fits, a 400
+    assert err.status == 400
+    with pytest.raises(APIError) as info:             # without: 100 + 256 do not fit the 150 left: wait
+        reg.admit(acme, 100, 424, max_tokens_given=False)
+    assert info.value.status == 429 and info.value.headers["Retry-After"] == "60"
+    small = reg.admit(acme, 100, 20, max_tokens_given=False)  # the context's rest is all it may want
+    assert small.output_tokens == 20
+    with pytest.raises(APIError) as info:             # a prompt that leaves no room for any output
+        reg.admit(acme, 500, 100, max_tokens_given=False)
+    assert info.value.status == 400 and "leaves no room" in info.value.message
+    clock.now += WINDOW_S
+    assert reg.admit(acme, 100, 424, max_tokens_given=False, min_tokens=300).output_tokens == 400
+    with pytest.raises(APIError) as info:             # its min_tokens is part of what must fit
+        reg.admit(acme, 100, 424, max_tokens_given=False, min_tokens=450)
+    assert info.value.status == 400
+
+
+def test_token_charges_outlive_a_restart_through_the_usage_log(tmp_path) -> None:
+    clock = FakeClock()
+    log = UsageLog(tmp_path / "usage.log")
+    reg = registry(clock, log, tokens_per_minute=1000)
+    acme = reg.tenants["acme"]
+    reg.admit(acme, 100, 400).settle(300)   # 400 used
+    reg.admit(acme, 100, 400)               # 500 reserved, cut by the crash: stays charged
+    log.close()
+    with open(tmp_path / "usage.log", "a") as f:
+        f.write("a 77 123.0 acm")         # a line the crash cut short
+    clock.now += 30
+    again = registry(clock, UsageLog(tmp_path / "usage.log"), tokens_per_minute=1000)
+    acme = again.tenants["acme"]
+    err = rate_error(again, acme, 100, 50)
+    assert err.status == 429 and err.headers["Retry-After"] == "30"
+    again.admit(acme, 50, 50)
+    clock.now += 30                         # the old coordinator's charges leave the window
+    again.admit(acme, 100, 800)
+    assert (tmp_path / "usage.log").read_text().count("\n") == 4  # rewritten at load: no cut line, no old charge
 
 
 def test_a_request_refused_by_one_bucket_is_not_charged_to_the_other() -> None:

@@ -1,8 +1,9 @@
 """A worker slot past recovery.max_restarts on the real server (`pdserve serve`, local Ray, the embedded `tiny`
-model, mode collocated, one worker): it is not silently dead. The 503 a request gets says the slot gave up and how
-to revive it (not that a replacement is being started), /health says `failed` to all and why to the operator, and
-`POST /admin/workers/{name}/revive` (operator key only) starts it again: it serves exactly, and a second revive of
-a live slot is a 409."""
+model, mode collocated, one worker): it is not silently dead. The 503 a request gets comes at once (not after
+admission.timeout_s: nothing can come back without an operator), with Retry-After, and says the slot gave up and
+how to revive it (not that a replacement is being started, nor that the server is overloaded), /health says
+`failed` to all and why to the operator, and `POST /admin/workers/{name}/revive` (operator key only) starts it
+again: it serves exactly, and a second revive of a live slot is a 409."""
 
 import asyncio
 
@@ -23,6 +24,7 @@ from tests.server_process import (
 
 pytestmark = pytest.mark.timeout(600)
 DEADLINE_S = 180.0  # generous bound for polled states on a loaded machine (never a measured duration)
+REFUSAL_S = 120.0   # generous bound for a refusal that does not wait (the admission timeout is an hour)
 PROMPT = [11, 42, 7, 300, 5, 99, 1000, 3]
 
 
@@ -35,7 +37,8 @@ def _post(url: str, path: str, headers: dict | None = None) -> httpx.Response:
 
 
 def test_a_slot_past_max_restarts_says_it_gave_up_and_an_operator_revives_it(tmp_path):
-    config = {"model": "tiny", "mode": "collocated", "decode": HALF_CPU, "admission": {"timeout_s": 2},
+    # a request waiting out admission.timeout_s would outlast the client's REFUSAL_S: the 503 must come before
+    config = {"model": "tiny", "mode": "collocated", "decode": HALF_CPU, "admission": {"timeout_s": 3600},
               "recovery": {"max_restarts": 1, "backoff_initial_s": 0.1, "backoff_max_s": 0.2},
               "server": {"admin_api": True}}
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -48,9 +51,14 @@ def test_a_slot_past_max_restarts_says_it_gave_up_and_an_operator_revives_it(tmp
         asyncio.run(admin_kill(url, "decode-0"))  # past it: the slot gives up
         assert poll(lambda: _worker(url)["state"] == "failed", DEADLINE_S), _worker(url)
 
-        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=REFUSAL_S)
         assert refused.status_code == 503, refused.text
+        assert int(refused.headers["Retry-After"]) > 0
+        assert refused.json()["error"]["type"] == "server_error"
         message = refused.json()["error"]["message"]
+        assert message.startswith("No worker can serve this request until an operator acts: "), message
+        streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=REFUSAL_S)
+        assert streamed.status_code == 503 and streamed.json()["error"]["message"] == message
         assert "decode-0 failed: gave up after 1 restarts within 600 s (recovery.max_restarts 1)" in message
         assert "no replacement is being started until an operator revives it (POST /admin/workers/decode-0/revive)" \
             in message, message

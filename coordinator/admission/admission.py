@@ -30,6 +30,9 @@ A request whose whole length (prompt, max_tokens) cannot fit even an empty worke
 (RequestTooLarge, a 400). One that cannot fit
 now waits in the priority AdmissionQueue (with aging) up to `admission.timeout_s`, also while a pool has no live
 worker, then gets Overloaded (503 + Retry-After) naming the reason: the pool that is down, or the room missing.
+A pool whose every slot gave up its restarts (recovery.max_restarts) comes back only when an operator revives it:
+while a request would need it (with fallback, in disaggregated mode: while both pools have given up), the request,
+new or waiting, gets Unavailable at once (503 + Retry-After, the pool's reason), not a wait for the timeout.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ from coordinator.admission.placement import Choice, PlacementModel, Side
 from coordinator.admission.reservation import Ledger, Reservation
 from coordinator.admission.router import Router, WorkerState
 from coordinator.config.serve_config import ServeConfig
-from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge
+from coordinator.contract import GenerateRequest, Overloaded, RequestTooLarge, Unavailable
 
 log = logging.getLogger("coordinator.placement")
 MIGRATION_PRIORITY = 0  # a request moving off a dead worker goes before every new one
 HIGH_PRIORITY = 1       # tenants' "high" class: may book the share other classes leave (admission.reserved_for_high)
+GIVEN_UP_RETRY_S = 30.0  # Retry-After while a pool gave up: an operator's revive and a model load come first
 
 
 class Workers(Protocol):
@@ -62,6 +66,8 @@ class Workers(Protocol):
     def workers(self, role: str) -> list[WorkerState]: ...
 
     def down_reason(self, role: str) -> str | None: ...
+
+    def given_up(self, role: str) -> bool: ...  # every slot of the pool gave up: back only by an operator's revive
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,8 @@ class Admission:
             raise RequestTooLarge(f"the request needs {whole} KV blocks of {self.router.block_size} tokens "
                                   f"(prompt, max_tokens) but a decode worker holds at most {largest}")
         tokens = len(request.prompt_token_ids) + num_prior
+        if (unavailable := self._unavailable()) is not None:
+            raise unavailable
         arrived = time.monotonic()
         deadline = arrived + self.config.admission.timeout_s
         priority = MIGRATION_PRIORITY if migrating else request.priority
@@ -133,6 +141,25 @@ class Admission:
 
     # ---- internals
     def _try_place(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
+                   priority: int, aged: int) -> Placement | None:
+        """Book the request's capacity and say where it runs, or None if it must wait; raises Unavailable when no
+        placement can come without an operator."""
+        placement = self._place_now(request, tokens, blocks, reservation, priority, aged)
+        if placement is None and (unavailable := self._unavailable()) is not None:
+            raise unavailable  # the queue fails this waiter and asks the next
+        return placement
+
+    def _unavailable(self) -> Unavailable | None:
+        """Unavailable naming the pools that gave up, while a request needs one of them (disaggregated with
+        fallback: both, since either runs whole requests alone); else None."""
+        gone = [role for role in self.workers.roles if self.workers.given_up(role)]
+        either = self.config.mode == "disaggregated" and self.config.recovery.fallback
+        if not gone or (either and len(gone) < len(self.workers.roles)):
+            return None
+        return Unavailable("; ".join(self.workers.down_reason(role) or f"the {role} pool gave up" for role in gone),
+                           retry_after_s=GIVEN_UP_RETRY_S)
+
+    def _place_now(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
                    priority: int, aged: int) -> Placement | None:
         """Book the request's capacity and say where it runs, or None if it must wait. `aged`: the priority its wait
         has lifted it to, which decides its share; the queue put it first by that, and a head that could never take
@@ -203,7 +230,7 @@ class Admission:
 
     def _side(self, worker: WorkerState, prompt: list[int], tokens: int) -> Side:
         """`worker` as a place to prefill a prompt of `tokens` tokens (prompt and prior outputs)."""
-        cached = min(self.router.cached_tokens(prompt, worker.name), tokens - 1)
+        cached = min(self.router.effective_cached_tokens(prompt, worker.name), tokens - 1)
         decoding = worker.decodes and worker.load is not None and worker.load.num_running > 0
         return Side(worker.name, worker.load, self.ledger.booked(worker.key, "prompt_tokens"), tokens - cached,
                     decoding)

@@ -9,7 +9,9 @@ moved to another worker); giving back twice is impossible by construction.
 
 The Ledger keeps, per worker and kind, the sum of its live reservations' bookings; `check_integrity()` recomputes
 that sum from the live reservations and asserts the two agree, so a leak is caught by the tests that call it after
-every path. Everything runs on the coordinator's event loop: no locks.
+every path. A dead worker incarnation's books are `retire`d: kept while they hold anything, and among the
+RECENT_RETIRED last retired; older empty ones are dropped, so /admin/integrity does not grow with every restart.
+Everything runs on the coordinator's event loop: no locks.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from collections import defaultdict
 from collections.abc import Callable
 
 KINDS = ("kv_blocks", "prompt_tokens")
+RECENT_RETIRED = 3  # dead worker incarnations whose books are kept (and shown) once empty
 
 
 class Ledger:
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
         self._booked: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
         self._live: dict[int, Reservation] = {}
+        self._retired: list[str] = []  # keys of dead incarnations whose books are still kept, oldest first
         self._on_release = on_release  # capacity may have freed: the admission queue looks again
 
     def open(self, request_id: str) -> Reservation:
@@ -35,8 +39,23 @@ class Ledger:
         return self._booked[worker][kind] if worker in self._booked else 0
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """{worker: {kind: booked}} for every worker that ever had a booking."""
+        """{worker: {kind: booked}} for every live worker that ever had a booking and the retired ones kept."""
+        self._prune()
         return {w: dict(kinds) for w, kinds in self._booked.items()}
+
+    def retire(self, worker: str) -> None:
+        """`worker` (an incarnation's key) is dead: its books go once empty and older than RECENT_RETIRED others."""
+        if worker in self._booked and worker not in self._retired:
+            self._retired.append(worker)
+        self._prune()
+
+    def _prune(self) -> None:
+        older, recent = self._retired[:-RECENT_RETIRED], self._retired[-RECENT_RETIRED:]
+        holding = [w for w in older if any(self._booked[w].values())]  # still booked by live reservations
+        for w in older:
+            if w not in holding:
+                del self._booked[w]
+        self._retired = holding + recent
 
     @property
     def live_requests(self) -> int:

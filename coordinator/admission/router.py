@@ -11,6 +11,11 @@ pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the
 fewest running sequences. It remembers which workers computed which leading blocks (up to OWNERS per block, the
 latest first: `remember`), and says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the
 adaptive layout's placement). The router only reads numbers the caller gives it; it never calls a worker.
+Host tiers (engine.core.host_tier): the workers' reports of the blocks their host tiers added and evicted
+(`host_report`, in batches) make a second index; a prompt's blocks past a worker's device run that its host tier
+holds count for it too, each at HOST_HIT_VALUE of a device-held block (a restore is a copy: cheaper than computing
+the block, dearer than finding it on the device): in the prefill pick's affinity and in `effective_cached_tokens`
+(placement's estimate of the prompt tokens left to compute). Every index is a hint: a missed one costs a recompute.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from engine.load import EngineLoad, WorkerInfo
 
 STATES = ("starting", "live", "dead", "restarting", "failed")
 OWNERS = 4  # workers remembered per prefix block
+HOST_HIT_VALUE = 0.75  # a block a worker's host tier holds, for routing, against one its device holds (1.0)
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Router:
         self.affinity_slack_tokens = affinity_slack_tokens
         self.max_prefix_entries = max_prefix_entries
         self._prefix_owner: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()  # block hash -> workers, LRU
+        self._host_owner: OrderedDict[bytes, frozenset[str]] = OrderedDict()  # block hash -> host tiers holding it
         self.affinity_hits = 0
 
     def pick_prefill(self, prompt: list[int], candidates: list[WorkerState],
@@ -85,6 +92,8 @@ class Router:
         least = min(candidates, key=lambda w: (pressure(w), w.served))
         chosen = least
         owner = self._longest_prefix_owner(hashes)
+        if self._host_owner:  # a host tier's run may be worth more than another worker's device run
+            owner = self._best_holder(hashes, candidates, owner)
         if owner is not None:
             preferred = next((w for w in candidates if w.name == owner), None)
             if preferred is not None and pressure(preferred) <= pressure(least) + self.affinity_slack_tokens:
@@ -107,6 +116,45 @@ class Router:
             n += 1
         return n * self.block_size
 
+    def tier_tokens(self, tokens: list[int], worker: str) -> tuple[int, int]:
+        """(leading tokens of `tokens` `worker`'s device likely holds, tokens after those its host tier holds), in
+        whole blocks: what its engine would find on the device, then restore."""
+        device, host = self._tier_blocks(prefix_block_hashes(tokens, self.block_size), worker)
+        return device * self.block_size, host * self.block_size
+
+    def effective_cached_tokens(self, tokens: list[int], worker: str) -> int:
+        """The tokens a prefill of `tokens` on `worker` likely need not compute, a host-held one counted at
+        HOST_HIT_VALUE (placement's estimate of the prompt work)."""
+        device, host = self.tier_tokens(tokens, worker)
+        return device + int(host * HOST_HIT_VALUE)
+
+    def host_report(self, worker: str, added: list[bytes], removed: list[bytes]) -> None:
+        """A worker's host tier added and evicted these block hashes since its last report."""
+        for h in removed:
+            holders = self._host_owner.get(h, frozenset()) - {worker}
+            if holders:
+                self._host_owner[h] = holders
+            else:
+                self._host_owner.pop(h, None)
+        for h in added:
+            self._host_owner[h] = self._host_owner.get(h, frozenset()) | {worker}
+            self._host_owner.move_to_end(h)
+        while len(self._host_owner) > self.max_prefix_entries:
+            self._host_owner.popitem(last=False)
+
+    def forget_host(self, worker: str) -> None:
+        """`worker` died: its host tier went with it."""
+        for h in [h for h, holders in self._host_owner.items() if worker in holders]:
+            self.host_report(worker, [], [h])
+
+    def host_blocks(self) -> dict[str, int]:
+        """Per worker, the blocks the index says its host tier holds (for /metrics)."""
+        counts: dict[str, int] = {}
+        for holders in self._host_owner.values():
+            for w in holders:
+                counts[w] = counts.get(w, 0) + 1
+        return counts
+
     def pick_decode(self, candidates: list[WorkerState], room: Callable[[WorkerState], int],
                     blocks_needed: int) -> WorkerState | None:
         """The candidate with the most unbooked room, or None if none has `blocks_needed` blocks of it."""
@@ -124,6 +172,25 @@ class Router:
             self._prefix_owner.move_to_end(h)
         while len(self._prefix_owner) > self.max_prefix_entries:
             self._prefix_owner.popitem(last=False)
+
+    def _tier_blocks(self, hashes: list[bytes], worker: str) -> tuple[int, int]:
+        device = 0
+        while device < len(hashes) and worker in self._prefix_owner.get(hashes[device], ()):
+            device += 1
+        host = device
+        while host < len(hashes) and worker in self._host_owner.get(hashes[host], ()):
+            host += 1
+        return device, host - device
+
+    def _best_holder(self, hashes: list[bytes], candidates: list[WorkerState], owner: str | None) -> str | None:
+        """The candidate whose device run then host run of `hashes` is worth the most (HOST_HIT_VALUE a host
+        block); `owner` (the device index's) where it is worth as much."""
+        def worth(name: str) -> float:
+            device, host = self._tier_blocks(hashes, name)
+            return device + host * HOST_HIT_VALUE
+        best = max(candidates, key=lambda w: (worth(w.name), w.name == owner))
+        baseline = worth(owner) if any(w.name == owner for w in candidates) else 0.0
+        return best.name if worth(best.name) > baseline else owner
 
     def _longest_prefix_owner(self, hashes: list[bytes]) -> str | None:
         """The latest worker to compute the longest run of the leading blocks (None: nobody computed the first)."""

@@ -19,6 +19,7 @@ server draining when uvicorn shuts down.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -47,6 +48,7 @@ from coordinator.contract import GenerateRequest, ServingBackend
 from coordinator.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
+from coordinator.observability.shared_scrapes import SharedScrapes
 from coordinator.observability.tracing import RequestSpan, RequestTracer
 from engine.text.tokenizer import Tokenizer
 
@@ -76,7 +78,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app = DirectStreamAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
     app.state.settings = settings
-    app.state.model_name = settings.served_model_name or backend.model_name
+    app.state.model_name = model_api.model_id(backend.model_name, backend.model_path, settings.served_model_name)
     app.state.tokenizer = load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics(app.state.model_name, backend.max_model_len)
@@ -97,11 +99,20 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
         install_admin_routes(app, lambda request: _check_operator(app, request))
         install_fleet_routes(app, lambda request: _check_operator(app, request))  # revive, rolling restart
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def exposition(tenants: bool) -> bytes:
         refresh = getattr(backend, "refresh", None)  # an HTTP frontend process: the core's figures and the other
         others = await refresh() if refresh is not None else ()  # frontends' shares (coordinator.frontends)
-        return Response(await app.state.metrics.exposition_async(others), media_type=METRICS_CONTENT_TYPE)
+        return await app.state.metrics.exposition_async(others, tenants)
+
+    scrapes = SharedScrapes(exposition)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Open to all, but the tenant-labelled families (tenants' names and usage) only with the operator's key or
+        server.metrics_api_key; concurrent scrapes share a build, built at a bounded rate and never before the
+        scrape arrived (coordinator.observability.shared_scrapes)."""
+        full = _is_operator(settings, request) or _bearer_is(request, settings.metrics_api_key)
+        return Response(await scrapes.get(full), media_type=METRICS_CONTENT_TYPE)
 
     app.include_router(model_api.router)  # /v1/models, /version, /tokenize, /detokenize
 
@@ -118,10 +129,15 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
 
 def _is_operator(settings: ServerSettings, request: Request) -> bool:
     """Whether the request carries the operator's key (server.admin_api_key), compared in constant time."""
-    if settings.admin_api_key is None:
+    return _bearer_is(request, settings.admin_api_key)
+
+
+def _bearer_is(request: Request, key: str | None) -> bool:
+    """Whether the request's `Authorization: Bearer` is `key` (never when `key` is None), in constant time."""
+    if key is None:
         return False
     scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.admin_api_key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _check_operator(app: FastAPI, request: Request) -> None:
@@ -171,7 +187,7 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
         if internal.multi_choice:  # n, best_of, prompt lists, echo, prompt_logprobs: coordinator.api.choices_serve
             return await serve_choices(app, request, internal.openai, internal.tenant, internal.arrival, chat=chat,
                                        until_disconnect=_until_disconnect, grace_s=STREAM_DEADLINE_GRACE_S)
-        ticket, grant = await _admit(app, internal)
+        ticket, grant, internal = await _admit(app, internal)
     except errors.APIError:
         app.state.metrics.requests.inc("rejected")
         raise
@@ -185,15 +201,20 @@ async def _serve(app: FastAPI, request: Request, chat: bool) -> Response:
                               until_disconnect=_until_disconnect, grace_s=STREAM_DEADLINE_GRACE_S)
 
 
-async def _admit(app: FastAPI, internal: InternalRequest) -> tuple[Ticket, Any]:
-    """A drain ticket (refused while draining) and the tenant's charge (429 past its limits)."""
+async def _admit(app: FastAPI, internal: InternalRequest) -> tuple[Ticket, Any, InternalRequest]:
+    """A drain ticket (refused while draining), the tenant's charge (429 past its limits) and the request as
+    admitted: without max_tokens, its output capped at what the tenant's limit allows (Grant.output_tokens)."""
     ticket = app.state.lifecycle.admit()
     try:
-        grant = await app.state.tenants.charge(internal.tenant, len(internal.prompt), internal.max_tokens)
+        grant = await app.state.tenants.charge(internal.tenant, len(internal.prompt), internal.max_tokens,
+                                               internal.max_tokens_given, internal.params.min_tokens)
     except BaseException:
         ticket.release()
         raise
-    return ticket, grant
+    if grant.output_tokens < internal.max_tokens:
+        params = dataclasses.replace(internal.params, max_tokens=grant.output_tokens)
+        internal = dataclasses.replace(internal, max_tokens=grant.output_tokens, params=params)
+    return ticket, grant, internal
 
 
 def _generate(app: FastAPI, internal: InternalRequest, grant: Any) -> Generation:
@@ -219,5 +240,5 @@ def _formatter(app: FastAPI, internal: InternalRequest, gen: Generation) -> Form
                     bool(req.return_token_ids), internal.prompt,
                     internal.chat and app.state.settings.reasoning_parser is not None)
     if req.continuous_usage:
-        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens)
+        fmt.usage_so_far = lambda: (gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
     return fmt

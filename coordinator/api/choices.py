@@ -159,6 +159,15 @@ def usage(choices: list[Choice], reasoning: bool = False) -> tuple[int, ...]:
     return *counts, sum(c.gen.reasoning.tokens for c in choices if c.gen.reasoning is not None)
 
 
+def cached_tokens(choices: list[Choice]) -> int:
+    """usage's prompt_tokens_details.cached_tokens: per prompt (counted once, as in usage), the most any of its
+    choices was told (they share one prefill)."""
+    per_prompt: dict[int, int] = {}
+    for c in choices:
+        per_prompt[id(c.fanout)] = max(per_prompt.get(id(c.fanout), 0), c.gen.cached_tokens)
+    return sum(per_prompt.values())
+
+
 def best(choices: list[Choice], n: int, fan: int) -> list[Choice]:
     """best_of: per prompt, the n choices of highest cumulative logprob, reindexed i * n + j."""
     if fan == n:

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator import errors
-from coordinator.api.choices import Choice, best, build, logprobs_body, usage
+from coordinator.api.choices import Choice, best, build, cached_tokens, logprobs_body, usage
 from coordinator.api.lifecycle import Piece
 from coordinator.api.sse import DONE, Formatter, SSEResponse, event
 from coordinator.api.tool_stream import ToolStream, shape_choice, tool_chunks, tool_stream_for
@@ -90,7 +90,7 @@ def _whole_body(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, wan
             body["prompt_logprobs"] = _prompt_lps(c) if req.prompt_logprobs is not None else None
         bodies.append(body)
     extra = {"prompt_logprobs": _prompt_lps(choices[0]) if req.prompt_logprobs is not None else None} if chat else {}
-    return fmt.body(bodies, False, usage(choices, fmt.reasoning), **extra, **top)
+    return fmt.body(bodies, False, usage(choices, fmt.reasoning), cached_tokens(choices), **extra, **top)
 
 
 def _prompt_lps(c: Choice) -> list | None:
@@ -146,17 +146,18 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
                 yield event(chunk)
         if fmt.include_usage:
             yield event(fmt.usage_chunk(*usage(choices)[:2], reasoning_tokens=(usage(choices, True)[2]
-                                                                               if fmt.reasoning else None)))
+                                                                               if fmt.reasoning else None),
+                                        cached_tokens=cached_tokens(choices)))
         outcome = "finished"
         yield DONE
     except errors.APIError as e:
         outcome = "failed"
         yield event(e.body())
         yield DONE
-    except Exception as e:  # a bug: still end the stream properly
+    except Exception:  # a bug: still end the stream properly
         errors.logger.exception("stream %s failed", fmt.id)
         outcome = "failed"
-        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
+        yield event(errors.internal(errors.INTERNAL_MESSAGE).body())
         yield DONE
     finally:
         for t in tasks:

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from coordinator import errors
+from coordinator.client_text import NESTED_TOO_DEEPLY
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
@@ -39,7 +40,9 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
         raise errors.invalid_request("The client disconnected while sending the request body") from None
     try:
         return json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except RecursionError:
+        raise errors.invalid_request(f"The request body is {NESTED_TOO_DEEPLY} to parse as JSON") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise errors.invalid_request(f"The request body is not valid JSON: {e}") from None
 
 

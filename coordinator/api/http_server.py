@@ -1,9 +1,11 @@
 """The HTTP server pdserve serves its app with, in one process or in each HTTP frontend process.
 
-`uvicorn_config()`: uvicorn's httptools protocol with a request-head timeout added (coordinator.api.http_protocol,
-`server.header_timeout_s`), `server.keep_alive_timeout_s` for idle keep-alive connections, and logging whose every
-line carries the request id (`[%(request_id)s]`, "-" outside a request). `bind_listener()`: the listening socket,
-bound before any worker starts. `DrainingServer`: its first exit signal drains in-flight requests.
+`uvicorn_config()`: uvicorn's httptools protocol with a request-head timeout and size limit added
+(coordinator.api.http_protocol, `server.header_timeout_s`, `server.max_request_header_bytes`),
+`server.keep_alive_timeout_s` for idle keep-alive connections, and logging whose every line carries the request id
+(`[%(request_id)s]`, "-" outside a request); every HTTP process (`server.api_processes`) serves with it.
+`bind_listener()`: the listening socket, bound before any worker starts. `DrainingServer`: its first exit signal
+drains in-flight requests.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def log_config() -> dict[str, Any]:
 
 def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> uvicorn.Config:
     """The uvicorn.Config pdserve serves `app` with (`overrides`: tests pass log_config=None)."""
-    protocol = type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"header_timeout_s": settings.header_timeout_s})
+    limits = {"header_timeout_s": settings.header_timeout_s, "max_head_bytes": settings.max_request_header_bytes}
+    protocol = type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), limits)
     kwargs: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level="info", log_config=log_config(),
                                   timeout_graceful_shutdown=5, http=protocol,
                                   timeout_keep_alive=settings.keep_alive_timeout_s)

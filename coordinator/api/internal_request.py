@@ -26,6 +26,7 @@ from coordinator import errors
 from coordinator.admission.tenants import Tenant
 from coordinator.api import choices, protocol, reasoning
 from coordinator.api.http_body import read_json
+from coordinator.api.model_api import accepts
 from engine.core.sampling_params import SamplingParams
 
 REQUEST_LOG = logging.getLogger("coordinator.requests")
@@ -43,6 +44,7 @@ class InternalRequest:
     num_logprobs: int | None = None  # logprobs asked for (chat's top_logprobs or completions' logprobs)
     params: SamplingParams | None = None
     traceparent: str | None = None   # the client's W3C trace context, continued by the request's spans
+    max_tokens_given: bool = True    # False: max_tokens is the rest of the context (chat without max_tokens)
 
     @property
     def multi_choice(self) -> bool:
@@ -62,7 +64,7 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
         app.state.lifecycle.admit()  # raises the draining 503
     model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
     req = protocol.parse(model, await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s))
-    if req.model != app.state.model_name:
+    if not accepts(app.state, req.model):
         raise errors.model_not_found(req.model, app.state.model_name)
     if chat:  # a structured output or forced tool call would constrain the reasoning too
         reasoning.refuse_constraints(settings.reasoning_parser, req)
@@ -83,7 +85,8 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
     else:  # a long prompt: off the loop, so it does not stall every stream
         prompt = await asyncio.to_thread(protocol.prompt_token_ids, *args)
     max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
+    given = (req.requested_max_tokens if chat else req.max_tokens) is not None
     num_logprobs = req.num_logprobs if chat else req.logprobs
     params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
     return InternalRequest(req, chat, tenant, request_id, arrival, prompt, max_tokens, num_logprobs, params,
-                           request.headers.get("traceparent"))
+                           request.headers.get("traceparent"), given)

@@ -29,7 +29,15 @@ from coordinator import errors
 from coordinator.admission.tenants import Grant
 from coordinator.api.reasoning import ReasoningSplit
 from coordinator.api.text_output import TextOutput, TokenInfo
-from coordinator.contract import BackendError, GenerateRequest, Overloaded, RequestTooLarge, ServingBackend, TokenDelta
+from coordinator.contract import (
+    BackendError,
+    GenerateRequest,
+    Overloaded,
+    RequestTooLarge,
+    ServingBackend,
+    TokenDelta,
+    Unavailable,
+)
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.phases import PhaseTrace
 from coordinator.observability.request_metrics import Parent, SequenceEnd
@@ -84,6 +92,7 @@ class Generation:
         self.client_finish: str | None = None  # the finish reason the client got, where the API changed it (tool_calls)
         self.reasoning = reasoning  # splits the text into reasoning and content (chat with a reasoning parser)
         self._reasoning_parts: list[str] = []  # the reasoning of the piece being gathered
+        self._cached_tokens: int | None = None  # the first attempt's that reported it (TokenDelta.cached_tokens)
 
     @property
     def prompt_tokens(self) -> int:
@@ -92,6 +101,13 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return self.text.num_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV the worker that computed the prompt did not compute (usage's
+        prompt_tokens_details.cached_tokens): as reported with the first delta that carried it, at most the
+        prompt (a resumed attempt also counts its prior outputs); 0 until then."""
+        return min(self._cached_tokens or 0, self.prompt_tokens)
 
     async def next_piece(self) -> Piece:
         """The next piece of output: one backend delta's tokens, or with the request's stream_interval n > 1 (after
@@ -139,6 +155,8 @@ class Generation:
         """Add a delta's tokens to the output (text into `parts`, logprob entries into `infos`, the ids consumed
         into `ids`); its finish."""
         now = time.monotonic()
+        if self._cached_tokens is None and delta.cached_tokens is not None:
+            self._cached_tokens = delta.cached_tokens
         consumed = 0
         for i, token_id in enumerate(delta.token_ids):
             text = self.text.add_token(token_id)
@@ -187,13 +205,16 @@ class Generation:
             return await self._until_deadline(self._stream)
         except TimeoutError:
             raise errors.timeout(self._timeout_s) from None
+        except Unavailable as e:
+            raise errors.unavailable(f"No worker can serve this request until an operator acts: {e}",
+                                     e.retry_after_s, "unavailable") from None
         except Overloaded as e:
             raise errors.unavailable(f"The server is overloaded: {e}", e.retry_after_s, "overloaded") from None
         except RequestTooLarge as e:
             raise errors.invalid_request(f"The request can never fit this server: {e}", "max_tokens",
                                          "context_length_exceeded") from None
         except BackendError as e:
-            raise errors.backend_failure(str(e) or type(e).__name__) from None
+            raise errors.backend_failure(str(e) or "the worker gave no reason") from None
         except StopAsyncIteration:
             raise errors.backend_failure("the token stream ended without a finish reason") from None
 

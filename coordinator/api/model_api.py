@@ -2,6 +2,12 @@
 POST /detokenize (a FastAPI router that create_app includes; state on app.state: backend, settings, tokenizer,
 model_name, tenants).
 
+The served model's id (`model_id`) is `server.served_model_name`, else the configured `model` when it is a name
+(`tiny`), else the checkpoint folder's name: a filesystem path is never shown. vLLM lists the path it was given, so
+with no served_model_name a request naming that path (the configured `model`) is served too (`accepts`): clients
+written against vLLM keep working; /v1/models lists only the id (and, as `root`, the model's own name: the
+configured name or the folder's, never its path).
+
 /v1/models, /tokenize and /detokenize take the same API key as /v1 (401 without it); /version answers anyone, as
 /health does. A body is read under the server's limits (coordinator.api.http_body) and validated strictly: an unknown
 field is a 400 naming it, as on /v1 (coordinator.api.protocol). `model` may be left out (vLLM's default model); another
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib import metadata
+from pathlib import PurePath
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -78,7 +85,8 @@ async def models(request: Request) -> JSONResponse:
     backend = state.backend
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": STARTED, "owned_by": "pdserve",
-        "root": backend.model_name, "parent": None, "max_model_len": backend.max_model_len}]})
+        "root": model_id(backend.model_name, backend.model_path, None), "parent": None,
+        "max_model_len": backend.max_model_len}]})
 
 
 @router.get("/version")
@@ -125,8 +133,24 @@ async def _body(request: Request) -> Any:
     return await read_json(request, settings.max_body_bytes, settings.body_read_timeout_s)
 
 
+def model_id(configured: str, folder: str, served_model_name: str | None) -> str:
+    """The id clients see: served_model_name, else the configured model when it is a name, else its folder's name
+    (`folder`: the checkpoint folder it resolved to)."""
+    if served_model_name:
+        return served_model_name
+    if "/" not in configured and "\\" not in configured and configured not in ("", ".", ".."):
+        return configured
+    return PurePath(folder).name or PurePath(configured.rstrip("/\\")).name or "model"
+
+
+def accepts(state: Any, model: str) -> bool:
+    """Whether a request naming `model` is for the served model: its id, or (no served_model_name) the configured
+    model as given, the id vLLM would have listed."""
+    return model == state.model_name or (not state.settings.served_model_name and model == state.backend.model_name)
+
+
 def _check_model(state: Any, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and not accepts(state, model):
         raise errors.model_not_found(model, state.model_name)
 
 

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from coordinator.api.sampling_fields import SamplingFields, processing_kwargs
 from coordinator.api.structured_outputs import StructuredFields, structured_spec
 from coordinator.api.tool_calls import ToolFields, forced_spec
+from coordinator.client_text import describe
 from coordinator.errors import invalid_request
 from engine.core.choices import MAX_CHOICES
 from engine.core.sampling_params import SamplingParams
@@ -363,7 +364,7 @@ def prompt_token_ids(req: _Common, tokenizer: Tokenizer, vocab_size: int,
         raise invalid_request(str(e), where) from None
     except Exception as e:  # noqa: BLE001 - a template choking on the messages, a lone surrogate (valid JSON, not
         # UTF-8): the client's input, not a server fault
-        raise invalid_request(f"{where}: cannot be tokenized: {type(e).__name__}: {e}", where) from None
+        raise invalid_request(f"{where}: cannot be tokenized: {describe(e)}", where) from None
     if not ids:
         raise invalid_request("prompt: must not be empty", "prompt")
     for name, values in (("prompt", ids), ("stop_token_ids", req.stop_token_ids or [])):

@@ -23,7 +23,7 @@ from coordinator.api.tool_stream import ToolStream, shape_response, tool_chunks,
 def outcome_of(exc: BaseException) -> str:
     """The outcome a request that ended with `exc` is counted with."""
     if isinstance(exc, errors.APIError):
-        return {"timeout": "timeout", "overloaded": "rejected"}.get(exc.kind, "failed")
+        return {"timeout": "timeout", "overloaded": "rejected", "unavailable": "rejected"}.get(exc.kind, "failed")
     return "aborted" if isinstance(exc, asyncio.CancelledError) else "failed"
 
 
@@ -62,7 +62,7 @@ def _response_body(fmt: Formatter, gen: Generation, result: list[Any], want_lp: 
     body = fmt.response("".join(p.text for p in result), tokens, want_lp, gen.finish_reason or "stop",
                         gen.prompt_tokens, gen.completion_tokens, [i for p in result for i in p.token_ids],
                         "".join(p.reasoning for p in result) if split is not None and split.opened else None,
-                        reasoning_tokens(fmt, gen))
+                        reasoning_tokens(fmt, gen), gen.cached_tokens)
     if tools is not None:
         body = shape_response(body, tools.mode, tools.parser, tools.named, tools.parallel)
     return body
@@ -90,7 +90,8 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
                     yield chunk
         if fmt.include_usage:
             phases = gen.trace.snapshot() if fmt.include_phases and gen.trace is not None else None
-            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases, reasoning_tokens(fmt, gen)))
+            yield event(fmt.usage_chunk(gen.prompt_tokens, gen.completion_tokens, phases, reasoning_tokens(fmt, gen),
+                                        gen.cached_tokens))
         outcome = "finished"
         yield DONE
     except errors.APIError as e:
@@ -98,11 +99,11 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         on_error(e.kind)
         yield event(e.body())
         yield DONE
-    except Exception as e:  # a bug, not the client's or the backend's doing: still end the stream properly
+    except Exception:  # a bug, not the client's or the backend's doing: still end the stream properly
         errors.logger.exception("stream %s failed", fmt.id)
         outcome = "failed"
         on_error("internal")
-        yield event(errors.internal(f"Internal server error: {type(e).__name__}").body())
+        yield event(errors.internal(errors.INTERNAL_MESSAGE).body())
         yield DONE
     finally:
         await gen.close(outcome)

@@ -117,8 +117,9 @@ class Formatter:
         self.model = model
         self.include_usage = include_usage
         self.include_phases = include_phases  # pdserve's stream_options.include_phases (needs include_usage)
-        # stream_options.continuous_usage_stats: every chunk's usage, (prompt, completion tokens) so far; None: null
-        self.usage_so_far: Callable[[], tuple[int, int]] | None = None
+        # stream_options.continuous_usage_stats: every chunk's usage, (prompt, completion, cached prompt tokens) so
+        # far; None: null
+        self.usage_so_far: Callable[[], tuple[int, int, int]] | None = None
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = request_id if request_id is not None else uuid.uuid4().hex
         self.id = rid if rid.startswith(prefix) else prefix + rid
@@ -129,9 +130,13 @@ class Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+              cached_tokens: int = 0) -> dict:
+        """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV was not computed for the request (prefix
+        hits on the device or restored from the host tier), always reported, as OpenAI does."""
         body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
         if reasoning_tokens is not None:  # vLLM's (and OpenAI's) place for it, with a reasoning parser only
             body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return body
@@ -149,7 +154,11 @@ class Formatter:
         choice["finish_reason"] = piece.finish_reason
         body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
-            body["usage"] = None if self.usage_so_far is None else self.usage(*self.usage_so_far())
+            if self.usage_so_far is None:
+                body["usage"] = None
+            else:
+                prompt, completion, cached = self.usage_so_far()
+                body["usage"] = self.usage(prompt, completion, cached_tokens=cached)
         self.add_token_ids(body, choice, piece.token_ids, self.prompt_token_ids if first else None)
         return body
 
@@ -185,16 +194,16 @@ class Formatter:
         return head + _encode(text).encode() + tail
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, phases: dict[str, float] | None = None,
-                    reasoning_tokens: int | None = None) -> dict:
+                    reasoning_tokens: int | None = None, cached_tokens: int = 0) -> dict:
         body = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens)}
+                "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens)}
         if phases is not None:
             body["phases"] = wire(phases)
         return body
 
     def response(self, text: str, tokens: list[TokenInfo], logprobs: bool, finish_reason: str,
                  prompt_tokens: int, completion_tokens: int, token_ids: list[int] = (),
-                 reasoning: str | None = None, reasoning_tokens: int | None = None) -> dict:
+                 reasoning: str | None = None, reasoning_tokens: int | None = None, cached_tokens: int = 0) -> dict:
         lp = self.logprobs(tokens) if logprobs else None
         if self.chat:  # vLLM's prompt_logprobs, null unless asked for (coordinator.api.choices serves those)
             choice = {"index": 0, "message": self.message(text, reasoning), "logprobs": lp,
@@ -204,7 +213,7 @@ class Formatter:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "prompt_logprobs": None}
             extra = {}
         body = {**self._base("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens), **extra}
+                "usage": self.usage(prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens), **extra}
         self.add_token_ids(body, choice, token_ids, self.prompt_token_ids, whole=True)
         return body
 
@@ -229,12 +238,13 @@ class Formatter:
         return {"role": "assistant", "content": content or (None if reasoning is not None else content),
                 **reasoning_fields(reasoning)}
 
-    def body(self, choices: list[dict], stream: bool, usage: tuple[int, int] | None = None, **extra: Any) -> dict:
+    def body(self, choices: list[dict], stream: bool, usage: tuple[int, ...] | None = None, cached_tokens: int = 0,
+             **extra: Any) -> dict:
         """A whole response (stream false) or one chunk holding `choices`; `extra`: vLLM's top-level fields."""
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         body = {**self._base(kind), "choices": choices, **extra}
         if not stream:
-            body["usage"] = self.usage(*usage)
+            body["usage"] = self.usage(*usage, cached_tokens=cached_tokens)
         elif self.include_usage:
             body["usage"] = None
         return body

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from coordinator.client_text import describe
 from coordinator.errors import invalid_request
 from engine.sampling.structured import StructuredSpec, check
 
@@ -71,8 +72,8 @@ def _schema(value: dict[str, Any] | str, field: str) -> StructuredSpec:
 
         try:
             value = json.loads(value)
-        except ValueError as e:
-            raise invalid_request(f"{field}: is not valid JSON: {e}", field) from None
+        except (ValueError, RecursionError) as e:
+            raise invalid_request(f"{field}: is not valid JSON: {describe(e)}", field) from None
     if not isinstance(value, (dict, bool)):
         raise invalid_request(f"{field}: a JSON schema must be an object", field)
     return StructuredSpec.json_schema(value)
@@ -122,5 +123,5 @@ def structured_spec(req: StructuredFields, forced: tuple[str, StructuredSpec] | 
     field, spec = found[0]
     error = check(spec)
     if error is not None:
-        raise invalid_request(f"{field}: invalid: {error[:500]}", field)
+        raise invalid_request(f"{field}: invalid: {describe(error)}", field)
     return spec

@@ -42,6 +42,11 @@ class BlockAudit:
         """An adopted worker's pins that expired under a dead coordinator are not this one's to report."""
         self._expired_reported[worker.key] = expired_pins
 
+    def forget(self, worker: WorkerState) -> None:
+        """A dead incarnation: nothing of it is reported again."""
+        self._expired_reported.pop(worker.key, None)
+        self._since.pop(worker.key, None)
+
     def unexplained(self, worker: WorkerState) -> str | None:
         """What `worker`'s last load shows held that the coordinator's books do not explain, or None."""
         load = worker.load

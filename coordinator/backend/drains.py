@@ -66,6 +66,9 @@ class Drains:
     def live(self, role: str) -> list[WorkerState]:
         return [w for w in self.supervisor.live(role) if w.name not in self._states]
 
+    def given_up(self, role: str) -> bool:
+        return self.supervisor.given_up(role)
+
     def down_reason(self, role: str) -> str | None:
         reason = self.supervisor.down_reason(role)
         if reason is None and not self.live(role):

@@ -136,7 +136,8 @@ class OutputIntake:
             direct = self._direct.get(fields[0])
             # plain tokens in the middle of a stream whose reader has nothing pending: straight to its sink
             # (order kept: an undelivered delta stays in the queue until its reader has sent it on)
-            if direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None:
+            if (direct is not None and queue.empty() and fields[3] is None and not fields[2] and fields[4] is None
+                    and fields[5] is None):
                 try:
                     direct(fields[1])
                     continue
@@ -153,11 +154,13 @@ def coalesced(first: Any, queue: asyncio.Queue) -> tuple[TokenDelta | None, Base
     if isinstance(first, BaseException):
         return None, first
     tokens, logprobs, finish = list(first.new_token_ids), list(first.new_logprobs), first.finish_reason
+    cached = first.num_cached_tokens
     while finish is None and not queue.empty():
         out = queue.get_nowait()
         if isinstance(out, BaseException):
-            return TokenDelta(tokens, logprobs, None), out
+            return TokenDelta(tokens, logprobs, None, cached_tokens=cached), out
         tokens += out.new_token_ids
         logprobs += out.new_logprobs
         finish = out.finish_reason
-    return TokenDelta(tokens, logprobs, finish), None
+        cached = out.num_cached_tokens if cached is None else cached
+    return TokenDelta(tokens, logprobs, finish, cached_tokens=cached), None

@@ -24,7 +24,9 @@ attempt's work is cancelled on live workers and the Reservation is released, exa
 (coordinator.admission.growth) each attempt's decode booking grows in its Reservation as its tokens arrive
 (OutputIntake.on_tokens), so that release gives back the grown booking too. Dead workers are the Supervisor's: it
 replaces them, and this backend starts polling the replacement. Workers an operator drained get no new work
-(coordinator.backend.drains: admission and the adaptive planner see the pools through it).
+(coordinator.backend.drains: admission and the adaptive planner see the pools through it). Every STATS_PERIOD_S it
+collects the workers' transfer figures and their host tiers' added and evicted blocks, for the router's prefix index
+(coordinator.admission.router); a dead worker's host entries are forgotten at once.
 
 Two parts live in their own modules and are inherited: the remote prefill and its handoff
 (coordinator.backend.remote_prefill) and what the admin routes and /health call (coordinator.backend.operator_calls).
@@ -82,7 +84,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
         self.max_model_len = 0
         self.vocab_size = 0
         self.ledger = Ledger(on_release=self._capacity_freed)
-        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live)
+        self.supervisor = Supervisor(self.pools, config.recovery, self._worker_dead, self._worker_live,
+                                     on_gave_up=self._capacity_freed)  # waiting requests learn it at once
         self.spares = Spares(self.pools, config.recovery.spares)  # warm workers that take over a dead slot
         self.supervisor.spares = self.spares if config.recovery.spares else None
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
@@ -328,8 +331,12 @@ class RayBackend(RemotePrefill, OperatorCalls):
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
         if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
             self._count(self.errors, "worker_died")
+        self.ledger.retire(worker.key)  # its books go once its requests have moved off (a bounded history)
+        self.audit.forget(worker)
         if self.adaptive is not None:  # the last decoding worker died: another decodes now, before its requests move
             self.adaptive.planner.ensure_decoder()
+        if self.admission is not None:  # its host tier went with it
+            self.admission.router.forget_host(worker.name)
         for attempt in list(worker.requests):
             self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
 
@@ -354,7 +361,16 @@ class RayBackend(RemotePrefill, OperatorCalls):
                                            return_exceptions=True)
             self.transfer_totals = transfer_totals([m for ranks in snapshots if isinstance(ranks, list)
                                                     for m in ranks if isinstance(m, dict)])  # every rank's
+            await self._collect_host_tiers(live)
             self._capacity_freed()  # waiting requests also look again on a timer
+
+    async def _collect_host_tiers(self, live: list[WorkerState]) -> None:
+        """The workers' host-tier changes since the last period into the router's index (a worker that died
+        meanwhile is left out: its entries went with it, forget_host)."""
+        changes = await asyncio.gather(*[w.handle.host_tier_changes.remote() for w in live], return_exceptions=True)
+        for worker, change in zip(live, changes, strict=True):
+            if isinstance(change, tuple) and worker.alive and self.admission is not None:
+                self.admission.router.host_report(worker.name, *change)
 
     def _watch_stragglers(self) -> None:
         """Compare the workers' step times (coordinator.backend.stragglers); replace a straggler if configured."""

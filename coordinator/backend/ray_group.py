@@ -171,7 +171,7 @@ class GroupRun:
                     rid, request.prompt_token_ids, self._params, priority=placement.priority))
                 firsts = [(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None),
                           *(out.fork_first or [])]
-                prompt_lps, peer, blocks = out.prompt_logprobs, None, []
+                prompt_lps, peer, blocks, cached = out.prompt_logprobs, None, [], out.num_cached_tokens
             else:
                 out = await b._call(prefill, prefill.handle.prefill.remote(
                     rid, request.prompt_token_ids, self._params[0], priority=placement.priority,
@@ -179,9 +179,10 @@ class GroupRun:
                 prefill.load = out.load
                 firsts = [(out.first_token_id, out.first_logprob), *(out.fork_first or [])]
                 prompt_lps, peer, blocks = out.prompt_logprobs, prefill.name, out.block_ids
+                cached = out.num_cached_tokens
             reservation.unbook(source.key, "prompt_tokens")
             for j, (token, lp) in enumerate(firsts):
-                yield j, TokenDelta([token], [lp] if lp else [], None, prompt_lps)
+                yield j, TokenDelta([token], [lp] if lp else [], None, prompt_lps, cached)
             cleanup.append((decode, "abort"))
             for cid in ids:
                 decode.requests.add(cid)

@@ -46,7 +46,7 @@ class RemotePrefill:
             cleanup.remove((prefill, "abort"))  # the prefill's abort stays first in line (in_order): it waits out
         prefill.load = result.load            # the writes before the decode worker frees their blocks
         first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
-                           result.finish_reason)
+                           result.finish_reason, cached_tokens=result.num_cached_tokens)
         if result.finish_reason is None:
             self._spawn(self._handoff(attempt, request, prior, result, placement, cleanup))
         else:  # the first token ended it: no handoff takes the early booking, freed after any write into it ended

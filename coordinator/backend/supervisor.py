@@ -10,9 +10,11 @@ slot (in the role the slot had: adaptive roles outlive an incarnation) and calls
 as a restart and is retried after the next backoff; past
 `max_restarts` within the window the slot stays down ("failed") instead of burning a GPU in a crash loop, and says
 so: /health's entry has `gave_up` (when and why), and the 503 of a pool left with no live worker names the slot as
-given up, not as being replaced. `revive()` (POST /admin/workers/{name}/revive) starts such a slot again with a
-fresh restart count. `restart()` replaces a live worker on purpose (a rolling restart's or a straggler's step:
-coordinator.backend.cycling): at once, without backoff, and not counted against `max_restarts`.
+given up, not as being replaced; `given_up(role)` says a pool has nothing left that can come back by itself (then
+`on_gave_up` lets admission answer its waiting requests at once). `revive()` (POST /admin/workers/{name}/revive)
+starts such a slot again with a fresh restart count. `restart()` replaces a live worker on purpose (a rolling
+restart's or a straggler's step: coordinator.backend.cycling): at once, without backoff, and not counted against
+`max_restarts`.
 Figures: restarts per role, seconds each pool spent with no live worker.
 """
 
@@ -38,11 +40,12 @@ PROBE_TIMEOUT_S = 10.0
 
 class Supervisor:
     def __init__(self, pools: Pools, config: RecoveryConfig, on_dead: Callable[[WorkerState, str], None],
-                 on_live: Callable[[WorkerState], None]) -> None:
+                 on_live: Callable[[WorkerState], None], on_gave_up: Callable[[], None] = lambda: None) -> None:
         self.pools = pools
         self.config = config
         self._on_dead = on_dead
         self._on_live = on_live
+        self._on_gave_up = on_gave_up
         self._recent: dict[str, deque[float]] = {}      # slot name -> times of its recent restarts
         self.restarts: dict[str, int] = {}               # slot name -> replacements that came up
         self.restart_failures: dict[str, int] = {}       # slot name -> replacement starts that failed
@@ -144,6 +147,13 @@ class Supervisor:
                  **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {})}
                 for w in self.pools.all_workers]
 
+    def given_up(self, role: str) -> bool:
+        """Whether `role`'s pool can take no request until an operator revives a slot: every slot that could serve
+        it gave up (state "failed"), none is live or being replaced. Adaptive: any live worker can be made to decode
+        (the planner does so at once), so that takes every slot of the fleet."""
+        slots = self.pools.all_workers if self.pools.config.adaptive else self.pools.role_workers(role)
+        return bool(slots) and all(w.state == "failed" for w in slots)
+
     def down_reason(self, role: str) -> str | None:
         """Why `role`'s pool cannot take requests now, or None if it has a live worker."""
         if self.live(role):
@@ -193,6 +203,7 @@ class Supervisor:
                 log.error("worker %s: %s, the last: %s; not restarting it until an operator revives it (POST "
                           "/admin/workers/%s/revive)", name, self.gave_up[name], self.reasons.get(name), name)
                 self._update_downtime()
+                self._on_gave_up()
                 return
             else:
                 delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** len(recent))

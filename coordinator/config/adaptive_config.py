@@ -25,10 +25,11 @@ def _positive(name: str, value: object, most: float) -> None:
 
 @dataclass(frozen=True)
 class SLOConfig:
-    """The targets a request must meet to count towards goodput: what placement and the planner serve."""
+    """The targets a request must meet to count towards goodput: what placement and the planner serve. Both are
+    required: a target left out would be a guess the planner then serves (it once was a silent 40 ms)."""
 
-    ttft_ms: float = 500.0
-    tpot_ms: float = 40.0
+    ttft_ms: float
+    tpot_ms: float
 
     def __post_init__(self) -> None:
         _positive("ttft_ms", self.ttft_ms, 600_000)

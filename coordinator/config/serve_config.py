@@ -6,7 +6,7 @@ agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ class PoolConfig:
     # when the copy is cheaper); swap_space_bytes of host memory per worker for swap and auto (EngineConfig)
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 4 << 30
+    # the host tier under each worker's prefix cache (engine.core.host_tier): bytes of host memory per worker (pinned
+    # on a GPU); null: a share of the host's available memory; 0: off (EngineConfig.kv_host_cache_bytes)
+    kv_host_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -160,6 +163,9 @@ class FaultsConfig:
         stall = self.transfer_stall_s
         if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall <= MAX_STALL_S:
             raise ValueError(f"transfer_stall_s must be a number in [0, {MAX_STALL_S:g}], got {stall!r}")
+        seed = self.seed  # the workers' fault RNGs take an integer: NaN, inf, a string or a bool is refused here
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,7 @@ class ServeConfig:
             block_size=self.block_size, max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens, max_prefill_chunk=pool.chunk_size,
             head_bypass_steps=pool.head_bypass_steps, preemption_mode=pool.preemption_mode,
-            swap_space_bytes=pool.swap_space_bytes,
+            swap_space_bytes=pool.swap_space_bytes, kv_host_cache_bytes=pool.kv_host_cache_bytes,
             enable_prefix_caching=self.enable_prefix_caching, max_model_len=self.max_model_len,
             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
@@ -252,6 +258,8 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
     config = replace(_build(ServeConfig, raw, path, ""), tenants=tenants)
     if any(config.server.admin_api_key in t.api_keys for t in tenants.tenants):
         raise ConfigError(f"{path}: server.admin_api_key is also a tenant's key: the operator's key must be its own")
+    if any(config.server.metrics_api_key in t.api_keys for t in tenants.tenants):
+        raise ConfigError(f"{path}: server.metrics_api_key is also a tenant's key: the metrics key must be its own")
     if tenants.tenants and config.server.api_key is not None:
         raise ConfigError(f"{path}: server.api_key and tenants are exclusive: with tenants, their api_keys are the "
                           "server's keys (move the key to a tenant)")
@@ -329,6 +337,10 @@ def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:
         elif name == "resources" and cls is PoolConfig:
             _check_resources(value, path, key)
         values[name] = _check_type(value, known[name], path, key)
+    missing = [name for name, f in known.items() if name not in values and f.default is MISSING
+               and f.default_factory is MISSING]
+    if missing:
+        raise ConfigError(f"{path}: {prefix + missing[0]!r} is required (it has no default)")
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:

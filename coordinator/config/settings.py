@@ -18,6 +18,9 @@ class ServerSettings:
     port: int = 8000                     # 0 = any free port (tests)
     api_key: str | None = None           # when set, /v1/* needs `Authorization: Bearer <api_key>`
     max_body_bytes: int = 4 << 20        # larger request bodies get 413
+    # a request head (request line + headers) larger than this gets 431 (414: a request line alone) and the connection
+    # closed, before any key is checked; a connection never holds more of a head (coordinator.api.http_protocol)
+    max_request_header_bytes: int = 64 << 10
     request_timeout_s: float = 600.0     # a request still running after this ends (504, or an in-band error)
     drain_timeout_s: float = 30.0        # how long shutdown waits for in-flight requests
     served_model_name: str | None = None  # the model id clients send and /v1/models lists; None = backend.model_name
@@ -25,6 +28,9 @@ class ServerSettings:
     # the operator's own key: /admin/* (needed with admin_api) and /health's details (pids, hosts, failures) take
     # this key and no other; a tenant's key or server.api_key is a client's, never an operator's
     admin_api_key: str | None = None
+    # a read-only key for monitoring: /metrics with it (or the operator's key) includes the tenant-labelled families
+    # (tenants' names and usage); without either key /metrics shows everything else
+    metrics_api_key: str | None = None
     keep_alive_timeout_s: float = 5.0    # an idle keep-alive connection is closed after this
     header_timeout_s: float = 10.0       # a connection must send a complete request head within this (else 408)
     body_read_timeout_s: float = 30.0    # the whole request body must arrive within this (else 408)
@@ -43,8 +49,8 @@ class ServerSettings:
     # above 0: log the event loop's stack whenever it stalls this many ms (coordinator.observability.stall_reporter),
     # in every process that serves; a diagnostic for latency tails, off by default
     stall_report_ms: float = 0.0
-    # a streamed response whose client has taken none of its bytes for this long (its write blocked on the socket)
-    # is cut: the request is aborted on every worker and its KV freed (coordinator.api.stall_watch)
+    # a streamed response whose client has taken none of its bytes for this long (bytes waiting for it, none
+    # acknowledged) is cut: the request is aborted on every worker and its KV freed (coordinator.api.stall_watch)
     stall_timeout_s: float = 30.0
     # OpenTelemetry traces of requests (coordinator.observability.tracing), off while both are None: an OTLP/HTTP
     # collector's traces URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces) and/or a file that
@@ -59,6 +65,8 @@ class ServerSettings:
             ("port", _is_int(self.port) and 0 <= self.port <= 65535, "must be an integer in [0, 65535]"),
             ("api_key", _optional_str(self.api_key), "must be None or a non-empty string"),
             ("max_body_bytes", _is_int(self.max_body_bytes) and self.max_body_bytes > 0, "must be a positive integer"),
+            ("max_request_header_bytes", _is_int(self.max_request_header_bytes)
+             and 1024 <= self.max_request_header_bytes <= 64 << 20, "must be an integer in [1024, 67108864]"),
             ("request_timeout_s", _is_number(self.request_timeout_s) and self.request_timeout_s > 0,
              "must be a positive number"),
             ("drain_timeout_s", _is_number(self.drain_timeout_s) and self.drain_timeout_s >= 0,
@@ -69,6 +77,10 @@ class ServerSettings:
                 self.admin_api_key is None or (self.admin_api_key.split() == [self.admin_api_key]
                                                and self.admin_api_key != self.api_key)),
              "must be None or a non-empty string without whitespace, other than api_key"),
+            ("metrics_api_key", _optional_str(self.metrics_api_key) and (
+                self.metrics_api_key is None or (self.metrics_api_key.split() == [self.metrics_api_key]
+                                                 and self.metrics_api_key not in (self.api_key, self.admin_api_key))),
+             "must be None or a non-empty string without whitespace, other than api_key and admin_api_key"),
             *[(name, _is_number(getattr(self, name)) and 0 < getattr(self, name) <= 3600,
                "must be a number in (0, 3600]") for name in ("keep_alive_timeout_s", "header_timeout_s",
                                                             "body_read_timeout_s")],
@@ -96,7 +108,7 @@ class ServerSettings:
         ]
         for name, ok, why in checks:
             if not ok:
-                shown = "<hidden>" if name == "admin_api_key" else repr(getattr(self, name))  # a secret
+                shown = "<hidden>" if name in ("admin_api_key", "metrics_api_key") else repr(getattr(self, name))
                 raise ValueError(f"ServerSettings.{name} {why}, got {shown}")
         if self.admin_api and self.admin_api_key is None:
             raise ValueError("ServerSettings.admin_api needs admin_api_key: the operator's own key (without it, "

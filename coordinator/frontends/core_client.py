@@ -271,4 +271,4 @@ def _merged(delta: TokenDelta, queue: asyncio.Queue, trace: Any) -> TokenDelta:
         finish = message[2].finish_reason
     if len(tokens) == len(delta.token_ids):
         return delta
-    return TokenDelta(tokens, logprobs, finish, delta.prompt_logprobs)
+    return TokenDelta(tokens, logprobs, finish, delta.prompt_logprobs, delta.cached_tokens)

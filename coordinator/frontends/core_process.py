@@ -34,10 +34,11 @@ EXIT_GRACE_S = 10.0  # beyond the drain, for a frontend to close its connections
 
 
 async def serve_core(config: ServeConfig, backend: Any, listener: socket.socket,
-                     ready: asyncio.Event | None = None) -> None:
+                     ready: asyncio.Event | None = None, tenants: TenantRegistry | None = None) -> None:
+    """`tenants`: the tenants' live state (coordinator.serve's, with its usage log); by default one of the config's."""
     settings = config.server
     workdir = tempfile.mkdtemp(prefix="pdserve-core-")
-    service = CoreService(backend, TenantRegistry(config.tenants, settings.api_key))
+    service = CoreService(backend, tenants or TenantRegistry(config.tenants, settings.api_key))
     frontends = Frontends(config, listener, os.path.join(workdir, "core.sock"), workdir)
     stop = asyncio.Event()
     signals = 0

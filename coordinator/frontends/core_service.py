@@ -155,7 +155,7 @@ class CoreService:
                 async with aclosing(self.backend.generate(request)) as deltas:
                     async for delta in deltas:
                         state = trace_state(trace) if first or delta.finish_reason is not None else None
-                        if delta.logprobs or delta.prompt_logprobs is not None:
+                        if delta.logprobs or delta.prompt_logprobs is not None or delta.cached_tokens is not None:
                             send(("delta", sid, delta, state))
                         else:  # the common case as plain data: a dataclass costs ~8x more to pickle
                             send(("tokens", sid, delta.token_ids, delta.finish_reason, state))
@@ -181,6 +181,8 @@ class CoreService:
                 value = await value
             reply = ("reply", cid, None, value)
         except Exception as e:  # noqa: BLE001 - the caller gets the error
+            if not isinstance(e, (BackendError, APIError, ValueError)):  # a bug: its type and text stay here
+                log.exception("call %s failed in the core", name)
             reply = ("reply", cid, encode_error(e), None)
         if cid is not None and not fe.link.closed:
             fe.link.send(reply)
@@ -222,11 +224,14 @@ class CoreService:
     async def _call_requests_in_flight(self, fe: _Frontend) -> list[str]:
         return await self.backend.requests_in_flight()
 
-    def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int) -> int:
-        grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens)  # raises the 429
+    def _call_tenant_admit(self, fe: _Frontend, tenant: str, prompt_tokens: int, max_tokens: int,
+                           max_tokens_given: bool, min_tokens: int) -> tuple[int, int]:
+        """(the charge's id, the output it allows: Grant.output_tokens); raises the 429 or 400."""
+        grant = self.tenants.admit(self.tenants.tenants[tenant], prompt_tokens, max_tokens, max_tokens_given,
+                                   min_tokens)
         gid = next(self._ids)
         fe.grants[gid] = grant
-        return gid
+        return gid, grant.output_tokens
 
     def _call_tenant_settle(self, fe: _Frontend, gid: int, completion_tokens: int, outcome: str,
                             prompt_processed: bool) -> None:

@@ -16,8 +16,9 @@ from coordinator.frontends.core_client import CoreBackend
 
 
 class RemoteGrant(Grant):
-    def __init__(self, core: CoreBackend, grant_id: int, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
-        super().__init__(tenant, prompt_tokens, max_tokens, 0)  # the core's own Grant does the accounting
+    def __init__(self, core: CoreBackend, grant_id: int, tenant: Tenant, prompt_tokens: int,
+                 output_tokens: int) -> None:
+        super().__init__(tenant, prompt_tokens, output_tokens)  # the core's own Grant does the accounting
         self._core, self._id = core, grant_id
 
     def settle(self, completion_tokens: int, outcome: str = "ok", prompt_processed: bool = True) -> bool:
@@ -32,14 +33,17 @@ class RemoteTenants(TenantRegistry):
         super().__init__(config, api_key)
         self._core = core
 
-    async def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Grant:
+    async def charge(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, max_tokens_given: bool = True,
+                     min_tokens: int = 0) -> Grant:
         check_count("prompt_tokens", prompt_tokens)
         check_count("max_tokens", max_tokens)
+        check_count("min_tokens", min_tokens)
         try:
-            grant_id = await self._core.call("tenant_admit", tenant.name, prompt_tokens, max_tokens)
+            grant_id, output_tokens = await self._core.call("tenant_admit", tenant.name, prompt_tokens, max_tokens,
+                                                            max_tokens_given, min_tokens)
         except BackendError as e:  # the core is gone (this process exits next): a 503, not a 500
             raise errors.unavailable(f"The server is not available: {e}", 1.0, "unavailable") from None
-        return RemoteGrant(self._core, grant_id, tenant, prompt_tokens, max_tokens)
+        return RemoteGrant(self._core, grant_id, tenant, prompt_tokens, output_tokens)
 
     def usage(self) -> dict[str, dict[str, float]]:
         return self._core.tenant_usage()

@@ -52,6 +52,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0, 20.0, 40.0, 80.0)
 YIELD_EVERY_S = 0.001  # a scrape being rendered gives its event loop back this often
+TENANT_FAMILIES = "pdserve_tenant_"  # their `tenant` labels name the tenants: only for the operator's or metrics key
 MAX_GAUGES = {"pdserve_draining"}  # merged across HTTP processes by their maximum, not their sum
 OUTCOMES = ("finished", "aborted", "failed", "timeout", "rejected")
 # family -> vLLM's name for the same figure (the gauges vllm:num_requests_* and vllm:kv_cache_usage_perc come
@@ -128,18 +129,20 @@ class Metrics:
             families += lifecycle_families(self._lifecycle)
         return families
 
-    def exposition(self, others: Iterable[list[Metric]] = ()) -> bytes:
+    def exposition(self, others: Iterable[list[Metric]] = (), tenants: bool = True) -> bytes:
         """The Prometheus text exposition of everything on the registry, without `_created`, with vLLM aliases;
-        `others`: other HTTP processes' local_families(), added in."""
-        return generate_latest(_Exported(self.registry, self.model_name, list(others)))  # type: ignore[arg-type]
+        `others`: other HTTP processes' local_families(), added in; `tenants` False: without the tenant-labelled
+        families (TENANT_FAMILIES: what a scrape without the operator's or the metrics key gets)."""
+        exported = _Exported(self.registry, self.model_name, list(others), tenants)
+        return generate_latest(exported)  # type: ignore[arg-type]
 
-    async def exposition_async(self, others: Iterable[list[Metric]] = ()) -> bytes:
+    async def exposition_async(self, others: Iterable[list[Metric]] = (), tenants: bool = True) -> bytes:
         """exposition(), rendered a family at a time with the event loop given back about every millisecond: a
         whole scrape of a busy server is 5-15 ms of Python, which would otherwise delay every request and stream
         this process serves at that moment (measured on the GPU machine: each scrape stalled an HTTP process's
         loop by 10-16 ms)."""
         parts, due = [], time.perf_counter() + YIELD_EVERY_S
-        for family in _Exported(self.registry, self.model_name, list(others)).collect():
+        for family in _Exported(self.registry, self.model_name, list(others), tenants).collect():
             parts.append(generate_latest(_One(family)))  # type: ignore[arg-type]
             if time.perf_counter() >= due:
                 await asyncio.sleep(0)
@@ -161,11 +164,14 @@ class _Exported:
     """What /metrics prints: the registry's families (plus other processes' shares), `_created` samples dropped,
     VLLM_ALIASES added."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, others: list[list[Metric]]) -> None:
-        self.registry, self.model_name, self.others = registry, model_name, others
+    def __init__(self, registry: CollectorRegistry, model_name: str, others: list[list[Metric]],
+                 tenants: bool = True) -> None:
+        self.registry, self.model_name, self.others, self.tenants = registry, model_name, others, tenants
 
     def collect(self) -> Iterator[Metric]:
         for family in merged(self.registry.collect(), self.others):
+            if not self.tenants and family.name.startswith(TENANT_FAMILIES):
+                continue
             samples = [s for s in family.samples if s.name != family.name + "_created"]
             yield _family(family, family.name, samples)
             alias = VLLM_ALIASES.get(family.name)

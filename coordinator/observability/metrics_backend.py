@@ -5,11 +5,13 @@ scrapes, so a dead or removed worker's gauges disappear instead of freezing at t
 leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend.stats shapes it (queue length,
 per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
 `pdserve_worker_engine_<key>`, preemptions by cause (`pdserve_worker_preemptions_total{cause}`), errors, migrations,
-pool downtime, prefix-affinity hits, growing bookings, the coordinator's event-loop lag and stalls
-(`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`), every numeric transfer
-total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the lifecycle's requests in
-flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself never fails for it),
-tenants' usage, and vLLM's scheduler and engine families (coordinator.observability.vllm_engine).
+pool downtime, prefix-affinity hits, growing bookings, the KV tiers below each worker's device cache
+(`pdserve_kv_tier_*{worker, role, tier}`: hits, misses, bytes in and out, evictions, occupancy), the coordinator's
+event-loop lag and stalls (`pdserve_coordinator_loop_*`) and garbage-collector pauses (`pdserve_coordinator_gc_*`),
+every numeric transfer total as `pdserve_transfer_<key>`; keys ending in `_total` are counters, others gauges), the
+lifecycle's requests in flight and draining flag, a count of scrapes where backend.stats() failed (the scrape itself
+never fails for it), tenants' usage, and vLLM's scheduler and engine families
+(coordinator.observability.vllm_engine).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def backend_families(stats: dict) -> list[Metric]:
                                samples))
     out += [_family(_name("pdserve_worker_engine_", key), f"The worker engine's {key}", samples)
             for key, samples in sorted(engine.items())]
+    out += tier_families(stats.get("workers") or [])
     if preemptions:
         out.append(_family("pdserve_worker_preemptions_total", "Running requests sent back to the engine's queue for "
                            "lack of KV blocks (recomputed later, or swapped to host memory and back), by cause: a "
@@ -165,6 +168,11 @@ def backend_families(stats: dict) -> list[Metric]:
     if bypassed is not None:
         out.append(_family("pdserve_admission_bypassed_total", "Requests admitted ahead of a waiting request that did "
                            "not fit (admission.bypass_s)", [({}, bypassed)]))
+    host_index = stats.get("prefix_index_host_blocks")
+    if isinstance(host_index, dict):
+        out.append(_family("pdserve_prefix_index_host_blocks", "Blocks the coordinator's prefix index says each "
+                           "worker's host tier holds (from the workers' reports of what it added and evicted)",
+                           [({"worker": k}, v) for k, v in sorted(host_index.items()) if _number(v) is not None]))
     hits = _number(stats.get("prefix_affinity_hits"))
     if hits is not None:
         out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
@@ -178,6 +186,33 @@ def backend_families(stats: dict) -> list[Metric]:
         out += [_family(_name("pdserve_transfer_", key), f"KV transfer: {key}", [({}, v)])
                 for key, value in sorted(transfer.items()) if (v := _number(value)) is not None]
     return out
+
+
+_TIER_HELP = {
+    "hit_blocks_total": "KV blocks of admitted prompts found in the tier (copied back, not recomputed)",
+    "miss_blocks_total": "KV blocks of admitted prompts looked up in the tier and not found (recomputed)",
+    "in_bytes_total": "Bytes copied into the tier (full blocks evicted from the tier above)",
+    "out_bytes_total": "Bytes copied out of the tier (prefixes restored to the device)",
+    "evictions_total": "Entries the tier dropped to make room (least recently used first)",
+    "dropped_total": "Blocks evicted from the tier above that the tier could not take",
+    "used_bytes": "Bytes of KV the tier holds now", "capacity_bytes": "The tier's size in bytes",
+    "used_blocks": "KV blocks the tier holds now", "total_blocks": "KV blocks the tier can hold"}
+
+
+def tier_families(workers: list) -> list[Metric]:
+    """Per worker and tier below its device cache (now: `host`, engine.core.host_tier), from its engine load's
+    `host_tier_*` figures; a worker without a tier has none."""
+    samples: dict[str, Samples] = {}
+    for w in (w for w in workers if isinstance(w, dict)):
+        engine = w.get("engine") or {}
+        if not _number(engine.get("host_tier_total_blocks")):
+            continue
+        labels = {"worker": w.get("name", "?"), "role": w.get("role", "?"), "tier": "host"}
+        for key in _TIER_HELP:
+            value = _number(engine.get(f"host_tier_{key}"))
+            if value is not None:
+                samples.setdefault(key, []).append((labels, value))
+    return [_family(f"pdserve_kv_tier_{key}", _TIER_HELP[key], samples[key]) for key in _TIER_HELP if key in samples]
 
 
 def tenant_families(usage: dict[str, dict[str, float]]) -> list[Metric]:

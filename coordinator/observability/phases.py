@@ -6,7 +6,10 @@ PHASES, in a request's order:
 - `admission`: waiting for a placement (room for its KV, a prefill backlog under its cap, a live worker);
 - `prefill_queue`: on the worker that prefills it, from the call's arrival to the first engine step that runs it
   (waiting for the engine loop and behind other prompts), worker-measured;
-- `prefill_compute`: that first step -> its first token out (every chunk of a chunked prefill), worker-measured;
+- `kv_restore`: of that, the copies of the prompt's prefix back from the worker's host tier (engine.core.host_tier)
+  ahead of its first step, worker-measured; only requests that restored blocks have it;
+- `prefill_compute`: that first step -> its first token out (every chunk of a chunked prefill; less kv_restore),
+  worker-measured;
 - `kv_transfer`: the decode worker reserving blocks and pulling the KV, worker-measured; for a pushed handoff
   (prefill_pool.kv_push: written during the forward) the prefill worker's wait for its last writes after the
   forward, plus the decode worker taking its booking;
@@ -27,7 +30,8 @@ machines, never timestamps), each clamped into what is left of the interval, in 
 
 Which phases a request has. Disaggregated: ingress, admission, prefill_queue, prefill_compute, kv_transfer,
 decode_join, first_decode_step, decode, overhead. Collocated (DISAGGREGATED_ONLY do not apply): ingress, admission,
-prefill_queue, prefill_compute, decode, overhead; its first decode step is an ordinary step of the running batch, in
+prefill_queue, prefill_compute, decode, overhead; kv_restore joins either where a prefix came back from the host
+tier (RESTORE_ONLY); its first decode step is an ordinary step of the running batch, in
 `decode`. A request whose first token ends it has no decode phases; a request that ends before its placement has
 only ingress, admission and overhead. A failed KV pull that the decode worker recomputes: the failed pull is
 overhead, the recompute adds to prefill_queue and prefill_compute.
@@ -52,9 +56,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-PHASES = ("ingress", "admission", "prefill_queue", "prefill_compute", "kv_transfer", "decode_join",
+PHASES = ("ingress", "admission", "prefill_queue", "kv_restore", "prefill_compute", "kv_transfer", "decode_join",
           "first_decode_step", "decode", "migration", "overhead")
 DISAGGREGATED_ONLY = ("kv_transfer", "decode_join", "first_decode_step")
+RESTORE_ONLY = ("kv_restore",)  # only requests that restored a prefix from the host tier
 REMAINDER = "overhead"
 WIRE_DIGITS = 6  # seconds on the usage chunk, to the microsecond
 MAX_INTERVALS = 256  # a trace keeps at most this many intervals (a request moved many times); the sums stay whole

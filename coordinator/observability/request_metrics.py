@@ -37,7 +37,7 @@ VLLM_FINISH = {"stop": "stop", "tool_calls": "stop", "length": "length", "abort"
                "error": "error"}
 _OUTCOME_REASON = {"aborted": "abort", "timeout": "timeout", "failed": "error"}
 QUEUE_PHASES = ("admission", "prefill_queue")
-PREFILL_PHASES = ("prefill_compute",)
+PREFILL_PHASES = ("kv_restore", "prefill_compute")
 DECODE_PHASES = ("kv_transfer", "decode_join", "first_decode_step", "decode")
 N_BUCKETS = (1, 2, 5, 10, 20)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

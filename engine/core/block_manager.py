@@ -9,6 +9,9 @@ Every block is in exactly one state:
 A full block's hash chains over its parent's hash and its own token ids, so equal hashes mean equal prefixes.
 Block tables are keyed by request id; the manager never knows what a request is doing with them.
 
+Evictions: with `record_evictions`, every cached block evicted to be reused is listed with its hash
+(`take_evicted`) for the host tier below this cache (engine.core.host_tier) to copy before the block is written.
+
 Forks (n choices of one prompt): fork(src, dst, num_tokens) gives dst a table that shares src's FULL blocks
 holding the first num_tokens tokens (ref_count + 1 each) and a private new block for the partial last one, whose
 KV the caller copies from src's (the manager moves no data). Invariant: a block shared by several tables is full
@@ -66,7 +69,8 @@ class _BlockStates(dict):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_evictions: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -79,6 +83,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # per table: how many leading blocks are registered in the cache
+        self._evicted: list[tuple[int, bytes]] | None = [] if record_evictions else None
 
     # ---- queries
     @property
@@ -120,6 +125,14 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """(block, hash) of every cached block evicted for reuse since the last call (record_evictions): its KV is
+        still there until a step or a transfer writes the block."""
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def num_unreferenced(self, block_ids: Sequence[int]) -> int:
         """How many of `block_ids` no table holds (cached: counted in num_free_blocks until taken)."""
@@ -264,6 +277,8 @@ class BlockManager:
         block = self._blocks[b]
         if block.hash is not None and self._hash_to_block.get(block.hash) == b:
             del self._hash_to_block[block.hash]
+            if self._evicted is not None and not to_free_heap:
+                self._evicted.append((b, block.hash))
         block.hash = None
         if to_free_heap:
             heapq.heappush(self._free, b)

@@ -66,7 +66,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, appended in place (no copy per step)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt (and prior output) tokens served from the prefix cache at first admission
+    num_cached_tokens: int = 0  # prompt (and prior output) tokens not computed at first admission: prefix-cache hits
+    num_restored_tokens: int = 0  # ... of those, tokens whose KV was copied back from the host tier
+    restore_timer: object | None = None  # its step's copies back (engine.runner.host_tier_store.CopyTimer)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     pin_deadline: float | None = None

@@ -7,6 +7,9 @@ same clock (time.monotonic, LLMEngine's default). At the request's first output,
 into durations, in time order:
 - a request computed here (prefill worker; collocated worker; decode worker recomputing after a failed pull):
   `prefill_queue` (received -> first engine step that runs it) and `prefill_compute` (-> its first token out);
+  a request whose prefix was copied back from the host tier (engine.core.host_tier) has `kv_restore` (those
+  copies, as the engine timed them: engine.runner.host_tier_store.CopyTimer) taken out of the front of
+  prefill_compute;
 - a request whose KV was pulled here (decode worker): `kv_transfer` (received -> KV landed: reserving blocks and
   the pull), `decode_join` (-> the first engine step that runs it) and `first_decode_step` (-> its first token out).
   A request may join before its KV is seen to land (a copy the device orders before its first step: decode_pool);
@@ -71,7 +74,12 @@ class RequestTiming:
         if stamps.kv_ready_at is None:
             if scheduled is None:  # no step ran it (cannot happen before a first token): nothing to split
                 return ()
-            return (("prefill_queue", scheduled - stamps.received_at), ("prefill_compute", now - scheduled))
+            queue, compute = ("prefill_queue", scheduled - stamps.received_at), now - scheduled
+            timer = stamps.request.restore_timer if stamps.request is not None else None
+            if timer is None:
+                return queue, ("prefill_compute", compute)
+            restore = min(max(timer.seconds(), 0.0), compute)
+            return queue, ("kv_restore", restore), ("prefill_compute", compute - restore)
         transfer = ("kv_transfer", stamps.kv_ready_at - stamps.received_at)
         if scheduled is None:  # ended as it joined (its first token ended it): no decode step ran
             return transfer, ("decode_join", now - stamps.kv_ready_at)

@@ -9,8 +9,11 @@ queue to be recomputed (its sampled tokens are kept), or, with a SwapSpace (Engi
 auto), its computed blocks are first copied to host slots (SchedulerOutput.swap_out) and copied back into new
 blocks when it is admitted again (swap_in; blocks of its prefix still in the prefix cache are taken, not copied).
 The runner executes both before it launches the step (the copies are ordered before any step that reuses the
-blocks). Waiting requests start in the WaitingQueue's order, where one
-that fits may pass a head that does not, for a while (engine.core.waiting).
+blocks). With a HostTier (engine.core.host_tier) under the prefix cache, the cached blocks a step's allocations
+evicted are copied to it (SchedulerOutput.tier_out) and a request admitted fresh whose prefix runs on past the
+device's hits in the host tier has those blocks copied back into its new blocks (tier_in) instead of computed: its
+`num_cached_tokens` counts both, `num_restored_tokens` the latter. Waiting requests start in the WaitingQueue's
+order, where one that fits may pass a head that does not, for a while (engine.core.waiting).
 
 Overlapped scheduling: `schedule_after` plans the step that follows one still on the device, before its tokens are
 known (a row continuing from a sampled token has a placeholder input, taken from the device), with prompt chunks,
@@ -31,7 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockManager, prefix_block_hashes
+from engine.core.host_tier import HostTier
 from engine.core.request import PromptLogprob, Request, RequestStatus, TokenLogprob
 from engine.core.swap_space import SwapSpace
 from engine.core.waiting import WaitingQueue, victim
@@ -60,6 +64,9 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot): copy before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, block): copy before the step
+    tier_out: list[tuple[int, int]] = field(default_factory=list)  # (evicted block, host-tier slot): copy first
+    tier_in: list[tuple[int, int]] = field(default_factory=list)   # (host-tier slot, block): copy before the step
+    restored: list[str] = field(default_factory=list)  # requests whose tier_in copies these are
 
     @property
     def num_tokens(self) -> int:
@@ -78,14 +85,19 @@ class StepOutput:
     fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1 first tokens
     prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when params.prompt_logprobs is set
     prefill_only: bool = False  # the request was added prefill_only (its output is a prefill's result, no stream's)
+    # with the first token sampled here for a request computed here: its prompt (and prior output) tokens whose KV
+    # was not computed for it (prefix-cache hits, host-tier restores); None on every other output
+    num_cached_tokens: int | None = None
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None,
-                 head_bypass_steps: int = EngineConfig.head_bypass_steps, swap: SwapSpace | None = None) -> None:
+                 head_bypass_steps: int = EngineConfig.head_bypass_steps, swap: SwapSpace | None = None,
+                 tier: HostTier | None = None) -> None:
         self.bm = block_manager
         self.swap = swap  # None: preempted requests are recomputed
+        self.tier = tier  # None: no host tier under the prefix cache (the block manager records no evictions)
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -203,9 +215,11 @@ class Scheduler:
                 prompt_budget -= 0 if _decodes(req) else n
                 i += 1
         if not out.preempted:
-            self._admit_waiting(scheduled, min(budget, prompt_budget), swap_in=out.swap_in)
+            self._admit_waiting(scheduled, min(budget, prompt_budget), swap_in=out.swap_in, tier_in=out.tier_in,
+                                restored=out.restored)
         out.chunks = [self._chunk(r, n) for r, n in scheduled]
         self.num_scheduled_tokens += out.num_tokens
+        self._offload(out)
         return out
 
     def schedule_after(self, prev: SchedulerOutput) -> SchedulerOutput | None:
@@ -269,12 +283,16 @@ class Scheduler:
             return None
         admitted: list[tuple[Request, int]] = []
         swap_in: list[tuple[int, int]] = []
-        self._admit_waiting(admitted, min(budget, prompt_budget), leaving, overlappable_only=True, swap_in=swap_in)
+        tier_in: list[tuple[int, int]] = []
+        restored: list[str] = []
+        self._admit_waiting(admitted, min(budget, prompt_budget), leaving, overlappable_only=True, swap_in=swap_in,
+                            tier_in=tier_in, restored=restored)
         chunks += [self._chunk(r, n) for r, n in admitted]
         if not chunks:
             return None
-        out = SchedulerOutput(chunks, swap_in=swap_in)
+        out = SchedulerOutput(chunks, swap_in=swap_in, tier_in=tier_in, restored=restored)
         self.num_scheduled_tokens += out.num_tokens
+        self._offload(out)
         return out
 
     def plans_alone(self, sched: SchedulerOutput) -> bool:
@@ -317,8 +335,10 @@ class Scheduler:
                 req.status = RequestStatus.PINNED
                 req.pin_deadline = self.clock() + pin_lease_s
                 pinned = list(self.bm.table(req.request_id))
+            first_here = req.num_tokens - len(req.prompt_token_ids) - len(req.prior_output_ids) == 1
             outputs.append(StepOutput(req.request_id, [token], [logprob] if logprob else [],
-                                      req.finish_reason, pinned, prefill_only=req.prefill_only))
+                                      req.finish_reason, pinned, prefill_only=req.prefill_only,
+                                      num_cached_tokens=req.num_cached_tokens if first_here else None))
             if req.finish_reason is not None:
                 self.finish(req.request_id, req.finish_reason)
         if step_tokens:
@@ -331,12 +351,13 @@ class Scheduler:
         return self.prefill_cap if decoding and self.prefill_cap is not None else float("inf")
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
-                       overlappable_only: bool = False, *, swap_in: list[tuple[int, int]]) -> None:
+                       overlappable_only: bool = False, *, swap_in: list[tuple[int, int]],
+                       tier_in: list[tuple[int, int]], restored: list[str]) -> None:
         """Start waiting requests in queue order while the budget, the slots (`leaving` of the running ones are
         about to end) and the blocks allow; with `overlappable_only`, stop at one schedule_after may not plan (or
         skip it, behind a head). A head short of blocks may be passed by requests of its priority that fit
         (WaitingQueue.head_blocked). A swapped-out request resumes where it stopped: the copies of its blocks
-        back from the host go to `swap_in`."""
+        back from the host go to `swap_in`; a fresh one's blocks restored from the host tier, to `tier_in`."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
             if not self.waiting.may_try(i):
@@ -349,10 +370,14 @@ class Scheduler:
                 continue
             swapped = req.swap_slots is not None
             fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None  # cached KV has no logits
-            prefix = self.bm.cached_prefix(req.all_token_ids) if fresh or swapped else []
+            hashes = prefix_block_hashes(req.all_token_ids[:-1], self.bm.block_size) if (
+                (fresh or swapped) and self.bm.enable_prefix_caching) else []
+            prefix = self.bm.cached_blocks(hashes)
             if swapped:  # its own KV comes back from the host; what the prefix cache still holds is not copied
                 prefix = prefix[:req.num_computed_tokens // self.bm.block_size]
-            cached_tokens = req.num_computed_tokens if swapped else len(prefix) * self.bm.block_size
+            on_host = self.tier.find(hashes[len(prefix):]) if self.tier is not None and fresh else []
+            device_tokens = len(prefix) * self.bm.block_size
+            cached_tokens = req.num_computed_tokens if swapped else device_tokens + len(on_host) * self.bm.block_size
             n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
             if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
                 if i == 0 and not self.waiting.head_blocked(self.num_updates):
@@ -363,10 +388,17 @@ class Scheduler:
             if swapped:
                 self._swap_in(req, len(prefix), swap_in)
             else:
+                if self.tier is not None and fresh:
+                    slots = self.tier.take(hashes[len(prefix):len(prefix) + len(on_host)], len(hashes) - len(prefix))
+                    tier_in += zip(slots, self.bm.table(req.request_id)[len(prefix):len(prefix) + len(slots)],
+                                   strict=True)
+                    if slots:
+                        restored.append(req.request_id)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached_tokens
+                    req.num_restored_tokens = cached_tokens - device_tokens
                 self.num_prefix_query_tokens += req.num_tokens
-                self.num_prefix_hit_tokens += cached_tokens
+                self.num_prefix_hit_tokens += device_tokens
             req.num_computed_tokens = cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -415,6 +447,12 @@ class Scheduler:
         self.swap.num_swapped_in += 1
         self.swap.blocks_in += len(pairs)
         req.swap_slots = None
+
+    def _offload(self, out: SchedulerOutput) -> None:
+        """The cached blocks this step's allocations evicted go to the host tier, copied before the step writes them
+        (SchedulerOutput.tier_out)."""
+        if self.tier is not None:
+            out.tier_out = self.tier.store(self.bm.take_evicted())
 
     def _drop_swap(self, req: Request) -> None:
         if req.swap_slots is not None:

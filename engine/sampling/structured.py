@@ -80,6 +80,8 @@ def check(spec: StructuredSpec) -> str | None:
         from llguidance import LLMatcher
 
         error = LLMatcher.validate_grammar(grammar_text(spec))
+    except RecursionError:
+        return "nested too deeply"
     except Exception as e:  # noqa: BLE001 - the library's parse errors are the client's input problems
-        return f"{type(e).__name__}: {e}"
+        return str(e) or f"does not compile ({type(e).__name__})"
     return error or None

@@ -1,0 +1,164 @@
+"""The host tier under the engine's prefix cache (engine.core.host_tier, engine.runner.host_tier_store).
+
+- Bookkeeping: stores take free slots then the least recently used entry's, never one a copy back reads in the step
+  being planned; lookups find the longest run; every slot is accounted for; the fleet's hints list adds and evictions.
+- Offline, a device cache too small for a conversation and the prompts between its turns: the second turn's history
+  (evicted from the device) is copied back from the host tier, counted (hits, bytes, the request's cached and
+  restored tokens, its restore timer), and its output equals a cold engine's (greedy and seeded).
+- A flood of distinct prompts through a small tier: its bytes stay within its size, it evicts, every slot and block
+  is accounted for after every step.
+- Settings: 0 turns it off, a size under one block, a negative one or one with tensor parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.host_tier import HostTier
+from engine.engine_config import EngineConfig
+from tests.engine_helpers import random_prompts
+
+VOCAB = 2000
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+
+
+def test_the_tier_stores_finds_and_evicts_least_recently_used_never_a_slot_being_read():
+    tier = HostTier(num_slots=3, block_bytes=100)
+    assert tier.store([(5, b"a"), (6, b"b"), (7, b"c")]) == [(5, 0), (6, 1), (7, 2)]
+    assert tier.store([(8, b"a")]) == []  # held already: nothing copied, "a" now most recently used
+    tier.end_step()  # the step's copies are queued
+    assert tier.find([b"a", b"b", b"x", b"c"]) == [0, 1]
+    assert tier.take([b"b"], looked_up=3) == [1]  # "b" is read this step
+    assert (tier.hits, tier.misses) == (1, 2)
+    # full: "c" is the least recently used ("a" was touched, "b" taken); then "a"; "b" is read this step and "d",
+    # "e" are written: "f" finds no slot
+    assert tier.store([(9, b"d"), (10, b"e"), (11, b"f")]) == [(9, 2), (10, 0)]
+    assert tier.dropped == 1 and tier.evictions == 2
+    assert tier.check_integrity() == {"free": 0, "cached": 3, "busy": 3, "total": 3}
+    tier.end_step()
+    assert tier.store([(12, b"g")]) == [(12, 1)]  # "b" (least recently used) may go now
+    added, removed = tier.take_changes()  # net: "c", "a" and "b" were stored, then evicted
+    assert added == [b"d", b"e", b"g"] and removed == [b"a", b"b", b"c"]
+    assert tier.take_changes() == ([], [])
+    tier.clear()
+    assert tier.check_integrity()["free"] == 3 and tier.find([b"d"]) == []
+
+
+def _run(engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], object]:
+    """Run one request alone to its end; its tokens and its first StepOutput."""
+    engine.add_request(rid, prompt, params)
+    tokens, first = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or out
+            tokens += out.new_token_ids
+        engine.check_integrity()
+    return tokens, first
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, params):
+    folder = str(checkpoints.tiny())
+    turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=44)
+    # 8 device blocks (128 tokens): turn 1 (52 tokens) then three other 52-token requests evict its blocks
+    engine = LLM(folder, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
+    reply, _ = _run(engine, "t1", turn1, params)
+    for i, other in enumerate(others):
+        _run(engine, f"o{i}", other, params)
+    turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=45)[0]  # the history resent with a new message
+    assert engine.block_manager.cached_prefix(turn2) == []  # gone from the device
+    got, first = _run(engine, "t2", turn2, params)
+    load = engine.load()
+    # 61 tokens: 3 full blocks before the last token, all of them turn 1's (52 tokens of history)
+    assert first.num_cached_tokens == 48 and load.host_tier_hit_blocks_total == 3
+    assert load.host_tier_out_bytes_total == 3 * engine.host_tier.block_bytes
+    assert load.host_tier_in_bytes_total >= 3 * engine.host_tier.block_bytes
+    assert load.prefix_hit_tokens_total == 0  # none of it from the device
+    cold = LLM(folder, num_kv_blocks=8, kv_host_cache_bytes=0).engine
+    assert cold.host_tier is None
+    expected, cold_first = _run(cold, "t2", turn2, params)
+    assert got == expected and cold_first.num_cached_tokens == 0
+    assert engine.check_integrity()["host_free"] + engine.check_integrity()["host_cached"] == engine.host_tier.num_slots
+
+
+def test_the_restore_is_timed_for_its_request(checkpoints):
+    folder = str(checkpoints.tiny())
+    prompt, other = random_prompts((40, 100), VOCAB, seed=46)
+    engine = LLM(folder, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
+    _run(engine, "a", prompt, GREEDY)
+    _run(engine, "b", other, GREEDY)  # 112 tokens: 7 of the 8 blocks; "a"'s first block is the last one evicted
+    engine.add_request("c", prompt + [5, 6], GREEDY)
+    req = engine.scheduler.requests["c"]
+    engine.step()
+    # its 2 full blocks before the last token: the first from the device, the second from the host tier
+    assert req.num_restored_tokens == 16 and req.num_cached_tokens == 32
+    assert req.restore_timer is not None and req.restore_timer.seconds() >= 0
+
+
+def test_a_flood_keeps_the_tier_within_its_bytes_and_every_slot_accounted_for(checkpoints):
+    folder = str(checkpoints.tiny())
+    probe = LLM(folder, num_kv_blocks=6, kv_host_cache_bytes=1 << 20).engine
+    block_bytes = probe.host_tier.block_bytes
+    engine = LLM(folder, num_kv_blocks=6, kv_host_cache_bytes=5 * block_bytes + 1).engine
+    assert engine.host_tier.num_slots == 5
+    llm_params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts([36] * 10, VOCAB, seed=47)):
+        engine.add_request(f"f{i}", prompt, llm_params)
+    while engine.has_unfinished():
+        engine.step()
+        counts = engine.check_integrity()
+        assert counts["host_cached"] <= 5
+    load = engine.load()
+    assert load.host_tier_used_bytes <= load.host_tier_capacity_bytes == 5 * block_bytes
+    assert load.host_tier_evictions_total > 0 and load.host_tier_used_blocks == 5
+
+
+def test_settings_are_checked(checkpoints):
+    folder = str(checkpoints.tiny())
+    assert LLM(folder, kv_host_cache_bytes=0).engine.host_tier is None
+    assert LLM(folder, enable_prefix_caching=False).engine.host_tier is None  # auto: no prefix cache, no tier
+    with pytest.raises(ValueError, match="kv_host_cache_bytes 100 holds no KV block"):
+        LLM(folder, kv_host_cache_bytes=100)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="kv_host_cache_bytes"):
+            EngineConfig(kv_host_cache_bytes=bad)
+    with pytest.raises(ValueError, match="kv_host_cache_bytes"):
+        EngineConfig(kv_host_cache_bytes=1 << 20, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_host_cache_bytes"):
+        EngineConfig(kv_host_cache_bytes=1 << 20, enable_prefix_caching=False)
+
+
+def test_fp8_blocks_go_down_and_back_at_their_own_size(checkpoints):
+    """kv_cache_dtype fp8: the tier's slots are the fp8 cache's blocks (half the bfloat16 bytes), copied as they are:
+    the restored turn equals a cold fp8 engine's."""
+    folder = str(checkpoints.tiny())
+    turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=48)
+    kw = dict(dtype="bfloat16", num_kv_blocks=8)
+    engine = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=64 << 20, **kw).engine
+    wide = LLM(folder, kv_host_cache_bytes=64 << 20, **kw).engine
+    assert engine.host_tier.block_bytes * 2 == wide.host_tier.block_bytes
+    assert engine.host_tier_store.copies.host.dtype == engine.kv_cache.dtype
+    reply, _ = _run(engine, "t1", turn1, GREEDY)
+    for i, other in enumerate(others):
+        _run(engine, f"o{i}", other, GREEDY)
+    turn2 = turn1 + reply + [11, 12, 13]
+    got, first = _run(engine, "t2", turn2, GREEDY)
+    assert first.num_cached_tokens == 48 and engine.load().host_tier_hit_blocks_total == 3
+    cold = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=0, **kw).engine
+    assert got == _run(cold, "t2", turn2, GREEDY)[0]
+
+
+def test_the_automatic_size_shares_the_node_s_memory_between_its_gpus(tmp_path):
+    from engine.runner.host_tier_store import auto_host_cache_bytes
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       268435456 kB\nMemAvailable:   209715200 kB\n")  # 200 GiB available
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    for i in range(8):
+        (gpus / f"0000:{i:02x}:00.0").mkdir()
+    assert auto_host_cache_bytes("cuda", str(meminfo), str(gpus)) == int((200 << 30) * 0.2 / 8)  # 5 GiB each
+    assert auto_host_cache_bytes("cuda", str(meminfo), str(tmp_path / "none")) == 32 << 30  # one GPU: capped
+    assert auto_host_cache_bytes("cpu", str(meminfo), str(gpus)) == 4 << 30
+    assert auto_host_cache_bytes("cpu", str(tmp_path / "missing")) == 0

@@ -1,0 +1,194 @@
+"""What a stranger learns from the real server (`pdserve serve`, local Ray, 1 prefill + 1 decode, the `tiny`
+checkpoint served from a folder by its path, no served_model_name): error answers to hostile input name no Python
+exception type, no filesystem path and repeat at most a short excerpt of the input; /v1/models lists the folder's
+name, not its path (a request naming the path, as vLLM's clients do, is still served); a 100 KB URL is a 414.
+And what it listens on: a single-host server's sockets are all on the loopback but its KV agents' UCX listeners."""
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.tiny import resolve_model_path
+from tests.server_process import HALF_CPU, running_server, worker_pids
+
+pytestmark = pytest.mark.timeout(400)
+FOLDER = "my-tiny-checkpoint"
+PYTHON_TYPE = re.compile(r"\b[A-Z][a-zA-Z]*Error:")
+ECHO_LIMIT = 200  # characters of one input an error message may repeat (coordinator.client_text: MAX_LINE_CHARS)
+LONG = 7000
+COMP, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoints") / FOLDER
+    shutil.copytree(resolve_model_path("tiny"), folder)
+    config = {"model": str(folder), "prefill": HALF_CPU, "decode": HALF_CPU, "transfer": {"backends": ["ucx"]}}
+    with running_server(tmp_path_factory.mktemp("hostile_clients"), config) as server:
+        yield server, folder
+
+
+def _words(n: int) -> str:
+    """n characters of distinct words with spaces (an excerpt cannot hide in a run cut short)."""
+    text, i = [], 0
+    while sum(len(w) + 1 for w in text) < n:
+        text.append(f"w{i}x")
+        i += 1
+    return " ".join(text)[:n]
+
+
+def _deep(n: int, inner: str = "{}") -> str:
+    return '{"type":"object","properties":{"a":' * n + inner + "}}" * n
+
+
+def _cases(model: str) -> list[tuple[str, str, str]]:
+    """(route, raw JSON body, the long input it carries or "") of hostile requests."""
+    a, words = "A" * LONG, _words(LONG)
+    chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    comp = {"model": model, "prompt": "x", "max_tokens": 2}
+    dumps = json.dumps
+    return [
+        (COMP, dumps({**comp, "model": a}), a),
+        (COMP, dumps({**comp, a: 1}), a),
+        (COMP, dumps({**comp, "guided_regex": a + "("}), a),
+        (COMP, dumps({**comp, "guided_regex": "(" + words}), words),
+        (COMP, dumps({**comp, "guided_grammar": a}), a),
+        (COMP, dumps({**comp, "guided_grammar": "start: " + words + " ("}), words),
+        (COMP, dumps({**comp, "guided_json": {"type": "string", "pattern": a + "("}}), a),
+        (COMP, dumps({**comp, "logit_bias": {a: 1}}), a),
+        (COMP, dumps({**comp, "prompt": "\ud800 lone surrogate"}), ""),
+        (COMP, dumps({**comp, "guided_json": "{" + words}), words),
+        (COMP, dumps(comp)[:-1] + ',"guided_json":' + _deep(300) + "}", ""),
+        (COMP, dumps(comp)[:-1] + ',"prompt":' + "[" * 100000 + "1" + "]" * 100000 + "}", ""),
+        (CHAT, dumps({**chat, "messages": [{"role": a, "content": "x"}]}), a),
+        (CHAT, dumps({**chat, "messages": [{"role": "user", "content": "\udfff"}]}), ""),
+        (CHAT, dumps({**chat, "tools": [{"type": "function", "function": {"name": a, "parameters": {}}}]}), a),
+        (CHAT, dumps(chat)[:-1] + ',"tools":[{"type":"function","function":{"name":"f","parameters":'
+         + _deep(300) + "}}]}", ""),
+        (CHAT, dumps({**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"$ref": "#/$defs/" + a}}}}), a),
+        (CHAT, dumps({**chat, "tool_choice": {"type": "function", "function": {"name": a}}}), a),
+    ]
+
+
+def _echoes(message: str, given: str) -> bool:
+    """Whether `message` repeats more than ECHO_LIMIT characters of `given` in a row."""
+    return any(given[i:i + ECHO_LIMIT + 1] in message for i in range(len(given) - ECHO_LIMIT))
+
+
+def test_hostile_inputs_get_4xx_without_python_types_paths_or_the_input_echoed(served):
+    server, folder = served
+    leaks = []
+    for route, body, given in _cases(str(folder)):  # the model named by its path: served before and after the id
+        # changed, so every answer is about the hostile part
+        r = httpx.post(server.url + route, content=body.encode(),
+                       headers={"Content-Type": "application/json"}, timeout=120)
+        where = f"{route} {body[:120]!r}: {r.status_code} {r.text[:300]!r}"
+        assert 400 <= r.status_code < 500, where
+        message = r.json()["error"]["message"] + " " + str(r.json()["error"]["param"])
+        if PYTHON_TYPE.search(message):
+            leaks.append(f"a Python type: {where}")
+        if str(folder.parent) in message or ".py" in message or "site-packages" in message:
+            leaks.append(f"a path: {where}")
+        if _echoes(message, given):
+            leaks.append(f"the input echoed (over {ECHO_LIMIT} characters of it): {where}")
+    assert not leaks, "\n".join(leaks)
+
+
+def test_models_lists_the_folder_name_and_a_request_naming_the_path_is_served(served):
+    server, folder = served
+    listed = httpx.get(f"{server.url}/v1/models", timeout=10)
+    assert listed.status_code == 200 and str(folder.parent) not in listed.text, listed.text
+    (card,) = listed.json()["data"]
+    assert (card["id"], card["root"]) == (FOLDER, FOLDER), card
+    wanted = LLM(str(folder)).generate(["Hello"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    for model in (FOLDER, str(folder)):  # the id listed, and the path vLLM would have listed
+        r = httpx.post(f"{server.url}{COMP}", json={"model": model, "prompt": "Hello", "max_tokens": 6,
+                                                    "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == wanted.text, r.text
+        assert r.json()["model"] == FOLDER
+    unknown = httpx.post(f"{server.url}{COMP}", json={"model": "other", "prompt": "x"}, timeout=60)
+    assert unknown.status_code == 404 and str(folder.parent) not in unknown.text, unknown.text
+
+
+def test_a_100_kb_url_is_a_414(served):
+    server, _ = served
+    address = urlparse(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models?" + b"q" * 100_000 + b" HTTP/1.1\r\nHost: pdserve\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 414 "), answer[:300]
+    assert json.loads(body)["error"]["code"] == "uri_too_long"
+
+
+def _listeners(root: int) -> list[tuple[str, int, int, str]]:
+    """(address, port, pid, command) of every listening TCP socket (IPv4 and IPv6) of `root` and its descendants."""
+    parent, command = {}, {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+    owner = {}
+    for pid in filter(descends, parent):
+        try:
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
+                continue
+            raw, port = fields[1].split(":")
+            packed = bytes.fromhex(raw)
+            packed = b"".join(packed[i:i + 4][::-1] for i in range(0, len(packed), 4))  # per 32-bit word
+            pid = owner[fields[9]]
+            found.append((socket.inet_ntop(family, packed), int(port, 16), pid, command[pid][:80]))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.removeprefix("::ffff:")).is_loopback
+
+
+def test_a_single_host_server_listens_on_loopback_only_but_the_ucx_listeners(served):
+    """Every listening socket of the server's processes (Ray's GCS, raylet, object manager, agents and core
+    workers; the coordinator; each worker's output stream and KV agent) is on the loopback, but one per worker: its
+    KV agent's UCX connection listener, which ucxx opens on every interface (its create_listener takes no
+    address; UCX_NET_DEVICES=lo keeps UCX's data path on the loopback)."""
+    server, _ = served
+    listening = _listeners(server.pid)
+    workers = set(worker_pids(server))
+    assert len(workers) == 2 and listening
+    exposed = [entry for entry in listening if not _loopback(entry[0])]
+    ucx = [entry for entry in exposed if entry[0] == "0.0.0.0" and entry[2] in workers]
+    assert sorted(pid for _, _, pid, _ in ucx) == sorted(workers), exposed  # one UCX listener per worker
+    assert not [entry for entry in exposed if entry not in ucx], exposed
