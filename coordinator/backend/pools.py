@@ -261,7 +261,11 @@ class Pools:
                        resources=dict(pool.resources), max_concurrency=10_000,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[group],
                                                                             placement_group_bundle_index=bundle))
-        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s)
+        # one host: peers reach a worker's KV agent by its UCX worker address, so it has no listening socket (and
+        # UCX_NET_DEVICES=lo keeps UCX's own on the loopback: coordinator.ray_network); a cluster keeps the UCX
+        # listener, which ucxx opens on every interface (docs/operations.md, Security model)
+        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s,
+                            ucx_connect="worker_address" if cfg.ray_address is None else "listener")
         seed = index if role == "prefill" else 1000 + index
         if cfg.namespace is not None and not spare:  # outlives this coordinator (coordinator.backend.fleet); a
             options |= dict(name=actor_name(role, index, incarnation), lifetime="detached")  # spare dies with it
