@@ -14,7 +14,7 @@ It never touches tensors. A request passes its packages as stages, each visited 
 and at the top `cli` (the `pdserve` command) and `serve` (start the pools, serve HTTP, drain). Two modules are
 shared vocabulary: `contract` (ServingBackend, GenerateRequest, TokenDelta and the backend's errors) and `errors`
 (OpenAI-shaped HTTP errors), with `client_text` under it (what of a failure's or the input's text an error may
-repeat). `process_supervisor` and `ray_network` (a local Ray on the loopback) serve `pdserve serve` at the top.
+repeat). `process_supervisor` serves `pdserve serve` at the top (its local Ray on the loopback: `backend.ray_network`).
 
 Imports point down this list only (tests/test_import_structure.py keeps it so):
 cli, serve -> frontends -> api -> backend -> admission -> contract, errors -> client_text, observability -> config.

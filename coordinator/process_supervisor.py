@@ -9,7 +9,7 @@ so the workers are not the coordinator's children and no reaper of its takes the
 once, from the port bound). A coordinator inside Ray would need all three passed around and Ray's own restart
 machinery to behave under a SIGKILL of its owner; a parent process that waits on a child is a few dozen lines.
 
-Life: bind -> start Ray (a local one on the loopback only: coordinator.ray_network) or join it, in namespace
+Life: bind -> start Ray (a local one on the loopback only: coordinator.backend.ray_network) or join it, in namespace
 `namespace` (or pdserve-HOST-PORT) -> the child (`python -m coordinator.cli _coordinator`, its own session) gets the
 socket, a pipe on which it says when it serves, and the server's state folder (private, removed at exit): the
 configuration loaded at start (frozen: a YAML file edited since is not read again, so an invalid edit cannot stop a
@@ -42,8 +42,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from coordinator.backend.ray_network import confine_local_ray
 from coordinator.config.serve_config import ServeConfig
-from coordinator.ray_network import confine_local_ray
 
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -59,6 +59,8 @@ class KVAgent:
                  port: int = 0) -> None:
         self.name = name
         self.config = config or AgentConfig()
+        if port and self.config.ucx_connect != "listener":
+            raise ValueError(f"agent {name!r}: a UCX port ({port}) needs AgentConfig.ucx_connect='listener'")
         faults = self.config.faults if self.config.faults is not None else FaultConfig.from_env()
         self._faults = FaultInjector(faults)
         self._address = address or self.config.address or default_address()
@@ -77,11 +79,18 @@ class KVAgent:
             Server(lambda: self._cache, lambda: self._info, lambda: self._serve_pool, self._metrics, self._inbox, name)
         )
         self._notify_listener = NotifyListener(self._inbox.put)
-        self._port, self._notify_port = self._loop.call(self._start(port), self.config.connect_timeout_s)
+        self._port, self._notify_port = 0, None
+        self._worker_address: bytes | None = None
+        self._accept_tag: int | None = None
+        self._loop.call(self._start(port), self.config.connect_timeout_s)
         self._closed = False
 
-    async def _start(self, port: int) -> tuple[int, int]:
-        return self._server.start(port), await self._notify_listener.start(self._address)
+    async def _start(self, port: int) -> None:
+        if self.config.ucx_connect == "listener":
+            self._port = self._server.start(port)
+        else:
+            self._worker_address, self._accept_tag = self._server.start_by_worker_address()
+        self._notify_port = await self._notify_listener.start(self._address)
 
     # ---- memory registration -------------------------------------------------------------------------
     def register_cache(self, kv: torch.Tensor, spec: KVCacheSpec, heads: KVHeadRange | None = None) -> None:
@@ -106,7 +115,7 @@ class KVAgent:
 
     def metadata(self) -> AgentMetadata:
         return AgentMetadata(self.name, self._address, self._port, host_identity(), os.getpid(), self._info,
-                             self._notify_port)
+                             self._notify_port, self._worker_address, self._accept_tag)
 
     @property
     def cache_info(self) -> CacheInfo | None:
@@ -179,8 +188,8 @@ class KVAgent:
             return False
         await r.drop(reason)
         if incoming:  # only the endpoints this very agent opened (a successor of the same name may be connected)
-            key = _identity(r.meta)
-            self._server.abort_peers(lambda p: p.meta is not None and _identity(p.meta) == key, f"{name!r} {reason}")
+            key = r.meta.identity
+            self._server.abort_peers(lambda p: p.meta is not None and p.meta.identity == key, f"{name!r} {reason}")
         return True
 
     def remotes(self) -> dict[str, str]:
@@ -393,11 +402,6 @@ class KVAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _identity(meta: AgentMetadata) -> tuple:
-    """What tells one agent from a successor under the same name."""
-    return (meta.name, meta.address, meta.port, meta.host_id, meta.pid)
 
 
 async def _clear(pool: StagingPool) -> None:

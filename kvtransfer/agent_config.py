@@ -1,4 +1,5 @@
-"""AgentConfig: a KV agent's settings (chunk sizes, staging, deadlines, handshake retries, backends, faults).
+"""AgentConfig: a KV agent's settings (chunk sizes, staging, deadlines, handshake retries, backends, how peers
+connect to it, faults).
 
 Apart from kvtransfer.agent so that a process which only configures agents (the coordinator) imports no torch.
 """
@@ -10,6 +11,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .faults import FaultConfig
+
+UCX_CONNECT = ("worker_address", "listener")  # AgentConfig.ucx_connect's values
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,17 @@ class AgentConfig:
     # the address the agent advertises, where its notification listener listens (None: $KVTRANSFER_ADDRESS, else
     # this host's primary IP); a pool worker sets its Ray node's (pool_worker.worker)
     address: str | None = None
+    # how peers open a UCX connection to the agent: "worker_address" (by its UCX worker's address, sent with its
+    # metadata: no UCX listening socket; the data transports' sockets follow UCX_NET_DEVICES) or "listener" (a UCX
+    # connection listener, which ucxx opens on every interface: a cluster's, coordinator.backend.pools)
+    ucx_connect: str = "worker_address"
     faults: FaultConfig | None = None  # injected faults; None: those in $PDSERVE_KV_FAULTS, if set, else none
 
     def __post_init__(self) -> None:
         self.handshake  # noqa: B018 - validates the handshake fields now
+        if self.ucx_connect not in UCX_CONNECT:
+            raise ValueError(f"AgentConfig.ucx_connect must be one of {', '.join(UCX_CONNECT)}, got "
+                             f"{self.ucx_connect!r}")
         if isinstance(self.faults, Mapping):  # a YAML section
             object.__setattr__(self, "faults", FaultConfig.from_dict(self.faults))
         if self.faults is not None and not isinstance(self.faults, FaultConfig):

@@ -1,7 +1,9 @@
 """What one agent tells another so that they can connect and move blocks: `AgentMetadata`.
 
 Torch-free and small, so the coordinator and the pools can pass it around (bytes over Ray) without CUDA.
-`to_bytes()` / `from_bytes()` are the wire format (JSON; the optional CUDA IPC blob is base64).
+`to_bytes()` / `from_bytes()` are the wire format (JSON; the optional CUDA IPC blob and UCX worker address are base64).
+An agent is reached either at its UCX listener (`address`:`port`) or, with no listener, by its UCX worker address
+and accept tag (`worker_address`, `accept_tag`: kvtransfer.backends.ucx_handshake).
 A cache carries the global KV head range it holds (`engine.kv_heads`; default all heads): caches of a model's
 TP ranks hold different ranges, and `check_compatible` compares what must agree for heads to move between them.
 """
@@ -19,8 +21,8 @@ from engine.kv_layout import KVCacheSpec
 
 from .errors import IncompatibleLayout
 
-PROTOCOL_VERSION = 4  # 2: caches carry head ranges, reads may name a head range; 3: control messages are frames;
-# 4: notifications go over a TCP stream (`notify_port`)
+PROTOCOL_VERSION = 5  # 2: caches carry head ranges, reads may name a head range; 3: control messages are frames;
+# 4: notifications go over a TCP stream (`notify_port`); 5: an agent may be reached by its UCX worker address
 
 
 def host_identity() -> str:
@@ -87,13 +89,24 @@ class AgentMetadata:
     """Everything needed to reach an agent and address its registered cache."""
 
     name: str
-    address: str  # host name or IP the agent's UCX listener is reachable at
-    port: int
+    address: str  # host name or IP the agent's listeners are reachable at
+    port: int  # its UCX listener's port; 0 when it has none (reached by `worker_address`)
     host_id: str  # host_identity() of the agent's process
     pid: int
     cache: CacheInfo | None
     notify_port: int | None = None  # the agent's notification listener (kvtransfer.notify_channel), at `address`
+    worker_address: bytes | None = None  # its UCX worker's address, when peers connect by it (no UCX listener)
+    accept_tag: int | None = None  # the tag its connection requests are sent on (with `worker_address`)
     protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if (self.worker_address is None) != (self.accept_tag is None):
+            raise IncompatibleLayout(f"agent metadata of {self.name!r}: worker_address and accept_tag go together")
+
+    @property
+    def identity(self) -> tuple:
+        """What tells one agent from a successor under the same name."""
+        return (self.name, self.address, self.port, self.host_id, self.pid)
 
     def to_bytes(self) -> bytes:
         d = {
@@ -104,6 +117,8 @@ class AgentMetadata:
             "pid": self.pid,
             "cache": self.cache.to_dict() if self.cache else None,
             "notify_port": self.notify_port,
+            "worker_address": base64.b64encode(self.worker_address).decode() if self.worker_address else None,
+            "accept_tag": self.accept_tag,
             "protocol_version": self.protocol_version,
         }
         return json.dumps(d, separators=(",", ":")).encode()
@@ -120,6 +135,8 @@ class AgentMetadata:
                 pid=int(d["pid"]),
                 cache=CacheInfo.from_dict(d["cache"]) if d.get("cache") else None,
                 notify_port=int(d["notify_port"]) if d.get("notify_port") is not None else None,
+                worker_address=base64.b64decode(d["worker_address"]) if d.get("worker_address") else None,
+                accept_tag=int(d["accept_tag"]) if d.get("accept_tag") is not None else None,
                 protocol_version=int(d.get("protocol_version", -1)),
             )
         except (ValueError, KeyError, TypeError) as e:

@@ -55,7 +55,7 @@ class Remote:
             self.check()
             if self.conn is None or self.conn.broken is not None:
                 m = self.meta
-                conn = await with_retries(lambda d: UcxConnection.open(m.address, m.port, m.name, hello(), d),
+                conn = await with_retries(lambda d: UcxConnection.open(m, hello(), d),
                                           policy, deadline, f"connect to {m.name!r}", metrics.record_handshake)
                 if self.lost is not None:  # dropped while we were connecting: never keep that endpoint
                     conn.abort("remote dropped")

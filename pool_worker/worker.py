@@ -70,7 +70,7 @@ class Worker:
 
         torch.set_num_threads(self._num_threads)
         if self._agent_config is not None and self._agent_config.address is None:  # the interface Ray's node uses
-            import ray  # (a single-host server's: the loopback, coordinator.ray_network)
+            import ray  # (a single-host server's: the loopback, coordinator.backend.ray_network)
 
             address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
             self._agent_config = replace(self._agent_config, address=address)

@@ -189,7 +189,7 @@ def test_unreachable_peer_fails_to_connect_within_timeout() -> None:
         gone = KVAgent("gone", address="127.0.0.1")
         gone.register_cache(random_cache(SPEC, 4, seed=11), SPEC)
         meta = gone.metadata()
-        gone.close()  # its listener is closed: nobody answers at that port
+        gone.close()  # closed in a process that lives on: its worker takes the connect request, nobody answers it
         with pytest.raises((PeerLost, TransferTimeout)):
             a.add_remote(meta)
         assert a.remotes() == {}

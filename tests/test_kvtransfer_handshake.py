@@ -1,7 +1,8 @@
-"""The UCX handshake tells a slow peer from an absent one (real ucxx, real processes): a peer whose listener does
-not answer for a while (SIGSTOPped during the handshake, then continued) is connected after a retry and serves a
-transfer; a port where nothing listens fails at once with a PeerLost naming the peer, without a retry; a peer that
-died fails a transfer's reconnect the same way. Every outcome is counted in the agent's metrics."""
+"""The UCX handshake tells a slow peer from an absent one (real ucxx, real processes), whether peers connect to the
+agent's UCX listener or by its worker address (AgentConfig.ucx_connect): a peer that does not answer for a while
+(SIGSTOPped during the handshake, then continued) is connected after a retry and serves a transfer; a port where
+nothing listens, or a worker address whose process is gone, fails at once with a PeerLost naming the peer, without a
+retry; a peer that died fails a transfer's reconnect the same way. Every outcome is counted in the agent's metrics."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from kvtransfer import AgentConfig, KVAgent, PeerLost, TransferTimeout
-from kvtransfer.agent_config import HandshakePolicy
+from kvtransfer.agent_config import UCX_CONNECT, HandshakePolicy
+from kvtransfer.metadata import AgentMetadata
 from tests.kvtransfer_helpers import SPEC, PeerProcess, bits, random_cache, wait_local
 
 pytestmark = pytest.mark.timeout(180)
@@ -24,18 +26,24 @@ CONFIG = {"staging_bytes": 64 * SPEC.block_bytes, "timeout_s": 60.0, "connect_ti
           "handshake_attempts": 40, "handshake_attempt_s": 0.5, "handshake_backoff_s": 0.05}
 
 
+@pytest.fixture(params=UCX_CONNECT)
+def mode(request) -> str:
+    """How peers connect to an agent (both agents of a test use it)."""
+    return request.param
+
+
 @pytest.fixture
-def local() -> Iterator[tuple[KVAgent, torch.Tensor]]:
-    agent = KVAgent("handshaker", AgentConfig(**CONFIG), address="127.0.0.1")
+def local(mode: str) -> Iterator[tuple[KVAgent, torch.Tensor]]:
+    agent = KVAgent("handshaker", AgentConfig(**CONFIG, ucx_connect=mode), address="127.0.0.1")
     kv = random_cache(SPEC, 16, seed=21)
     agent.register_cache(kv, SPEC)
     yield agent, kv
     agent.close()
 
 
-def test_a_peer_slow_to_accept_is_connected_after_a_retry(local) -> None:
+def test_a_peer_slow_to_accept_is_connected_after_a_retry(local, mode: str) -> None:
     agent, kv = local
-    peer = PeerProcess("sleepy", num_blocks=16, seed=22, config=CONFIG)
+    peer = PeerProcess("sleepy", num_blocks=16, seed=22, config={**CONFIG, "ucx_connect": mode})
     outcome: list[BaseException | str] = []
     try:
         peer.stop()  # its listener cannot answer: the handshake's attempts time out while it is stopped
@@ -65,7 +73,7 @@ def test_a_port_where_nothing_listens_fails_at_once_with_peer_lost() -> None:
     # one attempt may take all of 60 s: only a refusal seen as such ends this quickly enough for the test's timeout
     config = {**CONFIG, "handshake_attempt_s": 60.0, "connect_timeout_s": 600.0}
     a = KVAgent("lonely", AgentConfig(**config), address="127.0.0.1")
-    gone = KVAgent("gone", address="127.0.0.1")
+    gone = KVAgent("gone", AgentConfig(ucx_connect="listener"), address="127.0.0.1")
     try:
         a.register_cache(random_cache(SPEC, 4, seed=10), SPEC)
         gone.register_cache(random_cache(SPEC, 4, seed=11), SPEC)
@@ -81,9 +89,27 @@ def test_a_port_where_nothing_listens_fails_at_once_with_peer_lost() -> None:
         a.close()
 
 
-def test_a_dead_peers_reconnect_is_refused_not_retried(local) -> None:
+def test_a_worker_address_whose_process_is_gone_fails_at_once_with_peer_lost() -> None:
+    config = {**CONFIG, "handshake_attempt_s": 60.0, "connect_timeout_s": 600.0}
+    a = KVAgent("lonely", AgentConfig(**config), address="127.0.0.1")
+    peer = PeerProcess("gone", num_blocks=4, seed=11)
+    try:
+        a.register_cache(random_cache(SPEC, 4, seed=10), SPEC)
+        assert AgentMetadata.from_bytes(peer.meta).worker_address is not None  # the default: no UCX listener
+        peer.kill()
+        with pytest.raises(PeerLost, match="'gone' by its UCX worker address: .*the peer is gone") as err:
+            a.add_remote(peer.meta)
+        assert not isinstance(err.value, TransferTimeout)
+        assert a.metrics()["handshakes"] == {"connected": 0, "retried": 0, "refused": 1, "failed": 0}
+        assert a.remotes() == {}
+    finally:
+        peer.close()
+        a.close()
+
+
+def test_a_dead_peers_reconnect_is_refused_not_retried(local, mode: str) -> None:
     agent, _ = local
-    peer = PeerProcess("mortal", num_blocks=16, seed=23, config=CONFIG)
+    peer = PeerProcess("mortal", num_blocks=16, seed=23, config={**CONFIG, "ucx_connect": mode})
     try:
         agent.add_remote(peer.meta)
         agent.read("mortal", [1], [1]).wait(60.0)
@@ -111,6 +137,10 @@ def test_handshake_policy_bounds_its_retries() -> None:
                 {"handshake_backoff_s": -1.0}, {"handshake_backoff_s": math.nan}):
         with pytest.raises(ValueError, match="handshake"):
             AgentConfig(**bad)
+    with pytest.raises(ValueError, match="ucx_connect must be one of worker_address, listener, got 'sockaddr'"):
+        AgentConfig(ucx_connect="sockaddr")
+    with pytest.raises(ValueError, match="a UCX port \\(4242\\) needs AgentConfig.ucx_connect='listener'"):
+        KVAgent("fixed-port", address="127.0.0.1", port=4242)
 
 
 def _try(fn) -> BaseException | str:

@@ -4,8 +4,10 @@ ucxx 0.52's Python API exposes no one-sided RMA (no memory handles / remote keys
 request/response exchange over tagged messages (see `kvtransfer.wire`), one large message per chunk.
 Everything here runs on the owning agent's event-loop thread.
 
-`UcxConnection` is the client side of one agent -> agent connection; `UcxServer` owns the listener and the
-endpoints peers opened to us, and hands each request to a `RequestHandler` (the agent).
+`UcxConnection` is the client side of one agent -> agent connection; `UcxServer` owns how peers reach us (a UCX
+listener, or our worker address: kvtransfer.backends.ucx_worker_address) and the endpoints peers opened to us, and
+hands each request to a `RequestHandler` (the agent). A peer's hello supersedes the connections the same agent
+opened to us before (it holds one connection per peer: the older ones are stale attempts or broken).
 Every wait is bounded by a deadline: when one passes, the connection is aborted (which cancels the posted
 UCX requests, so no late message lands in a reused buffer) and TransferTimeout is raised. A wait that is
 cancelled (its peer was removed) aborts the connection the same way before it lets the cancellation through.
@@ -25,6 +27,8 @@ import ucxx
 
 from .. import wire
 from ..errors import PeerLost, TransferTimeout
+from ..metadata import AgentMetadata
+from . import ucx_worker_address
 from .ucx_handshake import open_endpoint
 
 log = logging.getLogger(__name__)
@@ -106,11 +110,16 @@ class UcxConnection:
         self._send_lock = asyncio.Lock()  # a long request is two messages: never interleave two requests
 
     @classmethod
-    async def open(cls, address: str, port: int, peer: str, hello: dict, deadline: float) -> UcxConnection:
-        """One handshake attempt (endpoint, peer-info exchange, our hello) that must finish before `deadline`:
-        HandshakeRefused when nothing listens, HandshakeTimedOut / TransferTimeout when the peer did not answer
-        in time, PeerLost when it closed the connection, the peer's own error when it refused the hello."""
-        conn = cls(await open_endpoint(address, port, peer, deadline), peer)
+    async def open(cls, meta: AgentMetadata, hello: dict, deadline: float) -> UcxConnection:
+        """One handshake attempt (endpoint, peer-info exchange or connect request, our hello) to the agent `meta`
+        describes, that must finish before `deadline`: HandshakeRefused when nothing listens or its process is
+        gone, HandshakeTimedOut / TransferTimeout when the peer did not answer in time, PeerLost when it closed
+        the connection, the peer's own error when it refused the hello."""
+        if meta.worker_address is not None and meta.accept_tag is not None:
+            ep = await ucx_worker_address.connect(meta.worker_address, meta.accept_tag, meta.name, deadline)
+        else:
+            ep = await open_endpoint(meta.address, meta.port, meta.name, deadline)
+        conn = cls(ep, meta.name)
         try:
             await conn.request(hello, 0, deadline)
         except BaseException:
@@ -172,8 +181,9 @@ class UcxConnection:
 class PeerEndpoint:
     """The server side of a connection a peer opened to us: replies and data go back on it."""
 
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, seq: int) -> None:
         self.ep = ep
+        self.seq = seq  # the order in which peers' connections reached us
         self.peer = "?"  # set by the hello
         self.meta: Any = None  # the peer's AgentMetadata, set by the hello
         self.broken: str | None = None
@@ -207,17 +217,26 @@ class RequestHandler(Protocol):
 
 
 class UcxServer:
-    """Our listener and the endpoints peers opened to it; one task per peer reads its requests."""
+    """How peers reach us (our listener, or our worker address) and the endpoints they opened; one task per peer
+    reads its requests."""
 
     def __init__(self, handler: RequestHandler) -> None:
         self._handler = handler
         self._listener: Any = None
+        self._acceptor: ucx_worker_address.Acceptor | None = None
         self._peers: set[PeerEndpoint] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._accepted = 0
 
     def start(self, port: int = 0) -> int:
+        """Listen on `port` (0: one the kernel picks), on every interface; returns the port."""
         self._listener = ucxx.create_listener(self._accept, port=port)
         return int(self._listener.port)
+
+    def start_by_worker_address(self) -> tuple[bytes, int]:
+        """Accept connections made by our worker address (no listening socket); returns it and the accept tag."""
+        self._acceptor = ucx_worker_address.Acceptor(lambda ep: self._spawn(self._accept(ep)))
+        return self._acceptor.start()
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -225,7 +244,8 @@ class UcxServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _accept(self, ep: Any) -> None:
-        peer = PeerEndpoint(ep)
+        self._accepted += 1
+        peer = PeerEndpoint(ep, self._accepted)
         self._peers.add(peer)
         buf = bytearray(wire.FRAME_BYTES)  # requests are read one at a time: one frame buffer per peer
         try:
@@ -243,6 +263,7 @@ class UcxServer:
                     await peer.reply(0, resp, time.monotonic() + 10.0)
                     if not resp.get("ok"):
                         return
+                    self._supersede(peer)
                 elif msg.get("op") == "notify":  # inline, not a task: one loop iteration less, and in order
                     try:
                         self._handler.on_notify(peer, msg)
@@ -253,6 +274,13 @@ class UcxServer:
         finally:
             self._peers.discard(peer)
 
+    def _supersede(self, peer: PeerEndpoint) -> None:
+        """Abort the connections `peer`'s agent opened to us before this one (its stale handshake attempts, or
+        one it gave up): a worker-address connection's server side learns of neither otherwise."""
+        key = peer.meta.identity
+        self.abort_peers(lambda p: p.seq < peer.seq and p.meta is not None and p.meta.identity == key,
+                         "superseded by a newer connection of the same agent")
+
     def abort_peers(self, match: Callable[[PeerEndpoint], bool], reason: str) -> int:
         """Abort the endpoints peers opened to us that `match`; their requests in progress fail."""
         hit = [p for p in self._peers if match(p)]
@@ -261,6 +289,9 @@ class UcxServer:
         return len(hit)
 
     async def close(self) -> None:
+        if self._acceptor is not None:
+            await self._acceptor.close()
+            self._acceptor = None
         for p in list(self._peers):
             p.abort("agent closing")
         for t in list(self._tasks):

@@ -1,4 +1,5 @@
 """The UCX handshake: opening an endpoint to a peer's listener, and telling a slow peer from an absent one.
+(A peer without a listener is reached by its worker address instead: kvtransfer.backends.ucx_worker_address.)
 
 A connection is made in steps: a UCX endpoint to the peer's listener (UCX's own connection setup), ucxx's
 peer-info exchange on it (a few bytes each way, answered by the listener's handler on the peer's event loop), then
@@ -71,13 +72,12 @@ async def open_endpoint(address: str, port: int, peer: str, deadline: float) -> 
                                                         connect_timeout=remaining + 1.0))
     exchange.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
     try:
-        while not exchange.done() and ucx_ep.alive and time.monotonic() < deadline:
-            await asyncio.wait({exchange}, timeout=min(WATCH_S, max(0.0, deadline - time.monotonic())))
+        await watch(exchange, ucx_ep, deadline)
         if exchange.done() and exchange.exception() is None and ucx_ep.alive:
             info = exchange.result()
             return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": info["msg_tag"], "msg_recv": tag})
         if not ucx_ep.alive:
-            raise HandshakeRefused(f"cannot connect to {where}: refused ({_endpoint_error(ucx_ep)}); "
+            raise HandshakeRefused(f"cannot connect to {where}: refused ({endpoint_error(ucx_ep)}); "
                                    f"the peer is gone or nothing listens there")
         if exchange.done():  # the exchange failed on an endpoint UCX still calls alive: the peer closed it
             raise PeerLost(f"handshake with {where} failed: {exchange.exception()!r}")
@@ -88,7 +88,13 @@ async def open_endpoint(address: str, port: int, peer: str, deadline: float) -> 
         raise
 
 
-def _endpoint_error(ucx_ep: Any) -> str:
+async def watch(task: asyncio.Future, ucx_ep: Any, deadline: float) -> None:
+    """Wait until `task` is done, UCX failed the endpoint `ucx_ep` (a ucxx UCXEndpoint), or `deadline` passed."""
+    while not task.done() and ucx_ep.alive and time.monotonic() < deadline:
+        await asyncio.wait({task}, timeout=min(WATCH_S, max(0.0, deadline - time.monotonic())))
+
+
+def endpoint_error(ucx_ep: Any) -> str:
     try:
         ucx_ep.raise_on_error()
     except ucxx.exceptions.UCXError as e:
