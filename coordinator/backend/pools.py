@@ -79,7 +79,7 @@ class Pools:
     @property
     def pool_names(self) -> tuple[str, ...]:
         """The pools the workers are started from (their slots' configs and placement groups)."""
-        return ("decode",) if self.config.mode == "collocated" else ("prefill", "decode")
+        return self.config.pool_names
 
     @property
     def transfers(self) -> bool:
