@@ -1,23 +1,24 @@
-"""Planner: moves workers' roles while serving (`mode: adaptive`), one worker at a time, toward the pool the
-measured load says is short.
+"""Planner: moves workers' roles while serving (`mode: adaptive`), one worker at a time, toward the pool the measured
+load says is short.
 
 Roles: "prefill" (takes prompts for other workers, decodes nothing new), "decode" (decodes, prefilling its own
 requests locally when placement says so) and "mixed" (both). A role is routing only (every worker can do both:
-pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the
-worker goes on.
+pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the worker
+goes on.
 
 What it judges by: the requests that ended within `planner.window_s` (and after the last change), their TTFT and
 TPOT 90th percentiles against the SLO targets (coordinator.observability.latency_window), and how busy each engine
-was since the last look (its step time over the wall time: coordinator.observability.busy_meter). Decode is short when the TPOT p90 passes DECODE_SHORT
-of its target while the TTFT p90 is within HEADROOM of its own; prefill is short when the TTFT p90 passes
-DECODE_SHORT of its target while decode is not short. Short decode moves a worker one step toward decoding: a
-prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the prefill rate its pool
-lives on: its prompts would share decoding steps within their budget), else a mixed worker becomes decode. Short
-prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always keeping a worker that
-decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s` without changes, and
-a change is judged only by requests that ended after it. Both short, or neither: no change. One exception needs no
-verdict: when no live worker decodes but another lives, one becomes mixed at once, the moment the last decoding
-worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its streams should not wait for it).
+was since the last look (its step time over the wall time: coordinator.observability.busy_meter). Decode is short
+when the TPOT p90 passes DECODE_SHORT of its target while the TTFT p90 is within HEADROOM of its own; prefill is
+short when the TTFT p90 passes DECODE_SHORT of its target while decode is not short. Short decode moves a worker one
+step toward decoding: a prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the
+prefill rate its pool lives on: its prompts would share decoding steps within their budget), else a mixed worker
+becomes decode. Short prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always
+keeping a worker that decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s`
+without changes, and a change is judged only by requests that ended after it. Both short, or neither: no change. One
+exception needs no verdict: when no live worker decodes but another lives, one becomes mixed at once, the moment the
+last decoding worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its streams should
+not wait for it).
 """
 
 from __future__ import annotations

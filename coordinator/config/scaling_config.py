@@ -26,7 +26,8 @@ def _number(name: str, value: object, low: float, high: float, low_open: bool = 
 class ScalingConfig:
     """When a pool grows or shrinks (one worker at a time, the whole fleet one event at a time)."""
 
-    window_s: float = 30.0        # the requests judged: those that ended within this many seconds (after the last event)
+    window_s: float = 30.0        # the requests judged: those that ended within this many seconds (and after the
+    #                               last scale event)
     min_requests: int = 8         # fewer requests in the window: no pool misses its target
     cooldown_s: float = 30.0      # after a scale event, how long before the next (its effect must show first)
     scale_in_after_s: float = 120.0  # a pool's load low for this long, look after look, before one worker is removed
