@@ -160,6 +160,13 @@ def backend_families(stats: dict) -> list[Metric]:
         out.append(_family("pdserve_role_changes_total", "Workers' role changes (mode adaptive), by old and new role",
                            [({"from": k.split(">")[0], "to": k.split(">")[1]}, v) for k, v in sorted(changes.items())
                             if _number(v) is not None and ">" in k]))
+    scaled = stats.get("scale_events")
+    if isinstance(scaled, dict):
+        out.append(_family("pdserve_pool_scale_events_total", "Pools grown or shrunk by one worker (pools that scale: "
+                           "min_workers / max_workers), by pool and direction: out, in, out_failed (no room or a "
+                           "failed start), in_cancelled", [({"pool": k.split("/")[0], "direction": k.split("/")[1]}, v)
+                                                          for k, v in sorted(scaled.items())
+                                                          if _number(v) is not None and "/" in k]))
     grown = _number(stats.get("booking_grown_blocks"))
     if grown is not None:
         out.append(_family("pdserve_admission_booking_grown_blocks_total", "KV blocks added to decode bookings as "
