@@ -30,6 +30,8 @@ def backend_stats(backend: Any) -> dict:
                  "straggler": int(w.alive and backend.stragglers.slow_now(w.name))}
         if backend.adaptive is not None and w.name in backend.adaptive.planner.busy:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
+        elif backend.scaler is not None and w.name in backend.scaler.meter.busy:
+            entry["busy_ratio"] = backend.scaler.meter.busy[w.name]  # the scaler's (pools that scale)
         if w.alive and w.load is not None:
             load = asdict(w.load)
             load.pop("taken_at_s")  # a time on the worker's own clock: nothing to export

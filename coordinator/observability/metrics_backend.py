@@ -33,7 +33,8 @@ _WORKER_HELP = {
     "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget, grown as they decode)",
     "used_kv_blocks": "KV blocks the worker's engine holds (not free or evictable): compare booked_kv_blocks",
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled",
-    "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping",
+    "busy_ratio": "Mode adaptive, or pools that scale: share of the planner's (the scaler's) last interval the "
+                  "worker's engine spent stepping",
     "draining": "1 while an operator's drain waits for the worker's running requests (no new work routed to it)",
     "drained": "1 while the worker is drained: nothing runs there and no new work is routed to it until undrained",
     "step_time_ratio": "The worker's mean engine step time over its same-role peers' median at a similar batch, over "
