@@ -5,7 +5,8 @@ a flood that misses a tight TPOT target grows the decode pool while every stream
 engine's output, one worker at a time until the cluster is full (prefill 1 + decode 3); the next scale-out cannot be
 placed and gives up saying so (its event's reason names the room it needed), and nothing hangs. When the flood ends
 the pool shrinks back to min_workers, each removal a drain first: no request fails, nothing stays booked, and the
-removed workers' processes are gone. Every step is awaited on what the server reports (/health's `scaling`,
+removed workers' processes are gone. /health's `scaling` is the operator's, read through one of two HTTP processes
+(it crosses from the core process). Every step is awaited on what the server reports (/health's `scaling`,
 /metrics), never on a measured time."""
 
 import asyncio
@@ -41,7 +42,8 @@ CONFIG = {"model": "tiny", "prefill": POOL, "decode": {**POOL, "min_workers": 1,
           "slo": {"ttft_ms": 600_000, "tpot_ms": 1},
           "scaling": {"window_s": 5, "min_requests": 4, "cooldown_s": 1, "scale_in_after_s": 2, "scale_in_busy": 0.3,
                       "placement_timeout_s": 30},
-          "transfer": {"backends": ["ucx"]}, "admission": {"timeout_s": 120}, "server": {"admin_api": True}}
+          "transfer": {"backends": ["ucx"]}, "admission": {"timeout_s": 120},
+          "server": {"admin_api": True, "api_processes": 2}}  # /health's scaling crosses from the core process
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,7 @@ def test_a_flood_grows_the_short_pool_until_the_cluster_is_full_and_the_quiet_sh
     wanted = [reference.generate([b["prompt"]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
               for b in bodies]
     assert _scaling(url)["pools"] == {"decode": {"workers": 1, "live": 1, "min_workers": 1, "max_workers": ROOM}}
+    assert "scaling" not in httpx.get(f"{url}/health", timeout=10).json()  # the operator's to read
 
     async def flood() -> list[tuple[int, str]]:
         """STREAMS streams at a time, each sending its body again as it ends, until a scale-out found no room."""
