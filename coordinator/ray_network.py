@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 
 RAY_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a node on the loopback, no other node may join
 UCX_DEVICES_ENV = "UCX_NET_DEVICES"
@@ -30,9 +30,3 @@ def confine_local_ray(environ: MutableMapping[str, str]) -> None:
                   "listen on every interface")
     environ[RAY_CLUSTERS_ENV] = "0"
     environ.setdefault(UCX_DEVICES_ENV, "lo")
-
-
-def single_machine(environ: Mapping[str, str]) -> bool:
-    """Whether this process's Ray runs in its single-machine mode (confine_local_ray): no other node can join, so
-    no autoscaler can add one (a pool's scale-out then has the room there is: coordinator.backend.slot_placement)."""
-    return environ.get(RAY_CLUSTERS_ENV) == "0"

@@ -8,7 +8,7 @@ goes on.
 
 What it judges by: the requests that ended within `planner.window_s` (and after the last change), their TTFT and
 TPOT 90th percentiles against the SLO targets (coordinator.observability.latency_window), and how busy each engine
-was since the last look (its step time over the wall time: coordinator.observability.busy_meter). Decode is short
+was since the last look (its step time over the wall time: coordinator.backend.busy_meter). Decode is short
 when the TPOT p90 passes DECODE_SHORT of its target while the TTFT p90 is within HEADROOM of its own; prefill is
 short when the TTFT p90 passes DECODE_SHORT of its target while decode is not short. Short decode moves a worker one
 step toward decoding: a prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the
@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.admission.router import WorkerState
+from coordinator.backend.busy_meter import BusyMeter
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
-from coordinator.observability.busy_meter import BusyMeter
 from coordinator.observability.latency_window import LatencyWindow
 
 log = logging.getLogger("pdserve")

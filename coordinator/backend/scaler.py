@@ -3,7 +3,7 @@ shrinks it by one, drained first, after its load has stayed low; never outside [
 (`prefill.*` / `decode.*`; coordinator.config.scaling_config). On whenever a pool's sizes differ from its `workers`,
 in every mode (collocated: the decode pool).
 
-Owns the recent requests' latencies it judges by, each worker's busy share (coordinator.observability.busy_meter),
+Owns the recent requests' latencies it judges by, each worker's busy share (coordinator.backend.busy_meter),
 the scale events (logged, counted by pool and direction for /metrics `pdserve_pool_scale_events_total`, the last
 RECENT_EVENTS shown to the operator in /health's `scaling`), and the two actions; when to act is ScalePolicy's
 (coordinator.backend.scale_policy), looked at every LOOK_S, one event at a time, none while a rolling restart runs.
@@ -34,16 +34,15 @@ from dataclasses import asdict, dataclass
 import ray
 
 from coordinator.admission.router import WorkerState
+from coordinator.backend.busy_meter import BusyMeter
 from coordinator.backend.cycling import Cycler, RollingRestart
 from coordinator.backend.drains import DrainRefused, Drains
 from coordinator.backend.fleet import group_name
 from coordinator.backend.pools import START_TIMEOUT_S, Pools, worker_bundle
 from coordinator.backend.scale_policy import Decision, PoolView, ScalePolicy
-from coordinator.backend.slot_placement import NoRoom, place, set_fleet_shape
+from coordinator.backend.slot_placement import NoRoom, place, set_fleet_shape, single_machine
 from coordinator.config.serve_config import ServeConfig
-from coordinator.observability.busy_meter import BusyMeter
 from coordinator.observability.latency_window import LatencyWindow
-from coordinator.ray_network import single_machine
 
 log = logging.getLogger("pdserve")
 LOOK_S = 1.0

@@ -19,16 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 log = logging.getLogger("pdserve")
+# Ray's own switch, which `pdserve serve` sets to "0" for the local Ray it starts (coordinator.ray_network): a node
+# no other node may join
+RAY_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _SLACK = 1e-6  # Ray's resource amounts are fixed-point: 0.5 + 0.5 may read 0.9999999
 
 
 class NoRoom(RuntimeError):
     """The cluster had no room for the worker (the message says what it needed and what there was)."""
+
+
+def single_machine(environ: Mapping[str, str]) -> bool:
+    """Whether this process's Ray runs in its single-machine mode: no node can join, so no autoscaler can add one."""
+    return environ.get(RAY_CLUSTERS_ENV) == "0"
 
 
 def fits(bundle: dict[str, float], available: dict[str, float]) -> bool:
