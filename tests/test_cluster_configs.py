@@ -1,7 +1,8 @@
 """The `ray up` cluster configs (configs/cluster.yaml for a cloud, configs/cluster-local.yaml on-premise) pass Ray's
 own cluster-config schema the way `ray up` applies it (Ray's defaults merged in, then validated), and agree with
 the serving configs their head starts: the file exists and loads, and on the cloud cluster every pool's custom
-resource is offered by a node type that `ray up` starts enough of."""
+resource is offered by a node type that `ray up` starts enough of, and that the autoscaler can grow to the pool's
+max_workers (the decode pool scales: its node type is an autoscaling group)."""
 
 import copy
 import re
@@ -72,6 +73,12 @@ def test_cloud_cluster_offers_what_the_served_pools_ask_for():
             assert len(offering) == 1, f"one node type offers {resource}"
             started = offering[0]["min_workers"] * offering[0]["resources"][resource]
             assert started >= pool.workers * per_worker, f"`ray up` starts too few {resource} nodes for {role}"
+            grown = offering[0]["max_workers"] * offering[0]["resources"][resource]
+            assert grown >= pool.most * per_worker, f"the autoscaler cannot bring {role}'s max_workers"
+            if pool.scales:  # the group pdserve grows: more nodes than `ray up` starts
+                assert offering[0]["max_workers"] > offering[0]["min_workers"], role
+    assert serve.scaling_pools == ("decode",), "the cloud example shows a pool that scales"
+    assert sum(t.get("max_workers", 0) for t in node_types.values()) <= config["max_workers"]
     prefill_type = next(t for t in node_types.values() if "prefill_node" in t["resources"])
     assert "decode_node" not in prefill_type["resources"], "prefill and decode nodes are distinct"
 

@@ -1,15 +1,15 @@
 """What ships to watch pdserve reads what pdserve exports: every series that the Grafana dashboard
 (monitoring/grafana/pdserve.json) and the Prometheus alert rules (monitoring/prometheus/pdserve-alerts.yaml) select
-names a family of the real server's /metrics (a histogram only through `_bucket` / `_sum` / `_count`, a counter by its
-`_total` name), every label they match or group by is one that family carries, and every value they match exactly
+names a family of the real server's /metrics (a histogram only through `_bucket` / `_sum` / `_count`, a counter by
+its `_total` name), every label they match or group by is one that family carries, and every value they match exactly
 is one it takes; every alert is complete and its runbook_url names a section of docs/runbook.md.
 
 The families come from a real server's scrape (mode adaptive, two HTTP processes, so the adaptive and HTTP-process
-families are there; KV handed over, so `pdserve_transfer_*` are; an unknown model asked for, so an error kind is).
-A few families or labels appear only in states a short test does not reach (a queue, a learnt placement factor, the
-planner's busy share, a migration, a role change, a backend failure): those are taken from the exporter's own code
-(coordinator.observability.metrics_backend.backend_families) given such figures, and only where the scrape lacks
-them. Label values are checked against the scrape alone."""
+families are there; KV handed over, so `pdserve_transfer_*` are; an unknown model asked for, so an error kind is). A
+few families or labels appear only in states a short test does not reach (a queue, a learnt placement factor, the
+planner's busy share, a migration, a role change, a backend failure, a pool's scale event): those are taken from the
+exporter's own code (coordinator.observability.metrics_backend.backend_families) given such figures, and only where
+the scrape lacks them. Label values are checked against the scrape alone."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ SEVERITIES = {"info", "warning", "critical"}
 UNREACHED_STATS = {"waiting_by_priority": {"0": 1}, "placement_calibration": {"decode-0/remote": 2.0},
                    "workers": [{"name": "decode-0", "role": "decode", "busy_ratio": 0.5}],
                    "migrations": {"attempted": 1, "outcome_completed": 1, "outcome_failed": 1},
-                   "role_changes": {"decode>mixed": 1}, "errors": {"transfer_failed": 1}}
+                   "role_changes": {"decode>mixed": 1}, "errors": {"transfer_failed": 1},
+                   "scale_events": {"decode/out": 1}}
 
 
 class Exported:

@@ -28,7 +28,7 @@ from typing import Any
 from engine.core.block_manager import prefix_block_hashes
 from engine.load import EngineLoad, WorkerInfo
 
-STATES = ("starting", "live", "dead", "restarting", "failed")
+STATES = ("starting", "live", "dead", "restarting", "failed", "removed")  # removed: a scale-in took it out
 OWNERS = 4  # workers remembered per prefix block
 HOST_HIT_VALUE = 0.75  # a block a worker's host tier holds, for routing, against one its device holds (1.0)
 

@@ -17,7 +17,8 @@
   block ownership check, and what each worker holds against what is booked there (`mismatches`:
   coordinator.backend.block_audit); `ok` is false with the reason when any fails.
 Also `health_response`: the truthful /health (200 only while every pool has a live worker and the server is not
-draining; otherwise 503 with each worker's state); each worker's pid, host and last failure only for the operator.
+draining; otherwise 503 with each worker's state); each worker's pid, host and last failure only for the operator, and
+so is `scaling` (where pools scale: their sizes, limits and recent scale events).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def health_response(backend: Any, draining: bool, operator: bool = False) -> JSO
         workers = [{k: w[k] for k in PUBLIC_WORKER_FIELDS if k in w} for w in workers]
     process = getattr(backend, "process_index", None)
     extra = {} if process is None else {"http_process": process}
+    if operator and hasattr(backend, "health_extra"):  # the pools' scaling (coordinator.backend.scaler)
+        extra |= backend.health_extra()
     if draining:
         return JSONResponse({"status": "draining", "workers": workers, **extra}, status_code=503,
                             headers={"Retry-After": "1"})

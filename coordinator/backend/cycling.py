@@ -110,7 +110,9 @@ class Cycler:
         """The slot's next incarnation (after `old_incarnation`) once it is live."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            slot = next(w for w in self.pools.all_workers if w.name == name)
+            slot = next((w for w in self.pools.all_workers if w.name == name), None)
+            if slot is None:
+                raise CycleFailed(f"{name} was removed: its pool shrank (coordinator.backend.scaler)")
             if slot.incarnation > old_incarnation and slot.alive:
                 return slot
             if slot.state == "failed":
@@ -159,6 +161,8 @@ class RollingRestart:
         log.warning("rolling restart of %s", ", ".join(order))
         try:
             for name in order:
+                if not any(w.name == name for w in self.cycler.pools.all_workers):
+                    continue  # removed since the start: its pool shrank (coordinator.backend.scaler)
                 self.current = name
                 await self.cycler.until_live(name)  # a slot being replaced after a crash: its new incarnation
                 self.steps.append(await self.cycler.cycle(name, "rolling restart", drain_timeout_s, allow_pause))

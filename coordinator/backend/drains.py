@@ -126,6 +126,13 @@ class Drains:
         if name in self._states:
             self.undrain(name, "restarted through the admin API")
 
+    def forget(self, name: str) -> None:
+        """Slot `name` left its pool (a scale-in, coordinator.backend.scaler): its drain ends with it."""
+        self._states.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+
     async def shutdown(self) -> None:
         for task in self._tasks.values():
             task.cancel()

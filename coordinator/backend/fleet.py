@@ -17,6 +17,7 @@ import hashlib
 import logging
 import re
 import socket
+from dataclasses import replace
 
 import ray
 from ray.util.placement_group import get_placement_group, remove_placement_group
@@ -56,8 +57,8 @@ def fingerprint(config: ServeConfig, pools: tuple[str, ...]) -> str:
     parts = [config.mode, config.placement, repr(config.transfer.backends), repr(config.transfer.timeout_s),
              repr(config.admission.timeout_s)]
     for role in pools:
-        pool = getattr(config, role)
-        parts += [role, repr(pool), repr(config.engine_config(pool))]
+        pool = getattr(config, role)  # (the sizes the scaler may take it to are the coordinator's)
+        parts += [role, repr(replace(pool, min_workers=None, max_workers=None)), repr(config.engine_config(pool))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

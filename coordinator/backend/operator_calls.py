@@ -25,6 +25,10 @@ class OperatorCalls:
     def health(self) -> tuple[bool, list[dict]]:
         return self.drains.healthy(), self.drains.states() + self.spares.states()  # spares: state "spare"
 
+    def health_extra(self) -> dict:
+        """What /health adds for the operator: the pools' scaling (sizes, limits, recent events), where pools scale."""
+        return {"scaling": self.scaler.view()} if self.scaler is not None else {}
+
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Assert that the bookings are exactly those of the requests in flight; return them per worker."""
         booked = self.ledger.check_integrity()

@@ -1,23 +1,24 @@
-"""Planner: moves workers' roles while serving (`mode: adaptive`), one worker at a time, toward the pool the
-measured load says is short.
+"""Planner: moves workers' roles while serving (`mode: adaptive`), one worker at a time, toward the pool the measured
+load says is short.
 
 Roles: "prefill" (takes prompts for other workers, decodes nothing new), "decode" (decodes, prefilling its own
 requests locally when placement says so) and "mixed" (both). A role is routing only (every worker can do both:
-pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the
-worker goes on.
+pool_worker.worker.Worker), so a change takes effect at the next request and loses nothing: what runs on the worker
+goes on.
 
 What it judges by: the requests that ended within `planner.window_s` (and after the last change), their TTFT and
 TPOT 90th percentiles against the SLO targets (coordinator.observability.latency_window), and how busy each engine
-was since the last look (its step time over the wall time). Decode is short when the TPOT p90 passes DECODE_SHORT
-of its target while the TTFT p90 is within HEADROOM of its own; prefill is short when the TTFT p90 passes
-DECODE_SHORT of its target while decode is not short. Short decode moves a worker one step toward decoding: a
-prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the prefill rate its pool
-lives on: its prompts would share decoding steps within their budget), else a mixed worker becomes decode. Short
-prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always keeping a worker that
-decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s` without changes, and
-a change is judged only by requests that ended after it. Both short, or neither: no change. One exception needs no
-verdict: when no live worker decodes but another lives, one becomes mixed at once, the moment the last decoding
-worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its streams should not wait for it).
+was since the last look (its step time over the wall time: coordinator.backend.busy_meter). Decode is short
+when the TPOT p90 passes DECODE_SHORT of its target while the TTFT p90 is within HEADROOM of its own; prefill is
+short when the TTFT p90 passes DECODE_SHORT of its target while decode is not short. Short decode moves a worker one
+step toward decoding: a prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the
+prefill rate its pool lives on: its prompts would share decoding steps within their budget), else a mixed worker
+becomes decode. Short prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always
+keeping a worker that decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s`
+without changes, and a change is judged only by requests that ended after it. Both short, or neither: no change. One
+exception needs no verdict: when no live worker decodes but another lives, one becomes mixed at once, the moment the
+last decoding worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its streams should
+not wait for it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.admission.router import WorkerState
+from coordinator.backend.busy_meter import BusyMeter
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
 from coordinator.observability.latency_window import LatencyWindow
 
@@ -90,8 +92,7 @@ class Planner:
         self._workers, self._apply, self._pressure, self._clock = workers, apply, pressure, clock
         self._last_change = -math.inf
         self._streak: tuple[str | None, int] = (None, 0)
-        self._stepped: dict[str, tuple[float, float]] = {}  # worker key -> (report's time, step seconds then)
-        self.busy: dict[str, float] = {}  # worker name -> share of the last look's time its engine stepped
+        self.meter = BusyMeter()  # each worker's share of the last look's time its engine stepped
 
     async def run(self) -> None:
         while True:
@@ -105,7 +106,7 @@ class Planner:
         """One look: the change it made, if any."""
         now = self._clock()
         workers = self._workers()
-        self._measure_busy(workers, now)
+        self.meter.measure(workers, now)
         change = self.ensure_decoder()
         if change is not None:
             return change
@@ -126,6 +127,11 @@ class Planner:
                f"{tpot_p90 * 1000:.1f} ms (target {self.slo.tpot_ms:g}) over {count} requests; {busy}")
         return self._change(*move, why, now)
 
+    @property
+    def busy(self) -> dict[str, float]:
+        """Each worker's share of time its engine stepped, as of the last look (unknown: not there)."""
+        return self.meter.busy
+
     def ensure_decoder(self) -> RoleChange | None:
         """The exception to the verdicts: when no live worker decodes but another lives, the least pressed one
         becomes mixed now (called by each look, and by the backend the moment a worker dies)."""
@@ -133,23 +139,6 @@ class Planner:
         if live and not any(w.role != "prefill" for w in live):
             return self._change(min(live, key=self._pressure), "mixed", "no live worker decodes", self._clock())
         return None
-
-    def _measure_busy(self, workers: list[WorkerState], now: float) -> None:
-        """Each live worker's share of time between its last two reports that its engine spent stepping
-        (EngineLoad's step_time_total_s: with overlapped steps, about the device's busy time). Timed by the
-        reports' own clock where they carry one: a report can be seconds old when a look reads it (a prefill
-        worker's comes with its replies), and the look's clock would count that staleness as idle time. A worker
-        with no newer report keeps its last figure."""
-        for w in workers:
-            if not w.alive or w.load is None:
-                continue
-            stepped, at = w.load.step_time_total_s, w.load.taken_at_s or now
-            last = self._stepped.get(w.key)
-            if last is not None and at <= last[0]:
-                continue  # no newer report since the last look
-            self._stepped[w.key] = (at, stepped)
-            if last is not None and stepped >= last[1]:  # (a warm-up's reset moves it back: no figure then)
-                self.busy[w.name] = min(1.0, (stepped - last[1]) / (at - last[0]))
 
     def _change(self, worker: WorkerState, new: str, why: str, now: float) -> RoleChange:
         change = RoleChange(worker.name, worker.role, new, why)

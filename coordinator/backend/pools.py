@@ -57,6 +57,8 @@ class Pools:
         # actor name -> (placement group key, bundle index) where not its slot's own bundle (warm spares, and a slot
         # a spare took over: coordinator.backend.spares)
         self.bundles: dict[str, tuple[str, int]] = {}
+        self.scaled: set[str] = set()  # slots the scaler added (coordinator.backend.scaler): they die with this
+        self.free_bundles: dict[str, list[tuple[str, int]]] = {}  # pool -> bundles of slots it removed (reused)
         self._started_ray = False
         self.fleet = ""  # the fleet's fingerprint when it has a namespace (coordinator.backend.fleet)
         self.adopted = False  # start() took over a dead coordinator's workers
@@ -80,7 +82,7 @@ class Pools:
     @property
     def pool_names(self) -> tuple[str, ...]:
         """The pools the workers are started from (their slots' configs and placement groups)."""
-        return ("decode",) if self.config.mode == "collocated" else ("prefill", "decode")
+        return self.config.pool_names
 
     @property
     def transfers(self) -> bool:
@@ -203,6 +205,27 @@ class Pools:
                 return
         workers.append(worker)
 
+    def remove(self, worker: WorkerState) -> None:
+        """Take slot `worker` out of its pool for good (a scale-in): nothing sees it again, nothing replaces it."""
+        workers = self.prefill if worker.info.role == "prefill" else self.decode
+        workers[:] = [w for w in workers if w.name != worker.name]
+
+    def own_group(self, key: str, group: object, name: str) -> None:
+        """Placement group `key` (placed) is slot `name`'s own, bundle 0 (a scale-out: coordinator.backend.scaler)."""
+        self._groups[key] = group
+        self.bundles[name] = (key, 0)
+
+    def give_back(self, name: str, role: str) -> None:
+        """Slot `name` of pool `role` is gone: its own placement group (a scaled slot's) is removed, giving its
+        resources back to the cluster; a bundle in a shared group (Ray cannot shrink one) is kept for the pool's next
+        new slot."""
+        key, index = self.bundles.pop(name, None) or (role, int(name.rsplit("-", 1)[1]))
+        self.scaled.discard(name)
+        if key.startswith(f"{role}-slot-"):
+            remove_placement_group(self._groups.pop(key))
+        else:
+            self.free_bundles.setdefault(role, []).append((key, index))
+
     def adopt_groups(self, groups: dict[str, object]) -> None:
         """The placement groups of an adopted fleet (replacements start in their bundles)."""
         self._groups = dict(groups)
@@ -268,8 +291,9 @@ class Pools:
         connect = "worker_address" if single_host(cfg.ray_address, os.environ) else "listener"
         agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s, ucx_connect=connect)
         seed = index if role == "prefill" else 1000 + index
-        if cfg.namespace is not None and not spare:  # outlives this coordinator (coordinator.backend.fleet); a
-            options |= dict(name=actor_name(role, index, incarnation), lifetime="detached")  # spare dies with it
+        if cfg.namespace is not None and not spare and name not in self.scaled:  # outlives this coordinator
+            # (coordinator.backend.fleet); a spare, and a slot the scaler added, die with it
+            options |= dict(name=actor_name(role, index, incarnation), lifetime="detached")
         return ray.remote(Worker).options(**options).remote(
             name, cfg.engine_config(pool, seed=seed), agent if self.transfers else None, _threads(pool),
             cfg.admission.timeout_s, role=role if self.transfers else "collocated", stream=True, fleet=self.fleet)

@@ -59,6 +59,7 @@ from coordinator.backend.pools import Pools
 from coordinator.backend.ray_calls import in_order, quietly
 from coordinator.backend.ray_group import GroupRun
 from coordinator.backend.remote_prefill import RemotePrefill
+from coordinator.backend.scaler import Scaler
 from coordinator.backend.spares import Spares
 from coordinator.backend.stats import backend_stats, transfer_totals
 from coordinator.backend.stragglers import StragglerWatch
@@ -91,6 +92,10 @@ class RayBackend(RemotePrefill, OperatorCalls):
         self.drains = Drains(self.pools, self.supervisor, self.ledger, self._capacity_freed)  # routing skips drained
         self.cycler = Cycler(self.pools, self.supervisor, self.drains)  # one worker replaced on purpose at a time
         self.rolling = RollingRestart(self.cycler)
+        self.scaler: Scaler | None = None  # pools that grow and shrink with the load (min_workers / max_workers)
+        if config.scaling_pools:
+            self.scaler = Scaler(config, self.pools, self.drains, self.cycler, self.rolling, self._worker_live,
+                                 self._worker_removed, lambda: config.recovery.spares)
         self.stragglers = StragglerWatch(config.stragglers)  # workers much slower than their peers
         self.audit = BlockAudit(config.transfer.pin_lease_s, self.ledger, lambda: len(self._ids))  # for integrity
         self.admission: Admission | None = None
@@ -132,6 +137,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
             self.adaptive = AdaptiveLayout(self.config, self.admission, self.drains.undrained,
                                            self._booked_prompt_tokens, self._capacity_freed)
             self._spawn(self.adaptive.planner.run())
+        if self.scaler is not None:
+            self._spawn(self.scaler.run())
         self.loop_lag.start()
         self.gc_pauses.install()
         for w in self.pools.all_workers:  # any worker may decode (adaptive roles), and every one reports its load
@@ -182,8 +189,8 @@ class RayBackend(RemotePrefill, OperatorCalls):
                             first_at = first_at or time.monotonic()
                             if delta.finish_reason is not None and moves:  # before the yield: the consumer
                                 self._count(self.migrations, "outcome_completed")  # closes us at the last one
-                            if delta.finish_reason is not None and self.adaptive is not None:
-                                self.adaptive.request_ended(started_at, first_at, len(sent) - len(moved_after or ()))
+                            if delta.finish_reason is not None:
+                                self._ended(started_at, first_at, len(sent) - len(moved_after or ()))
                             yield delta
                             if delta.finish_reason is not None:
                                 return
@@ -206,6 +213,13 @@ class RayBackend(RemotePrefill, OperatorCalls):
             reservation.release()
             self._ids.discard(rid)
             self.inflight.pop(rid, None)
+
+    def _ended(self, started_at: float, first_at: float | None, tokens: int) -> None:
+        """A request ended: its latencies for the adaptive planner's and the scaler's windows."""
+        if self.adaptive is not None:
+            self.adaptive.request_ended(started_at, first_at, tokens)
+        if self.scaler is not None:
+            self.scaler.request_ended(started_at, first_at, tokens)
 
     def _first_token(self, placement: Placement, placed_at: float) -> None:
         """Adaptive placement learns how far its estimate was from this first token (admission.calibration)."""
@@ -339,6 +353,17 @@ class RayBackend(RemotePrefill, OperatorCalls):
             self.admission.router.forget_host(worker.name)
         for attempt in list(worker.requests):
             self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
+
+    def _worker_removed(self, worker: WorkerState) -> None:
+        """A scale-in took `worker` out of its pool (coordinator.backend.scaler): its books go, and what still runs
+        there (past the drain's timeout) moves to other workers as off a dead one."""
+        self.ledger.retire(worker.key)
+        self.audit.forget(worker)
+        if self.admission is not None:
+            self.admission.router.forget_host(worker.name)
+        for attempt in list(worker.requests):
+            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} was removed (its pool "
+                                                 "shrank)"))
 
     def _worker_live(self, worker: WorkerState) -> None:
         self._spawn(self.intake.loop(worker))

@@ -1,13 +1,13 @@
 """backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
 
 Per worker: its state, restarts, bookings, drain (coordinator.backend.drains) and step-time ratio to its peers
-(coordinator.backend.stragglers) always; its last reported engine load (every numeric EngineLoad field, its
-tokens-per-step histogram's counts, and the KV blocks its requests use, to compare with those booked) only while it
-is live, so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission
-queue's length (requests waiting for room, not those running), requests in flight, errors and migrations by kind,
-blocks added to growing bookings, seconds each pool spent with no live worker, transfer totals of the live agents,
-and the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its process's
-garbage-collector pauses.
+(coordinator.backend.stragglers) always; its last reported engine load (every numeric EngineLoad field, its tokens-
+per-step histogram's counts, and the KV blocks its requests use, to compare with those booked) only while it is live,
+so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission queue's
+length (requests waiting for room, not those running), requests in flight, errors and migrations by kind, blocks added
+to growing bookings, seconds each pool spent with no live worker, scale events by pool and direction, transfer totals
+of the live agents, and the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its
+process's garbage-collector pauses.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def backend_stats(backend: Any) -> dict:
                  "straggler": int(w.alive and backend.stragglers.slow_now(w.name))}
         if backend.adaptive is not None and w.name in backend.adaptive.planner.busy:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
+        elif backend.scaler is not None and w.name in backend.scaler.meter.busy:
+            entry["busy_ratio"] = backend.scaler.meter.busy[w.name]  # the scaler's (pools that scale)
         if w.alive and w.load is not None:
             load = asdict(w.load)
             load.pop("taken_at_s")  # a time on the worker's own clock: nothing to export
@@ -58,6 +60,8 @@ def backend_stats(backend: Any) -> dict:
             if admission and admission.placement else {},
             "role_changes": {f"{a}>{b}": n for (a, b), n in backend.adaptive.role_changes.items()}
             if backend.adaptive else {},
+            "scale_events": {f"{pool}/{direction}": n for (pool, direction), n in backend.scaler.counts.items()}
+            if backend.scaler else {},
             "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}
 
 

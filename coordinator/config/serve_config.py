@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
+from coordinator.config.scaling_config import MAX_POOL_WORKERS, ScalingConfig
 from coordinator.config.settings import ServerSettings
 from coordinator.config.straggler_config import StragglerConfig
 from coordinator.config.tenants_config import TenantsConfig, parse_tenants
@@ -22,7 +23,10 @@ from engine.engine_config import EngineConfig
 
 @dataclass(frozen=True)
 class PoolConfig:
-    workers: int = 1
+    workers: int = 1              # the starting size (and, unless min_workers/max_workers differ, the only one)
+    # the sizes the scaler may take the pool to (coordinator.backend.scaler); null: `workers` (no scaling)
+    min_workers: int | None = None
+    max_workers: int | None = None
     num_gpus: float = 0       # per worker; > 0 puts its engine on CUDA
     num_cpus: float = 1       # per worker
     max_num_seqs: int = 64
@@ -53,9 +57,28 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
+            raise ValueError(f"min_workers must be in [1, workers ({self.workers})], got {self.min_workers}")
+        if self.max_workers is not None and not self.workers <= self.max_workers <= MAX_POOL_WORKERS:
+            raise ValueError(f"max_workers must be in [workers ({self.workers}), {MAX_POOL_WORKERS}], got "
+                             f"{self.max_workers}")
         if self.tensor_parallel_size > 1 and self.num_gpus and self.num_gpus != int(self.num_gpus):
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs whole GPUs per rank "
                              f"(num_gpus), got {self.num_gpus}")
+
+    @property
+    def fewest(self) -> int:
+        """The fewest workers the scaler leaves in the pool."""
+        return self.workers if self.min_workers is None else self.min_workers
+
+    @property
+    def most(self) -> int:
+        """The most workers the scaler grows the pool to."""
+        return self.workers if self.max_workers is None else self.max_workers
+
+    @property
+    def scales(self) -> bool:
+        return self.fewest < self.most
 
 
 @dataclass(frozen=True)
@@ -196,10 +219,21 @@ class ServeConfig:
     tenants: TenantsConfig = TenantsConfig()  # API keys -> tenants with rate limits and a priority class
     slo: SLOConfig | None = None    # mode adaptive: the targets placement and the planner serve (required there)
     planner: PlannerConfig = PlannerConfig()  # mode adaptive: how roles move
+    scaling: ScalingConfig = ScalingConfig()  # pools that scale (min_workers / max_workers): when they grow, shrink
 
     @property
     def adaptive(self) -> bool:
         return self.mode == "adaptive"
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools the workers are started from (collocated: the decode pool alone)."""
+        return ("decode",) if self.mode == "collocated" else ("prefill", "decode")
+
+    @property
+    def scaling_pools(self) -> tuple[str, ...]:
+        """The pools whose size the scaler may change (coordinator.backend.scaler)."""
+        return tuple(name for name in self.pool_names if getattr(self, name).scales)
 
     def kv_cache_dtype_of(self, pool: PoolConfig) -> str:
         """The kv_cache_dtype a pool's engines run: its own, else the top-level one."""
@@ -226,7 +260,7 @@ class ServeConfig:
 _SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "transfer": TransferConfig,
              "admission": AdmissionConfig, "recovery": RecoveryConfig, "faults": FaultsConfig,
              "stragglers": StragglerConfig,
-             "server": ServerSettings, "slo": SLOConfig, "planner": PlannerConfig}
+             "server": ServerSettings, "slo": SLOConfig, "planner": PlannerConfig, "scaling": ScalingConfig}
 _CHOICES = {"mode": ("disaggregated", "collocated", "adaptive"), "placement": ("pack", "spread"),
             "on_failure": ("recompute", "fail")}
 
@@ -268,6 +302,7 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
             config.engine_config(getattr(config, pool))
         except ValueError as e:
             raise ConfigError(f"{path}: {pool} workers' engine: {e}") from None
+    _check_scaling(config, raw, path)
     _check_adaptive(config, raw, path)
     _check_kv_cache_dtype(config, path)
     return config
@@ -287,11 +322,13 @@ def _fp8(kv_cache_dtype: str) -> bool:
 
 
 def _check_adaptive(config: ServeConfig, raw: dict, path: Path) -> None:
-    """`slo` and `planner` belong to mode adaptive, which needs `slo`; its workers can each take the other's role."""
+    """`slo` and `planner` belong to mode adaptive, which needs `slo` (`slo` also serves pools that scale:
+    _check_scaling); its workers can each take the other's role."""
     if not config.adaptive:
-        extra = [key for key in ("slo", "planner") if key in raw]
+        extra = [key for key in ("slo", "planner") if key in raw and not (key == "slo" and config.scaling_pools)]
         if extra:
-            raise ConfigError(f"{path}: {extra[0]!r} applies to mode: adaptive only (mode is {config.mode!r})")
+            raise ConfigError(f"{path}: {extra[0]!r} applies to mode: adaptive only (mode is {config.mode!r})"
+                              + (" or to pools that scale (min_workers / max_workers)" if extra[0] == "slo" else ""))
         return
     if config.slo is None:
         raise ConfigError(f"{path}: mode adaptive needs 'slo' with ttft_ms and tpot_ms (the targets it serves)")
@@ -299,6 +336,27 @@ def _check_adaptive(config: ServeConfig, raw: dict, path: Path) -> None:
             or config.prefill.num_gpus != config.decode.num_gpus:
         raise ConfigError(f"{path}: mode adaptive: a worker may take either role, so prefill and decode need the same "
                           "tensor_parallel_size and num_gpus")
+
+
+def _check_scaling(config: ServeConfig, raw: dict, path: Path) -> None:
+    """Pools that scale need the targets they are grown for (`slo`); `scaling` and a pool's min_workers /
+    max_workers apply only where they are read."""
+    if config.mode == "collocated":
+        pool = config.prefill
+        for key in ("min_workers", "max_workers"):
+            if getattr(pool, key) not in (None, pool.workers):
+                raise ConfigError(f"{path}: 'prefill.{key}': mode collocated runs the decode pool only (scale it "
+                                  "with decode.min_workers / decode.max_workers)")
+    if not config.scaling_pools:
+        if "scaling" in raw:
+            raise ConfigError(f"{path}: 'scaling' applies only to a pool whose min_workers or max_workers differs "
+                              "from its workers (no pool here scales)")
+        return
+    if config.slo is None:
+        pool = config.scaling_pools[0]
+        raise ConfigError(f"{path}: pool {pool!r} scales ({pool}.min_workers {getattr(config, pool).fewest}, "
+                          f"{pool}.max_workers {getattr(config, pool).most}): it needs 'slo' with ttft_ms and tpot_ms "
+                          "(the targets a pool is grown for)")
 
 
 def check_tensor_parallel(config: ServeConfig, path: Path | str) -> None:

@@ -37,6 +37,7 @@ class CoreBackend:
         self._streams: dict[int, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._health: tuple[bool, list[dict]] = (False, [])
+        self._health_extra: dict = {}  # the operator's part of /health beyond the workers (the pools' scaling)
         self._figures: dict = {"stats": None, "tenants": {}, "others": []}
         self._reader: asyncio.Task | None = None
 
@@ -125,6 +126,9 @@ class CoreBackend:
     def health(self) -> tuple[bool, list[dict]]:
         return self._health
 
+    def health_extra(self) -> dict:
+        return self._health_extra
+
     def stats(self) -> dict | None:
         """The backend's figures as of the last refresh() (the /metrics route refreshes before each scrape)."""
         return self._figures["stats"]
@@ -207,7 +211,7 @@ class CoreBackend:
                 if future is not None and not future.done():
                     future.set_result((message[2], message[3]))
             elif kind == "state":
-                self._health = message[1]
+                self._health, self._health_extra = message[1], message[2]
             elif kind == "collect" and self.local_metrics is not None:
                 self._send(("collected", message[1], self.local_metrics()))
 

@@ -13,8 +13,8 @@ the core over one Link. Per frontend message:
 - ("call", cid, name, args): one of CALLS; answered ("reply", cid, error | None, value) unless cid is None.
 - ("collected", cid, families): a frontend's own metrics, asked for with ("collect", cid) when another frontend
   answers a scrape (`metrics_state`).
-Every 0.5 s (and when the frontend connects) it sends ("state", backend.health()), which the frontends' /health
-answers from.
+Every 0.5 s (and when the frontend connects) it sends ("state", backend.health(), backend.health_extra()), which
+the frontends' /health answers from.
 A frontend whose link ends (it exited or died) has every stream it opened cancelled and every tenant charge it held
 settled as aborted, so nothing it started stays booked; its counters and histograms as of the last scrape that
 collected them stay in every later scrape (`retired`), so a merged counter never goes down (Prometheus would read a
@@ -266,7 +266,8 @@ class CoreService:
     # ---- state and cleanup
     def _send_state(self, fe: _Frontend) -> None:
         try:
-            fe.link.send(("state", self.backend.health()))
+            extra = getattr(self.backend, "health_extra", dict)()  # the operator's part (the pools' scaling)
+            fe.link.send(("state", self.backend.health(), extra))
         except LinkClosed:
             pass
 

@@ -33,7 +33,8 @@ _WORKER_HELP = {
     "booked_kv_blocks": "KV blocks booked by admitted requests (prompt and output budget, grown as they decode)",
     "used_kv_blocks": "KV blocks the worker's engine holds (not free or evictable): compare booked_kv_blocks",
     "booked_prompt_tokens": "Prompt tokens booked on the worker and not yet prefilled",
-    "busy_ratio": "Mode adaptive: share of the planner's last interval the worker's engine spent stepping",
+    "busy_ratio": "Mode adaptive, or pools that scale: share of the planner's (the scaler's) last interval the "
+                  "worker's engine spent stepping",
     "draining": "1 while an operator's drain waits for the worker's running requests (no new work routed to it)",
     "drained": "1 while the worker is drained: nothing runs there and no new work is routed to it until undrained",
     "step_time_ratio": "The worker's mean engine step time over its same-role peers' median at a similar batch, over "
@@ -160,6 +161,13 @@ def backend_families(stats: dict) -> list[Metric]:
         out.append(_family("pdserve_role_changes_total", "Workers' role changes (mode adaptive), by old and new role",
                            [({"from": k.split(">")[0], "to": k.split(">")[1]}, v) for k, v in sorted(changes.items())
                             if _number(v) is not None and ">" in k]))
+    scaled = stats.get("scale_events")
+    if isinstance(scaled, dict):
+        out.append(_family("pdserve_pool_scale_events_total", "Pools grown or shrunk by one worker (pools that scale: "
+                           "min_workers / max_workers), by pool and direction: out, in, out_failed (no room or a "
+                           "failed start), in_cancelled", [({"pool": k.split("/")[0], "direction": k.split("/")[1]}, v)
+                                                          for k, v in sorted(scaled.items())
+                                                          if _number(v) is not None and "/" in k]))
     grown = _number(stats.get("booking_grown_blocks"))
     if grown is not None:
         out.append(_family("pdserve_admission_booking_grown_blocks_total", "KV blocks added to decode bookings as "
