@@ -7,18 +7,24 @@
   restored tokens, its restore timer), and its output equals a cold engine's (greedy and seeded).
 - A flood of distinct prompts through a small tier: its bytes stay within its size, it evicts, every slot and block
   is accounted for after every step.
+- On a GPU (`bash benchmarks/gpu_run.sh tests`) the same engine tests run the CUDA path: pinned host slots, copies
+  on the copy stream.
 - Settings: 0 turns it off, a size under one block, a negative one or one with tensor parallelism is refused.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.core.host_tier import HostTier
 from engine.engine_config import EngineConfig
 from tests.engine_helpers import random_prompts
 
+# The engine tests run on a GPU where there is one (the tier's pinned host slots and copy stream), else the CPU
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 2000
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
@@ -63,7 +69,7 @@ def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, p
     folder = str(checkpoints.tiny())
     turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=44)
     # 8 device blocks (128 tokens): turn 1 (52 tokens) then three other 52-token requests evict its blocks
-    engine = LLM(folder, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
+    engine = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
     reply, _ = _run(engine, "t1", turn1, params)
     for i, other in enumerate(others):
         _run(engine, f"o{i}", other, params)
@@ -76,7 +82,7 @@ def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, p
     assert load.host_tier_out_bytes_total == 3 * engine.host_tier.block_bytes
     assert load.host_tier_in_bytes_total >= 3 * engine.host_tier.block_bytes
     assert load.prefix_hit_tokens_total == 0  # none of it from the device
-    cold = LLM(folder, num_kv_blocks=8, kv_host_cache_bytes=0).engine
+    cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
     assert cold.host_tier is None
     expected, cold_first = _run(cold, "t2", turn2, params)
     assert got == expected and cold_first.num_cached_tokens == 0
@@ -86,7 +92,7 @@ def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, p
 def test_the_restore_is_timed_for_its_request(checkpoints):
     folder = str(checkpoints.tiny())
     prompt, other = random_prompts((40, 100), VOCAB, seed=46)
-    engine = LLM(folder, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
+    engine = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
     _run(engine, "a", prompt, GREEDY)
     _run(engine, "b", other, GREEDY)  # 112 tokens: 7 of the 8 blocks; "a"'s first block is the last one evicted
     engine.add_request("c", prompt + [5, 6], GREEDY)
@@ -99,9 +105,9 @@ def test_the_restore_is_timed_for_its_request(checkpoints):
 
 def test_a_flood_keeps_the_tier_within_its_bytes_and_every_slot_accounted_for(checkpoints):
     folder = str(checkpoints.tiny())
-    probe = LLM(folder, num_kv_blocks=6, kv_host_cache_bytes=1 << 20).engine
+    probe = LLM(folder, device=DEVICE, num_kv_blocks=6, kv_host_cache_bytes=1 << 20).engine
     block_bytes = probe.host_tier.block_bytes
-    engine = LLM(folder, num_kv_blocks=6, kv_host_cache_bytes=5 * block_bytes + 1).engine
+    engine = LLM(folder, device=DEVICE, num_kv_blocks=6, kv_host_cache_bytes=5 * block_bytes + 1).engine
     assert engine.host_tier.num_slots == 5
     llm_params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for i, prompt in enumerate(random_prompts([36] * 10, VOCAB, seed=47)):
@@ -117,10 +123,11 @@ def test_a_flood_keeps_the_tier_within_its_bytes_and_every_slot_accounted_for(ch
 
 def test_settings_are_checked(checkpoints):
     folder = str(checkpoints.tiny())
-    assert LLM(folder, kv_host_cache_bytes=0).engine.host_tier is None
-    assert LLM(folder, enable_prefix_caching=False).engine.host_tier is None  # auto: no prefix cache, no tier
+    # auto: no prefix cache, no tier
+    assert LLM(folder, device="cpu", kv_host_cache_bytes=0).engine.host_tier is None
+    assert LLM(folder, device="cpu", enable_prefix_caching=False).engine.host_tier is None
     with pytest.raises(ValueError, match="kv_host_cache_bytes 100 holds no KV block"):
-        LLM(folder, kv_host_cache_bytes=100)
+        LLM(folder, device="cpu", kv_host_cache_bytes=100)
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="kv_host_cache_bytes"):
             EngineConfig(kv_host_cache_bytes=bad)
@@ -136,8 +143,8 @@ def test_fp8_blocks_go_down_and_back_at_their_own_size(checkpoints):
     folder = str(checkpoints.tiny())
     turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=48)
     kw = dict(dtype="bfloat16", num_kv_blocks=8)
-    engine = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=64 << 20, **kw).engine
-    wide = LLM(folder, kv_host_cache_bytes=64 << 20, **kw).engine
+    engine = LLM(folder, device=DEVICE, kv_cache_dtype="fp8", kv_host_cache_bytes=64 << 20, **kw).engine
+    wide = LLM(folder, device=DEVICE, kv_host_cache_bytes=64 << 20, **kw).engine
     assert engine.host_tier.block_bytes * 2 == wide.host_tier.block_bytes
     assert engine.host_tier_store.copies.host.dtype == engine.kv_cache.dtype
     reply, _ = _run(engine, "t1", turn1, GREEDY)
@@ -146,7 +153,7 @@ def test_fp8_blocks_go_down_and_back_at_their_own_size(checkpoints):
     turn2 = turn1 + reply + [11, 12, 13]
     got, first = _run(engine, "t2", turn2, GREEDY)
     assert first.num_cached_tokens == 48 and engine.load().host_tier_hit_blocks_total == 3
-    cold = LLM(folder, kv_cache_dtype="fp8", kv_host_cache_bytes=0, **kw).engine
+    cold = LLM(folder, device=DEVICE, kv_cache_dtype="fp8", kv_host_cache_bytes=0, **kw).engine
     assert got == _run(cold, "t2", turn2, GREEDY)[0]
 
 
