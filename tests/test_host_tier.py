@@ -123,7 +123,7 @@ def test_a_flood_keeps_the_tier_within_its_bytes_and_every_slot_accounted_for(ch
 
 def test_settings_are_checked(checkpoints):
     folder = str(checkpoints.tiny())
-    # auto: no prefix cache, no tier
+    # 0 turns it off; auto with no prefix cache: no tier
     assert LLM(folder, device="cpu", kv_host_cache_bytes=0).engine.host_tier is None
     assert LLM(folder, device="cpu", enable_prefix_caching=False).engine.host_tier is None
     with pytest.raises(ValueError, match="kv_host_cache_bytes 100 holds no KV block"):
