@@ -380,7 +380,7 @@ class LLMEngine:
     def _host_tier(self, config: EngineConfig) -> tuple[HostTier | None, HostTierStore | None]:
         """The host tier and its store, sized by kv_host_cache_bytes (None: auto where the tier can run)."""
         size = config.kv_host_cache_bytes
-        if size is None:  # on a GPU only when set: its CUDA path (the copy stream) has not run on a GPU yet
+        if size is None:  # on a GPU only when set until its start cost and gain are measured (docs/kv_tiers.md)
             usable = config.enable_prefix_caching and config.tensor_parallel_size == 1 and self.device.type != "cuda"
             size = auto_host_cache_bytes(self.device.type) if usable else 0
         store = build_host_tier_store(size, self.kv_cache) if size else None
