@@ -7,7 +7,7 @@ is live, so a dead worker's gauges disappear instead of freezing at their last v
 queue's length (requests waiting for room, not those running), requests in flight, errors and migrations by kind,
 blocks added to growing bookings, seconds each pool spent with no live worker, transfer totals of the live agents,
 and the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its process's
-garbage-collector pauses.
+garbage-collector pauses. `start_phases` is each worker's start, phase by phase (also in /health).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def backend_stats(backend: Any) -> dict:
                  "straggler": int(w.alive and backend.stragglers.slow_now(w.name))}
         if backend.adaptive is not None and w.name in backend.adaptive.planner.busy:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
+        entry["start_phases_s"] = start_phases(w)
         if w.alive and w.load is not None:
             load = asdict(w.load)
             load.pop("taken_at_s")  # a time on the worker's own clock: nothing to export
@@ -59,6 +60,15 @@ def backend_stats(backend: Any) -> dict:
             "role_changes": {f"{a}>{b}": n for (a, b), n in backend.adaptive.role_changes.items()}
             if backend.adaptive else {},
             "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}
+
+
+def start_phases(worker: Any) -> dict[str, float]:
+    """Seconds per phase of the worker's start (pool_worker.start_phases), in order: those it reported when it
+    started, then `grammar` once its background build has ended (from its load reports)."""
+    phases = dict(worker.info.startup_s)
+    if worker.load is not None and worker.load.grammar_load_s:
+        phases["grammar"] = round(worker.load.grammar_load_s, 3)
+    return phases
 
 
 def transfer_totals(snapshots: list[dict]) -> dict[str, float]:
