@@ -5,11 +5,12 @@ a worker replacement.
 
 Each round runs, for the other checkout and then this one (same config: `--config`, the CPU default with half a CPU
 per worker unless given), two servers one after the other on a fresh cache folder (PDSERVE_CACHE): the first start
-finds it empty (the `tiny` checkpoint, the compiled CPU kernels, the grammar tables are built), the second finds
+finds it empty (the `tiny` checkpoint is built, the CPU kernels compiled), the second finds
 what the first left. Each server is timed from launching `pdserve serve` to /health 200 (polled every 0.5 s by the
 launcher, for both checkouts alike); then `--streams` greedy streams run (a chunk per token) and one `json_schema`
 chat request is sent: its latency, and the longest gap between two chunks of the other streams while it ran (the
-pause its grammar's set-up inflicts on them); then `--kill` is SIGKILLed (POST /admin/workers/NAME/kill) and timed
+pause its grammar's set-up inflicts on them; `gap_before_s`, the longest gap before it was sent, is the same
+streams' ordinary jitter); then `--kill` is SIGKILLed (POST /admin/workers/NAME/kill) and timed
 until /health shows the slot replaced, live, 200, with its start-up phases as /health reports them (where the
 checkout reports them). Prints every server's figures and, per measure, the means and their ratio (this / other).
 The other checkout runs with its own directory first on PYTHONPATH (its coordinator and workers import its code).
@@ -73,7 +74,8 @@ async def structured(url):
         await asyncio.gather(*tasks)
     assert r.status_code == 200, r.text
     during = [b - a for a, b in gaps if b > sent and a < done]
-    return done - sent, max(during, default=0.0)
+    before = [b - a for a, b in gaps if b <= sent]
+    return done - sent, max(during, default=0.0), max(before, default=0.0)
 
 
 async def replacement(url):
@@ -94,12 +96,13 @@ with tempfile.TemporaryDirectory() as tmp:
     t = time.perf_counter()
     with running_server(Path(tmp), config) as server:
         start_s = time.perf_counter() - t
-        structured_s, stall_s = asyncio.run(structured(server.url))
+        structured_s, stall_s, gap_before_s = asyncio.run(structured(server.url))
         replace_s, recovery, phases = asyncio.run(replacement(server.url))
-    print(json.dumps({"start_s": start_s, "structured_s": structured_s, "stall_s": stall_s, "replace_s": replace_s,
+    print(json.dumps({"start_s": start_s, "structured_s": structured_s, "stall_s": stall_s,
+                      "gap_before_s": gap_before_s, "replace_s": replace_s,
                       "replacement_phases_s": {k: round(v, 2) for k, v in (phases or recovery).items()}}))
 """
-MEASURES = ("start_s", "structured_s", "stall_s", "replace_s")
+MEASURES = ("start_s", "structured_s", "stall_s", "gap_before_s", "replace_s")
 
 
 def one_server(checkout: Path, config: Path, half: bool, cache: Path, streams: int, kill: str) -> dict:
