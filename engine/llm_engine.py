@@ -462,6 +462,9 @@ class LLMEngine:
                     self.grammar = self.grammar_loader.manager()
                 except ImportError:
                     return False
+                except Exception as e:  # a refusal, as add_request's are: the request fails, the engine goes on
+                    raise ValueError(f"structured outputs are unavailable here: the grammar tables failed to build "
+                                     f"({type(e).__name__}: {e})") from e
                 return self.grammar is not None
             try:
                 self.grammar = self._build_grammar()

@@ -123,7 +123,7 @@ def test_a_failed_load_ends_the_held_requests_with_error_and_frees_their_blocks(
     assert [o.finish_reason for o in outputs["handed"]] == ["error"]
     assert [(o.finish_reason, o.prefill_only) for o in outputs["fresh"]] == [("error", True)]
     assert outputs["plain"][-1].finish_reason == "length"
-    with pytest.raises(RuntimeError, match="could not be built"):  # a later one gets the loader's error at once
+    with pytest.raises(ValueError, match="could not be built"):  # a later one is refused at once, naming why
         engine.add_request("later", PROMPT, JSON)
     integrity = engine.check_integrity()
     assert integrity["in_use"] == integrity["pinned"] == 0 and not engine.has_unfinished()
