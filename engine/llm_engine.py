@@ -190,7 +190,8 @@ class LLMEngine:
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         for p in fork_params or ():
             self._validate(request_id, prompt_token_ids, p, prior_output_ids)
-        if request_id in self._held:
+        if request_id in self._held or request_id in self.scheduler.requests or self.block_manager.has_table(
+                request_id):  # checked here for a held request too (Scheduler.add checks the others again)
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._grammar_pending(params):  # held until the loader is done; the engine steps on meanwhile
             req = self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority)

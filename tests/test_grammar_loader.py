@@ -9,6 +9,7 @@ lets it (so a test decides when the tables are ready, not a race)."""
 import asyncio
 import json
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -48,6 +49,15 @@ def gated_engine():
     return engine, gate
 
 
+def loaded(engine) -> None:
+    """Until the engine's loader has ended (it builds on its own thread; stepping meanwhile only re-checks)."""
+    for _ in range(6000):
+        if engine.grammar_loader.done():
+            return
+        time.sleep(0.01)
+    raise TimeoutError("the grammar loader did not end")
+
+
 def run(engine, outputs: dict, until=lambda: False, max_steps: int = 10_000) -> None:
     for _ in range(max_steps):
         if until() or not engine.has_unfinished():
@@ -71,6 +81,7 @@ def test_a_held_structured_request_waits_while_the_others_step_then_gives_valid_
     assert engine.grammar is None and engine.load().num_waiting == 1
     assert engine.check_integrity()["in_use"] > 0
     gate.opened.set()
+    loaded(engine)
     run(engine, outputs)
     assert tokens(outputs["plain"]) == LLM("tiny").generate([PROMPT], PLAIN)[0].token_ids
     assert outputs["json"][-1].finish_reason == "stop"
@@ -90,13 +101,15 @@ def test_a_held_hand_over_keeps_its_blocks_and_starts_after_the_loader_and_a_hel
     assert engine.add_prefilled_request("handed", PROMPT, first, JSON) is None  # held, its blocks still booked
     engine.add_request("gone", PROMPT, JSON)
     assert engine.check_integrity()["pinned"] == len(blocks)  # a reservation's blocks: booked, not in use
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("gone", PROMPT, JSON)
+    for taken in ("gone", "handed"):  # held, or booked: either id is in use, for any request
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(taken, PROMPT, JSON)
     assert engine.abort("gone") and not engine.abort("gone")
     outputs: dict = {}
     run(engine, outputs, max_steps=5)
     assert not outputs and engine.check_integrity()["pinned"] == len(blocks)
     gate.opened.set()
+    loaded(engine)
     run(engine, outputs)
     text = engine.tokenizer.decode([first, *tokens(outputs["handed"])])
     assert outputs["handed"][-1].finish_reason == "stop" and "gone" not in outputs
@@ -118,6 +131,7 @@ def test_a_failed_load_ends_the_held_requests_with_error_and_frees_their_blocks(
     engine.add_request("fresh", PROMPT, JSON, prefill_only=True)
     engine.add_request("plain", PROMPT, PLAIN)
     opened.set()
+    loaded(engine)
     outputs: dict = {}
     run(engine, outputs)
     assert [o.finish_reason for o in outputs["handed"]] == ["error"]
