@@ -25,6 +25,7 @@ processes (engine.runner.tp_leader) until close(); `kv_spec` and `kv_head_range`
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -51,7 +52,6 @@ from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
 from engine.runner.step_extras import plan_extras, record_extras, with_extras
 from engine.runner.swap_store import build_swap
-from engine.runner.warmup import warm_up
 from engine.sampling.sampler import Sampler
 from engine.text.tokenizer import Tokenizer
 from engine.tiny import resolve_model_path
@@ -61,9 +61,11 @@ if TYPE_CHECKING:
 
     from engine.runner.rank_service import RankServiceFactory
     from engine.sampling.grammar import GrammarManager
+    from engine.sampling.grammar_loader import GrammarLoader
 
 
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]  # see LLMEngine.step
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,23 @@ class LaunchFence:
     event: torch.cuda.Event | None  # rank 0: after every launch queued so far on its stream (None on the CPU)
     follower_launches: int | None   # TP: rank 0's launches sent to its followers so far (None without followers)
 
+@dataclass
+class _Held:
+    """A structured request that arrived while its grammar's loader was building (LLMEngine.start_grammar_load):
+    add_request's (`first` None: it holds nothing) or add_prefilled_request's (its first token; it keeps its booked
+    blocks). Started, in arrival order, by the first step after the loader is done."""
+
+    req: Request
+    first: tuple[int, TokenLogprob | None] | None = None
+
+
 STEP_BUDGET_FLOOR = 64  # prompt tokens a decoding step may always carry (engine.core.step_budget)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
         """`rank_service`: with TP, an object to start in every follower beside its cache shard (reached with
         `rank_call`; engine.runner.rank_service); ignored at TP=1, where the caller holds rank 0's cache itself."""
+        clock = PhaseClock()  # start-up phases: config, then build_rank's (weights, kv_cache, *graphs), warmup
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(path)
         self.tokenizer = Tokenizer.from_folder(path)
@@ -104,7 +117,7 @@ class LLMEngine:
             self.device = torch.device(config.device)
         # overlapped steps (async_scheduling; None: where the device runs asynchronously, i.e. CUDA)
         self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        clock = PhaseClock()  # build_rank's phases: weights, kv_cache, cuda_graphs, prefill_graphs
+        clock.lap("config")
         try:
             rank = build_rank(mc, path, self.config, self.device, self.followers and self.followers.tp,
                               self.followers.agree_blocks if self.followers else int, clock)
@@ -140,6 +153,8 @@ class LLMEngine:
         self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks
         self.num_handoff_hit_blocks = 0  # blocks of requests started by add_prefilled_request the prefix cache held
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
+        self.grammar_loader: GrammarLoader | None = None  # or on its own thread (start_grammar_load)
+        self._held: dict[str, _Held] = {}  # structured requests waiting for the loader, in arrival order
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())
         self.step_time_last_s = 0.0
@@ -151,12 +166,12 @@ class LLMEngine:
             config.max_num_batched_tokens)
         self._applied: tuple[int, int] | None = None  # (decode rows, prompt tokens) of the step applied last
         if self.uses_kernels and config.warmup and self.device.type == "cuda":  # no compiles on the CPU
+            from engine.runner.warmup import warm_up  # Triton (0.9 s to import): a CPU engine never needs it
+
             warm_up(self)
             if self.host_tier is not None:  # warm-up's blocks are no prompt's
                 self.host_tier.clear()
             clock.lap("warmup")
-            if self.prepare_grammar():
-                clock.lap("grammar")
         self.startup_s: tuple[tuple[str, float], ...] = tuple(clock.phases)  # seconds per start-up phase
 
     # ---- requests
@@ -175,6 +190,14 @@ class LLMEngine:
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         for p in fork_params or ():
             self._validate(request_id, prompt_token_ids, p, prior_output_ids)
+        if request_id in self._held or request_id in self.scheduler.requests or self.block_manager.has_table(
+                request_id):  # checked here for a held request too (Scheduler.add checks the others again)
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._grammar_pending(params):  # held until the loader is done; the engine steps on meanwhile
+            req = self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority)
+            req.fork_params = None if fork_params is None else tuple(fork_params)
+            self._held[request_id] = _Held(req)
+            return
         grammar = self._grammar_row(request_id, params, prior)
         req = self._request(request_id, prompt_token_ids, params, prefill_only, prior, priority)
         req.fork_params = None if fork_params is None else tuple(fork_params)
@@ -184,12 +207,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
+        held = self._held.pop(request_id, None)
         if request_id in self._reserved:
             self._reserved.discard(request_id)
             self._reserved_hits.pop(request_id, None)
             self.block_manager.free(request_id)
             return True
-        return self.scheduler.finish(request_id, "abort")
+        return held is not None or self.scheduler.finish(request_id, "abort")
 
     def release(self, request_id: str) -> bool:
         """Free a pinned prefill-only request's blocks (its KV has been moved). False if it is not pinned."""
@@ -211,7 +235,7 @@ class LLMEngine:
         of its tokens but the last). The longest run of them the prefix cache holds starts the table, shared (ref
         counted, as a prompt's prefix hits are): their KV is here already, and only the blocks after them need
         writing (`reserved_hits` says how many lead the table)."""
-        if request_id in self.scheduler.requests or request_id in self._reserved:
+        if request_id in self.scheduler.requests or request_id in self._reserved or request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
         bm = self.block_manager
         hits = bm.cached_blocks(prefix_hashes)[:max(bm.blocks_needed(num_tokens) - 1, 0)]  # one block is written
@@ -270,7 +294,7 @@ class LLMEngine:
         src = self.scheduler.requests.get(src_id)
         if src_id not in self._reserved and (src is None or src.status != RequestStatus.PINNED):
             raise ValueError(f"request {src_id!r} is neither a reservation nor a pinned prefill")
-        if dst_id in self.scheduler.requests or dst_id in self._reserved:
+        if dst_id in self.scheduler.requests or dst_id in self._reserved or dst_id in self._held:
             raise ValueError(f"request id {dst_id!r} is already in use")
         copies = self.block_manager.fork(src_id, dst_id, num_tokens)
         if copies is None:
@@ -288,16 +312,26 @@ class LLMEngine:
         `priority` orders it as add_request's does, once it is preempted, and makes it a later victim than requests
         of a worse priority (engine.core.waiting). Returns a StepOutput if that token already ends it (then its
         blocks are freed at once)."""
-        if request_id not in self._reserved:
+        if request_id not in self._reserved or request_id in self._held:
             raise ValueError(f"request {request_id!r} has no reserved blocks (call reserve_blocks first)")
         prior = self._validate(request_id, prompt_token_ids, params, prior_output_ids)
         check_token_ids(request_id, "first_token_id", [first_token_id], self.model_config.vocab_size)
-        # the prefill sampled it under the grammar; where the request's bans left no allowed token it breaks it,
-        # and the request ends with "error", as it would have where it was sampled
-        grammar = self._grammar_row(request_id, params, (*prior, first_token_id), last_may_fail=True)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
         req = self._request(request_id, prompt_token_ids, params, False, prior, priority)
+        if self._grammar_pending(params):  # held, its blocks still booked, until the loader is done
+            self._held[request_id] = _Held(req, (first_token_id, first_logprob))
+            return None
+        return self._start_prefilled(req, first_token_id, first_logprob)
+
+    def _start_prefilled(self, req: Request, first_token_id: int, first_logprob: TokenLogprob | None
+                         ) -> StepOutput | None:
+        """add_prefilled_request's start, once the request's grammar (if any) can be made."""
+        request_id = req.request_id
+        # the prefill sampled it under the grammar; where the request's bans left no allowed token it breaks it,
+        # and the request ends with "error", as it would have where it was sampled
+        grammar = self._grammar_row(request_id, req.params, (*req.prior_output_ids, first_token_id),
+                                    last_may_fail=True)
         self.scheduler.add_prefilled(req)
         self._reserved.discard(request_id)
         self.num_handoff_hit_blocks += self._reserved_hits.pop(request_id, 0)
@@ -334,6 +368,9 @@ class LLMEngine:
         outputs = [StepOutput(rid, [], [], "expired", prefill_only=True) for rid in self.scheduler.expired_pins()
                    if self.scheduler.finish(rid, "expired")]
         self.num_expired_pins += len(outputs)
+        outputs += self._admit_held()
+        if self._held and not self.scheduler.has_work and self._in_flight is None:  # only held requests wait
+            return outputs
         if self._in_flight is not None:
             return outputs + self._overlapped_step(may_continue=layer_hook is None)
         sched = self.scheduler.schedule()
@@ -406,19 +443,70 @@ class LLMEngine:
             return outputs
         return self.grammar.after_update(outputs, self.scheduler.requests, self.scheduler.finish)
 
+    def start_grammar_load(self, on_ready: Callable[[], None] | None = None) -> GrammarLoader:
+        """Build the structured-output machinery on a thread of its own (engine.sampling.grammar_loader), from
+        any thread; `on_ready()` is called on that thread when it ends. Structured requests that arrive meanwhile
+        are held, the others step on. Once only: later calls return the first loader."""
+        from engine.sampling.grammar_loader import GrammarLoader
+
+        if self.grammar_loader is None:
+            self.grammar_loader = GrammarLoader(self._build_grammar, on_ready)
+        return self.grammar_loader
+
     def prepare_grammar(self) -> bool:
-        """Build the structured-output machinery now (False: llguidance is not installed). Its view of the
-        vocabulary takes seconds for a 128k vocabulary and holds the GIL throughout (1.5 s on the 2-core CPU
-        machine for small-128k): built with the first structured request it stalled every stream of the worker,
-        so a CUDA engine builds it at start (a "grammar" start-up phase); elsewhere the first such request does."""
+        """Build the structured-output machinery now, on this thread (False: llguidance is not installed), unless
+        a loader builds it (start_grammar_load: then True once it is done). Built with the first structured request
+        of an engine without a loader (an offline LLM)."""
         if self.grammar is None:
+            if self.grammar_loader is not None:
+                try:
+                    self.grammar = self.grammar_loader.manager()
+                except ImportError:
+                    return False
+                except Exception as e:  # a refusal, as add_request's are: the request fails, the engine goes on
+                    raise ValueError(f"structured outputs are unavailable here: the grammar tables failed to build "
+                                     f"({type(e).__name__}: {e})") from e
+                return self.grammar is not None
             try:
-                from engine.sampling.grammar import GrammarManager  # llguidance: only where outputs are structured
+                self.grammar = self._build_grammar()
             except ImportError:
                 return False
-            self.grammar = GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size,
-                                          self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
         return True
+
+    def _build_grammar(self) -> GrammarManager:
+        from engine.sampling.grammar import GrammarManager  # llguidance: only where outputs are structured
+
+        return GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size, self.model_config.eos_token_ids,
+                              self.device, self.config.max_num_seqs)
+
+    def _grammar_pending(self, params: SamplingParams) -> bool:
+        """A structured request must wait: its grammar's loader is still building."""
+        return (params.structured is not None and self.grammar is None and self.grammar_loader is not None
+                and not self.grammar_loader.done())
+
+    def _admit_held(self) -> list[StepOutput]:
+        """Start the held structured requests once their loader is done, in arrival order; one whose grammar
+        cannot be made (the loader failed, its spec does not compile, its prior outputs break it) ends with
+        finish_reason "error", its blocks freed."""
+        if not self._held or not self.grammar_loader.done():
+            return []
+        outputs = []
+        for rid, held in list(self._held.items()):
+            del self._held[rid]
+            try:
+                if held.first is None:
+                    grammar = self._grammar_row(rid, held.req.params, held.req.prior_output_ids)
+                    self.scheduler.add(held.req)
+                    self.grammar.attach(rid, grammar)
+                    continue
+                out = self._start_prefilled(held.req, *held.first)
+            except Exception as e:  # noqa: BLE001 - the request ends; the engine steps on
+                log.warning("request %s: its structured output cannot start: %s", rid, e)
+                self.abort(rid)
+                out = StepOutput(rid, [], [], "error", prefill_only=held.req.prefill_only)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def _grammar_row(self, request_id: str, params: SamplingParams, outputs: Sequence[int],
                      last_may_fail: bool = False):
@@ -437,16 +525,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests wait or run. A step in flight whose requests all ended since is left to the next step() to
         drop: its device work only touches their freed blocks, before anything queued later."""
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._held)
 
     def load(self) -> EngineLoad:
         """The engine's gauges now and its counters since start (see EngineLoad)."""
         s = self.scheduler
         pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
-            r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1)
+            r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1) + sum(
+            h.req.num_pending_tokens for h in self._held.values() if h.first is None)
         pinned = sum(1 for r in s.requests.values() if r.status == RequestStatus.PINNED)
         return EngineLoad(
-            pending, len(s.waiting), len(s.running), pinned, self.block_manager.num_free_blocks, self.num_kv_blocks,
+            pending, len(s.waiting) + len(self._held), len(s.running), pinned, self.block_manager.num_free_blocks,
+            self.num_kv_blocks,
             steps=self.num_steps, cached_blocks=self.block_manager.num_cached_blocks,
             num_reserved=len(self._reserved), step_time_last_s=self.step_time_last_s,
             step_time_total_s=self.step_time_total_s, scheduled_tokens_total=s.num_scheduled_tokens,
@@ -456,6 +546,7 @@ class LLMEngine:
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             expired_pins_total=self.num_expired_pins, handoff_hit_blocks_total=self.num_handoff_hit_blocks,
             iteration_tokens_total=s.iteration_tokens.total, iteration_token_counts=tuple(s.iteration_tokens.counts),
+            grammar_load_s=self.grammar_loader.seconds if self.grammar_loader is not None else 0.0,
             taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures(), **self._tier_figures())
 
     def _budget_figures(self) -> dict[str, float]:

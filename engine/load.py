@@ -75,6 +75,9 @@ class EngineLoad:
     # carried (summed) and the steps per bucket of ITERATION_TOKEN_BUCKETS (a tuple: the one field not a number)
     iteration_tokens_total: int = 0
     iteration_token_counts: tuple[int, ...] = ()
+    # seconds the structured-output tables took to build on their own thread after the worker became routable (a
+    # start-up phase that runs in the background: engine.sampling.grammar_loader); 0 until built, or never started
+    grammar_load_s: float = 0.0
     # when the report was taken, on the reporting process's monotonic clock (0: unknown): a rate between two reports
     # of one worker divides by this difference, not by when a reader happened to receive them (not compared: two
     # reports of the same state are equal whenever they were taken)
@@ -90,21 +93,22 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     agent_metadata: bytes | None  # the worker's kvtransfer agent, serialized (None when it has none)
-    startup_s: tuple[tuple[str, float], ...] = ()  # seconds per start-up phase: (("engine", 3.1), ("agent", 0.2))
+    startup_s: tuple[tuple[str, float], ...] = ()  # seconds per start-up phase, in order (pool_worker.start_phases)
     pid: int = 0     # the worker's process (rank 0 of a TP group), for operators' drills and /health
     host: str = ""   # the node it runs on
     outputs_at: tuple[str, int, bytes] | None = None  # a decode worker's output stream: host, port, token
 
 
 class PhaseClock:
-    """Seconds per start-up phase, in order: `lap(name)` closes the phase that ran since the previous lap."""
+    """Seconds per start-up phase, in order (time.monotonic): `lap(name)` closes the phase that ran since the
+    previous lap (or since the clock was made)."""
 
     def __init__(self) -> None:
         self.phases: list[tuple[str, float]] = []
-        self._last = time.perf_counter()
+        self._last = time.monotonic()
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
+        now = time.monotonic()
         self.phases.append((phase, round(now - self._last, 3)))
         self._last = now
 

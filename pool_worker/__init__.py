@@ -4,3 +4,5 @@ request can give it: prefill for another worker (prefill_pool.prefills) and deco
 worker's role is what the coordinator sends it, so it can change while serving.
 
 May import: prefill_pool, decode_pool, kvtransfer, engine."""
+
+from pool_worker.start_phases import IMPORT_STARTED  # noqa: F401 - first: when the worker code began to import

@@ -7,7 +7,9 @@ Every worker can do both; which one it does is what the coordinator sends it (it
 so a role can change while serving without a restart. Its RPCs only enqueue work on the engine loop and await the
 results. One step's outputs are split by owner: a prefill's first token resolves its prefill() call (the event
 loop), every other delta goes onto the stream from the engine thread (Decodes.stream_step).
-Shared here once: start-up (weights, KV cache, graphs, agents; seconds per phase in WorkerInfo), the load reported
+Shared here once: start-up (weights, KV cache, graphs, agents; seconds per phase in WorkerInfo, as
+pool_worker.start_phases names them; then, once routable, the grammar tables on a thread of their own:
+engine.sampling.grammar_loader), the load reported
 with every reply, integrity checks, peers' transfer metadata, drills (kill a rank, inject faults) and shutdown.
 """
 
@@ -33,6 +35,7 @@ from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 from pool_worker.orphans import Adoption, abort_held
+from pool_worker.start_phases import before_start, imports_done
 from prefill_pool.prefills import PrefillResult, Prefills
 
 if TYPE_CHECKING:
@@ -41,8 +44,12 @@ if TYPE_CHECKING:
 
 class Worker:
     def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
-                 admission_timeout_s: float, role: str = "decode", stream: bool = False, fleet: str = "") -> None:
+                 admission_timeout_s: float, role: str = "decode", stream: bool = False, fleet: str = "",
+                 requested_at: float | None = None) -> None:
+        """`requested_at`: the coordinator's wall-clock time when it asked Ray for this actor (for the start's
+        `schedule` and `process` phases; None: not reported)."""
         self.name = name
+        self._phases = before_start(requested_at)  # seconds per start-up phase so far
         self.fleet = fleet  # the fingerprint of the fleet it belongs to (coordinator.backend.fleet); "": none
         self.role = role  # the role it started in ("prefill", "decode", "collocated", "mixed"), for WorkerInfo
         self._engine_config = engine_config
@@ -75,11 +82,12 @@ class Worker:
             address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
             self._agent_config = replace(self._agent_config, address=address)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
-        started = time.monotonic()
+        self._phases.append(imports_done())
         tp = self._engine_config.tensor_parallel_size
         rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
-        engine_s = time.monotonic() - started
+        started = time.monotonic()
+        self._phases += [(f"engine_{k}", v) for k, v in engine.startup_s]
         if self._agent_config is not None:
             self.agents = WorkerAgents(self.name, self._agent_config, engine)
         if self._use_stream:
@@ -103,12 +111,14 @@ class Worker:
         if self._stream is not None:
             outputs_at = (*self._stream.address, self._stream.token)
             self._tasks.append(asyncio.get_running_loop().create_task(self.decodes.keep_load_fresh()))
+        self._phases.append(("agent", round(time.monotonic() - started, 3)))
         self._info = WorkerInfo(self.name, self.role, engine.num_kv_blocks, engine.config.block_size,
-                          engine.config.max_model_len, engine.model_config.vocab_size,
-                          self.agents.metadata() if self.agents else None,
-                          (("engine", engine_s), *((f"engine_{k}", v) for k, v in engine.startup_s),
-                           ("agent", time.monotonic() - started - engine_s)),
-                          pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
+                                engine.config.max_model_len, engine.model_config.vocab_size,
+                                self.agents.metadata() if self.agents else None, tuple(self._phases),
+                                pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
+        # routable from here on: the grammar tables are built meanwhile, off the engine thread (structured requests
+        # that arrive first wait in the engine, the others step on); their end wakes the engine thread
+        engine.start_grammar_load(self._wake_engine)
         return self._info
 
     async def take_over_slot(self, name: str) -> WorkerInfo:
@@ -256,6 +266,13 @@ class Worker:
             self._stream.close()
 
     # ---- internals
+    def _wake_engine(self) -> None:
+        """From any thread: the engine thread looks at its work again now (held requests may start)."""
+        try:
+            self.loop.post(lambda e: None)
+        except RuntimeError:  # the loop has stopped
+            pass
+
     def _reported(self, load: EngineLoad) -> EngineLoad:
         """The engine's load with this process's garbage-collector figures (engine.gc_pauses)."""
         return replace(load, **self._gc.figures())

@@ -158,6 +158,10 @@ class Prefills:
             future = self._waiting.pop(out.request_id, None)
             if future is None or future.done():
                 continue  # an expired pin, or an aborted request
+            if not out.new_token_ids:  # ended before its first token: a held structured request whose grammar
+                future.set_exception(ValueError(  # could not be made (LLMEngine._admit_held), as add_request raises
+                    f"request {out.request_id!r}: its structured output could not start ({out.finish_reason})"))
+                continue
             result = PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
                                    out.finish_reason, out.pinned_block_ids or [], load, out.fork_first,
                                    out.prompt_logprobs, self._timing.first_output(out.request_id) or (),

@@ -61,9 +61,9 @@ def test_matcher_masks_advance_and_complete(llm):
 
 
 def test_a_grammar_prepared_at_start_serves_the_first_constrained_request():
-    """A CUDA engine builds its grammar machinery at start (the vocabulary view holds the GIL for seconds on a 128k
-    vocabulary: built with the first structured request it stalled every stream); the first constrained request
-    then uses it as built, and an unconstrained engine keeps no logits hook."""
+    """Grammar machinery built ahead (prepare_grammar; a pool worker builds it on a thread of its own once it is
+    routable: tests/test_grammar_loader.py) serves the first constrained request as built, and an unconstrained
+    engine keeps no logits hook."""
     engine = LLM("tiny").engine
     assert engine.grammar is None and engine.prepare_grammar()
     built = engine.grammar

@@ -1,7 +1,9 @@
 """Structured outputs and tool calls end to end with the `openai` client on the real server (`tiny`, random weights),
 disaggregated (the prefill worker samples the first token under the grammar, the decode worker rebuilds the matcher
 and continues) and collocated: gibberish comes out as JSON valid for 100 random schemas, as one of the choices, as
-a regex match, and as tool calls whose arguments validate."""
+a regex match, and as tool calls whose arguments validate. Each server's workers report their start phase by phase
+(/health to the operator, pdserve_worker_start_seconds), the grammar tables among them, built once each worker
+was routable (pool_worker.start_phases); the first structured request, sent while streams run, leaves them exact."""
 
 import asyncio
 import json
@@ -9,12 +11,13 @@ import random
 import re
 from types import SimpleNamespace
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from tests.json_schemas import random_schema
-from tests.server_process import HALF_CPU, running_server, wait_for_idle_workers
+from tests.server_process import HALF_CPU, OPERATOR, complete, metric_values, running_server, wait_for_idle_workers
 
 MESSAGES = [{"role": "user", "content": "Give me the data."}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -43,6 +46,46 @@ def server(request, tmp_path_factory):
 def client(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0) as c:
         yield c
+
+
+START_PHASES = {"schedule", "process", "imports", "engine_config", "engine_weights", "engine_kv_cache", "agent"}
+
+
+def test_start_phases_reported_and_the_first_structured_request_beside_streams(server):
+    """First in the module: the server's first structured request. Every worker lists its start phases; `grammar`
+    joins them once its tables are built in the background (polled: the build may still run at /health 200)."""
+    for _ in range(600):
+        workers = httpx.get(f"{server.url}/health", headers=OPERATOR, timeout=10).json()["workers"]
+        if all("grammar" in w["start_phases_s"] for w in workers):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    for w in workers:
+        phases = w["start_phases_s"]
+        assert START_PHASES | {"grammar"} <= set(phases) and all(s >= 0 for s in phases.values()), w
+    assert "start_phases_s" not in httpx.get(f"{server.url}/health", timeout=10).json()["workers"][0]  # operator's
+    seconds = metric_values(server.url, "pdserve_worker_start_seconds")
+    for w in workers:
+        for phase in START_PHASES | {"grammar"}:
+            name, role = w["name"], w["role"]
+            assert seconds[f'{{worker="{name}",role="{role}",phase="{phase}"}}'] >= 0
+
+    async def run() -> tuple[list[dict], dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            body = {"model": "tiny", "max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0}
+            chunks = [0] * 3
+            streams = [asyncio.create_task(complete(client, server.url, {**body, "prompt": f"Story {i}:"},
+                                                    lambda n, i=i: chunks.__setitem__(i, n))) for i in range(3)]
+            while min(chunks) < 2:  # every stream is running
+                await asyncio.sleep(0.01)
+            r = await client.post(f"{server.url}/v1/chat/completions", json={
+                "model": "tiny", "messages": MESSAGES, "max_tokens": 200,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}})
+            assert r.status_code == 200, r.text
+            return await asyncio.gather(*streams), r.json()
+    streamed, structured = asyncio.run(run())
+    assert all(s["completion_tokens"] == 48 and s["finish_reason"] == "length" for s in streamed)
+    assert structured["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(structured["choices"][0]["message"]["content"]), WEATHER)
 
 
 def test_random_schemas_give_valid_json_on_both_endpoints(server):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -296,7 +297,8 @@ class Pools:
             options |= dict(name=actor_name(role, index, incarnation), lifetime="detached")
         return ray.remote(Worker).options(**options).remote(
             name, cfg.engine_config(pool, seed=seed), agent if self.transfers else None, _threads(pool),
-            cfg.admission.timeout_s, role=role if self.transfers else "collocated", stream=True, fleet=self.fleet)
+            cfg.admission.timeout_s, role=role if self.transfers else "collocated", stream=True, fleet=self.fleet,
+            requested_at=time.time())  # the start's `schedule` and `process` phases (pool_worker.start_phases)
 
 
 def worker_bundle(pool: PoolConfig) -> dict[str, float]:

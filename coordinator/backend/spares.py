@@ -50,8 +50,8 @@ class Spares:
 
     def states(self) -> list[dict]:
         """/health's entries for the spares (state "spare")."""
-        return [{"name": w.name, "role": pool, "state": "spare", "pid": w.info.pid, "host": w.info.host}
-                for pool, spares in self.ready.items() for w in spares]
+        return [{"name": w.name, "role": pool, "state": "spare", "pid": w.info.pid, "host": w.info.host,
+                 "start_phases_s": dict(w.info.startup_s)} for pool, spares in self.ready.items() for w in spares]
 
     async def take_over(self, dead: WorkerState, incarnation: int) -> WorkerState | None:
         """A ready spare of the dead slot's pool as that slot's incarnation `incarnation` (not yet connected nor

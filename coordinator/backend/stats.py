@@ -1,13 +1,13 @@
 """backend_stats: the RayBackend's figures as the plain dict that /metrics renders (coordinator.observability.metrics).
 
 Per worker: its state, restarts, bookings, drain (coordinator.backend.drains) and step-time ratio to its peers
-(coordinator.backend.stragglers) always; its last reported engine load (every numeric EngineLoad field, its tokens-
-per-step histogram's counts, and the KV blocks its requests use, to compare with those booked) only while it is live,
-so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission queue's
-length (requests waiting for room, not those running), requests in flight, errors and migrations by kind, blocks added
-to growing bookings, seconds each pool spent with no live worker, scale events by pool and direction, transfer totals
-of the live agents, and the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag) and its
-process's garbage-collector pauses.
+(coordinator.backend.stragglers) always; its last reported engine load (every numeric EngineLoad field, its
+tokens-per-step histogram's counts, and the KV blocks its requests use, to compare with those booked) only while it
+is live, so a dead worker's gauges disappear instead of freezing at their last value. Backend-wide: the admission
+queue's length (requests waiting for room, not those running), requests in flight, errors and migrations by kind,
+blocks added to growing bookings, seconds each pool spent with no live worker, scale events by pool and direction,
+transfer totals of the live agents, and the coordinator's event-loop lag and stalls (coordinator.observability.loop_lag)
+and its process's garbage-collector pauses. `start_phases` is each worker's start, phase by phase (also in /health).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def backend_stats(backend: Any) -> dict:
             entry["busy_ratio"] = backend.adaptive.planner.busy[w.name]  # the planner's last look
         elif backend.scaler is not None and w.name in backend.scaler.meter.busy:
             entry["busy_ratio"] = backend.scaler.meter.busy[w.name]  # the scaler's (pools that scale)
+        entry["start_phases_s"] = start_phases(w)
         if w.alive and w.load is not None:
             load = asdict(w.load)
             load.pop("taken_at_s")  # a time on the worker's own clock: nothing to export
@@ -63,6 +64,15 @@ def backend_stats(backend: Any) -> dict:
             "scale_events": {f"{pool}/{direction}": n for (pool, direction), n in backend.scaler.counts.items()}
             if backend.scaler else {},
             "coordinator": backend.loop_lag.stats() | backend.gc_pauses.figures()}
+
+
+def start_phases(worker: Any) -> dict[str, float]:
+    """Seconds per phase of the worker's start (pool_worker.start_phases), in order: those it reported when it
+    started, then `grammar` once its background build has ended (from its load reports)."""
+    phases = dict(worker.info.startup_s)
+    if worker.load is not None and worker.load.grammar_load_s:
+        phases["grammar"] = round(worker.load.grammar_load_s, 3)
+    return phases
 
 
 def transfer_totals(snapshots: list[dict]) -> dict[str, float]:

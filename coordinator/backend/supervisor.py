@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from coordinator.admission.router import WorkerState
 from coordinator.backend.pools import START_TIMEOUT_S, Pools
 from coordinator.backend.spares import Spares
+from coordinator.backend.stats import start_phases
 from coordinator.config.serve_config import RecoveryConfig
 
 log = logging.getLogger("pdserve")
@@ -144,7 +145,8 @@ class Supervisor:
                  "pid": w.info.pid, "host": w.info.host,
                  **({"last_failure": self.reasons[w.name]} if w.name in self.reasons else {}),
                  **({"gave_up": self.gave_up[w.name]} if w.state == "failed" and w.name in self.gave_up else {}),
-                 **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {})}
+                 **({"last_recovery_s": self.recoveries[w.name]} if w.name in self.recoveries else {}),
+                 "start_phases_s": start_phases(w)}
                 for w in self.pools.all_workers]
 
     def given_up(self, role: str) -> bool:

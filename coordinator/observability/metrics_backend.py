@@ -3,7 +3,8 @@
 Owns the families built afresh from the backend's figures at every scrape (nothing of them is stored between
 scrapes, so a dead or removed worker's gauges disappear instead of freezing at their last value; backend_stats
 leaves a dead worker's engine load out): `backend.stats()` as coordinator.backend.stats shapes it (queue length,
-per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, every numeric engine-load field as
+per-worker KV usage, running, queued prompt tokens, liveness, state, bookings, the seconds of each phase of its start
+(`pdserve_worker_start_seconds{worker, role, phase}`, pool_worker.start_phases), every numeric engine-load field as
 `pdserve_worker_engine_<key>`, preemptions by cause (`pdserve_worker_preemptions_total{cause}`), errors, migrations,
 pool downtime, prefix-affinity hits, growing bookings, the KV tiers below each worker's device cache
 (`pdserve_kv_tier_*{worker, role, tier}`: hits, misses, bytes in and out, evictions, occupancy), the coordinator's
@@ -96,8 +97,11 @@ def backend_families(stats: dict) -> list[Metric]:
     per_worker: dict[str, Samples] = {key: [] for key in _WORKER_HELP}
     engine: dict[str, Samples] = {}
     preemptions: Samples = []
+    start: Samples = []
     for w in (w for w in stats.get("workers") or [] if isinstance(w, dict)):
         labels = {"worker": w.get("name", "?"), "role": w.get("role", "?")}
+        start += [({**labels, "phase": phase}, _number(s)) for phase, s in (w.get("start_phases_s") or {}).items()
+                  if _number(s) is not None]
         free, total = _number(w.get("free_blocks")), _number(w.get("total_blocks"))
         if free is not None and total:
             per_worker["kv_usage_ratio"].append((labels, 1.0 - free / total))
@@ -119,6 +123,10 @@ def backend_families(stats: dict) -> list[Metric]:
                                samples))
     out += [_family(_name("pdserve_worker_engine_", key), f"The worker engine's {key}", samples)
             for key, samples in sorted(engine.items())]
+    if start:
+        out.append(_family("pdserve_worker_start_seconds", "Seconds each phase of the worker's last start took "
+                           "(schedule, process, imports, engine_*, agent; then grammar, built once it was routable)",
+                           start))
     out += tier_families(stats.get("workers") or [])
     if preemptions:
         out.append(_family("pdserve_worker_preemptions_total", "Running requests sent back to the engine's queue for "

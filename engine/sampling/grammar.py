@@ -27,8 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import llguidance
-import llguidance.torch
+import llguidance  # not llguidance.torch: its import compiles a helper with torch.compile, importing dynamo (4 s)
 import torch
 
 from engine.sampling.structured import StructuredSpec, grammar_text
@@ -139,9 +138,9 @@ class GrammarManager:
         if not rows:
             return
         start = time.perf_counter()
-        mask = self._host[:len(rows)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(r.matcher, j) for j, (_, r) in
-                                                                      enumerate(rows)], mask)
+        mask = self._host[:len(rows)]  # contiguous int32 rows on the host, as the library writes them
+        self._executor.unsafe_compute_mask_ptr([(r.matcher, j) for j, (_, r) in enumerate(rows)], mask.data_ptr(),
+                                               mask.shape[1] * mask.element_size(), len(rows))
         self.fill_time_s += time.perf_counter() - start
         self.num_fills += 1
         apply_bitmask(logits, mask, [i for i, _ in rows], self._shifts)
