@@ -4,8 +4,8 @@ A new worker gets a placement group of its own, one bundle of its pool's resourc
 be given back whole when the pool shrinks. Where the room comes from:
 - the cluster has it now (`ray.available_resources()` covers the bundle): the group is placed at once;
 - it has not, and pdserve started this Ray itself (no `ray_address`: Ray's single-machine mode, which no node can
-  join, coordinator.ray_network): no autoscaler can add a node, so the scale-out gives up at once, saying what the
-  worker needs and what the cluster has free;
+  join, coordinator.backend.ray_network): no autoscaler can add a node, so the scale-out gives up at once, saying
+  what the worker needs and what the cluster has free;
 - it has not, on a cluster pdserve joined (`ray_address`, e.g. a `ray up` cluster): Ray's autoscaler is asked for
   the whole fleet's shape with the new worker in it (`ray.autoscaler.sdk.request_resources`: a standing request for
   the cluster's total, replaced by each call) and the group waits up to `scaling.placement_timeout_s` for the node;
@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 log = logging.getLogger("pdserve")
-# Ray's own switch, which `pdserve serve` sets to "0" for the local Ray it starts (coordinator.ray_network): a node
+# Ray's own switch, which `pdserve serve` sets to "0" for the local Ray it starts (coordinator.backend.ray_network): a node
 # no other node may join
 RAY_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _SLACK = 1e-6  # Ray's resource amounts are fixed-point: 0.5 + 0.5 may read 0.9999999
