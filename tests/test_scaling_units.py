@@ -149,9 +149,9 @@ def test_a_low_streak_starts_again_when_the_load_comes_back():
 
 
 def test_the_scaler_reads_the_same_single_machine_switch_that_pdserve_serve_sets():
-    from coordinator.backend.slot_placement import RAY_CLUSTERS_ENV, single_machine
     from coordinator.backend.ray_network import RAY_CLUSTERS_ENV as SET
     from coordinator.backend.ray_network import confine_local_ray
+    from coordinator.backend.slot_placement import RAY_CLUSTERS_ENV, single_machine
     environ: dict[str, str] = {}
     assert RAY_CLUSTERS_ENV == SET and not single_machine(environ)
     confine_local_ray(environ)

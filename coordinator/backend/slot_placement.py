@@ -25,8 +25,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 log = logging.getLogger("pdserve")
-# Ray's own switch, which `pdserve serve` sets to "0" for the local Ray it starts (coordinator.backend.ray_network): a node
-# no other node may join
+# Ray's own switch, which `pdserve serve` sets to "0" for the local Ray it starts
+# (coordinator.backend.ray_network): a node no other node may join
 RAY_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _SLACK = 1e-6  # Ray's resource amounts are fixed-point: 0.5 + 0.5 may read 0.9999999
 
