@@ -143,7 +143,7 @@ def test_a_killed_coordinator_comes_back_and_adopts_its_workers(tmp_path):
         # the same worker processes, adopted: no model loaded again (one "ready" line per worker: the first start)
         assert {role: live_worker_pids(server, role) for role in ("prefill", "decode")} == before
         log = _log(tmp_path)
-        assert log.count(" ready: engine") == 2, log[-3000:]
+        assert log.count(" ready: schedule ") == 2, log[-3000:]
         assert "worker prefill-0 adopted" in log and "worker decode-0 adopted" in log
         assert "the coordinator (pid" in log and "starting it again" in log
         aborted = sum(int(line.split("): ")[1].split()[0]) for line in log.splitlines() if " adopted (" in line)
@@ -253,7 +253,7 @@ def test_on_a_joined_cluster_a_whole_server_restart_adopts_a_changed_config_repl
 
         second = start()  # the same config: adopted, no model loaded again
         assert _pids(url) == pids
-        assert log.read_text().count(" ready: engine") == 2
+        assert log.read_text().count(" ready: schedule ") == 2
         kill(second)
 
         path.write_text(yaml.safe_dump({**config, "decode": {**HALF_CPU, "max_num_seqs": 32}}))

@@ -167,5 +167,5 @@ def test_the_automatic_size_shares_the_node_s_memory_between_its_gpus(tmp_path):
         (gpus / f"0000:{i:02x}:00.0").mkdir()
     assert auto_host_cache_bytes("cuda", str(meminfo), str(gpus)) == int((200 << 30) * 0.2 / 8)  # 5 GiB each
     assert auto_host_cache_bytes("cuda", str(meminfo), str(tmp_path / "none")) == 32 << 30  # one GPU: capped
-    assert auto_host_cache_bytes("cpu", str(meminfo), str(gpus)) == 4 << 30
+    assert auto_host_cache_bytes("cpu", str(meminfo), str(gpus)) == 1 << 30
     assert auto_host_cache_bytes("cpu", str(tmp_path / "missing")) == 0

@@ -52,7 +52,7 @@ _COUNTERS = (
     "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
     "pdserve_worker_engine_swap_full", "pdserve_worker_engine_handoff_hit_blocks",
-    "pdserve_worker_engine_iteration_tokens",
+    "pdserve_worker_engine_iteration_tokens", "pdserve_pool_scale_events",
     *(f"{prefix}{key}" for prefix in ("pdserve_kv_tier_", "pdserve_worker_engine_host_tier_")
       for key in ("hit_blocks", "miss_blocks", "in_bytes", "out_bytes", "evictions", "dropped")))
 _GAUGES = (
@@ -72,7 +72,8 @@ _GAUGES = (
       for key in ("used_blocks", "total_blocks", "used_bytes", "capacity_bytes")),
     "pdserve_worker_free_blocks", "pdserve_worker_kv_usage_ratio", "pdserve_worker_queued_prompt_tokens",
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
-    "pdserve_worker_step_time_ratio", "pdserve_worker_straggler",
+    "pdserve_worker_step_time_ratio", "pdserve_worker_straggler", "pdserve_worker_start_seconds",
+    "pdserve_worker_engine_grammar_load_s",
     "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
     "vllm:num_requests_waiting_by_reason")
 # every family /metrics exports (as its `# TYPE` lines name them: counters with `_total`), none other; besides these,

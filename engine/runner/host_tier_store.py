@@ -84,7 +84,7 @@ class HostTierStore:
 
 
 AUTO_FRACTION = 0.2  # kv_host_cache_bytes None: this share of the host memory available at start, split between
-AUTO_MAX_BYTES = {"cuda": 32 << 30, "cpu": 4 << 30}  # the node's GPUs (a CUDA engine), at most this much
+AUTO_MAX_BYTES = {"cuda": 32 << 30, "cpu": 1 << 30}  # the node's GPUs (a CUDA engine), at most this much
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one entry per GPU of the node (the driver's, whatever a process sees)
 
 
