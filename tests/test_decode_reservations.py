@@ -98,16 +98,18 @@ def test_an_engine_call_arriving_after_a_cancel_finds_the_blocks_given_back(wait
     run_with_loop(body)
 
 
-@pytest.mark.parametrize("stagger_s", [0, 0.05])  # the streams admitted together, or steps apart (a loaded machine)
-def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts_none(stagger_s):
+@pytest.mark.parametrize("stagger_steps", [0, 2])  # the streams admitted together, or steps apart (a loaded machine)
+def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts_none(stagger_steps):
     """3 streams of 17 prompt tokens (2 blocks each) decode to 41 tokens (3 blocks each) on 10 blocks: 4 are free
     for their first 15 steps, enough for a 40-token booking (3 blocks) but then not for the streams' third blocks,
     which would preempt one of them. The booking waits until streams end and leave it room beside the others' next
     blocks instead: made, and nothing preempted while the streams still running go on to their end beside it.
     (The 15 steps before they cross into a third block leave the check room on a loaded machine; with 31-token
     prompts there was one step, and the CI machine once missed it. A loaded machine may also admit the streams
-    steps apart, as `stagger_s` does, so that some still run when the booking is made: the loop is closed only once
-    they have ended.)"""
+    steps apart, as `stagger_steps` does, so that some still run when the booking is made: the loop is closed only
+    once they have ended. The stagger is counted in engine steps, taken before the loop starts: a stagger in seconds
+    let the first stream end before the third was admitted on a fast step, and the wait for three running never
+    ended.)"""
     from engine import SamplingParams
     from tests.engine_helpers import random_prompts
 
@@ -115,13 +117,13 @@ def test_a_booking_waits_while_running_streams_need_the_free_blocks_and_preempts
     prompts = random_prompts((17, 17, 17), 2000, seed=3802)
 
     async def main():
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+            for _ in range(stagger_steps if i < len(prompts) - 1 else 0):
+                engine.step()
         loop = AsyncEngine(engine, lambda outputs, load: None)
         task = asyncio.create_task(loop.run())
         try:
-            for i, p in enumerate(prompts):
-                await loop.call(lambda e, i=i, p=p: e.add_request(
-                    f"s{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)))
-                await asyncio.sleep(stagger_s)
             while not await loop.call(lambda e: len(e.scheduler.running) == 3
                                       and all(r.num_output_tokens for r in e.scheduler.running)):
                 await asyncio.sleep(0.001)
