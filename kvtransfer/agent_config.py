@@ -60,6 +60,9 @@ class AgentConfig:
     # metadata: no UCX listening socket; the data transports' sockets follow UCX_NET_DEVICES) or "listener" (a UCX
     # connection listener, which ucxx opens on every interface: a cluster's, coordinator.backend.pools)
     ucx_connect: str = "worker_address"
+    # the network devices UCX may use and listen on, as UCX_NET_DEVICES names them ("eth1", "mlx5_0:1"); set in
+    # the agent's process before its first UCX call (worker_setup.start_agent). None: the environment's
+    net_devices: str | None = None
     faults: FaultConfig | None = None  # injected faults; None: those in $PDSERVE_KV_FAULTS, if set, else none
 
     def __post_init__(self) -> None:

@@ -3,11 +3,13 @@
 1. `prepare_process(device, config)` before CUDA starts: in a Ray actor on CUDA that may use cuda_ipc, show
    the peers' GPUs (ours stays cuda:0).
 2. `start_agent(name, config, kv, spec, heads)` once the engine's cache exists: ucxx Python futures (one agent in
-   this process, so no busy-polling while idle), then the agent with the cache registered (a TP rank's cache with
-   the global KV heads it holds, engine.kv_heads; None: all heads).
+   this process, so no busy-polling while idle) and the network devices the config names, then the agent with the
+   cache registered (a TP rank's cache with the global KV heads it holds, engine.kv_heads; None: all heads).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -28,6 +30,8 @@ def start_agent(name: str, config: AgentConfig, kv: torch.Tensor, spec: KVCacheS
                 heads: KVHeadRange | None = None) -> KVAgent:
     """kv: the engine's cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] holding `heads`."""
     use_python_futures()
+    if config.net_devices is not None:  # read once, when the agent creates this process's UCX context
+        os.environ["UCX_NET_DEVICES"] = config.net_devices
     agent = KVAgent(name, config)
     agent.register_cache(kv, spec, heads)
     return agent

@@ -40,6 +40,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.listening_sockets import listening_sockets
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
@@ -249,9 +251,32 @@ def cluster_view(url: str | None = None) -> dict:
 NODE_ARGS = ["--node-ip-address=127.0.0.1", "--object-store-memory=100000000", "--disable-usage-stats"]
 
 
-def start_head(resources: dict[str, float], num_cpus: float = 1) -> None:
+def start_head(resources: dict[str, float], num_cpus: float = 1, node_args: list[str] = NODE_ARGS,
+               env: dict | None = None) -> None:
     sh([RAY, "start", "--head", "--port=6379", "--include-dashboard=false", f"--num-cpus={num_cpus}",
-        "--resources", json.dumps(resources), *NODE_ARGS])
+        "--resources", json.dumps(resources), *node_args], env=env)
+
+
+# the two_nodes scenario's private network: a veth pair whose ends carry the head's and the second node's addresses
+# (and the default route, by which Ray finds a driver's own address), as two machines' interfaces would
+PRIVATE_DEVICES, PRIVATE_ADDRESSES = ("pd0", "pd1"), ("10.77.0.1", "10.77.0.2")
+RAY_WORKER_PORTS = (20000, 20999)  # where Ray's core workers put their gRPC servers (every interface, Ray 2.60)
+
+
+def private_network() -> None:
+    first, second = PRIVATE_DEVICES
+    sh(["mount", "-t", "sysfs", "sysfs", "/sys"])  # this network namespace's devices (UCX lists /sys/class/net)
+    sh(["ip", "link", "add", first, "type", "veth", "peer", "name", second])
+    for device, address in zip(PRIVATE_DEVICES, PRIVATE_ADDRESSES, strict=True):
+        sh(["ip", "addr", "add", f"{address}/24", "dev", device])
+        sh(["ip", "link", "set", device, "up"])
+    sh(["ip", "route", "add", "default", "dev", first])
+
+
+def private_node_args(address: str) -> list[str]:
+    low, high = RAY_WORKER_PORTS
+    return [f"--node-ip-address={address}", f"--min-worker-port={low}", f"--max-worker-port={high}",
+            *NODE_ARGS[1:]]
 
 
 @dataclass
@@ -351,16 +376,25 @@ def serving(workdir: Path, config: dict, exits: dict, name: str = "server") -> I
 
 
 def two_nodes(workdir: Path) -> dict:
-    """A head offering `prefill_node` and a second node offering `decode_node`, pdserve serving on them."""
-    start_head({"prefill_node": 4})
-    sh([RAY, "start", "--address=127.0.0.1:6379", "--num-cpus=1", "--resources", json.dumps({"decode_node": 4}),
-        *NODE_ARGS])
-    config = {"model": "tiny", "placement": "pack", "transfer": {"backends": ["ucx"]},
+    """A head offering `prefill_node` and a second node offering `decode_node`, each on its own address of a private
+    network (private_network), pdserve serving on them with `transfer.net_devices` naming that network's devices
+    and UCX's transports cut to TCP: KV crosses by TCP, between agents that connect by worker address. What the
+    workers listen on is read while they serve."""
+    private_network()
+    head, second = PRIVATE_ADDRESSES
+    tcp_only = {**os.environ, "UCX_TLS": "tcp"}
+    start_head({"prefill_node": 4}, node_args=private_node_args(head), env=tcp_only)
+    sh([RAY, "start", f"--address={head}:6379", "--num-cpus=1", "--resources", json.dumps({"decode_node": 4}),
+        *private_node_args(second)], env=tcp_only)
+    config = {"model": "tiny", "placement": "pack",
+              "transfer": {"backends": ["ucx"], "net_devices": ",".join(PRIVATE_DEVICES)},
               "prefill": {**HALF_CPU, "resources": {"prefill_node": 1}},
               "decode": {**HALF_CPU, "resources": {"decode_node": 1}}}
     result: dict = {}
     with serving(workdir, config, result) as url:
         result.update(completion=stream_completion(url), transfer=transfer_metrics(url), **cluster_view(url))
+        workers = {actor["pid"] for actor in result["actors"]}
+        result["listening"] = listening_sockets(lambda pid: pid in workers)
     sh([RAY, "stop"], timeout_s=60)
     return {**result, "left_running": wait_no_processes()}
 

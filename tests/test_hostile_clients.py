@@ -6,11 +6,9 @@ And what it listens on: a single-host server's sockets are all on the loopback, 
 
 import ipaddress
 import json
-import os
 import re
 import shutil
 import socket
-from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -18,6 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.tiny import resolve_model_path
+from tests.listening_sockets import descendants_of, listening_sockets
 from tests.server_process import HALF_CPU, poll, running_server, scrape, values_in, worker_pids
 
 pytestmark = pytest.mark.timeout(400)
@@ -136,45 +135,6 @@ def test_a_100_kb_url_is_a_414(served):
     assert json.loads(body)["error"]["code"] == "uri_too_long"
 
 
-def _listeners(root: int) -> list[tuple[str, int, int, str]]:
-    """(address, port, pid, command) of every listening TCP socket (IPv4 and IPv6) of `root` and its descendants."""
-    parent, command = {}, {}
-    for entry in Path("/proc").iterdir():
-        try:
-            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-    owner = {}
-    for pid in filter(descends, parent):
-        try:
-            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    owner[link[8:-1]] = pid
-        except OSError:
-            continue
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
-                continue
-            raw, port = fields[1].split(":")
-            packed = bytes.fromhex(raw)
-            packed = b"".join(packed[i:i + 4][::-1] for i in range(0, len(packed), 4))  # per 32-bit word
-            pid = owner[fields[9]]
-            found.append((socket.inet_ntop(family, packed), int(port, 16), pid, command[pid][:80]))
-    return found
-
-
 def _loopback(address: str) -> bool:
     return ipaddress.ip_address(address.removeprefix("::ffff:")).is_loopback
 
@@ -193,7 +153,7 @@ def test_a_single_host_server_listens_on_the_loopback_only(served):
         text = scrape(server.url)
         return sum(sum(values_in(text, f"pdserve_transfer_{op}_bytes").values()) for op in ("read", "write"))
     assert poll(moved, 30.0), "no KV blocks moved between the workers"
-    listening = _listeners(server.pid)
+    listening = listening_sockets(descendants_of(server.pid))
     workers = set(worker_pids(server))
     assert len(workers) == 2 and workers <= {pid for _, _, pid, _ in listening}, (workers, listening)
     exposed = [entry for entry in listening if not _loopback(entry[0])]

@@ -75,6 +75,8 @@ def write(tmp_path, text):
     ("prefill:\n  kv_host_cache_bytes: 2.5e9\n", "'prefill.kv_host_cache_bytes' must be int"),
     ("enable_prefix_caching: false\ndecode:\n  kv_host_cache_bytes: 1000000\n",
      "decode workers' engine: EngineConfig.kv_host_cache_bytes must be null"),
+    ("transfer:\n  net_devices: 'eth0; rm -rf /'\n", "transfer: net_devices must name network devices"),
+    ("transfer:\n  net_devices: 3\n", "'transfer.net_devices' must be"),
     ("[1, 2]\n", "top level must be a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
 ])
@@ -91,3 +93,11 @@ def test_missing_file_and_overrides(tmp_path):
         load_serve_config(tmp_path / "absent.yaml")
     cfg = load_serve_config(write(tmp_path, "server:\n  port: 8000\n"), {"server.port": 8123, "mode": "collocated"})
     assert cfg.server.port == 8123 and cfg.mode == "collocated"
+
+
+def test_transfer_net_devices_load_as_named(tmp_path):
+    """The devices the config names go to every worker's KV agent (kvtransfer.worker_setup sets UCX_NET_DEVICES
+    from them; tests/test_cluster_two_nodes.py serves with them on a private network)."""
+    cfg = load_serve_config(write(tmp_path, "transfer:\n  net_devices: mlx5_0:1,eth1\n"))
+    assert cfg.transfer.net_devices == "mlx5_0:1,eth1"
+    assert load_serve_config(write(tmp_path, "model: tiny\n")).transfer.net_devices is None

@@ -33,7 +33,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from coordinator.admission.router import WorkerState
 from coordinator.backend.adoption import adopt
 from coordinator.backend.fleet import actor_name, fingerprint, group_name, teardown
-from coordinator.backend.ray_network import single_host
 from coordinator.config.serve_config import PoolConfig, ServeConfig
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
@@ -286,11 +285,11 @@ class Pools:
                        resources=dict(pool.resources), max_concurrency=10_000,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[group],
                                                                             placement_group_bundle_index=bundle))
-        # one host: peers reach a worker's KV agent by its UCX worker address, so it has no listening socket (and
-        # UCX_NET_DEVICES=lo keeps UCX's own on the loopback: ray_network); a cluster keeps the UCX
-        # listener, which ucxx opens on every interface (docs/operations.md, Security model)
-        connect = "worker_address" if single_host(cfg.ray_address, os.environ) else "listener"
-        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s, ucx_connect=connect)
+        # peers reach a worker's KV agent by its UCX worker address, so it has no UCX listener (which ucxx opens on
+        # every interface); UCX's own sockets follow transfer.net_devices, else UCX_NET_DEVICES (a single host's: lo,
+        # ray_network). docs/operations.md, Security model
+        agent = AgentConfig(backends=cfg.transfer.backends, timeout_s=cfg.transfer.timeout_s,
+                            ucx_connect="worker_address", net_devices=cfg.transfer.net_devices)
         seed = index if role == "prefill" else 1000 + index
         if cfg.namespace is not None and not spare and name not in self.scaled:  # outlives this coordinator
             # (coordinator.backend.fleet); a spare, and a slot the scaler added, die with it

@@ -6,18 +6,19 @@ Ray that `pdserve serve` starts is one machine, so `confine_local_ray(environ)` 
 Ray's own single-machine mode (the one it runs on macOS and Windows: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read
 when Ray is imported, so this runs before). The coordinator and the workers inherit the environment, and with it
 `UCX_NET_DEVICES=lo` (unless the operator set UCX_NET_DEVICES), which keeps UCX's transports between KV agents on
-the loopback; each agent advertises and listens on its Ray node's address (pool_worker.worker), and `single_host`
-tells the pools that peers may reach it by its UCX worker address, so that it has no UCX listener (which ucxx
-opens on every interface: coordinator.backend.pools).
-A server that joins a cluster (`ray_address`) leaves all of this to the cluster's own `ray start`
-(--node-ip-address, UCX_NET_DEVICES: docs/operations.md, Security model).
+the loopback; each agent advertises and listens on its Ray node's address (pool_worker.worker), and peers reach it
+by its UCX worker address, so that it has no UCX listener (which ucxx opens on every interface:
+coordinator.backend.pools).
+A server that joins a cluster (`ray_address`) leaves Ray's addresses to the cluster's own `ray start`
+(--node-ip-address); its KV agents carry KV over, and listen on, the devices `transfer.net_devices` names
+(docs/operations.md, Security model).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 
 RAY_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a node on the loopback, no other node may join
 UCX_DEVICES_ENV = "UCX_NET_DEVICES"
@@ -33,9 +34,3 @@ def confine_local_ray(environ: MutableMapping[str, str]) -> None:
     environ[RAY_CLUSTERS_ENV] = "0"
     environ.setdefault(UCX_DEVICES_ENV, "lo")
 
-
-def single_host(ray_address: str | None, environ: Mapping[str, str]) -> bool:
-    """Whether every worker of the server runs on this machine: it starts a local Ray (no `ray_address`), or it
-    joins one that no other node may join (`pdserve serve`'s coordinator joins its supervisor's Ray by address,
-    confined by `confine_local_ray`, whose environment it inherits)."""
-    return ray_address is None or environ.get(RAY_CLUSTERS_ENV) == "0"

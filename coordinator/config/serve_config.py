@@ -6,6 +6,7 @@ agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ class PoolConfig:
         return self.fewest < self.most
 
 
+NET_DEVICES = re.compile(r"[A-Za-z0-9_.:-]{1,32}(,[A-Za-z0-9_.:-]{1,32}){0,15}")  # UCX_NET_DEVICES' form
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     backends: tuple[str, ...] = ("cuda_ipc", "ucx")
@@ -91,6 +95,14 @@ class TransferConfig:
     # group during the forward (prefill_pool.kv_push), so decode only joins; false: decode pulls it after the prefill.
     # Pools of tensor_parallel_size 1 only (larger ones pull)
     push: bool = True
+    # the network devices UCX carries KV over and listens on (UCX_NET_DEVICES: "eth1", "mlx5_0:1,eth1"), set in
+    # every worker; null: the workers' environment decides (a single-host server's is "lo": ray_network)
+    net_devices: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.net_devices is not None and not NET_DEVICES.fullmatch(self.net_devices):
+            raise ValueError(f"net_devices must name network devices as UCX_NET_DEVICES does (\"eth1\", "
+                             f"\"mlx5_0:1,eth1\"), got {self.net_devices[:64]!r}")
 
 
 @dataclass(frozen=True)
