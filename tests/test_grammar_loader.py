@@ -97,7 +97,7 @@ def test_a_held_hand_over_keeps_its_blocks_and_starts_after_the_loader_and_a_hel
     # what a prefill worker sampled first under the grammar: "{" starts every object
     first = engine.tokenizer.encode("{", add_special_tokens=False)[0]
     blocks = engine.reserve_blocks("handed", len(PROMPT))
-    assert blocks is not None
+    assert blocks is not None and len(blocks) == -(-len(PROMPT) // engine.config.block_size)  # the prompt's blocks
     assert engine.add_prefilled_request("handed", PROMPT, first, JSON) is None  # held, its blocks still booked
     engine.add_request("gone", PROMPT, JSON)
     assert engine.check_integrity()["pinned"] == len(blocks)  # a reservation's blocks: booked, not in use
