@@ -36,6 +36,7 @@
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 # multiturn1 / multiturn1p1d (1 GPU, issue 44): multi-turn conversations on the 8B shape, the host tier on against
 #   off, collocated / 1P+1D sharing the GPU (configs/sweeps/gpu-1x-llama3-8b-multiturn-*.yaml), packed into $OUT.
+# multiturnquick (1 GPU, issue 44): the same on one collocated worker with 8 GiB of device KV, ~4 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
@@ -174,6 +175,8 @@ for step in "$@"; do
       sweep multiturn1 gpu-1x-llama3-8b-multiturn-collocated "${SWEEP_TIMEOUT:-590}" ;;
     multiturn1p1d)
       sweep multiturn1p1d gpu-1x-llama3-8b-multiturn-1p1d "${SWEEP_TIMEOUT:-590}" ;;
+    multiturnquick)
+      sweep multiturnquick gpu-1x-llama3-8b-multiturn-quick "${SWEEP_TIMEOUT:-300}" ;;
     adaptive2)
       sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" ;;
     adaptive2x2)  # two sweeps side by side, one pair of GPUs each
