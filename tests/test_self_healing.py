@@ -77,6 +77,11 @@ def _kill_when(server, role: str, ready: asyncio.Event):
     return kill()
 
 
+def _faults(url: str, faults: dict) -> None:
+    r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, json=faults, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def _check_clean(server) -> None:
     wait_for_health(server.url, 200)
     wait_for_idle_workers(server.url)
@@ -170,7 +175,13 @@ def test_the_decode_worker_killed_under_n_choice_groups_every_choice_finishes_ex
                 *[_stream_choices(client, healing_server.url, b, progress) for b in bodies])
         return results
     before = metric_values(healing_server.url, "pdserve_migrations_total")
-    results = asyncio.run(asyncio.wait_for(run(), 300))
+    # the decode worker's steps slowed (its replacement's are not): its streams are still running when the kill
+    # lands, however fast this machine decodes (on a quiet one all 128 tokens were out first, and nothing moved)
+    _faults(healing_server.url, {"slow_step_s": 0.02, "slow_workers": ["decode-0"]})
+    try:
+        results = asyncio.run(asyncio.wait_for(run(), 300))
+    finally:
+        _faults(healing_server.url, {})
     for got, want in zip(results, expected, strict=True):
         assert got["texts"] == want and got["finish"] == ["length"] * n and got["tokens"] == n * MID_STREAM, got
     _check_clean(healing_server)
