@@ -30,7 +30,8 @@
 # adaptive4 (4 GPUs): mode adaptive (from 2P+2D) against 2P+2D, 3P+1D and collocated x4 at 24 req/s, 8B shape.
 # shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time.
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
-# coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2.
+# coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2
+#   (benchmarks/start.py serving).
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
@@ -144,7 +145,7 @@ for step in "$@"; do
         | tee "$OUT/handoff1.log" | grep "^{" ;;
     coldstart)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start_serving.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${COLD_TIMEOUT:-400} python3 benchmarks/start.py serving configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l8bd --rate 4 --layout "1P+1D:load_format=dummy" \
         --layout "collocated x2:mode=collocated,decode.workers=2,load_format=dummy" 2>&1 \
         | tee "$OUT/coldstart.log" | grep -v "^(" | tail -20 ;;
