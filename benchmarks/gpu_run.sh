@@ -2,8 +2,10 @@
 # One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT).
 # tests: every test marked gpu (kernels compiled, FP8 weights and KV, CUDA graphs, sampler, CUDA-only tests);
 #   lists by name the tests that need more GPUs than the machine has.
-# peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
-# kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
+# peer: peer-copy options (benchmarks/design_choices.py peer-copy); transfer: the kvtransfer Ray benchmark (both
+#   need 2 GPUs).
+# kernels: small-batch decode kernels vs cuBLAS (design_choices.py decode-kernels; KERNEL_ARGS=--sweep to time launch
+#   configurations).
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # fp8 (1 GPU): the 8B shape with FP8 weights (per-channel, dummy) vs bfloat16: decode steps against their floors,
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_decode_gpu.py).
@@ -82,15 +84,15 @@ for step in "$@"; do
         --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
     peer)
-      timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
-      timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
+      timeout 90 python3 benchmarks/design_choices.py peer-copy 2>&1 | tee "$OUT/peer.log"
+      timeout 120 python3 benchmarks/design_choices.py peer-copy --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
     transfer)
       timeout 200 python3 benchmarks/kvtransfer_bench.py --mode ray --device cuda --configs ${KV_CONFIGS:-ipc-all,ipc-all} --repeat 10 2>&1 \
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
     pullpath)
       timeout 240 python3 benchmarks/pull_path_gpu.py ${PULL_ARGS:-} 2>&1 | tee "$OUT/pull_path.log" | grep "^{" ;;
     kernels)
-      timeout 300 python3 benchmarks/decode_kernel_options.py ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
+      timeout 300 python3 benchmarks/design_choices.py decode-kernels ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
     recovery)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 420 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
