@@ -14,7 +14,7 @@
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
-#   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2).
+#   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2): benchmarks/tp_gpu.py.
 # oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
 # pullpath (2 GPUs): a cuda_ipc pull awaited on an actor's loop, stage by stage, with and without a busy thread.
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
@@ -111,15 +111,15 @@ for step in "$@"; do
       # exactness needs float32 (bf16 sums in another order under TP flip near-tied greedy choices): tests' tiny Llama
       [ -d /tmp/tinyl ] || python3 -c "from pathlib import Path; from tests.hf_checkpoints import make_hf_checkpoint; \
         make_hf_checkpoint('LlamaForCausalLM', Path('/tmp/tinyl'))" >/dev/null 2>&1
-      timeout 200 python3 benchmarks/tp_transfer_gpu.py --model /tmp/tinyl --kv-gib 0.25 --prompt-len 200 2>&1 \
+      timeout 200 python3 benchmarks/tp_gpu.py transfer --model /tmp/tinyl --kv-gib 0.25 --prompt-len 200 2>&1 \
         | tee "$OUT/tp_transfer.log" | grep "^{" ;;
     allreduce)
-      timeout 120 python3 benchmarks/tp_scaling_gpu.py --all-reduce-only --hidden ${HIDDEN:-4096} --layers ${LAYERS:-32} \
+      timeout 120 python3 benchmarks/tp_gpu.py scaling --all-reduce-only --hidden ${HIDDEN:-4096} --layers ${LAYERS:-32} \
         2>&1 | tee "$OUT/all_reduce.log" | grep "^{" ;;
     oneshot)  # the one-shot all-reduce against NCCL: alone, then in the 8B shape's TP=2 decode step (dummy weights)
       bash "$0" allreduce
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy --only-tp 2 \
+      timeout 300 python3 benchmarks/tp_gpu.py scaling --model /tmp/l8bd --load-format dummy --only-tp 2 \
         --compare-one-shot 2>&1 | tee "$OUT/oneshot.log" | grep "^{" ;;
     sampling)  # issue 14: penalties, logit bias and a JSON-schema mask at batch 64 on the 8B shape (128k vocabulary)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
@@ -127,11 +127,11 @@ for step in "$@"; do
         --load-format dummy --device cuda 2>&1 | tee "$OUT/sampling.log" | grep "^{" ;;
     tpscale)  # random weights made on the GPUs (no 16 GB checkpoint to write)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout 360 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy 2>&1 \
+      timeout 360 python3 benchmarks/tp_gpu.py scaling --model /tmp/l8bd --load-format dummy 2>&1 \
         | tee "$OUT/tp_scaling.log" | grep "^{" ;;
     tp70b)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
-      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l70b --only-tp 2 --load-format dummy \
+      timeout 300 python3 benchmarks/tp_gpu.py scaling --model /tmp/l70b --only-tp 2 --load-format dummy \
         --kv-gib 4 --cases 1:1024,8:2048 2>&1 | tee "$OUT/tp70b.log" | grep "^{"
       timeout 300 python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
         --set decode.tensor_parallel_size=2 --set load_format=dummy --set decode.max_num_seqs=16 --requests 1 \
