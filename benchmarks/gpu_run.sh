@@ -34,8 +34,10 @@
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2
 #   (benchmarks/start.py serving).
-# drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
-# prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
+# drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why
+#   (benchmarks/engine_host.py drift).
+# prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step
+#   (engine_host.py prefill).
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 # multiturn1 / multiturn1p1d (1 GPU, issue 44): multi-turn conversations on the 8B shape, the host tier on against
 #   off, collocated / 1P+1D sharing the GPU (configs/sweeps/gpu-1x-llama3-8b-multiturn-*.yaml), packed into $OUT.
@@ -165,13 +167,13 @@ for step in "$@"; do
       nvidia-smi dmon -i 0 -s pc -d 2 > "$OUT/dmon.log" 2>&1 & dmon=$!
       # DRIFT_VARIANTS: one word per run of the program (an explicit default, e.g. --max-num-seqs=64, for none)
       for variant in ${DRIFT_VARIANTS:-"" --no-prefix-cache --freeze}; do
-        timeout ${DRIFT_TIMEOUT:-200} python3 benchmarks/engine_repeat_drift.py --model /tmp/l1b --device cuda \
+        timeout ${DRIFT_TIMEOUT:-200} python3 benchmarks/engine_host.py drift --model /tmp/l1b --device cuda \
           --repeats ${DRIFT_REPEATS:-4} $variant 2>&1 | tee -a "$OUT/drift.log" | grep "^{"
       done
       kill $dmon ;;
     prefill)  # (1 GPU) a short prompt's prefill on the engine alone, 1B shape, against its decode step
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
-      timeout 200 python3 benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+      timeout 200 python3 benchmarks/engine_host.py prefill --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --device cuda 2>&1 | tee "$OUT/prefill.log" | grep "^{" ;;
     multiturn1)
       sweep multiturn1 gpu-1x-llama3-8b-multiturn-collocated "${SWEEP_TIMEOUT:-590}" ;;
