@@ -11,7 +11,8 @@
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_decode_gpu.py).
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor).
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gemm_sweep.py).
-# recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
+# recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
+#   (benchmarks/recovery.py kill).
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
 #   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2): benchmarks/tp_gpu.py.
@@ -97,7 +98,7 @@ for step in "$@"; do
       timeout 300 python3 benchmarks/design_choices.py decode-kernels ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
     recovery)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
-      timeout 420 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+      timeout 420 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --workdir "$OUT/recovery" --recovery-timeout-s 150 --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery.log" \
         | grep -v "^(" | tail -30 ;;
     tenants)
@@ -215,7 +216,7 @@ for step in "$@"; do
         | tee "$OUT/sweep70b.log" | tail -20 ;;
     x4kill)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
-      timeout 590 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
+      timeout 590 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
         --set load_format=dummy --kill decode-0:1 --recovery-timeout-s 400 2>&1 | tee "$OUT/recovery70b.log" \
         | grep -v "^(" | tail -10 ;;
     fp8)
