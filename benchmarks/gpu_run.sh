@@ -22,7 +22,8 @@
 # handoff1 (1 GPU): the same 1P+1D sharing GPU 0 (num_gpus 0.5 each): a 2k prompt's handoff with bf16 then fp8 KV,
 #   bytes (the transfer counter) and time against a same-device copy; no slowdown windows (issue 42).
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
-# sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
+# sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape
+#   (benchmarks/sampling_costs.py overhead).
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
 # adaptive2 (2 GPUs): mode adaptive against 1P+1D and collocated x2, 8B shape, 3 rates, 2 SLO pairs (issue 34;
@@ -126,7 +127,7 @@ for step in "$@"; do
         --compare-one-shot 2>&1 | tee "$OUT/oneshot.log" | grep "^{" ;;
     sampling)  # issue 14: penalties, logit bias and a JSON-schema mask at batch 64 on the 8B shape (128k vocabulary)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_overhead.py --model /tmp/l8bd \
+      CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_costs.py overhead --model /tmp/l8bd \
         --load-format dummy --device cuda 2>&1 | tee "$OUT/sampling.log" | grep "^{" ;;
     tpscale)  # random weights made on the GPUs (no 16 GB checkpoint to write)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
