@@ -8,9 +8,9 @@
 #   configurations).
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # fp8 (1 GPU): the 8B shape with FP8 weights (per-channel, dummy) vs bfloat16: decode steps against their floors,
-#   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_decode_gpu.py).
+#   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_gpu.py decode).
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor).
-# fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gemm_sweep.py).
+# fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
 #   (benchmarks/recovery.py kill).
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
@@ -223,10 +223,10 @@ for step in "$@"; do
     fp8)
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
-      timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_decode_gpu.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
+      timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_gpu.py decode --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
-      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
