@@ -9,7 +9,8 @@
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # fp8 (1 GPU): the 8B shape with FP8 weights (per-channel, dummy) vs bfloat16: decode steps against their floors,
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_gpu.py decode).
-# fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor).
+# fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor;
+#   benchmarks/serve_load.py smoke).
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
 #   (benchmarks/recovery.py kill).
@@ -32,7 +33,8 @@
 #   should beat both pure layouts) on GPUs 2,3; each packed into $OUT/<name>.tgz with its log.
 # adaptive2mix (2 GPUs): the -mix sweep alone, packed into $OUT/sweepmix.tgz.
 # adaptive4 (4 GPUs): mode adaptive (from 2P+2D) against 2P+2D, 3P+1D and collocated x4 at 24 req/s, 8B shape.
-# shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time.
+# shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time
+#   (benchmarks/serve_load.py shift).
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2
 #   (benchmarks/start.py serving).
@@ -84,7 +86,7 @@ for step in "$@"; do
     fp8_70b)  # the Llama-3-70B shape in FP8 (per-channel, dummy weights) served collocated on one GPU, 4 streams
       [ -d /tmp/l70b-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b-fp8 --no-weights \
         --fp8 channel
-      timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
     peer)
@@ -137,7 +139,7 @@ for step in "$@"; do
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
       timeout 300 python3 benchmarks/tp_gpu.py scaling --model /tmp/l70b --only-tp 2 --load-format dummy \
         --kv-gib 4 --cases 1:1024,8:2048 2>&1 | tee "$OUT/tp70b.log" | grep "^{"
-      timeout 300 python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
+      timeout 300 python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
         --set decode.tensor_parallel_size=2 --set load_format=dummy --set decode.max_num_seqs=16 --requests 1 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/tp70b_serve.log" | grep "^{" ;;
     handoff)  # random weights made on the GPUs: the handoff moves KV, whatever the weights
@@ -194,7 +196,7 @@ for step in "$@"; do
       sweep sweep4 gpu-4x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-420}" ;;
     shift4)
       checkpoint8b
-      timeout ${SHIFT_TIMEOUT:-200} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${SHIFT_TIMEOUT:-200} python3 benchmarks/serve_load.py shift configs/gpu-1p1d-llama3-8b.yaml \
         --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
         --set slo.tpot_ms=40 --set prefill.workers=1 --set decode.workers=3 --set prefill.max_num_seqs=256 \
         --set decode.chunk_size=2048 --set decode.max_num_batched_tokens=8192 \
@@ -202,7 +204,7 @@ for step in "$@"; do
         --out "$OUT/shift4" 2>&1 | tee "$OUT/shift4.log" | grep -v "^(" | grep "^{" ;;
     shift)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${SHIFT_TIMEOUT:-300} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${SHIFT_TIMEOUT:-300} python3 benchmarks/serve_load.py shift configs/gpu-1p1d-llama3-8b.yaml \
         --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
         --set slo.tpot_ms=40 --set prefill.max_num_seqs=256 --set decode.chunk_size=2048 \
         --set decode.max_num_batched_tokens=8192 ${SHIFT_ARGS:---phase short:8:256:128:30 --phase long:16:2048:256:45} \
