@@ -45,11 +45,28 @@
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 # multiturn1 / multiturn1p1d (1 GPU, issue 44): multi-turn conversations on the 8B shape, the host tier on against
 #   off, collocated / 1P+1D sharing the GPU (configs/sweeps/gpu-1x-llama3-8b-multiturn-*.yaml), packed into $OUT.
+# extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
+#   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
+#   does not fetch (httptools, prometheus-client) or cannot (llguidance is manylinux_2_31 only, beyond its
+#   platform list); every later step unpacks it next to the shared bundle.
+if [ "${1:-}" = extra-bundle ]; then  # on the development machine (see the header), before a lent one's set-up
+  set -euo pipefail
+  work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+  plat=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$work/wheels" "llguidance>=1.9.1,<2" "prometheus-client>=0.20" "httptools>=0.6"
+  python3 -m pip install -q --target "$work/site" --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${plat[@]}" "$work"/wheels/*.whl
+  mkdir -p .devbundle
+  tar cJf .devbundle/extra.tar.xz -C "$work/site" .
+  ls -la .devbundle/extra.tar.xz
+  exit 0
+fi
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
 [ -f .devsite/.unpacked ] || { tar xf .devbundle/site.tar.xz -C .devsite && touch .devsite/.unpacked; }
-# extra.tar.xz (optional, bash benchmarks/make_extra_bundle.sh): llguidance, prometheus-client and httptools, which
+# extra.tar.xz (optional, bash benchmarks/gpu_run.sh extra-bundle): llguidance, prometheus-client and httptools, which
 # the shared bundle lacks
 [ ! -f .devbundle/extra.tar.xz ] || [ -f .devsite/.extra ] || { tar xf .devbundle/extra.tar.xz -C .devsite && touch .devsite/.extra; }
 # py-spy.xz (optional: `xz -c $(which py-spy) > .devbundle/py-spy.xz`, a static binary): tenants' --profile
