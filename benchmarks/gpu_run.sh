@@ -18,7 +18,8 @@
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
 #   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2): benchmarks/tp_gpu.py.
 # oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
-# pullpath (2 GPUs): a cuda_ipc pull awaited on an actor's loop, stage by stage, with and without a busy thread.
+# pullpath (2 GPUs): a cuda_ipc pull awaited on an actor's loop, stage by stage, with and without a busy thread
+#   (benchmarks/kvtransfer_bench.py --pull-path).
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
 # handoff1 (1 GPU): the same 1P+1D sharing GPU 0 (num_gpus 0.5 each): a 2k prompt's handoff with bf16 then fp8 KV,
 #   bytes (the transfer counter) and time against a same-device copy; no slowdown windows (issue 42).
@@ -113,7 +114,7 @@ for step in "$@"; do
       timeout 200 python3 benchmarks/kvtransfer_bench.py --mode ray --device cuda --configs ${KV_CONFIGS:-ipc-all,ipc-all} --repeat 10 2>&1 \
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
     pullpath)
-      timeout 240 python3 benchmarks/pull_path_gpu.py ${PULL_ARGS:-} 2>&1 | tee "$OUT/pull_path.log" | grep "^{" ;;
+      timeout 240 python3 benchmarks/kvtransfer_bench.py --pull-path ${PULL_ARGS:-} 2>&1 | tee "$OUT/pull_path.log" | grep "^{" ;;
     kernels)
       timeout 300 python3 benchmarks/design_choices.py decode-kernels ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
     recovery)
