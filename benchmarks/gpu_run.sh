@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT).
+# One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT). Each step runs a
+# program of benchmarks/ (named below where the step's name does not say it); docs/benchmarks.md names, per figure,
+# the step that printed it.
 # tests: every test marked gpu (kernels compiled, FP8 weights and KV, CUDA graphs, sampler, CUDA-only tests);
 #   lists by name the tests that need more GPUs than the machine has.
 # peer: peer-copy options (benchmarks/design_choices.py peer-copy); transfer: the kvtransfer Ray benchmark (both
