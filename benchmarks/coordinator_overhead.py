@@ -1,4 +1,5 @@
 """The coordinator alone: its CPU per streamed token, and a probe request's TTFT while a flood of streams runs.
+Produces docs/benchmarks.md's "coordinator CPU per output token" row (Serving overhead, CPU).
 
 The real app (`coordinator.api.app.create_app` under `coordinator.api.http_server.uvicorn_config`: FastAPI, httptools
 with

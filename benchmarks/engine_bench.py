@@ -1,20 +1,32 @@
 """Engine throughput benchmark: `python benchmarks/engine_bench.py --model tiny --batch 8 --prompt-len 256`.
+Produces docs/benchmarks.md's "Engine, one GPU" table (`--gpu`, `bash benchmarks/gpu_run.sh engine`) and its
+`engine_bench.py` rows of "Engine, CPU", and docs/engine.md's swap-against-recompute figures (`--swap-vs-recompute`).
 
 `python benchmarks/engine_bench.py --gpu --model FOLDER` runs the GPU benchmark of engine_bench_gpu.py instead.
 
 Prints one JSON line per phase with its figure next to the ceiling measured in the same run:
 - prefill: tokens/s and achieved FLOP/s (2 x parameters per token) against a dense matmul's FLOP/s;
 - decode: tokens/s and achieved bytes/s (weights + KV context read per step) against a large copy's bytes/s.
+
+`python benchmarks/engine_bench.py --swap-vs-recompute [--model tiny] [--device cpu] [--lengths 64,256,1024]
+[--repeats 5]`: what a preempted request costs to bring back, per prompt length: swapping its KV blocks to the host
+and back (engine.runner.swap_store, what preemption_mode swap does) against recomputing them (one prefill step of
+its tokens, what recompute does), and which one preemption_mode auto would pick from its own measurements. On a CPU
+engine (the default) the "host" copy is a memcpy within RAM and the prefill runs on the CPU: those figures are CPU
+figures and say nothing of a GPU's PCIe copies or tensor-core prefill; `--device cuda` measures a GPU's. Best of
+--repeats runs each. (Until f1a5769 this was its own program, benchmarks/swap_vs_recompute.py.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 
 import torch
 
+from engine import LLM
 from engine.core.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -102,11 +114,59 @@ def run(args: argparse.Namespace) -> list[dict]:
     ]
 
 
+def swap_vs_recompute(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description="what a preempted request costs to bring back: swap against recompute")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lengths", default="64,256,1024")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    engine = LLM(args.model, device=args.device, preemption_mode="auto", enable_prefix_caching=False,
+                 max_num_batched_tokens=max(lengths)).engine
+    store, space = engine.swap_store, engine.swap_space
+    vocab = engine.model_config.vocab_size
+    where = (torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
+             else f"CPU {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
+    print(f"# {where} figures, "
+          f"model {args.model}, {store.block_bytes} bytes a block; copy bandwidth measured at start: "
+          f"{space.copy_bytes_per_s / 1e9:.2f} GB/s")
+    print(f"{'tokens':>7} {'blocks':>7} {'swap out+in ms':>15} {'recompute ms':>13} {'ratio':>7}  auto picks")
+    for n in lengths:
+        blocks = engine.block_manager.blocks_needed(n)
+        pairs = [(b, b) for b in range(blocks)]
+        swap = min(_timed(lambda p=pairs: (store.copy_out(p), store.copy_in(p), store.sync()))
+                   for _ in range(args.repeats))
+        prompt = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        recompute = min(_prefill(engine, prompt) for _ in range(args.repeats))
+        space.observe_prefill(n, recompute)
+        picks = "swap" if space.wants_swap(n, blocks) else "recompute"
+        print(f"{n:>7} {blocks:>7} {swap * 1e3:>15.3f} {recompute * 1e3:>13.3f} {recompute / swap:>6.1f}x  {picks}")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _prefill(engine, prompt: list[int]) -> float:
+    """Seconds of the step that computes `prompt` (and samples one token)."""
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     import sys
     if "--gpu" in sys.argv[1:]:  # the Llama-3-8B GPU benchmark (engine_bench_gpu.py)
         from engine_bench_gpu import main as gpu_main
         gpu_main([a for a in sys.argv[1:] if a != "--gpu"])
+        return
+    if "--swap-vs-recompute" in sys.argv[1:]:  # preemption's two ways back (docs/engine.md)
+        swap_vs_recompute([a for a in sys.argv[1:] if a != "--swap-vs-recompute"])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")

@@ -1,4 +1,6 @@
-"""GPU benchmark of one engine: `python benchmarks/engine_bench.py --gpu --model /dev/shm/llama-3-8b`.
+"""GPU benchmark of one engine: `python benchmarks/engine_bench.py --gpu --model /dev/shm/llama-3-8b`. Produces
+docs/benchmarks.md's "Engine, one GPU" table (`bash benchmarks/gpu_run.sh engine`); its `Bench` and `ceilings`
+are what fp8_gpu.py and tp_gpu.py time their engines with.
 
 Prints one JSON line per case, each figure next to the ceiling measured in this run and the ratio:
 - ceilings: device copy bandwidth (bytes read + written by a 2 GiB copy) and a bf16 8192^3 matmul's FLOP/s;

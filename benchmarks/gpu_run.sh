@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT).
+# One lent-GPU session step: `bash benchmarks/gpu_run.sh tests|transfer|engine` (logs under $OUT). Each step runs a
+# program of benchmarks/ (named below where the step's name does not say it); docs/benchmarks.md names, per figure,
+# the step that printed it.
 # tests: every test marked gpu (kernels compiled, FP8 weights and KV, CUDA graphs, sampler, CUDA-only tests);
 #   lists by name the tests that need more GPUs than the machine has.
-# peer: peer-copy options; transfer: the kvtransfer Ray benchmark (both need 2 GPUs).
-# kernels: small-batch decode kernels vs cuBLAS (KERNEL_ARGS=--sweep to time launch configurations).
+# peer: peer-copy options (benchmarks/design_choices.py peer-copy); transfer: the kvtransfer Ray benchmark (both
+#   need 2 GPUs).
+# kernels: small-batch decode kernels vs cuBLAS (design_choices.py decode-kernels; KERNEL_ARGS=--sweep to time launch
+#   configurations).
 # engine: a random Llama-3-8B checkpoint, then python benchmarks/engine_bench.py --gpu.
 # fp8 (1 GPU): the 8B shape with FP8 weights (per-channel, dummy) vs bfloat16: decode steps against their floors,
-#   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_decode_gpu.py).
-# fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor).
-# fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gemm_sweep.py).
-# recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery.
+#   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_gpu.py decode).
+# fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor;
+#   benchmarks/serve_load.py smoke).
+# fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
+# recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
+#   (benchmarks/recovery.py kill).
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
-#   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2).
+#   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2): benchmarks/tp_gpu.py.
 # oneshot (2 GPUs): allreduce, then the 8B shape's TP=2 decode step with the one-shot all-reduce vs NCCL only.
-# pullpath (2 GPUs): a cuda_ipc pull awaited on an actor's loop, stage by stage, with and without a busy thread.
+# pullpath (2 GPUs): a cuda_ipc pull awaited on an actor's loop, stage by stage, with and without a busy thread
+#   (benchmarks/kvtransfer_bench.py --pull-path).
 # handoff (2 GPUs): 1P+1D on the 8B shape: KV handoff vs raw transfer, decode slowdown while transfers land.
 # handoff1 (1 GPU): the same 1P+1D sharing GPU 0 (num_gpus 0.5 each): a 2k prompt's handoff with bf16 then fp8 KV,
 #   bytes (the transfer counter) and time against a same-device copy; no slowdown windows (issue 42).
 # x4 (4 GPUs, issue 15): the 70B shape P TP=2 + D TP=2 vs collocated TP=2 x2 sweep, then a decode rank killed.
-# sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape.
+# sampling (1 GPU): the per-step cost of penalties, logit bias and a JSON-schema mask at batch 64, 8B shape
+#   (benchmarks/sampling_costs.py overhead).
 # tp70b (2 GPUs): the Llama-3-70B shape (dummy weights) at TP=2: decode step vs floor, then served collocated.
 # sweep1b (2 GPUs): the committed pool-sizing sweep (docs/sweeps/gpu-2x-llama1b), written to $OUT/sweep.
 # adaptive2 (2 GPUs): mode adaptive against 1P+1D and collocated x2, 8B shape, 3 rates, 2 SLO pairs (issue 34;
@@ -28,20 +36,41 @@
 #   should beat both pure layouts) on GPUs 2,3; each packed into $OUT/<name>.tgz with its log.
 # adaptive2mix (2 GPUs): the -mix sweep alone, packed into $OUT/sweepmix.tgz.
 # adaptive4 (4 GPUs): mode adaptive (from 2P+2D) against 2P+2D, 3P+1D and collocated x4 at 24 req/s, 8B shape.
-# shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time.
+# shift (2 GPUs): mode adaptive under a load that changes (short prompts, then long ones), roles over time
+#   (benchmarks/serve_load.py shift).
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
-# coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2.
-# drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why.
-# prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step.
+# coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2
+#   (benchmarks/start.py serving).
+# drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why
+#   (benchmarks/engine_host.py drift).
+# prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step
+#   (engine_host.py prefill).
 # overhead (1 GPU): pdserve collocated (1 worker) against LLM.generate, the 1B then the 8B shape (issue 13's load).
 # multiturn1 / multiturn1p1d (1 GPU, issue 44): multi-turn conversations on the 8B shape, the host tier on against
 #   off, collocated / 1P+1D sharing the GPU (configs/sweeps/gpu-1x-llama3-8b-multiturn-*.yaml), packed into $OUT.
 # multiturnquick (1 GPU, issue 44): the same on one collocated worker with 8 GiB of device KV, ~4 minutes.
+# extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
+#   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
+#   does not fetch (httptools, prometheus-client) or cannot (llguidance is manylinux_2_31 only, beyond its
+#   platform list); every later step unpacks it next to the shared bundle.
+if [ "${1:-}" = extra-bundle ]; then  # on the development machine (see the header), before a lent one's set-up
+  set -euo pipefail
+  work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+  plat=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$work/wheels" "llguidance>=1.9.1,<2" "prometheus-client>=0.20" "httptools>=0.6"
+  python3 -m pip install -q --target "$work/site" --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${plat[@]}" "$work"/wheels/*.whl
+  mkdir -p .devbundle
+  tar cJf .devbundle/extra.tar.xz -C "$work/site" .
+  ls -la .devbundle/extra.tar.xz
+  exit 0
+fi
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p .devsite "$OUT"
 [ -f .devsite/.unpacked ] || { tar xf .devbundle/site.tar.xz -C .devsite && touch .devsite/.unpacked; }
-# extra.tar.xz (optional, bash benchmarks/make_extra_bundle.sh): llguidance, prometheus-client and httptools, which
+# extra.tar.xz (optional, bash benchmarks/gpu_run.sh extra-bundle): llguidance, prometheus-client and httptools, which
 # the shared bundle lacks
 [ ! -f .devbundle/extra.tar.xz ] || [ -f .devsite/.extra ] || { tar xf .devbundle/extra.tar.xz -C .devsite && touch .devsite/.extra; }
 # py-spy.xz (optional: `xz -c $(which py-spy) > .devbundle/py-spy.xz`, a static binary): tenants' --profile
@@ -78,22 +107,22 @@ for step in "$@"; do
     fp8_70b)  # the Llama-3-70B shape in FP8 (per-channel, dummy weights) served collocated on one GPU, 4 streams
       [ -d /tmp/l70b-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b-fp8 --no-weights \
         --fp8 channel
-      timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
     peer)
-      timeout 90 python3 benchmarks/peer_copy_options.py 2>&1 | tee "$OUT/peer.log"
-      timeout 120 python3 benchmarks/peer_copy_options.py --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
+      timeout 90 python3 benchmarks/design_choices.py peer-copy 2>&1 | tee "$OUT/peer.log"
+      timeout 120 python3 benchmarks/design_choices.py peer-copy --ipc 2>&1 | tee -a "$OUT/peer.log" ;;
     transfer)
       timeout 200 python3 benchmarks/kvtransfer_bench.py --mode ray --device cuda --configs ${KV_CONFIGS:-ipc-all,ipc-all} --repeat 10 2>&1 \
         | tee "$OUT/kvtransfer.log" | grep -v "^(" | tail -20 ;;
     pullpath)
-      timeout 240 python3 benchmarks/pull_path_gpu.py ${PULL_ARGS:-} 2>&1 | tee "$OUT/pull_path.log" | grep "^{" ;;
+      timeout 240 python3 benchmarks/kvtransfer_bench.py --pull-path ${PULL_ARGS:-} 2>&1 | tee "$OUT/pull_path.log" | grep "^{" ;;
     kernels)
-      timeout 300 python3 benchmarks/decode_kernel_options.py ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
+      timeout 300 python3 benchmarks/design_choices.py decode-kernels ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" ;;
     recovery)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
-      timeout 420 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+      timeout 420 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --workdir "$OUT/recovery" --recovery-timeout-s 150 --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery.log" \
         | grep -v "^(" | tail -30 ;;
     tenants)
@@ -109,29 +138,29 @@ for step in "$@"; do
       # exactness needs float32 (bf16 sums in another order under TP flip near-tied greedy choices): tests' tiny Llama
       [ -d /tmp/tinyl ] || python3 -c "from pathlib import Path; from tests.hf_checkpoints import make_hf_checkpoint; \
         make_hf_checkpoint('LlamaForCausalLM', Path('/tmp/tinyl'))" >/dev/null 2>&1
-      timeout 200 python3 benchmarks/tp_transfer_gpu.py --model /tmp/tinyl --kv-gib 0.25 --prompt-len 200 2>&1 \
+      timeout 200 python3 benchmarks/tp_gpu.py transfer --model /tmp/tinyl --kv-gib 0.25 --prompt-len 200 2>&1 \
         | tee "$OUT/tp_transfer.log" | grep "^{" ;;
     allreduce)
-      timeout 120 python3 benchmarks/tp_scaling_gpu.py --all-reduce-only --hidden ${HIDDEN:-4096} --layers ${LAYERS:-32} \
+      timeout 120 python3 benchmarks/tp_gpu.py scaling --all-reduce-only --hidden ${HIDDEN:-4096} --layers ${LAYERS:-32} \
         2>&1 | tee "$OUT/all_reduce.log" | grep "^{" ;;
     oneshot)  # the one-shot all-reduce against NCCL: alone, then in the 8B shape's TP=2 decode step (dummy weights)
       bash "$0" allreduce
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy --only-tp 2 \
+      timeout 300 python3 benchmarks/tp_gpu.py scaling --model /tmp/l8bd --load-format dummy --only-tp 2 \
         --compare-one-shot 2>&1 | tee "$OUT/oneshot.log" | grep "^{" ;;
     sampling)  # issue 14: penalties, logit bias and a JSON-schema mask at batch 64 on the 8B shape (128k vocabulary)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_overhead.py --model /tmp/l8bd \
+      CUDA_VISIBLE_DEVICES=${SAMPLING_GPU:-0} timeout 300 python3 benchmarks/sampling_costs.py overhead --model /tmp/l8bd \
         --load-format dummy --device cuda 2>&1 | tee "$OUT/sampling.log" | grep "^{" ;;
     tpscale)  # random weights made on the GPUs (no 16 GB checkpoint to write)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout 360 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l8bd --load-format dummy 2>&1 \
+      timeout 360 python3 benchmarks/tp_gpu.py scaling --model /tmp/l8bd --load-format dummy 2>&1 \
         | tee "$OUT/tp_scaling.log" | grep "^{" ;;
     tp70b)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
-      timeout 300 python3 benchmarks/tp_scaling_gpu.py --model /tmp/l70b --only-tp 2 --load-format dummy \
+      timeout 300 python3 benchmarks/tp_gpu.py scaling --model /tmp/l70b --only-tp 2 --load-format dummy \
         --kv-gib 4 --cases 1:1024,8:2048 2>&1 | tee "$OUT/tp70b.log" | grep "^{"
-      timeout 300 python3 benchmarks/serve_smoke.py configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
+      timeout 300 python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l70b --mode collocated \
         --set decode.tensor_parallel_size=2 --set load_format=dummy --set decode.max_num_seqs=16 --requests 1 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/tp70b_serve.log" | grep "^{" ;;
     handoff)  # random weights made on the GPUs: the handoff moves KV, whatever the weights
@@ -145,7 +174,7 @@ for step in "$@"; do
         | tee "$OUT/handoff1.log" | grep "^{" ;;
     coldstart)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start_serving.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${COLD_TIMEOUT:-400} python3 benchmarks/start.py serving configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l8bd --rate 4 --layout "1P+1D:load_format=dummy" \
         --layout "collocated x2:mode=collocated,decode.workers=2,load_format=dummy" 2>&1 \
         | tee "$OUT/coldstart.log" | grep -v "^(" | tail -20 ;;
@@ -163,13 +192,13 @@ for step in "$@"; do
       nvidia-smi dmon -i 0 -s pc -d 2 > "$OUT/dmon.log" 2>&1 & dmon=$!
       # DRIFT_VARIANTS: one word per run of the program (an explicit default, e.g. --max-num-seqs=64, for none)
       for variant in ${DRIFT_VARIANTS:-"" --no-prefix-cache --freeze}; do
-        timeout ${DRIFT_TIMEOUT:-200} python3 benchmarks/engine_repeat_drift.py --model /tmp/l1b --device cuda \
+        timeout ${DRIFT_TIMEOUT:-200} python3 benchmarks/engine_host.py drift --model /tmp/l1b --device cuda \
           --repeats ${DRIFT_REPEATS:-4} $variant 2>&1 | tee -a "$OUT/drift.log" | grep "^{"
       done
       kill $dmon ;;
     prefill)  # (1 GPU) a short prompt's prefill on the engine alone, 1B shape, against its decode step
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
-      timeout 200 python3 benchmarks/prefill_latency.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+      timeout 200 python3 benchmarks/engine_host.py prefill --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --device cuda 2>&1 | tee "$OUT/prefill.log" | grep "^{" ;;
     multiturn1)
       sweep multiturn1 gpu-1x-llama3-8b-multiturn-collocated "${SWEEP_TIMEOUT:-590}" ;;
@@ -190,7 +219,7 @@ for step in "$@"; do
       sweep sweep4 gpu-4x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-420}" ;;
     shift4)
       checkpoint8b
-      timeout ${SHIFT_TIMEOUT:-200} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${SHIFT_TIMEOUT:-200} python3 benchmarks/serve_load.py shift configs/gpu-1p1d-llama3-8b.yaml \
         --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
         --set slo.tpot_ms=40 --set prefill.workers=1 --set decode.workers=3 --set prefill.max_num_seqs=256 \
         --set decode.chunk_size=2048 --set decode.max_num_batched_tokens=8192 \
@@ -198,7 +227,7 @@ for step in "$@"; do
         --out "$OUT/shift4" 2>&1 | tee "$OUT/shift4.log" | grep -v "^(" | grep "^{" ;;
     shift)
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${SHIFT_TIMEOUT:-300} python3 benchmarks/adaptive_shift.py configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${SHIFT_TIMEOUT:-300} python3 benchmarks/serve_load.py shift configs/gpu-1p1d-llama3-8b.yaml \
         --set model=/tmp/l8bd --set load_format=dummy --set mode=adaptive --set slo.ttft_ms=500 \
         --set slo.tpot_ms=40 --set prefill.max_num_seqs=256 --set decode.chunk_size=2048 \
         --set decode.max_num_batched_tokens=8192 ${SHIFT_ARGS:---phase short:8:256:128:30 --phase long:16:2048:256:45} \
@@ -213,16 +242,16 @@ for step in "$@"; do
         | tee "$OUT/sweep70b.log" | tail -20 ;;
     x4kill)
       [ -d /tmp/l70b ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b --no-weights
-      timeout 590 python3 benchmarks/recovery.py configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
+      timeout 590 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
         --set load_format=dummy --kill decode-0:1 --recovery-timeout-s 400 2>&1 | tee "$OUT/recovery70b.log" \
         | grep -v "^(" | tail -10 ;;
     fp8)
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
-      timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_decode_gpu.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
+      timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_gpu.py decode --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
-      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda

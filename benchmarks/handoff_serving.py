@@ -1,6 +1,7 @@
 """The KV handoff inside real serving (`pdserve serve`, disaggregated): the wait between a request's prefill and its
 first decode step against the raw transfer time of its KV, per KV cache dtype, and how much running streams slow
-while transfers land.
+while transfers land. Produces docs/benchmarks.md's "KV handoff inside serving" table (`bash benchmarks/gpu_run.sh
+handoff`) and the handoff rows of its FP8 table (H, `handoff1`).
 
     python benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8b   # 2 GPUs
     python benchmarks/handoff_serving.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l8bd \\

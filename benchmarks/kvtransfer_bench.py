@@ -9,6 +9,30 @@ destination poisoned before each read), and the raw copy ceiling measured in the
 
   python benchmarks/kvtransfer_bench.py                                    # CPU, two processes, small sizes
   python benchmarks/kvtransfer_bench.py --mode ray --device cuda --configs ucx-one,ucx-all,ipc-all
+
+Produces docs/benchmarks.md's "KV transfer between two GPUs" rows (`bash benchmarks/gpu_run.sh transfer`, and the UCX
+row); tests/test_kvtransfer_bench.py runs its CPU path.
+
+`python benchmarks/kvtransfer_bench.py --pull-path [--tokens 2048,8192] [--repeat 20] [--waits future,event,thread]`
+(`bash benchmarks/gpu_run.sh pullpath`; until f1a5769 its own program, pull_path_gpu.py):
+where a serving KV pull's time goes (issue 13): the decode worker's cuda_ipc pull outside serving, stage by stage.
+
+The decode side is an async Ray actor like DecodeWorker: it records a fence event on its stream (the booking's
+launch fence), starts `KVAgent.read(..., ready=fence)` and waits for it on its event loop. Per `--tokens` (KV of
+one prompt) it prints, p50 over `--repeat` pulls:
+- `launch_ms`: until read() returned (plan, copy kernel queued);
+- `gpu_ms`: the copy on the GPU alone (timing events on the transfer stream around the same pull);
+- `total_ms` per wait, the pull as the caller sees it:
+  `future` (today's serving: the agent's loop completes a future after a thread blocks in cudaEventSynchronize,
+  then the actor's loop is woken), `event` (the actor's loop polls the copy's CUDA event itself, yielding between
+  polls), `thread` (one executor thread of the actor's loop blocks on the event);
+- each without and then with a busy thread in the actor that, like an engine's step thread, holds the GIL
+  launching small kernels for a few ms, then waits on the GPU;
+against the raw time of the same bytes at the GPU 0 -> GPU 1 copy rate measured in the same run.
+Then `launch_stages`: the host time of each piece of a launch, p50 over `--repeat` (each alone, the GPU idle):
+`plan` (plan_transfer: validate and chunk), `ids` (the block ids to the GPU), `kernel` (the copy_blocks launch,
+ids ready), `ipc_launch` (CudaIpcPeer.launch: all of them plus the stream wait and the event), `read` (KVAgent.read:
+that plus the agent's bookkeeping and its loop's task).
 """
 
 from __future__ import annotations
@@ -16,12 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
-from kvtransfer_bench_worker import BenchWorker  # this folder: the script's own directory
+from kvtransfer_bench_worker import BenchWorker, PullSide  # this folder: the script's own directory
 
 from engine.kv_layout import KVCacheSpec
 
@@ -184,7 +210,64 @@ def run_config(args: argparse.Namespace, config: str, spec: KVCacheSpec, total_g
     return rows
 
 
+def pull_path(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description="where a serving KV pull's time goes: the decode worker's cuda_ipc pull, "
+                                "stage by stage (2 GPUs)")
+    p.add_argument("--tokens", default="2048,8192")
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--waits", default="future,event,thread")
+    args = p.parse_args(argv)
+    import ray
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (os.path.dirname(here), here,
+                                                             os.environ.get("PYTHONPATH")) if x)
+    ray.init(include_dashboard=False, log_to_driver=True)
+    total_gpus = torch.cuda.device_count()
+    cls = ray.remote(num_gpus=1, num_cpus=0)(PullSide)
+    spec = LLAMA3_8B
+    tokens = [int(t) for t in args.tokens.split(",")]
+    num_blocks = 2 * max(tokens) // spec.block_size
+    cfg = {"backends": ["cuda_ipc", "ucx"], "staging_bytes": num_blocks * spec.block_bytes}
+    src = cls.remote("prefill", "cuda", 0, total_gpus, "all")
+    dst = cls.remote("decode", "cuda", 1, total_gpus, "all")
+    meta_src = ray.get(src.setup.remote(spec.to_dict(), num_blocks, 1, cfg))
+    meta_dst = ray.get(dst.setup.remote(spec.to_dict(), num_blocks, 2, cfg))
+    print(json.dumps({"backend": ray.get(dst.add_remote.remote(meta_src)), "python": sys.version.split()[0]}))
+    ray.get(src.add_remote.remote(meta_dst))
+    rng = random.Random(0)
+    for n_tok in tokens:
+        n = n_tok // spec.block_size
+        nbytes = n * spec.block_bytes
+        raw_gbps = raw_copy_gbps(nbytes, "cuda", 10)
+        raw_ms = nbytes / raw_gbps / 1e6
+        s_ids, d_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+        for busy in (False, True):
+            ray.get(dst.set_busy.remote(busy))
+            for wait in args.waits.split(","):
+                rows = ray.get(dst.pull.remote("prefill", d_ids, s_ids, args.repeat + 3, wait))[3:]
+                launch, total, gpu = (statistics.median(r[i] for r in rows) * 1e3 for i in range(3))
+                p90 = sorted(r[1] for r in rows)[int(0.9 * len(rows))] * 1e3
+                print(json.dumps({"tokens": n_tok, "mib": round(nbytes / 2**20, 1), "busy": busy, "wait": wait,
+                                  "launch_ms": round(launch, 3), "gpu_ms": round(gpu, 3),
+                                  "total_ms": round(total, 3), "total_p90_ms": round(p90, 3),
+                                  "raw_ms": round(raw_ms, 3), "raw_gbps": round(raw_gbps, 1),
+                                  "total_x_raw": round(total / raw_ms, 2), "gpu_x_raw": round(gpu / raw_ms, 2)}),
+                      flush=True)
+        ray.get(dst.set_busy.remote(False))
+        stages = ray.get(dst.launch_stages.remote("prefill", d_ids, s_ids, args.repeat))
+        print(json.dumps({"tokens": n_tok, "launch_stages_ms": {k: round(v * 1e3, 3) for k, v in stages.items()}}),
+              flush=True)
+    correct = ray.get(src.digest.remote(s_ids)) == ray.get(dst.digest.remote(d_ids))
+    print(json.dumps({"last_pull_correct": correct}))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--pull-path" in argv:  # the decode worker's cuda_ipc pull, stage by stage (2 GPUs)
+        pull_path([a for a in argv if a != "--pull-path"])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["process", "ray"], default="process")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -1,16 +1,21 @@
 """`BenchWorker`: one side of the transfer benchmark (a KVAgent plus a random cache), hosted in a spawned
-process or a Ray actor by `benchmarks/kvtransfer_bench.py`.
+process or a Ray actor by `benchmarks/kvtransfer_bench.py`; and `PullSide`, a BenchWorker whose pulls are awaited on
+an asyncio loop, the decode side of `kvtransfer_bench.py --pull-path` (an async Ray actor, as the pool workers are).
+A helper of kvtransfer_bench.py, not a program (its figures: docs/benchmarks.md's "KV transfer between two GPUs").
 
 GPU visibility is set before CUDA starts in the hosting process (see `kvtransfer.gpu_visibility`):
 `visible="ray"` leaves what Ray set (this actor's GPU only), `visible="one"` does the same by hand,
 `visible="all"` shows every GPU of the host with this worker's own first, which the `cuda_ipc` backend
-needs (the peer's GPU visible and reachable peer-to-peer).
+needs (the peer's GPU visible and reachable peer-to-peer). (Until f1a5769 PullSide was in pull_path_gpu.py.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import statistics
+import threading
 import time
 from typing import Any
 
@@ -167,3 +172,103 @@ class BenchWorker:
             self._raw_loop.stop()
             self._raw_loop = None
 
+
+class PullSide(BenchWorker):
+    """A BenchWorker whose pulls are awaited on an asyncio loop (an async Ray actor, as the pool workers are)."""
+
+    _busy_stop: threading.Event | None = None
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    async def set_busy(self, on: bool, launches: int = 300) -> None:
+        """Start (or stop) a thread that holds the GIL launching `launches` tiny kernels, then syncs, over and over."""
+        if self._busy_stop is not None:
+            self._busy_stop.set()
+            self._busy_stop = None
+        if not on:
+            return
+        stop = self._busy_stop = threading.Event()
+        torch, device = self.torch, self.device
+
+        def run() -> None:
+            x = torch.zeros(16, device=device)
+            with torch.cuda.device(device):
+                while not stop.is_set():
+                    for _ in range(launches):
+                        x.add_(1.0)
+                    torch.cuda.synchronize(device)
+        threading.Thread(target=run, daemon=True, name="busy-step").start()
+
+    async def pull(self, remote: str, local_ids: list[int], remote_ids: list[int], repeat: int,
+                   wait: str) -> list[tuple[float, float, float]]:
+        """(launch s, total s, gpu s) of `repeat` pulls, each awaited the `wait` way."""
+        from kvtransfer.cache import event_done
+
+        torch = self.torch
+        ipc = self.agent._remotes[remote].ipc  # the transfer stream, to time the copy alone
+        if ipc is None:
+            raise RuntimeError(f"the agents chose {self.agent.remotes()[remote]!r}, not cuda_ipc: this program "
+                               "times the cuda_ipc pull (both GPUs must be visible and peer-accessible)")
+        out = []
+        for _ in range(repeat):
+            self.poison(local_ids)
+            fence = torch.cuda.Event()
+            fence.record(torch.cuda.current_stream(self.device))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(ipc._stream)
+            t0 = time.perf_counter()
+            handle = self.agent.read(remote, remote_ids, local_ids, ready=fence)
+            t1 = time.perf_counter()
+            end.record(ipc._stream)
+            if wait == "future":
+                await asyncio.wrap_future(handle.future)
+            elif wait == "event":
+                await event_done(handle._gpu_done, time.monotonic() + 60, spin_s=60)
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, handle._gpu_done.synchronize)
+            t2 = time.perf_counter()
+            end.synchronize()
+            await asyncio.wrap_future(handle.future)  # the metrics and the loop's bookkeeping, outside the timing
+            out.append((t1 - t0, t2 - t0, start.elapsed_time(end) / 1e3))
+        return out
+
+    async def launch_stages(self, remote: str, local_ids: list[int], remote_ids: list[int],
+                            repeat: int) -> dict[str, float]:
+        """Median host seconds of each stage of a cuda_ipc read's launch (see the module docstring)."""
+        from engine.kernels.block_copy import copy_blocks
+        from kvtransfer.backends.cuda_ipc import _pinned
+        from kvtransfer.head_slices import plan_transfer
+
+        torch, agent = self.torch, self.agent
+        r = agent._remotes[remote]
+        ipc = r.ipc
+
+        def plan() -> list:
+            return plan_transfer("read", local_ids, remote_ids, None, None, agent._info, r.meta.cache, remote,
+                                 agent.config.max_chunk_bytes)
+        chunk = plan()[0]
+        n = len(chunk.remote_ids)
+        ids = _pinned(chunk.remote_ids + chunk.local_ids).to(self.device, non_blocking=True)
+
+        def kernel() -> None:
+            with torch.cuda.stream(ipc._stream):
+                copy_blocks(ipc.remote.kv, ids[:n], ipc.local.kv, ids[n:], 0, None)
+        stages = {"plan": plan,
+                  "ids": lambda: _pinned(chunk.remote_ids + chunk.local_ids).to(self.device, non_blocking=True),
+                  "kernel": kernel,
+                  "ipc_launch": lambda: ipc.launch("read", [chunk], None),
+                  "read": lambda: agent.read(remote, remote_ids, local_ids)}
+        out = {}
+        for name, fn in stages.items():
+            times = []
+            for _ in range(repeat + 3):
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                result = fn()
+                times.append(time.perf_counter() - t0)
+                if name == "read":
+                    await asyncio.wrap_future(result.future)
+            torch.cuda.synchronize(self.device)
+            out[name] = statistics.median(times[3:])
+        return out

@@ -1,6 +1,8 @@
 """Serving overhead: `pdserve serve` collocated (one worker) against the offline engine on the same prompts, and
 against `vllm serve` on the same checkpoint folder when a `vllm` command is found (`--vllm`, default the one on PATH;
-this program installs nothing: vLLM may live in a virtual environment of its own).
+this program installs nothing: vLLM may live in a virtual environment of its own). Produces docs/benchmarks.md's
+"Serving overhead" rows (GPU: `bash benchmarks/gpu_run.sh overhead`; the CPU served/offline row) and the piecewise
+graphs row of its tensor-parallelism table.
 
 The load (issue 13): random token-id prompts of `--input-len` (256) tokens, `--output-len` (64) new tokens each with
 ignore_eos and greedy sampling, `--num-prompts` (100) of them, sent by benchclient's closed loop at `--concurrency`

@@ -1,4 +1,5 @@
-"""Tenant priority and admission under saturation, measured through `pdserve serve` as users run it.
+"""Tenant priority and admission under saturation, measured through `pdserve serve` as users run it. Produces
+docs/benchmarks.md's "Tenants" table (`bash benchmarks/gpu_run.sh tenants`).
 
 1. Priority: after a warm-up window (flood and high load together, discarded: the first requests compile
    kernels and capture graphs), a high-priority tenant's steady load (Poisson, `--rate`) alone, then the same

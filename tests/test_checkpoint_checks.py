@@ -1,7 +1,7 @@
 """A broken checkpoint is refused at load (engine.model.checkpoint_checks), naming the file, the tensor and the
 reason: each hostile checkpoint below is a transformers-written Llama (or its FP8 compressed-tensors version,
-benchmarks/fp8_checkpoint.py) with one tensor spoilt, loaded by the real engine; and `pdserve serve` on one fails
-at start with that message instead of serving NUL characters."""
+benchmarks/make_random_checkpoint.py's quantize_folder) with one tensor spoilt, loaded by the real engine; and
+`pdserve serve` on one fails at start with that message instead of serving NUL characters."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchclient.launcher import LaunchError
-from benchmarks.fp8_checkpoint import quantize_folder
+from benchmarks.make_random_checkpoint import quantize_folder
 from engine import LLM
 from engine.config_error import ConfigError
 from engine.model.checkpoint_checks import max_scale

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.fp8_checkpoint import quantize_folder, quantize_weight
+from benchmarks.make_random_checkpoint import quantize_folder, quantize_weight
 from engine import LLM, SamplingParams
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
 from engine.kernels.fp8_quant import SPLIT_CHUNK, SPLIT_ROWS, quantize_rows, rms_norm_quant, silu_mul_quant

@@ -1,7 +1,7 @@
 """FP8 weight checkpoints (compressed-tensors layout) on the CPU: a transformers-written bfloat16 Llama quantized by
-benchmarks/fp8_checkpoint.py (per-tensor and per-channel scales) loads as FP8 linears, agrees with the original,
-loads its tensor-parallel slices (weights and per-channel scales cut together), serves over HTTP, and every
-unsupported quantization config is refused naming the file and key."""
+benchmarks/make_random_checkpoint.py's quantize_folder (per-tensor and per-channel scales) loads as FP8 linears,
+agrees with the original, loads its tensor-parallel slices (weights and per-channel scales cut together), serves
+over HTTP, and every unsupported quantization config is refused naming the file and key."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.fp8_checkpoint import quantize_folder, quantize_weight
+from benchmarks.make_random_checkpoint import quantize_folder, quantize_weight
 from coordinator.api.app import create_app
 from coordinator.config.settings import ServerSettings
 from engine import LLM, SamplingParams

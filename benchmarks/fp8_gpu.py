@@ -1,0 +1,371 @@
+"""FP8 on one GPU (issue 42): whole decode and prefill steps with FP8 weights and the fp8 KV cache against bfloat16,
+and each GEMM way per M. Produces docs/benchmarks.md's "FP8 on one GPU (issue 42)" rows (P and E: `decode`, `bash
+benchmarks/gpu_run.sh fp8`; S: `gemm-sweep`, `bash benchmarks/gpu_run.sh fp8sweep`).
+
+`python benchmarks/fp8_gpu.py COMMAND [options]`:
+
+- `decode --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 --load-format dummy` (`bash benchmarks/gpu_run.sh fp8` writes both
+  8B-shaped folders with make_random_checkpoint.py, the FP8 one with `--fp8 channel`, and runs this). Prints one
+  JSON line per case, in one process on one GPU, each figure next to its reference measured in the same run:
+  the ceilings (engine_bench_gpu.ceilings: copy bandwidth, bf16 matmul);
+  per checkpoint: decode at batch 1 (1k context) and batch 64 (2k context), the median engine.step() time against
+  its floor (weights read per step, each parameter in its own bytes, + KV read and written, over the copy
+  bandwidth: the FP8 line's floor is the FP8 weight-read floor), the bare graph replay, and the host time per step
+  by phase (engine_bench_gpu.HostPhases); prefill of one 2,048-token prompt against the matmul rate;
+  FP8 against bfloat16: the speedup of each decode case and of the prefill;
+  the fp8 KV cache (bfloat16 weights): its capacity in tokens against the bfloat16 cache's for the same bytes, and
+  decode at batch 16 with an 8k context (where reading the KV is most of the step) against the bfloat16 cache;
+  FP8 weights with the fp8 KV cache (how FP8 is served on Hopper) against bfloat16, at batch 1 and 64: at batch 64
+  with a 2k context the KV read is more than the weights' (17 GB against 8), so FP8 weights alone can speed the
+  step up by at most its floor ratio (1.27x), both together by 1.9x;
+  the decode attention kernel alone on both caches, per launch configuration (--skip-attention: not).
+  It refuses to print a figure that would describe something else: a GPU without FP8 tensor cores (compute
+  capability below 8.9), two folders of different shapes, an "FP8" engine that built no FP8 linear, or a bf16 one
+  that did.
+- `gemm-sweep [--shape llama-3-8b] [--out sweep.json]`: one decoder layer's GEMMs (and the LM head) at each
+  decode/prefill size M, every way pdserve can run them, against the weight-read floor measured in the same run;
+  picks engine.kernels.fp8_gemm's launch table. Per (GEMM, M): bfloat16 (cuBLAS; the skinny GEMV for M <= 16), FP8
+  with torch._scaled_mm (row-wise scales, as the dynamic per-token scheme needs, and per-tensor for reference), the
+  FP8 GEMV (M <= 16) and the FP8 tensor-core kernel (each launch configuration in CONFIGS). Timed as CUDA-graph
+  replays (triton.testing.do_bench_cudagraph, median) over enough copies of the weight that L2 (60 MB on an H200)
+  never holds it, the way the engine replays a decode step; the floor is the weight's bytes over the copy bandwidth
+  measured first. Prints one JSON line per (GEMM, M) and the best configuration per M bucket; --out keeps every
+  figure. `--qkv-rope`: only the fused q/k/v GEMV + RoPE + KV store's launches.
+
+(Until f1a5769 these were two programs: fp8_decode_gpu.py and fp8_gemm_sweep.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.engine_bench_gpu import Bench, ceilings  # noqa: E402
+from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm  # noqa: E402
+from engine.kernels.skinny_gemm import skinny_linear  # noqa: E402
+from engine.model.fp8_linear import Fp8Linear  # noqa: E402
+from engine.model.model_config import ModelConfig  # noqa: E402
+
+CASES = ((1, 1024), (64, 2048))
+LONG_CONTEXT = (16, 8000)  # the fp8 KV cache's case: batch, context (+ the steps within max_model_len 8192)
+
+
+def check_inputs(bf16: str, fp8: str) -> None:
+    """SystemExit unless the GPU runs FP8 matmuls and the folders are one shape, bfloat16 and FP8."""
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark times FP8 tensor-core matmuls")
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit(f"{torch.cuda.get_device_name()} (compute capability {torch.cuda.get_device_capability()}) "
+                         "has no FP8 tensor cores (Ada 8.9 or Hopper 9.0 needed)")
+    a, b = ModelConfig.from_folder(bf16), ModelConfig.from_folder(fp8)
+    if a.fingerprint != b.fingerprint:
+        raise SystemExit(f"{bf16} and {fp8} are different model shapes")
+    if a.fp8 is not None or b.fp8 is None:
+        raise SystemExit(f"--bf16 must be a 16-bit checkpoint ({bf16}: fp8 {a.fp8}) and --fp8 an FP8 one "
+                         f"({fp8}: {b.fp8})")
+
+
+def close(bench: Bench) -> None:
+    bench.engine.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
+            cases: list[str], kv_cache_dtype: str = "auto", profile: bool = False,
+            trace_dir: str | None = None, events: bool = False) -> dict[str, dict]:
+    """One engine's rows by case name: "decode1", "decode64" (CASES), "prefill" (1 x 2,048) and "long"
+    (LONG_CONTEXT), each tagged with the weights, the KV cache dtype and the KV capacity in tokens."""
+    bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
+                  profile=profile, trace_dir=trace_dir, events=events,
+                  trace_tag=f"{'fp8' if fp8 else 'bf16'}-kv{kv_cache_dtype}")
+    try:
+        e = bench.engine
+        layers = [m for m in e.model.modules() if isinstance(m, Fp8Linear)]
+        if bool(layers) != fp8:
+            raise SystemExit(f"{folder}: the engine built {len(layers)} FP8 linears; expected "
+                             f"{'some' if fp8 else 'none'}")
+        if fp8 and not all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in layers):
+            raise SystemExit(f"{folder}: an FP8 linear's weight is not float8_e4m3fn on the GPU")
+        tag = {"weights": "fp8" if fp8 else "bf16", "kv_cache_dtype": kv_cache_dtype, "weight_bytes":
+               bench.weight_bytes, "fp8_linears": len(layers), "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size}
+        rows = {}
+        for name in cases:
+            if name == "prefill":
+                rows[name] = bench.prefill([2048]) | tag
+            else:
+                batch, context = {"decode1": CASES[0], "decode64": CASES[1], "long": LONG_CONTEXT}[name]
+                rows[name] = bench.decode(batch, context) | tag
+            print(json.dumps(rows[name]), flush=True)
+        return rows
+    finally:
+        close(bench)
+
+
+def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
+    print(json.dumps({"case": label, "reference_ms": base[key], "ms": new[key],
+                      "speedup": round(base[key] / new[key], 3), "x_floor": new.get("x_floor"),
+                      "reference_x_floor": base.get("x_floor")}), flush=True)
+
+
+def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000) -> None:
+    """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
+    K/V): each launch configuration's KV read rate against the copy bandwidth."""
+    from triton.testing import do_bench
+
+    from engine.kernels.decode_attention import decode_attention
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+    per_seq = -(-context // bs)
+    blocks = batch * per_seq + 8
+    q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(blocks - 8, device="cuda")[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    base = torch.randn(blocks, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
+        nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
+        for launch in (None, (64, 4, 3), (128, 8, 3), (128, 4, 3), (64, 8, 3), (128, 8, 4)):
+            try:
+                ms = do_bench(lambda launch=launch, layer=layer: decode_attention(
+                    q, layer, tables, lens, d ** -0.5, launch=launch), warmup=5, rep=40, return_mode="median")
+            except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot run: reported)
+                print(json.dumps({"attention": name, "launch": launch, "error": str(e).splitlines()[0][:120]}))
+                continue
+            print(json.dumps({"attention": name, "launch": launch or "default", "batch": batch, "context": context,
+                              "ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 1),
+                              "x_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
+
+
+def decode(args: argparse.Namespace) -> None:
+    check_inputs(args.bf16, args.fp8)
+    bandwidth, flops = ceilings()
+    print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
+                      round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    if not args.skip_attention:
+        attention_variants(bandwidth)
+    if args.only:
+        fp8 = args.only == "fp8"
+        measure(args.fp8 if fp8 else args.bf16, fp8, bandwidth, flops, kv_bytes, args.load_format,
+                ["decode1", "decode64", "prefill"], profile=args.profile, trace_dir=args.trace_dir,
+                events=args.events)
+        return
+    bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format,
+                   ["decode1", "decode64", "prefill", "long"], profile=args.profile, trace_dir=args.trace_dir)
+    fp8 = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "prefill"],
+                  trace_dir=args.trace_dir)
+    kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
+    both = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
+                   kv_cache_dtype="fp8")
+    for name in ("decode1", "decode64"):
+        compare(f"fp8 weights vs bf16, {bf16[name]['case']}", bf16[name], fp8[name])
+        compare(f"fp8 weights + fp8 KV vs bf16, {bf16[name]['case']}", bf16[name], both[name])
+    compare("fp8 weights vs bf16, prefill 1 x 2048", bf16["prefill"], fp8["prefill"], key="ms")
+    compare(f"fp8 KV vs bf16 KV (bf16 weights), {bf16['long']['case']}", bf16["long"], kv8["long"])
+    print(json.dumps({"case": "KV capacity, same bytes", "kv_bytes": kv_bytes,
+                      "bf16_kv_tokens": bf16["long"]["kv_tokens"], "fp8_kv_tokens": kv8["long"]["kv_tokens"],
+                      "ratio": round(kv8["long"]["kv_tokens"] / bf16["long"]["kv_tokens"], 3)}), flush=True)
+
+
+SHAPES = {"llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                         "lm_head": (128256, 4096)},
+          "llama-3-70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}}
+MS = (1, 2, 4, 16, 32, 64, 128, 256, 2048)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M follows M (16, 32, 64)
+CONFIGS = tuple(itertools.product((16, 32, 64, 128), (128, 256), (4,), (4,))) + ((64, 128, 8, 4), (128, 128, 8, 4))
+GEMV_CONFIGS = ((2, 4096, 8), (4, 4096, 8), (4, 2048, 4), (8, 2048, 8))
+L2_BYTES = 60 << 20
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    one = n * k * torch.empty((), dtype=dtype).element_size()
+    count = max(2, -(-4 * L2_BYTES // one))
+    base = torch.randn(n, k, device="cuda") * 0.05
+    return [(base + i * 1e-3).to(dtype) for i in range(count)]
+
+
+def timed(fn, count: int) -> float:
+    """Median ms of one call, fn(i) called on weight copy i % count, replayed in a CUDA graph."""
+    state = {"i": 0}
+
+    def step():
+        fn(state["i"] % count)
+        state["i"] += 1
+    try:
+        return do_bench_cudagraph(step, rep=20, return_mode="median")
+    except Exception as e:  # a configuration the GPU cannot run (shared memory): reported, not fatal
+        print(json.dumps({"skipped": str(e).splitlines()[0][:160]}), flush=True)
+        return float("inf")
+
+
+def block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8: list[torch.Tensor], ws: torch.Tensor,
+                 bandwidth: float) -> dict:
+    """Every way of one GEMM at one M: {way: median ms}, with the floors."""
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    xq = (x.float() / 2).to(torch.float8_e4m3fn)
+    xs = torch.full((m, 1), 2.0, device="cuda")
+    one = torch.ones(1, device="cuda")
+    row = {"gemm": name, "n": n, "k": k, "m": m, "floor_bf16_ms": round(n * k * 2 / bandwidth * 1e3, 4),
+           "floor_fp8_ms": round(n * k / bandwidth * 1e3, 4),
+           "bf16_cublas": timed(lambda i: torch.nn.functional.linear(x, w16[i]), len(w16))}
+    if m <= 16:
+        row["bf16_skinny"] = timed(lambda i: skinny_linear(x, w16[i]), len(w16))
+    if name == "lm_head" and m > 16:
+        return row
+    row["fp8_scaled_mm_rowwise"] = timed(lambda i: torch._scaled_mm(xq, w8[i].t(), scale_a=xs, scale_b=ws,
+                                                                    out_dtype=torch.bfloat16), len(w8))
+    row["fp8_scaled_mm_tensor"] = timed(lambda i: torch._scaled_mm(xq, w8[i].t(), scale_a=one, scale_b=one,
+                                                                   out_dtype=torch.bfloat16), len(w8))
+    if name == "lm_head":  # a bfloat16 LM head (FP8 checkpoints leave it unquantized): only its bf16 ways
+        return row
+    if m <= 16:
+        for bn, bk, warps in GEMV_CONFIGS:
+            row[f"fp8_gemv_{bn}x{bk}w{warps}"] = timed(
+                lambda i, c=(bn, bk, warps): fp8_gemv(xq, xs, w8[i], ws, config=c), len(w8))
+    if m <= 256:
+        for bn, bk, warps, stages in CONFIGS:
+            config = (bn, block_m(m), bk, warps, stages)
+            row[f"fp8_mm_{bn}x{block_m(m)}x{bk}w{warps}s{stages}"] = timed(
+                lambda i, c=config: fp8_mm(xq, xs, w8[i], ws, config=c), len(w8))
+    return row
+
+
+def sweep_gemm(name: str, n: int, k: int, bandwidth: float, ms: tuple[int, ...]) -> list[dict]:
+    w16 = copies(n, k, torch.bfloat16)
+    w8 = [w.to(torch.float8_e4m3fn) for w in copies(n, k, torch.float32)]
+    ws = torch.rand(1, n, device="cuda") * 1e-3 + 1e-4
+    rows = []
+    for m in ms:
+        row = measure_gemm(name, n, k, m, w16, w8, ws, bandwidth)
+        timings = {key: v for key, v in row.items() if key.startswith(("bf16_", "fp8_"))}
+        if name == "lm_head":
+            print(json.dumps({"gemm": name, "m": m, **{key: round(v, 4) for key, v in timings.items()},
+                              "floor_bf16_ms": row["floor_bf16_ms"]}), flush=True)
+            rows.append(row)
+            continue
+        best_fp8 = min((v, key) for key, v in timings.items() if key.startswith("fp8_") and "tensor" not in key)
+        best_bf16 = min((v, key) for key, v in timings.items() if key.startswith("bf16_"))
+        print(json.dumps({"gemm": name, "m": m, "best_fp8": best_fp8[1], "fp8_ms": round(best_fp8[0], 4),
+                          "fp8_x_floor": round(best_fp8[0] / row["floor_fp8_ms"], 3), "best_bf16": best_bf16[1],
+                          "bf16_ms": round(best_bf16[0], 4),
+                          "bf16_x_floor": round(best_bf16[0] / row["floor_bf16_ms"], 3),
+                          "fp8_speedup": round(best_bf16[0] / best_fp8[0], 3),
+                          "scaled_mm_rowwise_ms": round(row["fp8_scaled_mm_rowwise"], 4)}), flush=True)
+        rows.append(row)
+    return rows
+
+
+QKV_LAUNCHES = (None, (4096, 4), (2048, 4), (2048, 8), (1024, 4), (1024, 2))  # (BLOCK_K, num_warps); None: default
+
+
+def sweep_qkv_rope(bandwidth: float) -> None:
+    """engine.kernels.qkv_rope's fused q/k/v GEMV + RoPE + KV store at M = 1 (the 8B shape), bf16 and FP8 weights,
+    each launch configuration against the weight's read floor."""
+    from engine.kernels.qkv_rope import qkv_rope_store
+    (n, k), heads, kv_heads, d = SHAPES["llama-3-8b"]["qkv"], 32, 8, 128
+    positions = torch.tensor([1000], dtype=torch.int32, device="cuda")
+    cos = torch.randn(8192, d, device="cuda")
+    sin = torch.randn(8192, d, device="cuda")
+    kv = torch.zeros(64, 2, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([17], dtype=torch.int32, device="cuda")
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        w = copies(n, k, dtype)
+        fp8 = dtype == torch.float8_e4m3fn
+        extra = dict(x_scales=torch.ones(1, 1, device="cuda"), w_scales=torch.full((1, n), 0.01, device="cuda"),
+                     out_dtype=torch.bfloat16) if fp8 else {}
+        x = (torch.randn(1, k, device="cuda") * 0.5).to(dtype)
+        floor_ms = n * k * w[0].element_size() / bandwidth * 1e3  # the same floor as the GEMMs' rows
+
+        def call(i: int, launch: tuple[int, int] | None, w=w, x=x, extra=extra) -> None:
+            qkv_rope_store(x, w[i], None, heads, kv_heads, positions, cos, sin, kv, slots, launch=launch, **extra)
+        for launch in QKV_LAUNCHES:
+            ms = timed(lambda i, launch=launch, call=call: call(i, launch), len(w))
+            print(json.dumps({"qkv_rope": "fp8" if fp8 else "bf16", "launch": launch or "default",
+                              "ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "x_floor": round(ms / floor_ms, 2)}),
+                  flush=True)
+        del w
+        torch.cuda.empty_cache()
+
+
+def gemm_sweep(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit("needs a CUDA device with FP8 tensor cores (compute capability 8.9 or higher)")
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(),
+                      "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
+    if args.qkv_rope:
+        sweep_qkv_rope(bandwidth)
+        return
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
+    gemms = SHAPES[args.shape] if args.gemms is None else {g: SHAPES[args.shape][g] for g in args.gemms.split(",")}
+    rows = []
+    for name, (n, k) in gemms.items():
+        rows += sweep_gemm(name, n, k, bandwidth, ms)
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    # per M, the configuration whose summed time over the layer's four GEMMs is least
+    layer = [g for g in gemms if g != "lm_head"]
+    for m in ms:
+        by_key: dict[str, float] = {}
+        for row in rows:
+            if row["m"] == m and row["gemm"] in layer:
+                for key, v in row.items():
+                    if key.startswith("fp8_mm_") or key.startswith("fp8_gemv_") or key == "fp8_scaled_mm_rowwise":
+                        by_key[key] = by_key.get(key, 0.0) + v
+        complete = {key: v for key, v in by_key.items()
+                    if sum(1 for r in rows if r["m"] == m and r["gemm"] in layer and key in r) == len(layer)}
+        if complete:
+            best = min(complete, key=complete.get)
+            bf16 = sum(min(v for key, v in r.items() if key.startswith("bf16_")) for r in rows
+                       if r["m"] == m and r["gemm"] in layer)
+            print(json.dumps({"layer_m": m, "best": best, "layer_fp8_ms": round(complete[best], 4),
+                              "layer_bf16_ms": round(bf16, 4), "speedup": round(bf16 / complete[best], 3)}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = commands.add_parser("decode", help="decode and prefill steps, FP8 weights and fp8 KV against bfloat16")
+    p.add_argument("--bf16", required=True, help="a bfloat16 checkpoint folder (e.g. the Llama-3-8B shape)")
+    p.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--kv-gib", type=float, default=40)
+    p.add_argument("--skip-attention", action="store_true", help="no decode-attention kernel variants")
+    p.add_argument("--profile", action="store_true", help="the bf16 engine's top GPU kernels, live vs replay")
+    p.add_argument("--trace-dir", help="write chrome traces of live decode steps here (with a summary)")
+    p.add_argument("--events", action="store_true", help="time live decode steps with CUDA events too")
+    p.add_argument("--only", choices=("bf16", "fp8"), help="measure one engine's decode and prefill only")
+    p.set_defaults(run=decode)
+    p = commands.add_parser("gemm-sweep", help="one layer's GEMMs at each M, every way, against the read floor")
+    p.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
+    p.add_argument("--gemms", default=None, help="comma-separated subset of the shape's GEMMs")
+    p.add_argument("--ms", default=None, help=f"comma-separated M values (default: {MS})")
+    p.add_argument("--out", default=None)
+    p.add_argument("--qkv-rope", action="store_true", help="only the fused qkv + RoPE + store launches")
+    p.set_defaults(run=gemm_sweep)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
