@@ -15,7 +15,7 @@ Two kernels for the sizes a decode step has (engine.model.fp8_linear picks per M
   accumulator outside the MMA ("promotion"): Hopper's FP8 MMAs keep about 14 bits while they accumulate (DeepSeek-V3's
   report), which over K = 4096 left 3.5e-3 of the largest output as error on an H200; torch._scaled_mm promotes too.
 Launch parameters come from shapes alone (CUDA-graph safe), from the table `FP8_MM_CONFIGS` measured on an H200
-(benchmarks/fp8_gemm_sweep.py). Under TRITON_INTERPRET=1 (CPU CI) the dot upcasts its operands to float32: the
+(benchmarks/fp8_gpu.py gemm-sweep). Under TRITON_INTERPRET=1 (CPU CI) the dot upcasts its operands to float32: the
 interpreter's tl.dot on narrow floats is not exact.
 """
 
@@ -86,7 +86,7 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, strid
 
 
 # (largest M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) by the step's M, first row whose M bound holds.
-# From benchmarks/fp8_gemm_sweep.py on an H200 (docs/benchmark-log.md, 2026-12-02): 64 weight rows x 256 of K a
+# From benchmarks/fp8_gpu.py gemm-sweep on an H200 (docs/benchmark-log.md, 2026-12-02): 64 weight rows x 256 of K a
 # tile on 4 warps was the best at every M from 2 to 64, summed over an 8B layer's four GEMMs (0.068-0.080 ms
 # against bfloat16's 0.115-0.127: 1.58-1.80x); the token tile follows M so a small batch pads to 16, not 64.
 FP8_MM_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (

@@ -77,8 +77,8 @@ def _qkv_rope_store_kernel(
 
 def _launch(m: int, n: int, k: int, fp8: bool) -> tuple[int, int]:
     """(BLOCK_K, num_warps): skinny_gemm's, but for FP8 weights at one row 1,024-byte tiles of the pair's rows on 2
-    warps (H200, `fp8_gemm_sweep.py --qkv-rope` at 851e631: 0.0092 ms = 1.57x the weight's floor, against 0.0110
-    ms = 1.87x with bf16's 4,096-wide tiles on 8 warps)."""
+    warps (H200, `fp8_gemm_sweep.py --qkv-rope` at 851e631, now `fp8_gpu.py gemm-sweep --qkv-rope`: 0.0092 ms =
+    1.57x the weight's floor, against 0.0110 ms = 1.87x with bf16's 4,096-wide tiles on 8 warps)."""
     if fp8 and m == 1 and not interpreting():
         return 1024, 2
     return launch_config(m, n, k)[1:]

@@ -2,7 +2,8 @@
 
 With one or two rows (decode at batch 1-2), a projection only streams its weight matrix once, and what decides its
 time is how many bytes are in flight. cuBLAS runs the qkv and o projections of a 7B-class model there at 0.6-0.8
-of copy bandwidth, this kernel, with whole rows of K per tile, at 0.83-0.90 (benchmarks/decode_kernel_options.py).
+of copy bandwidth, this kernel, with whole rows of K per tile, at 0.83-0.90
+(benchmarks/design_choices.py decode-kernels).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite scale
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 # kernel path, by M: fp8_gemv up to GEMV_ROWS, fp8_mm up to MM_ROWS, torch._scaled_mm beyond. H200 sweep of an 8B
-# layer (benchmarks/fp8_gemm_sweep.py): the GEMV wins at M = 1 only; fp8_mm up to 64 (0.080 ms a layer at 64
+# layer (benchmarks/fp8_gpu.py gemm-sweep): the GEMV wins at M = 1 only; fp8_mm up to 64 (0.080 ms a layer at 64
 # against _scaled_mm's 0.107); _scaled_mm from 128 (0.106 ms against fp8_mm's 0.124) through prefill.
 GEMV_ROWS = 1
 MM_ROWS = 64

@@ -3,7 +3,7 @@
 symmetric buffer, then a barrier through peer-mapped signal pads, read every peer's buffer and add, and a closing
 barrier (so the buffer may be rewritten by the next call). For a decode step's messages (batch x hidden, a few KB
 to 1 MB) it costs a third to a half of NCCL's latency through the same TP group inside a CUDA graph on two H200s:
-7.6 us against 22.9 us at 8 KB, 11.2 against 24.6 us at 512 KB (benchmarks/tp_scaling_gpu.py --all-reduce-only,
+7.6 us against 22.9 us at 8 KB, 11.2 against 24.6 us at 512 KB (benchmarks/tp_gpu.py scaling --all-reduce-only,
 docs/benchmark-log.md). Larger tensors go to NCCL. NCCL's latency for these messages varied between runs on the same
 kind of machine (7 to 61 us at 8 KB), this kernel's did not (7.6 us); in one call the 8B shape's TP=2 decode step
 took 3.252 ms with it against 3.517 ms with NCCL alone at batch 1 (1.081x) and 6.386 against 6.709 ms at batch 64

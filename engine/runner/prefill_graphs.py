@@ -1,7 +1,7 @@
 """PrefillGraphs: CUDA graphs of short prefill-only steps (the model forward), one per (token, sequence) bucket.
 
 A prefill step of a few short prompts is host-bound: on one H100 a 64-token prompt's step took 7.8 ms, nearly all
-of it Python launching ~16 kernels a layer (benchmarks/prefill_latency.py), against 1.7 ms for a decode step of
+of it Python launching ~16 kernels a layer (benchmarks/engine_host.py prefill), against 1.7 ms for a decode step of
 eight replayed from a graph. That time is on the critical path of every short request's first token, and a high
 priority prompt waits for the step under way to end. So prefill-only steps of at most `max_tokens` tokens replay a
 graph captured at start over static buffers:

@@ -2,9 +2,9 @@
 
 Triton compiles one variant per distinct specialisation of a kernel's arguments (constexprs, integers equal to 1 or
 divisible by 16, pointers aligned to 16 bytes), and each compile costs about a second of the step that meets it
-first. Measured on an H100 (benchmarks/warm_start.py, Llama-3.2-1B shape, 96 mixed requests): 35 compiles made the
-first pass 19x slower than the same workload run again. So everything that varies between steps is bounded to a
-few values, and this module runs each of them once at start:
+first. Measured on an H100 (benchmarks/start.py engine, then warm_start.py; Llama-3.2-1B shape, 96 mixed
+requests): 35 compiles made the first pass 19x slower than the same workload run again. So everything that varies
+between steps is bounded to a few values, and this module runs each of them once at start:
 - step metadata pointers: engine.runner.step_inputs aligns every part to 16 bytes (one variant);
 - block-table row stride: not specialised (the attention kernels' `do_not_specialize`);
 - decode splits, a constexpr of the eager decode kernel: a power of two (SPLIT_CHOICES), each run here directly;

@@ -1,4 +1,5 @@
-"""GrammarManager: structured outputs in one engine, through llguidance (see benchmarks/grammar_masks.py for why).
+"""GrammarManager: structured outputs in one engine, through llguidance (see benchmarks/sampling_costs.py
+grammar-masks for why).
 
 Owns, for one engine and its tokenizer: the library's view of the vocabulary (built once, from tokenizer.json, EOS
 ids the model's), compiled grammars (one template matcher per StructuredSpec key, LRU-bounded, copied per request),
