@@ -227,7 +227,7 @@ def test_the_only_prefill_worker_killed_with_prompts_queued_every_request_finish
     _check_clean(healing_server)
 
 
-def test_each_role_killed_five_times_under_continuous_load_loses_nothing(healing_server, reference, llama):
+def test_each_role_killed_three_times_under_continuous_load_loses_nothing(healing_server, reference, llama):
     prompts = random_prompts([10 + 3 * i for i in range(24)], 2000, seed=33)
     bodies = _bodies(llama, prompts, max_tokens=24)
     expected = dict(zip(range(len(bodies)), _expected(reference, bodies), strict=True))
@@ -241,7 +241,7 @@ def test_each_role_killed_five_times_under_continuous_load_loses_nothing(healing
             i += 4
 
     async def killer(client):
-        for role in ["decode"] * 5 + ["prefill"] * 5:
+        for role in ["decode"] * 3 + ["prefill"] * 3:  # repeated kills of each role (each restart ~10 s here)
             await _wait_health(client, 200)
             before = len(done)
             while len(done) < before + 2:  # some load between kills
