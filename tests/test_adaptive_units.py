@@ -80,6 +80,26 @@ def test_the_router_remembers_prefixes_per_worker():
     assert router.cached_tokens([7] + tokens, "decode-0") == 0
 
 
+def test_a_whole_request_goes_where_its_prefix_is_while_room_allows():
+    """Collocated (Router.pick_whole): a prompt whose leading blocks a worker computed goes back to it, though
+    the other has more room, until that room is more than affinity_slack_tokens short; a new prompt goes to the
+    roomiest; nothing goes where it does not fit."""
+    router = Router(block_size=4, affinity_slack_tokens=40)  # slack: 10 blocks
+    a, b = _workers("decode", "decode")
+    rooms = {a.name: 100, b.name: 100}
+    turn1 = list(range(20))
+    first = router.pick_whole(turn1, [a, b], lambda w: rooms[w.name], 5)
+    other = b if first is a else a
+    rooms[first.name] -= 5
+    turn2 = turn1 + list(range(100, 108))
+    assert router.pick_whole(turn2, [a, b], lambda w: rooms[w.name], 7) is first  # 95 against 100: within slack
+    assert router.affinity_hits == 1
+    rooms[first.name] = 80
+    assert router.pick_whole(turn2 + [1], [a, b], lambda w: rooms[w.name], 7) is other  # 20 blocks short
+    assert router.pick_whole(list(range(500, 520)), [a, b], lambda w: rooms[w.name], 5) is other  # no owner
+    assert router.pick_whole(turn2, [a, b], lambda w: rooms[w.name], 101) is None
+
+
 def test_verdict():
     assert verdict(0.1, 0.039, SLO) == "decode"      # TPOT at 97% of its target, TTFT with room
     assert verdict(0.49, 0.010, SLO) == "prefill"    # the other way round

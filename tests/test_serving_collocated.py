@@ -135,3 +135,35 @@ def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_worker(s
     wait_for_idle_workers(server_collocated.url)
     assert sampled() - before < 240, "the request ran on after its client left"
     assert admin_integrity(server_collocated.url)["ok"]
+
+
+def test_a_conversations_next_turn_goes_to_the_worker_holding_its_history(server_collocated, reference, llama):
+    """Four conversations' first turns, one at a time (spread over both workers by room), then their second turns
+    (history + reply + new tokens) in another order: each goes back to the worker whose prefix cache holds its
+    history (Router.pick_whole) and reports those tokens cached, with the engine's exact output. Placed by room
+    alone, the second turns alternated between the workers regardless of their histories."""
+    url = server_collocated.url
+    wait_until_every_worker_is_live(url)
+    wait_for_idle_workers(url)
+    firsts = random_prompts([40, 44, 48, 52], 2000, seed=61)
+
+    def body(prompt):
+        return {"model": str(llama), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    with httpx.Client(base_url=url, timeout=120) as client:
+        replies = []
+        for prompt in firsts:
+            r = client.post("/v1/completions", json=body(prompt))
+            assert r.status_code == 200, r.text
+            replies.append(reference.tokenizer.encode(r.json()["choices"][0]["text"], add_special_tokens=False))
+        seconds = [first + reply + list(range(300 + 5 * i, 305 + 5 * i))
+                   for i, (first, reply) in enumerate(zip(firsts, replies, strict=True))]
+        expected = reference.generate(seconds, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for i in (1, 0, 3, 2):
+            r = client.post("/v1/completions", json=body(seconds[i]))
+            assert r.status_code == 200, r.text
+            data = r.json()
+            assert data["choices"][0]["text"] == expected[i].text
+            cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= len(firsts[i]) // 16 * 16, (i, cached)  # the first turn's full blocks at least
+    wait_for_idle_workers(url)

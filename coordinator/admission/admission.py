@@ -177,7 +177,11 @@ class Admission:
             decode_live = [w for w in decode_live if w in backlog_ok]
         if not backlog_ok or not decode_live:
             return None
-        decode = self.router.pick_decode(decode_live, lambda w: self._room(w, share), blocks)
+        if prefill_role == "decode":  # collocated: the worker holding the prompt's prefix, room allowing
+            decode = self.router.pick_whole(request.prompt_token_ids, decode_live, lambda w: self._room(w, share),
+                                            blocks)
+        else:
+            decode = self.router.pick_decode(decode_live, lambda w: self._room(w, share), blocks)
         if decode is None:
             return None
         prefill = None

@@ -8,7 +8,8 @@ incarnation), so a replacement never inherits its predecessor's books.
 Router: prefill picks the least pressure (booked prompt tokens plus what the worker reports queued), but a worker
 that already computed the prompt's leading blocks (its prefix cache likely still holds them) wins while its
 pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the most unbooked KV room, then the
-fewest running sequences. It remembers which workers computed which leading blocks (up to OWNERS per block, the
+fewest running sequences. A request run whole (collocated: `pick_whole`) goes where its prompt's leading blocks
+are, while that worker's room is within `affinity_slack_tokens` of the roomiest's, else to the roomiest. It remembers which workers computed which leading blocks (up to OWNERS per block, the
 latest first: `remember`), and says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the
 adaptive layout's placement). The router only reads numbers the caller gives it; it never calls a worker.
 Host tiers (engine.core.host_tier): the workers' reports of the blocks their host tiers added and evicted
@@ -161,9 +162,32 @@ class Router:
         fitting = [w for w in candidates if room(w) >= blocks_needed]
         if not fitting:
             return None
-        best = max(fitting, key=lambda w: (room(w), -(w.load.num_running if w.load else 0), -w.served))
+        best = _most_room(fitting, room)
         best.served += 1
         return best
+
+    def pick_whole(self, prompt: list[int], candidates: list[WorkerState], room: Callable[[WorkerState], int],
+                   blocks_needed: int) -> WorkerState | None:
+        """A worker to run a request whole (collocated): the one whose device, then host tier, holds the longest
+        run of the prompt's leading blocks, while its room is within `affinity_slack_tokens` of the roomiest's
+        (a conversation's next turn finds its history there); else the roomiest. None if none has
+        `blocks_needed` blocks of room. The prompt's blocks are remembered as the chosen worker's."""
+        fitting = [w for w in candidates if room(w) >= blocks_needed]
+        if not fitting:
+            return None
+        hashes = prefix_block_hashes(prompt, self.block_size)
+        chosen = roomiest = _most_room(fitting, room)
+        owner = self._longest_prefix_owner(hashes)
+        if self._host_owner:
+            owner = self._best_holder(hashes, fitting, owner)
+        preferred = next((w for w in fitting if w.name == owner), None)
+        slack_blocks = self.affinity_slack_tokens // self.block_size
+        if preferred is not None and preferred is not roomiest and room(preferred) + slack_blocks >= room(roomiest):
+            chosen = preferred
+            self.affinity_hits += 1
+        self._remember(hashes, chosen.name)
+        chosen.served += 1
+        return chosen
 
     def _remember(self, hashes: list[bytes], worker: str) -> None:
         for h in hashes:
@@ -201,3 +225,8 @@ class Router:
                 break
             owner = owners[0]
         return owner
+
+
+def _most_room(fitting: list[WorkerState], room: Callable[[WorkerState], int]) -> WorkerState:
+    """The most unbooked room; among equals the fewest running, then the least served."""
+    return max(fitting, key=lambda w: (room(w), -(w.load.num_running if w.load else 0), -w.served))
