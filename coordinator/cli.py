@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load(args: argparse.Namespace):
     """The validated config with the command line's overrides, and those overrides; None after printing why not."""
-    from coordinator.config.serve_config import check_tensor_parallel, load_serve_config
+    from coordinator.config.config_checks import check_tensor_parallel
+    from coordinator.config.serve_config import load_serve_config
     from engine.config_error import ConfigError
     overrides = {k: v for k, v in (("server.host", args.host), ("server.port", args.port),
                                    ("ray_address", args.ray_address)) if v is not None}

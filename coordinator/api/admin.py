@@ -116,7 +116,7 @@ def install_admin_routes(app: FastAPI, check_auth: Callable[[Request], None]) ->
     @app.post("/admin/faults")
     async def set_faults(request: Request) -> JSONResponse:
         check_auth(request)
-        from coordinator.config.serve_config import FaultsConfig
+        from coordinator.config.faults_config import FaultsConfig
         try:
             body = await request.json()
             faults = FaultsConfig(**body) if isinstance(body, dict) else None

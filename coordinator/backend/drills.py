@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from coordinator.admission.router import WorkerState
 from coordinator.backend.pools import Pools
 from coordinator.backend.supervisor import Supervisor
-from coordinator.config.serve_config import FaultsConfig
+from coordinator.config.faults_config import FaultsConfig
 
 log = logging.getLogger("pdserve")
 

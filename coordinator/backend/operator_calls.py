@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.config.serve_config import FaultsConfig
+from coordinator.config.faults_config import FaultsConfig
 
 
 class OperatorCalls:

@@ -3,8 +3,8 @@ worker and hands its KV to the decode worker: the prefill call (the first token 
 worker's booking of the KV's blocks (pushed during the forward: prefill_pool.kv_push, else pulled), the handoff
 task, and the recompute of a prompt whose transfer failed (`transfer.on_failure`). It holds no state of its own:
 the attempt's cleanup list and the backend's intake, pools and counters are what it works on. RayBackend inherits
-it; `_attempt` calls `_prefill`. The decode worker's booking gets the KV's tokens (prompt, then prior outputs): what
-its prefix cache holds of them is not moved (decode_pool.reservations).
+it; `_attempt` (coordinator.backend.attempts) calls `_prefill`. The decode worker's booking gets the KV's tokens
+(prompt, then prior outputs): what its prefix cache holds of them is not moved (decode_pool.reservations).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from coordinator.admission.router import WorkerState
 from coordinator.backend.pools import START_TIMEOUT_S, Pools
 from coordinator.backend.spares import Spares
 from coordinator.backend.stats import start_phases
-from coordinator.config.serve_config import RecoveryConfig
+from coordinator.config.recovery_config import RecoveryConfig
 
 log = logging.getLogger("pdserve")
 PROBE_TIMEOUT_S = 10.0

@@ -1,6 +1,6 @@
 """The adaptive layout's settings (`mode: adaptive`): the service-level targets it serves (`slo`) and the planner
 that moves workers' roles (`planner`). Both sections belong to the adaptive mode only; a static mode refuses them
-(coordinator.config.serve_config checks it), since nothing there would read them.
+(coordinator.config.config_checks checks it), since nothing there would read them.
 
     mode: adaptive
     slo: {ttft_ms: 500, tpot_ms: 40}     # time to first token; time per output token after it

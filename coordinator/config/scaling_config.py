@@ -1,7 +1,7 @@
 """The pools' scaling settings (`scaling`): how the scaler (coordinator.backend.scaler) judges when to add a worker to
 a pool or remove one. A pool scales when its `min_workers` or `max_workers` (PoolConfig) differs from its `workers`
 (the starting size); the section applies only then, and then `slo` is required (the targets a pool is grown for):
-coordinator.config.serve_config checks both.
+coordinator.config.config_checks checks both.
 
     decode: {workers: 1, min_workers: 1, max_workers: 4}
     slo: {ttft_ms: 500, tpot_ms: 40}

@@ -2,205 +2,39 @@
 
 Each part goes only where it belongs: EngineConfig to each worker of a pool, AgentConfig to the transfer
 agents, ServerSettings to the HTTP app. Unknown keys and bad values fail at load with the file, key and reason.
+
+This module owns the tree's top level (ServeConfig) and the loader (load_serve_config: YAML to the tree, each
+key's type checked); each section's dataclass lives in a module of its own (pool_config, transfer_config,
+admission_config, recovery_config, faults_config, straggler_config, scaling_config, adaptive_config, settings,
+tenants_config) and the checks across sections in config_checks. The sections and check_tensor_parallel are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
+from coordinator.config.admission_config import AdmissionConfig
+from coordinator.config.config_checks import check_adaptive, check_kv_cache_dtype, check_scaling, check_tensor_parallel
+from coordinator.config.faults_config import MAX_SLOW_STEP_S, MAX_STALL_S, FaultsConfig
+from coordinator.config.pool_config import PoolConfig
+from coordinator.config.recovery_config import MAX_SPARES, RecoveryConfig
 from coordinator.config.scaling_config import MAX_POOL_WORKERS, ScalingConfig
 from coordinator.config.settings import ServerSettings
 from coordinator.config.straggler_config import StragglerConfig
 from coordinator.config.tenants_config import TenantsConfig, parse_tenants
+from coordinator.config.transfer_config import NET_DEVICES, TransferConfig
 from engine.config_error import ConfigError
 from engine.engine_config import EngineConfig
 
-
-@dataclass(frozen=True)
-class PoolConfig:
-    workers: int = 1              # the starting size (and, unless min_workers/max_workers differ, the only one)
-    # the sizes the scaler may take the pool to (coordinator.backend.scaler); null: `workers` (no scaling)
-    min_workers: int | None = None
-    max_workers: int | None = None
-    num_gpus: float = 0       # per worker; > 0 puts its engine on CUDA
-    num_cpus: float = 1       # per worker
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunk_size: int | None = None          # most prompt tokens of one request per step
-    head_bypass_steps: int = 128   # steps a waiting request short of KV blocks may be passed in the engine's queue
-    # a request preempted for lack of KV blocks: "recompute", "swap" its KV to host memory and back, or "auto" (swap
-    # when the copy is cheaper); swap_space_bytes of host memory per worker for swap and auto (EngineConfig)
-    preemption_mode: str = "recompute"
-    swap_space_bytes: int = 4 << 30
-    # the host tier under each worker's prefix cache (engine.core.host_tier): bytes of host memory per worker (pinned
-    # on a GPU); null: a share of the host's available memory; 0: off (EngineConfig.kv_host_cache_bytes)
-    kv_host_cache_bytes: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kernels: str = "auto"          # the engine's GPU path switches (EngineConfig): Triton kernels, CUDA graphs and
-    cuda_graphs: bool = True       # overlapped scheduling; the defaults are the fast path, turn one off to compare
-    async_scheduling: bool | None = None  # or to rule it out (None: on for GPU engines, off on the CPU)
-    prefill_graph_tokens: int = 512  # with cuda_graphs: prefill-only steps up to this many tokens replay graphs too
-    mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
-    warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
-    tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
-    kv_cache_dtype: str | None = None  # None: the top-level kv_cache_dtype (both pools must hold the same)
-    # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
-    resources: dict[str, float] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
-            raise ValueError(f"min_workers must be in [1, workers ({self.workers})], got {self.min_workers}")
-        if self.max_workers is not None and not self.workers <= self.max_workers <= MAX_POOL_WORKERS:
-            raise ValueError(f"max_workers must be in [workers ({self.workers}), {MAX_POOL_WORKERS}], got "
-                             f"{self.max_workers}")
-        if self.tensor_parallel_size > 1 and self.num_gpus and self.num_gpus != int(self.num_gpus):
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs whole GPUs per rank "
-                             f"(num_gpus), got {self.num_gpus}")
-
-    @property
-    def fewest(self) -> int:
-        """The fewest workers the scaler leaves in the pool."""
-        return self.workers if self.min_workers is None else self.min_workers
-
-    @property
-    def most(self) -> int:
-        """The most workers the scaler grows the pool to."""
-        return self.workers if self.max_workers is None else self.max_workers
-
-    @property
-    def scales(self) -> bool:
-        return self.fewest < self.most
-
-
-NET_DEVICES = re.compile(r"[A-Za-z0-9_.:-]{1,32}(,[A-Za-z0-9_.:-]{1,32}){0,15}")  # UCX_NET_DEVICES' form
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    backends: tuple[str, ...] = ("cuda_ipc", "ucx")
-    timeout_s: float = 30.0
-    pin_lease_s: float = 60.0
-    on_failure: str = "recompute"  # a failed KV transfer: the decode worker recomputes the prompt, or the request fails
-    # the prefill worker writes each prompt's KV into the blocks its decode worker booked, layer group by layer
-    # group during the forward (prefill_pool.kv_push), so decode only joins; false: decode pulls it after the prefill.
-    # Pools of tensor_parallel_size 1 only (larger ones pull)
-    push: bool = True
-    # the network devices UCX carries KV over and listens on (UCX_NET_DEVICES: "eth1", "mlx5_0:1,eth1"), set in
-    # every worker; null: the workers' environment decides (a single-host server's is "lo": ray_network)
-    net_devices: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.net_devices is not None and not NET_DEVICES.fullmatch(self.net_devices):
-            raise ValueError(f"net_devices must name network devices as UCX_NET_DEVICES does (\"eth1\", "
-                             f"\"mlx5_0:1,eth1\"), got {self.net_devices[:64]!r}")
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    max_queue: int = 1024          # requests in flight beyond which new ones get 503
-    timeout_s: float = 30.0        # how long a request may wait for room (or for a replacement worker)
-    # null (growing bookings): a decode worker books the prompt and reserve_ahead_tokens of output, and the booking
-    # grows as the request decodes (coordinator.admission.growth; the engine preempts when blocks run out). A number:
-    # that fraction of max_tokens booked up front and never grown; 1.0 never oversubscribes (no preemption)
-    reserve_output: float | None = None
-    reserve_ahead_tokens: int = 64  # growing bookings: output tokens booked beyond those a request has generated
-    max_prefill_backlog_tokens: int | None = None  # per prefill worker: prompt tokens booked and not yet prefilled
-    priority_aging_s: float = 10.0  # a waiting request moves up one priority class per this many seconds
-    reserved_for_high: float = 0.0  # share of each worker's KV and prefill backlog only high-priority requests book
-    # a waiting request that does not fit may be passed by ones behind it that do for this long after it arrived;
-    # then what frees is kept for it (no head-of-line blocking, no starvation; 0: strict head of line)
-    bypass_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.reserve_output is not None and not 0 < self.reserve_output <= 1:
-            raise ValueError(f"reserve_output must be null (growing bookings) or in (0, 1], got {self.reserve_output}")
-        if isinstance(self.reserve_ahead_tokens, bool) or not isinstance(self.reserve_ahead_tokens, int) \
-                or self.reserve_ahead_tokens < 1:
-            raise ValueError(f"reserve_ahead_tokens must be an integer >= 1, got {self.reserve_ahead_tokens!r}")
-        if self.max_prefill_backlog_tokens is not None and self.max_prefill_backlog_tokens < 1:
-            raise ValueError(f"max_prefill_backlog_tokens must be >= 1, got {self.max_prefill_backlog_tokens}")
-        if not 0 <= self.reserved_for_high < 1:
-            raise ValueError(f"reserved_for_high must be in [0, 1), got {self.reserved_for_high}")
-        if not self.priority_aging_s > 0:
-            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
-        if not 0 <= self.bypass_s <= 3600:
-            raise ValueError(f"bypass_s must be in [0, 3600], got {self.bypass_s}")
-
-
-MAX_SPARES = 64
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    """Self-healing: replacing dead workers (with backoff) and moving their requests elsewhere."""
-
-    max_restarts: int = 5            # per worker slot within restart_window_s; past it the slot stays down
-    restart_window_s: float = 600.0
-    backoff_initial_s: float = 0.5   # wait before the first replacement of a slot; doubles per recent restart
-    backoff_max_s: float = 30.0
-    max_migrations: int = 3          # per request: moves to another worker after a worker or transfer failure
-    # disaggregated: while one pool has no live worker, requests (new and moved) run whole on the other pool's workers
-    fallback: bool = True
-    spares: int = 0                  # warm spare workers per pool (model loaded, not routed to); take over a dead slot
-    # coordinator crashes `pdserve serve` restarts it after within restart_window_s (with the backoff above); it
-    # adopts the running workers (coordinator.process_supervisor). 0: a crashed coordinator ends the server
-    coordinator_max_restarts: int = 5
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.spares <= MAX_SPARES:
-            raise ValueError(f"spares must be in [0, {MAX_SPARES}] (warm spare workers per pool), got {self.spares}")
-        if self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s "
-                             f"({self.backoff_initial_s})")
-
-
-MAX_STALL_S = 600.0  # an injected transfer stall longer than a request's default timeout tests nothing more
-MAX_SLOW_STEP_S = 10.0  # an injected step sleep: slower than this is a hung worker (the liveness probe's to find)
-
-
-@dataclass(frozen=True)
-class FaultsConfig:
-    """Failures injected on purpose, for tests and operators' drills (also settable at run time through
-    POST /admin/faults when server.admin_api is on). All off by default."""
-
-    prefill_error_fraction: float = 0.0   # prefill calls that fail with an injected error
-    transfer_fail_fraction: float = 0.0   # KV transfers that fail (the decode side then recomputes or fails)
-    transfer_stall_fraction: float = 0.0  # KV transfers held back for transfer_stall_s before they proceed
-    transfer_stall_s: float = 0.0
-    seed: int = 0
-    # a throttled worker: each engine step of the workers named (none named: every worker) sleeps this long; only the
-    # processes live when it is set (a replacement is a fresh process, as a straggler's is: it is not slowed)
-    slow_step_s: float = 0.0
-    slow_workers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        slow = self.slow_step_s
-        if isinstance(slow, bool) or not isinstance(slow, int | float) or not 0 <= slow <= MAX_SLOW_STEP_S:
-            raise ValueError(f"slow_step_s must be a number in [0, {MAX_SLOW_STEP_S:g}], got {slow!r}")
-        names = self.slow_workers
-        if not isinstance(names, list | tuple) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"slow_workers must be a list of worker names, got {names!r}")
-        object.__setattr__(self, "slow_workers", tuple(names))  # a JSON list (POST /admin/faults) too
-        for name in ("prefill_error_fraction", "transfer_fail_fraction", "transfer_stall_fraction"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        stall = self.transfer_stall_s
-        if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall <= MAX_STALL_S:
-            raise ValueError(f"transfer_stall_s must be a number in [0, {MAX_STALL_S:g}], got {stall!r}")
-        seed = self.seed  # the workers' fault RNGs take an integer: NaN, inf, a string or a bool is refused here
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r:.40}")
+__all__ = ["MAX_POOL_WORKERS", "MAX_SLOW_STEP_S", "MAX_SPARES", "MAX_STALL_S", "NET_DEVICES", "AdmissionConfig",
+           "FaultsConfig", "PoolConfig", "RecoveryConfig", "ServeConfig", "TransferConfig", "check_tensor_parallel",
+           "load_serve_config", "set_dotted"]
 
 
 @dataclass(frozen=True)
@@ -314,78 +148,10 @@ def load_serve_config(path: str | Path, overrides: dict[str, Any] | None = None)
             config.engine_config(getattr(config, pool))
         except ValueError as e:
             raise ConfigError(f"{path}: {pool} workers' engine: {e}") from None
-    _check_scaling(config, raw, path)
-    _check_adaptive(config, raw, path)
-    _check_kv_cache_dtype(config, path)
+    check_scaling(config, raw, path)
+    check_adaptive(config, raw, path)
+    check_kv_cache_dtype(config, path)
     return config
-
-
-def _check_kv_cache_dtype(config: ServeConfig, path: Path) -> None:
-    """KV blocks move between the pools byte for byte: both pools must store the same KV cache dtype."""
-    prefill, decode = config.kv_cache_dtype_of(config.prefill), config.kv_cache_dtype_of(config.decode)
-    if config.mode != "collocated" and _fp8(prefill) != _fp8(decode):
-        raise ConfigError(f"{path}: prefill.kv_cache_dtype {prefill!r} and decode.kv_cache_dtype {decode!r} disagree: "
-                          "the KV cache moves between the pools as it is stored, so both must hold the same dtype "
-                          "(set kv_cache_dtype once at the top level)")
-
-
-def _fp8(kv_cache_dtype: str) -> bool:
-    return kv_cache_dtype != "auto"  # "fp8" and "fp8_e4m3" name the same cache
-
-
-def _check_adaptive(config: ServeConfig, raw: dict, path: Path) -> None:
-    """`slo` and `planner` belong to mode adaptive, which needs `slo` (`slo` also serves pools that scale:
-    _check_scaling); its workers can each take the other's role."""
-    if not config.adaptive:
-        extra = [key for key in ("slo", "planner") if key in raw and not (key == "slo" and config.scaling_pools)]
-        if extra:
-            raise ConfigError(f"{path}: {extra[0]!r} applies to mode: adaptive only (mode is {config.mode!r})"
-                              + (" or to pools that scale (min_workers / max_workers)" if extra[0] == "slo" else ""))
-        return
-    if config.slo is None:
-        raise ConfigError(f"{path}: mode adaptive needs 'slo' with ttft_ms and tpot_ms (the targets it serves)")
-    if config.prefill.tensor_parallel_size != config.decode.tensor_parallel_size \
-            or config.prefill.num_gpus != config.decode.num_gpus:
-        raise ConfigError(f"{path}: mode adaptive: a worker may take either role, so prefill and decode need the same "
-                          "tensor_parallel_size and num_gpus")
-
-
-def _check_scaling(config: ServeConfig, raw: dict, path: Path) -> None:
-    """Pools that scale need the targets they are grown for (`slo`); `scaling` and a pool's min_workers /
-    max_workers apply only where they are read."""
-    if config.mode == "collocated":
-        pool = config.prefill
-        for key in ("min_workers", "max_workers"):
-            if getattr(pool, key) not in (None, pool.workers):
-                raise ConfigError(f"{path}: 'prefill.{key}': mode collocated runs the decode pool only (scale it "
-                                  "with decode.min_workers / decode.max_workers)")
-    if not config.scaling_pools:
-        if "scaling" in raw:
-            raise ConfigError(f"{path}: 'scaling' applies only to a pool whose min_workers or max_workers differs "
-                              "from its workers (no pool here scales)")
-        return
-    if config.slo is None:
-        pool = config.scaling_pools[0]
-        raise ConfigError(f"{path}: pool {pool!r} scales ({pool}.min_workers {getattr(config, pool).fewest}, "
-                          f"{pool}.max_workers {getattr(config, pool).most}): it needs 'slo' with ttft_ms and tpot_ms "
-                          "(the targets a pool is grown for)")
-
-
-def check_tensor_parallel(config: ServeConfig, path: Path | str) -> None:
-    """ConfigError naming the key when a pool's tensor_parallel_size cannot split the model in `config.model`
-    (checked where its config.json is on disk, before any worker starts; elsewhere the workers report it)."""
-    from engine.model.model_config import ModelConfig
-    from engine.model.tp_layout import FIELD, TPLayout
-    folder = Path(config.model)
-    if not (folder / "config.json").is_file():
-        return
-    model = ModelConfig.from_folder(folder)
-    for pool in (("prefill", "decode") if config.mode == "disaggregated" else ("decode",)):
-        try:
-            TPLayout.check(model, getattr(config, pool).tensor_parallel_size)
-        except ValueError as e:
-            raise ConfigError(f"{path}: {str(e).replace(FIELD, f'{pool}.tensor_parallel_size')} "
-                              f"({folder}/config.json)") from None
 
 
 def _build(cls: type, raw: dict, path: Path, prefix: str) -> Any:

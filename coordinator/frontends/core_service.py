@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 from coordinator.admission.tenants import Grant, TenantRegistry
-from coordinator.config.serve_config import FaultsConfig
+from coordinator.config.faults_config import FaultsConfig
 from coordinator.contract import BackendError, ServingBackend
 from coordinator.errors import APIError
 from coordinator.frontends.link import Link, LinkClosed
