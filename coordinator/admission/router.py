@@ -11,7 +11,8 @@ pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the
 fewest running sequences. A request run whole (collocated: `pick_whole`) goes where its prompt's leading blocks
 are, while that worker's room is within `affinity_slack_tokens` of the roomiest's, else to the roomiest. It
 remembers which workers computed which leading blocks (up to OWNERS per block, the latest first: `remember`), and
-says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the adaptive layout's placement). The router only reads numbers the caller gives it; it never calls a worker.
+says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the adaptive layout's placement).
+The router only reads numbers the caller gives it; it never calls a worker.
 Host tiers (engine.core.host_tier): the workers' reports of the blocks their host tiers added and evicted
 (`host_report`, in batches) make a second index; a prompt's blocks past a worker's device run that its host tier
 holds count for it too, each at HOST_HIT_VALUE of a device-held block (a restore is a copy: cheaper than computing
