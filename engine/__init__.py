@@ -8,7 +8,8 @@ coordinator.
 Folders: `model/` the decoder, its layers and weight loading; `core/` requests, scheduler, block manager;
 `runner/` one step on the device (inputs, KV cache tensor, CUDA graphs); `sampling/` sampler, logits processing,
 grammar masks; `text/` tokenizer and detokenizer; `kernels/` Triton kernels. At the top: the entry points
-(`LLM`, `LLMEngine`, `AsyncEngine`), the engine's config, the KV layout contract, the embedded `tiny` model.
+(`LLM`, `LLMEngine`, `AsyncEngine`), LLMEngine's mixins (`handoff_blocks`, `grammar_holding`, `host_kv`,
+`engine_report`), the engine's config, the KV layout contract, the embedded `tiny` model.
 """
 
 from importlib import import_module
