@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from engine.config_error import ConfigError
 
 if TYPE_CHECKING:
-    from coordinator.config.serve_config import ServeConfig
+    from coordinator.config.config_tree import ServeConfig
 
 
 def check_kv_cache_dtype(config: ServeConfig, path: Path) -> None:
