@@ -46,6 +46,9 @@ pytestmark = pytest.mark.skipif(isolation_unavailable() is not None, reason=str(
 
 MAX_TOKENS = 128  # long enough that every stream is mid-way when the node goes
 CHUNKS_BEFORE_STOP = 3
+# the doomed decode worker's steps slowed (a drill fault; its replacement's are not): a worker can outlive its
+# stopped raylet for a moment, and at full speed a stream once finished all its tokens in that moment (CI of 07774ff)
+DOOMED_SLOW = {"slow_step_s": 0.05, "slow_workers": ["decode-0"]}
 BODIES = [{"model": "tiny", "prompt": PROMPT[i:] + PROMPT[:i], "max_tokens": MAX_TOKENS, "temperature": 0,
            "ignore_eos": True} for i in range(6)]
 POOLS = {"placement": "pack", "transfer": {"backends": ["ucx"]},
@@ -158,7 +161,7 @@ def fits_elsewhere(workdir: Path, head: str) -> dict:
     workdir.mkdir()
     node = start_node(workdir, "node-a", DECODE_NODE)
     _driver(_HOLD % (HEAD_CPUS - HALF_CPU["num_cpus"]))  # the head is busy: decode can only go to node-a
-    config = {"model": "tiny", **POOLS, "decode": HALF_CPU, "admission": {"timeout_s": 120}}
+    config = {"model": "tiny", **POOLS, "decode": HALF_CPU, "admission": {"timeout_s": 120}, "faults": DOOMED_SLOW}
     out: dict = {"head": head}
     with serving(workdir, config, out) as url:
         out["before"] = cluster_view(url)
@@ -180,7 +183,8 @@ def no_room_elsewhere(workdir: Path, head: str) -> dict:
     # recovery.fallback off: this is the path where nothing can take the decode pool's work (with it on, the
     # prefill worker would run the requests whole meanwhile: tests/test_worker_loss_fallback.py)
     config = {"model": "tiny", **POOLS, "decode": {**HALF_CPU, "resources": {"decode_node": 1}},
-              "admission": {"timeout_s": 3}, "recovery": {**POOLS["recovery"], "fallback": False}}
+              "admission": {"timeout_s": 3}, "recovery": {**POOLS["recovery"], "fallback": False},
+              "faults": DOOMED_SLOW}
     out: dict = {"head": head}
     with serving(workdir, config, out) as url:
         out["before"] = cluster_view(url)
