@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.server_process import HALF_CPU, live_worker_pids, poll, running_server
-from tests.test_coordinator_restart import _coordinator_pid, _serving
+from tests.test_coordinator_restart import _alive, _coordinator_pid, _serving
 
 pytestmark = pytest.mark.timeout(600)
 DEADLINE_S = 180.0  # generous bound for polled states on a loaded 2-core machine (never a measured duration)
@@ -33,10 +33,11 @@ def server(tmp_path_factory):
 
 
 def _restart_coordinator(server) -> None:
-    """SIGKILL the coordinator; return once another one serves."""
+    """SIGKILL the serving coordinator; return once it is gone and another one serves."""
     first = _coordinator_pid(server.pid)
-    assert first is not None
+    assert first is not None and _serving(server.url), "no serving coordinator under the supervisor before the kill"
     os.kill(first, signal.SIGKILL)
+    assert poll(lambda: not _alive(first), DEADLINE_S), f"the SIGKILLed coordinator {first} still runs"
     assert poll(lambda: _coordinator_pid(server.pid) not in (None, first), DEADLINE_S)
     assert poll(lambda: _serving(server.url), DEADLINE_S)
 
