@@ -93,14 +93,10 @@ class Router:
         hashes = prefix_block_hashes(prompt, self.block_size)
         least = min(candidates, key=lambda w: (pressure(w), w.served))
         chosen = least
-        owner = self._longest_prefix_owner(hashes)
-        if self._host_owner:  # a host tier's run may be worth more than another worker's device run
-            owner = self._best_holder(hashes, candidates, owner)
-        if owner is not None:
-            preferred = next((w for w in candidates if w.name == owner), None)
-            if preferred is not None and pressure(preferred) <= pressure(least) + self.affinity_slack_tokens:
-                chosen = preferred
-                self.affinity_hits += 1
+        preferred = self._holder(hashes, candidates)
+        if preferred is not None and pressure(preferred) <= pressure(least) + self.affinity_slack_tokens:
+            chosen = preferred
+            self.affinity_hits += 1
         self._remember(hashes, chosen.name)
         chosen.served += 1
         return chosen
@@ -178,10 +174,7 @@ class Router:
             return None
         hashes = prefix_block_hashes(prompt, self.block_size)
         chosen = roomiest = _most_room(fitting, room)
-        owner = self._longest_prefix_owner(hashes)
-        if self._host_owner:
-            owner = self._best_holder(hashes, fitting, owner)
-        preferred = next((w for w in fitting if w.name == owner), None)
+        preferred = self._holder(hashes, fitting)
         slack_blocks = self.affinity_slack_tokens // self.block_size
         if preferred is not None and preferred is not roomiest and room(preferred) + slack_blocks >= room(roomiest):
             chosen = preferred
@@ -206,6 +199,14 @@ class Router:
         while host < len(hashes) and worker in self._host_owner.get(hashes[host], ()):
             host += 1
         return device, host - device
+
+    def _holder(self, hashes: list[bytes], candidates: list[WorkerState]) -> WorkerState | None:
+        """The candidate holding the most of `hashes`' leading run: the device index's latest owner of the longest
+        run, unless a host tier's run is worth more (_best_holder); None when no candidate holds the first block."""
+        owner = self._longest_prefix_owner(hashes)
+        if self._host_owner:  # a host tier's run may be worth more than another worker's device run
+            owner = self._best_holder(hashes, candidates, owner)
+        return next((w for w in candidates if w.name == owner), None)
 
     def _best_holder(self, hashes: list[bytes], candidates: list[WorkerState], owner: str | None) -> str | None:
         """The candidate whose device run then host run of `hashes` is worth the most (HOST_HIT_VALUE a host
