@@ -74,17 +74,28 @@ def test_chat_echo_through_the_choices_path(client, think):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "The sky is" + text
 
 
+def _set_faults(url: str, faults: dict) -> None:
+    r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, json=faults, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_admin_requests_shows_a_request_in_flight(server, client, think):
     body = {"model": str(think[0]), "messages": USER, "ignore_eos": True, "stream": True}  # the whole context
     rid = "admin-probe-1"
-    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}) as r:
-        lines = r.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
-        next(lines)
-        view = httpx.get(f"{server.url}/admin/requests/{rid}", headers=OPERATOR)
-        listed = httpx.get(server.url + "/admin/requests", headers=OPERATOR)
-        tenant = httpx.get(f"{server.url}/admin/requests/{rid}", headers={"Authorization": "Bearer client-key"})
+    # decode steps slowed so the stream is still running when the views are read, however fast this machine
+    # decodes (CI once saw all ~2000 tokens out before the first admin GET was answered)
+    _set_faults(server.url, {"slow_step_s": 0.02, "slow_workers": ["decode-0"]})
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            next(lines)
+            view = httpx.get(f"{server.url}/admin/requests/{rid}", headers=OPERATOR)
+            listed = httpx.get(server.url + "/admin/requests", headers=OPERATOR)
+            tenant = httpx.get(f"{server.url}/admin/requests/{rid}", headers={"Authorization": "Bearer client-key"})
+    finally:
+        _set_faults(server.url, {})
     assert view.status_code == 200, view.text
     v = view.json()
     assert v["id"] == rid and v["state"] == "decode" and v["placement"] == "remote"
