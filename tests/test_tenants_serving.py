@@ -23,6 +23,7 @@ from tests.engine_helpers import random_prompts
 from tests.inprocess_backend import wait_until
 from tests.server_process import (
     HALF_CPU,
+    OPERATOR,
     assert_nothing_booked,
     frontend_pids,
     metric_values,
@@ -119,10 +120,21 @@ def test_a_low_priority_flood_does_not_hold_back_high_priority_requests(server):
     wait_for_idle_workers(url)
 
 
+def _set_faults(url: str, faults: dict) -> None:
+    r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, json=faults, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_a_tenants_stream_interval_chunks_its_streams_through_the_ray_backend(server):
     body = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 30, "ignore_eos": True, "temperature": 0}
-    chunky, chunky_text = streamed_chunks(server.url, body, "k-chunky")
-    plain, plain_text = streamed_chunks(server.url, body, "k-high")
+    # decode steps slowed so tokens come apart and chunks are made by the interval, not by a busy machine's
+    # coalescing (a loaded CI once sent the first two tokens in one chunk)
+    _set_faults(server.url, {"slow_step_s": 0.05, "slow_workers": ["decode-0"]})
+    try:
+        chunky, chunky_text = streamed_chunks(server.url, body, "k-chunky")
+        plain, plain_text = streamed_chunks(server.url, body, "k-high")
+    finally:
+        _set_faults(server.url, {})
     assert sum(chunky) == sum(plain) == 30 and chunky_text == plain_text
     assert chunky[0] == 1 and all(c >= 4 for c in chunky[1:-1]) and len(chunky) <= 1 + -(-29 // 4)
     # the plain stream is not held back: a chunk of fewer than 4 tokens in its middle (a reader that falls behind
