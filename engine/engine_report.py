@@ -39,6 +39,10 @@ class EngineReport:
     step_time_total_s: float
     num_expired_pins: int
     num_handoff_hit_blocks: int
+    _leases: set[str]
+    num_lent_blocks: int
+    num_lent_host_blocks: int
+    num_fetched_blocks: int
 
     def load(self) -> EngineLoad:
         """The engine's gauges now and its counters since start (see EngineLoad)."""
@@ -58,6 +62,8 @@ class EngineReport:
             preemptions_decode_total=s.preemptions_by_cause["decode"],
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             expired_pins_total=self.num_expired_pins, handoff_hit_blocks_total=self.num_handoff_hit_blocks,
+            lent_blocks_total=self.num_lent_blocks, lent_host_blocks_total=self.num_lent_host_blocks,
+            fetched_blocks_total=self.num_fetched_blocks,
             iteration_tokens_total=s.iteration_tokens.total, iteration_token_counts=tuple(s.iteration_tokens.counts),
             grammar_load_s=self.grammar_loader.seconds if self.grammar_loader is not None else 0.0,
             taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures(), **self._tier_figures())
@@ -94,10 +100,10 @@ class EngineReport:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and
         "expired_pins", the pinned requests their lease freed since start."""
         counts = self.block_manager.check_integrity()
-        known = set(self.scheduler.requests) | self._reserved
+        known = set(self.scheduler.requests) | self._reserved | self._leases
         tables = self.block_manager.owners()
         assert set(tables) <= known, f"blocks held by unknown owners: {sorted(set(tables) - known)}"
-        pinned_owners = self._reserved | {r.request_id for r in self.scheduler.requests.values()
+        pinned_owners = self._reserved | self._leases | {r.request_id for r in self.scheduler.requests.values()
                                           if r.status == RequestStatus.PINNED}
         active = {b for owner, t in tables.items() if owner not in pinned_owners for b in t}
         pinned = {b for owner in pinned_owners for b in tables.get(owner, [])} - active

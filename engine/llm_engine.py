@@ -52,6 +52,7 @@ from engine.kv_quant import load_kv_scales
 from engine.load import PhaseClock
 from engine.model.model_config import ModelConfig
 from engine.model.tp_layout import TPLayout
+from engine.prefix_exchange import PrefixExchange
 from engine.runner.kv_cache import cache_spec
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
@@ -75,7 +76,7 @@ LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]  # see LLM
 STEP_BUDGET_FLOOR = 64  # prompt tokens a decoding step may always carry (engine.core.step_budget)
 
 
-class LLMEngine(HandoffBlocks, GrammarHolding, HostKV, EngineReport):
+class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineReport):
     def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
         """`rank_service`: with TP, an object to start in every follower beside its cache shard (reached with
         `rank_call`; engine.runner.rank_service); ignored at TP=1, where the caller holds rank 0's cache itself."""
@@ -140,6 +141,8 @@ class LLMEngine(HandoffBlocks, GrammarHolding, HostKV, EngineReport):
         self._reserved: set[str] = set()
         self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks
         self.num_handoff_hit_blocks = 0  # blocks of requests started by add_prefilled_request the prefix cache held
+        self._leases: set[str] = set()  # prefix blocks lent to or fetched from another worker (engine.prefix_exchange)
+        self.num_lent_blocks = self.num_lent_host_blocks = self.num_fetched_blocks = 0
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
         self.grammar_loader: GrammarLoader | None = None  # or on its own thread (start_grammar_load)
         self._held: dict[str, _Held] = {}  # structured requests waiting for the loader, in arrival order

@@ -43,6 +43,11 @@ class EngineLoad:
     head_bypassed_total: int = 0        # waiting requests started ahead of a head short of blocks (engine.core.waiting)
     expired_pins_total: int = 0         # pinned prefill-only requests freed by their lease (nobody released them)
     handoff_hit_blocks_total: int = 0   # blocks of handed-over requests' KV this worker's prefix cache held: not moved
+    # prompt prefixes moved between workers (engine.prefix_exchange): blocks lent to fetchers (of those, copied up from
+    # this worker's host tier first), and blocks fetched from a lender into this worker's prefix cache
+    lent_blocks_total: int = 0
+    lent_host_blocks_total: int = 0
+    fetched_blocks_total: int = 0
     # preempted requests whose KV went to host memory instead of being recomputed (EngineConfig.preemption_mode swap
     # or auto; 0 with recompute): swapped out and back in, the bytes copied each way, preemptions that found the swap
     # space full (recomputed), and the host blocks held now

@@ -35,6 +35,7 @@ from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 from pool_worker.orphans import Adoption, abort_held
+from pool_worker.prefix_share import PrefixShare, PrefixSource
 from pool_worker.start_phases import before_start, imports_done
 from prefill_pool.prefills import PrefillResult, Prefills
 
@@ -62,6 +63,7 @@ class Worker:
         self.agents: WorkerAgents | None = None  # one KV agent per TP rank, driven as one
         self.prefills: Prefills | None = None
         self.decodes: Decodes | None = None
+        self.share: PrefixShare | None = None  # prefixes lent to and fetched from other workers (with agents)
         self._stream: WorkerStream | None = None
         self._tasks: list[asyncio.Task] = []  # kept: not collected while they run
         self._info: WorkerInfo | None = None  # what start() (or a spare's take_over_slot()) reported
@@ -103,6 +105,8 @@ class Worker:
         self.prefills.loop = self.loop
         self.decodes = Decodes(self.name, self.loop, self.agents, self._stream, self._admission_timeout_s,
                                self.load, self._reported)
+        if self.agents is not None:
+            self.share = PrefixShare(self.name, self.loop, self.agents, timeout_s)
         self._tasks.append(asyncio.get_running_loop().create_task(self.loop.run()))
         exit_process_on_failure(self._tasks[0], self.name)
         freeze_startup_objects()
@@ -146,11 +150,28 @@ class Worker:
     # ---- the prefill duty (prefill_pool.prefills)
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prior_output_ids: Sequence[int] = (), priority: int = 0,
-                      fork_params: Sequence[SamplingParams] | None = None, push: bool = False) -> PrefillResult:
+                      fork_params: Sequence[SamplingParams] | None = None, push: bool = False,
+                      fetch: PrefixSource | None = None) -> PrefillResult:
         """Prefill and sample the first token; its blocks stay pinned for decode. `push`: a target for its KV may
-        come (push_to) while it runs."""
-        return await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
-                                           fork_params, push)
+        come (push_to) while it runs. `fetch`: another worker lends the prompt's leading blocks: they are pulled
+        into this worker's prefix cache first (the result's phases then start with `kv_restore`)."""
+        fetched: tuple[tuple[str, float], ...] = ()
+        if fetch is not None and self.share is not None:
+            start = time.monotonic()
+            tokens = [*prompt_token_ids, *prior_output_ids][:len(fetch.blocks) * self.loop.engine.config.block_size]
+            if await self.share.fetch(fetch.lease_id, fetch.peer, fetch.blocks, tokens):
+                fetched = (("kv_restore", time.monotonic() - start),)
+        result = await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
+                                             fork_params, push)
+        return replace(result, phases=fetched + tuple(result.phases)) if fetched else result
+
+    async def lend_prefix(self, lease_id: str, token_ids: list[int]) -> list[int]:
+        """Hold the longest run of `token_ids`' whole blocks this worker has for another worker's fetch (a prefill
+        call's `fetch`): the blocks, in order ([]: it holds none, or moves no KV); end_lease gives them back."""
+        return await self.share.lend(lease_id, token_ids) if self.share is not None else []
+
+    async def end_lease(self, lease_id: str) -> bool:
+        return await self.share.end(lease_id) if self.share is not None else False
 
     async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int], skip: int = 0) -> bool:
         """Name the decode worker's booked blocks to push `request_id`'s KV into, the first `skip` left out (its

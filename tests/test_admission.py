@@ -271,3 +271,46 @@ def test_with_fallback_one_pool_that_gave_up_leaves_the_other_serving_and_both_r
         admission.notify()
         assert (await asyncio.wait_for(waiting, 5)).decode is pools.decode[0]
     asyncio.run(run())
+
+
+def test_the_prefill_pick_says_what_the_prefill_worker_held_before_it_was_picked():
+    """Placement.prefill_held_tokens (coordinator.backend.prefix_fetch's own run): routing remembers the prompt as
+    the picked worker's at once, so this is read before the pick; a later turn of the same conversation finds it."""
+    admission, _, pools = _setup()
+    ledger = admission.ledger
+
+    async def run():
+        first = await admission.place(_request(40, 8), 0, ledger.open("a"))
+        assert first.prefill is pools.prefill[0] and first.prefill_held_tokens == 0  # nothing held before
+        again = await admission.place(_request(40, 8), 0, ledger.open("b"))
+        assert again.prefill_held_tokens == 32  # the 2 whole blocks routed there the first time
+        longer = await admission.place(_request(72, 8), 0, ledger.open("c"))
+        assert longer.prefill_held_tokens == 32
+    asyncio.run(run())
+
+
+def test_the_adaptive_layout_decodes_a_conversation_where_its_history_is():
+    """Mode adaptive: the decode worker is the one holding the prompt's leading blocks (it decoded the last turn:
+    the router remembered prompt and reply), room allowing; a prompt nobody holds goes to the roomiest."""
+    from coordinator.config.adaptive_config import SLOConfig
+
+    config = ServeConfig(mode="adaptive", slo=SLOConfig(ttft_ms=500, tpot_ms=40),
+                         admission=AdmissionConfig(timeout_s=0.3))
+    pools = Pools(config)
+    pools.decode = [WorkerState(WorkerInfo(f"w-{i}", "mixed", 100 + i, 16, 4096, 1000, None), handle=None,
+                                role="mixed") for i in range(2)]
+    pools.prefill = list(pools.decode)
+    ledger = Ledger()
+    supervisor = Supervisor(pools, RecoveryConfig(), on_dead=lambda w, r: None, on_live=lambda w: None)
+    admission = Admission(config, supervisor, Router(16), ledger)
+    history = list(range(1, 81))
+    admission.router.remember(history, "w-0")  # w-0 decoded the last turn (AdaptiveLayout.decoded)
+
+    async def run():
+        turn = await admission.place(GenerateRequest("t", [*history, 5, 6, 7], SamplingParams(max_tokens=8), 2), 0,
+                                     ledger.open("t"))
+        assert turn.decode.name == "w-0"  # though w-1 has more room
+        other = await admission.place(GenerateRequest("o", list(range(500, 540)), SamplingParams(max_tokens=8), 2),
+                                      0, ledger.open("o"))
+        assert other.decode.name == "w-1"  # the roomiest
+    asyncio.run(run())

@@ -52,7 +52,9 @@ _COUNTERS = (
     "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
     "pdserve_worker_engine_swap_full", "pdserve_worker_engine_handoff_hit_blocks",
-    "pdserve_worker_engine_iteration_tokens", "pdserve_pool_scale_events",
+    "pdserve_worker_engine_iteration_tokens", "pdserve_pool_scale_events", "pdserve_prefix_fetches",
+    "pdserve_worker_engine_lent_blocks", "pdserve_worker_engine_lent_host_blocks",
+    "pdserve_worker_engine_fetched_blocks",
     *(f"{prefix}{key}" for prefix in ("pdserve_kv_tier_", "pdserve_worker_engine_host_tier_")
       for key in ("hit_blocks", "miss_blocks", "in_bytes", "out_bytes", "evictions", "dropped")))
 _GAUGES = (

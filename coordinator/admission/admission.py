@@ -77,6 +77,9 @@ class Placement:
     kv_blocks: int
     priority: int                  # the order it waited in, passed on to the engines' waiting queues
     choice: Choice | None = None   # adaptive mode: the placement model's estimates behind `prefill`
+    # the prompt's leading tokens the router's indexes said `prefill` held before this request was routed there
+    # (routing remembers the prompt as its own): what a prefix fetch would not need (coordinator.backend.prefix_fetch)
+    prefill_held_tokens: int = 0
 
 
 class Admission:
@@ -184,13 +187,16 @@ class Admission:
             decode = self.router.pick_decode(decode_live, lambda w: self._room(w, share), blocks)
         if decode is None:
             return None
-        prefill = None
+        prefill, held = None, {}
         if prefill_role == "prefill":
+            if self.config.transfer.prefix_fetch_min_tokens is not None:  # before the pick remembers the prompt
+                held = {w.name: self.router.held_tokens(request.prompt_token_ids, w.name) for w in backlog_ok}
             prefill = self.router.pick_prefill(request.prompt_token_ids, backlog_ok, self._pressure)
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
         self.placements["local" if prefill is None else "remote"] += 1
-        return Placement(decode, prefill, blocks, priority)
+        return Placement(decode, prefill, blocks, priority, prefill_held_tokens=held.get(prefill.name, 0)
+                         if prefill is not None else 0)
 
     def _place_fallback(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
                         priority: int, share: float) -> Placement | None:
@@ -213,8 +219,10 @@ class Admission:
 
     def _place_adaptive(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
                         priority: int, share: float) -> Placement | None:
-        """The decode worker with the most room, and the prompt's place by the placement model."""
-        decode = self.router.pick_decode(self.workers.live("decode"), lambda w: self._room(w, share), blocks)
+        """The decode worker holding the prompt's prefix (a conversation's history: it decoded the last turn),
+        room allowing, else the one with the most room; and the prompt's place by the placement model."""
+        decode = self.router.pick_whole(request.prompt_token_ids, self.workers.live("decode"),
+                                        lambda w: self._room(w, share), blocks, remember=False)
         if decode is None:
             return None
         prompt = request.prompt_token_ids
@@ -223,6 +231,7 @@ class Admission:
         choice = self.placement.choose(self._side(decode, prompt, tokens), remotes)
         prefill = None if choice.remote is None else next(w for w in self.workers.live("prefill")
                                                           if w.name == choice.remote.name)
+        held = self.router.held_tokens(prompt, prefill.name) if prefill is not None else 0
         self.router.remember(prompt, (prefill or decode).name)
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
@@ -230,7 +239,7 @@ class Admission:
         log.info("request %s: prefill %s on %s, decode on %s (first token estimated %s local, %s remote)",
                  request.request_id, choice.placement, (prefill or decode).name, decode.name,
                  _seconds(choice.local_s), _seconds(choice.remote_s))
-        return Placement(decode, prefill, blocks, priority, choice)
+        return Placement(decode, prefill, blocks, priority, choice, held)
 
     def _side(self, worker: WorkerState, prompt: list[int], tokens: int) -> Side:
         """`worker` as a place to prefill a prompt of `tokens` tokens (prompt and prior outputs)."""

@@ -8,10 +8,11 @@ incarnation), so a replacement never inherits its predecessor's books.
 Router: prefill picks the least pressure (booked prompt tokens plus what the worker reports queued), but a worker
 that already computed the prompt's leading blocks (its prefix cache likely still holds them) wins while its
 pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the most unbooked KV room, then the
-fewest running sequences. A request run whole (collocated: `pick_whole`) goes where its prompt's leading blocks
-are, while that worker's room is within `affinity_slack_tokens` of the roomiest's, else to the roomiest. It
-remembers which workers computed which leading blocks (up to OWNERS per block, the latest first: `remember`), and
-says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the adaptive layout's placement).
+fewest running sequences. A request run whole (collocated: `pick_whole`), or decoded in the adaptive layout, goes
+where its prompt's leading blocks are, while that worker's room is within `affinity_slack_tokens` of the
+roomiest's, else to the roomiest. It remembers which workers computed which leading blocks (up to OWNERS per block,
+the latest first: `remember`), and says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for
+the adaptive layout's placement; `held_tokens` with the host tiers, for a prefix fetch).
 The router only reads numbers the caller gives it; it never calls a worker.
 Host tiers (engine.core.host_tier): the workers' reports of the blocks their host tiers added and evicted
 (`host_report`, in batches) make a second index; a prompt's blocks past a worker's device run that its host tier
@@ -120,6 +121,10 @@ class Router:
         device, host = self._tier_blocks(prefix_block_hashes(tokens, self.block_size), worker)
         return device * self.block_size, host * self.block_size
 
+    def held_tokens(self, tokens: list[int], worker: str) -> int:
+        """The leading tokens of `tokens` (whole blocks) `worker` likely holds on its device or in its host tier."""
+        return sum(self.tier_tokens(tokens, worker))
+
     def effective_cached_tokens(self, tokens: list[int], worker: str) -> int:
         """The tokens a prefill of `tokens` on `worker` likely need not compute, a host-held one counted at
         HOST_HIT_VALUE (placement's estimate of the prompt work)."""
@@ -164,11 +169,12 @@ class Router:
         return best
 
     def pick_whole(self, prompt: list[int], candidates: list[WorkerState], room: Callable[[WorkerState], int],
-                   blocks_needed: int) -> WorkerState | None:
-        """A worker to run a request whole (collocated): the one whose device, then host tier, holds the longest
-        run of the prompt's leading blocks, while its room is within `affinity_slack_tokens` of the roomiest's
-        (a conversation's next turn finds its history there); else the roomiest. None if none has
-        `blocks_needed` blocks of room. The prompt's blocks are remembered as the chosen worker's."""
+                   blocks_needed: int, remember: bool = True) -> WorkerState | None:
+        """A worker to run a request whole (collocated), or to decode it (adaptive): the one whose device, then
+        host tier, holds the longest run of the prompt's leading blocks, while its room is within
+        `affinity_slack_tokens` of the roomiest's (a conversation's next turn finds its history there); else the
+        roomiest. None if none has `blocks_needed` blocks of room. With `remember`, the prompt's blocks are
+        remembered as the chosen worker's (the adaptive layout does so once it has placed the prompt)."""
         fitting = [w for w in candidates if room(w) >= blocks_needed]
         if not fitting:
             return None
@@ -179,7 +185,8 @@ class Router:
         if preferred is not None and preferred is not roomiest and room(preferred) + slack_blocks >= room(roomiest):
             chosen = preferred
             self.affinity_hits += 1
-        self._remember(hashes, chosen.name)
+        if remember:
+            self._remember(hashes, chosen.name)
         chosen.served += 1
         return chosen
 

@@ -57,6 +57,7 @@ from coordinator.backend.inflight import InFlight
 from coordinator.backend.operator_calls import OperatorCalls
 from coordinator.backend.output_intake import OutputIntake
 from coordinator.backend.pools import Pools
+from coordinator.backend.prefix_fetch import PrefixFetch
 from coordinator.backend.ray_group import GroupRun
 from coordinator.backend.remote_prefill import RemotePrefill
 from coordinator.backend.scaler import Scaler
@@ -75,7 +76,7 @@ log = logging.getLogger("pdserve")
 STATS_PERIOD_S = 1.0
 
 
-class RayBackend(Attempts, RemotePrefill, OperatorCalls):
+class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls):
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.pools = Pools(config)
@@ -108,6 +109,7 @@ class RayBackend(Attempts, RemotePrefill, OperatorCalls):
         self._tasks: set[asyncio.Task] = set()
         self.transfer_totals: dict[str, float] = {}
         self.errors: dict[str, int] = {}
+        self.prefix_fetches = dict.fromkeys(("lent", "nothing", "failed"), 0)  # prefix_fetch's lend outcomes
         self.migrations: dict[str, int] = {}          # "attempted", "outcome_<completed|failed>"
         self.drills = Drills(self.pools, self.supervisor, config.faults)
         self.loop_lag = LoopLag()  # how late the coordinator's event loop runs, for /metrics

@@ -1,10 +1,11 @@
 """RemotePrefill: the part of RayBackend (coordinator.backend.ray_backend) that runs an attempt's prompt on a prefill
 worker and hands its KV to the decode worker: the prefill call (the first token streams at once), the decode
 worker's booking of the KV's blocks (pushed during the forward: prefill_pool.kv_push, else pulled), the handoff
-task, and the recompute of a prompt whose transfer failed (`transfer.on_failure`). It holds no state of its own:
-the attempt's cleanup list and the backend's intake, pools and counters are what it works on. RayBackend inherits
-it; `_attempt` (coordinator.backend.attempts) calls `_prefill`. The decode worker's booking gets the KV's tokens
-(prompt, then prior outputs): what its prefix cache holds of them is not moved (decode_pool.reservations).
+task, and the recompute of a prompt whose transfer failed (`transfer.on_failure`); a prefix another worker lends
+is fetched first (coordinator.backend.prefix_fetch). It holds no state of its own: the attempt's cleanup list and
+the backend's intake, pools and counters are what it works on. RayBackend inherits it; `_attempt`
+(coordinator.backend.attempts) calls `_prefill`. The decode worker's booking gets the KV's tokens (prompt, then prior
+outputs): what its prefix cache holds of them is not moved (decode_pool.reservations).
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ class RemotePrefill:
             self._spawn(self._push_target(attempt, request, prior, prefill, decode, placement.priority))
         else:
             self._spawn(quietly(decode.handle.reserve.remote(attempt, [*request.prompt_token_ids, *prior])))
-        result = await self._call(prefill, prefill.handle.prefill.remote(
-            attempt, request.prompt_token_ids, request.params, prior_output_ids=prior, priority=placement.priority,
-            push=self.pools.pushes))
+        lent = None
+        try:  # the prompt's leading blocks fetched from another worker first, where one holds more of them
+            lent = await self._lend_prefix(attempt, [*request.prompt_token_ids, *prior], prefill,
+                                           placement.prefill_held_tokens)
+            result = await self._call(prefill, prefill.handle.prefill.remote(
+                attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
+                priority=placement.priority, push=self.pools.pushes, fetch=lent[1] if lent else None))
+        finally:
+            self._end_lease(lent)
         trace.split(result.phases)
         reservation.unbook(prefill.key, "prompt_tokens")
         if not result.pushed:  # nothing pinned (it ended), or the handoff releases it; while a push is under way

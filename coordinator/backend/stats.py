@@ -52,6 +52,7 @@ def backend_stats(backend: Any) -> dict:
             "pool_down_seconds": supervisor.downtime_s(),
             "stragglers": {"detected": backend.stragglers.detected, "replaced": backend.stragglers.replaced},
             "prefix_affinity_hits": admission.router.affinity_hits if admission else 0,
+            "prefix_fetches": dict(backend.prefix_fetches),
             "prefix_index_host_blocks": admission.router.host_blocks() if admission else {},
             "placements": dict(admission.placements) if admission else {},
             "fallbacks": dict(admission.fallbacks) if admission else {},

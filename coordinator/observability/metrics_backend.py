@@ -193,6 +193,11 @@ def backend_families(stats: dict) -> list[Metric]:
     if hits is not None:
         out.append(_family("pdserve_prefix_affinity_hits_total", "Prefill routings that followed a cached prefix",
                            [({}, hits)]))
+    fetches = stats.get("prefix_fetches")
+    if isinstance(fetches, dict):
+        out.append(_family("pdserve_prefix_fetches_total", "Prompt prefixes asked of another worker for a prefill "
+                           "worker to fetch (outcome: lent, nothing held, failed; coordinator.backend.prefix_fetch)",
+                           [({"outcome": k}, v) for k, v in sorted(fetches.items()) if _number(v) is not None]))
     errors = stats.get("errors")
     if isinstance(errors, dict):
         out.append(_family("pdserve_backend_errors_total", "Backend failures by kind",
