@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve")
 LEASE_TIMEOUTS = 4  # a lease nobody ends lasts this many transfer timeouts
+MAX_ENDED = 10_000  # lease ids ended before their lend landed, remembered so that it is ended as it lands
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class PrefixShare:
     def __init__(self, name: str, loop: AsyncEngine, agents: WorkerAgents, timeout_s: float) -> None:
         self.name, self.loop, self.agents, self.timeout_s = name, loop, agents, timeout_s
         self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ended before lent, oldest first (at most MAX_ENDED)
         self.expired = 0  # leases ended by their timer, not by the coordinator
 
     async def lend(self, lease_id: str, token_ids: list[int]) -> list[int]:
@@ -50,6 +53,9 @@ class PrefixShare:
         for a fetcher; the blocks in order, readable once this returns ([] when it holds none)."""
         blocks, copied = await self.loop.call(lambda e: e.lend_prefix(lease_id, token_ids))
         if not blocks:
+            return []
+        if self._ended.pop(lease_id, None) is not None:  # ended before it was lent (the coordinator gave up on it)
+            await self.loop.call(lambda e: e.end_lease(lease_id))
             return []
         loop = asyncio.get_running_loop()
         self._leases[lease_id] = loop.call_later(LEASE_TIMEOUTS * self.timeout_s, self._expire, lease_id)
@@ -66,7 +72,10 @@ class PrefixShare:
     async def end(self, lease_id: str) -> bool:
         """The fetcher is done with the lease (or never came): give its blocks back; False if none is held."""
         timer = self._leases.pop(lease_id, None)
-        if timer is None:
+        if timer is None:  # not lent (yet): a lend still on its way is ended as it lands
+            self._ended[lease_id] = None
+            while len(self._ended) > MAX_ENDED:
+                self._ended.popitem(last=False)
             return False
         timer.cancel()
         return await self.loop.call(lambda e: e.end_lease(lease_id))

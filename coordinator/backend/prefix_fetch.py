@@ -54,7 +54,10 @@ class PrefixFetch:
         try:
             blocks = await asyncio.wait_for(lender.handle.lend_prefix.remote(lease, tokens[:lent_tokens]),
                                             LEND_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - it died, or is stuck: the prompt is computed, the lease times out
+        except BaseException as e:  # it died, is stuck, or the request ended meanwhile: the prompt is computed
+            self._end_lease((lender, PrefixSource(lender.name, [], lease)))  # a lend that lands later is ended
+            if not isinstance(e, Exception):
+                raise
             log.info("request %s: %s could not lend its prefix (%s)", attempt, lender.name, e)
             self.prefix_fetches["failed"] += 1
             return None
