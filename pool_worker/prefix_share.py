@@ -80,6 +80,16 @@ class PrefixShare:
         timer.cancel()
         return await self.loop.call(lambda e: e.end_lease(lease_id))
 
+    async def fetch_from(self, source: PrefixSource, token_ids: list[int]) -> tuple[tuple[str, float], ...]:
+        """Before a prefill of `token_ids` (prompt, then prior outputs): fetch its leading blocks from `source`;
+        the phase it took (`kv_restore`, engine.core.request_timing's name for KV copied in instead of computed)
+        if any block came, else nothing."""
+        start = time.monotonic()
+        tokens = token_ids[:len(source.blocks) * self.loop.engine.config.block_size]
+        if await self.fetch(source.lease_id, source.peer, source.blocks, tokens):
+            return (("kv_restore", time.monotonic() - start),)
+        return ()
+
     async def fetch(self, lease_id: str, peer: str, peer_blocks: list[int], token_ids: list[int]) -> int:
         """Pull `token_ids`' KV (whole blocks) from worker `peer`'s `peer_blocks` into this worker's prefix cache,
         but for the blocks it holds already; the blocks pulled (0: the fetch failed or found no room, and the

@@ -155,12 +155,9 @@ class Worker:
         """Prefill and sample the first token; its blocks stay pinned for decode. `push`: a target for its KV may
         come (push_to) while it runs. `fetch`: another worker lends the prompt's leading blocks: they are pulled
         into this worker's prefix cache first (the result's phases then start with `kv_restore`)."""
-        fetched: tuple[tuple[str, float], ...] = ()
+        fetched = ()
         if fetch is not None and self.share is not None:
-            start = time.monotonic()
-            tokens = [*prompt_token_ids, *prior_output_ids][:len(fetch.blocks) * self.loop.engine.config.block_size]
-            if await self.share.fetch(fetch.lease_id, fetch.peer, fetch.blocks, tokens):
-                fetched = (("kv_restore", time.monotonic() - start),)
+            fetched = await self.share.fetch_from(fetch, [*prompt_token_ids, *prior_output_ids])
         result = await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
                                              fork_params, push)
         return replace(result, phases=fetched + tuple(result.phases)) if fetched else result

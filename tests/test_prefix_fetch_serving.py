@@ -6,8 +6,8 @@ through).
 Two conversations' first turns end on the decode worker, whose prefix cache then holds their histories (prompt and
 reply); a flood of other requests evicts them from both workers' small device caches, into the decode worker's host
 tier (the prefill worker has none). Each second turn (history + new tokens) is then prefilled on the prefill worker
-with the history fetched from the decode worker's host tier: the response counts those tokens cached, the lend and
-the blocks are counted on both sides, and the output equals the engine's (greedy and seeded). With fetching off
+with the history fetched from the decode worker's host tier: the response counts those tokens cached, the request
+has a kv_restore phase, the lend and the blocks are counted on both sides, and the output equals the engine's (greedy and seeded). With fetching off
 (transfer.prefix_fetch_min_tokens null) the same second turns are computed but for what the prefill worker's own
 cache still held (the first turn's prompt, never its reply).
 """
@@ -83,6 +83,8 @@ def test_a_history_in_the_decode_workers_host_tier_is_fetched_for_the_next_turn(
             assert data["choices"][0]["text"] == want
             # the history's whole blocks, fetched: not computed by the prefill worker
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == HELD * BLOCK, data["usage"]
+        # their phases start with the fetch (kv_restore; the prefill worker has no host tier of its own)
+        assert metric_values(url, "pdserve_request_phase_seconds_count")['{phase="kv_restore"}'] == 2
         fetches = metric_values(url, "pdserve_prefix_fetches_total")
         assert fetches['{outcome="lent"}'] == 2 and fetches['{outcome="failed"}'] == 0, fetches
         lent = metric_values(url, "pdserve_worker_engine_lent_host_blocks_total")
