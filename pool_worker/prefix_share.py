@@ -94,7 +94,12 @@ class PrefixShare:
         """Pull `token_ids`' KV (whole blocks) from worker `peer`'s `peer_blocks` into this worker's prefix cache,
         but for the blocks it holds already; the blocks pulled (0: the fetch failed or found no room, and the
         prompt's prefill computes them)."""
-        booked = await self.loop.call(lambda e: e.book_prefix(lease_id, token_ids))
+        booking = self.loop.submit(lambda e: e.book_prefix(lease_id, token_ids))
+        try:
+            booked = await asyncio.shield(booking)
+        except asyncio.CancelledError:
+            self.loop.submit(lambda e: e.end_lease(lease_id))  # queued after the booking: gives it back
+            raise
         if booked is None:
             return 0
         blocks, skip, fence = booked
@@ -107,12 +112,15 @@ class PrefixShare:
             landed = pull.gpu_done or () if pull is not None else ()
             await self.loop.call(lambda e: e.adopt_prefix(lease_id, token_ids, skip, landed))
             return len(blocks) - skip
-        except Exception as e:  # noqa: BLE001 - a cache fill: whatever failed, the prompt is computed instead
-            log.warning("worker %s: fetching %d prefix blocks from %s failed (%s); computing them", self.name,
-                        len(blocks) - skip, peer, e)
-            if pull is not None and not await _settled(pull):
+        except BaseException as e:  # a cache fill: whatever failed, the prompt is computed instead
+            if isinstance(e, Exception):
+                log.warning("worker %s: fetching %d prefix blocks from %s failed (%s); computing them", self.name,
+                            len(blocks) - skip, peer, e)
+            if pull is not None and not await asyncio.shield(_settled(pull)):
                 exit_process(self.name, "a prefix fetch's copies did not end by their deadline")
-            await self.loop.call(lambda e: e.end_lease(lease_id))
+            await asyncio.shield(self.loop.submit(lambda e: e.end_lease(lease_id)))  # a no-op once adopted
+            if not isinstance(e, Exception):
+                raise  # cancelled: its blocks are given back all the same
             return 0
 
     def _expire(self, lease_id: str) -> None:

@@ -7,9 +7,10 @@ Two conversations' first turns end on the decode worker, whose prefix cache then
 reply); a flood of other requests evicts them from both workers' small device caches, into the decode worker's host
 tier (the prefill worker has none). Each second turn (history + new tokens) is then prefilled on the prefill worker
 with the history fetched from the decode worker's host tier: the response counts those tokens cached, the request
-has a kv_restore phase, the lend and the blocks are counted on both sides, and the output equals the engine's (greedy and seeded). With fetching off
-(transfer.prefix_fetch_min_tokens null) the same second turns are computed but for what the prefill worker's own
-cache still held (the first turn's prompt, never its reply).
+has a kv_restore phase, the lend and the blocks are counted on both sides, and the output equals the engine's
+(greedy and seeded). With fetching off (transfer.prefix_fetch_min_tokens null) the same second turns are computed
+but for what the prefill worker's own cache still held (the first turn's prompt, never its reply); so are they when
+every transfer fails, every block given back.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ GREEDY = {"temperature": 0}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
 
 
-def _config(llama, fetch_min: int | None) -> dict:
-    return {"model": str(llama),
+def _config(llama, fetch_min: int | None, **extra) -> dict:
+    return {**extra, "model": str(llama),
             "prefill": {**HALF_CPU, "num_kv_blocks": 24, "kv_host_cache_bytes": 0},
             "decode": {**HALF_CPU, "num_kv_blocks": 24, "kv_host_cache_bytes": 64 << 20},
             "transfer": {"backends": ["ucx"], "prefix_fetch_min_tokens": fetch_min},
@@ -108,3 +109,21 @@ def test_with_fetching_off_the_next_turn_is_computed(llama, reference, tmp_path)
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] <= FIRST_LEN // BLOCK * BLOCK, data
         fetches = metric_values(server.url, "pdserve_prefix_fetches_total")
         assert sum(fetches.values()) == 0, fetches
+
+
+def test_a_fetch_whose_transfer_fails_leaves_the_prompt_computed_and_nothing_held(llama, reference, tmp_path):
+    """Every KV transfer fails (faults.transfer_fail_fraction 1: the handoffs recompute on the decode worker, and
+    each fetch's pull fails): the second turns are lent, nothing is fetched, the prompts are computed exactly, and
+    every booked and lent block is given back."""
+    config = _config(llama, 32, faults={"transfer_fail_fraction": 1.0})
+    with running_server(tmp_path, config) as server:
+        url = server.url
+        for data, want in _second_turns(url, llama, reference):
+            assert data["choices"][0]["text"] == want
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] <= FIRST_LEN // BLOCK * BLOCK, data
+        assert metric_values(url, "pdserve_prefix_fetches_total")['{outcome="lent"}'] == 2
+        assert sum(metric_values(url, "pdserve_worker_engine_fetched_blocks_total").values()) == 0
+        wait_for_idle_workers(url)
+        integrity = admin_integrity(url)
+        assert integrity["ok"], integrity
+        assert all(worker["pinned"] == 0 for worker in integrity["workers"].values()), integrity
