@@ -22,6 +22,7 @@ from engine import SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
+    OPERATOR,
     admin_integrity,
     metric_values,
     poll,
@@ -51,6 +52,13 @@ def _complete(client: httpx.Client, llama, prompt: list[int], max_tokens: int, s
                                              "ignore_eos": True, "return_token_ids": True, **sampling})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def _settles(url: str, name: str, labels: str, want: float) -> None:
+    """Assert that metric `name{labels}` is (or becomes, within 30 s: the workers report every second) `want`."""
+    poll(lambda: metric_values(url, name).get(labels) == want, 30)
+    got = metric_values(url, name).get(labels)
+    assert got == want, (name, labels, got, want)
 
 
 def _second_turns(url: str, llama, reference) -> list[tuple[dict, str]]:
@@ -84,13 +92,14 @@ def test_a_history_in_the_decode_workers_host_tier_is_fetched_for_the_next_turn(
             assert data["choices"][0]["text"] == want
             # the history's whole blocks, fetched: not computed by the prefill worker
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == HELD * BLOCK, data["usage"]
-        # their phases start with the fetch (kv_restore; the prefill worker has no host tier of its own)
-        assert metric_values(url, "pdserve_request_phase_seconds_count")['{phase="kv_restore"}'] == 2
+        # their phases start with the fetch (kv_restore; the prefill worker has no host tier of its own), observed
+        # as each request closed; the lender's counters come with its next load report
+        _settles(url, "pdserve_request_phase_seconds_count", '{phase="kv_restore"}', 2)
         fetches = metric_values(url, "pdserve_prefix_fetches_total")
         assert fetches['{outcome="lent"}'] == 2 and fetches['{outcome="failed"}'] == 0, fetches
-        lent = metric_values(url, "pdserve_worker_engine_lent_host_blocks_total")
+        # copied up from its host tier, both turns
+        _settles(url, "pdserve_worker_engine_lent_host_blocks_total", '{worker="decode-0",role="decode"}', 2 * HELD)
         fetched = metric_values(url, "pdserve_worker_engine_fetched_blocks_total")
-        assert lent['{worker="decode-0",role="decode"}'] == 2 * HELD, lent  # copied up from its host tier, both turns
         # read over the transfer: all but what the prefill worker's own cache still held of the first turns' prompts
         own = 2 * (FIRST_LEN // BLOCK)
         assert 2 * HELD - own <= fetched['{worker="prefill-0",role="prefill"}'] <= 2 * HELD, fetched
@@ -122,8 +131,37 @@ def test_a_fetch_whose_transfer_fails_leaves_the_prompt_computed_and_nothing_hel
             assert data["choices"][0]["text"] == want
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] <= FIRST_LEN // BLOCK * BLOCK, data
         assert metric_values(url, "pdserve_prefix_fetches_total")['{outcome="lent"}'] == 2
+        _settles(url, "pdserve_worker_engine_lent_host_blocks_total", '{worker="decode-0",role="decode"}', 2 * HELD)
         assert sum(metric_values(url, "pdserve_worker_engine_fetched_blocks_total").values()) == 0
         wait_for_idle_workers(url)
         integrity = admin_integrity(url)
         assert integrity["ok"], integrity
         assert all(worker["pinned"] == 0 for worker in integrity["workers"].values()), integrity
+
+
+def test_a_prefill_worker_fetches_a_prefix_another_prefill_worker_computed(llama, reference, tmp_path):
+    """Two prefill workers, connected to each other while fetching is on (Pools.prefills_connect): a first turn is
+    prefilled on prefill-0, which the operator then drains; the second turn goes to prefill-1, which fetches the
+    prompt's blocks from prefill-0's device prefix cache (a drained worker still lends) instead of computing them."""
+    config = _config(llama, 32)
+    config["prefill"] = {**config["prefill"], "workers": 2}
+    first = random_prompts([64], 2000, seed=73)[0]
+    with running_server(tmp_path, config) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        url = server.url
+        reply = _complete(client, llama, first, 8, GREEDY)["choices"][0]["token_ids"]
+        routed = metric_values(url, "pdserve_worker_requests_routed")
+        holder = max(("prefill-0", "prefill-1"), key=lambda n: routed[f'{{worker="{n}",role="prefill"}}'])
+        other = "prefill-1" if holder == "prefill-0" else "prefill-0"
+        r = httpx.post(f"{url}/admin/workers/{holder}/drain", headers=OPERATOR, timeout=30)
+        assert r.status_code == 200, r.text
+        second = first + reply + list(range(600, 610))
+        want = reference.generate([second], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))[0].text
+        data = _complete(client, llama, second, 8, GREEDY)
+        assert data["choices"][0]["text"] == want
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK, data["usage"]  # the prompt's
+        _settles(url, "pdserve_worker_engine_lent_blocks_total", f'{{worker="{holder}",role="prefill"}}', 4)
+        _settles(url, "pdserve_worker_engine_fetched_blocks_total", f'{{worker="{other}",role="prefill"}}', 4)
+        r = httpx.post(f"{url}/admin/workers/{holder}/undrain", headers=OPERATOR, timeout=30)
+        assert r.status_code == 200, r.text
+        wait_for_idle_workers(url)
+        assert admin_integrity(url)["ok"]

@@ -130,6 +130,19 @@ class Pools:
         if self.pushes:
             await asyncio.gather(*[_connecting(lambda d=d, p=p: p.handle.add_peer.remote(d.info.agent_metadata),
                                                f"{p.name} to {d.name}") for d in self.decode for p in self.prefill])
+        if self.prefills_connect:
+            await asyncio.gather(*[_connecting(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
+                                               f"{a.name} to {b.name}")
+                                   for a in self.prefill for b in self.prefill if a is not b])
+
+    @property
+    def prefills_connect(self) -> bool:
+        """Disaggregated, with prefix fetching on (transfer.prefix_fetch_min_tokens, both pools at TP=1): prefill
+        workers connect to each other too, so one can fetch a prompt's prefix another holds
+        (coordinator.backend.prefix_fetch)."""
+        cfg = self.config
+        return (self.transfers and not cfg.adaptive and cfg.transfer.prefix_fetch_min_tokens is not None
+                and cfg.prefill.tensor_parallel_size == 1 and cfg.decode.tensor_parallel_size == 1)
 
     @property
     def pushes(self) -> bool:
@@ -157,7 +170,8 @@ class Pools:
     async def connect(self, worker: WorkerState) -> None:
         """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull
         from prefill workers, so a new decode worker adds every live prefill agent, and every live decode worker
-        drops the old prefill agent of that name and adds the new one. With pushes, the other way round as well."""
+        drops the old prefill agent of that name and adds the new one. With pushes, the other way round as well; with
+        prefills_connect, a new prefill worker and the other live prefill workers both ways."""
         if not self.transfers:
             return
         if self.config.adaptive:  # every live peer, both ways
@@ -182,18 +196,27 @@ class Pools:
             if self.pushes:
                 calls += [_connecting(lambda d=d: worker.handle.add_peer.remote(d.info.agent_metadata),
                                       f"{worker.name} to {d.name}") for d in peers]
+            if self.prefills_connect:
+                others = [p for p in self.prefill if p.alive and p.name != worker.name]
+                calls += [_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
+                                      f"{worker.name} to {p.name}") for p in others]
+                calls += [_connecting(lambda p=p: p.handle.replace_peer.remote(
+                    worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}") for p in others]
         await asyncio.gather(*calls)
 
     async def disconnect(self, dead: WorkerState) -> None:
         """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
         mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken); with
-        pushes, every live prefill worker a dead decode worker's."""
+        pushes, every live prefill worker a dead decode worker's; with prefills_connect, every other live prefill
+        worker a dead prefill worker's."""
         if not self.transfers or (dead.info.role != "prefill" and not self.pushes and not self.config.adaptive):
             return
         if self.config.adaptive:
             peers = [w for w in self.all_workers if w.alive and w.name != dead.name]
         else:
             peers = [w for w in (self.decode if dead.info.role == "prefill" else self.prefill) if w.alive]
+            if dead.info.role == "prefill" and self.prefills_connect:  # and the other prefill workers
+                peers += [p for p in self.prefill if p.alive and p.name != dead.name]
         await asyncio.gather(*[w.handle.drop_peer.remote(dead.name) for w in peers], return_exceptions=True)
 
     def install(self, worker: WorkerState) -> None:

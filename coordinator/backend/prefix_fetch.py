@@ -11,8 +11,10 @@ cache first, then its prefill finds them as prefix hits. The lease is ended once
 that holds less than the hint lends what it has, one that died or holds nothing lends nothing, and a fetch that
 fails leaves the blocks to be computed; no request fails for a fetch.
 Who can read whom: the workers' agents connect as the layout needs (coordinator.backend.pools): in the adaptive
-layout every pair, in the disaggregated one a prefill worker reads a decode worker's blocks only with pushes (it
-connects to them to write), never another prefill worker's. Tensor parallelism (either pool above 1): no fetch.
+layout every pair; in the disaggregated one a prefill worker reads a decode worker's blocks with pushes (it connects
+to them to write), and the other prefill workers' (Pools.prefills_connect: they connect to each other while fetching
+is on). A drained worker still lends (a read of what it holds, no compute). Tensor parallelism (either pool above
+1): no fetch.
 Counted in `prefix_fetches` (lent, nothing, failed).
 """
 
@@ -91,7 +93,9 @@ class PrefixFetch:
         """Whether `reader`'s agents are connected to `holder`'s (coordinator.backend.pools)."""
         if self.config.adaptive:
             return True
-        return holder in self.pools.decode and reader in self.pools.prefill and self.pools.pushes
+        if reader not in self.pools.prefill:
+            return False
+        return self.pools.pushes if holder in self.pools.decode else self.pools.prefills_connect
 
     def _end_lease(self, lent: tuple[WorkerState, PrefixSource] | None) -> None:
         if lent is not None and lent[0].alive:
