@@ -354,3 +354,17 @@ def test_a_host_tier_s_blocks_count_for_their_worker_below_a_device_run():
 def _worker(name: str) -> WorkerState:
     info = WorkerInfo(name, "prefill", 100, 4, 1024, 2000, None)
     return WorkerState(info, handle=None)
+
+
+def test_the_prefill_pick_follows_a_prefill_worker_holding_the_prompt_when_a_decode_worker_holds_more():
+    """The device index's latest owner of the longest run is the decode worker that decoded the last turn (prompt
+    and reply): no prefill candidate. The pick still goes to the prefill worker holding the prompt (Router._holder:
+    the best candidate), not to the least loaded."""
+    router = Router(16)
+    p0, p1 = (WorkerState(WorkerInfo(f"prefill-{i}", "prefill", 100, 16, 4096, 1000, None), handle=None)
+              for i in range(2))
+    prompt, reply = list(range(1, 65)), list(range(100, 140))
+    router.remember(prompt, "prefill-0")
+    router.remember(prompt + reply, "decode-0")
+    pressures = {"prefill-0": 10, "prefill-1": 0}
+    assert router.pick_prefill(prompt + reply + [7], [p0, p1], lambda w: pressures[w.name]) is p0

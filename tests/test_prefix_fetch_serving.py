@@ -165,3 +165,23 @@ def test_a_prefill_worker_fetches_a_prefix_another_prefill_worker_computed(llama
         assert r.status_code == 200, r.text
         wait_for_idle_workers(url)
         assert admin_integrity(url)["ok"]
+
+
+def test_a_reply_the_decode_worker_holds_on_its_device_is_fetched_for_the_next_turn(llama, reference, tmp_path):
+    """No eviction: the decode worker's device still holds the first turn's prompt and reply (the coordinator
+    remembers both as its own when the request ends), the prefill worker only the prompt. The second turn's prefill
+    fetches the reply's blocks from the decode worker's device (none from its host tier) and computes the rest."""
+    with running_server(tmp_path, _config(llama, 32)) as server, httpx.Client(base_url=server.url, timeout=120) as c:
+        url = server.url
+        first = random_prompts([FIRST_LEN], 2000, seed=74)[0]
+        reply = _complete(c, llama, first, REPLY, GREEDY)["choices"][0]["token_ids"]
+        second = first + reply + list(range(700, 710))
+        want = reference.generate([second], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))[0].text
+        data = _complete(c, llama, second, 8, GREEDY)
+        assert data["choices"][0]["text"] == want
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == HELD * BLOCK, data["usage"]
+        _settles(url, "pdserve_worker_engine_lent_blocks_total", '{worker="decode-0",role="decode"}', HELD)
+        _settles(url, "pdserve_worker_engine_fetched_blocks_total", '{worker="prefill-0",role="prefill"}',
+                 HELD - FIRST_LEN // BLOCK)  # the prompt's own blocks were the prefill worker's already
+        host = metric_values(url, "pdserve_worker_engine_lent_host_blocks_total")
+        assert host['{worker="decode-0",role="decode"}'] == 0, host

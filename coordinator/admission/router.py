@@ -10,9 +10,10 @@ that already computed the prompt's leading blocks (its prefix cache likely still
 pressure is within `affinity_slack_tokens` of the least loaded. Decode picks the most unbooked KV room, then the
 fewest running sequences. A request run whole (collocated: `pick_whole`), or decoded in the adaptive layout, goes
 where its prompt's leading blocks are, while that worker's room is within `affinity_slack_tokens` of the
-roomiest's, else to the roomiest. It remembers which workers computed which leading blocks (up to OWNERS per block,
-the latest first: `remember`), and says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for
-the adaptive layout's placement; `held_tokens` with the host tiers, for a prefix fetch).
+roomiest's, else to the roomiest. It remembers which workers computed which leading blocks, and which decode
+worker holds a finished request's prompt and reply (up to OWNERS per block, the latest first: `remember`), and
+says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the adaptive layout's placement;
+`held_tokens` with the host tiers, for a prefix fetch).
 The router only reads numbers the caller gives it; it never calls a worker.
 Host tiers (engine.core.host_tier): the workers' reports of the blocks their host tiers added and evicted
 (`host_report`, in batches) make a second index; a prompt's blocks past a worker's device run that its host tier
@@ -210,9 +211,9 @@ class Router:
     def _holder(self, hashes: list[bytes], candidates: list[WorkerState]) -> WorkerState | None:
         """The candidate holding the most of `hashes`' leading run: the device index's latest owner of the longest
         run, unless a host tier's run is worth more (_best_holder); None when no candidate holds the first block."""
-        owner = self._longest_prefix_owner(hashes)
-        if self._host_owner:  # a host tier's run may be worth more than another worker's device run
-            owner = self._best_holder(hashes, candidates, owner)
+        # the device index's latest owner of the longest run may be no candidate (a decode worker holding a
+        # conversation's reply, for a prefill pick), and a host tier's run may be worth more: the best candidate
+        owner = self._best_holder(hashes, candidates, self._longest_prefix_owner(hashes))
         return next((w for w in candidates if w.name == owner), None)
 
     def _best_holder(self, hashes: list[bytes], candidates: list[WorkerState], owner: str | None) -> str | None:

@@ -67,10 +67,6 @@ class AdaptiveLayout:
         """A remote prefill's KV of `tokens` prompt tokens reached its decode worker in `seconds`."""
         self.admission.placement.observe_transfer(tokens, seconds)
 
-    def decoded(self, tokens: list[int], worker: str) -> None:
-        """`worker` decoded a request to its end: its prefix cache holds these tokens (prompt and outputs)."""
-        self.admission.router.remember(tokens, worker)
-
     def _apply(self, worker: WorkerState, role: str, why: str) -> None:
         key = (worker.role, role)
         log.warning("worker %s: role %s -> %s (%s)", worker.name, worker.role, role, why)

@@ -117,8 +117,8 @@ class Attempts:
                 if error is not None:
                     raise error
         finally:
-            if finished and self.adaptive is not None:
-                self.adaptive.decoded(request.prompt_token_ids + streamed, decode.name)
+            if finished and self.admission is not None:  # its prefix cache holds prompt and reply now: a
+                self.admission.router.remember(request.prompt_token_ids + streamed, decode.name)  # next turn's
             self.intake.close(attempt)
             if self.growth is not None:
                 self.growth.drop(attempt)

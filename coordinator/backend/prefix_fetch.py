@@ -80,14 +80,15 @@ class PrefixFetch:
             return None, 0
         router = self.admission.router
         usable = (len(tokens) - 1) // router.block_size * router.block_size
-        best, best_tokens = None, min(own, usable) + least - 1
-        for w in self.pools.all_workers:
-            if w is prefill or not w.alive or not self._readable(prefill, w):
-                continue
-            held = min(router.held_tokens(tokens, w.name), usable)
-            if held > best_tokens:
-                best, best_tokens = w, held
-        return best, best_tokens
+        floor = min(own, usable) + least
+        options = [(min(router.held_tokens(tokens, w.name), usable), w.prefills, w) for w in self.pools.all_workers
+                   if w is not prefill and w.alive and self._readable(prefill, w)]
+        options = [o for o in options if o[0] >= floor]
+        if not options:
+            return None, 0
+        # a tie goes to a worker that prefills: a lend takes a decode worker's engine thread from its streams
+        held, _, lender = max(options, key=lambda o: o[:2])
+        return lender, held
 
     def _readable(self, reader: WorkerState, holder: WorkerState) -> bool:
         """Whether `reader`'s agents are connected to `holder`'s (coordinator.backend.pools)."""
