@@ -21,6 +21,8 @@ joining and newly admitted requests in it as schedule() would plan them; only bl
 and requests whose steps need their outputs read at once fall back to schedule(). `update` then skips chunks whose
 request ended meanwhile (`is_current`).
 
+The step's plan and outcome are plain dataclasses (engine.core.step_plan), re-exported here; starting waiting
+requests and preempting running ones, with their KV moves, are engine.core.admitting's (a mixin of Scheduler).
 Counters (totals since start, read by LLMEngine.load for metrics): preemptions (`preemptions_by_cause`: a decode
 row or a prompt chunk needed the blocks), requests started ahead of a waiting head, prefix-cache lookups and hits in
 tokens, tokens scheduled (computed on the device) and tokens sampled.
@@ -32,65 +34,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from engine.core.block_manager import BlockManager, prefix_block_hashes
+from engine.core.admitting import Admitting, plans_alone
+from engine.core.block_manager import BlockManager
 from engine.core.host_tier import HostTier
-from engine.core.request import PromptLogprob, Request, RequestStatus, TokenLogprob
+from engine.core.request import Request, RequestStatus, TokenLogprob
+from engine.core.step_plan import PENDING_TOKEN, ScheduledChunk, SchedulerOutput, StepOutput
 from engine.core.swap_space import SwapSpace
 from engine.core.waiting import WaitingQueue, victim
 from engine.engine_config import EngineConfig
 from engine.load import IterationTokens
 
-PENDING_TOKEN = -1  # token id of a chunk whose input is still being sampled on the device
 PREEMPTION_CAUSES = ("decode", "prompt")  # what needed the blocks: a decode row, or a prompt chunk (or recompute)
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One request's work in one step: compute KV for `token_ids` at positions start_pos.. and maybe sample."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool
-    output_index: int  # index of the token to sample among the request's outputs (for seeded sampling)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot): copy before the step
-    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, block): copy before the step
-    tier_out: list[tuple[int, int]] = field(default_factory=list)  # (evicted block, host-tier slot): copy first
-    tier_in: list[tuple[int, int]] = field(default_factory=list)   # (host-tier slot, block): copy before the step
-    restored: list[str] = field(default_factory=list)  # requests whose tier_in copies these are
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step did to one request: the tokens it gained and, if it ended, why."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    pinned_block_ids: list[int] | None = None  # set once a prefill-only request is done and pinned
-    fork_first: list[tuple[int, TokenLogprob | None]] | None = None  # a group prefill's choices 1..n-1 first tokens
-    prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when params.prompt_logprobs is set
-    prefill_only: bool = False  # the request was added prefill_only (its output is a prefill's result, no stream's)
-    # with the first token sampled here for a request computed here: its prompt (and prior output) tokens whose KV
-    # was not computed for it (prefix-cache hits, host-tier restores); None on every other output
-    num_cached_tokens: int | None = None
-
-
-class Scheduler:
+class Scheduler(Admitting):
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None,
                  head_bypass_steps: int = EngineConfig.head_bypass_steps, swap: SwapSpace | None = None,
@@ -245,7 +203,7 @@ class Scheduler:
             if c.sample and (req.prefill_only or self._ends_by_length(c, req)):
                 leaving += 1  # pinned or finished by prev's update
                 continue
-            if _plans_alone(req, start):
+            if plans_alone(req, start):
                 return None
             if budget <= 0:
                 break  # as in schedule(): later rows wait a step (they join the step after)
@@ -265,7 +223,7 @@ class Scheduler:
         for req in self.running:
             if req.request_id in in_prev:
                 continue
-            if _plans_alone(req, req.num_computed_tokens):
+            if plans_alone(req, req.num_computed_tokens):
                 return None
             if budget <= 0:
                 break
@@ -279,7 +237,7 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
             prompt_budget -= 0 if _decodes(req) else n
-        if self.waiting and len(self.running) - leaving < self.max_num_seqs and _plans_alone(self.waiting[0], 0):
+        if self.waiting and len(self.running) - leaving < self.max_num_seqs and plans_alone(self.waiting[0], 0):
             return None
         admitted: list[tuple[Request, int]] = []
         swap_in: list[tuple[int, int]] = []
@@ -298,7 +256,7 @@ class Scheduler:
     def plans_alone(self, sched: SchedulerOutput) -> bool:
         """Whether the step after `sched` must wait for `sched`'s tokens to be read (the engine then applies it at
         once instead of overlapping it): some chunk's request `_plans_alone` from where the chunk starts."""
-        return any(_plans_alone(self.requests[c.request_id], c.start_pos) for c in sched.chunks)
+        return any(plans_alone(self.requests[c.request_id], c.start_pos) for c in sched.chunks)
 
     @staticmethod
     def _ends_by_length(chunk: ScheduledChunk, req: Request) -> bool:
@@ -350,61 +308,6 @@ class Scheduler:
         """Prompt tokens a step may carry: prefill_cap when it also decodes, else no limit beyond the budget."""
         return self.prefill_cap if decoding and self.prefill_cap is not None else float("inf")
 
-    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
-                       overlappable_only: bool = False, *, swap_in: list[tuple[int, int]],
-                       tier_in: list[tuple[int, int]], restored: list[str]) -> None:
-        """Start waiting requests in queue order while the budget, the slots (`leaving` of the running ones are
-        about to end) and the blocks allow; with `overlappable_only`, stop at one schedule_after may not plan (or
-        skip it, behind a head). A head short of blocks may be passed by requests of its priority that fit
-        (WaitingQueue.head_blocked). A swapped-out request resumes where it stopped: the copies of its blocks
-        back from the host go to `swap_in`; a fresh one's blocks restored from the host tier, to `tier_in`."""
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
-            if not self.waiting.may_try(i):
-                break
-            req = self.waiting[i]
-            if overlappable_only and _plans_alone(req, 0):
-                if i == 0:
-                    break
-                i += 1
-                continue
-            swapped = req.swap_slots is not None
-            fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None  # cached KV has no logits
-            hashes = prefix_block_hashes(req.all_token_ids[:-1], self.bm.block_size) if (
-                (fresh or swapped) and self.bm.enable_prefix_caching) else []
-            prefix = self.bm.cached_blocks(hashes)
-            if swapped:  # its own KV comes back from the host; what the prefix cache still holds is not copied
-                prefix = prefix[:req.num_computed_tokens // self.bm.block_size]
-            on_host = self.tier.find(hashes[len(prefix):]) if self.tier is not None and fresh else []
-            device_tokens = len(prefix) * self.bm.block_size
-            cached_tokens = req.num_computed_tokens if swapped else device_tokens + len(on_host) * self.bm.block_size
-            n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)
-            if not self.bm.allocate(req.request_id, cached_tokens + n, prefix):
-                if i == 0 and not self.waiting.head_blocked(self.num_updates):
-                    break
-                i += 1
-                continue
-            self.waiting.take(i)
-            if swapped:
-                self._swap_in(req, len(prefix), swap_in)
-            else:
-                if self.tier is not None and fresh:
-                    slots = self.tier.take(hashes[len(prefix):len(prefix) + len(on_host)], len(hashes) - len(prefix))
-                    tier_in += zip(slots, self.bm.table(req.request_id)[len(prefix):len(prefix) + len(slots)],
-                                   strict=True)
-                    if slots:
-                        restored.append(req.request_id)
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = cached_tokens
-                    req.num_restored_tokens = cached_tokens - device_tokens
-                self.num_prefix_query_tokens += req.num_tokens
-                self.num_prefix_hit_tokens += device_tokens
-            req.num_computed_tokens = cached_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n))
-            budget -= n
-
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         if req.first_scheduled_at is None:
             req.first_scheduled_at = self.clock()
@@ -412,60 +315,6 @@ class Scheduler:
         tokens = req.all_token_ids[start:start + n]
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
                               sample=start + n == req.num_tokens, output_index=req.num_output_tokens)
-
-    def _preempt(self, req: Request, cause: str, out: SchedulerOutput) -> None:
-        """Send a running request back to the queue's front: its KV swapped out (where the SwapSpace takes it) or
-        dropped, to be recomputed."""
-        self.running.remove(req)
-        blocks = self.bm.blocks_needed(req.num_computed_tokens)
-        slots = None
-        if self.swap is not None and blocks and self.swap.wants_swap(req.num_computed_tokens, blocks):
-            slots = self.swap.take(blocks)
-        if slots is not None:  # copied out before the step that may reuse its blocks (SchedulerOutput.swap_out)
-            out.swap_out += zip(self.bm.table(req.request_id)[:blocks], slots, strict=True)
-            req.swap_slots = slots
-            self.swap.num_swapped_out += 1
-            self.swap.blocks_out += blocks
-        else:
-            req.num_computed_tokens = 0
-        self.bm.free(req.request_id)
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.preemptions_by_cause[cause] += 1
-        self.waiting.push_front(req)
-
-    def _swap_in(self, req: Request, num_prefix: int, swap_in: list[tuple[int, int]]) -> None:
-        """Queue the copies of `req`'s swapped-out blocks back into its new table (all but the first
-        `num_prefix`, taken from the prefix cache) and free its host slots (a later copy out into one is ordered
-        after these copies)."""
-        slots = req.swap_slots
-        table = self.bm.table(req.request_id)
-        pairs = list(zip(slots[num_prefix:], table[num_prefix:len(slots)], strict=True))
-        swap_in += pairs
-        self.swap.give_back(slots)
-        self.swap.num_swapped_in += 1
-        self.swap.blocks_in += len(pairs)
-        req.swap_slots = None
-
-    def _offload(self, out: SchedulerOutput) -> None:
-        """The cached blocks this step's allocations evicted go to the host tier, copied before the step writes them
-        (SchedulerOutput.tier_out)."""
-        if self.tier is not None:
-            out.tier_out = self.tier.store(self.bm.take_evicted())
-
-    def _drop_swap(self, req: Request) -> None:
-        if req.swap_slots is not None:
-            self.swap.give_back(req.swap_slots)
-            req.swap_slots = None
-
-
-def _plans_alone(req: Request, start: int) -> bool:
-    """Whether a step giving `req` work from position `start` must be planned by schedule(), after the step before
-    it was read (Scheduler.schedule_after): prefill-only requests (pinned at their first token), fork groups and
-    chunks whose prompt logprobs are wanted (step extras, engine.runner.step_extras)."""
-    return (req.prefill_only or req.fork_params is not None
-            or (req.params.prompt_logprobs is not None and start + 1 < len(req.prompt_token_ids)))
 
 
 def _decodes(req: Request) -> bool:
