@@ -75,3 +75,16 @@ def prefill_then_hand_over(prefill, decode, prompts: list[list[int]], params: li
             got[out.request_id] += out.new_token_ids
         decode.check_integrity()
     return got
+
+
+def run_alone(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], object]:
+    """Run one request alone on `engine` to its end, checking block ownership after every step: its tokens and its
+    first StepOutput."""
+    engine.add_request(request_id, prompt, params)
+    tokens, first = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or out
+            tokens += out.new_token_ids
+        engine.check_integrity()
+    return tokens, first

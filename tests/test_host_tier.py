@@ -20,7 +20,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.host_tier import HostTier
 from engine.engine_config import EngineConfig
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import random_prompts, run_alone
 
 # The engine tests run on a GPU where there is one (the tier's pinned host slots and copy stream), else the CPU
 pytestmark = pytest.mark.gpu
@@ -52,30 +52,18 @@ def test_the_tier_stores_finds_and_evicts_least_recently_used_never_a_slot_being
     assert tier.check_integrity()["free"] == 3 and tier.find([b"d"]) == []
 
 
-def _run(engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], object]:
-    """Run one request alone to its end; its tokens and its first StepOutput."""
-    engine.add_request(rid, prompt, params)
-    tokens, first = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            first = first or out
-            tokens += out.new_token_ids
-        engine.check_integrity()
-    return tokens, first
-
-
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, params):
     folder = str(checkpoints.tiny())
     turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=44)
     # 8 device blocks (128 tokens): turn 1 (52 tokens) then three other 52-token requests evict its blocks
     engine = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
-    reply, _ = _run(engine, "t1", turn1, params)
+    reply, _ = run_alone(engine, "t1", turn1, params)
     for i, other in enumerate(others):
-        _run(engine, f"o{i}", other, params)
+        run_alone(engine, f"o{i}", other, params)
     turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=45)[0]  # the history resent with a new message
     assert engine.block_manager.cached_prefix(turn2) == []  # gone from the device
-    got, first = _run(engine, "t2", turn2, params)
+    got, first = run_alone(engine, "t2", turn2, params)
     load = engine.load()
     # 61 tokens: 3 full blocks before the last token, all of them turn 1's (52 tokens of history)
     assert first.num_cached_tokens == 48 and load.host_tier_hit_blocks_total == 3
@@ -84,7 +72,7 @@ def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, p
     assert load.prefix_hit_tokens_total == 0  # none of it from the device
     cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
     assert cold.host_tier is None
-    expected, cold_first = _run(cold, "t2", turn2, params)
+    expected, cold_first = run_alone(cold, "t2", turn2, params)
     assert got == expected and cold_first.num_cached_tokens == 0
     assert engine.check_integrity()["host_free"] + engine.check_integrity()["host_cached"] == engine.host_tier.num_slots
 
@@ -93,8 +81,8 @@ def test_the_restore_is_timed_for_its_request(checkpoints):
     folder = str(checkpoints.tiny())
     prompt, other = random_prompts((40, 100), VOCAB, seed=46)
     engine = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
-    _run(engine, "a", prompt, GREEDY)
-    _run(engine, "b", other, GREEDY)  # 112 tokens: 7 of the 8 blocks; "a"'s first block is the last one evicted
+    run_alone(engine, "a", prompt, GREEDY)
+    run_alone(engine, "b", other, GREEDY)  # 112 tokens: 7 of the 8 blocks; "a"'s first block is the last one evicted
     engine.add_request("c", prompt + [5, 6], GREEDY)
     req = engine.scheduler.requests["c"]
     engine.step()
@@ -147,14 +135,14 @@ def test_fp8_blocks_go_down_and_back_at_their_own_size(checkpoints):
     wide = LLM(folder, device=DEVICE, kv_host_cache_bytes=64 << 20, **kw).engine
     assert engine.host_tier.block_bytes * 2 == wide.host_tier.block_bytes
     assert engine.host_tier_store.copies.host.dtype == engine.kv_cache.dtype
-    reply, _ = _run(engine, "t1", turn1, GREEDY)
+    reply, _ = run_alone(engine, "t1", turn1, GREEDY)
     for i, other in enumerate(others):
-        _run(engine, f"o{i}", other, GREEDY)
+        run_alone(engine, f"o{i}", other, GREEDY)
     turn2 = turn1 + reply + [11, 12, 13]
-    got, first = _run(engine, "t2", turn2, GREEDY)
+    got, first = run_alone(engine, "t2", turn2, GREEDY)
     assert first.num_cached_tokens == 48 and engine.load().host_tier_hit_blocks_total == 3
     cold = LLM(folder, device=DEVICE, kv_cache_dtype="fp8", kv_host_cache_bytes=0, **kw).engine
-    assert got == _run(cold, "t2", turn2, GREEDY)[0]
+    assert got == run_alone(cold, "t2", turn2, GREEDY)[0]
 
 
 def test_the_automatic_size_shares_the_node_s_memory_between_its_gpus(tmp_path):

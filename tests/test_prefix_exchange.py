@@ -12,24 +12,13 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import random_prompts, run_alone
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 2000
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
-
-
-def _run(engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], object]:
-    engine.add_request(rid, prompt, params)
-    tokens, first = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            first = first or out
-            tokens += out.new_token_ids
-        engine.check_integrity()
-    return tokens, first
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -39,9 +28,9 @@ def test_a_history_in_one_engines_host_tier_is_fetched_by_another_and_its_output
     lender = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
     fetcher = LLM(folder, device=DEVICE, num_kv_blocks=16, kv_host_cache_bytes=0).engine
     cold = LLM(folder, device=DEVICE, num_kv_blocks=16, kv_host_cache_bytes=0, enable_prefix_caching=False).engine
-    reply, _ = _run(lender, "t1", turn1, params)
+    reply, _ = run_alone(lender, "t1", turn1, params)
     for i, other in enumerate(others):  # 8 device blocks: these push turn 1 out to the lender's host tier
-        _run(lender, f"o{i}", other, params)
+        run_alone(lender, f"o{i}", other, params)
     turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=45)[0]
     assert lender.block_manager.cached_prefix(turn2) == []  # not on the lender's device: only its host tier has it
     bs = lender.config.block_size
@@ -63,8 +52,8 @@ def test_a_history_in_one_engines_host_tier_is_fetched_by_another_and_its_output
     for e in (lender, fetcher):
         integrity = e.check_integrity()
         assert integrity["pinned"] == integrity["in_use"] == 0, integrity
-    got, first = _run(fetcher, "t2", turn2, params)
-    want, _ = _run(cold, "t2", turn2, params)
+    got, first = run_alone(fetcher, "t2", turn2, params)
+    want, _ = run_alone(cold, "t2", turn2, params)
     assert got == want
     assert first.num_cached_tokens == held * bs and fetcher.load().fetched_blocks_total == held
     # the lender restored what it lent: its device finds the history now
@@ -74,7 +63,7 @@ def test_a_history_in_one_engines_host_tier_is_fetched_by_another_and_its_output
 def test_leases_refuse_ids_in_use_and_partial_blocks_and_an_ended_lease_frees_its_blocks(checkpoints):
     engine = LLM(str(checkpoints.tiny()), device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
     prompt = random_prompts((40,), VOCAB, seed=46)[0]
-    _run(engine, "a", prompt, GREEDY)
+    run_alone(engine, "a", prompt, GREEDY)
     bs = engine.config.block_size
     assert engine.lend_prefix("nothing", random_prompts((32,), VOCAB, seed=47)[0]) == ([], None)  # holds no run
     lent, _ = engine.lend_prefix("lease", prompt[:2 * bs])
