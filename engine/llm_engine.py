@@ -59,6 +59,7 @@ from engine.runner.rank_setup import build_rank
 from engine.runner.step_extras import plan_extras, record_extras, with_extras
 from engine.runner.swap_store import build_swap
 from engine.sampling.sampler import Sampler
+from engine.step_rates import measure_step_rates
 from engine.text.tokenizer import Tokenizer
 from engine.tiny import resolve_model_path
 
@@ -163,6 +164,9 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             if self.host_tier is not None:  # warm-up's blocks are no prompt's
                 self.host_tier.clear()
             clock.lap("warmup")
+        if self.step_budget is not None and config.warmup:  # its figures from the first request on
+            measure_step_rates(self)
+            clock.lap("step_rates")
         self.startup_s: tuple[tuple[str, float], ...] = tuple(clock.phases)  # seconds per start-up phase
 
     # ---- requests

@@ -172,3 +172,36 @@ def test_a_role_change_racing_a_worker_death_ends_in_a_definite_state(server, en
     emergency = metric_values(url, "pdserve_role_changes_total")
     assert emergency.get('{from="prefill",to="mixed"}', 0) >= 1, emergency
     assert_nothing_booked(url)
+
+
+def test_a_burst_right_after_start_is_placed_on_both_sides(tmp_path):
+    """Issue 43's cold start: every engine measures its step rates before it reports ready (engine.step_rates), so
+    the placement model has figures from the first request on. A burst of long and short prompts right after start
+    goes remote while the prefill worker's queue is comfortably within the TTFT target, then local (before, both
+    estimates read "unknown" and the whole burst went remote, short prompts queued behind ~45k prompt tokens). The
+    rates are there before the first request (what the fix is); the burst's split then also depends on when the
+    first steps report, so the prefill worker's steps are slowed to keep its queue from draining meanwhile."""
+    pool = {**HALF_CPU, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
+    config = {"model": "tiny", "dtype": "float32", "mode": "adaptive", "slo": {"ttft_ms": 2000, "tpot_ms": 200},
+              "planner": {"enabled": False}, "prefill": pool, "decode": pool, "transfer": {"backends": ["ucx"]},
+              "admission": {"timeout_s": 120}, "server": {"admin_api": True}}
+    prompts = random_prompts([1500] * 16 + [20] * 16, 2000, seed=81)
+    with running_server(tmp_path, config) as server:
+        # before any request: every worker reports its rates (the placement's inputs), its counters at zero
+        for name in ("pdserve_worker_engine_prefill_token_s", "pdserve_worker_engine_decode_step_s"):
+            rates = metric_values(server.url, name)
+            assert len(rates) == 2 and all(v > 0 for v in rates.values()), (name, rates)
+        assert sum(metric_values(server.url, "pdserve_worker_engine_scheduled_tokens_total").values()) == 0
+        r = httpx.post(f"{server.url}/admin/faults", headers=OPERATOR, timeout=30,
+                       json={"slow_step_s": 0.2, "slow_workers": ["prefill-0"]})
+        assert r.status_code == 200, r.text
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*[client.post(f"{server.url}/v1/completions", json={
+                    "model": "tiny", "prompt": p, "max_tokens": 4, **GREEDY}) for p in prompts])
+        answers = asyncio.run(burst())
+        assert [a.status_code for a in answers] == [200] * len(prompts), [a.text for a in answers][:3]
+        placed = _placements(server.url)
+        assert placed["remote"] >= 1 and placed["local"] >= 1, placed
+        assert placed["remote"] + placed["local"] == len(prompts)

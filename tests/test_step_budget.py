@@ -105,3 +105,21 @@ def test_a_few_slow_small_steps_do_not_make_prompt_tokens_look_dear():
             b.observe(decode_rows=0, prompt_tokens=5, seconds=0.050)  # a last chunk of 5 tokens, mostly fixed cost
             b.observe(decode_rows=0, prompt_tokens=100, seconds=0.055)
     assert b.per_token_s == pytest.approx(0.060 / 2048, rel=0.15)
+
+
+def test_an_engine_with_a_step_target_knows_its_rates_before_its_first_request():
+    """engine.step_rates: a probe request at start gives the step budget its figures (the adaptive placement reads
+    them from the first request on: with none, both sides of a burst right after start read "unknown"), and leaves
+    nothing behind: no cached or held block, counters at zero."""
+    from engine import LLM
+
+    engine = LLM("tiny", max_num_batched_tokens=256, decode_step_target_s=0.5, kv_host_cache_bytes=1 << 20).engine
+    load = engine.load()
+    assert load.prefill_token_s > 0 and load.decode_step_s > 0, load
+    assert load.steps == load.scheduled_tokens_total == load.sampled_tokens_total == 0
+    assert load.prefix_query_tokens_total == load.iteration_tokens_total == load.host_tier_miss_blocks_total == 0
+    assert load.free_blocks == load.total_blocks and load.cached_blocks == 0
+    assert engine.check_integrity()["host_cached"] == 0
+    assert "step_rates" in dict(engine.startup_s)
+    plain = LLM("tiny", max_num_batched_tokens=256).engine.load()  # no step target: no probe, no figures
+    assert plain.prefill_token_s == plain.decode_step_s == 0

@@ -1,0 +1,64 @@
+"""The engine's step rates measured before it reports ready, so that a step budget has figures from the first
+request on (issue 43: an adaptive layout's placement read "unknown" on both sides of a burst right after start, and
+sent every prompt remote).
+
+With a decode step target (EngineConfig.decode_step_target_s, the adaptive layout's workers), the engine's
+StepBudget learns a step's base time and each prompt token's cost from the steps it runs, and EngineLoad reports
+them (`decode_step_s`, `prefill_token_s`), which the coordinator's placement model reads. `measure_step_rates` runs
+one probe request (a prompt of the step budget's ceiling, then a few decode steps, greedy) through the engine's own
+step(), from fresh averages (steps of a CUDA warm-up before it, with their compiles, say nothing of the rates),
+then undoes what it left: the prefix cache and host tier are emptied and the counters start from zero, as after a
+warm-up. Runs on any device: it is a request like any other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.step_budget import StepBudget
+from engine.load import IterationTokens
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+PROBE_ID = "pdserve-step-rate-probe"
+PROBE_DECODES = 4  # decode steps after the prompt's
+PROBE_MAX_PROMPT = 2048  # a prompt of the step budget's ceiling, at most this long (an 8B prefill of it: ~0.1 s)
+PROBE_MAX_STEPS = 10_000  # a bound on the probe's steps: a start never hangs on it
+
+
+def measure_step_rates(engine: LLMEngine) -> None:
+    """Teach `engine`'s step budget its rates (see the module); nothing without a step budget."""
+    budget = engine.step_budget
+    if budget is None:
+        return
+    engine.step_budget = StepBudget(budget.target_s, budget.floor_tokens, budget.ceiling_tokens)
+    config = engine.config
+    room = engine.num_kv_blocks * config.block_size - PROBE_DECODES - 1  # the probe fits the cache alone
+    length = min(budget.ceiling_tokens, config.max_prefill_chunk or budget.ceiling_tokens, PROBE_MAX_PROMPT,
+                 config.max_model_len - PROBE_DECODES - 1, room)
+    if length < 1:
+        return
+    vocab = engine.model_config.vocab_size
+    prompt = [(17 * i + 3) % vocab for i in range(length)]
+    engine.add_request(PROBE_ID, prompt, SamplingParams(temperature=0, max_tokens=PROBE_DECODES + 1, ignore_eos=True))
+    for _ in range(PROBE_MAX_STEPS):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    else:  # never expected (it fits alone): give up on the figures rather than on the start
+        engine.abort(PROBE_ID)
+        engine.step_budget = StepBudget(budget.target_s, budget.floor_tokens, budget.ceiling_tokens)
+    engine.block_manager.reset_prefix_cache()
+    tier = engine.host_tier
+    if tier is not None:
+        tier.clear()
+        tier.take_changes()  # nothing for the fleet's index: it held the probe's blocks only
+        tier.hits = tier.misses = tier.stored = tier.evictions = tier.dropped = 0
+    engine.num_steps, engine.step_time_last_s, engine.step_time_total_s = 0, 0.0, 0.0
+    sched = engine.scheduler
+    sched.num_preemptions = sched.num_prefix_query_tokens = sched.num_prefix_hit_tokens = 0
+    sched.num_scheduled_tokens = sched.num_sampled_tokens = 0
+    sched.iteration_tokens = IterationTokens()
+    engine.check_integrity()
