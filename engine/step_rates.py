@@ -13,14 +13,11 @@ warm-up. Runs on any device: it is a request like any other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.step_budget import StepBudget
 from engine.load import IterationTokens
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
 
 PROBE_ID = "pdserve-step-rate-probe"
 PROBE_DECODES = 4  # decode steps after the prompt's
@@ -28,8 +25,9 @@ PROBE_MAX_PROMPT = 2048  # a prompt of the step budget's ceiling, at most this l
 PROBE_MAX_STEPS = 10_000  # a bound on the probe's steps: a start never hangs on it
 
 
-def measure_step_rates(engine: LLMEngine) -> None:
-    """Teach `engine`'s step budget its rates (see the module); nothing without a step budget."""
+def measure_step_rates(engine: Any) -> None:
+    """Teach `engine`'s (an LLMEngine, which calls this as it starts: not imported here, no cycle) step budget its
+    rates (see the module); nothing without a step budget."""
     budget = engine.step_budget
     if budget is None:
         return
