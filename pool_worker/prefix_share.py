@@ -54,7 +54,8 @@ class PrefixShare:
         blocks, copied = await self.loop.call(lambda e: e.lend_prefix(lease_id, token_ids))
         if not blocks:
             return []
-        if self._ended.pop(lease_id, None) is not None:  # ended before it was lent (the coordinator gave up on it)
+        if lease_id in self._ended:  # ended before it was lent (the coordinator gave up on it)
+            del self._ended[lease_id]
             await self.loop.call(lambda e: e.end_lease(lease_id))
             return []
         loop = asyncio.get_running_loop()
@@ -100,6 +101,9 @@ class PrefixShare:
         except asyncio.CancelledError:
             self.loop.submit(lambda e: e.end_lease(lease_id))  # queued after the booking: gives it back
             raise
+        except Exception as e:  # noqa: BLE001 - e.g. the id in use: the prompt is computed, nothing was booked
+            log.warning("worker %s: no booking for a prefix fetch from %s (%s); computing it", self.name, peer, e)
+            return 0
         if booked is None:
             return 0
         blocks, skip, fence = booked

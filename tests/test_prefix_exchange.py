@@ -3,8 +3,10 @@ lender's history, evicted from its device into its host tier, is copied up and l
 it, gets the KV (copied here between the two engines' caches, as kvtransfer's pull does between workers:
 tests/test_prefix_fetch_serving.py runs the real one), adopts them, and its prefill of the next turn finds them as
 prefix hits: its output equals a cold engine's, greedy and seeded. Every block is accounted for on both sides, a
-lease ends cleanly, and ids in use or partial blocks are refused. On a GPU (`bash benchmarks/gpu_run.sh tests`) the
-same runs take the CUDA path (copies up on the launch stream, the lend's event)."""
+lease ends cleanly, and ids in use or partial blocks are refused. A worker's leases (pool_worker.prefix_share) end by
+the coordinator, by their timer, or before their lend lands; a refused booking computes instead of failing. On a GPU
+(`bash benchmarks/gpu_run.sh tests`) the same runs take the CUDA path (copies up on the launch stream, the lend's
+event)."""
 
 from __future__ import annotations
 
@@ -77,3 +79,41 @@ def test_leases_refuse_ids_in_use_and_partial_blocks_and_an_ended_lease_frees_it
     assert engine.end_lease("lease")
     integrity = engine.check_integrity()
     assert integrity["pinned"] == 0 and integrity["cached"] >= 2
+
+
+def test_a_workers_leases_end_by_the_coordinator_by_their_timer_or_before_they_land(checkpoints):
+    """pool_worker.prefix_share on a running engine loop: a lease ended by the coordinator frees its blocks; one
+    nobody ends is ended by its timer (LEASE_TIMEOUTS x the transfer timeout); an end that overtakes its lend makes
+    the lend hold nothing; a fetch whose booking is refused (its id in use) computes instead of failing."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from pool_worker.prefix_share import PrefixShare
+
+    engine = LLM(str(checkpoints.tiny()), device="cpu", num_kv_blocks=16, kv_host_cache_bytes=0).engine
+    prompt = random_prompts((40,), VOCAB, seed=48)[0]
+    run_alone(engine, "a", prompt, GREEDY)
+    run = prompt[:2 * engine.config.block_size]
+
+    async def main():
+        loop = AsyncEngine(engine, lambda outputs, load: None)
+        task = asyncio.create_task(loop.run())
+        share = PrefixShare("w", loop, None, timeout_s=0.05)
+        try:
+            assert len(await share.lend("l1", run)) == 2
+            assert (await loop.call(lambda e: e.check_integrity()))["pinned"] == 2
+            assert await share.end("l1") and not await share.end("l1")
+            assert len(await share.lend("l2", run)) == 2
+            await asyncio.sleep(0.5)  # its timer: 4 x 0.05 s
+            assert share.expired == 1 and (await loop.call(lambda e: e.check_integrity()))["pinned"] == 0
+            assert not await share.end("l3")  # the coordinator gave up before its lend landed
+            assert await share.lend("l3", run) == []
+            assert len(await share.lend("l4", run)) == 2
+            assert await share.fetch("l4", "elsewhere", [0, 1], run) == 0  # "l4" is in use here: no booking
+            assert await share.end("l4")
+            return await loop.call(lambda e: e.check_integrity())
+        finally:
+            loop.close()
+            await task
+    integrity = asyncio.run(main())
+    assert integrity["pinned"] == integrity["in_use"] == 0, integrity
