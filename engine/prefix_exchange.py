@@ -54,9 +54,7 @@ class PrefixExchange:
         under `lease_id`: (the run's device blocks in order, an event after their copies up from the host on CUDA,
         else None). An empty run holds nothing. The blocks stay held until end_lease(lease_id)."""
         self._check_new(lease_id)
-        if not self.config.enable_prefix_caching:
-            return [], None
-        bm = self.block_manager
+        bm = self.block_manager  # without prefix caching nothing is held: an empty run
         hashes = prefix_block_hashes(token_ids, bm.block_size)
         on_device = bm.cached_blocks(hashes)
         tier = self.host_tier

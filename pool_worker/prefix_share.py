@@ -46,7 +46,6 @@ class PrefixShare:
         self.name, self.loop, self.agents, self.timeout_s = name, loop, agents, timeout_s
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # ended before lent, oldest first (at most MAX_ENDED)
-        self.expired = 0  # leases ended by their timer, not by the coordinator
 
     async def lend(self, lease_id: str, token_ids: list[int]) -> list[int]:
         """Hold the longest run of `token_ids`' whole blocks this worker has (device, then host tier: copied up)
@@ -129,7 +128,6 @@ class PrefixShare:
 
     def _expire(self, lease_id: str) -> None:
         if self._leases.pop(lease_id, None) is not None:
-            self.expired += 1
             log.warning("worker %s: prefix lease %s ended by its timer (nobody ended it)", self.name, lease_id)
             self.loop.submit(lambda e: e.end_lease(lease_id))
 

@@ -187,16 +187,16 @@ class Admission:
             decode = self.router.pick_decode(decode_live, lambda w: self._room(w, share), blocks)
         if decode is None:
             return None
-        prefill, held = None, {}
+        prefill, held = None, 0
         if prefill_role == "prefill":
-            if self.config.transfer.prefix_fetch_min_tokens is not None:  # before the pick remembers the prompt
-                held = {w.name: self.router.held_tokens(request.prompt_token_ids, w.name) for w in backlog_ok}
-            prefill = self.router.pick_prefill(request.prompt_token_ids, backlog_ok, self._pressure)
+            prompt = request.prompt_token_ids
+            prefill = self.router.pick_prefill(prompt, backlog_ok, self._pressure, remember=False)
+            held = self.router.held_by(prompt, [prefill.name])[prefill.name]  # before it is remembered as its
+            self.router.remember(prompt, prefill.name)
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)
         self.placements["local" if prefill is None else "remote"] += 1
-        return Placement(decode, prefill, blocks, priority, prefill_held_tokens=held.get(prefill.name, 0)
-                         if prefill is not None else 0)
+        return Placement(decode, prefill, blocks, priority, prefill_held_tokens=held)
 
     def _place_fallback(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
                         priority: int, share: float) -> Placement | None:
@@ -231,7 +231,7 @@ class Admission:
         choice = self.placement.choose(self._side(decode, prompt, tokens), remotes)
         prefill = None if choice.remote is None else next(w for w in self.workers.live("prefill")
                                                           if w.name == choice.remote.name)
-        held = self.router.held_tokens(prompt, prefill.name) if prefill is not None else 0
+        held = self.router.held_by(prompt, [prefill.name])[prefill.name] if prefill is not None else 0
         self.router.remember(prompt, (prefill or decode).name)
         reservation.book(decode.key, "kv_blocks", blocks)
         reservation.book((prefill or decode).key, "prompt_tokens", tokens)

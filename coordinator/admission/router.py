@@ -13,7 +13,7 @@ where its prompt's leading blocks are, while that worker's room is within `affin
 roomiest's, else to the roomiest. It remembers which workers computed which leading blocks, and which decode
 worker holds a finished request's prompt and reply (up to OWNERS per block, the latest first: `remember`), and
 says how many of a prompt's tokens a worker likely holds (`cached_tokens`, for the adaptive layout's placement;
-`held_tokens` with the host tiers, for a prefix fetch).
+`held_by` with the host tiers, for a prefix fetch).
 The router only reads numbers the caller gives it; it never calls a worker.
 Host tiers (engine.core.host_tier): the workers' reports of the blocks their host tiers added and evicted
 (`host_report`, in batches) make a second index; a prompt's blocks past a worker's device run that its host tier
@@ -25,7 +25,7 @@ the block, dearer than finding it on the device): in the prefill pick's affinity
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +88,9 @@ class Router:
         self.affinity_hits = 0
 
     def pick_prefill(self, prompt: list[int], candidates: list[WorkerState],
-                     pressure: Callable[[WorkerState], int]) -> WorkerState | None:
-        """Among `candidates` (live, with room in their backlog), the least pressed or the prefix owner."""
+                     pressure: Callable[[WorkerState], int], remember: bool = True) -> WorkerState | None:
+        """Among `candidates` (live, with room in their backlog), the least pressed or the prefix owner. With
+        `remember`, the prompt's blocks are remembered as the chosen worker's (else the caller does so)."""
         if not candidates:
             return None
         hashes = prefix_block_hashes(prompt, self.block_size)
@@ -99,7 +100,8 @@ class Router:
         if preferred is not None and pressure(preferred) <= pressure(least) + self.affinity_slack_tokens:
             chosen = preferred
             self.affinity_hits += 1
-        self._remember(hashes, chosen.name)
+        if remember:
+            self._remember(hashes, chosen.name)
         chosen.served += 1
         return chosen
 
@@ -122,9 +124,11 @@ class Router:
         device, host = self._tier_blocks(prefix_block_hashes(tokens, self.block_size), worker)
         return device * self.block_size, host * self.block_size
 
-    def held_tokens(self, tokens: list[int], worker: str) -> int:
-        """The leading tokens of `tokens` (whole blocks) `worker` likely holds on its device or in its host tier."""
-        return sum(self.tier_tokens(tokens, worker))
+    def held_by(self, tokens: list[int], workers: Iterable[str]) -> dict[str, int]:
+        """Per worker, the leading tokens of `tokens` (whole blocks) it likely holds on its device or in its host
+        tier (the prompt hashed once, whatever the number of workers)."""
+        hashes = prefix_block_hashes(tokens, self.block_size)
+        return {w: sum(self._tier_blocks(hashes, w)) * self.block_size for w in workers}
 
     def effective_cached_tokens(self, tokens: list[int], worker: str) -> int:
         """The tokens a prefill of `tokens` on `worker` likely need not compute, a host-held one counted at
@@ -209,10 +213,9 @@ class Router:
         return device, host - device
 
     def _holder(self, hashes: list[bytes], candidates: list[WorkerState]) -> WorkerState | None:
-        """The candidate holding the most of `hashes`' leading run: the device index's latest owner of the longest
-        run, unless a host tier's run is worth more (_best_holder); None when no candidate holds the first block."""
-        # the device index's latest owner of the longest run may be no candidate (a decode worker holding a
-        # conversation's reply, for a prefill pick), and a host tier's run may be worth more: the best candidate
+        """The candidate whose run of `hashes` (device, then host tier) is worth the most (_best_holder), the device
+        index's latest owner of the longest run among equals; None when no candidate holds the first block. That
+        owner alone may be no candidate: a decode worker holding a conversation's reply, for a prefill pick."""
         owner = self._best_holder(hashes, candidates, self._longest_prefix_owner(hashes))
         return next((w for w in candidates if w.name == owner), None)
 

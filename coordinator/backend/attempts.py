@@ -117,8 +117,8 @@ class Attempts:
                 if error is not None:
                     raise error
         finally:
-            if finished and self.admission is not None:  # its prefix cache holds prompt and reply now: a
-                self.admission.router.remember(request.prompt_token_ids + streamed, decode.name)  # next turn's
+            if finished and self.admission is not None:  # its prefix cache holds prompt and reply: the next turn's
+                self.admission.router.remember(request.prompt_token_ids + streamed, decode.name)
             self.intake.close(attempt)
             if self.growth is not None:
                 self.growth.drop(attempt)

@@ -81,8 +81,9 @@ class PrefixFetch:
         router = self.admission.router
         usable = (len(tokens) - 1) // router.block_size * router.block_size
         floor = min(own, usable) + least
-        options = [(min(router.held_tokens(tokens, w.name), usable), w.prefills, w) for w in self.pools.all_workers
-                   if w is not prefill and w.alive and self._readable(prefill, w)]
+        readable = [w for w in self.pools.all_workers if w is not prefill and w.alive and self._readable(prefill, w)]
+        held = router.held_by(tokens, [w.name for w in readable])
+        options = [(min(held[w.name], usable), w.prefills, w) for w in readable]
         options = [o for o in options if o[0] >= floor]
         if not options:
             return None, 0
