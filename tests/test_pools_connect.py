@@ -1,11 +1,13 @@
 """Pools' peer connections at start-up and after a replacement: a connect that times out (PeerLost, as Ray raises it
-from the worker) is tried again up to CONNECT_ATTEMPTS times; any other error is raised at once."""
+from the worker) is tried again up to CONNECT_ATTEMPTS times, after waits that double; any other error is raised at
+once."""
 
 import asyncio
 
 import pytest
 from ray.exceptions import RayTaskError
 
+from coordinator.backend import pools
 from coordinator.backend.pools import CONNECT_ATTEMPTS, _connecting
 from kvtransfer.errors import PeerLost
 
@@ -30,11 +32,23 @@ def _from_worker(error: Exception) -> Exception:
     return RayTaskError("add_peer", "traceback", error).as_instanceof_cause()
 
 
-def test_a_timed_out_connect_is_tried_again_until_it_succeeds():
+@pytest.fixture(autouse=True)
+def waits(monkeypatch):
+    """The waits _connecting takes between attempts (the sleep recorded, not slept)."""
+    taken = []
+
+    async def sleep(seconds):
+        taken.append(seconds)
+    monkeypatch.setattr(pools.asyncio, "sleep", sleep)
+    return taken
+
+
+def test_a_timed_out_connect_is_tried_again_until_it_succeeds(waits):
     lost = _from_worker(PeerLost("cannot connect to 'prefill-0': TimeoutError"))
     call, made = _calls(*([lost] * (CONNECT_ATTEMPTS - 1)), "prefill-0")
     asyncio.run(_connecting(call, "decode-0 to prefill-0"))
     assert len(made) == CONNECT_ATTEMPTS
+    assert waits == [pools.CONNECT_BACKOFF_S * 2 ** i for i in range(CONNECT_ATTEMPTS - 1)]
 
 
 def test_it_gives_up_after_the_last_attempt_and_other_errors_are_not_retried():

@@ -41,7 +41,8 @@ from pool_worker.worker import Worker
 
 START_TIMEOUT_S = 600.0
 PLACEMENT_TIMEOUT_S = 60.0
-CONNECT_ATTEMPTS = 3  # a transfer connection that times out (a loaded machine, a slow network) is tried again
+CONNECT_ATTEMPTS = 4  # a transfer connection that times out (a loaded machine, a slow network) is tried again
+CONNECT_BACKOFF_S = 1.0  # ... after this wait, doubled each time: a peer too busy to answer gets time to catch up
 RETRIED = (PeerLost, TransferTimeout)
 
 log = logging.getLogger(__name__)
@@ -352,7 +353,9 @@ def _threads(pool: PoolConfig) -> int:
 
 async def _connecting(call: Callable[[], Any], what: str) -> None:
     """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
-    be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times."""
+    be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times, waiting
+    CONNECT_BACKOFF_S (doubled each time) in between."""
+    wait = CONNECT_BACKOFF_S
     for attempt in range(1, CONNECT_ATTEMPTS + 1):
         try:
             await call()
@@ -361,5 +364,7 @@ async def _connecting(call: Callable[[], Any], what: str) -> None:
             if attempt == CONNECT_ATTEMPTS or not (isinstance(e, RETRIED) or isinstance(getattr(e, "cause", None),
                                                                                       RETRIED)):
                 raise
-            log.warning("connecting %s failed (attempt %d of %d), trying again: %s", what, attempt,
-                        CONNECT_ATTEMPTS, e)
+            log.warning("connecting %s failed (attempt %d of %d), trying again in %.0f s: %s", what, attempt,
+                        CONNECT_ATTEMPTS, wait, e)
+            await asyncio.sleep(wait)
+            wait *= 2
