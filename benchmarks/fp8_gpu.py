@@ -50,7 +50,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_bench_gpu import Bench, ceilings  # noqa: E402
-from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm  # noqa: E402
+from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm, mm_config  # noqa: E402
 from engine.kernels.skinny_gemm import skinny_linear  # noqa: E402
 from engine.model.fp8_linear import Fp8Linear  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
@@ -117,9 +117,14 @@ def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
                       "reference_x_floor": base.get("x_floor")}), flush=True)
 
 
+ATTENTION_LAUNCHES = (None, (64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 3))
+ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
+
+
 def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000) -> None:
     """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
-    K/V): each launch configuration's KV read rate against the copy bandwidth."""
+    K/V): its KV read rate against the copy bandwidth for each launch configuration (at the default split count)
+    and each split count (at the default launch), then the best pair of the two."""
     from triton.testing import do_bench
 
     from engine.kernels.decode_attention import decode_attention
@@ -132,16 +137,40 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000) -
     base = torch.randn(blocks, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
         nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
-        for launch in (None, (64, 4, 3), (128, 8, 3), (128, 4, 3), (64, 8, 3), (128, 8, 4)):
+        variants = [(launch, None) for launch in ATTENTION_LAUNCHES] + [(None, s) for s in ATTENTION_SPLITS[1:]]
+        times = {}
+        for launch, splits in variants:
             try:
-                ms = do_bench(lambda launch=launch, layer=layer: decode_attention(
-                    q, layer, tables, lens, d ** -0.5, launch=launch), warmup=5, rep=40, return_mode="median")
+                ms = do_bench(lambda launch=launch, splits=splits, layer=layer: decode_attention(
+                    q, layer, tables, lens, d ** -0.5, launch=launch, num_splits=splits), warmup=5, rep=40,
+                    return_mode="median")
             except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot run: reported)
-                print(json.dumps({"attention": name, "launch": launch, "error": str(e).splitlines()[0][:120]}))
+                print(json.dumps({"attention": name, "launch": launch, "splits": splits,
+                                  "error": str(e).splitlines()[0][:120]}))
                 continue
-            print(json.dumps({"attention": name, "launch": launch or "default", "batch": batch, "context": context,
-                              "ms": round(ms, 4), "gb_per_s": round(nbytes / ms / 1e6, 1),
+            times[(launch, splits)] = ms
+            print(json.dumps({"attention": name, "launch": launch or "default", "splits": splits or "default",
+                              "batch": batch, "context": context, "ms": round(ms, 4),
+                              "gb_per_s": round(nbytes / ms / 1e6, 1),
                               "x_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
+        if times:
+            (launch, splits), ms = min(times.items(), key=lambda item: item[1])
+            default = times.get((None, None))
+            print(json.dumps({"attention_best": name, "batch": batch, "context": context, "launch": launch or "default",
+                              "splits": splits or "default", "ms": round(ms, 4),
+                              "default_ms": None if default is None else round(default, 4),
+                              "x_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
+
+
+def attention(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this times the decode attention kernel")
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(),
+                      "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
+    for case in args.cases.split(","):
+        batch, context = (int(v) for v in case.split("x"))
+        attention_variants(bandwidth, batch, context)
 
 
 def decode(args: argparse.Namespace) -> None:
@@ -179,8 +208,11 @@ SHAPES = {"llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (286
                          "lm_head": (128256, 4096)},
           "llama-3-70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}}
 MS = (1, 2, 4, 16, 32, 64, 128, 256, 2048)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M follows M (16, 32, 64)
-CONFIGS = tuple(itertools.product((16, 32, 64, 128), (128, 256), (4,), (4,))) + ((64, 128, 8, 4), (128, 128, 8, 4))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); BLOCK_M follows M (16, 32, 64)
+CONFIGS = tuple(itertools.product((16, 32, 64, 128), (128, 256), (4,), (4,), (1,))) + ((64, 128, 8, 4, 1),
+                                                                                      (128, 128, 8, 4, 1))
+# K split for the decode sizes (an N = 4,096 GEMM has 64 tiles of 64 rows for 132 SMs)
+SPLIT_CONFIGS = tuple((64, 256, 4, stages, split) for stages in (3, 4) for split in (2, 3, 4)) + ((64, 256, 4, 3, 1),)
 GEMV_CONFIGS = ((2, 4096, 8), (4, 4096, 8), (4, 2048, 4), (8, 2048, 8))
 L2_BYTES = 60 << 20
 
@@ -241,11 +273,19 @@ def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8:
         for bn, bk, warps in GEMV_CONFIGS:
             row[f"fp8_gemv_{bn}x{bk}w{warps}"] = timed(
                 lambda i, c=(bn, bk, warps): fp8_gemv(xq, xs, w8[i], ws, config=c), len(w8))
+    if m <= 2:  # weight-only: the 16-bit rows as they are (what the model runs at M = 1)
+        for bn, bk, warps in GEMV_CONFIGS:
+            row[f"fp8_gemvwo_{bn}x{bk}w{warps}"] = timed(
+                lambda i, c=(bn, bk, warps): fp8_gemv(x, None, w8[i], ws, config=c), len(w8))
     if m <= 256:
-        for bn, bk, warps, stages in CONFIGS:
-            config = (bn, block_m(m), bk, warps, stages)
-            row[f"fp8_mm_{bn}x{block_m(m)}x{bk}w{warps}s{stages}"] = timed(
-                lambda i, c=config: fp8_mm(xq, xs, w8[i], ws, config=c), len(w8))
+        sems = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
+        for bn, bk, warps, stages, split in CONFIGS + (SPLIT_CONFIGS if m <= 64 else ()):
+            config = (bn, block_m(m), bk, warps, stages, split)
+            row[f"fp8_mm_{bn}x{block_m(m)}x{bk}w{warps}s{stages}k{split}"] = timed(
+                lambda i, c=config: fp8_mm(xq, xs, w8[i], ws, config=c, semaphores=sems), len(w8))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        row["fp8_mm_default"] = timed(lambda i: fp8_mm(xq, xs, w8[i], ws, config=mm_config(m, n, k, sms),
+                                                       semaphores=sems), len(w8))
     return row
 
 
@@ -269,7 +309,8 @@ def sweep_gemm(name: str, n: int, k: int, bandwidth: float, ms: tuple[int, ...])
                           "bf16_ms": round(best_bf16[0], 4),
                           "bf16_x_floor": round(best_bf16[0] / row["floor_bf16_ms"], 3),
                           "fp8_speedup": round(best_bf16[0] / best_fp8[0], 3),
-                          "scaled_mm_rowwise_ms": round(row["fp8_scaled_mm_rowwise"], 4)}), flush=True)
+                          "scaled_mm_rowwise_ms": round(row["fp8_scaled_mm_rowwise"], 4),
+                          "fp8_mm_default_ms": round(row.get("fp8_mm_default", float("nan")), 4)}), flush=True)
         rows.append(row)
     return rows
 
@@ -287,19 +328,21 @@ def sweep_qkv_rope(bandwidth: float) -> None:
     sin = torch.randn(8192, d, device="cuda")
     kv = torch.zeros(64, 2, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     slots = torch.tensor([17], dtype=torch.int32, device="cuda")
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for label, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn), ("fp8_weight_only",
+                                                                                 torch.float8_e4m3fn)):
         w = copies(n, k, dtype)
         fp8 = dtype == torch.float8_e4m3fn
-        extra = dict(x_scales=torch.ones(1, 1, device="cuda"), w_scales=torch.full((1, n), 0.01, device="cuda"),
-                     out_dtype=torch.bfloat16) if fp8 else {}
-        x = (torch.randn(1, k, device="cuda") * 0.5).to(dtype)
+        weight_only = label == "fp8_weight_only"
+        extra = dict(x_scales=None if weight_only else torch.ones(1, 1, device="cuda"),
+                     w_scales=torch.full((1, n), 0.01, device="cuda"), out_dtype=torch.bfloat16) if fp8 else {}
+        x = (torch.randn(1, k, device="cuda") * 0.5).to(torch.bfloat16 if weight_only else dtype)
         floor_ms = n * k * w[0].element_size() / bandwidth * 1e3  # the same floor as the GEMMs' rows
 
         def call(i: int, launch: tuple[int, int] | None, w=w, x=x, extra=extra) -> None:
             qkv_rope_store(x, w[i], None, heads, kv_heads, positions, cos, sin, kv, slots, launch=launch, **extra)
         for launch in QKV_LAUNCHES:
             ms = timed(lambda i, launch=launch, call=call: call(i, launch), len(w))
-            print(json.dumps({"qkv_rope": "fp8" if fp8 else "bf16", "launch": launch or "default",
+            print(json.dumps({"qkv_rope": label, "launch": launch or "default",
                               "ms": round(ms, 4), "floor_ms": round(floor_ms, 4), "x_floor": round(ms / floor_ms, 2)}),
                   flush=True)
         del w
@@ -330,7 +373,7 @@ def gemm_sweep(args: argparse.Namespace) -> None:
         for row in rows:
             if row["m"] == m and row["gemm"] in layer:
                 for key, v in row.items():
-                    if key.startswith("fp8_mm_") or key.startswith("fp8_gemv_") or key == "fp8_scaled_mm_rowwise":
+                    if key.startswith(("fp8_mm_", "fp8_gemv_", "fp8_gemvwo_")) or key == "fp8_scaled_mm_rowwise":
                         by_key[key] = by_key.get(key, 0.0) + v
         complete = {key: v for key, v in by_key.items()
                     if sum(1 for r in rows if r["m"] == m and r["gemm"] in layer and key in r) == len(layer)}
@@ -363,6 +406,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--qkv-rope", action="store_true", help="only the fused qkv + RoPE + store launches")
     p.set_defaults(run=gemm_sweep)
+    p = commands.add_parser("attention", help="the decode attention kernel alone: launches and split counts")
+    p.add_argument("--cases", default="1x1024,64x2048,16x8000", help="comma-separated BATCHxCONTEXT")
+    p.set_defaults(run=attention)
     args = parser.parse_args()
     args.run(args)
 

@@ -14,6 +14,8 @@
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor;
 #   benchmarks/serve_load.py smoke).
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
+# fp8attn (1 GPU): the decode attention kernel alone on bf16 and fp8 caches at batch 1 / 1k, 64 / 2k and 16 / 8k,
+#   each launch configuration and split count (benchmarks/fp8_gpu.py attention; ATTN_ARGS=--cases ...).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
 #   (benchmarks/recovery.py kill).
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
@@ -253,6 +255,9 @@ for step in "$@"; do
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;
+    fp8attn)  # the decode attention kernel alone, bf16 and fp8 caches: launches and split counts per case
+      timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/fp8_gpu.py attention ${ATTN_ARGS:-} 2>&1 \
+        | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|error' | cut -c1-300 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

@@ -102,9 +102,42 @@ def test_fp8_gemms_compute_the_upcast_product(m):
         assert ((with_bias.double() - ref.double()).abs().max() / ref.double().abs().max()).item() < 2 ** -7
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+def test_fp8_mm_with_k_split_is_the_unsplit_product_and_leaves_its_semaphores_zero(m, split_k):
+    """K cut into 2-4 slices (4 leaves the interpreter's last one empty) meeting on semaphores the caller keeps: the
+    same product as one slice, twice in a row (the last split to arrive set every semaphore back to 0)."""
+    xq, xs, wq, ws = fp8_operands(m, seed=40 + m)
+    bias = rand(N, seed=41, dtype=torch.float32)
+    block = (16, 16, 32, 4, 1) if DEVICE == "cpu" else (64, min(64, max(16, m)), 256, 4, 4)
+    sems = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
+    whole = fp8_mm(xq, xs, wq, ws, bias, torch.float32, config=(*block, 1))
+    for _ in range(2):
+        split = fp8_mm(xq, xs, wq, ws, bias, torch.float32, config=(*block, split_k), semaphores=sems)
+        assert ((split - whole).abs().max() / whole.abs().max()).item() < 1e-5
+        assert not sems.any()
+
+
+def test_fp8_gemv_weight_only_multiplies_16_bit_rows_by_the_upcast_weight():
+    """x in bfloat16 with no scales: x @ (w_q * s_w)^T up to float32 summation order, no activation rounding."""
+    _, _, wq, ws = fp8_operands(2, seed=50)
+    bias = rand(N, seed=51, dtype=torch.float32)
+    for m in (1, 2):
+        x = rand(m, K, seed=52 + m)
+        exact = (x.double() @ wq.double().t()) * ws.double() + bias.double()
+        out = fp8_gemv(x, None, wq, ws, bias, torch.float32)
+        assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="x_scales"):
+        fp8_gemv(wq[:1], None, wq, ws)  # e4m3 x needs its scales
+    with pytest.raises(ValueError, match="x_scales"):
+        fp8_mm(x, None, wq, ws)  # the tensor-core kernel takes e4m3 x only
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 64, 200])
 def test_fp8_linear_kernel_path_agrees_with_its_torch_path(m, monkeypatch):
-    """By M: the GEMV (1, 2), the tensor-core kernel (3, 64), torch._scaled_mm on CUDA (200); static scales too."""
+    """By M: the GEMV (1, 2; weight-only at 1: the 16-bit rows as they are, which the torch path quantizes, so
+    the bound allows the activations' rounding), the tensor-core kernel (3, 64), torch._scaled_mm on CUDA (200);
+    static scales too."""
     w = rand(N, K, seed=20, dtype=torch.float32, scale=0.05)
     x = rand(m, K, seed=21)
     for strategy, activations in (("channel", "dynamic"), ("tensor", "static")):
@@ -120,8 +153,10 @@ def test_fp8_linear_kernel_path_agrees_with_its_torch_path(m, monkeypatch):
         layer.use_kernels = True
         got = layer(x).float()
         quantized = layer(Fp8Rows(*torch_quantize_rows(x, layer.input_scale))).float()
-        for y in (got, quantized):
-            assert ((y - expected).abs().max() / expected.abs().max()).item() < 2 ** -6, (strategy, m)
+        assert ((quantized - expected).abs().max() / expected.abs().max()).item() < 2 ** -6, (strategy, m)
+        if m <= fp8_linear.GEMV_ROWS:  # weight-only: x unrounded (K = 4,096 on an H200: 0.023 from the torch path)
+            expected = (x.float() @ (layer.weight.float() * layer.scale_row.t()).t() + layer.bias.float())
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 2 ** -6, (strategy, m)
 
 
 def test_an_fp8_models_kernel_path_gives_its_torch_paths_tokens(checkpoints, tmp_path):
@@ -175,6 +210,16 @@ def test_fused_fp8_qkv_rope_store_is_the_gemv_then_rope_and_store(kv_dtype):
     assert ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2 ** -7
     stored = (caches[0].float() - caches[1].float()).abs().max() / caches[1].float().abs().max()
     assert caches[1].float().abs().max() > 0 and stored.item() < 2 ** -3  # an e4m3 cache: one rounding step
+    # weight-only (what the model runs at M = 1): bfloat16 x, no x_scales, the GEMV's product
+    x = rand(1, hidden, seed=32)
+    fused = qkv_rope_store(x, wq, None, h, kvh, positions, rope.cos, rope.sin, caches[0], slots, w_scales=ws,
+                           out_dtype=torch.bfloat16)
+    ref = fp8_gemv(x, None, wq, ws)
+    rq, rk, rv = ref.view(1, h + 2 * kvh, d).split([h, kvh, kvh], dim=1)
+    rope_and_store(rq, rk, rv, positions, rope.cos, rope.sin, caches[1], slots)
+    assert ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2 ** -7
+    stored = (caches[0].float() - caches[1].float()).abs().max() / caches[1].float().abs().max()
+    assert stored.item() < 2 ** -3
 
 
 def test_thresholds_order_the_paths():

@@ -53,8 +53,9 @@ def test_decode_splits_are_always_one_of_the_planned_choices():
         for batch in (1, 2, 3, 7, 64, 255):
             for kv_heads in (1, 2, 8):
                 for blocks in (0, 1, 2, 3, 5, 17, 64, 100, 513):
-                    splits = num_splits_for(batch, kv_heads, blocks, sms)
-                    assert splits in SPLIT_CHOICES and splits <= max(blocks, 1)
+                    for fp8_cache in (False, True):
+                        splits = num_splits_for(batch, kv_heads, blocks, sms, fp8_cache)
+                        assert splits in SPLIT_CHOICES and splits <= max(blocks, 1)
 
 
 def test_every_step_input_starts_16_byte_aligned():

@@ -184,18 +184,27 @@ def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> tuple[
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # every value default_num_splits can return
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe): enough programs for about two waves of
-    four resident programs per SM, no more splits than table blocks, at most 64. Always a power of two
-    (SPLIT_CHOICES): the count is a constexpr, so steps of any shape compile one of seven variants, which
-    start-up compiles (engine.runner.warmup) instead of the first requests."""
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device,
+                       fp8_cache: bool = False) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill every SM (programs_per_sm),
+    no more splits than table blocks, at most 64. Always a power of two (SPLIT_CHOICES): the count is a constexpr,
+    so steps of any shape compile one of seven variants, which start-up compiles (engine.runner.warmup) instead of
+    the first requests."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return num_splits_for(batch, num_kv_heads, max_blocks, sms)
+    return num_splits_for(batch, num_kv_heads, max_blocks, sms, fp8_cache)
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, sms: int) -> int:
+def programs_per_sm(fp8_cache: bool) -> int:
+    """The programs a split count aims for per SM. On an H200 (`bash benchmarks/gpu_run.sh fp8attn`, 2026-12-02):
+    a bf16 cache is read fastest with ~2 (batch 64 / 2k context: 1 split, 0.137 ms against 0.149 with 4 splits;
+    batch 16 / 8k: 4 splits, 0.140 against 0.150 with 16), an fp8 cache with ~8 (64 / 2k: 4 splits 0.114 ms, 1 split
+    0.126; 16 / 8k: 16 splits 0.114, 4 splits 0.124): its tiles hold half the bytes, so more of them in flight."""
+    return 8 if fp8_cache else 2
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, sms: int, fp8_cache: bool = False) -> int:
     """default_num_splits on a device of `sms` streaming multiprocessors."""
-    want = triton.next_power_of_2(triton.cdiv(8 * sms, max(batch * num_kv_heads, 1)))
+    want = triton.next_power_of_2(triton.cdiv(programs_per_sm(fp8_cache) * sms, max(batch * num_kv_heads, 1)))
     cap = min(max(max_blocks, 1), SPLIT_CHOICES[-1])
     return min(want, 1 << (cap.bit_length() - 1))
 
@@ -226,11 +235,11 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     if batch == 0:
         return out
 
-    splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev)
+    fp8_cache = kv_layer.dtype == torch.float8_e4m3fn
+    splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim,
-                                                                 kv_layer.dtype == torch.float8_e4m3fn)
+    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim, fp8_cache)
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)

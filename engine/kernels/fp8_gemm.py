@@ -8,6 +8,8 @@ Two kernels for the sizes a decode step has (engine.model.fp8_linear picks per M
 - `fp8_gemv` (M of 1-2): engine.kernels.skinny_gemm's GEMV over the e4m3 weight, each weight row read once, at
   half a bfloat16 GEMV's bytes (e4m3 is one byte a value). Whole rows of K per tile, many small programs
   so every SM has its loads in flight; the products on the CUDA cores (a decode GEMV is bound by bytes, not FLOPs).
+  It also takes 16-bit x with no scales ("weight-only": e4m3 weights upcast in registers, the activations as they
+  are), which spares the step the launches that would quantize them (engine.model.fp8_linear uses it at M = 1).
 - `fp8_mm` (M up to a few hundred): FP8 tensor cores with the operands swapped, y^T [N, M] = w_q [N, K] @ x_q^T
   [K, M], so the weight's rows fill the MMA's wide side and the few tokens its narrow one (>= 16 wide: a step of
   M < 16 pads its tokens with masked zeros). Each program owns BLOCK_N output channels for BLOCK_M tokens and
@@ -31,21 +33,24 @@ from engine.kernels.skinny_gemm import gemv_tile
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_MAX_M = 16
+MAX_SPLIT_K = 4
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Grid (cdiv(N, BLOCK_N),): engine.kernels.skinny_gemm's program over e4m3 operands (upcast in registers)
+                     HAS_BIAS: tl.constexpr, HAS_XS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # Grid (cdiv(N, BLOCK_N),): engine.kernels.skinny_gemm's program over an e4m3 weight (upcast in registers) and
+    # e4m3 x with per-row scales, or 16-bit x (HAS_XS false: weight-only)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K)  # [BLOCK_M, BLOCK_N]
-    ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
-    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-    acc = acc * xs[:, None] * ws[None, :]
+    acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_XS:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -53,21 +58,29 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, str
 
 
 @triton.jit
-def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T tile
-    # [BLOCK_K, BLOCK_M] over K. x^T's tile is K-contiguous per token: the K-major B operand FP8 MMAs take.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_SPLIT, stride_xm,
+                   stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
+    # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T
+    # tile [BLOCK_K, BLOCK_M] over this split's K_SPLIT columns of K (a multiple of BLOCK_K). x^T's tile is
+    # K-contiguous per token: the K-major B operand FP8 MMAs take. With SPLIT_K > 1 (an N too narrow to give every
+    # SM a tile) each split writes its float32 sum to `part` and counts itself in on its tile's semaphore; the one
+    # that arrives last adds the splits' sums, writes the tile and sets the semaphore back to 0 for the next call
+    # (engine.kernels.decode_attention merges its splits the same way: no second launch).
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    k_start = tl.program_id(2) * K_SPLIT
+    k_end = tl.minimum(K, k_start + K_SPLIT)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + offs_k) < k_end
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         if DOT_F32:
@@ -76,6 +89,27 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, strid
             acc += tl.dot(w, xt)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
+    else:
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCK_N, BLOCK_M]
+        tl.store(part_ptr + (tl.program_id(2) * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + in_tile, acc)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        if tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for split in range(SPLIT_K):  # in split order: the sum does not depend on who arrived last
+                total += tl.load(part_ptr + (split * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + in_tile,
+                                 cache_modifier=".cg")
+            _mm_epilogue(total, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym,
+                 HAS_BIAS: tl.constexpr):
+    # y^T tile [BLOCK_N, BLOCK_M] = acc scaled per output channel and per token (+ bias), stored transposed
     ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
     xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
     acc = acc * ws[:, None] * xs[None, :]
@@ -87,13 +121,15 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, strid
 
 # (largest M, BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) by the step's M, first row whose M bound holds.
 # From benchmarks/fp8_gpu.py gemm-sweep on an H200 (docs/benchmark-log.md, 2026-12-02): 64 weight rows x 256 of K a
-# tile on 4 warps was the best at every M from 2 to 64, summed over an 8B layer's four GEMMs (0.068-0.080 ms
-# against bfloat16's 0.115-0.127: 1.58-1.80x); the token tile follows M so a small batch pads to 16, not 64.
+# tile on 4 warps was the best at every M from 2 to 64 for the 8B layer's narrower GEMMs; the token tile follows M
+# so a small batch pads to 16, not 64. A weight wide enough for two tiles per SM (gate_up, N = 28,672) runs
+# WIDE_CONFIG's 128 x 128 tiles on 8 warps instead (0.034 ms at M = 64 against 0.040).
 FP8_MM_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
     (16, 64, 16, 256, 4, 4),
     (32, 64, 32, 256, 4, 4),
     (1 << 30, 64, 64, 256, 4, 4),
 )
+WIDE_CONFIG = (128, 128, 8, 4)  # BLOCK_N, BLOCK_K, num_warps, num_stages; BLOCK_M as FP8_MM_CONFIGS'
 
 
 def gemv_config(m: int, k: int) -> tuple[int, int, int]:
@@ -104,19 +140,30 @@ def gemv_config(m: int, k: int) -> tuple[int, int, int]:
     return 4, min(triton.next_power_of_2(k), 2048), 4
 
 
-def mm_config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) of fp8_mm for M tokens."""
+def mm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT_K) of fp8_mm for M tokens of an [N, K] weight on a
+    device of `sms` SMs. K is split when the tiles would leave SMs idle: an N = 4,096 projection has 64 tiles of 64
+    rows for an H200's 132 SMs, and 2 splits took o_proj from 0.0094 to 0.0089 ms and down_proj from 0.0252 to 0.0203
+    at M = 64 (0.0219 -> 0.0183 at 16), into at most MAX_SPLIT_K slices of at least 2 K tiles each."""
     if interpreting():
-        return 16, 16, 32, 4, 1
-    for bound, *config in FP8_MM_CONFIGS:
+        return 16, 16, 32, 4, 1, 1
+    for bound, block_n, block_m, block_k, warps, stages in FP8_MM_CONFIGS:
         if m <= bound:
-            return tuple(config)
+            m_tiles = triton.cdiv(m, block_m)
+            if triton.cdiv(n, block_n) * m_tiles >= 2 * sms:
+                wide_n, wide_k, wide_warps, wide_stages = WIDE_CONFIG
+                return wide_n, block_m, wide_k, wide_warps, wide_stages, 1
+            tiles = triton.cdiv(n, block_n) * m_tiles
+            split = max(1, min(MAX_SPLIT_K, sms // tiles, k // (2 * block_k)))
+            return block_n, block_m, block_k, warps, stages, split
     raise AssertionError("FP8_MM_CONFIGS' last row covers every M")
 
 
-def _check(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+def _check(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
            bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, int, int]:
-    check("x", x, 2, (FP8,), inner_contiguous=True)
+    check("x", x, 2, (FP8,) if x_scales is not None else (FP8, *OUT_DTYPES), inner_contiguous=True)
+    if x.dtype == FP8 and x_scales is None:
+        raise ValueError("e4m3 x needs its x_scales (only 16-bit x goes without: weight-only)")
     dev = x.device
     if dev.type != "cuda" and not interpreting():
         raise ValueError(f"x must be on a CUDA device (or run under TRITON_INTERPRET=1), got {dev}")
@@ -125,9 +172,10 @@ def _check(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"x must have {weight.shape[1]} columns (weight's in-features), got {k}")
-    check("x_scales", x_scales, 2, (torch.float32,), dev)
-    if tuple(x_scales.shape) != (m, 1) or not x_scales.is_contiguous():
-        raise ValueError(f"x_scales must be a contiguous [{m}, 1], got {tuple(x_scales.shape)}")
+    if x_scales is not None:
+        check("x_scales", x_scales, 2, (torch.float32,), dev)
+        if tuple(x_scales.shape) != (m, 1) or not x_scales.is_contiguous():
+            raise ValueError(f"x_scales must be a contiguous [{m}, 1], got {tuple(x_scales.shape)}")
     check("w_scales", w_scales, 2, (torch.float32,), dev)
     if tuple(w_scales.shape) != (1, n) or not w_scales.is_contiguous():
         raise ValueError(f"w_scales must be a contiguous [1, {n}], got {tuple(w_scales.shape)}")
@@ -140,11 +188,12 @@ def _check(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
     return m, n, k
 
 
-def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] e4m3 (M <= GEMV_MAX_M) @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype.
-    `config` (BLOCK_N, BLOCK_K, num_warps) overrides gemv_config (the sweep times several)."""
+    """x [M, K] (M <= GEMV_MAX_M) @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype: x e4m3
+    with x_scales [M, 1], or 16-bit with x_scales None (weight-only). `config` (BLOCK_N, BLOCK_K, num_warps)
+    overrides gemv_config (the sweep times several)."""
     m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
     if m > GEMV_MAX_M:
         raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {m}")
@@ -152,23 +201,42 @@ def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_sc
     if m and n:
         block_n, block_k, warps = config or gemv_config(m, k)
         _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, m, n, k,
-            x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+            x, x_scales if x_scales is not None else w_scales, weight, w_scales, bias if bias is not None else w_scales,
+            out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            HAS_XS=x_scales is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps)
     return out
 
 
 def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None, semaphores: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] e4m3 @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype on FP8 tensor cores.
-    `config` (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages) overrides mm_config (the sweep times several)."""
+    `config` (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages[, SPLIT_K]) overrides mm_config (the sweep times
+    several). A split K meets on `semaphores` (int32, zero, at least one per output tile; left zero again, so a
+    caller may keep one: engine.model.fp8_linear does); without enough of them a zeroed one is made per call."""
+    if x_scales is None:
+        raise ValueError("fp8_mm takes e4m3 x with its x_scales")
     m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m and n:
-        block_n, block_m, block_k, warps, stages = config or mm_config(m)
-        _fp8_mm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-            x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, m, n, k,
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        block_n, block_m, block_k, warps, stages, *split = config or mm_config(m, n, k, sms)
+        split_k = split[0] if split else 1
+        if not isinstance(split_k, int) or split_k < 1:
+            raise ValueError(f"SPLIT_K must be a positive int, got {split_k!r}")
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
+        k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+        part = sems = out  # unused pointers with one split
+        if split_k > 1:
+            tiles = grid[0] * grid[1]
+            part = torch.empty((split_k * tiles * block_n * block_m,), dtype=torch.float32, device=x.device)
+            sems = semaphores
+            if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != x.device:
+                sems = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+        _fp8_mm_kernel[grid](
+            x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-            BLOCK_M=block_m, BLOCK_K=block_k, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+            BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
+            num_stages=stages)
     return out

@@ -3,9 +3,10 @@
 Owns `qkv_rope_store`: for M <= skinny_gemm.MAX_M tokens, qkv = x @ W_qkv^T (+ bias), then the q and k heads
 rotated in place exactly as engine.kernels.rope.rope_and_store does, and every token's k and v stored into its
 cache slot. At batch 1 that is one launch instead of two, and the rotation costs nothing on the way out of the GEMV.
-An FP8 projection (engine.model.fp8_linear) passes its e4m3 activations and weight with their scales (x_scales
-[M, 1], w_scales [1, N] float32): the GEMV then sums the e4m3 products in float32 and scales them, as
-engine.kernels.fp8_gemm does, before the rounding and the rotation.
+An FP8 projection (engine.model.fp8_linear) passes its e4m3 weight with its scales (w_scales [1, N] float32) and
+either e4m3 activations with theirs (x_scales [M, 1]) or 16-bit ones (weight-only, as fp8_gemm.fp8_gemv): the GEMV
+then sums the products in float32 and scales them, as engine.kernels.fp8_gemm does, before the rounding and the
+rotation.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _qkv_rope_store_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, k_scale, v_scale, xs_ptr, ws_ptr,
     M, K, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs, stride_ch,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, HAS_XS: tl.constexpr,
 ):
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     head = tl.program_id(0) // HALF
@@ -50,8 +51,10 @@ def _qkv_rope_store_kernel(
     cols = head * 2 * HALF + j + pair * HALF  # [2]: columns j and j + HALF of this head
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K)  # [BLOCK_M, 2]
-    if SCALED:  # FP8 operands: x ~= x_q * x_scale (per row), W ~= w_q * w_scale (per output column)
-        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None] * tl.load(ws_ptr + cols)[None, :]
+    if SCALED:  # an FP8 weight: W ~= w_q * w_scale (per output column); e4m3 x ~= x_q * x_scale (per row)
+        acc = acc * tl.load(ws_ptr + cols)[None, :]
+    if HAS_XS:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     y = round_to(acc, DTYPE)
@@ -93,28 +96,34 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x [M, hidden] (M <= MAX_M) @ weight [(H + 2 KVH) D, hidden]^T (+ bias) -> qkv [M, (H + 2 KVH) D] with q and k
     rotated by cos/sin [P, D] (float32) at positions [M], and k, v stored into kv_layer [NB, 2, bs, KVH, D] at
     slots [M] (negative: not stored; an fp8 cache stores k / k_scale, v / v_scale). The same as skinny_linear then
-    rope.rope_and_store on its q, k, v views. FP8: x and weight float8_e4m3fn with x_scales [M, 1] and w_scales
-    [1, N] (float32, contiguous), the output in `out_dtype` (the model's dtype). `launch` (BLOCK_K, num_warps)
-    overrides skinny_gemm.launch_config's (benchmarks time several)."""
+    rope.rope_and_store on its q, k, v views. FP8: a float8_e4m3fn weight with w_scales [1, N], and x either
+    float8_e4m3fn with x_scales [M, 1] or 16-bit without (weight-only) (scales float32, contiguous), the output in
+    `out_dtype` (the model's dtype; 16-bit x's own by default). `launch` (BLOCK_K, num_warps) overrides
+    skinny_gemm.launch_config's (benchmarks time several)."""
     check_scales(k_scale, v_scale)
     act_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    scaled = x.dtype == torch.float8_e4m3fn
-    check("x", x, 2, (*act_dtypes, torch.float8_e4m3fn), inner_contiguous=True)
-    check("weight", weight, 2, (x.dtype,), x.device, inner_contiguous=True)
+    fp8 = torch.float8_e4m3fn
+    scaled = weight.dtype == fp8
+    check("x", x, 2, (*act_dtypes, fp8), inner_contiguous=True)
+    check("weight", weight, 2, (fp8,) if scaled else (x.dtype,), x.device, inner_contiguous=True)
     m, hidden = x.shape
-    if scaled:
-        if out_dtype not in act_dtypes or x_scales is None or w_scales is None:
-            raise ValueError("FP8 x needs x_scales, w_scales and an out_dtype among float32/bfloat16/float16")
-        check("x_scales", x_scales, 2, (torch.float32,), x.device)
-        check("w_scales", w_scales, 2, (torch.float32,), x.device)
-        if tuple(x_scales.shape) != (m, 1) or tuple(w_scales.shape) != (1, weight.shape[0]) \
-                or not (x_scales.is_contiguous() and w_scales.is_contiguous()):
-            raise ValueError(f"x_scales must be a contiguous [{m}, 1] and w_scales [1, {weight.shape[0]}], got "
-                             f"{tuple(x_scales.shape)} and {tuple(w_scales.shape)}")
-    elif x_scales is not None or w_scales is not None:
-        raise ValueError("x_scales and w_scales go with FP8 (float8_e4m3fn) x and weight only")
-    else:
+    if x.dtype != fp8 and out_dtype is None:
         out_dtype = x.dtype
+    if scaled:
+        if out_dtype not in act_dtypes or w_scales is None or (x.dtype == fp8) != (x_scales is not None):
+            raise ValueError("an FP8 weight needs w_scales and an out_dtype among float32/bfloat16/float16, and "
+                             "x_scales exactly when x is FP8")
+        check("w_scales", w_scales, 2, (torch.float32,), x.device)
+        if tuple(w_scales.shape) != (1, weight.shape[0]) or not w_scales.is_contiguous():
+            raise ValueError(f"w_scales must be a contiguous [1, {weight.shape[0]}], got {tuple(w_scales.shape)}")
+        if x_scales is not None:
+            check("x_scales", x_scales, 2, (torch.float32,), x.device)
+            if tuple(x_scales.shape) != (m, 1) or not x_scales.is_contiguous():
+                raise ValueError(f"x_scales must be a contiguous [{m}, 1], got {tuple(x_scales.shape)}")
+    elif x_scales is not None or w_scales is not None:
+        raise ValueError("x_scales and w_scales go with an FP8 (float8_e4m3fn) weight only")
+    elif out_dtype != x.dtype:
+        raise ValueError(f"a 16-bit projection writes x's dtype ({x.dtype}), got out_dtype {out_dtype}")
     heads = num_heads + 2 * num_kv_heads
     if weight.shape[1] != hidden or weight.shape[0] % heads:
         raise ValueError(f"weight must be [(H + 2 KVH) x D, {hidden}] with H = {num_heads}, KVH = {num_kv_heads}, "
@@ -135,10 +144,11 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     block_k, num_warps = launch or _launch(m, heads * d, hidden, scaled)
     _qkv_rope_store_kernel[(heads * d // 2,)](
         x, weight, bias if bias is not None else weight, out, positions, cos, sin, kv_layer, slots,
-        float(k_scale), float(v_scale), x_scales if scaled else out, w_scales if scaled else out,
+        float(k_scale), float(v_scale), x_scales if x_scales is not None else out, w_scales if scaled else out,
         m, hidden, x.stride(0), weight.stride(0), out.stride(0), cos.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         H=num_heads, KVH=num_kv_heads, HALF=d // 2, BS=kv_layer.shape[2], HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, SCALED=scaled, num_warps=num_warps,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, SCALED=scaled, HAS_XS=x_scales is not None,
+        num_warps=num_warps,
     )
     return out

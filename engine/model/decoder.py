@@ -61,12 +61,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_kernels = False
         self.cpu_fused = False  # bfloat16 rows on the CPU: engine.cpu_kernels.elementwise (use_cpu_elementwise)
-        # kernel path: the FP8 linear this norm feeds; its output is then quantized for it (Fp8Rows)
+        # kernel path: the FP8 linear this norm feeds; its output is then quantized for it (Fp8Rows), unless the
+        # step has so few rows that the linear runs weight-only (fp8_linear.GEMV_ROWS)
         self.quantize_for: Fp8Linear | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., dim] -> normed. With `residual`, first x = x + residual; returns (normed, that sum)."""
-        if self.use_kernels and x.dim() == 2 and self.quantize_for is not None:
+        if self.use_kernels and x.dim() == 2 and self.quantize_for is not None and x.shape[0] > GEMV_ROWS:
             from engine.kernels.fp8_quant import rms_norm_quant
             rows = Fp8Rows(*rms_norm_quant(x, self.weight, self.eps, residual, self.quantize_for.input_scale))
             return rows if residual is None else (rows, residual)  # residual updated in place
@@ -130,8 +131,10 @@ class Attention(nn.Module):
             # one kernel: projection, RoPE, KV store (an FP8 projection's e4m3 GEMV with its scales)
             from engine.kernels.qkv_rope import qkv_rope_store
             proj = self.qkv_proj
-            fp8 = dict(x_scales=x.scales, w_scales=proj.scale_row, out_dtype=proj.out_dtype) \
-                if isinstance(x, Fp8Rows) else {}
+            fp8 = {}
+            if isinstance(proj, Fp8Linear):  # e4m3 rows with their scales, or 16-bit ones (weight-only)
+                fp8 = dict(x_scales=x.scales if isinstance(x, Fp8Rows) else None, w_scales=proj.scale_row,
+                           out_dtype=proj.out_dtype)
             qkv = qkv_rope_store(x.q if isinstance(x, Fp8Rows) else x, proj.weight, proj.bias, h, kvh,
                                  rope.positions, rope.cos, rope.sin, kv_layer, slots, *scales, **fp8)  # [T, (H+2KVH)D]
             return qkv[:, : h * d].view(t, h, d)
@@ -157,10 +160,10 @@ class Attention(nn.Module):
 
     def _fuses_rope(self, x: torch.Tensor | Fp8Rows) -> bool:
         """Whether the kernel path's one-kernel projection + RoPE + store takes this step: 16-bit weights up to
-        SKINNY_ROWS tokens (its GEMV), FP8 ones where their GEMV runs (fp8_linear.GEMV_ROWS, activations quantized)."""
+        SKINNY_ROWS tokens (its GEMV), FP8 ones where their GEMV runs (fp8_linear.GEMV_ROWS, weight-only)."""
         if type(self.qkv_proj) is nn.Linear:
             return x.shape[0] <= SKINNY_ROWS
-        return isinstance(x, Fp8Rows) and x.shape[0] <= GEMV_ROWS
+        return isinstance(self.qkv_proj, Fp8Linear) and x.shape[0] <= GEMV_ROWS
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The part after attention: o [T, H, D] -> [T, hidden] (o_proj, then the all-reduce under TP)."""
@@ -194,7 +197,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels and isinstance(self.down_proj, Fp8Linear):
+        if self.use_kernels and isinstance(self.down_proj, Fp8Linear) and x.shape[0] > GEMV_ROWS:
             from engine.kernels.fp8_quant import silu_mul_quant
             act = Fp8Rows(*silu_mul_quant(_linear(self.gate_up_proj, x), self.down_proj.input_scale))  # [T, I]
         elif self.use_kernels:

@@ -15,7 +15,11 @@ q/k/v and gate/up, SiLU-and-mul before down: engine.kernels.fp8_quant), else one
 is chosen by M (the step's tokens), from timings on an H200 (docs/benchmark-log.md): a GEMV over the e4m3 weight for
 the smallest decode batches, FP8 tensor cores with the operands swapped for the rest of the decode sizes
 (engine.kernels.fp8_gemm), and cuBLASLt's `torch._scaled_mm` with row-wise scales for prefill. All three compute
-the same products in float32 with the same scales. On the torch path (the CPU) the weight stays FP8 in memory and
+the same products in float32 with the same scales. Up to GEMV_ROWS tokens the activations are not quantized at all
+("weight-only": the GEMV upcasts the e4m3 weight and multiplies the 16-bit activations, so the step spends no
+launch on quantizing them; the model's norms and SiLU-and-mul then hand over 16-bit rows): at one row the
+quantizing kernels cost more than the weight read they would save (docs/benchmark-log.md), and the result is
+closer to the 16-bit model, not further. On the torch path (the CPU) the weight stays FP8 in memory and
 is upcast to float32 per matmul (exact: every e4m3 value and every product of two is a float32), with the same
 activation quantization, so the CPU computes the numbers the GPU does up to the order of float32 sums; CI
 measures real FP8 serving accuracy with it. Upcasting once at load would be faster on a CPU but would hold the
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 from torch import nn
 
 from engine.model.quant_config import Fp8Scheme
@@ -35,9 +40,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite scale
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
-# kernel path, by M: fp8_gemv up to GEMV_ROWS, fp8_mm up to MM_ROWS, torch._scaled_mm beyond. H200 sweep of an 8B
-# layer (benchmarks/fp8_gpu.py gemm-sweep): the GEMV wins at M = 1 only; fp8_mm up to 64 (0.080 ms a layer at 64
-# against _scaled_mm's 0.107); _scaled_mm from 128 (0.106 ms against fp8_mm's 0.124) through prefill.
+# kernel path, by M: fp8_gemv (weight-only) up to GEMV_ROWS, fp8_mm up to MM_ROWS, torch._scaled_mm beyond. H200
+# sweep of an 8B layer (benchmarks/fp8_gpu.py gemm-sweep): the GEMV wins at M = 1 only; fp8_mm up to 64 (0.080 ms a
+# layer at 64 against _scaled_mm's 0.107); _scaled_mm from 128 (0.106 ms against fp8_mm's 0.124) through prefill.
 GEMV_ROWS = 1
 MM_ROWS = 64
 
@@ -91,6 +96,12 @@ class Fp8Linear(nn.Module):
         if s.numel() not in (1, self.out_features):
             raise ValueError(f"weight_scale has {s.numel()} values for {self.out_features} output rows")
         self.scale_row = s.expand(self.out_features).reshape(1, -1).contiguous()
+        # fp8_mm's split-K meeting points, one per output tile up to MM_ROWS tokens (it leaves them zero); kept here
+        # so a CUDA graph's replay needs no memset. One step at a time uses them (the engine runs one stream).
+        self.split_semaphores = None
+        if self.weight.is_cuda:
+            tiles = triton.cdiv(self.out_features, 16) * triton.cdiv(MM_ROWS, 16)
+            self.split_semaphores = torch.zeros(tiles, dtype=torch.int32, device=self.weight.device)
 
     def matmul(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] (or its Fp8Rows) -> x @ W^T (+ `bias`) [M, out] in out_dtype. A row-parallel layer passes no
@@ -106,6 +117,8 @@ class Fp8Linear(nn.Module):
     def _kernel_matmul(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
         if not isinstance(x, Fp8Rows):
+            if x.shape[0] <= GEMV_ROWS:  # weight-only (module docstring)
+                return fp8_gemv(x, None, self.weight, self.scale_row, bias, self.out_dtype)
             from engine.kernels.fp8_quant import quantize_rows as quantize_kernel
             x = Fp8Rows(*quantize_kernel(x, self.input_scale))
         m = x.q.shape[0]
@@ -113,7 +126,8 @@ class Fp8Linear(nn.Module):
             return fp8_gemv(x.q, x.scales, self.weight, self.scale_row, bias, self.out_dtype)
         # torch._scaled_mm's row-wise scales need a bfloat16 output (and CUDA); other dtypes stay on Triton
         if m <= MM_ROWS or not x.q.is_cuda or self.out_dtype != torch.bfloat16:
-            return fp8_mm(x.q, x.scales, self.weight, self.scale_row, bias, self.out_dtype)
+            return fp8_mm(x.q, x.scales, self.weight, self.scale_row, bias, self.out_dtype,
+                          semaphores=self.split_semaphores)
         return torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scales, scale_b=self.scale_row, bias=bias,
                                 out_dtype=self.out_dtype)
 

@@ -66,7 +66,8 @@ def plan(max_num_seqs: int, max_blocks_per_seq: int, graphs: bool,
 
 
 def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sms: int,
-                  graph_buckets: tuple[int, ...], prefill_buckets: PrefillBuckets | None = None) -> set[tuple]:
+                  graph_buckets: tuple[int, ...], prefill_buckets: PrefillBuckets | None = None,
+                  fp8_cache: bool = False) -> set[tuple]:
     """The variants a scheduled step launches (mirrors ModelRunner's graph choices and attend()'s kernels)."""
     decodes = [c for c in sched.chunks if len(c.token_ids) == 1]
     prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
@@ -82,7 +83,7 @@ def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sm
     out: set[tuple] = {("prefill",)} if prefills else set()
     if decodes:
         width = max(-(-(c.start_pos + 1) // block_size) for c in decodes)
-        out.add(("decode", num_splits_for(len(decodes), num_kv_heads, width, sms)))
+        out.add(("decode", num_splits_for(len(decodes), num_kv_heads, width, sms, fp8_cache)))
     return out
 
 
