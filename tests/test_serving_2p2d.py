@@ -17,6 +17,7 @@ from engine import SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
     HALF_CPU,
+    OPERATOR,
     busiest_worker,
     complete,
     live_worker_pids,
@@ -30,7 +31,8 @@ from tests.server_process import (
 @pytest.fixture(scope="module")
 def server_2p2d(llama, tmp_path_factory):
     config = {"model": str(llama), "prefill": {**HALF_CPU, "workers": 2, "chunk_size": 32},
-              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]}, "server": {"api_processes": 2}}
+              "decode": {**HALF_CPU, "workers": 2}, "transfer": {"backends": ["ucx"]},
+              "server": {"api_processes": 2, "admin_api": True}}
     with running_server(tmp_path_factory.mktemp("server_2p2d"), config) as server:
         yield server
 
@@ -103,6 +105,11 @@ def test_a_decode_worker_killed_mid_stream_its_streams_move_and_finish_exactly(s
     expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     pids = live_worker_pids(server_2p2d, "decode")
     assert len(pids) == 2, pids
+    # both decode workers slowed (20 ms a step: ~10 s a stream), so the streams outlast the watcher's first reading
+    # under any load (CI once saw them finish before a /metrics read had named a busy worker: the kill never came)
+    r = httpx.post(f"{server_2p2d.url}/admin/faults", headers=OPERATOR, timeout=30,
+                   json={"slow_step_s": 0.02, "slow_workers": ["decode-0", "decode-1"]})
+    assert r.status_code == 200, r.text
 
     # the worker to kill: one holding streams, never an idle one, by the coordinator's bookings, read over and over
     # from a thread while the streams start, so the kill itself waits for no HTTP round trip (these streams last
@@ -120,7 +127,9 @@ def test_a_decode_worker_killed_mid_stream_its_streams_move_and_finish_exactly(s
     watcher.start()
 
     async def kill_one_decode_worker() -> None:
+        deadline = time.monotonic() + 60
         while not busiest:  # no reading since the streams were admitted yet (a slow first /metrics)
+            assert time.monotonic() < deadline, "no /metrics reading named a decode worker holding the streams"
             await asyncio.sleep(0.005)
         os.kill(pids[busiest[-1]], signal.SIGKILL)
         watching.set()
