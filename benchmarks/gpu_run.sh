@@ -52,6 +52,8 @@
 #   off, collocated / 1P+1D sharing the GPU (configs/sweeps/gpu-1x-llama3-8b-multiturn-*.yaml), packed into $OUT.
 # multiturnquick (1 GPU, issue 44): the same on one collocated worker with 8 GiB of device KV, ~4 minutes.
 # multiturnbusy (1 GPU, issue 44): one collocated worker, 16 GiB of device KV, twice quick's load, ~5 minutes.
+# multiturnagents (1 GPU, issue 44): the same worker, short replies and 10 s of think time (many idle histories for
+#   each decoding stream), ~5 minutes.
 # extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
 #   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
 #   does not fetch (httptools, prometheus-client) or cannot (llguidance is manylinux_2_31 only, beyond its
@@ -211,6 +213,8 @@ for step in "$@"; do
       sweep multiturnquick gpu-1x-llama3-8b-multiturn-quick "${SWEEP_TIMEOUT:-300}" ;;
     multiturnbusy)
       sweep multiturnbusy gpu-1x-llama3-8b-multiturn-busy "${SWEEP_TIMEOUT:-360}" ;;
+    multiturnagents)
+      sweep multiturnagents gpu-1x-llama3-8b-multiturn-agents "${SWEEP_TIMEOUT:-450}" ;;
     adaptive2)
       sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" ;;
     adaptive2x2)  # two sweeps side by side, one pair of GPUs each
