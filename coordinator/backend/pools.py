@@ -3,9 +3,9 @@
 Each pool's workers go into one placement group (PACK keeps them on as few nodes as possible, SPREAD across
 nodes), each worker slot in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so
 a pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
-start() returns once every worker has loaded its model and reported its KV capacity; in disaggregated mode every
-decode worker then connects to every prefill worker's transfer agent (and, with pushes, the other way round); in
-adaptive mode every worker to every other (any may hand KV to any). Adaptive workers start in their pool's role
+start() returns once every worker has loaded its model and reported its KV capacity and the workers' transfer agents
+are connected along coordinator.backend.peer_links' links (disaggregated: decode to prefill, and the other way round
+with pushes; adaptive: every worker to every other). Adaptive workers start in their pool's role
 (the pools' sizes are the starting split); `role_workers` then follows each worker's current role. `start_slot()`
 brings one slot up again
 (same config, same bundle: Ray re-places a bundle whose node died, when the cluster has room) and `connect()`
@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from coordinator.admission.router import WorkerState
 from coordinator.backend.adoption import adopt
 from coordinator.backend.fleet import actor_name, fingerprint, group_name, teardown
+from coordinator.backend.peer_links import peer_links, waves
 from coordinator.config.serve_config import PoolConfig, ServeConfig
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
@@ -119,22 +120,12 @@ class Pools:
             log.warning("worker %s ready: %s", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
-        if cfg.adaptive:  # one direction of every pair, then the other (as prefill and decode pools connect)
-            for forward in (True, False):
-                await asyncio.gather(*[_connecting(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
-                                                   f"{a.name} to {b.name}")
-                                       for i, a in enumerate(started) for j, b in enumerate(started)
-                                       if (i < j if forward else i > j)])
-            return
-        await asyncio.gather(*[_connecting(lambda d=d, p=p: d.handle.add_peer.remote(p.info.agent_metadata),
-                                           f"{d.name} to {p.name}") for d in self.decode for p in self.prefill])
-        if self.pushes:
-            await asyncio.gather(*[_connecting(lambda d=d, p=p: p.handle.add_peer.remote(d.info.agent_metadata),
-                                               f"{p.name} to {d.name}") for d in self.decode for p in self.prefill])
-        if self.prefills_connect:
+        for wave in waves(self._links(started)):  # one direction of every pair, then the other
             await asyncio.gather(*[_connecting(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
-                                               f"{a.name} to {b.name}")
-                                   for a in self.prefill for b in self.prefill if a is not b])
+                                               f"{a.name} to {b.name}") for a, b in wave])
+
+    def _links(self, workers: list[WorkerState]) -> list[tuple[WorkerState, WorkerState]]:
+        return peer_links(workers, self.config.mode, self.pushes, self.prefills_connect)
 
     @property
     def prefills_connect(self) -> bool:
@@ -169,55 +160,23 @@ class Pools:
         return WorkerState(info, handle, incarnation=incarnation, load=load, role=current_role)
 
     async def connect(self, worker: WorkerState) -> None:
-        """Exchange transfer metadata between a (replacement) worker and its live peers: decode workers pull
-        from prefill workers, so a new decode worker adds every live prefill agent, and every live decode worker
-        drops the old prefill agent of that name and adds the new one. With pushes, the other way round as well; with
-        prefills_connect, a new prefill worker and the other live prefill workers both ways."""
-        if not self.transfers:
-            return
-        if self.config.adaptive:  # every live peer, both ways
-            peers = [w for w in self.all_workers if w.alive and w.name != worker.name]
-            await asyncio.gather(*[_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
-                                               f"{worker.name} to {p.name}") for p in peers],
-                                 *[_connecting(lambda p=p: p.handle.replace_peer.remote(
-                                     worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}")
-                                   for p in peers])
-            return
-        if worker.info.role == "decode":
-            peers = [p for p in self.prefill if p.alive]
-            calls = [_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
-                                 f"{worker.name} to {p.name}") for p in peers]
-            if self.pushes:
-                calls += [_connecting(lambda p=p: p.handle.replace_peer.remote(
-                    worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}") for p in peers]
-        else:
-            peers = [d for d in self.decode if d.alive]
-            calls = [_connecting(lambda d=d: d.handle.replace_peer.remote(
-                worker.name, worker.info.agent_metadata), f"{d.name} to {worker.name}") for d in peers]
-            if self.pushes:
-                calls += [_connecting(lambda d=d: worker.handle.add_peer.remote(d.info.agent_metadata),
-                                      f"{worker.name} to {d.name}") for d in peers]
-            if self.prefills_connect:
-                others = [p for p in self.prefill if p.alive and p.name != worker.name]
-                calls += [_connecting(lambda p=p: worker.handle.add_peer.remote(p.info.agent_metadata),
-                                      f"{worker.name} to {p.name}") for p in others]
-                calls += [_connecting(lambda p=p: p.handle.replace_peer.remote(
-                    worker.name, worker.info.agent_metadata), f"{p.name} to {worker.name}") for p in others]
-        await asyncio.gather(*calls)
+        """Exchange transfer metadata between a (replacement) worker and its live peers, along every link
+        (coordinator.backend.peer_links) it has: it adds the agents it links to, and each live peer linked to it
+        drops the old agent of its name and adds the new one."""
+        live = [w for w in self.all_workers if w.alive and w.name != worker.name] + [worker]
+        links = [(a, b) for a, b in self._links(live) if a is worker or b is worker]
+        await asyncio.gather(*[
+            _connecting(lambda b=b: worker.handle.add_peer.remote(b.info.agent_metadata), f"{a.name} to {b.name}")
+            if a is worker else
+            _connecting(lambda a=a: a.handle.replace_peer.remote(worker.name, worker.info.agent_metadata),
+                        f"{a.name} to {b.name}")
+            for a, b in links])
 
     async def disconnect(self, dead: WorkerState) -> None:
-        """Every live decode worker forgets a dead prefill worker's agent, releasing its mapped cache (a CUDA IPC
-        mapping would keep the dead process's GPU memory allocated, and its replacement would find it taken); with
-        pushes, every live prefill worker a dead decode worker's; with prefills_connect, every other live prefill
-        worker a dead prefill worker's."""
-        if not self.transfers or (dead.info.role != "prefill" and not self.pushes and not self.config.adaptive):
-            return
-        if self.config.adaptive:
-            peers = [w for w in self.all_workers if w.alive and w.name != dead.name]
-        else:
-            peers = [w for w in (self.decode if dead.info.role == "prefill" else self.prefill) if w.alive]
-            if dead.info.role == "prefill" and self.prefills_connect:  # and the other prefill workers
-                peers += [p for p in self.prefill if p.alive and p.name != dead.name]
+        """Every live worker linked to a dead one forgets its agent, releasing its mapped cache (a CUDA IPC mapping
+        would keep the dead process's GPU memory allocated, and its replacement would find it taken)."""
+        live = [w for w in self.all_workers if w.alive and w.name != dead.name] + [dead]
+        peers = [a for a, b in self._links(live) if b is dead]
         await asyncio.gather(*[w.handle.drop_peer.remote(dead.name) for w in peers], return_exceptions=True)
 
     def install(self, worker: WorkerState) -> None:
