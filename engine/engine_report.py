@@ -1,6 +1,7 @@
 """What LLMEngine reports about itself: load() (its gauges and counters, EngineLoad: every worker reply and the
-metrics carry it: engine.async_engine, pool_worker.worker) and check_integrity() (block ownership asserted, counts
-returned: pool_worker.worker's check_integrity command, warm-up, tests). A mixin of LLMEngine; relies on its state.
+metrics carry it: engine.async_engine, pool_worker.worker), check_integrity() (block ownership asserted, counts
+returned: pool_worker.worker's check_integrity command, warm-up, tests) and start_counting() (nothing cached, every
+counter at zero: after a warm-up or a start probe). A mixin of LLMEngine; relies on its state.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.core.request import RequestStatus
-from engine.load import EngineLoad
+from engine.load import EngineLoad, IterationTokens
 
 if TYPE_CHECKING:
     from engine.core.block_manager import BlockManager
@@ -95,6 +96,22 @@ class EngineReport:
                 "host_tier_used_blocks": t.num_used, "host_tier_total_blocks": t.num_slots,
                 "host_tier_used_bytes": t.num_used * t.block_bytes,
                 "host_tier_capacity_bytes": t.num_slots * t.block_bytes}
+
+    def start_counting(self) -> None:
+        """Nothing cached on the device or in the host tier and every counter at zero, as right after start: what a
+        warm-up's or a start probe's requests left (engine.runner.warmup, engine.step_rates) is not the server's.
+        Call with no request in flight."""
+        self.block_manager.reset_prefix_cache()
+        tier = self.host_tier
+        if tier is not None:
+            tier.clear()
+            tier.take_changes()  # nothing for the fleet's index: it held these requests' blocks only
+            tier.hits = tier.misses = tier.stored = tier.evictions = tier.dropped = 0
+        self.num_steps, self.step_time_last_s, self.step_time_total_s = 0, 0.0, 0.0
+        s = self.scheduler
+        s.num_preemptions = s.num_prefix_query_tokens = s.num_prefix_hit_tokens = 0
+        s.num_scheduled_tokens = s.num_sampled_tokens = 0
+        s.iteration_tokens = IterationTokens()
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and

@@ -7,8 +7,8 @@ StepBudget learns a step's base time and each prompt token's cost from the steps
 them (`decode_step_s`, `prefill_token_s`), which the coordinator's placement model reads. `measure_step_rates` runs
 one probe request (a prompt of the step budget's ceiling, then a few decode steps, greedy) through the engine's own
 step(), from fresh averages (steps of a CUDA warm-up before it, with their compiles, say nothing of the rates),
-then undoes what it left: the prefix cache and host tier are emptied and the counters start from zero, as after a
-warm-up. Runs on any device: it is a request like any other.
+then undoes what it left (LLMEngine.start_counting: the prefix cache and host tier emptied, the counters from zero,
+as after a warm-up). Runs on any device: it is a request like any other.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.step_budget import StepBudget
-from engine.load import IterationTokens
 
 PROBE_ID = "pdserve-step-rate-probe"
 PROBE_DECODES = 4  # decode steps after the prompt's
@@ -48,15 +47,5 @@ def measure_step_rates(engine: Any) -> None:
     else:  # never expected (it fits alone): give up on the figures rather than on the start
         engine.abort(PROBE_ID)
         engine.step_budget = StepBudget(budget.target_s, budget.floor_tokens, budget.ceiling_tokens)
-    engine.block_manager.reset_prefix_cache()
-    tier = engine.host_tier
-    if tier is not None:
-        tier.clear()
-        tier.take_changes()  # nothing for the fleet's index: it held the probe's blocks only
-        tier.hits = tier.misses = tier.stored = tier.evictions = tier.dropped = 0
-    engine.num_steps, engine.step_time_last_s, engine.step_time_total_s = 0, 0.0, 0.0
-    sched = engine.scheduler
-    sched.num_preemptions = sched.num_prefix_query_tokens = sched.num_prefix_hit_tokens = 0
-    sched.num_scheduled_tokens = sched.num_sampled_tokens = 0
-    sched.iteration_tokens = IterationTokens()
+    engine.start_counting()
     engine.check_integrity()

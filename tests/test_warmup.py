@@ -99,4 +99,7 @@ def test_warm_up_leaves_the_engine_as_it_was(checkpoints):
     assert counts["in_use"] == 0 and counts["pinned"] == 0 and warm.engine.block_manager.num_cached_blocks == 0
     load = warm.engine.load()
     assert load.steps == 0 and load.scheduled_tokens_total == 0 and load.sampled_tokens_total == 0
+    assert load.iteration_tokens_total == 0 and not any(load.iteration_token_counts)
+    tier = warm.engine.host_tier
+    assert tier is not None and tier.num_used == 0 and tier.stored == 0  # nothing of the warm-up's kept
     assert [o.token_ids for o in warm.generate(prompts, params)] == expected

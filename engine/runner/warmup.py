@@ -95,12 +95,8 @@ def warm_up(engine) -> float:
         engine.followers.send(("warmup", shape))
     decode_variants(engine.model, engine.kv_cache, *shape)
     _requests(engine)
-    engine.block_manager.reset_prefix_cache()
+    engine.start_counting()  # the warm-up's blocks and counts are not the server's
     engine.check_integrity()
-    engine.num_steps, engine.step_time_last_s, engine.step_time_total_s = 0, 0.0, 0.0
-    sched = engine.scheduler
-    sched.num_preemptions = sched.num_prefix_query_tokens = sched.num_prefix_hit_tokens = 0
-    sched.num_scheduled_tokens = sched.num_sampled_tokens = 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return time.perf_counter() - started
