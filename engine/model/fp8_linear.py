@@ -89,6 +89,7 @@ class Fp8Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, dtype=out_dtype, device=device), **frozen)
         self.scale_row: torch.Tensor | None = None  # [1, out] float32, set by finish()
         self.use_kernels = False  # the Triton/cuBLASLt path (module docstring), set by CausalLM.use_kernels
+        self.split_semaphores: torch.Tensor | None = None  # fp8_mm's split-K meeting points, made by finish()
 
     def finish(self) -> None:
         """After loading: the weight scale as one contiguous float32 row [1, out] (a per-tensor scale repeated)."""
