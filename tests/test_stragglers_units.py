@@ -94,3 +94,31 @@ def test_a_decode_worker_whose_handoffs_are_several_times_slower_is_found():
             watch.handoff(w, 1000, 0.01, 30.0 + i)
     _run(watch, workers, 1, shapes, start=40.0)
     assert watch.ratios["decode-1"] == 1.0 and watch.detected == 1
+
+
+def test_a_peer_that_carried_a_replaced_workers_load_is_judged_only_on_what_followed():
+    """decode-1 is replaced; while its replacement starts, decode-0 takes all the load and its steps and handoffs
+    slow down 10x. The replacement then runs at the old pace: decode-0 is compared with it only on what both did
+    after the replacement was first seen, and is not a straggler (CI once saw it flagged and replaced in turn;
+    over its whole window, slow part included, it would read ~4.6x)."""
+    watch = StragglerWatch(CONFIG)
+    workers = [_worker("decode-0"), _worker("decode-1")]
+    for w in workers:
+        w.state = "live"
+    watch.observe(workers, -1.0)
+    assert _run(watch, workers, 3, {"decode-0": (0.01, 4), "decode-1": (0.01, 4)}) == []
+    alone = [workers[0]]  # decode-1 restarting: decode-0 alone, slower with twice the streams
+    for i in range(3, 7):
+        _step(workers[0], 5, 0.1, 4)
+        watch.handoff(workers[0], 1000, 0.1, float(i))
+        assert watch.observe(alone, float(i)) == []  # no peer to compare with
+    fresh = _worker("decode-1", incarnation=1)
+    fresh.state = "live"
+    workers = [workers[0], fresh]
+    watch.observe(workers, 7.0)  # the replacement's first report
+    for i in range(8, 14):
+        for w in workers:
+            _step(w, 5, 0.01, 4)
+            watch.handoff(w, 1000, 0.01, float(i))
+        assert watch.observe(workers, float(i)) == []
+    assert watch.ratios["decode-0"] < 1.5 and watch.detected == 0

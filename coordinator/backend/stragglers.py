@@ -5,8 +5,10 @@ liveness probe refreshed every worker's EngineLoad) a worker's new steps since i
 its steps, their summed host time, and its batch shape, the power-of-two bucket of tokens per step (1, 2-3, 4-7,
 ...). Over the last `stragglers.window_s`, per worker and bucket: steps and mean step time. A worker's ratio is
 its mean step time over the median of its same-role peers' in each bucket both have at least `min_steps` steps in,
-weighted by its steps there; over `factor` it is a straggler: logged once per incarnation, counted
-(`detected`), shown per worker (`ratios`, `flagged`), and with `replace` handed to `replace()`, which cycles it
+weighted by its steps there, counting only what happened since the youngest of them was first seen (a replacement's
+peers took its share of the load while it restarted: their slower steps then are no verdict on them); over `factor`
+it is a straggler: logged once per incarnation, counted (`detected`), shown per worker (`ratios`, `flagged`), and
+with `replace` handed to `replace()`, which cycles it
 (coordinator.backend.cycling: drained, its requests given `drain_timeout_s` to finish then moved, replaced, routed
 to again). A replacement is a new incarnation with an empty window.
 
@@ -48,6 +50,7 @@ class StragglerWatch:
         self.ratios: dict[str, float] = {}                  # worker name -> its step time over its peers' (last look)
         self.flagged: dict[str, str] = {}                   # worker name -> the key of the incarnation found slow
         self._handoffs: dict[str, deque[tuple[float, int, float]]] = {}  # worker key -> (at, tokens, seconds)
+        self._first_seen: dict[str, float] = {}             # worker key -> when its first report was sampled
         self.detected = 0
         self.replaced = 0
 
@@ -65,6 +68,8 @@ class StragglerWatch:
             self._last.pop(gone, None)
             self._samples.pop(gone, None)
             self._handoffs.pop(gone, None)
+        for gone in set(self._first_seen) - keys:
+            del self._first_seen[gone]
         for w in live:
             self._sample(w, now)
         found = []
@@ -73,7 +78,8 @@ class StragglerWatch:
                 handoffs.popleft()
         for w in live:
             peers = [p for p in live if p.role == w.role and p is not w]
-            step, handoff = self._ratio(w, peers), self._handoff_ratio(w, peers)
+            since = max(self._first_seen[k.key] for k in (w, *peers))  # all of them seen from then on
+            step, handoff = self._ratio(w, peers, since), self._handoff_ratio(w, peers, since)
             ratio = self.ratios[w.name] = max(step, handoff)
             if ratio > self.config.factor and self.flagged.get(w.name) != w.key:
                 self.flagged[w.name] = w.key
@@ -104,6 +110,7 @@ class StragglerWatch:
         totals = (load.steps, load.step_time_total_s, load.scheduled_tokens_total)
         last = self._last.get(w.key)
         self._last[w.key] = totals
+        self._first_seen.setdefault(w.key, now)
         samples = self._samples.setdefault(w.key, deque())
         while samples and now - samples[0].at > self.config.window_s:
             samples.popleft()
@@ -113,19 +120,23 @@ class StragglerWatch:
         per_step = max(1, round((totals[2] - last[2]) / steps))
         samples.append(_Sample(now, steps, max(0.0, totals[1] - last[1]), per_step.bit_length()))
 
-    def _buckets(self, w: WorkerState) -> dict[int, tuple[int, float]]:
-        """bucket -> (steps, mean step seconds) within the window, buckets with at least min_steps steps only."""
+    def _buckets(self, w: WorkerState, since: float) -> dict[int, tuple[int, float]]:
+        """bucket -> (steps, mean step seconds) within the window and after `since`, buckets with at least min_steps
+        steps only."""
         sums: dict[int, list[float]] = {}
         for s in self._samples.get(w.key, ()):
+            if s.at <= since:  # the sample covers steps from before `since`
+                continue
             acc = sums.setdefault(s.bucket, [0, 0.0])
             acc[0] += s.steps
             acc[1] += s.seconds
         return {b: (int(n), t / n) for b, (n, t) in sums.items() if n >= self.config.min_steps}
 
-    def _ratio(self, w: WorkerState, peers: list[WorkerState]) -> float:
-        """w's step time over its peers' median, weighted by w's steps per shared bucket; 0.0 with nothing shared."""
-        mine = self._buckets(w)
-        theirs = [self._buckets(p) for p in peers]
+    def _ratio(self, w: WorkerState, peers: list[WorkerState], since: float) -> float:
+        """w's step time over its peers' median, weighted by w's steps per shared bucket (steps after `since`);
+        0.0 with nothing shared."""
+        mine = self._buckets(w, since)
+        theirs = [self._buckets(p, since) for p in peers]
         weighted, steps = 0.0, 0
         for bucket, (n, mean) in mine.items():
             peer_means = [b[bucket][1] for b in theirs if bucket in b]
@@ -134,10 +145,11 @@ class StragglerWatch:
                 steps += n
         return weighted / steps if steps else 0.0
 
-    def _handoff_ratio(self, w: WorkerState, peers: list[WorkerState]) -> float:
-        """w's handoff seconds per token over its peers' median (each with MIN_HANDOFFS in the window); 0.0 if not."""
+    def _handoff_ratio(self, w: WorkerState, peers: list[WorkerState], since: float) -> float:
+        """w's handoff seconds per token over its peers' median (each with MIN_HANDOFFS in the window after
+        `since`); 0.0 if not."""
         def rate(key: str) -> float | None:
-            handoffs = self._handoffs.get(key, ())
+            handoffs = [h for h in self._handoffs.get(key, ()) if h[0] > since]
             tokens = sum(t for _, t, _ in handoffs)
             return sum(s for _, _, s in handoffs) / tokens if len(handoffs) >= MIN_HANDOFFS and tokens else None
         mine, theirs = rate(w.key), [r for p in peers if (r := rate(p.key)) is not None]
