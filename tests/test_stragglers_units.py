@@ -15,9 +15,11 @@ CONFIG = StragglerConfig(factor=3.0, window_s=10.0, min_steps=10)
 
 
 def _worker(name: str, role: str = "decode", incarnation: int = 0) -> WorkerState:
+    """A live worker with no step yet."""
     info = WorkerInfo(name, role, 100, 16, 4096, 1000, None, ())
-    return WorkerState(info, handle=None, incarnation=incarnation,
-                       load=EngineLoad(0, 0, 0, 0, 100, 100))
+    worker = WorkerState(info, handle=None, incarnation=incarnation, load=EngineLoad(0, 0, 0, 0, 100, 100))
+    worker.state = "live"
+    return worker
 
 
 def _step(w: WorkerState, steps: int, step_s: float, batch: int) -> None:
@@ -41,8 +43,6 @@ def _run(watch: StragglerWatch, workers: list[WorkerState], rounds: int, shapes:
 def test_a_worker_several_times_slower_at_the_same_batch_is_found_once():
     watch = StragglerWatch(CONFIG)
     workers = [_worker("decode-0"), _worker("decode-1"), _worker("decode-2"), _worker("prefill-0", "prefill")]
-    for w in workers:
-        w.state = "live"
     watch.observe(workers, -1.0)  # the first report of each: nothing to compare yet
     shapes = {"decode-0": (0.01, 4), "decode-1": (0.05, 5), "decode-2": (0.012, 6), "prefill-0": (0.5, 512)}
     assert _run(watch, workers, 6, shapes) == ["decode-1"]  # once, though it stays slow
@@ -51,7 +51,6 @@ def test_a_worker_several_times_slower_at_the_same_batch_is_found_once():
     assert watch.ratios["prefill-0"] == 0.0  # no peer of its role
 
     fresh = _worker("decode-1", incarnation=1)  # its replacement: a new window, not flagged for its predecessor
-    fresh.state = "live"
     workers[1] = fresh
     assert _run(watch, workers, 6, {**shapes, "decode-1": (0.01, 4)}, start=6.0) == []
     assert not watch.slow_now("decode-1") and watch.detected == 1
@@ -60,8 +59,6 @@ def test_a_worker_several_times_slower_at_the_same_batch_is_found_once():
 def test_a_slower_step_at_a_much_larger_batch_or_with_too_few_steps_is_no_straggler():
     watch = StragglerWatch(CONFIG)
     workers = [_worker("decode-0"), _worker("decode-1")]
-    for w in workers:
-        w.state = "live"
     watch.observe(workers, -1.0)
     assert _run(watch, workers, 8, {"decode-0": (0.01, 2), "decode-1": (0.05, 64)}) == []
     assert watch.ratios["decode-1"] == 0.0  # no shared batch shape: nothing compared
@@ -75,8 +72,6 @@ def test_a_decode_worker_whose_handoffs_are_several_times_slower_is_found():
     """Same steps, but decode-1's KV handoffs take 5x its peers' per prompt token (a link fallen back to TCP)."""
     watch = StragglerWatch(CONFIG)
     workers = [_worker("decode-0"), _worker("decode-1"), _worker("decode-2")]
-    for w in workers:
-        w.state = "live"
     watch.observe(workers, -1.0)
     shapes = {w.name: (0.01, 4) for w in workers}
     for i in range(3):  # too few handoffs yet (MIN_HANDOFFS): nothing to compare
@@ -103,8 +98,6 @@ def test_a_peer_that_carried_a_replaced_workers_load_is_judged_only_on_what_foll
     over its whole window, slow part included, it would read ~4.6x)."""
     watch = StragglerWatch(CONFIG)
     workers = [_worker("decode-0"), _worker("decode-1")]
-    for w in workers:
-        w.state = "live"
     watch.observe(workers, -1.0)
     assert _run(watch, workers, 3, {"decode-0": (0.01, 4), "decode-1": (0.01, 4)}) == []
     alone = [workers[0]]  # decode-1 restarting: decode-0 alone, slower with twice the streams
@@ -113,7 +106,6 @@ def test_a_peer_that_carried_a_replaced_workers_load_is_judged_only_on_what_foll
         watch.handoff(workers[0], 1000, 0.1, float(i))
         assert watch.observe(alone, float(i)) == []  # no peer to compare with
     fresh = _worker("decode-1", incarnation=1)
-    fresh.state = "live"
     workers = [workers[0], fresh]
     watch.observe(workers, 7.0)  # the replacement's first report
     for i in range(8, 14):
