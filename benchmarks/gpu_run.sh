@@ -54,6 +54,12 @@
 # multiturnbusy (1 GPU, issue 44): one collocated worker, 16 GiB of device KV, twice quick's load, ~5 minutes.
 # multiturnagents (1 GPU, issue 44): the same worker, short replies and 10 s of think time (many idle histories for
 #   each decoding stream), ~5 minutes.
+# smsplit (1 GPU, issue 43): a decode step beside a prefill, the SMs split between them (engine.runner.sm_lanes:
+#   green contexts, default or balanced work queues) or not; cuBLAS GEMMs of one 8B layer, then the engine's own
+#   decode graph and prefill layers (benchmarks/sm_split.py micro; SMSPLIT_ARGS=--decode-sms 32,64 ...).
+# smsplitlong (1 GPU, issue 43): the engine with 32 streams decoding, then one 7,000-token prompt: the streams'
+#   token gaps before and while it prefills and its TTFT, chunked prefill (2,048) against the prefill lane
+#   (EngineConfig.sm_split_decode_sms; benchmarks/sm_split.py long-prompt).
 # extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
 #   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
 #   does not fetch (httptools, prometheus-client) or cannot (llguidance is manylinux_2_31 only, beyond its
@@ -265,6 +271,14 @@ for step in "$@"; do
     fp8attn)  # the decode attention kernel alone, bf16 and fp8 caches: launches and split counts per case
       timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/fp8_gpu.py attention ${ATTN_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|error' | cut -c1-300 ;;
+    smsplit)  # issue 43: decode beside prefill with the SMs split (green contexts) or not, GEMMs then the engine
+      checkpoint8b
+      timeout ${SMSPLIT_TIMEOUT:-300} python3 benchmarks/sm_split.py micro --model /tmp/l8bd ${SMSPLIT_ARGS:-} 2>&1 \
+        | tee "$OUT/sm_split.log" | grep "^{" | cut -c1-400 ;;
+    smsplitlong)  # issue 43: 32 streams, then a 7,000-token prompt: chunked prefill vs the prefill lane (engine)
+      checkpoint8b
+      timeout ${SMSPLIT_TIMEOUT:-400} python3 benchmarks/sm_split.py long-prompt --model /tmp/l8bd ${SMSPLIT_ARGS:-} \
+        2>&1 | tee "$OUT/sm_split_long.log" | grep "^{" | cut -c1-500 ;;
     engine)
       [ -d /tmp/l8b ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8b --device cuda
       python3 benchmarks/engine_bench.py --gpu --model /tmp/l8b ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -20 ;;

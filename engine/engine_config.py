@@ -62,6 +62,12 @@ class EngineConfig:
     # queue step N+1 before reading step N's tokens (see LLMEngine); None: on a CUDA engine, off on the CPU, where a
     # step computes inside its launch and overlap would only hand each step's tokens out one step later
     async_scheduling: bool | None = None
+    # issue 43: > 0 runs a step's prompt chunks beside its decode rows instead of inside them: the prompt's forward
+    # on a lane of the GPU's other SMs (green contexts, engine.runner.sm_lanes), the decode steps on a lane of this
+    # many SMs with CUDA graphs of their own, until the prompt is done (engine.runner.prefill_lane). Needs CUDA
+    # compute capability 9.0+, cuda-bindings, tensor_parallel_size 1; on the CPU the lane runs in order (no split).
+    # 0: off (chunked prefill only)
+    sm_split_decode_sms: int = 0
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
     device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
@@ -100,6 +106,10 @@ class EngineConfig:
                     self.tensor_parallel_size == 1 and self.enable_prefix_caching))),
              "must be null (sized from the host's memory), 0 (off) or a number of bytes; a host tier needs "
              "enable_prefix_caching and tensor_parallel_size 1"),
+            ("sm_split_decode_sms", isinstance(self.sm_split_decode_sms, int)
+             and not isinstance(self.sm_split_decode_sms, bool) and self.sm_split_decode_sms >= 0
+             and (self.sm_split_decode_sms == 0 or self.tensor_parallel_size == 1),
+             "must be 0 (off) or a number of SMs for the decode lane (with tensor_parallel_size 1)"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("decode_step_target_s", self.decode_step_target_s is None or (
                 isinstance(self.decode_step_target_s, (int, float)) and not isinstance(self.decode_step_target_s, bool)

@@ -49,6 +49,7 @@ from engine.host_kv import HostKV
 from engine.kv_heads import KVHeadRange
 from engine.kv_layout import KVCacheSpec
 from engine.kv_quant import load_kv_scales
+from engine.lane_steps import LaneSteps
 from engine.load import PhaseClock
 from engine.model.model_config import ModelConfig
 from engine.model.tp_layout import TPLayout
@@ -77,7 +78,7 @@ LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]  # see LLM
 STEP_BUDGET_FLOOR = 64  # prompt tokens a decoding step may always carry (engine.core.step_budget)
 
 
-class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineReport):
+class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineReport, LaneSteps):
     def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
         """`rank_service`: with TP, an object to start in every follower beside its cache shard (reached with
         `rank_call`; engine.runner.rank_service); ignored at TP=1, where the caller holds rank 0's cache itself."""
@@ -139,6 +140,7 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             from engine.runner.tp_leader import TPModelRunner
             self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
                                         rank.prefill_graphs, rank.mixed_graphs, followers=self.followers)
+        self.lane = self._prefill_lane(config)  # prompts beside the decode steps (sm_split_decode_sms; None: off)
         self._reserved: set[str] = set()
         self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks
         self.num_handoff_hit_blocks = 0  # blocks of requests started by add_prefilled_request the prefix cache held
@@ -203,6 +205,8 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
     def abort(self, request_id: str) -> bool:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
         held = self._held.pop(request_id, None)
+        if self.lane is not None and request_id in self.scheduler.held:
+            self.lane.wait()  # its blocks are written by the lane until then
         if request_id in self._reserved:
             self._reserved.discard(request_id)
             self._reserved_hits.pop(request_id, None)
@@ -237,11 +241,15 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         outputs += self._admit_held()
         if self._held and not self.scheduler.has_work and self._in_flight is None:  # only held requests wait
             return outputs
-        if self._in_flight is not None:
-            return outputs + self._overlapped_step(may_continue=layer_hook is None)
+        if self._in_flight is not None:  # a lane engine lets schedule() plan a waiting prompt (engine.lane_steps)
+            may_continue = layer_hook is None and not (self.lane is not None and self._prompts_pending())
+            return outputs + self._overlapped_step(may_continue)
+        outputs += self._lane_finish()
         sched = self.scheduler.schedule()
         on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
         self._move_swapped(sched)
+        if on_layer_done is None and self._lane_takes(sched):
+            return outputs + self._lane_step(sched)
         launched = self.runner.launch(sched, self._params(sched), on_layer_done=on_layer_done,
                                       extras=plan_extras(sched, self.scheduler.requests))
         if self.overlap and on_layer_done is None and sched.chunks and not self.scheduler.plans_alone(sched):

@@ -88,9 +88,10 @@ def test_warm_up_leaves_the_engine_as_it_was(checkpoints):
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]  # unseeded: the engine's own RNG
     # a 64-token step budget keeps the warm-up prompts at 16 tokens (the interpreter runs every kernel)
-    # two engines alive at once: a fixed KV budget (on a GPU the first would take 90% of the memory)
+    # two engines alive at once: a fixed KV budget (on a GPU the first would take 90% of the memory); a host tier
+    # set (on a GPU it is off unless set)
     options = dict(device=DEVICE, kernels="triton", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
-                   warmup=False, kv_cache_memory_bytes=64 << 20)
+                   warmup=False, kv_cache_memory_bytes=64 << 20, kv_host_cache_bytes=8 << 20)
     cold = LLM(str(llama), **options)
     expected = [o.token_ids for o in cold.generate(prompts, params)]
     warm = LLM(str(llama), **options)

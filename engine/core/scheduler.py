@@ -61,6 +61,9 @@ class Scheduler(Admitting):
         self.max_num_batched_tokens = max_num_batched_tokens
         # prompt tokens a step may carry beside decode rows (the engine's StepBudget sets it; None: no cap)
         self.prefill_cap: int | None = None
+        # requests whose prompt chunks a prefill lane is computing beside the steps (engine.runner.prefill_lane):
+        # until the engine applies them, no step plans them, none is preempted, and no step takes prompt tokens
+        self.held: set[str] = set()
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(head_bypass_steps)
@@ -154,7 +157,7 @@ class Scheduler(Admitting):
                     continue
             cause = "decode" if _decodes(req) else "prompt"
             while not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
-                v = victim(self.running)
+                v = victim([r for r in self.running if r.request_id not in self.held])
                 at = self.running.index(v)
                 k = next((k for k, (r, _) in enumerate(scheduled) if r is v), None)
                 if k is not None:  # planned this step already: its tokens go back to the budgets
@@ -305,7 +308,10 @@ class Scheduler(Admitting):
 
     # ---- internals
     def _prompt_budget(self, decoding: bool) -> int | float:
-        """Prompt tokens a step may carry: prefill_cap when it also decodes, else no limit beyond the budget."""
+        """Prompt tokens a step may carry: none while a prefill lane holds a prompt; prefill_cap when it also
+        decodes; else no limit beyond the budget."""
+        if self.held:
+            return 0
         return self.prefill_cap if decoding and self.prefill_cap is not None else float("inf")
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:

@@ -23,8 +23,11 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        """`stream`: capture there (engine.runner.graph_capture), and replay there."""
         dev = kv_cache.device
+        self.stream = stream
         self.model, self.kv_cache, self.max_batch = model, kv_cache, max_batch
         self.input_ids = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int32, device=dev)
@@ -83,5 +86,5 @@ class DecodeGraphs:
                 hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
                 return self.model.compute_logits(hidden)  # [b, vocab]
 
-            self.graphs[b] = capture_graph(step, pool)  # (graph, logits)
+            self.graphs[b] = capture_graph(step, pool, self.stream)  # (graph, logits)
         torch.cuda.synchronize()

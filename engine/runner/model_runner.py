@@ -75,17 +75,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, params: dict[str, SamplingParams], after: LaunchedStep | None = None,
-               on_layer_done: Callable[[int], None] | None = None, extras: StepExtras | None = None) -> LaunchedStep:
+               on_layer_done: Callable[[int], None] | None = None, extras: StepExtras | None = None,
+               graphs: DecodeGraphs | None = None) -> LaunchedStep:
         """Queue `sched`. With `after` (the step queued before it, its tokens not yet read), a decode row whose
         token id is PENDING_TOKEN takes the token `after` samples for its request. `extras`: fork rows and prompt
-        logprobs (engine.step_extras); such a step runs eagerly."""
+        logprobs (engine.step_extras); such a step runs eagerly. `graphs`: decode graphs to replay instead of the
+        runner's (the decode lane's: engine.runner.prefill_lane)."""
         if not sched.chunks:
             return LaunchedStep(sched, [], None)
         step = build_step_inputs(sched, self.block_size, self.device, self.model.config.sliding_window)
         input_ids = step.input_ids if after is None else self._ids_after(after, sched, step.input_ids)  # [T]
         prompt = {}
-        if not extras and self._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), on_layer_done):
-            logits = self.graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
+        graphs = graphs or self.graphs
+        if not extras and self._graph_fits(graphs, input_ids.shape[0], step.decode_only, len(step.sampling),
+                                           on_layer_done):
+            logits = graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
         else:
             hidden = self.forward(input_ids, step, on_layer_done, eager=bool(extras))  # [T, h]
             if extras and extras.prompt:
@@ -93,7 +97,13 @@ class ModelRunner:
             if not step.sampling:
                 return LaunchedStep(sched, [], None, prompt_logprobs=prompt)
             logits = self.model.compute_logits(hidden[step.sample_index])  # [S, V]
-        chunks = step.sampling
+        return self.sample(sched, step.sampling, logits, params, after, extras, prompt)
+
+    def sample(self, sched: SchedulerOutput, chunks: list[ScheduledChunk], logits: torch.Tensor,
+               params: dict[str, SamplingParams], after: LaunchedStep | None = None, extras: StepExtras | None = None,
+               prompt: dict | None = None) -> LaunchedStep:
+        """Queue the sampling of `chunks` (the step's sampling chunks, in the row order of `logits` [S, V])."""
+        prompt = prompt or {}
         if self.logits_hook is not None:
             self.logits_hook(chunks, logits, after)
         row_params = [params[c.request_id] for c in chunks]
@@ -147,9 +157,10 @@ class ModelRunner:
         taken = after.sampled.tokens.index_select(0, both[len(at):]).to(input_ids.dtype)  # [P]
         return input_ids.index_copy(0, both[:len(at)], taken)
 
-    def _graph_fits(self, num_tokens: int, decode_only: bool, num_sampling: int,
+    @staticmethod
+    def _graph_fits(graphs: DecodeGraphs | None, num_tokens: int, decode_only: bool, num_sampling: int,
                     on_layer_done: Callable | None) -> bool:
         """Graphs cover decode-only steps where every row samples, without a per-layer hook."""
-        if self.graphs is None or on_layer_done is not None or not decode_only or num_sampling != num_tokens:
+        if graphs is None or on_layer_done is not None or not decode_only or num_sampling != num_tokens:
             return False
-        return self.graphs.bucket_for(num_tokens) is not None
+        return graphs.bucket_for(num_tokens) is not None

@@ -129,7 +129,7 @@ def follow(runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
     input_ids = step.input_ids
     if plan.ids_from_leader:
         input_ids = tp.broadcast(torch.empty_like(input_ids))  # rank 0's, with the tokens of the step before
-    fits = runner._graph_fits(input_ids.shape[0], step.decode_only, len(step.sampling), None)
+    fits = runner._graph_fits(runner.graphs, input_ids.shape[0], step.decode_only, len(step.sampling), None)
     if not plan.eager and fits:
         runner.graphs.run(input_ids, step.positions, step.meta)
         return

@@ -1,0 +1,85 @@
+"""LaneSteps: LLMEngine's steps with a prefill lane (EngineConfig.sm_split_decode_sms; issue 43), a mixin.
+
+A step whose plan has prompt chunks and decode rows hands the prompt chunks to the lane (engine.runner.prefill_lane)
+and runs the decode rows on the decode lane; until the lane's job is applied the scheduler holds its requests
+(Scheduler.held: no step plans prompt tokens, none of them is preempted), so the steps in between are decode-only,
+on the decode lane. The job is applied at the start of the first step after it is done (or, when nothing else runs,
+waited for). Steps the lane does not take run as without it: prompt-only steps (no stream to protect), steps with
+prompt logprobs or parallel samples (engine.runner.step_extras), steps with a per-layer hook (KV pushes), and
+decode-only steps while the lane is idle (these keep overlapped scheduling; LLMEngine stops overlapping when a
+prompt waits, so that schedule() plans it here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import SchedulerOutput, StepOutput
+from engine.engine_config import EngineConfig
+from engine.runner.prefill_lane import PrefillLane
+from engine.runner.step_extras import plan_extras
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import Scheduler
+
+ENDED = SamplingParams(temperature=0, max_tokens=1)  # the row of a request that ended while on the lane
+
+
+class LaneSteps:
+    lane: PrefillLane | None
+    scheduler: Scheduler
+
+    def _prefill_lane(self, config: EngineConfig) -> PrefillLane | None:
+        """The lane sm_split_decode_sms asks for (None: off); ValueError naming the key where it cannot run."""
+        n = config.sm_split_decode_sms
+        if not n:
+            return None
+        lanes = None
+        if self.device.type == "cuda":
+            from engine.runner.sm_lanes import available, split_sms
+
+            why = available(self.device)
+            if why:
+                raise ValueError(f"EngineConfig.sm_split_decode_sms {n}: {why}")
+            lanes = split_sms(self.device, n)
+        return PrefillLane(self.runner, lanes, config.max_num_seqs, self.max_blocks_per_seq)
+
+    def _prompts_pending(self) -> bool:
+        """Whether a prompt waits to be planned (then a lane engine stops overlapping: schedule() plans it)."""
+        s = self.scheduler
+        return bool(s.waiting) or any(r.num_pending_tokens > 1 for r in s.running)
+
+    def _lane_finish(self) -> list[StepOutput]:
+        """Apply the lane's job if it is done."""
+        if self.lane is None or not self.lane.ready():
+            return []
+        sched, requests = self.lane.job.sched, self.scheduler.requests
+        # a request aborted meanwhile still has its row sampled (greedy), and update() then skips it
+        params = {c.request_id: requests[c.request_id].params if c.request_id in requests else ENDED
+                  for c in sched.chunks}
+        launched = self.lane.finish(params)
+        self.scheduler.held.clear()
+        return self._apply(launched)
+
+    def _lane_takes(self, sched: SchedulerOutput) -> bool:
+        if self.lane is None:
+            return False
+        if self.lane.busy:
+            return True
+        has_prompt = any(len(c.token_ids) > 1 for c in sched.chunks)
+        has_decode = any(len(c.token_ids) == 1 for c in sched.chunks)
+        return has_prompt and has_decode and not plan_extras(sched, self.scheduler.requests)
+
+    def _lane_step(self, sched: SchedulerOutput) -> list[StepOutput]:
+        """Run `sched` (which _lane_takes) with the lane; its KV copies are queued already."""
+        prompt = [c for c in sched.chunks if len(c.token_ids) > 1]
+        decode = [c for c in sched.chunks if len(c.token_ids) == 1]
+        if prompt:  # the lane is idle: held requests leave no prompt tokens to plan
+            self.scheduler.held.update(c.request_id for c in prompt)
+            self.lane.start(SchedulerOutput(chunks=prompt))
+        if decode:
+            return self._apply(self.lane.launch_decode(SchedulerOutput(chunks=decode),
+                                                       self._params(SchedulerOutput(chunks=decode))))
+        self.lane.wait()  # nothing else runs: the job's tokens are next
+        return self._lane_finish()

@@ -1,0 +1,110 @@
+"""PrefillLane: a step's prompt chunks computed beside the decode steps that follow, not inside them (issue 43).
+
+Chunked prefill puts a prompt's chunk into every decode step until the prompt is done, so each running stream's
+step grows by the chunk's cost (an 8B 2,048-token chunk: ~50 ms on an H200). With a lane, the engine hands the
+step's prompt chunks to `start`, which queues their whole forward on the prefill lane's stream (the GPU's SMs left
+over from the decode lane: engine.runner.sm_lanes) and returns at once; the decode rows, and the decode-only steps
+after them while the prompt runs, replay decode graphs captured on the decode lane's stream. Decode kernels then
+never wait behind queued prefill kernels for SMs (measured in benchmarks/sm_split.py). When `ready()`, `finish`
+computes the prompt's logits and samples on the engine's stream; the engine then applies it like any step.
+
+Owns the two streams' ordering (each lane waits for the engine's stream before its work, the engine's stream waits
+for the decode lane after each decode step) and the one job in flight; the scheduler (Scheduler.held) keeps the
+job's requests out of other steps and out of preemption until `finish`. On the CPU there are no lanes: `start`
+computes the forward at once (same order, same results), which lets CPU tests cover the engine's lane logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import SchedulerOutput
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.sm_lanes import SmLanes
+from engine.runner.step_inputs import StepInputs, build_step_inputs
+
+
+@dataclass
+class LaneJob:
+    """Prompt chunks whose forward is queued on the prefill lane."""
+
+    sched: SchedulerOutput
+    step: StepInputs
+    hidden: torch.Tensor                # [T, hidden], written by the lane
+    done: torch.cuda.Event | None       # recorded after the forward (None: computed already, on the CPU)
+
+
+class PrefillLane:
+    def __init__(self, runner: ModelRunner, lanes: SmLanes | None, max_batch: int, max_blocks_per_seq: int) -> None:
+        """`lanes` None: the CPU's in-order lane (no graphs, no streams)."""
+        self.runner, self.lanes = runner, lanes
+        self.graphs = None
+        if lanes is not None and runner.graphs is not None:  # the decode lane's own graphs: they keep its SMs
+            self.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode)
+        self.job: LaneJob | None = None
+        self.jobs = 0  # prompt steps the lane ran since start
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    def ready(self) -> bool:
+        return self.job is not None and (self.job.done is None or self.job.done.query())
+
+    def wait(self) -> None:
+        """Block until the job's forward is done (before its blocks may be freed)."""
+        if self.job is not None and self.job.done is not None:
+            self.job.done.synchronize()
+
+    @torch.inference_mode()
+    def start(self, sched: SchedulerOutput) -> None:
+        """Queue the forward of `sched` (prompt chunks only) on the prefill lane."""
+        if self.job is not None:
+            raise RuntimeError("the prefill lane runs one job at a time")
+        runner = self.runner
+        main = torch.cuda.current_stream(runner.device) if self.lanes is not None else None
+        with self._on(self.lanes.prefill if self.lanes else None):
+            step = build_step_inputs(sched, runner.block_size, runner.device, runner.model.config.sliding_window)
+            hidden = runner.model(step.input_ids, step.positions, runner.kv_cache, step.meta)  # [T, h]
+            done = None
+            if self.lanes is not None:
+                done = torch.cuda.Event()
+                done.record(self.lanes.prefill)
+                hidden.record_stream(main)  # read there by finish()
+                step.sample_index.record_stream(main)
+        self.job = LaneJob(sched, step, hidden, done)
+        self.jobs += 1
+
+    @torch.inference_mode()
+    def finish(self, params: dict[str, SamplingParams]) -> LaunchedStep:
+        """The job's sampling, queued on the engine's stream after the lane's forward; the job ends."""
+        job, self.job = self.job, None
+        if job.done is not None:
+            torch.cuda.current_stream(self.runner.device).wait_event(job.done)
+        if not job.step.sampling:
+            return LaunchedStep(job.sched, [], None)
+        logits = self.runner.model.compute_logits(job.hidden[job.step.sample_index])  # [S, V]
+        return self.runner.sample(job.sched, job.step.sampling, logits, params)
+
+    def launch_decode(self, sched: SchedulerOutput, params: dict[str, SamplingParams]) -> LaunchedStep:
+        """A decode step (no prompt chunks) on the decode lane, with its graphs."""
+        with self._on(self.lanes.decode if self.lanes else None):
+            launched = self.runner.launch(sched, params, graphs=self.graphs)
+        if self.lanes is not None:
+            torch.cuda.current_stream(self.runner.device).wait_stream(self.lanes.decode)
+        return launched
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.cuda.Stream | None):
+        """Run the block's work on `stream`, after what the engine's stream has queued (None: in place)."""
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            yield

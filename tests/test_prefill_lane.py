@@ -1,0 +1,123 @@
+"""The prefill lane (EngineConfig.sm_split_decode_sms, issue 43): prompts computed beside the decode steps.
+
+On the CPU the lane runs in order (no SM split), which still exercises everything the engine does around it: the
+prompt chunks handed to the lane, the scheduler holding their requests, the decode-only steps in between, the job
+applied later. On a CUDA device of compute capability 9.0+ (`gpus(1)`), the same with real green contexts: outputs
+equal the plain engine's, greedy and seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.engine_config import EngineConfig
+
+
+def _workload(n: int = 6):
+    prompts = [[(7 * k + i) % 90 + 3 for i in range(30 + 9 * k)] for k in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if k % 2 == 0 else
+              SamplingParams(temperature=0.9, seed=100 + k, max_tokens=10, ignore_eos=True) for k in range(n)]
+    return prompts, params
+
+
+def _generate(device: str, model: str, **options):
+    llm = LLM(model, device=device, max_num_seqs=4, max_num_batched_tokens=64, **options)
+    prompts, params = _workload()
+    return [o.token_ids for o in llm.generate(prompts, params)], llm.engine
+
+
+def test_lane_outputs_equal_the_plain_engine_on_the_cpu():
+    expected, _ = _generate("cpu", "tiny")
+    got, engine = _generate("cpu", "tiny", sm_split_decode_sms=64)
+    assert got == expected
+    assert engine.lane is not None and engine.lane.jobs > 0  # prompts did go to the lane
+    assert not engine.scheduler.held and not engine.lane.busy
+    counts = engine.check_integrity()
+    assert counts["in_use"] == 0 and counts["pinned"] == 0
+
+
+def test_held_requests_get_no_prompt_tokens_and_are_never_preempted():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    long = Request("long", list(range(3, 19)), SamplingParams(max_tokens=4, ignore_eos=True), (), 64)
+    s.add(long)
+    first = s.schedule()
+    assert [c.request_id for c in first.chunks] == ["long"]
+    s.held.add("long")  # the lane took its chunk: nothing about it is planned until the engine applies it
+    s.add(Request("late", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), (), 64))
+    assert s.schedule().chunks == []  # no prompt tokens while held: "late" waits, "long" is not re-planned
+    s.held.clear()
+    s.update(first, {"long": (9, None)}, 60.0)
+    nxt = s.schedule()
+    assert {c.request_id for c in nxt.chunks} == {"long", "late"}
+
+
+def test_a_held_request_is_not_the_victim_when_blocks_run_short():
+    bm = BlockManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a = Request("a", list(range(3, 10)), SamplingParams(max_tokens=20, ignore_eos=True), (), 64)
+    s.add(a)
+    step = s.schedule()
+    s.update(step, {"a": (9, None)}, 60.0)
+    b = Request("b", list(range(3, 14)), SamplingParams(max_tokens=4, ignore_eos=True), (), 64)
+    s.add(b)
+    step = s.schedule()  # b's prompt beside a's decode row
+    assert {c.request_id for c in step.chunks} == {"a", "b"}
+    s.held.add("b")
+    s.update(type(step)(chunks=[c for c in step.chunks if c.request_id == "a"]), {"a": (9, None)}, 60.0)
+    for _ in range(8):  # a grows until the blocks run short: a itself is preempted, never the held b
+        out = s.schedule()
+        assert "b" not in out.preempted
+        if out.preempted:
+            break
+        s.update(out, {c.request_id: (9, None) for c in out.chunks}, 60.0)
+    assert "b" in s.requests and s.requests["b"] in s.running
+
+
+def test_aborting_a_request_on_the_lane_frees_its_blocks():
+    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, sm_split_decode_sms=64)
+    e = llm.engine
+    e.add_request("short", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    e.add_request("long", list(range(3, 60)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+        if e.scheduler.held:
+            break
+    assert e.scheduler.held == {"long"}  # on the CPU the job is done at once, and applied by the next step
+    assert e.abort("long")
+    while e.has_unfinished():
+        e.step()
+    assert not e.scheduler.held and e.check_integrity()["in_use"] == 0
+
+
+@pytest.mark.parametrize("value", [-1, True, "64", 1.5])
+def test_bad_sm_split_decode_sms_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="sm_split_decode_sms"):
+        EngineConfig(model="tiny", sm_split_decode_sms=value)
+
+
+def test_sm_split_needs_one_rank():
+    with pytest.raises(ValueError, match="sm_split_decode_sms"):
+        EngineConfig(model="tiny", tensor_parallel_size=2, sm_split_decode_sms=64)
+
+
+@pytest.mark.gpus(1)
+def test_lane_on_green_contexts_equals_the_plain_engine(checkpoints):
+    """Real SM lanes on a Hopper GPU: the prompts' forward on one green context, the decode graphs on the other."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("SM lanes need compute capability 9.0+")
+    pytest.importorskip("cuda.bindings", reason="SM lanes need cuda-bindings")
+    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256)
+    options = dict(kv_cache_memory_bytes=256 << 20, warmup=False)
+    expected, _ = _generate("cuda", str(llama), **options)
+    got, engine = _generate("cuda", str(llama), sm_split_decode_sms=64, **options)
+    assert got == expected
+    assert engine.lane.lanes is not None and engine.lane.lanes.decode_sms >= 64 and engine.lane.jobs > 0
+    assert engine.lane.graphs is not None and engine.lane.graphs.replays > 0  # decode steps on the lane's graphs
