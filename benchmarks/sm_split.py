@@ -326,9 +326,17 @@ def long_prompt(model_dir: str, decode_sms: int, chunk: int, streams: int = 32, 
         gaps_during: list[float] = []
         step = 0
         sent = first = None
+        worst: list[tuple[float, int, str]] = []  # the longest steps while it prefills: ms, step, what the lane did
         while first is None:
+            jobs, busy = (engine.lane.jobs, engine.lane.busy) if engine.lane else (0, False)
+            t0 = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
+            if sent is not None:
+                lane_did = "" if engine.lane is None else (
+                    "start" if engine.lane.jobs > jobs else "finish" if busy and not engine.lane.busy else
+                    "busy" if busy else "idle")
+                worst.append((round((now - t0) * 1e3, 3), step - 2 * steps_before, lane_did))
             for o in outs:
                 if o.request_id == "long":
                     first = now
@@ -351,7 +359,8 @@ def long_prompt(model_dir: str, decode_sms: int, chunk: int, streams: int = 32, 
                 "gap_p50_during_ms": round(pct(gaps_during, 0.5), 3),
                 "gap_p99_during_ms": round(pct(gaps_during, 0.99), 3),
                 "p99_during_x_before": round(pct(gaps_during, 0.99) / pct(gaps_before, 0.99), 3),
-                "ttft_ms": round((first - sent) * 1e3, 1), "lane_jobs": lane.jobs if lane else 0}
+                "ttft_ms": round((first - sent) * 1e3, 1), "lane_jobs": lane.jobs if lane else 0,
+                "steps_during": len(worst), "longest_steps": sorted(worst, reverse=True)[:4]}
     finally:
         engine.close()
 

@@ -42,6 +42,7 @@ class EngineLoad:
     preemptions_prompt_total: int = 0   # or because a prompt chunk (or a recompute) needed blocks
     head_bypassed_total: int = 0        # waiting requests started ahead of a head short of blocks (engine.core.waiting)
     expired_pins_total: int = 0         # pinned prefill-only requests freed by their lease (nobody released them)
+    lane_jobs_total: int = 0            # steps' prompt chunks run on the prefill lane (sm_split_decode_sms)
     handoff_hit_blocks_total: int = 0   # blocks of handed-over requests' KV this worker's prefix cache held: not moved
     # prompt prefixes moved between workers (engine.prefix_exchange): blocks lent to fetchers (of those, copied up from
     # this worker's host tier first), and blocks fetched from a lender into this worker's prefix cache

@@ -121,3 +121,32 @@ def test_lane_on_green_contexts_equals_the_plain_engine(checkpoints):
     assert got == expected
     assert engine.lane.lanes is not None and engine.lane.lanes.decode_sms >= 64 and engine.lane.jobs > 0
     assert engine.lane.graphs is not None and engine.lane.graphs.replays > 0  # decode steps on the lane's graphs
+
+
+def test_a_collocated_server_with_the_lane_gives_the_engines_outputs(llama, reference, tmp_path):
+    """`pdserve serve` with decode.sm_split_decode_sms (in order on the CPU): prompts arriving while others decode
+    go to the lane, and every output equals the offline engine's, streamed or not."""
+    import asyncio
+
+    import httpx
+
+    from tests.engine_helpers import random_prompts
+    from tests.server_process import HALF_CPU, complete, metric_values, running_server, wait_for_idle_workers
+
+    config = {"model": str(llama), "mode": "collocated",
+              "decode": {**HALF_CPU, "workers": 1, "sm_split_decode_sms": 64, "chunk_size": 512}}
+    prompts = random_prompts([40, 90, 7, 300, 64, 150], 2000, seed=43)
+    expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    with running_server(tmp_path, config) as server:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def one(i, p):
+                    await asyncio.sleep(0.05 * i)  # later prompts arrive while earlier ones decode
+                    return await complete(client, server.url, {"model": str(llama), "prompt": p, "max_tokens": 200,
+                                                               "temperature": 0, "ignore_eos": True,
+                                                               "stream": i % 2 == 1})
+                return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+        assert [r["text"] for r in asyncio.run(run())] == [e.text for e in expected]
+        wait_for_idle_workers(server.url)
+        jobs = metric_values(server.url, "pdserve_worker_engine_lane_jobs_total")
+        assert sum(jobs.values()) > 0  # prompts did run on the lane

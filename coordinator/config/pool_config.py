@@ -41,6 +41,9 @@ class PoolConfig:
     prefill_graph_tokens: int = 512  # with cuda_graphs: prefill-only steps up to this many tokens replay graphs too
     mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
     warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
+    # > 0: prompts run beside the decode steps on the GPU's other SMs, the decode steps on this many (issue 43;
+    # EngineConfig.sm_split_decode_sms); 0: chunked prefill only
+    sm_split_decode_sms: int = 0
     tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
     kv_cache_dtype: str | None = None  # None: the top-level kv_cache_dtype (both pools must hold the same)
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
