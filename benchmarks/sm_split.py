@@ -1,19 +1,23 @@
 """One GPU, both phases (issue 43): does splitting the SMs between decode and prefill keep decode steps fast while a
-prompt prefills beside them? Microbenchmarks first, as the issue asks: cuBLAS GEMMs of one 8B layer, then the
-engine's own decode step (a CUDA graph of the whole model) beside the engine's prefill layers.
+prompt prefills beside them? Produces docs/benchmarks.md's "One GPU, both phases" rows M and L (row S is the sweep
+configs/sweeps/gpu-1x-llama3-8b-sm-split.yaml).
 
-`python benchmarks/sm_split.py micro --model /tmp/l8bd [--decode-sms 32,64] [--batches 32,64]`
-(`bash benchmarks/gpu_run.sh smsplit` writes the 8B-shaped folder and runs this). One JSON line per case, each
-decode figure next to the same decode alone on the whole GPU (measured in the same run) and their ratio:
-- `gemm`: a "decode step" of 32 x one layer's four GEMMs at M = batch (a CUDA graph), alone and while a stream of
-  prefill GEMMs (M = 2,048) runs beside it: no split (two ordinary streams), and split (SmLanes: decode lane of N
-  SMs, prefill lane the rest), with the driver's default and with balanced work queues; prefill kept `depth` layer
-  blocks deep in its queue (1: issued one block at a time; 64: all queued). Also the prefill rate on its lane
-  against the whole GPU.
-- `engine`: the same with the engine's decode graph (batch B, 512-token contexts) and the engine's prefill of a
-  2,048-token prompt, 4 layers a block.
-Per case: decode step p50 / p99 in ms (host launch to completion, as a stream sees it), the ratio to alone, the
-prefill layers done per second. A case the hardware or driver refuses prints its error and the rest go on.
+`python benchmarks/sm_split.py COMMAND --model /tmp/l8bd [options]` (`bash benchmarks/gpu_run.sh smsplit` /
+`smsplitlong` write the 8B-shaped folder and run these):
+
+- `micro [--levels engine,gemm] [--decode-sms 64,80,96] [--batches 32,64]`: a decode step timed from launch to
+  completion (as a stream sees it) while a 2,048-token prompt's forward runs beside it, against the same decode
+  alone on the whole GPU measured in the same run, and the prefill's layers/s against the prefill alone on the whole
+  GPU. `engine` level: the engine's own decode graph (512-token contexts) and its prefill layers; `gemm`: cuBLAS
+  GEMMs of one 8B layer. Variants: chunked prefill (the decode rows and the chunk in one forward); no split, prefill
+  issued in 1- or 4-layer blocks 1, 2 or all deep, decode at normal or high stream priority; split (SmLanes: decode
+  lane of N SMs, prefill lane the rest) with the prefill issued one block at a time or all queued. A split the
+  driver refuses prints its error and the rest go on.
+- `long-prompt [--variants 0:2048,64:8192,96:8192]`: the issue's experiment on the engine: 32 greedy streams
+  decoding (64-token prompts), then one 7,000-token prompt; the streams' gaps between tokens before it and while it
+  prefills, its TTFT, and the longest steps meanwhile (with what the lane did in them), per DECODE_SMS:CHUNK variant
+  (0: chunked prefill in CHUNK-token chunks; else EngineConfig.sm_split_decode_sms), then each lane variant against
+  chunked prefill.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ processes (engine.runner.tp_leader) until close(); `kv_spec` and `kv_head_range`
 Layout: this module holds the engine's construction, add_request/abort and stepping; LLMEngine's other methods come
 from mixins, one module each: the disaggregation entry points (reservations, handoff starts, pins:
 engine.handoff_blocks), structured outputs and the requests held for their grammar (engine.grammar_holding), the
-device-host KV copies (engine.host_kv) and load()/check_integrity() (engine.engine_report).
+device-host KV copies (engine.host_kv), load()/check_integrity() (engine.engine_report) and the steps of a prefill
+lane, prompts beside the decode steps on their own SMs (engine.lane_steps; EngineConfig.sm_split_decode_sms).
 """
 
 from __future__ import annotations

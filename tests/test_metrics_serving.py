@@ -17,7 +17,7 @@ import re
 import httpx
 import pytest
 
-from tests.server_process import HALF_CPU, poll, running_server, scrape, values_in
+from tests.server_process import HALF_CPU, poll, running_server, scrape, values_in, wait_for_idle_workers
 
 pytestmark = pytest.mark.timeout(400)
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
@@ -47,7 +47,7 @@ _COUNTERS = (
     "pdserve_tenant_requests", "pdserve_worker_restarts", "vllm:generation_tokens",
     "vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:prompt_tokens",
     "vllm:request_success", "pdserve_admission_booking_grown_blocks", "pdserve_stalled_clients",
-    "pdserve_worker_engine_expired_pins", "pdserve_worker_engine_head_bypassed",
+    "pdserve_worker_engine_expired_pins", "pdserve_worker_engine_head_bypassed", "pdserve_worker_engine_lane_jobs",
     "pdserve_worker_engine_preemptions_decode", "pdserve_worker_engine_preemptions_prompt",
     "pdserve_worker_preemptions", "pdserve_stragglers", "pdserve_spare_takeovers", "pdserve_worker_engine_swapped_out",
     "pdserve_worker_engine_swapped_in", "pdserve_worker_engine_swap_out_bytes", "pdserve_worker_engine_swap_in_bytes",
@@ -207,7 +207,16 @@ def test_iteration_tokens_count_steps_and_tokens_as_vllms_test_does(server):
     les = {re.search(r'le="([^"]+)"', line).group(1)
            for line in text.splitlines() if line.startswith("vllm:iteration_tokens_total_bucket")}
     assert les == {str(float(b)) for b in buckets} | {"+Inf"}, les  # vLLM's buckets
-    sum0, count0, le0 = figures()
+    # the baseline once the earlier tests' last steps are in: the workers idle, two scrapes a second apart agree (CI
+    # once took it before one of their steps was reported, and counted that step here)
+    wait_for_idle_workers(server.url)
+    seen: list[tuple[float, float, dict[str, float]]] = []
+
+    def settled() -> bool:
+        seen.append(figures())
+        return len(seen) > 1 and seen[-1][:2] == seen[-2][:2]
+    poll(settled, 30, interval_s=1.0)
+    sum0, count0, le0 = seen[-1]
     with httpx.Client(base_url=server.url, timeout=120) as client:
         for _ in range(n):
             _post(client, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": m, "ignore_eos": True})
