@@ -142,9 +142,6 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
                                         rank.prefill_graphs, rank.mixed_graphs, followers=self.followers)
         self.lane = self._prefill_lane(config)  # prompts beside the decode steps (sm_split_decode_sms; None: off)
-        if self.lane is not None:
-            self.lane.warm_up(min(config.max_num_batched_tokens, max_model_len))
-            clock.lap("prefill_lane")
         self._reserved: set[str] = set()
         self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks
         self.num_handoff_hit_blocks = 0  # blocks of requests started by add_prefilled_request the prefix cache held

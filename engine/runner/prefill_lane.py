@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.sm_lanes import SmLanes
@@ -79,19 +79,6 @@ class PrefillLane:
                 step.sample_index.record_stream(main)
         self.job = LaneJob(sched, step, hidden, done)
         self.jobs += 1
-
-    def warm_up(self, tokens: int) -> None:
-        """One forward of `tokens` prompt tokens on the prefill lane before serving (CUDA): the lane's stream gets
-        its own pool in the caching allocator, whose first allocations a first job would otherwise make inside a
-        decode step (a 7,000-token job's first step took 33 ms against 8 for the next ones on an H200). Writes
-        only into block 0, which no request holds yet."""
-        if self.lanes is None or tokens < 2:
-            return
-        table = [0] * -(-tokens // self.runner.block_size)
-        self.start(SchedulerOutput(chunks=[ScheduledChunk("pdserve-lane-warm-up", [0] * tokens, 0, table,
-                                                          sample=False, output_index=0)]))
-        self.wait()
-        self.job, self.jobs = None, 0
 
     @torch.inference_mode()
     def finish(self, params: dict[str, SamplingParams]) -> LaunchedStep:
