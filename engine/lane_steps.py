@@ -60,7 +60,9 @@ class LaneSteps:
                   for c in sched.chunks}
         launched = self.lane.finish(params)
         self.scheduler.held.clear()
-        return self._apply(launched)
+        outputs = self._apply(launched)
+        self._applied = None  # its prompt ran beside the steps: no step's time is its cost (StepBudget, SwapSpace)
+        return outputs
 
     def _lane_takes(self, sched: SchedulerOutput) -> bool:
         if self.lane is None:

@@ -150,3 +150,22 @@ def test_a_collocated_server_with_the_lane_gives_the_engines_outputs(llama, refe
         wait_for_idle_workers(server.url)
         jobs = metric_values(server.url, "pdserve_worker_engine_lane_jobs_total")
         assert sum(jobs.values()) > 0  # prompts did run on the lane
+
+
+def test_a_lane_job_does_not_teach_the_step_budget():
+    """With a decode step target (the adaptive layout's workers), each step's time teaches the StepBudget what a
+    prompt token costs inside a step; a lane job's prompt ran beside the steps, so no step's time is its cost."""
+    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, sm_split_decode_sms=64,
+              decode_step_target_s=0.5, warmup=False, async_scheduling=True)  # overlapped, as on a GPU
+    e = llm.engine
+    seen = []
+    observe = e.step_budget.observe
+    e.step_budget.observe = lambda rows, tokens, s: (seen.append((rows, tokens)), observe(rows, tokens, s))[1]
+    e.add_request("short", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    e.add_request("long", list(range(3, 50)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    assert e.lane.jobs == 1
+    assert not any(tokens == 47 for _, tokens in seen), seen  # the long prompt's 47 tokens taught no step
