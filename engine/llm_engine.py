@@ -230,7 +230,8 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             self.step_time_total_s += self.step_time_last_s
             if self.step_budget is not None and self._applied is not None:
                 self.step_budget.observe(*self._applied, self.step_time_last_s)
-                self.scheduler.prefill_cap = self.step_budget.tokens
+                if self.lane is None:  # a lane takes a step's prompts whole: they do not ride in the steps
+                    self.scheduler.prefill_cap = self.step_budget.tokens
             if self.swap_space is not None and self._applied is not None:  # auto's recompute cost
                 self.swap_space.observe_prefill(self._applied[1], self.step_time_last_s)
             self._applied = None

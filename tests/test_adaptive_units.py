@@ -46,6 +46,20 @@ def test_a_long_remote_queue_sends_the_prompt_local():
     assert choice.local_s == pytest.approx(0.093) and choice.remote_s == pytest.approx(1.26)
 
 
+def test_a_decoding_worker_with_a_prefill_lane_is_priced_at_the_lanes_rate():
+    """A prefill lane (sm_split_decode_sms) runs prompts beside the decode steps: a local prefill costs the lane's
+    measured seconds per token, even where the step budget leaves no room for prompt tokens in the steps."""
+    model = PlacementModel(SLO)
+    crowded = _load(30e-6, budget=64, step_s=0.039, running=60)  # 39 ms + 64 x 30 us > the 40 ms target
+    assert model.choose(Side("decode-0", crowded, 0, 2000, decoding=True),
+                        [Side("prefill-0", _load(30e-6), 40_000, 2000, decoding=False)]).local_s == math.inf
+    lane = EngineLoad(0, 0, 60, 0, 100, 100, prefill_budget_tokens=64, decode_step_s=0.039, prefill_token_s=30e-6,
+                      lane_token_s=50e-6)
+    choice = model.choose(Side("decode-0", lane, 1000, 2000, decoding=True),
+                          [Side("prefill-0", _load(30e-6), 40_000, 2000, decoding=False)])
+    assert choice.placement == "local" and choice.local_s == pytest.approx(0.15)  # 3,000 tokens x 50 us
+
+
 def test_remote_wins_within_its_comfort_even_when_local_is_quicker():
     model = PlacementModel(SLO)
     local = Side("decode-0", _load(10e-6), 0, 1000, decoding=False)       # 10 ms

@@ -67,6 +67,7 @@ _GAUGES = (
     "pdserve_worker_engine_decode_step_s", "pdserve_worker_engine_gc_pause_max_s", "pdserve_worker_engine_num_pinned",
     "pdserve_worker_engine_num_reserved", "pdserve_worker_engine_num_waiting",
     "pdserve_worker_engine_prefill_budget_tokens", "pdserve_worker_engine_prefill_token_s",
+    "pdserve_worker_engine_lane_token_s",
     "pdserve_worker_engine_step_time_last_s", "pdserve_worker_engine_step_time_total_s",
     "pdserve_worker_engine_steps", "pdserve_worker_drained", "pdserve_worker_draining",
     "pdserve_worker_used_kv_blocks", "pdserve_worker_engine_swap_used_blocks", "pdserve_prefix_index_host_blocks",

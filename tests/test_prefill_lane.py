@@ -169,3 +169,21 @@ def test_a_lane_job_does_not_teach_the_step_budget():
         e.step()
     assert e.lane.jobs == 1
     assert not any(tokens == 47 for _, tokens in seen), seen  # the long prompt's 47 tokens taught no step
+
+
+def test_the_lane_takes_a_prompt_whole_and_reports_its_rate():
+    """The step budget caps the prompt tokens that ride in a decoding step; a lane's prompts do not ride in the
+    steps, so a lane engine's jobs are not capped (one job for the whole prompt), and its measured seconds per
+    prompt token reach the engine's load (what the placement model prices a local prefill at)."""
+    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
+              decode_step_target_s=1e-6, warmup=False)  # a target no step meets: the budget is its floor (64)
+    e = llm.engine
+    assert e.load().lane_token_s == 0  # nothing measured yet
+    e.add_request("short", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    e.add_request("long", [(i * 7) % 90 + 3 for i in range(300)],
+                  SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    assert e.lane.jobs == 1 and e.load().lane_token_s > 0

@@ -8,7 +8,9 @@ The choice is a cost model of each side's time to the first token, from figures 
   (its EngineLoad, reported with every step: the engine measures them on its own steps);
 - the prompt tokens already queued on it (the ledger's bookings: exact, they are what the coordinator sent);
 - the handoff's seconds per prompt token (kv_transfer phases of earlier remote requests: `observe_transfer`);
-- the prompt's tokens that each side's prefix cache likely holds already (the router's prefix owners).
+- the prompt's tokens that each side's prefix cache likely holds already (the router's prefix owners);
+- a decoding worker with a prefill lane (EngineConfig.sm_split_decode_sms) prefills beside its steps, not in them:
+  at the lane's measured seconds per prompt token (EngineLoad.lane_token_s), once it has one.
 A worker that decodes nothing prefills at its full rate; one that decodes gets only its step budget's share, and
 none at all while its decode steps leave no room under the target (its budget is then the engine's floor). A
 remote prefill keeps the prompt off the decode worker's steps entirely, so it wins whenever it meets the TTFT
@@ -84,6 +86,8 @@ class PlacementModel:
         tokens = side.queued_tokens + side.new_tokens
         if not side.decoding or load is None:
             return tokens * per_token
+        if load.lane_token_s > 0:  # a prefill lane: prompts run beside its decode steps, at the lane's own rate
+            return tokens * load.lane_token_s
         budget = max(load.prefill_budget_tokens, 1)  # prompt tokens per decoding step
         step_s = load.decode_step_s + budget * per_token
         if step_s > self.slo.decode_step_target_s:  # no headroom: its budget is the floor, which only keeps

@@ -17,6 +17,7 @@ computes the forward at once (same order, same results), which lets CPU tests co
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,9 @@ from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.sm_lanes import SmLanes
 from engine.runner.step_inputs import StepInputs, build_step_inputs
 
+RATE_MIN_TOKENS = 256  # shorter jobs time mostly the step that notices them done
+RATE_EWMA = 0.3
+
 
 @dataclass
 class LaneJob:
@@ -37,6 +41,8 @@ class LaneJob:
     step: StepInputs
     hidden: torch.Tensor                # [T, hidden], written by the lane
     done: torch.cuda.Event | None       # recorded after the forward (None: computed already, on the CPU)
+    started: float                      # time.perf_counter() when it was queued
+    tokens: int                         # prompt tokens it computes
 
 
 class PrefillLane:
@@ -48,6 +54,9 @@ class PrefillLane:
             self.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode)
         self.job: LaneJob | None = None
         self.jobs = 0  # prompt steps the lane ran since start
+        # seconds per prompt token on the lane, from queueing a job to finding it done (a running average; 0 until
+        # a job of at least RATE_MIN_TOKENS): what the placement model prices a local prefill at
+        self.token_s = 0.0
 
     @property
     def busy(self) -> bool:
@@ -77,13 +86,16 @@ class PrefillLane:
                 done.record(self.lanes.prefill)
                 hidden.record_stream(main)  # read there by finish()
                 step.sample_index.record_stream(main)
-        self.job = LaneJob(sched, step, hidden, done)
+        self.job = LaneJob(sched, step, hidden, done, time.perf_counter(), sched.num_tokens)
         self.jobs += 1
 
     @torch.inference_mode()
     def finish(self, params: dict[str, SamplingParams]) -> LaunchedStep:
         """The job's sampling, queued on the engine's stream after the lane's forward; the job ends."""
         job, self.job = self.job, None
+        if job.tokens >= RATE_MIN_TOKENS:
+            seconds = (time.perf_counter() - job.started) / job.tokens
+            self.token_s = seconds if not self.token_s else (1 - RATE_EWMA) * self.token_s + RATE_EWMA * seconds
         if job.done is not None:
             torch.cuda.current_stream(self.runner.device).wait_event(job.done)
         if not job.step.sampling:
