@@ -7,13 +7,18 @@ on the decode lane. The job is applied at the start of the first step after it i
 waited for). Steps the lane does not take run as without it: prompt-only steps (no stream to protect), steps with
 prompt logprobs or parallel samples (engine.runner.step_extras), steps with a per-layer hook (KV pushes), and
 decode-only steps while the lane is idle (these keep overlapped scheduling; LLMEngine stops overlapping when a
-prompt waits, so that schedule() plans it here).
+prompt waits, so that schedule() plans it here), and, with a decode step target (the StepBudget), steps whose
+prompts engine.core.lane_policy finds quicker chunked under the budget. The lane's figures (its seconds per prompt
+token, a decode step's time beside a job) are its own; neither its jobs nor the steps beside them teach the
+StepBudget.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from engine.core.lane_policy import lane_pays
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput, StepOutput
 from engine.engine_config import EngineConfig
@@ -28,6 +33,7 @@ ENDED = SamplingParams(temperature=0, max_tokens=1)  # the row of a request that
 
 class LaneSteps:
     lane: PrefillLane | None
+    lane_on: bool = True  # whether this step's prompts may go to the lane (set by _plan_lane)
     scheduler: Scheduler
 
     def _prefill_lane(self, config: EngineConfig) -> PrefillLane | None:
@@ -64,11 +70,25 @@ class LaneSteps:
         self._applied = None  # its prompt ran beside the steps: no step's time is its cost (StepBudget, SwapSpace)
         return outputs
 
+    def _plan_lane(self) -> None:
+        """Before a step is planned: whether prompts may go to the lane now (engine.core.lane_policy), and so
+        whether the step budget caps the prompt tokens of the step (it does when they are chunked into it)."""
+        if self.lane is None:
+            return
+        s, b = self.scheduler, self.step_budget
+        pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
+            r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1)
+        self.lane_on = self.lane.busy or lane_pays(pending, b.tokens if b else None, b.target_s if b else None,
+                                                   self.lane.token_s, self.lane.step_s)
+        s.prefill_cap = None if self.lane_on or b is None else b.tokens
+
     def _lane_takes(self, sched: SchedulerOutput) -> bool:
         if self.lane is None:
             return False
         if self.lane.busy:
             return True
+        if not self.lane_on:  # chunked this step (lane_pays)
+            return False
         has_prompt = any(len(c.token_ids) > 1 for c in sched.chunks)
         has_decode = any(len(c.token_ids) == 1 for c in sched.chunks)
         return has_prompt and has_decode and not plan_extras(sched, self.scheduler.requests)
@@ -81,7 +101,13 @@ class LaneSteps:
             self.scheduler.held.update(c.request_id for c in prompt)
             self.lane.start(SchedulerOutput(chunks=prompt))
         if decode:
-            return self._apply(self.lane.launch_decode(SchedulerOutput(chunks=decode),
-                                                       self._params(SchedulerOutput(chunks=decode))))
+            began = time.perf_counter()
+            outputs = self._apply(self.lane.launch_decode(SchedulerOutput(chunks=decode),
+                                                          self._params(SchedulerOutput(chunks=decode))))
+            if self.lane.busy:  # beside a job its time is the lane's figure, not the step budget's
+                self._applied = None
+                if not prompt:  # (the step that queued the job also paid for queueing it)
+                    self.lane.observe_step(time.perf_counter() - began)
+            return outputs
         self.lane.wait()  # nothing else runs: the job's tokens are next
         return self._lane_finish()

@@ -247,6 +247,7 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             may_continue = layer_hook is None and not (self.lane is not None and self._prompts_pending())
             return outputs + self._overlapped_step(may_continue)
         outputs += self._lane_finish()
+        self._plan_lane()
         sched = self.scheduler.schedule()
         on_layer_done = layer_hook(sched) if layer_hook is not None and sched.chunks else None
         self._move_swapped(sched)

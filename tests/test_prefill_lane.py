@@ -187,3 +187,65 @@ def test_the_lane_takes_a_prompt_whole_and_reports_its_rate():
     while e.has_unfinished():
         e.step()
     assert e.lane.jobs == 1 and e.load().lane_token_s > 0
+
+
+def test_lane_pays_by_the_engines_figures():
+    from engine.core.lane_policy import lane_pays
+
+    # no decode step target, or no lane figures yet: the lane
+    assert lane_pays(5000, None, None, 50e-6, 0.012)
+    assert lane_pays(5000, 256, 0.015, 0.0, 0.0)
+    # a decode step beside the lane misses the target: chunk under the budget, which meets it
+    assert not lane_pays(5000, 256, 0.015, 50e-6, 0.016)
+    # 5,000 tokens: chunked 20 steps x 15 ms = 300 ms; the lane 5,000 x 50 us = 250 ms -> the lane
+    assert lane_pays(5000, 256, 0.015, 50e-6, 0.012)
+    # a roomy budget (1,024 a step): chunked 5 x 15 ms = 75 ms -> chunk
+    assert not lane_pays(5000, 1024, 0.015, 50e-6, 0.012)
+    # nothing waits: the lane (nothing to chunk either)
+    assert lane_pays(0, 256, 0.015, 50e-6, 0.012)
+
+
+class _Budget:
+    """A StepBudget whose figures the test sets: `tokens` a decoding step may carry under `target_s`."""
+
+    def __init__(self, tokens: int, target_s: float) -> None:
+        self.tokens, self.target_s = tokens, target_s
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        pass
+
+
+def _long_beside_short(e) -> dict[str, list[int]]:
+    """A 300-token prompt arrives while a short one decodes; every request's tokens."""
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for o in e.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    e.add_request("short", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        step()
+    e.add_request("long", [(i * 7) % 90 + 3 for i in range(300)],
+                  SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while e.has_unfinished():
+        step()
+    return tokens
+
+
+def test_prompts_are_chunked_where_the_lane_does_not_pay():
+    """With a decode step target, the engine asks lane_pays before each step: by the lane's figures (set here) a
+    prompt goes to the lane or is chunked under the budget; outputs are the same either way."""
+    runs = {}
+    for name, (token_s, step_s) in {"lane quicker": (1e-6, 0.001), "chunks quicker": (1.0, 0.001),
+                                    "lane misses the target": (1e-6, 0.5)}.items():
+        llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
+                  decode_step_target_s=0.1, warmup=False)
+        e = llm.engine
+        e.step_budget = _Budget(64, 0.1)
+        e.lane.token_s, e.lane.step_s = token_s, step_s
+        e.lane.observe_step = lambda s: None  # the figures stay as set
+        tokens = _long_beside_short(e)
+        runs[name] = e.lane.jobs, tokens
+    assert runs["lane quicker"][0] == 1
+    assert runs["chunks quicker"][0] == 0 and runs["lane misses the target"][0] == 0
+    assert runs["lane quicker"][1] == runs["chunks quicker"][1] == runs["lane misses the target"][1]
