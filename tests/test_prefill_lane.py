@@ -40,15 +40,22 @@ def test_lane_outputs_equal_the_plain_engine_on_the_cpu():
     assert counts["in_use"] == 0 and counts["pinned"] == 0
 
 
+def _scheduler(blocks: int) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks=blocks, block_size=4, enable_prefix_caching=False), max_num_seqs=4,
+                     max_num_batched_tokens=64)
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), (), 64)
+
+
 def test_held_requests_get_no_prompt_tokens_and_are_never_preempted():
-    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    long = Request("long", list(range(3, 19)), SamplingParams(max_tokens=4, ignore_eos=True), (), 64)
-    s.add(long)
+    s = _scheduler(6)
+    s.add(_request("long", list(range(3, 19)), 4))
     first = s.schedule()
     assert [c.request_id for c in first.chunks] == ["long"]
     s.held.add("long")  # the lane took its chunk: nothing about it is planned until the engine applies it
-    s.add(Request("late", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), (), 64))
+    s.add(_request("late", [5, 6, 7], 4))
     assert s.schedule().chunks == []  # no prompt tokens while held: "late" waits, "long" is not re-planned
     s.held.clear()
     s.update(first, {"long": (9, None)}, 60.0)
@@ -57,14 +64,11 @@ def test_held_requests_get_no_prompt_tokens_and_are_never_preempted():
 
 
 def test_a_held_request_is_not_the_victim_when_blocks_run_short():
-    bm = BlockManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
-    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    a = Request("a", list(range(3, 10)), SamplingParams(max_tokens=20, ignore_eos=True), (), 64)
-    s.add(a)
+    s = _scheduler(5)
+    s.add(_request("a", list(range(3, 10)), 20))
     step = s.schedule()
     s.update(step, {"a": (9, None)}, 60.0)
-    b = Request("b", list(range(3, 14)), SamplingParams(max_tokens=4, ignore_eos=True), (), 64)
-    s.add(b)
+    s.add(_request("b", list(range(3, 14)), 4))
     step = s.schedule()  # b's prompt beside a's decode row
     assert {c.request_id for c in step.chunks} == {"a", "b"}
     s.held.add("b")
