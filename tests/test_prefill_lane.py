@@ -253,3 +253,46 @@ def test_prompts_are_chunked_where_the_lane_does_not_pay():
     assert runs["lane quicker"][0] == 1
     assert runs["chunks quicker"][0] == 0 and runs["lane misses the target"][0] == 0
     assert runs["lane quicker"][1] == runs["chunks quicker"][1] == runs["lane misses the target"][1]
+
+
+def test_streams_cut_off_while_prompts_are_on_the_lane_leak_nothing(llama, reference, tmp_path):
+    """Clients that leave mid-stream or before their first token, while other prompts run on the lane (in order on
+    the CPU): the rest get the engine's outputs, and once idle nothing is booked or held (the lane's held requests
+    freed with their aborts)."""
+    import asyncio
+
+    import httpx
+
+    from tests.engine_helpers import random_prompts
+    from tests.server_process import HALF_CPU, assert_nothing_booked, complete, metric_values, running_server
+
+    config = {"model": str(llama), "mode": "collocated", "server": {"admin_api": True},
+              "decode": {**HALF_CPU, "workers": 1, "sm_split_decode_sms": 64, "chunk_size": 512}}
+    prompts = random_prompts([200, 20, 300, 64, 250, 30, 330, 12], 2000, seed=47)
+    kept = [i for i in range(len(prompts)) if i % 2 == 1]  # the long prompts are cut off, on the lane or after
+    expected = reference.generate([prompts[i] for i in kept],
+                                  SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    with running_server(tmp_path, config) as server:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def cut(i, p):  # leaves after a few chunks (or before any, for some)
+                    await asyncio.sleep(0.03 * i)
+                    body = {"model": str(llama), "prompt": p, "max_tokens": 150, "ignore_eos": True,
+                            "stream": True}
+                    async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                        seen = 0
+                        async for line in r.aiter_lines():
+                            seen += line.startswith("data:")
+                            if seen >= i % 3:
+                                break
+
+                async def keep(i, p):
+                    await asyncio.sleep(0.03 * i)
+                    return await complete(client, server.url, {"model": str(llama), "prompt": p,
+                                                               "max_tokens": 120, "temperature": 0,
+                                                               "ignore_eos": True, "stream": True})
+                return await asyncio.gather(*[(keep if i in kept else cut)(i, p) for i, p in enumerate(prompts)])
+        results = asyncio.run(run())
+        assert [results[i]["text"] for i in kept] == [e.text for e in expected]
+        assert_nothing_booked(server.url)
+        assert sum(metric_values(server.url, "pdserve_worker_engine_lane_jobs_total").values()) > 0
