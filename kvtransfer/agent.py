@@ -52,6 +52,9 @@ from .serve import Server
 from .staging import StagingPool
 
 NOTIFY_SPIN_S = 0.005  # notify_after polls the copies' events this long on the loop before a thread waits for them
+# the agent's own start (UCX's context and listeners: nothing remote) is bounded by this, not by connect_timeout_s:
+# on a loaded 2-core CI machine starting several Ray nodes it once took longer than 10 s
+START_TIMEOUT_S = 60.0
 
 
 class KVAgent:
@@ -82,7 +85,7 @@ class KVAgent:
         self._port, self._notify_port = 0, None
         self._worker_address: bytes | None = None
         self._accept_tag: int | None = None
-        self._loop.call(self._start(port), self.config.connect_timeout_s)
+        self._loop.call(self._start(port), max(self.config.connect_timeout_s, START_TIMEOUT_S))
         self._closed = False
 
     async def _start(self, port: int) -> None:
