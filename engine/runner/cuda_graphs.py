@@ -25,7 +25,8 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int,
                  stream: torch.cuda.Stream | None = None) -> None:
-        """`stream`: capture there (engine.runner.graph_capture), and replay there."""
+        """`stream`: capture there (engine.runner.graph_capture); the replays then belong there too (the decode
+        lane's: engine.runner.prefill_lane.launch_decode makes it current)."""
         dev = kv_cache.device
         self.stream = stream
         self.model, self.kv_cache, self.max_batch = model, kv_cache, max_batch

@@ -7,9 +7,9 @@ kernels occupying the others (issue 43).
 
 Why the driver API and not torch.cuda.green_contexts: each GreenContext.create() splits the whole device anew, so
 two of them overlap (both begin at the first SMs); here one split yields the decode group and its disjoint
-remainder, and both contexts are made from that one split. `workqueues="balanced"` also asks the driver for
-non-overlapping work queues per context (CUDA 13.1+ drivers; an older one refuses, and the caller hears why): queued
-work on one lane then cannot hold up the other's launches.
+remainder, and both contexts are made from that one split. The two share the driver's default work queues: asking
+for balanced (non-overlapping) ones per context was refused by the H200's driver 580 (CUDA_ERROR_INVALID_RESOURCE_TYPE,
+docs/benchmark-log.md "One GPU, both phases"), so this module does not offer it.
 
 Needs cuda-bindings (cuda.bindings.driver) and a GPU of compute capability 9.0+ (Hopper: partitions in steps of
 8 SMs); `available()` says whether this process can make lanes, and why not.
@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-WORKQUEUE_SCOPES = ("device", "balanced")
 
 
 def _driver():
@@ -58,7 +56,6 @@ class SmLanes:
 
     decode_sms: int
     prefill_sms: int
-    workqueues: str
     decode: torch.cuda.ExternalStream
     prefill: torch.cuda.ExternalStream
     _handles: list = field(default_factory=list, repr=False)  # green contexts and raw streams, for close()
@@ -73,13 +70,11 @@ class SmLanes:
         self._handles.clear()
 
 
-def split_sms(device: torch.device, decode_sms: int, workqueues: str = "device") -> SmLanes:
+def split_sms(device: torch.device, decode_sms: int) -> SmLanes:
     """Lanes of `decode_sms` SMs (rounded up by the driver to its partition step) and the rest of the device."""
     why = available(device)
     if why:
         raise RuntimeError(why)
-    if workqueues not in WORKQUEUE_SCOPES:
-        raise ValueError(f"workqueues must be one of {WORKQUEUE_SCOPES}, not {workqueues!r}")
     driver = _driver()
     torch.cuda.init()
     torch.zeros(1, device=device)  # the primary context exists before the green ones are made beside it
@@ -93,16 +88,7 @@ def split_sms(device: torch.device, decode_sms: int, workqueues: str = "device")
     lanes, handles = [], []
     try:
         for part in (groups[0], rest):
-            resources = [part]
-            if workqueues == "balanced":
-                wq = driver.CUdevResource()
-                wq.type = driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG
-                wq.wqConfig.device = dev
-                wq.wqConfig.wqConcurrencyLimit = 1
-                wq.wqConfig.sharingScope = driver.CUdevWorkqueueConfigScope.CU_WORKQUEUE_SCOPE_GREEN_CTX_BALANCED
-                resources.append(wq)
-            desc = _check(driver.cuDevResourceGenerateDesc(resources, len(resources)),
-                          f"cuDevResourceGenerateDesc({workqueues} work queues)")
+            desc = _check(driver.cuDevResourceGenerateDesc([part], 1), "cuDevResourceGenerateDesc")
             ctx = _check(driver.cuGreenCtxCreate(desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
                          "cuGreenCtxCreate")
             handles.append(("ctx", ctx))
@@ -111,6 +97,6 @@ def split_sms(device: torch.device, decode_sms: int, workqueues: str = "device")
             handles.append(("stream", stream))
             lanes.append(torch.cuda.ExternalStream(int(stream), device=device))
     except Exception:
-        SmLanes(0, 0, workqueues, None, None, handles).close()  # type: ignore[arg-type]
+        SmLanes(0, 0, None, None, handles).close()  # type: ignore[arg-type]
         raise
-    return SmLanes(int(groups[0].sm.smCount), int(rest.sm.smCount), workqueues, lanes[0], lanes[1], handles)
+    return SmLanes(int(groups[0].sm.smCount), int(rest.sm.smCount), lanes[0], lanes[1], handles)
