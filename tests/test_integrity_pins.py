@@ -5,6 +5,7 @@ free, and integrity stays ok; KV transfers stalled past the lease leave pins the
 reports that mismatch (instead of ok), then is ok again once the stall is over."""
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -92,19 +93,39 @@ def test_requests_aborted_in_every_phase_leave_no_pin_for_the_lease(server):
     assert_nothing_booked(url)
 
 
+def _hold_until_not_ok(url: str, prompts: list[list[int]]) -> dict:
+    """Streams that read their first token and then stay connected (unread) until /admin/integrity is not ok;
+    returns that report. Staying matters: a client that left before its handoff began has its prefill pin freed
+    at once (nothing will read it), which leaves nothing for the lease to free."""
+    async def run() -> dict:
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            async with contextlib.AsyncExitStack() as streams:
+                for p in prompts:
+                    body = {"model": "tiny", "prompt": p, "max_tokens": 64, "ignore_eos": True, "stream": True}
+                    r = await streams.enter_async_context(client.stream("POST", f"{url}/v1/completions", json=body))
+                    assert r.status_code == 200, await r.aread()
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data: "):
+                        pass
+                deadline = time.monotonic() + DEADLINE_S
+                while True:
+                    r = await client.get(f"{url}/admin/integrity", headers=OPERATOR, timeout=30)
+                    assert r.status_code == 200, r.text
+                    if not (report := r.json())["ok"]:
+                        return report
+                    assert time.monotonic() < deadline, f"integrity never saw the pins the lease freed: {report}"
+                    await asyncio.sleep(0.5)
+    return asyncio.run(run())
+
+
 def test_pins_left_past_their_lease_are_reported_not_ok(server):
     url = server.url
-    # every KV transfer (push or pull) held back well past the lease; the clients leave after their first token
+    # every KV transfer (push or pull) held back well past the lease, so the prefill's pins outlive it
     r = httpx.post(f"{url}/admin/faults", headers=OPERATOR, timeout=30,
                    json={"transfer_stall_fraction": 1.0, "transfer_stall_s": 3 * LEASE_S})
     assert r.status_code == 200, r.text
     try:
-        prompts = random_prompts([120 + 11 * i for i in range(8)], VOCAB, seed=63)
-        assert _drop_after(url, prompts, 1, 64) == [1] * 8
-        deadline = time.monotonic() + DEADLINE_S
-        while (report := admin_integrity(url))["ok"]:
-            assert time.monotonic() < deadline, f"integrity never saw the pins the lease freed: {report}"
-            time.sleep(0.5)
+        report = _hold_until_not_ok(url, random_prompts([120 + 11 * i for i in range(8)], VOCAB, seed=63))
     finally:
         assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={}, timeout=30).status_code == 200
     assert any(m.startswith("prefill-0: ") and "outlived transfer.pin_lease_s" in m
