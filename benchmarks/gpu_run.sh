@@ -64,14 +64,14 @@
 #   chunked prefill against the prefill lane (configs/sweeps/gpu-1x-llama3-8b-sm-split.yaml), packed into $OUT.
 # extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
 #   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
-#   does not fetch (httptools, prometheus-client) or cannot (llguidance is manylinux_2_31 only, beyond its
+#   does not fetch (httptools, prometheus-client, grpcio) or cannot (llguidance is manylinux_2_31 only, beyond its
 #   platform list); every later step unpacks it next to the shared bundle.
 if [ "${1:-}" = extra-bundle ]; then  # on the development machine (see the header), before a lent one's set-up
   set -euo pipefail
   work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
   plat=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
-    -d "$work/wheels" "llguidance>=1.9.1,<2" "prometheus-client>=0.20" "httptools>=0.6"
+    -d "$work/wheels" "llguidance>=1.9.1,<2" "prometheus-client>=0.20" "httptools>=0.6" "grpcio>=1.60"
   python3 -m pip install -q --target "$work/site" --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
     --implementation cp "${plat[@]}" "$work"/wheels/*.whl
   mkdir -p .devbundle

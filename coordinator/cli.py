@@ -135,7 +135,7 @@ def coordinator_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     import ray
 
-    from coordinator.backend.pools import init_ray
+    from coordinator.backend.ray_start import init_ray
     from coordinator.serve import serve
     start_watchdog()  # its own tree (HTTP frontend processes); Ray's processes are the supervisor's
     if ray_kind == "local":  # the supervisor's own cluster: the workers inherit its environment already

@@ -106,7 +106,7 @@ class ProcessSupervisor:
 
     def run(self) -> int:
         """Serve until stopped on purpose (0) or until the coordinator cannot be kept up (its exit status)."""
-        from coordinator.backend.pools import init_ray
+        from coordinator.backend.ray_start import init_ray
         path = pid_file(self.namespace)
         try:
             held = hold_pid_file(path)

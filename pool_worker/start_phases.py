@@ -3,9 +3,11 @@
 The phases, in order, in seconds (WorkerInfo.startup_s; /health's `start_phases_s` and
 `pdserve_worker_start_seconds{phase}`, coordinator.backend.start_report):
 - `schedule`: from the coordinator's request for the actor to the creation of the process that hosts it (0 when Ray
-  handed over a worker process it had started ahead);
-- `process`: from then until the worker's code began to import (the interpreter and Ray's worker bootstrap);
-- `imports`: the worker's code and what its start needs (torch, the engine, the transfer agents);
+  handed over a worker process it had started ahead: coordinator.backend.warm_processes);
+- `process`: from then until the worker's code began to import (the interpreter and Ray's worker bootstrap; 0 in a
+  process that imported it ahead, pool_worker.preload);
+- `imports`: the worker's code and what its start needs (torch, the engine, the transfer agents); in a process that
+  imported them ahead, only what was left;
 - `engine_<phase>`: the engine's own (engine.llm_engine: config, weights, kv_cache, cuda_graphs, prefill_graphs,
   mixed_graphs, warmup);
 - `agent`: the transfer agents and the rest of start(), until the worker can be routed to;
@@ -46,6 +48,15 @@ def before_start(requested_at: float | None) -> list[tuple[str, float]]:
             ("process", round(max(0.0, IMPORT_STARTED[0] - began), 3))]
 
 
-def imports_done() -> tuple[str, float]:
-    """`imports`: from the start of the worker code's import until now."""
-    return "imports", round(time.monotonic() - IMPORT_STARTED[1], 3)
+def imports_began(requested_at: float | None) -> float:
+    """The monotonic time the `imports` phase began: when the worker code began to import, or, in a process that
+    imported it ahead (pool_worker.preload, before the actor was requested at wall time `requested_at`), now: what
+    start() imports then is what the preload left out."""
+    if requested_at is not None and IMPORT_STARTED[0] < requested_at:
+        return time.monotonic()
+    return IMPORT_STARTED[1]
+
+
+def imports_done(began: float) -> tuple[str, float]:
+    """`imports`: from `began` (imports_began) until now."""
+    return "imports", round(time.monotonic() - began, 3)

@@ -36,7 +36,7 @@ from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 from pool_worker.orphans import Adoption, abort_held
 from pool_worker.prefix_share import PrefixShare, PrefixSource
-from pool_worker.start_phases import before_start, imports_done
+from pool_worker.start_phases import before_start, imports_began, imports_done
 from prefill_pool.prefills import PrefillResult, Prefills
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class Worker:
         `schedule` and `process` phases; None: not reported)."""
         self.name = name
         self._phases = before_start(requested_at)  # seconds per start-up phase so far
+        self._imports_began = imports_began(requested_at)
         self.fleet = fleet  # the fingerprint of the fleet it belongs to (coordinator.backend.fleet); "": none
         self.role = role  # the role it started in ("prefill", "decode", "collocated", "mixed"), for WorkerInfo
         self._engine_config = engine_config
@@ -84,7 +85,7 @@ class Worker:
             address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
             self._agent_config = replace(self._agent_config, address=address)
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
-        self._phases.append(imports_done())
+        self._phases.append(imports_done(self._imports_began))
         tp = self._engine_config.tensor_parallel_size
         rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs

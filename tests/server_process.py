@@ -45,6 +45,17 @@ def worker_pids(server: LaunchedServer, role: str | None = None) -> list[int]:
     if role is not None:
         named = {w["pid"] for w in httpx.get(f"{server.url}/health", headers=OPERATOR, timeout=10).json()["workers"]
                  if w["role"] == role}
+    return [pid for pid in server_processes(server, "ray::Worker") if named is None or pid in named]
+
+
+def idle_ray_processes(server: LaunchedServer) -> list[int]:
+    """PIDs of this server's Ray worker processes that host nothing yet (`ray::IDLE`: started ahead,
+    coordinator.backend.warm_processes)."""
+    return server_processes(server, "ray::IDLE")
+
+
+def server_processes(server: LaunchedServer, marker: str) -> list[int]:
+    """PIDs of the server's descendants whose command line holds `marker`."""
     table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
     parent, args = {}, {}
     for line in table.splitlines():
@@ -57,8 +68,7 @@ def worker_pids(server: LaunchedServer, role: str | None = None) -> list[int]:
                 return True
             pid = parent.get(pid, 0)
         return False
-    return [pid for pid, cmd in args.items() if "ray::Worker" in cmd and descends(pid)
-            and (named is None or pid in named)]
+    return [pid for pid, cmd in args.items() if marker in cmd and descends(pid)]
 
 
 def frontend_pids(server_pid: int) -> dict[int, int]:

@@ -1,12 +1,13 @@
-"""Supervisor: a dead worker is marked once, its slot is refilled after a backoff that doubles with each recent
-restart, a failed start is retried, and past max_restarts the slot stays down instead of crash-looping. The pool
-here starts slots with a stand-in (no actors); the real replacement runs end to end in test_self_healing.py."""
+"""Supervisor: a dead worker is marked once, its slot is refilled at once the first time and then after a backoff that
+doubles with each recent restart, a failed start is retried, and past max_restarts the slot stays down instead of
+crash-looping. The pool here starts slots with a stand-in (no actors); the real replacement runs end to end in
+test_self_healing.py."""
 
 import asyncio
 
 from coordinator.admission.router import WorkerState
 from coordinator.backend.pools import Pools
-from coordinator.backend.supervisor import Supervisor
+from coordinator.backend.supervisor import Supervisor, restart_delay
 from coordinator.config.serve_config import RecoveryConfig, ServeConfig
 from engine.load import WorkerInfo
 
@@ -67,6 +68,24 @@ def test_a_dead_worker_is_replaced_in_its_slot_and_health_follows():
         assert phases["engine_s"] == 1.5 and phases["agent_s"] == 0.25 and phases["total_s"] >= phases["backoff_s"]
         assert sup.downtime_s()["decode"] > 0 and sup.downtime_s()["prefill"] == 0
     asyncio.run(run())
+
+
+def test_the_first_replacement_starts_at_once_then_the_backoff_doubles():
+    config = RecoveryConfig(backoff_initial_s=0.5, backoff_max_s=3.0)
+    assert [restart_delay(n, config) for n in range(6)] == [0.0, 0.5, 1.0, 2.0, 3.0, 3.0]
+    # through the supervisor: a backoff far past the test's patience, yet the first death is replaced
+    pools = _Slots()
+    sup = Supervisor(pools, RecoveryConfig(backoff_initial_s=3600.0, backoff_max_s=3600.0), lambda w, r: None,
+                     lambda w: None)
+    pools.decode = [WorkerState(_info("decode-0", "decode"), handle=None)]
+
+    async def run():
+        sup.worker_died(pools.decode[0], "killed")
+        while not pools.connected or pools.connected[-1] != "decode-0#1":
+            await asyncio.sleep(0.005)
+        await sup.shutdown()
+    asyncio.run(asyncio.wait_for(run(), 60))
+    assert pools.starts == [("decode", 0, 1)]
 
 
 def test_failed_starts_are_retried_with_doubling_backoff_until_the_limit():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,6 +33,8 @@ from coordinator.admission.router import WorkerState
 from coordinator.backend.adoption import adopt
 from coordinator.backend.fleet import actor_name, fingerprint, group_name, teardown
 from coordinator.backend.peer_links import peer_links, waves
+from coordinator.backend.ray_start import init_ray
+from coordinator.backend.warm_processes import WarmProcesses, bundle_node
 from coordinator.config.serve_config import PoolConfig, ServeConfig
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
@@ -65,6 +66,7 @@ class Pools:
         self.fleet = ""  # the fleet's fingerprint when it has a namespace (coordinator.backend.fleet)
         self.adopted = False  # start() took over a dead coordinator's workers
         self.keep_fleet = False  # shutdown() leaves the workers running (a crash: the next coordinator adopts them)
+        self.warm = WarmProcesses(config.recovery.warm_processes)  # processes started ahead for later worker starts
 
     @property
     def all_workers(self) -> list[WorkerState]:
@@ -108,6 +110,7 @@ class Pools:
                 self.decode = [w for w in workers if w.info.role != "prefill"]
                 for w in fresh:
                     await self.connect(w)
+                await self._warm_up_nodes()
                 return
             await teardown("starting a new fleet")  # what a crash between two starts may have left
         for role in self.pool_names:
@@ -123,6 +126,14 @@ class Pools:
         for wave in waves(self._links(started)):  # one direction of every pair, then the other
             await asyncio.gather(*[_connecting(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
                                                f"{a.name} to {b.name}") for a, b in wave])
+        await self._warm_up_nodes()
+
+    async def _warm_up_nodes(self) -> None:
+        """recovery.warm_processes worker processes started ahead on each node that holds a slot's bundle."""
+        bundles = [(self._groups[role], i) for role in self.pool_names if role in self._groups
+                   for i in range(self.pool(role).workers)]
+        nodes = {await asyncio.to_thread(bundle_node, group, i) for group, i in bundles}
+        await asyncio.gather(*[self.warm.top_up(node, self.warm.count) for node in nodes if node is not None])
 
     def _links(self, workers: list[WorkerState]) -> list[tuple[WorkerState, WorkerState]]:
         return peer_links(workers, self.config.mode, self.pushes, self.prefills_connect)
@@ -157,6 +168,10 @@ class Pools:
         except BaseException:
             ray.kill(handle, no_restart=True)
             raise
+        if dict(info.startup_s).get("schedule") == 0:  # it took a process started ahead: another replaces it
+            group, bundle = self.bundles.get(name or f"{role}-{index}", (role, index))
+            if group in self._groups:
+                await self.warm.top_up(await asyncio.to_thread(bundle_node, self._groups[group], bundle))
         return WorkerState(info, handle, incarnation=incarnation, load=load, role=current_role)
 
     async def connect(self, worker: WorkerState) -> None:
@@ -287,23 +302,6 @@ def worker_bundle(pool: PoolConfig) -> dict[str, float]:
     """What one worker of `pool` reserves on its node: CPUs, GPUs and the pool's custom resources."""
     gpus = pool.num_gpus * pool.tensor_parallel_size  # one actor drives every rank of its tensor-parallel group
     return {"CPU": pool.num_cpus} | ({"GPU": gpus} if gpus else {}) | pool.resources
-
-
-def init_ray(address: str | None, namespace: str | None = None) -> None:
-    """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
-    for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
-    env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
-    # a local Ray's workers inherit this process's environment; a runtime_env would add ~1 s to the start
-    runtime_env = {"env_vars": env} if env and address is not None else None
-    for attempt in (1, 2):
-        try:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env,
-                     namespace=namespace)
-            return
-        except Exception as e:  # Ray raises a bare Exception for this
-            if address is not None or attempt == 2 or "timed out during startup" not in str(e):
-                raise
-            ray.shutdown()
 
 
 def _threads(pool: PoolConfig) -> int:

@@ -3,8 +3,9 @@
 A worker is dead at the first sign: an actor error from any call to it (the backend reports it through
 `worker_died`) or a failed liveness probe (`probe()`, every second). Death is handled once per incarnation: the
 worker stops getting requests at once (the router only sees live workers), `on_dead` lets the backend move its
-requests elsewhere, and a replacement task for its slot starts. The replacement waits a backoff (doubling with
-each restart of that slot within `restart_window_s`), starts a new actor with the same config in the same
+requests elsewhere, and a replacement task for its slot starts. The replacement starts at once the first time,
+then after a backoff (restart_delay: doubling with each further restart of that slot within `restart_window_s`),
+starts a new actor with the same config in the same
 placement bundle, waits until it has loaded its model, wires it to its live peers (Pools.connect), puts it in its
 slot (in the role the slot had: adaptive roles outlive an incarnation) and calls `on_live`. A start that fails counts
 as a restart and is retried after the next backoff; past
@@ -208,9 +209,9 @@ class Supervisor:
                 self._on_gave_up()
                 return
             else:
-                delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** len(recent))
+                delay = restart_delay(len(recent), self.config)
                 recent.append(now)
-                if not self._spare_ready(role):  # a warm spare takes over at once
+                if delay > 0 and not self._spare_ready(role):  # a warm spare takes over at once
                     await asyncio.sleep(delay)
             dead.state = "restarting"
             incarnation += 1
@@ -276,6 +277,15 @@ class Supervisor:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def restart_delay(recent_restarts: int, config: RecoveryConfig) -> float:
+    """Seconds before a slot's next replacement, given its restarts within restart_window_s: none for the first (a
+    single death is no crash loop, and every second of it the pool runs short), then backoff_initial_s doubling up
+    to backoff_max_s."""
+    if recent_restarts == 0:
+        return 0.0
+    return min(config.backoff_max_s, config.backoff_initial_s * 2 ** (recent_restarts - 1))
 
 
 def _short(text: str, limit: int = 300) -> str:

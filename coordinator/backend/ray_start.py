@@ -1,0 +1,29 @@
+"""Joining or starting the Ray cluster the pools run on (`init_ray`), and what a Ray that pdserve starts is set up
+with (worker processes that import pdserve's worker modules ahead)."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+def init_ray(address: str | None, namespace: str | None = None) -> None:
+    """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
+    for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
+    env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
+    # a local Ray's workers inherit this process's environment; a runtime_env would add ~1 s to the start
+    runtime_env = {"env_vars": env} if env and address is not None else None
+    # a Ray started here: its worker processes import pdserve's worker modules ahead (pool_worker.preload), and it
+    # starts none ahead for its first driver (one per CPU: coordinator.backend.warm_processes starts what is used)
+    system = None if address is not None else {"preload_python_modules": ["pool_worker.preload"],
+                                               "prestart_worker_first_driver": False}
+    for attempt in (1, 2):
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env,
+                     namespace=namespace, _system_config=system)
+            return
+        except Exception as e:  # Ray raises a bare Exception for this
+            if address is not None or attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()

@@ -1,0 +1,74 @@
+"""Worker processes started ahead (coordinator.backend.warm_processes, `recovery.warm_processes`), on the real server
+(`pdserve serve`, local Ray, 1 prefill + 1 decode over UCX, the embedded `tiny` model): once the pools are up one
+idle Ray worker process waits on the node with pdserve's worker modules imported (pool_worker.preload); a killed
+worker's replacement takes exactly that process (its start has no `schedule` or `process` phase: the process was
+there before it was asked for), another one replaces it, and the server serves as before. With
+`recovery.warm_processes: 0` nothing waits and a replacement spawns its own process."""
+
+import time
+
+import httpx
+import pytest
+
+from tests.server_process import (
+    HALF_CPU,
+    OPERATOR,
+    idle_ray_processes,
+    poll,
+    running_server,
+    wait_for_health,
+)
+
+pytestmark = pytest.mark.timeout(400)
+DEADLINE_S = 120.0  # a generous bound for polled states on a loaded 2-core machine (never a measured duration)
+
+
+def _config(warm: int) -> dict:
+    return {"model": "tiny", "prefill": dict(HALF_CPU), "decode": dict(HALF_CPU), "transfer": {"backends": ["ucx"]},
+            "recovery": {"warm_processes": warm, "backoff_initial_s": 0.1}, "server": {"admin_api": True}}
+
+
+def _slot(url: str, name: str) -> dict:
+    workers = httpx.get(f"{url}/health", headers=OPERATOR, timeout=10).json()["workers"]
+    return next(w for w in workers if w["name"] == name)
+
+
+def _kill_and_wait(url: str, name: str, restarts: int) -> dict:
+    r = httpx.post(f"{url}/admin/workers/{name}/kill", headers=OPERATOR, timeout=30)
+    assert r.status_code == 200, r.text
+    slot = poll(lambda: (s := _slot(url, name))["state"] == "live" and s["restarts"] == restarts and s, DEADLINE_S)
+    assert slot, f"{name} was not replaced: {_slot(url, name)}"
+    wait_for_health(url, 200)
+    return slot
+
+
+def _one_idle(server) -> int:
+    """The one idle process the node keeps (polled: it starts after the pools are up, or after a start took it)."""
+    idle = poll(lambda: len(found := idle_ray_processes(server)) == 1 and found, DEADLINE_S)
+    assert idle, f"expected one idle worker process, found {idle_ray_processes(server)}"
+    return idle[0]
+
+
+def test_a_replacement_takes_the_process_started_ahead_and_another_replaces_it(tmp_path):
+    with running_server(tmp_path, _config(1)) as server:
+        url = server.url
+        for name in ("decode-0", "prefill-0"):
+            ready = _one_idle(server)
+            slot = _kill_and_wait(url, name, 1)
+            recovery = slot["last_recovery_s"]
+            assert slot["pid"] == ready, (slot, ready)
+            assert recovery["schedule_s"] == 0.0 and recovery["process_s"] == 0.0, recovery
+        _one_idle(server)  # replaced again, and only one
+        time.sleep(1.0)
+        assert len(idle_ray_processes(server)) == 1
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+
+
+def test_without_warm_processes_a_replacement_spawns_its_own(tmp_path):
+    with running_server(tmp_path, _config(0)) as server:
+        assert idle_ray_processes(server) == []
+        slot = _kill_and_wait(server.url, "decode-0", 1)
+        assert slot["last_recovery_s"]["schedule_s"] > 0.0, slot
+        assert idle_ray_processes(server) == []
