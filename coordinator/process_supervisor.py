@@ -116,6 +116,8 @@ class ProcessSupervisor:
         try:
             local = self.config.ray_address is None
             init_ray(self.config.ray_address, self.namespace)
+            if local:
+                self._prestart_first_workers()
             for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
                 signal.signal(sig, self._on_signal)
             import ray
@@ -131,6 +133,17 @@ class ProcessSupervisor:
         finally:
             path.unlink(missing_ok=True)  # ours while we hold its lock
             held.close()
+
+    def _prestart_first_workers(self) -> None:
+        """The Ray started here hosts every worker: start one process per first worker now, importing pdserve's
+        worker modules (pool_worker.preload) while the coordinator starts (coordinator.backend.warm_processes)."""
+        import ray
+
+        from coordinator.backend.warm_processes import WarmProcesses
+        if self.config.recovery.warm_processes == 0:
+            return
+        first = sum(getattr(self.config, pool).workers for pool in self.config.pool_names)
+        WarmProcesses(first, any_job=True).prestart(ray.get_runtime_context().get_node_id(), first)
 
     def _write_child_config(self, state: Path, address: str) -> None:
         """The configuration every coordinator of this server runs with (coordinator.cli's `_coordinator` reads it):

@@ -117,8 +117,8 @@ class Pools:
             self._groups[role] = self._group(self.pool(role), role)
         await self._placed()
         slots = [(role, i) for role in self.pool_names for i in range(self.pool(role).workers)]
-        started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i) for role, i in slots]),
-                                         START_TIMEOUT_S)
+        started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i, replace_process=False)
+                                                          for role, i in slots]), START_TIMEOUT_S)
         for w in started:  # start-up time per phase, the operator's first question about a slow start
             log.warning("worker %s ready: %s", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
         self.prefill = [w for w in started if w.info.role == "prefill"]
@@ -156,11 +156,12 @@ class Pools:
                 and cfg.decode.tensor_parallel_size == 1)
 
     async def start_slot(self, role: str, index: int, incarnation: int = 0, current_role: str = "",
-                         name: str | None = None) -> WorkerState:
+                         name: str | None = None, replace_process: bool = True) -> WorkerState:
         """Create slot `index` of `role`'s pool in its bundle and wait until it has loaded the model; it takes
         `current_role` (adaptive: the role its slot had; "": its pool's). `name`: an actor of `role`'s config under
         another name (a warm spare), in the bundle `bundles` gives it. On any failure the new actor is killed,
-        so a failed start leaves nothing behind."""
+        so a failed start leaves nothing behind. A worker that took a process started ahead has another started
+        in its place (`replace_process`; not for the first workers: start() then tops every node up at once)."""
         handle = self._actor(role, index, incarnation, name)
         try:
             info = await handle.start.remote()
@@ -168,7 +169,7 @@ class Pools:
         except BaseException:
             ray.kill(handle, no_restart=True)
             raise
-        if dict(info.startup_s).get("schedule") == 0:  # it took a process started ahead: another replaces it
+        if replace_process and dict(info.startup_s).get("schedule") == 0:  # it took a process started ahead
             group, bundle = self.bundles.get(name or f"{role}-{index}", (role, index))
             if group in self._groups:
                 await self.warm.top_up(await asyncio.to_thread(bundle_node, self._groups[group], bundle))
