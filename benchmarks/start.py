@@ -12,8 +12,9 @@ docs/benchmarks.md's "Start-up" rows and its "Worker start, CPU (issue 45 part 1
   both checkouts alike); then `--streams` greedy streams run (a chunk per token) and one `json_schema` chat request
   is sent: its latency, and the longest gap between two chunks of the other streams while it ran (the pause its
   grammar's set-up inflicts on them; `gap_before_s`, the longest gap before it was sent, is the same streams'
-  ordinary jitter); then `--kill` is SIGKILLed (POST /admin/workers/NAME/kill) and timed until /health shows the
-  slot replaced, live, 200, with its start-up phases as /health reports them (where the checkout reports them).
+  ordinary jitter); then, `--settle-s` later, `--kill` is SIGKILLed (POST /admin/workers/NAME/kill) and timed until
+  /health shows the slot replaced, live, 200, with its start-up phases as /health reports them (where the checkout
+  reports them).
   Prints every server's figures and, per measure, the means and their ratio (this / other). The other checkout
   runs with its own directory first on PYTHONPATH (its coordinator and workers import its code).
 - `engine`: cold vs warm engine, the same workload run twice on one fresh LLMEngine, with Triton compilations
@@ -76,7 +77,7 @@ from pathlib import Path
 from tests.server_process import OPERATOR, running_server
 
 config = yaml.safe_load(Path(sys.argv[1]).read_text())
-half, streams, kill = sys.argv[2] == "half", int(sys.argv[3]), sys.argv[4]
+half, streams, kill, settle_s = sys.argv[2] == "half", int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 if half:
     for pool in ("prefill", "decode"):
         config.setdefault(pool, {})["num_cpus"] = 0.5
@@ -138,6 +139,7 @@ with tempfile.TemporaryDirectory() as tmp:
     with running_server(Path(tmp), config) as server:
         start_s = time.perf_counter() - t
         structured_s, stall_s, gap_before_s = asyncio.run(structured(server.url))
+        time.sleep(settle_s)
         replace_s, recovery, phases = asyncio.run(replacement(server.url))
     print(json.dumps({"start_s": start_s, "structured_s": structured_s, "stall_s": stall_s,
                       "gap_before_s": gap_before_s, "replace_s": replace_s,
@@ -146,11 +148,12 @@ with tempfile.TemporaryDirectory() as tmp:
 MEASURES = ("start_s", "structured_s", "stall_s", "gap_before_s", "replace_s")
 
 
-def one_server(checkout: Path, config: Path, half: bool, cache: Path, streams: int, kill: str) -> dict:
+def one_server(checkout: Path, config: Path, half: bool, cache: Path, streams: int, kill: str, settle_s: float
+               ) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]),
            "PDSERVE_CACHE": str(cache)}
     out = subprocess.run([sys.executable, "-c", ONE_SERVER, str(config), "half" if half else "as-is", str(streams),
-                          kill], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+                          kill, str(settle_s)], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"a server in {checkout} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -163,7 +166,7 @@ def server_mode(args: argparse.Namespace) -> None:
             with tempfile.TemporaryDirectory(prefix="pdserve-cache-") as cache:
                 for start in ("first", "second"):
                     row = one_server(checkout, args.config.resolve(), not args.as_is, Path(cache), args.streams,
-                                     args.kill)
+                                     args.kill, args.settle_s)
                     runs[side][start].append(row)
                     print(json.dumps({"checkout": side, "start": start,
                                       **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}}),
@@ -320,6 +323,9 @@ def main() -> None:
     p.add_argument("--as-is", action="store_true", help="keep the config's num_cpus (default: half a CPU each)")
     p.add_argument("--streams", type=int, default=4, help="streams running while the structured request is served")
     p.add_argument("--kill", default="decode-0", help="the worker to kill and time until replaced")
+    p.add_argument("--settle-s", type=float, default=10.0, help="wait after the structured request before the "
+                   "kill (a server up for a while: what it starts after /health 200, e.g. processes started ahead, "
+                   "is ready)")
     p.set_defaults(run=server_mode)
     p = commands.add_parser("engine", help="cold vs warm engine: one workload twice, Triton compilations counted")
     p.add_argument("--model", default="tiny")

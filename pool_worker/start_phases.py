@@ -6,6 +6,8 @@ The phases, in order, in seconds (WorkerInfo.startup_s; /health's `start_phases_
   handed over a worker process it had started ahead: coordinator.backend.warm_processes);
 - `process`: from then until the worker's code began to import (the interpreter and Ray's worker bootstrap; 0 in a
   process that imported it ahead, pool_worker.preload);
+- `handover`, only in a process started ahead: from the request until the actor began in it (Ray's handover, and
+  the wait for the process's own start and preload where the request came before they were done);
 - `imports`: the worker's code and what its start needs (torch, the engine, the transfer agents); in a process that
   imported them ahead, only what was left;
 - `engine_<phase>`: the engine's own (engine.llm_engine: config, weights, kv_cache, cuda_graphs, prefill_graphs,
@@ -44,8 +46,11 @@ def before_start(requested_at: float | None) -> list[tuple[str, float]]:
     if requested_at is None or created is None:
         return []
     began = max(created, requested_at)  # a process started ahead was idle until the request
-    return [("schedule", round(max(0.0, created - requested_at), 3)),
-            ("process", round(max(0.0, IMPORT_STARTED[0] - began), 3))]
+    phases = [("schedule", round(max(0.0, created - requested_at), 3)),
+              ("process", round(max(0.0, IMPORT_STARTED[0] - began), 3))]
+    if created < requested_at:
+        phases.append(("handover", round(max(0.0, time.time() - requested_at), 3)))
+    return phases
 
 
 def imports_began(requested_at: float | None) -> float:
