@@ -8,9 +8,20 @@ configs/cluster.yaml), and coordinator.backend.warm_processes keeps such process
 Nothing here may start CUDA: the process learns its GPUs (CUDA_VISIBLE_DEVICES) only when Ray gives it an actor.
 """
 
-import torch  # noqa: F401
+import gc
+
+import torch
 
 import engine.llm_engine  # noqa: F401
 import kvtransfer.worker_agents  # noqa: F401
 import kvtransfer.worker_setup  # noqa: F401
 import pool_worker.worker  # noqa: F401
+
+# torch imports sympy (its symbolic shapes) on the first Module.to_empty, which the engine's weight load makes: ~0.2 s
+# of a start on the CPU machine, paid here instead (a meta module made real on the CPU: no device is touched)
+torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+
+# what this process holds now stays (the worker freezes its start-up objects too: engine.gc_pauses); frozen here,
+# its own collection at start walks only what the start made
+gc.collect()
+gc.freeze()
