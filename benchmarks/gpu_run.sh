@@ -18,6 +18,8 @@
 #   each launch configuration and split count (benchmarks/fp8_gpu.py attention; ATTN_ARGS=--cases ...).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
 #   (benchmarks/recovery.py kill).
+# recovery1 (1 GPU, issue 45): the same with both workers sharing GPU 0 (num_gpus 0.5, 8 GiB of KV each), decode-0
+#   then prefill-0 killed: the replacement's time to /health 200 and its phases (warm processes on: the default).
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
 #   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2): benchmarks/tp_gpu.py.
@@ -43,6 +45,8 @@
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2
 #   (benchmarks/start.py serving).
+# coldstart1 (1 GPU, issue 45): the 8B shape (dummy weights) collocated on GPU 0: `pdserve serve` to /health 200 and
+#   the first windows' goodput, with each worker's start phases (benchmarks/start.py serving).
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why
 #   (benchmarks/engine_host.py drift).
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step
@@ -138,6 +142,12 @@ for step in "$@"; do
       timeout 420 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --workdir "$OUT/recovery" --recovery-timeout-s 150 --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery.log" \
         | grep -v "^(" | tail -30 ;;
+    recovery1)
+      [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
+      timeout 420 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
+        --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set prefill.kv_cache_memory_bytes=8589934592 \
+        --set decode.kv_cache_memory_bytes=8589934592 --workdir "$OUT/recovery1" --recovery-timeout-s 150 \
+        --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery1.log" | grep -v "^(" | tail -30 ;;
     tenants)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
@@ -191,6 +201,11 @@ for step in "$@"; do
         --model /tmp/l8bd --rate 4 --layout "1P+1D:load_format=dummy" \
         --layout "collocated x2:mode=collocated,decode.workers=2,load_format=dummy" 2>&1 \
         | tee "$OUT/coldstart.log" | grep -v "^(" | tail -20 ;;
+    coldstart1)
+      [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
+      timeout ${COLD_TIMEOUT:-300} python3 benchmarks/start.py serving configs/gpu-1p1d-llama3-8b.yaml \
+        --model /tmp/l8bd --rate 4 --layout "collocated:mode=collocated,decode.workers=1,load_format=dummy" 2>&1 \
+        | tee "$OUT/coldstart1.log" | grep -v "^(" | tail -20 ;;
     overhead)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
