@@ -3,9 +3,13 @@
 idle Ray worker process waits on the node with pdserve's worker modules imported (pool_worker.preload); a killed
 worker's replacement takes exactly that process (its start has no `schedule` or `process` phase: the process was
 there before it was asked for), another one replaces it, and the server serves as before. With
-`recovery.warm_processes: 0` nothing waits and a replacement spawns its own process."""
+`recovery.warm_processes: 0` nothing waits and a replacement spawns its own process. Where it cannot help (the RPC
+fails, a job with a runtime_env), the keeper says so and never fails a start."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +24,7 @@ from tests.server_process import (
 )
 
 pytestmark = pytest.mark.timeout(400)
+ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 120.0  # a generous bound for polled states on a loaded 2-core machine (never a measured duration)
 
 
@@ -72,3 +77,32 @@ def test_without_warm_processes_a_replacement_spawns_its_own(tmp_path):
         slot = _kill_and_wait(server.url, "decode-0", 1)
         assert slot["last_recovery_s"]["schedule_s"] > 0.0, slot
         assert idle_ray_processes(server) == []
+
+
+KEEPER_CHECKS = """
+import logging, sys
+import ray
+from coordinator.backend.warm_processes import WarmProcesses
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+ray.init(num_cpus=1, include_dashboard=False, runtime_env=eval(sys.argv[1]) or None)
+keeper = WarmProcesses(1)
+keeper.prestart("ff" * 28, 1)  # a node id no raylet has
+print("RESULT", keeper.available, repr(keeper.unavailable), keeper.requested)
+ray.shutdown()
+"""
+
+
+@pytest.mark.parametrize("runtime_env", ["{}", "{'env_vars': {'PDSERVE_PROBE': '1'}}"])
+def test_the_keeper_never_fails_a_start_and_says_why_it_cannot_help(runtime_env):
+    """An unknown node (the RPC cannot be sent) is logged, never raised; a job with a runtime_env is refused at once
+    with the reason (Ray would never hand its actors a process started without that runtime_env)."""
+    out = subprocess.run([sys.executable, "-c", KEEPER_CHECKS, runtime_env], capture_output=True, text=True,
+                         timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    if runtime_env == "{}":
+        assert result == "RESULT True '' {}", out.stdout
+        assert "could not start 1 worker process(es) ahead on node" in out.stdout, out.stdout
+    else:
+        assert result.startswith("RESULT False \"the job has a runtime_env (['env_vars'])"), out.stdout
+        assert "no warm worker processes: the job has a runtime_env" in out.stdout, out.stdout
