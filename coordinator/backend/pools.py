@@ -130,10 +130,12 @@ class Pools:
 
     async def _warm_up_nodes(self) -> None:
         """recovery.warm_processes worker processes started ahead on each node that holds a slot's bundle."""
-        bundles = [(self._groups[role], i) for role in self.pool_names if role in self._groups
-                   for i in range(self.pool(role).workers)]
-        nodes = {await asyncio.to_thread(bundle_node, group, i) for group, i in bundles}
+        nodes = {await self._bundle_node(role, i) for role in self.pool_names for i in range(self.pool(role).workers)}
         await asyncio.gather(*[self.warm.top_up(node, self.warm.count) for node in nodes if node is not None])
+
+    async def _bundle_node(self, group: str, bundle: int) -> str | None:
+        """The node that holds bundle `bundle` of placement group `group` (None: no such group, or unplaced)."""
+        return await asyncio.to_thread(bundle_node, self._groups[group], bundle) if group in self._groups else None
 
     def _links(self, workers: list[WorkerState]) -> list[tuple[WorkerState, WorkerState]]:
         return peer_links(workers, self.config.mode, self.pushes, self.prefills_connect)
@@ -170,9 +172,7 @@ class Pools:
             ray.kill(handle, no_restart=True)
             raise
         if replace_process and dict(info.startup_s).get("schedule") == 0:  # it took a process started ahead
-            group, bundle = self.bundles.get(name or f"{role}-{index}", (role, index))
-            if group in self._groups:
-                await self.warm.top_up(await asyncio.to_thread(bundle_node, self._groups[group], bundle))
+            await self.warm.top_up(await self._bundle_node(*self.bundles.get(name or f"{role}-{index}", (role, index))))
         return WorkerState(info, handle, incarnation=incarnation, load=load, role=current_role)
 
     async def connect(self, worker: WorkerState) -> None:

@@ -37,7 +37,7 @@ class WarmProcesses:
         processes this way, before its coordinator, a job of its own, exists)."""
         self.count = count
         self._any_job = any_job
-        self.requested: dict[str, int] = {}  # node id -> processes asked for (for /health and tests)
+        self.requested: dict[str, int] = {}  # node id -> processes asked for (what was sent)
         self._stubs: dict[str, Any] = {}
         self._job: bytes | None = None
         self.unavailable = "" if count > 0 else "recovery.warm_processes is 0"

@@ -251,8 +251,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
     dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` (BLOCK_N, num_warps,
-    num_stages) overrides _launch_config (benchmarks time several); so does `fp8_dot` (an fp8 cache's FP8_DOT mode,
-    0-2) DEFAULT_FP8_DOT."""
+    num_stages) overrides _launch_config and `fp8_dot` (0-2; 1 and 2 for an fp8 cache only) DEFAULT_FP8_DOT
+    (benchmarks time several)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
