@@ -5,7 +5,9 @@ the calls queued by `call(fn)` / `submit(fn)` (in the order queued), whose resul
 futures, and those that `post(fn)` queues from any thread (no result: fn reports its own errors). Every step's
 outputs go to `on_outputs(outputs, load)` on the event loop, with the engine's load taken right after that step (and
 first, where given, to `step_hook(outputs, load)` on the engine thread: work that must not wait for the event loop;
-it may keep some outputs from the loop, which is then not woken for a step with none left). The event loop is never
+it may keep some outputs from the loop, which is then not woken for a step with none left). Between steps, and
+first whenever it would idle, the thread also captures the CUDA graphs left for after start
+(LLMEngine.capture_deferred_graph). The event loop is never
 on the stepping path: a step does not wait for it to run a callback, so serving RPCs and shipping outputs overlap
 the next step instead of delaying it. A failing step fails the thread: `run()` raises and every pending call gets
 the error, so owners notice instead of hanging.
@@ -123,8 +125,11 @@ class AsyncEngine:
                             outputs = outputs if left is None else left
                         if outputs:
                             self._post(self._deliver, outputs, load, time.monotonic())
+                    self.engine.capture_deferred_graph(busy=True)  # now and then: a graph left for after start
                     if self.engine.has_unfinished() and (outputs or self._progress() != before):
                         continue
+                if self.engine.capture_deferred_graph(busy=False):  # idle: the graphs left for after start first
+                    continue
                 self._idle()  # nothing to do, or nothing that can run until a call (or a lease's end) frees room
         except BaseException as e:  # handed to run(), which raises it on the event loop
             error = e

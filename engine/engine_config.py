@@ -11,6 +11,7 @@ KERNELS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 TP_ALL_REDUCES = ("auto", "nccl", "one_shot")
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # engine.core.swap_space
+GRAPH_CAPTURES = ("start", "deferred")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class EngineConfig:
     # max_num_batched_tokens) replay piecewise graphs around eager attention (engine.runner.mixed_graphs; 0: none;
     # under tensor parallelism the pieces hold the all-reduces)
     mixed_graph_tokens: int = 2048
+    # when the graphs are captured: "start" all of them before the engine is ready; "deferred" only the decode
+    # buckets up to 8 rows, the rest once serving (a larger decode bucket when a step first needs it, the others
+    # between steps: engine.runner.deferred_graphs), so the engine is ready seconds sooner. "deferred" needs
+    # tensor_parallel_size 1 (every rank must capture alike); a pool's "auto" picks it there (PoolConfig)
+    graph_capture: str = "start"
     # queue step N+1 before reading step N's tokens (see LLMEngine); None: on a CUDA engine, off on the CPU, where a
     # step computes inside its launch and overlap would only hand each step's tokens out one step later
     async_scheduling: bool | None = None
@@ -92,6 +98,9 @@ class EngineConfig:
             ("mixed_graph_tokens", isinstance(self.mixed_graph_tokens, int)
              and not isinstance(self.mixed_graph_tokens, bool) and self.mixed_graph_tokens >= 0,
              "must be an integer >= 0"),
+            ("graph_capture", self.graph_capture in GRAPH_CAPTURES and (
+                self.graph_capture != "deferred" or self.tensor_parallel_size == 1),
+             f"must be one of {GRAPH_CAPTURES} ('deferred' needs tensor_parallel_size 1)"),
             ("head_bypass_steps", isinstance(self.head_bypass_steps, int)
              and not isinstance(self.head_bypass_steps, bool) and self.head_bypass_steps >= 0,
              "must be an integer >= 0"),

@@ -69,6 +69,9 @@ class EngineReport:
             fetched_blocks_total=self.num_fetched_blocks,
             iteration_tokens_total=s.iteration_tokens.total, iteration_token_counts=tuple(s.iteration_tokens.counts),
             grammar_load_s=self.grammar_loader.seconds if self.grammar_loader is not None else 0.0,
+            graphs_pending=self.deferred_graphs.left if self.deferred_graphs else 0,
+            graph_capture_s=self.deferred_graphs.seconds if self.deferred_graphs and not self.deferred_graphs.left
+            else 0.0,
             taken_at_s=time.monotonic(), **self._budget_figures(), **self._swap_figures(), **self._tier_figures())
 
     def _budget_figures(self) -> dict[str, float]:

@@ -54,6 +54,7 @@ class LLM:
             for rid, prompt, p in zip(ids, encoded, params, strict=True):
                 self.engine.add_request(rid, prompt, p)
             while self.engine.has_unfinished():
+                self.engine.capture_deferred_graph(busy=True)  # graph_capture "deferred": now and then, one
                 for out in self.engine.step():
                     tokens[out.request_id] += out.new_token_ids
                     logprobs[out.request_id] += out.new_logprobs

@@ -55,6 +55,7 @@ from engine.load import PhaseClock
 from engine.model.model_config import ModelConfig
 from engine.model.tp_layout import TPLayout
 from engine.prefix_exchange import PrefixExchange
+from engine.runner.deferred_graphs import DeferredGraphs
 from engine.runner.kv_cache import cache_spec
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import build_rank
@@ -142,6 +143,10 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             self.runner = TPModelRunner(self.model, self.kv_cache, config.block_size, sampler, rank.graphs,
                                         rank.prefill_graphs, rank.mixed_graphs, followers=self.followers)
         self.lane = self._prefill_lane(config)  # prompts beside the decode steps (sm_split_decode_sms; None: off)
+        # graphs left for after start (graph_capture "deferred"; None: none), captured between steps
+        self.deferred_graphs = DeferredGraphs([
+            self.runner.graphs, self.lane and self.lane.graphs, self.runner.prefill_graphs,
+            self.runner.mixed_graphs]) if self.followers is None and rank.graphs is not None else None
         self._reserved: set[str] = set()
         self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks
         self.num_handoff_hit_blocks = 0  # blocks of requests started by add_prefilled_request the prefix cache held
@@ -287,6 +292,12 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
 
     def _params(self, sched: SchedulerOutput) -> dict[str, SamplingParams]:
         return {c.request_id: self.scheduler.requests[c.request_id].params for c in sched.chunks}
+
+    def capture_deferred_graph(self, busy: bool) -> bool:
+        """Between two steps: capture one of the graphs left for after start, if any are left and, when `busy`
+        (requests are running), the last capture was long enough ago (engine.runner.deferred_graphs). Returns
+        whether it captured one."""
+        return self.deferred_graphs is not None and self.deferred_graphs.capture_one(busy)
 
     def has_unfinished(self) -> bool:
         """Requests wait or run. A step in flight whose requests all ended since is left to the next step() to

@@ -85,6 +85,10 @@ class EngineLoad:
     # seconds the structured-output tables took to build on their own thread after the worker became routable (a
     # start-up phase that runs in the background: engine.sampling.grammar_loader); 0 until built, or never started
     grammar_load_s: float = 0.0
+    # CUDA graphs left for after start (EngineConfig.graph_capture "deferred"; engine.runner.deferred_graphs): buckets
+    # still to capture, and the seconds their captures took between steps once none is left (0 until then)
+    graphs_pending: int = 0
+    graph_capture_s: float = 0.0
     # when the report was taken, on the reporting process's monotonic clock (0: unknown): a rate between two reports
     # of one worker divides by this difference, not by when a reader happened to receive them (not compared: two
     # reports of the same state are equal whenever they were taken)

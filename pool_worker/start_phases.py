@@ -13,7 +13,8 @@ The phases, in order, in seconds (WorkerInfo.startup_s; /health's `start_phases_
 - `engine_<phase>`: the engine's own (engine.llm_engine: config, weights, kv_cache, cuda_graphs, prefill_graphs,
   mixed_graphs, warmup);
 - `agent`: the transfer agents and the rest of start(), until the worker can be routed to;
-then, once it is routable, in the background: `grammar` (the structured-output tables: EngineLoad.grammar_load_s).
+then, once it is routable, in the background: `grammar` (the structured-output tables: EngineLoad.grammar_load_s)
+and `graphs` (the CUDA graphs left for after start, captured between steps: EngineLoad.graph_capture_s).
 Within the process each phase is a difference of time.monotonic(); the first two begin in another process, so they
 compare wall clocks (the coordinator's and this host's: across hosts, as right as the clocks agree).
 """

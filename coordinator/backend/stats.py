@@ -69,10 +69,13 @@ def backend_stats(backend: Any) -> dict:
 
 def start_phases(worker: Any) -> dict[str, float]:
     """Seconds per phase of the worker's start (pool_worker.start_phases), in order: those it reported when it
-    started, then `grammar` once its background build has ended (from its load reports)."""
+    started, then `grammar` and `graphs` once their background work has ended (from its load reports: the
+    structured-output tables, the CUDA graphs captured while serving)."""
     phases = dict(worker.info.startup_s)
     if worker.load is not None and worker.load.grammar_load_s:
         phases["grammar"] = round(worker.load.grammar_load_s, 3)
+    if worker.load is not None and worker.load.graph_capture_s:
+        phases["graphs"] = round(worker.load.graph_capture_s, 3)
     return phases
 
 

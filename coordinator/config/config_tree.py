@@ -80,6 +80,6 @@ class ServeConfig:
             gpu_memory_utilization=pool.gpu_memory_utilization, pin_lease_s=self.transfer.pin_lease_s, seed=seed,
             kernels=pool.kernels, cuda_graphs=pool.cuda_graphs, async_scheduling=pool.async_scheduling,
             prefill_graph_tokens=pool.prefill_graph_tokens, mixed_graph_tokens=pool.mixed_graph_tokens,
-            warmup=pool.warmup, sm_split_decode_sms=pool.sm_split_decode_sms,
+            warmup=pool.warmup, graph_capture=pool.engine_graph_capture, sm_split_decode_sms=pool.sm_split_decode_sms,
             tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format,
             decode_step_target_s=self.slo.decode_step_target_s if self.adaptive and self.slo else None)

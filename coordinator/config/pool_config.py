@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from coordinator.config.scaling_config import MAX_POOL_WORKERS
 
+GRAPH_CAPTURES = ("auto", "start", "deferred")  # EngineConfig.graph_capture, or "auto" (PoolConfig.graph_capture)
+
 
 @dataclass(frozen=True)
 class PoolConfig:
@@ -41,6 +43,9 @@ class PoolConfig:
     prefill_graph_tokens: int = 512  # with cuda_graphs: prefill-only steps up to this many tokens replay graphs too
     mixed_graph_tokens: int = 2048   # with cuda_graphs: steps with prompt chunks up to this many tokens, piecewise
     warmup: bool = True            # compile every Triton kernel variant before the worker reports ready (GPU)
+    # "auto": "deferred" at tensor_parallel_size 1 (the first decode graphs at start, the rest while serving: a worker
+    # ready seconds sooner), else "start" (EngineConfig.graph_capture)
+    graph_capture: str = "auto"
     # > 0: prompts run beside the decode steps on the GPU's other SMs, the decode steps on this many (issue 43;
     # EngineConfig.sm_split_decode_sms); 0: chunked prefill only
     sm_split_decode_sms: int = 0
@@ -57,9 +62,20 @@ class PoolConfig:
         if self.max_workers is not None and not self.workers <= self.max_workers <= MAX_POOL_WORKERS:
             raise ValueError(f"max_workers must be in [workers ({self.workers}), {MAX_POOL_WORKERS}], got "
                              f"{self.max_workers}")
+        if self.graph_capture not in GRAPH_CAPTURES or (self.graph_capture == "deferred"
+                                                        and self.tensor_parallel_size > 1):
+            raise ValueError(f"graph_capture must be one of {GRAPH_CAPTURES} ('deferred' needs tensor_parallel_size "
+                             f"1), got {self.graph_capture!r}")
         if self.tensor_parallel_size > 1 and self.num_gpus and self.num_gpus != int(self.num_gpus):
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs whole GPUs per rank "
                              f"(num_gpus), got {self.num_gpus}")
+
+    @property
+    def engine_graph_capture(self) -> str:
+        """EngineConfig.graph_capture for this pool's engines ("auto" resolved)."""
+        if self.graph_capture != "auto":
+            return self.graph_capture
+        return "deferred" if self.tensor_parallel_size == 1 else "start"
 
     @property
     def fewest(self) -> int:

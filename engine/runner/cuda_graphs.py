@@ -1,19 +1,27 @@
 """DecodeGraphs: CUDA graphs of the decode step (model forward + logits), one per batch-size bucket.
 
 A decode step of a large model is hundreds of small kernels; launched one by one from Python the GPU idles between
-them. Each bucket's graph is captured once, at start, over static input buffers; a step copies its inputs into
-the first rows of those buffers, pads the rest (context length 0 and slot -1: the kernels then neither attend nor
-store) and replays the smallest bucket that fits. Owns the static buffers and the graphs; the KV cache is the
-engine's. Launch parameters of every kernel depend on shapes only, so a graph stays valid for any contents.
+them. Each bucket's graph is captured once over static input buffers; a step copies its inputs into the first rows
+of those buffers, pads the rest (context length 0 and slot -1: the kernels then neither attend nor store) and
+replays the smallest bucket that fits. Owns the static buffers and the graphs; the KV cache is the engine's. Launch
+parameters of every kernel depend on shapes only, so a graph stays valid for any contents.
+With `first_buckets` set (EngineConfig.graph_capture "deferred"), only the buckets up to it are captured at start;
+a larger one is captured the first time a step needs it (`ensure`), or earlier between steps (`capture_pending`,
+engine.runner.deferred_graphs). Before such a capture every row is made padding again: the capture's warm-up run
+reads the static buffers, which by then hold live slots.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM
-from engine.runner.graph_capture import capture_graph
+from engine.runner.graph_capture import DeferredCaptures, capture_graph
+
+log = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -24,9 +32,10 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int,
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, first_buckets: int | None = None) -> None:
         """`stream`: capture there (engine.runner.graph_capture); the replays then belong there too (the decode
-        lane's: engine.runner.prefill_lane.launch_decode makes it current)."""
+        lane's: engine.runner.prefill_lane.launch_decode makes it current). `first_buckets`: capture only the
+        buckets up to this batch size now, the others later (None: all now)."""
         dev = kv_cache.device
         self.stream = stream
         self.model, self.kv_cache, self.max_batch = model, kv_cache, max_batch
@@ -39,10 +48,30 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
-        self._capture()
+        now = [b for b in self.buckets if first_buckets is None or b <= first_buckets]
+        self.deferred = DeferredCaptures([b for b in self.buckets if b not in now])  # smallest first
+        self._capture(now)
 
     def bucket_for(self, batch: int) -> int | None:
-        return next((b for b in self.buckets if b >= batch), None)
+        """The bucket a step of `batch` rows replays (captured or still pending; None: above them all)."""
+        return next((b for b in self.buckets if b >= batch and b not in self.deferred.failed), None)
+
+    def ensure(self, batch: int) -> bool:
+        """Whether a step of `batch` rows can replay a graph, capturing its bucket now if it is still pending."""
+        bucket = self.bucket_for(batch)
+        while bucket is not None and bucket not in self.graphs:
+            if self.deferred.take(bucket) is not None and self._capture_later(bucket):
+                return True
+            bucket = self.bucket_for(batch)  # the next larger one where this one failed
+        return bucket is not None
+
+    def capture_pending(self) -> bool:
+        """Capture the next pending bucket (between two steps); False when none is left."""
+        bucket = self.deferred.take()
+        if bucket is None:
+            return False
+        self._capture_later(bucket)
+        return True
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -50,6 +79,8 @@ class DecodeGraphs:
         replay). input_ids, positions [B] and meta are the step's device tensors."""
         b = input_ids.shape[0]
         bucket = self.bucket_for(b)
+        if bucket not in self.graphs:
+            raise ValueError(f"no decode graph holds a step of {b} rows yet (call ensure first)")
         width = meta.decode_block_tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a decode row has {width} blocks; the graphs were captured for at most "
@@ -78,14 +109,31 @@ class DecodeGraphs:
             decode_semaphores=self.semaphores[:b])
 
     @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-            meta = self._meta(b)
-
-            def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
-                hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
-                return self.model.compute_logits(hidden)  # [b, vocab]
-
-            self.graphs[b] = capture_graph(step, pool, self.stream)  # (graph, logits)
+    def _capture(self, buckets: list[int]) -> None:
+        for b in sorted(buckets, reverse=True):  # largest first: smaller ones reuse its memory
+            self._capture_one(b)
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _capture_later(self, b: int) -> bool:
+        """Capture bucket b while serving: every row made padding first (on the replays' stream, after the steps
+        queued there); a capture that fails leaves b to eager steps for good (logged)."""
+        with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
+            self.slots.fill_(-1)
+            self.context_lens.zero_()
+        try:
+            self._capture_one(b)
+        except (torch.cuda.OutOfMemoryError, RuntimeError):
+            self.deferred.failed.add(b)
+            log.warning("decode graph of %d rows: capture failed; such steps run eagerly", b, exc_info=True)
+            return False
+        return True
+
+    def _capture_one(self, b: int) -> None:
+        meta = self._meta(b)
+
+        def step() -> torch.Tensor:
+            hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
+            return self.model.compute_logits(hidden)  # [b, vocab]
+
+        self.graphs[b] = capture_graph(step, self.deferred.memory_pool(), self.stream)  # (graph, logits)

@@ -1,13 +1,21 @@
-"""capture_graph: the one way this engine captures a CUDA graph (decode, prefill and mixed-step graphs alike)."""
+"""capture_graph: the one way this engine captures a CUDA graph (decode, prefill and mixed-step graphs alike);
+DeferredCaptures: which of a graph set's buckets are captured at start and which wait for later.
+
+Captures made after the engine is serving (engine.runner.deferred_graphs) run between two steps on the engine
+thread, while other threads (the KV agents) keep using the GPU: so a capture is thread-local (another thread's CUDA
+calls neither break it nor are refused), and it neither synchronizes the device nor empties the allocator's caches
+(torch.cuda.graph does both, and would drop the pinned host buffers the engine re-uses).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import torch
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 def capture_graph(fn: Callable[[], T], pool: tuple,
@@ -15,13 +23,41 @@ def capture_graph(fn: Callable[[], T], pool: tuple,
     """Run fn() once on a side stream (it compiles the kernels and settles the allocator), then capture it into a
     graph sharing memory `pool` (torch.cuda.graph_pool_handle()). Returns the graph and fn's output of the capture,
     whose tensors hold each replay's results. `stream`: warm up and capture there (a green context's stream, whose
-    SMs the graph's kernels then keep: engine.runner.sm_lanes); None: a side stream of the device's."""
+    SMs the graph's kernels then keep: engine.runner.sm_lanes); None: a side stream of the device's. Stream order
+    puts both after the work queued on the current stream (and on `stream`) so far."""
     side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = fn()
     return graph, out
+
+
+class DeferredCaptures(Generic[K]):
+    """The buckets of one graph set: captured, waiting (`pending`, in the order they are captured later), or
+    failed (a capture that ran out of memory: that bucket's steps run eagerly for good)."""
+
+    def __init__(self, pending: list[K]) -> None:
+        self.pending: list[K] = list(pending)
+        self.failed: set[K] = set()
+        self.pool: tuple | None = None  # the graph memory pool all of the set's graphs share
+
+    def memory_pool(self) -> tuple:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+    def take(self, key: K | None = None) -> K | None:
+        """Remove and return `key` (or the next pending bucket) if it is pending."""
+        if key is None:
+            return self.pending.pop(0) if self.pending else None
+        if key in self.pending:
+            self.pending.remove(key)
+            return key
+        return None

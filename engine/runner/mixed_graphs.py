@@ -14,15 +14,21 @@ output into static buffers the pieces share. Rows past the step's own are paddin
 stored), position 0; they never reach attention and every other op is row by row, so they never touch real rows.
 Owns the static buffers and the graphs; the KV cache is the engine's. Used by ModelRunner.forward, alike on every
 tensor-parallel rank (the pieces hold the TP all-reduces; the choice depends on the token count only).
+With `deferred` (tensor_parallel_size 1) no bucket is captured at start: `capture_pending` captures them between
+steps, smallest first; until then a step takes the smallest captured bucket that holds it, or runs eagerly.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM, RopeInputs
-from engine.runner.graph_capture import capture_graph
+from engine.runner.graph_capture import DeferredCaptures, capture_graph
+
+log = logging.getLogger(__name__)
 
 FIRST_BUCKETS = (64, 128, 256)
 STEP = 256  # bucket spacing above the first ones: padding costs at most this many rows of GEMM
@@ -35,8 +41,10 @@ def mixed_buckets(max_tokens: int) -> list[int]:
 
 
 class MixedGraphs:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_tokens: int, capture: bool = True) -> None:
-        """`capture=False` runs the pieces eagerly instead of replaying them (a CPU test of the decomposition)."""
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_tokens: int, capture: bool = True,
+                 deferred: bool = False) -> None:
+        """`capture=False` runs the pieces eagerly instead of replaying them (a CPU test of the decomposition).
+        `deferred`: capture nothing now (see the module docstring)."""
         cfg, dev, dtype = model.config, kv_cache.device, model.model.embed_tokens.weight.dtype  # activations
         self.model, self.kv_cache = model, kv_cache
         self.buckets = mixed_buckets(max_tokens)
@@ -51,11 +59,33 @@ class MixedGraphs:
         self.hidden = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)            # [T, hidden] final
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.replays = 0
-        if capture:
+        self.capturing = capture
+        self.deferred = DeferredCaptures(self.buckets if capture and deferred else [])
+        if capture and not deferred:
             self._capture()
 
     def bucket_for(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+        """The smallest bucket holding `num_tokens` whose pieces are captured (all of them without capturing)."""
+        return next((b for b in self.buckets if b >= num_tokens and (not self.capturing or b in self.graphs)), None)
+
+    @torch.inference_mode()
+    def capture_pending(self) -> bool:
+        """Capture the next pending bucket's pieces (between two steps; all slots made padding first: the warm-up
+        runs store K/V at the static slots, which still hold the last step's); False when none is left."""
+        n = self.deferred.take()
+        if n is None:
+            return False
+        self.slots.fill_(-1)
+        try:
+            pieces = [capture_graph(lambda i=i: self._piece(i, n), self.deferred.memory_pool())[0]
+                      for i in range(len(self.layers) + 1)]
+        except (torch.cuda.OutOfMemoryError, RuntimeError):
+            self.deferred.failed.add(n)
+            log.warning("mixed-step graphs of %d tokens: capture failed; such steps run in a larger bucket or "
+                        "eagerly", n, exc_info=True)
+            return True
+        self.graphs[n] = pieces  # only once every piece is captured: a step never meets half a set
+        return True
 
     @torch.inference_mode()
     def run(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -99,7 +129,7 @@ class MixedGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         # The slots are all -1 before the first step: capturing stores no K/V.
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.deferred.memory_pool()
         for n in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
             self.graphs[n] = [capture_graph(lambda i=i, n=n: self._piece(i, n), pool)[0]
                               for i in range(len(self.layers) + 1)]

@@ -160,7 +160,8 @@ class ModelRunner:
     @staticmethod
     def _graph_fits(graphs: DecodeGraphs | None, num_tokens: int, decode_only: bool, num_sampling: int,
                     on_layer_done: Callable | None) -> bool:
-        """Graphs cover decode-only steps where every row samples, without a per-layer hook."""
+        """Graphs cover decode-only steps where every row samples, without a per-layer hook (a bucket still
+        pending is captured now: DecodeGraphs.ensure)."""
         if graphs is None or on_layer_done is not None or not decode_only or num_sampling != num_tokens:
             return False
-        return graphs.bucket_for(num_tokens) is not None
+        return graphs.ensure(num_tokens)

@@ -4,7 +4,9 @@ A prefill step of a few short prompts is host-bound: on one H100 a 64-token prom
 of it Python launching ~16 kernels a layer (benchmarks/engine_host.py prefill), against 1.7 ms for a decode step of
 eight replayed from a graph. That time is on the critical path of every short request's first token, and a high
 priority prompt waits for the step under way to end. So prefill-only steps of at most `max_tokens` tokens replay a
-graph captured at start over static buffers:
+graph captured over static buffers (at start, or with `deferred` between steps once the engine serves:
+`capture_pending`; until its graph is captured a step runs in the smallest captured bucket that holds it, or
+eagerly):
 - tokens past the step's own are padding: slot -1 (their K/V is not stored) and in no sequence;
 - sequences past the step's own have no new tokens (query start = the step's token count) and context 0, so their
   attention programs exit at once; the attention grid is sized for the bucket (max query length = its tokens).
@@ -15,11 +17,16 @@ Steps with decode rows, a per-layer hook or prompt logprobs run eagerly (engine.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM
-from engine.runner.graph_capture import capture_graph
+from engine.runner.graph_capture import DeferredCaptures, capture_graph
+
+log = logging.getLogger(__name__)
 
 MIN_TOKENS = 16
 
@@ -45,12 +52,16 @@ class PrefillBuckets:
     def all(self) -> list[tuple[int, int]]:
         return [(t, n) for t in self.tokens for n in self._seqs[t]]
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
-        t = next((b for b in self.tokens if b >= num_tokens), None)
-        if t is None or num_seqs < 1:
+    def bucket_for(self, num_tokens: int, num_seqs: int,
+                   usable: Callable[[tuple[int, int]], bool] = lambda key: True) -> tuple[int, int] | None:
+        """The smallest bucket that holds the step (tokens first, then chunks), among those `usable` allows."""
+        if num_seqs < 1:
             return None
-        n = next((b for b in self._seqs[t] if b >= num_seqs), None)
-        return None if n is None else (t, n)
+        for t in (b for b in self.tokens if b >= num_tokens):
+            n = next((b for b in self._seqs[t] if b >= num_seqs and usable((t, b))), None)
+            if n is not None:
+                return t, n
+        return None
 
 
 def _seq_buckets(cap: int) -> list[int]:
@@ -64,8 +75,9 @@ def _seq_buckets(cap: int) -> list[int]:
 
 class PrefillGraphs:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, max_tokens: int, max_seqs: int,
-                 max_blocks_per_seq: int, capture: bool = True) -> None:
-        """`capture=False` runs the padded forward eagerly instead of replaying (a CPU test of the padding)."""
+                 max_blocks_per_seq: int, capture: bool = True, deferred: bool = False) -> None:
+        """`capture=False` runs the padded forward eagerly instead of replaying (a CPU test of the padding).
+        `deferred`: capture nothing now; every bucket waits for capture_pending (smallest first)."""
         dev = kv_cache.device
         self.model, self.kv_cache = model, kv_cache
         self.buckets = PrefillBuckets(max_tokens, max_seqs)
@@ -79,12 +91,37 @@ class PrefillGraphs:
         self.context_lens = torch.zeros(n_max, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
-        if capture:
+        self.capturing = capture
+        self.deferred = DeferredCaptures(self.buckets.all() if capture and deferred else [])
+        if capture and not deferred:
             self._capture()
 
     def bucket(self, num_tokens: int, meta: AttentionMetadata) -> tuple[int, int] | None:
-        """The (tokens, chunks) graph a step replays; None for a step with decode rows or above the bound."""
-        return None if meta.num_decode else self.buckets.bucket_for(num_tokens, len(meta.prefill_lens))
+        """The (tokens, chunks) graph a step replays; None for a step with decode rows, above the bound or with no
+        graph captured yet that holds it."""
+        if meta.num_decode:
+            return None
+        return self.buckets.bucket_for(num_tokens, len(meta.prefill_lens),
+                                       lambda key: not self.capturing or key in self.graphs)
+
+    @torch.inference_mode()
+    def capture_pending(self) -> bool:
+        """Capture the next pending bucket (between two steps; every row made padding first: the warm-up run reads
+        the static buffers, whose rows past the last step still hold live slots); False when none is left. A
+        capture that fails leaves its bucket to the others (logged)."""
+        key = self.deferred.take()
+        if key is None:
+            return False
+        self.slots.fill_(-1)
+        self.query_start.zero_()
+        self.context_lens.zero_()
+        try:
+            self._capture_one(*key)
+        except (torch.cuda.OutOfMemoryError, RuntimeError):
+            self.deferred.failed.add(key)
+            log.warning("prefill graph %s: capture failed; its steps run in another bucket or eagerly", key,
+                        exc_info=True)
+        return True
 
     @torch.inference_mode()
     def run(self, key: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -130,7 +167,9 @@ class PrefillGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         # Before the first step the buffers hold no sequence (query starts 0, slots -1): capturing stores nothing.
-        pool = torch.cuda.graph_pool_handle()
         for tb, nb in sorted(self.buckets.all(), reverse=True):  # largest first: smaller ones reuse its memory
-            self.graphs[(tb, nb)] = capture_graph(lambda tb=tb, nb=nb: self._forward(tb, nb), pool)  # (graph, hidden)
+            self._capture_one(tb, nb)
         torch.cuda.synchronize()
+
+    def _capture_one(self, tb: int, nb: int) -> None:
+        self.graphs[(tb, nb)] = capture_graph(lambda: self._forward(tb, nb), self.deferred.memory_pool())  # hidden

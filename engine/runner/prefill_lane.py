@@ -26,6 +26,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.rank_setup import FIRST_DECODE_BUCKETS
 from engine.runner.sm_lanes import SmLanes
 from engine.runner.step_inputs import StepInputs, build_step_inputs
 
@@ -51,7 +52,9 @@ class PrefillLane:
         self.runner, self.lanes = runner, lanes
         self.graphs = None
         if lanes is not None and runner.graphs is not None:  # the decode lane's own graphs: they keep its SMs
-            self.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode)
+            first = FIRST_DECODE_BUCKETS if runner.graphs.deferred.pending else None  # deferred like the runner's
+            self.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode,
+                                       first_buckets=first)
         self.job: LaneJob | None = None
         self.jobs = 0  # prompt steps the lane ran since start
         # seconds per prompt token on the lane, from queueing a job to finding it done (a running average; 0 until

@@ -34,6 +34,9 @@ from engine.runner.mixed_graphs import MixedGraphs
 from engine.runner.prefill_graphs import PrefillGraphs
 
 CPU_KV_CACHE_BYTES = 1 << 30
+# with deferred capture, the decode buckets captured at start: the batches a new worker meets first (a replacement
+# takes over the running streams of the worker it replaces a few at a time); larger ones when first needed or idle
+FIRST_DECODE_BUCKETS = 8
 GPU_ACTIVATION_HEADROOM_BYTES = 2 << 30
 
 
@@ -53,7 +56,8 @@ class RankState:
 def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.device, tp: TPGroup | None,
                agree: Callable[[int], int] = int, clock: PhaseClock | None = None) -> RankState:
     """`config` is resolved (dtype and max_model_len set). `agree(blocks this rank can hold)` -> blocks to use.
-    `clock` laps "weights", "kv_cache", "cuda_graphs", "prefill_graphs" and "mixed_graphs"."""
+    `clock` laps "weights", "kv_cache", "cuda_graphs", "prefill_graphs" and "mixed_graphs" (with deferred capture
+    the last two capture nothing: engine.runner.deferred_graphs captures the rest while serving)."""
     clock = clock or PhaseClock()
     model = _load_model(mc, path, config, device, tp)
     clock.lap("weights")
@@ -81,13 +85,17 @@ def build_rank(mc: ModelConfig, path: Path, config: EngineConfig, device: torch.
     graphs = prefill_graphs = mixed_graphs = None
     if uses_kernels and config.cuda_graphs and device.type == "cuda":
         width = blocks_for(config.max_model_len, config.block_size)
-        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, width)
+        deferred = config.graph_capture == "deferred"
+        torch.cuda.empty_cache()  # blocks cached for the load's temporaries: the graphs' own pool cannot use them
+        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, width,
+                              first_buckets=FIRST_DECODE_BUCKETS if deferred else None)
         clock.lap("cuda_graphs")
         if prefill_graph_tokens(config):
-            prefill_graphs = PrefillGraphs(model, kv_cache, prefill_graph_tokens(config), config.max_num_seqs, width)
+            prefill_graphs = PrefillGraphs(model, kv_cache, prefill_graph_tokens(config), config.max_num_seqs, width,
+                                           deferred=deferred)
             clock.lap("prefill_graphs")
         if mixed_graph_tokens(config):
-            mixed_graphs = MixedGraphs(model, kv_cache, mixed_graph_tokens(config))
+            mixed_graphs = MixedGraphs(model, kv_cache, mixed_graph_tokens(config), deferred=deferred)
             clock.lap("mixed_graphs")
     return RankState(model, uses_kernels, spec, layout.kv_head_range, blocks, kv_cache, graphs, prefill_graphs,
                      mixed_graphs)
