@@ -289,7 +289,7 @@ def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Pa
     first, good1, n1 = _goodput(results, t0, t0 + args.window, slo)
     second, good2, n2 = _goodput(results, t0 + args.window, t0 + 2 * args.window, slo)
     log = (workdir / name / "server.log").read_text(errors="replace")
-    phases = re.findall(r"worker (\S+) ready: (.*)", log)
+    phases = re.findall(r"worker (\S+) ready(?: \([^)]*\))?: (.*)", log)
     return {"layout": name, "ready_s": round(ready_s, 1), "goodput_first": round(first, 2),
             "goodput_second": round(second, 2), "ratio": round(first / second, 3) if second else None,
             "good_first": f"{good1}/{n1}", "good_second": f"{good2}/{n2}",

@@ -41,7 +41,9 @@ ENVIRONMENT = """environment (settings no YAML key holds: they belong to a machi
   PDSERVE_KV_FAULTS=SPEC    transfer faults for tests and drills, e.g. "fail=0.05,stall=0.01:2.0,seed=7"
                             (the YAML's `faults:` and POST /admin/faults are the serving way)
   PDSERVE_TRACE_HANDOFF=1   every KV handoff prints its stages as JSON lines on stderr
-                            (benchmarks/handoff_serving.py reads them)"""
+                            (benchmarks/handoff_serving.py reads them)
+  PDSERVE_LAUNCHED_AT=T     set by `pdserve serve` for its coordinator (wall-clock seconds of its launch): the
+                            log's start-up milestones say how long after it they came"""
 
 
 def _serve_parser(sub) -> None:

@@ -42,6 +42,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from coordinator.backend.launch_clock import mark_launch, since_launch
 from coordinator.backend.ray_network import confine_local_ray
 from coordinator.config.serve_config import ServeConfig
 
@@ -106,6 +107,7 @@ class ProcessSupervisor:
 
     def run(self) -> int:
         """Serve until stopped on purpose (0) or until the coordinator cannot be kept up (its exit status)."""
+        mark_launch()
         from coordinator.backend.ray_start import init_ray
         path = pid_file(self.namespace)
         try:
@@ -118,6 +120,7 @@ class ProcessSupervisor:
             init_ray(self.config.ray_address, self.namespace)
             if local:
                 self._prestart_first_workers()
+            log.warning("pdserve: Ray %s, %s", "started" if local else "joined", since_launch())
             for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
                 signal.signal(sig, self._on_signal)
             import ray

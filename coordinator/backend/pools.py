@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from coordinator.admission.router import WorkerState
 from coordinator.backend.adoption import adopt
 from coordinator.backend.fleet import actor_name, fingerprint, group_name, teardown
+from coordinator.backend.launch_clock import since_launch
 from coordinator.backend.peer_links import peer_links, waves
 from coordinator.backend.ray_start import init_ray
 from coordinator.backend.warm_processes import WarmProcesses, bundle_node
@@ -117,10 +118,12 @@ class Pools:
             self._groups[role] = self._group(self.pool(role), role)
         await self._placed()
         slots = [(role, i) for role in self.pool_names for i in range(self.pool(role).workers)]
+        log.warning("requesting %d workers, %s", len(slots), since_launch())
         started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i, replace_process=False)
                                                           for role, i in slots]), START_TIMEOUT_S)
         for w in started:  # start-up time per phase, the operator's first question about a slow start
-            log.warning("worker %s ready: %s", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
+            log.warning("worker %s ready (%s): %s", w.name, since_launch() or "started",
+                        ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
         for wave in waves(self._links(started)):  # one direction of every pair, then the other
