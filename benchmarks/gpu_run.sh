@@ -45,8 +45,9 @@
 # shift4 (4 GPUs): the same from 1P+3D, 8 req/s of short prompts then 24 req/s of long ones.
 # coldstart (2 GPUs): first vs second 18 s window after /health, 8B shape (dummy weights), 1P+1D and collocated x2
 #   (benchmarks/start.py serving).
-# coldstart1 (1 GPU, issue 45): the 8B shape (dummy weights) collocated on GPU 0: `pdserve serve` to /health 200 and
-#   the first windows' goodput, with each worker's start phases (benchmarks/start.py serving).
+# coldstart1 (1 GPU, issue 45): the 8B shape (dummy weights) collocated on GPU 0: `pdserve serve` to /health 200, to
+#   the first streamed token and the first windows' goodput, with each worker's start phases (benchmarks/start.py
+#   serving): an empty Triton cache, then a second start, then a second start capturing every graph at start.
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why
 #   (benchmarks/engine_host.py drift).
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step
@@ -147,7 +148,7 @@ for step in "$@"; do
       timeout 420 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set prefill.kv_cache_memory_bytes=8589934592 \
         --set decode.kv_cache_memory_bytes=8589934592 --workdir "$OUT/recovery1" --recovery-timeout-s 150 \
-        --kill ${KILL:-decode-0 prefill-0} 2>&1 | tee "$OUT/recovery1.log" | grep -v "^(" | tail -30 ;;
+        --kill ${KILL:-decode-0 prefill-0} ${RECOVERY_ARGS:-} 2>&1 | tee "$OUT/recovery1.log" | grep -v "^(" | tail -30 ;;
     tenants)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
@@ -201,11 +202,15 @@ for step in "$@"; do
         --model /tmp/l8bd --rate 4 --layout "1P+1D:load_format=dummy" \
         --layout "collocated x2:mode=collocated,decode.workers=2,load_format=dummy" 2>&1 \
         | tee "$OUT/coldstart.log" | grep -v "^(" | tail -20 ;;
-    coldstart1)
+    coldstart1)  # a new machine's first start, then the second (graphs deferred: the default), then the second
+      # with every graph captured at start (graph_capture start: the reference); their server logs into $OUT
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
-      timeout ${COLD_TIMEOUT:-300} python3 benchmarks/start.py serving configs/gpu-1p1d-llama3-8b.yaml \
-        --model /tmp/l8bd --rate 4 --layout "collocated:mode=collocated,decode.workers=1,load_format=dummy" 2>&1 \
-        | tee "$OUT/coldstart1.log" | grep -v "^(" | tail -20 ;;
+      one="mode=collocated,decode.workers=1,load_format=dummy"
+      rm -rf /tmp/cs1; timeout ${COLD_TIMEOUT:-400} python3 benchmarks/start.py serving configs/gpu-1p1d-llama3-8b.yaml \
+        --model /tmp/l8bd --rate 4 --window ${COLD_WINDOW:-12} --shared-triton-cache --workdir /tmp/cs1 \
+        --layout "first:$one" --layout "second:$one" --layout "second-start:$one,decode.graph_capture=start" 2>&1 \
+        | tee "$OUT/coldstart1.log" | grep -v "^(" | tail -20
+      for d in /tmp/cs1/*/; do cp "$d/server.log" "$OUT/coldstart1-$(basename "$d").server.log" 2>/dev/null; done ;;
     overhead)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights

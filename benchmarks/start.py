@@ -29,7 +29,9 @@ docs/benchmarks.md's "Start-up" rows and its "Worker start, CPU (issue 45 part 1
   windows of `--window` seconds. Requests are split by send time; each window's goodput (requests meeting the SLO,
   per second) is printed next to the second window's, the reference, with their ratio (goal: at least 0.95). Also
   printed: the time from launch to /health 200 and each worker's start-up phases (from the server log), so
-  warm-up's cost shows next to its gain. Each layout gets an empty Triton cache, as on a freshly started machine.
+  warm-up's cost shows next to its gain, and the time from launch to the first streamed token (issue 45: an
+  8B server serving its first request). Each layout gets an empty Triton cache, as on a freshly started machine
+  (`--shared-triton-cache`: one for all, so a repeated layout is a second start on the same machine).
 
     python benchmarks/start.py server --against /tmp/base --rounds 2     # base: git worktree add /tmp/base <commit>
     python benchmarks/start.py engine --model /tmp/l1b --device cuda
@@ -274,7 +276,8 @@ def _goodput(results: list, lo: float, hi: float, slo: SLO) -> tuple[float, int,
 def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Path) -> dict:
     config = serving_config(args.config, {"model": args.model, **overrides}, None, None)
     slo = SLO(args.ttft_ms, args.tpot_ms)
-    os.environ["TRITON_CACHE_DIR"] = str(workdir / name / "triton-cache")  # every layout starts as on a new machine
+    # every layout starts as on a new machine, or (--shared-triton-cache) finds what the layouts before it compiled
+    os.environ["TRITON_CACHE_DIR"] = str(workdir / ("" if args.shared_triton_cache else name) / "triton-cache")
     launched = time.perf_counter()
     with launched_server(config, workdir / name, start_timeout_s=900) as server:
         ready_s = time.perf_counter() - launched
@@ -288,9 +291,12 @@ def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Pa
         results = asyncio.run(run_load(cfg))
     first, good1, n1 = _goodput(results, t0, t0 + args.window, slo)
     second, good2, n2 = _goodput(results, t0 + args.window, t0 + 2 * args.window, slo)
+    first_token = min((r.chunk_times[0] for r in results if r.chunk_times), default=None)
     log = (workdir / name / "server.log").read_text(errors="replace")
     phases = re.findall(r"worker (\S+) ready(?: \([^)]*\))?: (.*)", log)
-    return {"layout": name, "ready_s": round(ready_s, 1), "goodput_first": round(first, 2),
+    return {"layout": name, "ready_s": round(ready_s, 1),
+            "first_token_s": round(first_token - launched, 1) if first_token is not None else None,
+            "goodput_first": round(first, 2),
             "goodput_second": round(second, 2), "ratio": round(first / second, 3) if second else None,
             "good_first": f"{good1}/{n1}", "good_second": f"{good2}/{n2}",
             "failed": sum(not r.ok for r in results),
@@ -306,10 +312,12 @@ def serving_mode(args: argparse.Namespace) -> None:
         row = run_layout(args, name, _overrides(text), workdir)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| layout | ready after | goodput first window | second window (reference) | ratio | failed |")
-    print("|---|---|---|---|---|---|")
+    print("| layout | ready after | first token after | goodput first window | second window (reference) | ratio "
+          "| failed |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['ready_s']} s | {r['goodput_first']} req/s ({r['good_first']}) | "
+        print(f"| {r['layout']} | {r['ready_s']} s | {r['first_token_s']} s | {r['goodput_first']} req/s "
+              f"({r['good_first']}) | "
               f"{r['goodput_second']} req/s ({r['good_second']}) | {r['ratio']} | {r['failed']} |")
 
 
@@ -341,6 +349,9 @@ def main() -> None:
     p.add_argument("--layout", action="append", default=[],
                    help="NAME:key=value,... (dotted YAML overrides); repeatable; default: one layout as is")
     p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--shared-triton-cache", action="store_true",
+                   help="one Triton cache for all layouts (a layout finds what the ones before it compiled: a second "
+                        "start on the same machine); default: an empty one each, as on a new machine")
     p.add_argument("--window", type=float, default=18.0)
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--max-input-len", type=int, default=7168)  # + the longest output: within an 8k context
