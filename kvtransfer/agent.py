@@ -34,7 +34,7 @@ from engine.kv_layout import KVCacheSpec
 from . import backends, wire
 from .agent_config import AgentConfig
 from .backends.cuda_ipc import CudaIpcPeer, export
-from .backends.ucx import UcxConnection, UcxServer
+from .backends.ucx import UcxConnection, UcxServer, ucx_context
 from .cache import RegisteredCache, event_done
 from .client import ucx_chunk
 from .descriptors import Chunk
@@ -50,6 +50,7 @@ from .notify_channel import NotifyListener
 from .remotes import DROP_WAIT_S, Remote, run_transfer
 from .serve import Server
 from .staging import StagingPool
+from .step_times import StepTimes, maybe_step
 
 NOTIFY_SPIN_S = 0.005  # notify_after polls the copies' events this long on the loop before a thread waits for them
 # the agent's own start (UCX's context and listeners: nothing remote) is bounded by this, not by connect_timeout_s:
@@ -77,7 +78,10 @@ class KVAgent:
         self._serve_pool: StagingPool | None = None
         self._remotes: dict[str, Remote] = {}
         self._in_flight: set[asyncio.Task] = set()  # transfers started here and not ended
-        self._loop = LoopThread(name)
+        # the agent's start and its cache's registration, step by step (a worker logs them: pool_worker.worker)
+        self.start_steps = StepTimes()
+        with self.start_steps.step("loop_thread"):
+            self._loop = LoopThread(name)
         self._server = UcxServer(
             Server(lambda: self._cache, lambda: self._info, lambda: self._serve_pool, self._metrics, self._inbox, name)
         )
@@ -89,11 +93,16 @@ class KVAgent:
         self._closed = False
 
     async def _start(self, port: int) -> None:
-        if self.config.ucx_connect == "listener":
-            self._port = self._server.start(port)
-        else:
-            self._worker_address, self._accept_tag = self._server.start_by_worker_address()
-        self._notify_port = await self._notify_listener.start(self._address)
+        steps = self.start_steps
+        with steps.step("ucx_context"):  # the process's first agent creates it (UCX context, worker, threads)
+            ucx_context()
+        with steps.step("ucx_listen"):
+            if self.config.ucx_connect == "listener":
+                self._port = self._server.start(port)
+            else:
+                self._worker_address, self._accept_tag = self._server.start_by_worker_address()
+        with steps.step("notify_listen"):
+            self._notify_port = await self._notify_listener.start(self._address)
 
     # ---- memory registration -------------------------------------------------------------------------
     def register_cache(self, kv: torch.Tensor, spec: KVCacheSpec, heads: KVHeadRange | None = None) -> None:
@@ -101,11 +110,15 @@ class KVAgent:
         the global KV heads `heads` (a TP rank's; None: all). Call before `metadata()` is handed to peers."""
         if self._cache is not None:
             raise ValueError(f"agent {self.name!r} already has a registered cache; deregister it first")
-        cache = RegisteredCache(kv, spec, heads)
-        ipc = export(cache) if "cuda_ipc" in self.config.backends else None
-        self._client_pool = StagingPool(self.config.staging_bytes, cache.device, "client staging")
-        self._serve_pool = StagingPool(self.config.staging_bytes, cache.device, "serve staging")
-        self._info = cache.info(ipc)
+        steps = self.start_steps
+        with steps.step("cache_views"):
+            cache = RegisteredCache(kv, spec, heads)
+        with steps.step("ipc_export"):  # one CUDA IPC handle, of the whole cache tensor
+            ipc = export(cache) if "cuda_ipc" in self.config.backends else None
+        with steps.step("cache_info"):
+            self._client_pool = StagingPool(self.config.staging_bytes, cache.device, "client staging")
+            self._serve_pool = StagingPool(self.config.staging_bytes, cache.device, "serve staging")
+            self._info = cache.info(ipc)
         self._cache = cache
 
     def deregister_cache(self) -> None:
@@ -140,40 +153,48 @@ class KVAgent:
         return config
 
     # ---- peers ---------------------------------------------------------------------------------------
-    def add_remote(self, meta: AgentMetadata | bytes) -> str:
+    def add_remote(self, meta: AgentMetadata | bytes, steps: StepTimes | None = None) -> str:
         """Load a peer's metadata, check layouts (IncompatibleLayout), connect (PeerLost / TransferTimeout).
 
         The same metadata again is a no-op. Other metadata under a known name replaces that remote (a new
         agent under its predecessor's name): the old one is dropped as by `remove_remote`, then the new one is
-        connected. A remote lost to fault injection is reconnected even by the same metadata."""
-        if isinstance(meta, bytes | bytearray):
-            meta = AgentMetadata.from_bytes(bytes(meta))
-        check_compatible(self._info, meta, self.name)
-        if meta.name == self.name:
-            raise ValueError(f"an agent cannot add itself ({meta.name!r})")
-        backend, _ = backends.choose(self.config.backends, self._cache, meta,
-                                     meta.same_host_as(self.metadata()))
-        self._loop.call(self._add_remote(meta, backend), self.config.connect_timeout_s + DROP_WAIT_S + 5.0)
+        connected. A remote lost to fault injection is reconnected even by the same metadata. `steps`: where to
+        record how long each step took (None: not timed)."""
+        with maybe_step(steps, "check"):
+            if isinstance(meta, bytes | bytearray):
+                meta = AgentMetadata.from_bytes(bytes(meta))
+            check_compatible(self._info, meta, self.name)
+            if meta.name == self.name:
+                raise ValueError(f"an agent cannot add itself ({meta.name!r})")
+            backend, _ = backends.choose(self.config.backends, self._cache, meta,
+                                         meta.same_host_as(self.metadata()))
+        self._loop.call(self._add_remote(meta, backend, steps, time.monotonic()),
+                        self.config.connect_timeout_s + DROP_WAIT_S + 5.0)
         return meta.name
 
-    async def _add_remote(self, meta: AgentMetadata, backend: str) -> None:
+    async def _add_remote(self, meta: AgentMetadata, backend: str, steps: StepTimes | None = None,
+                          submitted: float | None = None) -> None:
+        if steps is not None and submitted is not None:  # how long the loop thread took to get to it
+            steps.add("loop_wait", time.monotonic() - submitted)
         old = self._remotes.get(meta.name)
         if old is not None:
             same = old.meta == meta and old.backend == backend
             if same and old.lost is None:
                 return
             # the same agent again after an injected drop: its own connection to us stays up
-            await self._remove_remote(meta.name, "replaced by a new agent of the same name", incoming=not same)
+            with maybe_step(steps, "drop_old"):
+                await self._remove_remote(meta.name, "replaced by a new agent of the same name", incoming=not same)
         remote = Remote(meta, backend)
-        await self._connect(remote, time.monotonic() + self.config.connect_timeout_s)
+        await self._connect(remote, time.monotonic() + self.config.connect_timeout_s, steps)
         if backend == "cuda_ipc":
             assert self._cache is not None and meta.cache is not None
-            remote.ipc = CudaIpcPeer(self._cache, meta.cache)
+            with maybe_step(steps, "ipc_open"):  # cudaIpcOpenMemHandle of the peer's whole cache
+                remote.ipc = CudaIpcPeer(self._cache, meta.cache)
         self._remotes[meta.name] = remote
 
-    async def _connect(self, r: Remote, deadline: float) -> UcxConnection:
+    async def _connect(self, r: Remote, deadline: float, steps: StepTimes | None = None) -> UcxConnection:
         """`r`'s UCX connection, opened (with the handshake's retries) if there is none or it broke."""
-        return await r.connect(self._hello, deadline, self._handshake, self._metrics)
+        return await r.connect(self._hello, deadline, self._handshake, self._metrics, steps)
 
     def _hello(self) -> dict:
         return {"op": "hello", "meta": wire.b64(self.metadata().to_bytes())}

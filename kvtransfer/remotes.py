@@ -22,6 +22,7 @@ from .faults import Fault
 from .metadata import AgentMetadata
 from .metrics import TransferMetrics
 from .notify_channel import NotifySender
+from .step_times import StepTimes
 
 DROP_WAIT_S = 5.0  # a dropped remote's cancelled transfers get this long to end (their UCX operations aborted)
 
@@ -47,15 +48,16 @@ class Remote:
             raise PeerLost(f"remote {self.name!r} was {self.lost}")
 
     async def connect(self, hello: Callable[[], dict], deadline: float, policy: HandshakePolicy,
-                      metrics: TransferMetrics) -> UcxConnection:
+                      metrics: TransferMetrics, steps: StepTimes | None = None) -> UcxConnection:
         """The open connection, or a new one (introduced by `hello()`) if there is none or it broke (PeerLost once
         the remote is lost). A handshake that timed out or broke is tried again under `policy` before `deadline`;
-        one refused (nothing listens: the peer is gone) fails at once with PeerLost; outcomes go to `metrics`."""
+        one refused (nothing listens: the peer is gone) fails at once with PeerLost; outcomes go to `metrics`, each
+        attempt's steps to `steps` (None: not timed)."""
         async with self.lock:
             self.check()
             if self.conn is None or self.conn.broken is not None:
                 m = self.meta
-                conn = await with_retries(lambda d: UcxConnection.open(m, hello(), d),
+                conn = await with_retries(lambda d: UcxConnection.open(m, hello(), d, steps),
                                           policy, deadline, f"connect to {m.name!r}", metrics.record_handshake)
                 if self.lost is not None:  # dropped while we were connecting: never keep that endpoint
                     conn.abort("remote dropped")

@@ -33,6 +33,7 @@ from .errors import BadDescriptor, TransferTimeout
 from .gpu_visibility import put_first
 from .handle import TransferHandle
 from .metadata import AgentMetadata
+from .step_times import StepTimes, maybe_step
 from .tp_group import GroupMetadata, read_from_group
 from .worker_setup import start_agent
 
@@ -85,12 +86,14 @@ class RankAgent:
     def metadata(self) -> bytes:
         return self.agent.metadata().to_bytes()
 
-    def add_group(self, data: bytes) -> str:
+    def add_group(self, data: bytes, steps: StepTimes | None = None) -> str:
+        """Connect to the ranks of peer worker `data` (GroupMetadata) this rank pulls from; `steps`: each
+        connection's steps go there (None: not timed)."""
         group = GroupMetadata.from_bytes(data)
         own = self.agent.cache_info
         for rank, _ in group.pieces_for(own.head_range, spread=self.rank):
             if rank.name not in self.agent.remotes():
-                self.agent.add_remote(rank)
+                self.agent.add_remote(rank, steps)
         self._groups[group.name] = group
         return group.name
 
@@ -159,10 +162,13 @@ class WorkerAgents:
         self.tp_size = engine.config.tensor_parallel_size
         agent = start_agent(rank_agent_name(name, 0, self.tp_size), config, engine.kv_cache, engine.kv_spec,
                             engine.kv_head_range)
+        self.start_steps = StepTimes()  # rank 0's agent's start, then the wait for the followers' metadata
+        self.start_steps.extend(agent.start_steps)
         self.local = RankAgent(agent, 0)
         try:
-            ranks = [agent.metadata()] + [AgentMetadata.from_bytes(f.result(CALL_TIMEOUT_S))
-                                          for f in self._followers("metadata")]
+            with self.start_steps.step("followers"):
+                ranks = [agent.metadata()] + [AgentMetadata.from_bytes(f.result(CALL_TIMEOUT_S))
+                                              for f in self._followers("metadata")]
             self.group = GroupMetadata(name, tuple(ranks))
         except BaseException:
             agent.close()
@@ -177,10 +183,13 @@ class WorkerAgents:
         self.name = name
         self.group = GroupMetadata(name, self.group.ranks)
 
-    def add_peer(self, data: bytes) -> str:
-        """Blocking: every rank connects to the ranks of peer worker `data` (GroupMetadata) it pulls from."""
+    def add_peer(self, data: bytes, steps: StepTimes | None = None) -> str:
+        """Blocking: every rank connects to the ranks of peer worker `data` (GroupMetadata) it pulls from.
+        `steps`: rank 0's steps go there, then the wait for the followers' (None: not timed)."""
         followers = self._followers("add_group", data)  # they connect while rank 0 does
-        _first_failure([self._local(self.local.add_group, data), *followers], CALL_TIMEOUT_S)
+        local = self._local(self.local.add_group, data, steps)
+        with maybe_step(steps if followers else None, "followers"):
+            _first_failure([local, *followers], CALL_TIMEOUT_S)
         return GroupMetadata.from_bytes(data).name
 
     def remove_peer(self, name: str) -> bool:
@@ -189,10 +198,12 @@ class WorkerAgents:
         _first_failure(self._followers("remove_group", name), CALL_TIMEOUT_S)
         return found
 
-    def replace_peer(self, name: str, data: bytes) -> str:
-        """Blocking: forget worker `name`'s ranks (a dead incarnation), then connect to `data`'s."""
-        self.remove_peer(name)
-        return self.add_peer(data)
+    def replace_peer(self, name: str, data: bytes, steps: StepTimes | None = None) -> str:
+        """Blocking: forget worker `name`'s ranks (a dead incarnation), then connect to `data`'s (`steps`: as
+        add_peer's, after the removal's)."""
+        with maybe_step(steps, "remove"):
+            self.remove_peer(name)
+        return self.add_peer(data, steps)
 
     def read(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int],
              timeout: float | None = None, ready: torch.cuda.Event | None = None,

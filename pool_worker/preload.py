@@ -8,6 +8,7 @@ configs/cluster.yaml), and coordinator.backend.warm_processes keeps such process
 Nothing here may start CUDA: the process learns its GPUs (CUDA_VISIBLE_DEVICES) only when Ray gives it an actor.
 """
 
+import contextlib
 import gc
 
 import torch
@@ -20,6 +21,12 @@ import pool_worker.worker  # noqa: F401
 # torch imports sympy (its symbolic shapes) on the first Module.to_empty, which the engine's weight load makes: ~0.2 s
 # of a start on the CPU machine, paid here instead (a meta module made real on the CPU: no device is touched)
 torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+
+# ucxx's progress thread imports cuda.core as it starts (ucxx._cuda_context, with the worker's first KV agent), and the
+# agent's start waited for it: ~0.05 s of `ucx_listen` on the CPU machine (kvtransfer.agent's start steps), paid here.
+# The import loads no CUDA driver (it succeeds on a host without one); a ucxx without it has nothing to pay
+with contextlib.suppress(ImportError):
+    import cuda.core  # noqa: F401
 
 # what this process holds now stays (the worker freezes its start-up objects too: engine.gc_pauses); frozen here,
 # its own collection at start walks only what the start made

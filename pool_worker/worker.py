@@ -8,20 +8,23 @@ so a role can change while serving without a restart. Its RPCs only enqueue work
 results. One step's outputs are split by owner: a prefill's first token resolves its prefill() call (the event
 loop), every other delta goes onto the stream from the engine thread (Decodes.stream_step).
 Shared here once: start-up (weights, KV cache, graphs, agents; seconds per phase in WorkerInfo, as
-pool_worker.start_phases names them; then, once routable, the grammar tables on a thread of their own:
-engine.sampling.grammar_loader), the load reported
-with every reply, integrity checks, peers' transfer metadata, drills (kill a rank, inject faults) and shutdown.
+pool_worker.start_phases names them, and the `agent` phase's steps in one log line; then, once routable, the grammar
+tables on a thread of their own: engine.sampling.grammar_loader), the load reported
+with every reply, integrity checks, peers' transfer metadata (each add_peer / replace_peer's steps in one log line),
+drills (kill a rank, inject faults) and shutdown. The log lines are warnings: a Ray worker's root logger has no
+handler, so only Python's last-resort one (warnings and above) reaches the server's log (Ray forwards its stderr).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from decode_pool.decodes import Decodes
 from decode_pool.worker_stream import WorkerStream
@@ -34,6 +37,7 @@ from engine.engine_config import EngineConfig
 from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
+from kvtransfer.step_times import StepTimes
 from pool_worker.orphans import Adoption, abort_held
 from pool_worker.prefix_share import PrefixShare, PrefixSource
 from pool_worker.start_phases import before_start, imports_began, imports_done
@@ -41,6 +45,8 @@ from prefill_pool.prefills import PrefillResult, Prefills
 
 if TYPE_CHECKING:
     from kvtransfer.worker_agents import WorkerAgents
+
+log = logging.getLogger("pdserve")
 
 
 class Worker:
@@ -91,32 +97,38 @@ class Worker:
         engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
         started = time.monotonic()
         self._phases += [(f"engine_{k}", v) for k, v in engine.startup_s]
+        steps = StepTimes()  # the `agent` phase's, logged once it is done
         if self._agent_config is not None:
             self.agents = WorkerAgents(self.name, self._agent_config, engine)
+            steps.extend(self.agents.start_steps)
         if self._use_stream:
-            import ray
+            with steps.step("stream"):
+                import ray
 
-            self._stream = WorkerStream(ray.util.get_node_ip_address(), self._command)
+                self._stream = WorkerStream(ray.util.get_node_ip_address(), self._command)
         timeout_s = self._agent_config.timeout_s if self._agent_config else 0.0
-        self.prefills = Prefills(self.name, self.agents, engine.config.block_size, engine.model_config.num_layers,
-                                 timeout_s, self._reported)
-        pushes = self.prefills.pushes
-        self.loop = AsyncEngine(engine, self._on_outputs, pushes.hook if pushes else None, self._step_hook,
-                                pushes.pending if pushes else None)
-        self.prefills.loop = self.loop
-        self.decodes = Decodes(self.name, self.loop, self.agents, self._stream, self._admission_timeout_s,
-                               self.load, self._reported)
-        if self.agents is not None:
-            self.share = PrefixShare(self.name, self.loop, self.agents, timeout_s)
-        self._tasks.append(asyncio.get_running_loop().create_task(self.loop.run()))
-        exit_process_on_failure(self._tasks[0], self.name)
-        freeze_startup_objects()
+        with steps.step("duties"):
+            self.prefills = Prefills(self.name, self.agents, engine.config.block_size, engine.model_config.num_layers,
+                                     timeout_s, self._reported)
+            pushes = self.prefills.pushes
+            self.loop = AsyncEngine(engine, self._on_outputs, pushes.hook if pushes else None, self._step_hook,
+                                    pushes.pending if pushes else None)
+            self.prefills.loop = self.loop
+            self.decodes = Decodes(self.name, self.loop, self.agents, self._stream, self._admission_timeout_s,
+                                   self.load, self._reported)
+            if self.agents is not None:
+                self.share = PrefixShare(self.name, self.loop, self.agents, timeout_s)
+            self._tasks.append(asyncio.get_running_loop().create_task(self.loop.run()))
+            exit_process_on_failure(self._tasks[0], self.name)
+        with steps.step("gc_freeze"):  # a full collection over everything start-up made, then the freeze
+            freeze_startup_objects()
         self._gc.install()
         outputs_at = None
         if self._stream is not None:
             outputs_at = (*self._stream.address, self._stream.token)
             self._tasks.append(asyncio.get_running_loop().create_task(self.decodes.keep_load_fresh()))
         self._phases.append(("agent", round(time.monotonic() - started, 3)))
+        log.warning("worker %s: agent phase %.3f s, its steps: %s", self.name, self._phases[-1][1], steps)
         self._info = WorkerInfo(self.name, self.role, engine.num_kv_blocks, engine.config.block_size,
                                 engine.config.max_model_len, engine.model_config.vocab_size,
                                 self.agents.metadata() if self.agents else None, tuple(self._phases),
@@ -233,7 +245,7 @@ class Worker:
 
     async def add_peer(self, agent_metadata: bytes) -> str:
         """Connect every rank to another worker's ranks (its GroupMetadata): to pull from it, or push to it."""
-        return await asyncio.to_thread(self.agents.add_peer, agent_metadata)
+        return await self._timed_peer_call("add_peer", self.agents.add_peer, agent_metadata)
 
     async def drop_peer(self, name: str) -> bool:
         """A peer died: forget its agent now (transfers in flight with it fail with PeerLost) and unmap its cache,
@@ -242,7 +254,7 @@ class Worker:
 
     async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
         """A peer was replaced: drop the connection to its dead agent, then connect to the new one (same name)."""
-        return await asyncio.to_thread(self.agents.replace_peer, name, agent_metadata)
+        return await self._timed_peer_call("replace_peer", self.agents.replace_peer, name, agent_metadata)
 
     async def load(self) -> EngineLoad:
         return self._reported(await self.loop.call(lambda e: e.load()))
@@ -285,6 +297,20 @@ class Worker:
             self._stream.close()
 
     # ---- internals
+    async def _timed_peer_call(self, what: str, call: Callable[..., str], *args: Any) -> str:
+        """`call(*args, steps)` (WorkerAgents.add_peer / replace_peer) on a thread; its steps logged in one line,
+        after `thread_wait` (until the thread ran it)."""
+        steps = StepTimes()
+        began = time.monotonic()
+
+        def run() -> str:
+            steps.add("thread_wait", time.monotonic() - began)
+            return call(*args, steps)
+
+        peer = await asyncio.to_thread(run)
+        log.warning("worker %s: %s %s %.3f s, its steps: %s", self.name, what, peer, time.monotonic() - began, steps)
+        return peer
+
     def _wake_engine(self) -> None:
         """From any thread: the engine thread looks at its work again now (held requests may start)."""
         try:

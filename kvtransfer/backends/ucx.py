@@ -28,6 +28,7 @@ import ucxx
 from .. import wire
 from ..errors import PeerLost, TransferTimeout
 from ..metadata import AgentMetadata
+from ..step_times import StepTimes, maybe_step
 from . import ucx_worker_address
 from .ucx_handshake import open_endpoint
 
@@ -43,6 +44,12 @@ def use_python_futures() -> None:
     them; several agents in one process (tests, benches) keep the default.
     """
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+
+
+def ucx_context() -> Any:
+    """This process's ucxx application context, created by the first call (UCX's context and worker with every
+    transport UCX finds, CUDA's included on a GPU host; ucxx's notifier and progress threads)."""
+    return ucxx.core._get_ctx()
 
 
 class BufferMayBeInUse(TransferTimeout):
@@ -110,18 +117,22 @@ class UcxConnection:
         self._send_lock = asyncio.Lock()  # a long request is two messages: never interleave two requests
 
     @classmethod
-    async def open(cls, meta: AgentMetadata, hello: dict, deadline: float) -> UcxConnection:
+    async def open(cls, meta: AgentMetadata, hello: dict, deadline: float,
+                   steps: StepTimes | None = None) -> UcxConnection:
         """One handshake attempt (endpoint, peer-info exchange or connect request, our hello) to the agent `meta`
         describes, that must finish before `deadline`: HandshakeRefused when nothing listens or its process is
         gone, HandshakeTimedOut / TransferTimeout when the peer did not answer in time, PeerLost when it closed
-        the connection, the peer's own error when it refused the hello."""
-        if meta.worker_address is not None and meta.accept_tag is not None:
-            ep = await ucx_worker_address.connect(meta.worker_address, meta.accept_tag, meta.name, deadline)
-        else:
-            ep = await open_endpoint(meta.address, meta.port, meta.name, deadline)
+        the connection, the peer's own error when it refused the hello. `steps`: the endpoint's and the hello's
+        times go there (None: not timed)."""
+        with maybe_step(steps, "ucx_endpoint"):
+            if meta.worker_address is not None and meta.accept_tag is not None:
+                ep = await ucx_worker_address.connect(meta.worker_address, meta.accept_tag, meta.name, deadline)
+            else:
+                ep = await open_endpoint(meta.address, meta.port, meta.name, deadline)
         conn = cls(ep, meta.name)
         try:
-            await conn.request(hello, 0, deadline)
+            with maybe_step(steps, "ucx_hello"):  # its round trip: the peer makes its endpoint back, checks ours
+                await conn.request(hello, 0, deadline)
         except BaseException:
             conn.abort("hello refused or failed")  # never keep an endpoint nobody will use
             raise
