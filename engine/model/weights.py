@@ -2,7 +2,8 @@
 
 Owns: finding the checkpoint's files (`model.safetensors`, the shards of `model.safetensors.index.json`, or any
 `*.safetensors`), and copying each stored tensor into the model parameter or buffer of the same Hugging Face name,
-one tensor at a time (never the whole checkpoint in memory), converting dtype and device on the copy.
+one tensor at a time (never the whole checkpoint in memory), converting dtype and device on the copy. For a CUDA
+model whole tensors are read straight into device memory through pinned buffers (engine.model.staged_reads).
 The model owns its parameters (dtype, device, names); this module only fills them.
 Names the model must match: `model.state_dict()` keys are exactly the checkpoint's tensor names.
 Tensor parallelism: given `slices` (engine.model.parallel.TPLayout.slices), a rank reads only its part of each cut
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from safetensors import safe_open
 from engine.config_error import ConfigError
 from engine.kv_quant import is_kv_scale
 from engine.model.checkpoint_checks import SCALE_SUFFIXES, check_loaded, check_stored
+from engine.model.staged_reads import StagedReader
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -90,6 +93,21 @@ def _read(f, name: str, target: torch.Tensor, cut: tuple[int, int, int, int] | N
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
+def _read_staged(staged: StagedReader, name: str, target: torch.Tensor, path: Path,
+                 compute_dtype: torch.dtype | None) -> torch.Tensor:
+    """Tensor `name`, whole, on `target`'s device through `staged` (its dtype checked from the header first)."""
+    dtype, shape = staged.meta(name)
+    if shape != tuple(target.shape):
+        raise WeightsError(f"{path}: tensor {name!r} has shape {shape} in the checkpoint but {tuple(target.shape)} in "
+                           "the model")
+    check_stored(path, name, torch.empty(shape, dtype=dtype, device="meta"), target, compute_dtype)
+    return staged.read(name, target)
+
+
+def _device(targets: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(t.device for t in targets.values() if t.is_cuda)
+
+
 def _compute_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
     """The dtype the FP8 linear owning scale `name` computes in (Fp8Linear.out_dtype); None for other tensors."""
     if not name.endswith(SCALE_SUFFIXES):
@@ -130,9 +148,11 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
     targets = model.state_dict()
     loaded: set[str] = set()
     tied_head_file: Path | None = None
+    on_cuda = any(t.is_cuda for t in targets.values())
     with torch.no_grad():
         for path in checkpoint_files(folder):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with safe_open(str(path), framework="pt", device="cpu") as f, \
+                    (StagedReader(path, _device(targets)) if on_cuda else nullcontext()) as staged:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if name.endswith("rotary_emb.inv_freq") or is_kv_scale(name):  # KV scales: engine.kv_quant
                         continue
@@ -145,11 +165,16 @@ def load_weights(model: torch.nn.Module, folder: str | Path,
                                 "list names this linear)" if name.endswith(SCALE_SUFFIXES) else "")
                         raise WeightsError(f"{path}: unexpected tensor {name!r} (the model has no such entry){hint}")
                     cut = slices.get(name)
-                    part = _read(f, name, target, cut, path)
-                    check_stored(path, name, part, target, _compute_dtype(model, name))
+                    if staged is not None and cut is None and target.is_cuda and not name.endswith(SCALE_SUFFIXES):
+                        part = _read_staged(staged, name, target, path, _compute_dtype(model, name))
+                    else:
+                        part = _read(f, name, target, cut, path)
+                        check_stored(path, name, part, target, _compute_dtype(model, name))
                     stats.tensors += 1
                     stats.bytes += part.numel() * part.element_size()
-                    if part.shape == target.shape:
+                    if part is target:  # read in place (engine.model.staged_reads)
+                        pass
+                    elif part.shape == target.shape:
                         target.copy_(part)
                     else:  # the padded tail of the last vocabulary shard
                         target.zero_()
