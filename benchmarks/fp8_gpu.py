@@ -121,12 +121,10 @@ ATTENTION_LAUNCHES = (None, (64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (1
 ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
 
 
-def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, fp8_dots: tuple[int, ...] = (0,)
-                       ) -> None:
+def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000) -> None:
     """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
     K/V): its KV read rate against the copy bandwidth for each launch configuration (at the default split count)
-    and each split count (at the default launch), then the best pair of the two; the fp8 cache once per FP8_DOT mode
-    of `fp8_dots` (engine.kernels.decode_attention: 0 widens K and V, 1 runs QK^T on FP8 MMAs, 2 PV as well)."""
+    and each split count (at the default launch), then the best pair of the two."""
     from triton.testing import do_bench
 
     from engine.kernels.decode_attention import decode_attention
@@ -137,16 +135,15 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, f
     tables = torch.randperm(blocks - 8, device="cuda")[: batch * per_seq].view(batch, per_seq).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     base = torch.randn(blocks, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
-    fp8 = base.to(torch.float8_e4m3fn)
-    plain = [(launch, None) for launch in ATTENTION_LAUNCHES] + [(None, s) for s in ATTENTION_SPLITS[1:]]
-    for name, layer, fp8_dot in (("bf16", base, 0), *((f"fp8 dot{m}", fp8, m) for m in fp8_dots)):
+    for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
         nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
+        variants = [(launch, None) for launch in ATTENTION_LAUNCHES] + [(None, s) for s in ATTENTION_SPLITS[1:]]
         times = {}
-        for launch, splits in plain:
+        for launch, splits in variants:
             try:
-                ms = do_bench(lambda launch=launch, splits=splits, layer=layer, fp8_dot=fp8_dot: decode_attention(
-                    q, layer, tables, lens, d ** -0.5, launch=launch, num_splits=splits, fp8_dot=fp8_dot), warmup=5,
-                    rep=40, return_mode="median")
+                ms = do_bench(lambda launch=launch, splits=splits, layer=layer: decode_attention(
+                    q, layer, tables, lens, d ** -0.5, launch=launch, num_splits=splits), warmup=5, rep=40,
+                    return_mode="median")
             except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot run: reported)
                 print(json.dumps({"attention": name, "launch": launch, "splits": splits,
                                   "error": str(e).splitlines()[0][:120]}))
@@ -173,7 +170,7 @@ def attention(args: argparse.Namespace) -> None:
                       "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
     for case in args.cases.split(","):
         batch, context = (int(v) for v in case.split("x"))
-        attention_variants(bandwidth, batch, context, tuple(int(m) for m in args.fp8_dots.split(",")))
+        attention_variants(bandwidth, batch, context)
 
 
 def decode(args: argparse.Namespace) -> None:
@@ -411,7 +408,6 @@ def main() -> None:
     p.set_defaults(run=gemm_sweep)
     p = commands.add_parser("attention", help="the decode attention kernel alone: launches and split counts")
     p.add_argument("--cases", default="1x1024,64x2048,16x8000", help="comma-separated BATCHxCONTEXT")
-    p.add_argument("--fp8-dots", default="0,1,2", help="the fp8 cache's FP8_DOT modes to time (comma-separated)")
     p.set_defaults(run=attention)
     args = parser.parse_args()
     args.run(args)

@@ -90,52 +90,19 @@ def _fp8_cache(gen: torch.Generator, nb: int, bs: int, kvh: int, d: int) -> tupl
     return kv, deq
 
 
-def _decode_case(seed: int) -> tuple:
-    """(q [3, 8, 32] bf16, fp8 cache, its dequantized copy, block tables, context lengths, the contexts) of 2 KV
-    heads, 8-token blocks."""
-    gen = torch.Generator().manual_seed(seed)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_reads_an_fp8_cache(splits):
+    gen = torch.Generator().manual_seed(2)
     bs, kvh, h, d, nb = 8, 2, 8, 32, 24
     kv, deq = _fp8_cache(gen, nb, bs, kvh, d)
     contexts = [1, 19, 40]
     tables = make_tables(gen, contexts, bs, 6, nb)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
     q = torch.randn(3, h, d, generator=gen).to(torch.bfloat16).to(DEV)
-    return q, kv, deq, tables, lens, contexts
-
-
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_attention_reads_an_fp8_cache(splits):
-    q, kv, deq, tables, lens, contexts = _decode_case(2)
-    d = q.shape[-1]
     out = decode_attention(q, kv, tables, lens, d ** -0.5, num_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE)
     for i, ctx in enumerate(contexts):
         want = reference(q[i:i + 1], deq, tables[i], ctx, d ** -0.5, None)[0]
         assert (out[i].double() - want).abs().max() < 2e-2
-
-
-@pytest.mark.parametrize("fp8_dot,splits", [(1, 1), (1, 4), (2, 1), (2, 4)])
-def test_decode_attention_on_fp8_tensor_cores(fp8_dot, splits):
-    """FP8_DOT 1 rounds q to e4m3 by each head's max (q / (amax / 448)), so the result is attention with that q
-    within the activations' rounding; 2 also rounds P * 448 (P in [0, 1]) to e4m3: a relative error of at most 2^-4
-    on each weight of an output (a convex mix of V's rows), so at most 2^-4 * max|V| more (a weight under e4m3's
-    normals, P < 2^-6 / 448, moves by at most 2^-10 / 448, which the sum over 40 keys keeps far below that)."""
-    q, kv, deq, tables, lens, contexts = _decode_case(3)
-    d = q.shape[-1]
-    out = decode_attention(q, kv, tables, lens, d ** -0.5, num_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE,
-                           fp8_dot=fp8_dot)
-    q_scale = q.float().abs().amax(-1, keepdim=True) / 448.0
-    q_rounded = (q.float() / q_scale).to(FP8).double() * q_scale.double()
-    v_max = deq[:, 1].abs().max().item()
-    bound = 2e-2 + (2.0 ** -4 * v_max if fp8_dot == 2 else 0.0)
-    worst = 0.0
-    for i, ctx in enumerate(contexts):
-        want = reference(q_rounded[i:i + 1], deq, tables[i], ctx, d ** -0.5, None)[0]
-        worst = max(worst, (out[i].double() - want).abs().max().item())
-    assert worst < bound, (worst, bound)
-    with pytest.raises(ValueError, match="fp8_dot must be 0, 1 or 2"):
-        decode_attention(q, kv, tables, lens, d ** -0.5, fp8_dot=3)
-    with pytest.raises(ValueError, match="for an fp8 cache only"):
-        decode_attention(q, deq.to(torch.bfloat16), tables, lens, d ** -0.5, fp8_dot=1)
 
 
 def test_prefill_attention_reads_an_fp8_cache():

@@ -14,15 +14,8 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
-from engine.kernels.e4m3 import FP8_MAX, to_e4m3
 
 LOG2E = 1.4426950408889634
-# An fp8 cache's tensor-core math (the kernel's FP8_DOT): 0 widens K and V to float16 for float16 MMAs; 1 rounds q to
-# e4m3 (a scale per head) so QK^T runs on FP8 MMAs straight from K's tiles, V still widened; 2 also rounds P * 448
-# to e4m3 for FP8 MMAs on V's tiles (as FlashAttention-3's FP8 path does). Modes 1 and 2 have run only in Triton's
-# interpreter (tests/test_kv_fp8_kernels.py), never on a GPU: `bash benchmarks/gpu_run.sh fp8attn` times all three,
-# and the default changes only by that measurement and the GPU accuracy tests.
-DEFAULT_FP8_DOT = 0
 MERGE_TILE = 8192  # fp32 elements of the merge's [GROUP, splits, D] tile: 64 registers a thread at 4 warps
 
 
@@ -53,7 +46,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, FP8_DOT: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -80,14 +73,7 @@ def _decode_split_kernel(
         d_mask = offs_d < HEAD_DIM
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-        if FP8_DOT > 0:  # q rounded to e4m3 by its row's max (q_scale), for K's e4m3 tiles on FP8 tensor cores
-            qf = q.to(tl.float32)
-            amax = tl.max(tl.abs(qf), 1)
-            q_scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-            q = to_e4m3(qf / q_scale[:, None])
-            if DOT_F32:  # the interpreter: the same rounded values, fp32 math
-                q = q.to(tl.float32)
-        elif DOT_F32:
+        if DOT_F32:
             q = q.to(tl.float32)
         elif WIDEN_F16:  # an fp8 cache: e4m3 widens to float16 in one instruction (bfloat16 takes several)
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
@@ -106,33 +92,18 @@ def _decode_split_kernel(
             k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
-            if FP8_DOT < 2:  # V widened (FP8_DOT 2 reads V's e4m3 tiles as they are)
-                if DOT_F32:
-                    v = v.to(tl.float32)
-                elif WIDEN_F16:
-                    v = v.to(tl.float16)
-                else:
-                    v = v.to(q.dtype)
+            v = v.to(q.dtype)
             if DOT_F32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            if FP8_DOT > 0:
-                s = s * q_scale[:, None]
             s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8_DOT == 2:  # P (in [0, 1]) times 448 rounded to e4m3, V's e4m3 tiles as they are; 1/448 at the end
-                p8 = to_e4m3(p * FP8_MAX)
-                if DOT_F32:
-                    pv = tl.dot(p8.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(p8, v)
-                acc = acc * alpha[:, None] + pv
-            elif DOT_F32:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if DOT_F32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -141,7 +112,7 @@ def _decode_split_kernel(
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
         if kv_ptr.dtype.element_ty == tl.float8e4nv:  # an fp8 cache: its values are V / v_scale
-            o = o * (v_scale / FP8_MAX if FP8_DOT == 2 else v_scale)
+            o = o * v_scale
         if NUM_SPLITS == 1:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -245,14 +216,12 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, launch: tuple[int, int, int] | None = None,
-                     fp8_dot: int | None = None) -> torch.Tensor:  # [B, H, D]
+                     v_scale: float = 1.0, launch: tuple[int, int, int] | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
     dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` (BLOCK_N, num_warps,
-    num_stages) overrides _launch_config and `fp8_dot` (0-2; 1 and 2 for an fp8 cache only) DEFAULT_FP8_DOT
-    (benchmarks time several)."""
+    num_stages) overrides _launch_config (benchmarks time several)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
@@ -267,10 +236,6 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         return out
 
     fp8_cache = kv_layer.dtype == torch.float8_e4m3fn
-    if fp8_dot is None:
-        fp8_dot = DEFAULT_FP8_DOT if fp8_cache else 0
-    elif fp8_dot not in (0, 1, 2) or (fp8_dot and not fp8_cache):
-        raise ValueError(f"fp8_dot must be 0, 1 or 2 (1 and 2 for an fp8 cache only), got {fp8_dot!r}")
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -300,7 +265,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
         MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
-        WIDEN_F16=not dot_f32 and kv_layer.dtype == torch.float8_e4m3fn, FP8_DOT=fp8_dot,
+        WIDEN_F16=not dot_f32 and kv_layer.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
