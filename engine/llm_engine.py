@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,10 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         clock = PhaseClock()  # start-up phases: config, then build_rank's (weights, kv_cache, *graphs), warmup
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(path)
-        self.tokenizer = Tokenizer.from_folder(path)
+        # the tokenizer (a 128k vocabulary's tokenizer.json: a few hundred ms) is read beside the weights' load
+        reading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer = reading.submit(Tokenizer.from_folder, path)
+        reading.shutdown(wait=False)
         mc = self.model_config
         dtype = mc.torch_dtype if config.dtype == "auto" else config.dtype
         max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -119,6 +123,7 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         except BaseException:
             self.close()
             raise
+        self.tokenizer = tokenizer.result()
         self.model, self.uses_kernels, self.kv_cache = rank.model, rank.uses_kernels, rank.kv_cache
         self.kv_spec, self.kv_head_range, self.num_kv_blocks = rank.kv_spec, rank.kv_head_range, rank.num_kv_blocks
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
