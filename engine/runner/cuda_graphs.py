@@ -136,4 +136,5 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, meta)
             return self.model.compute_logits(hidden)  # [b, vocab]
 
-        self.graphs[b] = capture_graph(step, self.deferred.memory_pool(), self.stream)  # (graph, logits)
+        self.graphs[b] = capture_graph(step, self.deferred.memory_pool(),
+                                       self.stream or self.deferred.stream())  # (graph, logits)

@@ -23,8 +23,9 @@ def capture_graph(fn: Callable[[], T], pool: tuple,
     """Run fn() once on a side stream (it compiles the kernels and settles the allocator), then capture it into a
     graph sharing memory `pool` (torch.cuda.graph_pool_handle()). Returns the graph and fn's output of the capture,
     whose tensors hold each replay's results. `stream`: warm up and capture there (a green context's stream, whose
-    SMs the graph's kernels then keep: engine.runner.sm_lanes); None: a side stream of the device's. Stream order
-    puts both after the work queued on the current stream (and on `stream`) so far."""
+    SMs the graph's kernels then keep: engine.runner.sm_lanes); None: a new side stream. Stream order puts both after
+    the work queued on the current stream (and on `stream`) so far. The warm-up's freed blocks stay cached for that
+    stream (nothing here empties the allocator's cache): captures in a row share one (DeferredCaptures.stream)."""
     side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -47,11 +48,18 @@ class DeferredCaptures(Generic[K]):
         self.pending: list[K] = list(pending)
         self.failed: set[K] = set()
         self.pool: tuple | None = None  # the graph memory pool all of the set's graphs share
+        self._stream: torch.cuda.Stream | None = None
 
     def memory_pool(self) -> tuple:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
+
+    def stream(self) -> torch.cuda.Stream:
+        """The side stream the set's captures and their warm-up runs share (one allocator cache for all of them)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     def take(self, key: K | None = None) -> K | None:
         """Remove and return `key` (or the next pending bucket) if it is pending."""

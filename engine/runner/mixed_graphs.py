@@ -77,8 +77,8 @@ class MixedGraphs:
             return False
         self.slots.fill_(-1)
         try:
-            pieces = [capture_graph(lambda i=i: self._piece(i, n), self.deferred.memory_pool())[0]
-                      for i in range(len(self.layers) + 1)]
+            pieces = [capture_graph(lambda i=i: self._piece(i, n), self.deferred.memory_pool(),
+                                    self.deferred.stream())[0] for i in range(len(self.layers) + 1)]
         except (torch.cuda.OutOfMemoryError, RuntimeError):
             self.deferred.failed.add(n)
             log.warning("mixed-step graphs of %d tokens: capture failed; such steps run in a larger bucket or "
@@ -129,8 +129,8 @@ class MixedGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         # The slots are all -1 before the first step: capturing stores no K/V.
-        pool = self.deferred.memory_pool()
+        pool, stream = self.deferred.memory_pool(), self.deferred.stream()
         for n in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its memory
-            self.graphs[n] = [capture_graph(lambda i=i, n=n: self._piece(i, n), pool)[0]
+            self.graphs[n] = [capture_graph(lambda i=i, n=n: self._piece(i, n), pool, stream)[0]
                               for i in range(len(self.layers) + 1)]
         torch.cuda.synchronize()

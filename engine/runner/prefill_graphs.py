@@ -172,4 +172,5 @@ class PrefillGraphs:
         torch.cuda.synchronize()
 
     def _capture_one(self, tb: int, nb: int) -> None:
-        self.graphs[(tb, nb)] = capture_graph(lambda: self._forward(tb, nb), self.deferred.memory_pool())  # hidden
+        self.graphs[(tb, nb)] = capture_graph(lambda: self._forward(tb, nb), self.deferred.memory_pool(),
+                                              self.deferred.stream())  # (graph, hidden)
