@@ -20,6 +20,8 @@
 #   (benchmarks/recovery.py kill).
 # recovery1 (1 GPU, issue 45): the same with both workers sharing GPU 0 (num_gpus 0.5, 8 GiB of KV each), decode-0
 #   then prefill-0 killed: the replacement's time to /health 200 and its phases (warm processes on: the default).
+#   Each kill comes SETTLE_S (10) seconds into the load: the process started ahead after the pools' start needs ~7 s
+#   on an H200 (Ray's worker boot and pool_worker.preload); a kill at 5 s found it still importing (handover 3.4 s).
 # tenants: the same layout; a high-priority tenant's TTFT alone and under a low-priority flood, preemptions.
 # tp (2 GPUs) = tpcuda (TP=2 kernel/graph tests) + tptransfer (P TP=2 <-> D TP=1 over NCCL + cuda_ipc) + allreduce
 #   (NCCL vs one-shot all-reduce at batch 1) + tpscale (the 8B decode step at TP=1 vs TP=2): benchmarks/tp_gpu.py.
@@ -148,7 +150,7 @@ for step in "$@"; do
       timeout 420 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
         --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set prefill.kv_cache_memory_bytes=8589934592 \
         --set decode.kv_cache_memory_bytes=8589934592 --workdir "$OUT/recovery1" --recovery-timeout-s 150 \
-        --kill ${KILL:-decode-0 prefill-0} ${RECOVERY_ARGS:-} 2>&1 | tee "$OUT/recovery1.log" | grep -v "^(" | tail -30 ;;
+        --settle-s ${SETTLE_S:-10} --kill ${KILL:-decode-0 prefill-0} ${RECOVERY_ARGS:-} 2>&1 | tee "$OUT/recovery1.log" | grep -v "^(" | tail -30 ;;
     tenants)
       [ -d /tmp/l1b ] || python3 benchmarks/make_random_checkpoint.py llama-3.2-1b /tmp/l1b --device cuda
       timeout 400 python3 benchmarks/tenant_priority.py --config configs/gpu-1p1d-llama3-8b.yaml --model /tmp/l1b \
