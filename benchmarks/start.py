@@ -293,7 +293,7 @@ def run_layout(args: argparse.Namespace, name: str, overrides: dict, workdir: Pa
     second, good2, n2 = _goodput(results, t0 + args.window, t0 + 2 * args.window, slo)
     first_token = min((r.chunk_times[0] for r in results if r.chunk_times), default=None)
     log = (workdir / name / "server.log").read_text(errors="replace")
-    phases = re.findall(r"worker (\S+) ready(?: \([^)]*\))?: (.*)", log)
+    phases = re.findall(r"worker (\S+) ready: (.*?)(?: \([^)]*\))?$", log, re.MULTILINE)
     return {"layout": name, "ready_s": round(ready_s, 1),
             "first_token_s": round(first_token - launched, 1) if first_token is not None else None,
             "goodput_first": round(first, 2),

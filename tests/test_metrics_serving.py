@@ -77,6 +77,7 @@ _GAUGES = (
     "pdserve_worker_requests_routed", "pdserve_worker_running", "pdserve_worker_state", "pdserve_worker_total_blocks",
     "pdserve_worker_step_time_ratio", "pdserve_worker_straggler", "pdserve_worker_start_seconds",
     "pdserve_worker_engine_grammar_load_s",
+    "pdserve_worker_engine_graphs_pending", "pdserve_worker_engine_graph_capture_s",
     "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
     "vllm:num_requests_waiting_by_reason")
 # every family /metrics exports (as its `# TYPE` lines name them: counters with `_total`), none other; besides these,

@@ -122,8 +122,8 @@ class Pools:
         started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i, replace_process=False)
                                                           for role, i in slots]), START_TIMEOUT_S)
         for w in started:  # start-up time per phase, the operator's first question about a slow start
-            log.warning("worker %s ready (%s): %s", w.name, since_launch() or "started",
-                        ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s))
+            log.warning("worker %s ready: %s (%s)", w.name, ", ".join(f"{k} {v:.2f} s" for k, v in w.info.startup_s),
+                        since_launch() or "started")
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
         for wave in waves(self._links(started)):  # one direction of every pair, then the other
