@@ -39,6 +39,22 @@ class LogitsRecorder:
         return torch.stack(self.rows[id(params)])  # [steps, V]
 
 
+def assert_greedy_matches(llm, prompts: list[list[int]], refs: list[tuple[list[int], torch.Tensor]], new_tokens: int,
+                          tolerance: float) -> None:
+    """`llm.generate`'s greedy tokens equal transformers' (`refs`: hf_greedy's) and its logits are within
+    `tolerance`, for `new_tokens` tokens each; the engine's sampler is put back afterwards."""
+    recorder = LogitsRecorder(llm.engine)
+    params = [SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True) for _ in prompts]
+    try:
+        outs = llm.generate(prompts, params)
+        for out, p, (tokens, logits) in zip(outs, params, refs, strict=True):
+            assert out.token_ids == tokens[:new_tokens]
+            diff = (recorder.logits_of(p).cpu() - logits[:new_tokens]).abs().max().item()
+            assert diff < tolerance, f"max abs logits difference {diff}"
+    finally:
+        llm.engine.runner.sampler = recorder.sampler
+
+
 def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]

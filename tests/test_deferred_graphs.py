@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.engine_config import EngineConfig
 from engine.runner.deferred_graphs import BUSY_SPACING, DeferredGraphs
-from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
+from tests.engine_helpers import LogitsRecorder, assert_greedy_matches, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
 LENGTHS = (5, 17, 40, 9, 23, 31, 12, 7, 19, 28, 14, 36)  # 12 streams: above the 8-row buckets captured at start
@@ -71,14 +71,7 @@ def test_idle_captures_back_to_back_busy_ones_spaced_by_their_cost():
 
 
 def _check(llm: LLM, prompts, refs) -> None:
-    recorder = LogitsRecorder(llm.engine)
-    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for _ in prompts]
-    outs = llm.generate(prompts, params)
-    for out, p, (tokens, logits) in zip(outs, params, refs, strict=True):
-        assert out.token_ids == tokens[:NEW_TOKENS]
-        diff = (recorder.logits_of(p).cpu() - logits[:NEW_TOKENS]).abs().max().item()
-        assert diff < 1e-4, f"max abs logits difference {diff}"
-    llm.engine.runner.sampler = recorder.sampler
+    assert_greedy_matches(llm, prompts, refs, NEW_TOKENS, 1e-4)
     counts = llm.engine.check_integrity()
     assert counts["in_use"] == 0 and counts["pinned"] == 0
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
+from tests.engine_helpers import LogitsRecorder, assert_greedy_matches, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
 pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
@@ -16,13 +16,7 @@ LENGTHS = (5, 17, 40)
 
 
 def check(llm: LLM, prompts, refs, tolerance: float) -> None:
-    recorder = LogitsRecorder(llm.engine)
-    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for _ in prompts]
-    outs = llm.generate(prompts, params)
-    for out, p, (ref_tokens, ref_logits) in zip(outs, params, refs, strict=True):
-        assert out.token_ids == ref_tokens
-        diff = (recorder.logits_of(p).cpu() - ref_logits).abs().max().item()
-        assert diff < tolerance, f"max abs logits difference {diff}"
+    assert_greedy_matches(llm, prompts, refs, NEW_TOKENS, tolerance)
     counts = llm.engine.check_integrity()
     assert counts["in_use"] == 0 and counts["pinned"] == 0
 

@@ -6,9 +6,9 @@ GPU they are captured and replayed for real."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.runner.mixed_graphs import MixedGraphs, mixed_buckets
-from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
+from tests.engine_helpers import assert_greedy_matches, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
 pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
@@ -41,13 +41,7 @@ def test_mixed_and_prefill_steps_through_the_pieces_match_transformers(checkpoin
     graphs.positions.copy_(torch.arange(graphs.positions.shape[0]))
     graphs.residual.normal_()
     graphs.o.normal_()
-    recorder = LogitsRecorder(engine)
-    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True) for _ in prompts]
-    outs = llm.generate(prompts, params)
-    for out, p, (tokens, logits) in zip(outs, params, refs, strict=True):
-        assert out.token_ids == tokens[:NEW_TOKENS]
-        diff = (recorder.logits_of(p).cpu() - logits[:NEW_TOKENS]).abs().max().item()
-        assert diff < 1e-4, f"max abs logits difference {diff}"
+    assert_greedy_matches(llm, prompts, refs, NEW_TOKENS, 1e-4)
     assert graphs.replays >= 2, "the prompt steps were meant to run through the pieces"
     counts = engine.check_integrity()
     assert counts["in_use"] == 0 and counts["pinned"] == 0
