@@ -32,6 +32,9 @@ benchmarks/gpu_run.sh fp8`; S: `gemm-sweep`, `bash benchmarks/gpu_run.sh fp8swee
   measured first. Prints one JSON line per (GEMM, M) and the best configuration per M bucket; --out keeps every
   figure. `--qkv-rope`: only the fused q/k/v GEMV + RoPE + KV store's launches.
 
+- `pdl --bf16 ... --fp8 ...` (`bash benchmarks/gpu_run.sh pdl`): the decode cases with programmatic dependent
+  launch (engine.kernels.pdl, on by default on Hopper) against `PDSERVE_PDL=0`, bf16 and FP8 + fp8 KV.
+
 (Until f1a5769 these were two programs: fp8_decode_gpu.py and fp8_gemm_sweep.py.)
 """
 
@@ -41,6 +44,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -202,6 +206,25 @@ def decode(args: argparse.Namespace) -> None:
     print(json.dumps({"case": "KV capacity, same bytes", "kv_bytes": kv_bytes,
                       "bf16_kv_tokens": bf16["long"]["kv_tokens"], "fp8_kv_tokens": kv8["long"]["kv_tokens"],
                       "ratio": round(kv8["long"]["kv_tokens"] / bf16["long"]["kv_tokens"], 3)}), flush=True)
+
+
+def pdl(args: argparse.Namespace) -> None:
+    """Each decode case with programmatic dependent launch (engine.kernels.pdl) against ordinary launches, one
+    engine each, bfloat16 (bf16 KV) and FP8 weights (fp8 KV), in one process."""
+    check_inputs(args.bf16, args.fp8)
+    bandwidth, flops = ceilings()
+    print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
+                      round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
+        rows = {}
+        for flag in ("0", "1"):
+            os.environ["PDSERVE_PDL"] = flag  # read at every launch; the engine captures its graphs under it
+            rows[flag] = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
+                                 kv_cache_dtype=kv)
+        for name in ("decode1", "decode64"):
+            compare(f"PDL vs ordinary launches, {'fp8 weights + fp8 KV' if fp8 else 'bf16'}, "
+                    f"{rows['0'][name]['case']}", rows["0"][name], rows["1"][name])
 
 
 SHAPES = {"llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -399,6 +422,12 @@ def main() -> None:
     p.add_argument("--events", action="store_true", help="time live decode steps with CUDA events too")
     p.add_argument("--only", choices=("bf16", "fp8"), help="measure one engine's decode and prefill only")
     p.set_defaults(run=decode)
+    p = commands.add_parser("pdl", help="decode steps with programmatic dependent launch against without")
+    p.add_argument("--bf16", required=True, help="a bfloat16 checkpoint folder (e.g. the Llama-3-8B shape)")
+    p.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--kv-gib", type=float, default=40)
+    p.set_defaults(run=pdl)
     p = commands.add_parser("gemm-sweep", help="one layer's GEMMs at each M, every way, against the read floor")
     p.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     p.add_argument("--gemms", default=None, help="comma-separated subset of the shape's GEMMs")

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
+from engine.kernels.pdl import pdl_args, wait_for_inputs
 from engine.kernels.skinny_gemm import gemv_tile
 
 FP8 = torch.float8_e4m3fn
@@ -39,7 +40,7 @@ MAX_SPLIT_K = 4
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, HAS_XS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Grid (cdiv(N, BLOCK_N),): engine.kernels.skinny_gemm's program over an e4m3 weight (upcast in registers) and
     # e4m3 x with per-row scales, or 16-bit x (HAS_XS false: weight-only)
     offs_m = tl.arange(0, BLOCK_M)
@@ -47,7 +48,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, str
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K)  # [BLOCK_M, BLOCK_N]
+    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL)  # [BLOCK_M, BLOCK_N]
     acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_XS:
         acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
@@ -60,13 +61,14 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, str
 @triton.jit
 def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_SPLIT, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T
     # tile [BLOCK_K, BLOCK_M] over this split's K_SPLIT columns of K (a multiple of BLOCK_K). x^T's tile is
     # K-contiguous per token: the K-major B operand FP8 MMAs take. With SPLIT_K > 1 (an N too narrow to give every
     # SM a tile) each split writes its float32 sum to `part` and counts itself in on its tile's semaphore; the one
     # that arrives last adds the splits' sums, writes the tile and sets the semaphore back to 0 for the next call
     # (engine.kernels.decode_attention merges its splits the same way: no second launch).
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,7 +206,7 @@ def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tenso
             x, x_scales if x_scales is not None else w_scales, weight, w_scales, bias if bias is not None else w_scales,
             out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
             HAS_XS=x_scales is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps)
+            num_warps=warps, **pdl_args(x.device))
     return out
 
 
@@ -238,5 +240,5 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
             x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
             BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **pdl_args(x.device))
     return out

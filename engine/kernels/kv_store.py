@@ -17,6 +17,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.e4m3 import to_e4m3
+from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations' (k and v)
 CACHE_DTYPES = (*KV_DTYPES, torch.float8_e4m3fn)  # a cache's: the activations' or fp8
@@ -40,10 +41,12 @@ def _store_kv_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     BS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (T,): one program per token moves its whole [KVH, D] K row and V row (a few KiB: one tile, no loop).
     # A negative slot folds into the store mask (no branch); the block offset is computed in int64 because the
     # block stride spans all layers and block_id * stride overflows int32 on large caches.
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     block = slot // BS
@@ -96,7 +99,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: to
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         BS=bs, KVH=kvh, D=d,
         BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4,
+        num_warps=4, **pdl_args(k.device),
     )
 
 

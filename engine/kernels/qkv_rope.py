@@ -17,6 +17,7 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.kv_store import check_kv_args, check_scales, to_cache
+from engine.kernels.pdl import pdl_args
 from engine.kernels.rope import check_rope_args, rotate_halves, round_to
 from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
 
@@ -27,13 +28,14 @@ from engine.kernels.skinny_gemm import MAX_M, gemv_tile, launch_config
 # projection's output, rotates them if they belong to q or k (the tables rounded to the dtype, each product and the
 # sum rounded: rope.py's numerics), writes them to the qkv output, and stores k and v into the token's cache slot
 # (a negative slot stores nothing). The position, table and slot loads do not depend on the GEMV: issued first,
-# they wait behind the weight stream rather than after it.
+# they wait behind the weight stream rather than after it. They are step inputs, which no kernel of the step
+# writes, so under PDL they may be read before gemv_tile waits for the previous kernel (engine.kernels.pdl).
 @triton.jit
 def _qkv_rope_store_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, k_scale, v_scale, xs_ptr, ws_ptr,
     M, K, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs, stride_ch,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, HAS_XS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, HAS_XS: tl.constexpr, PDL: tl.constexpr,
 ):
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     head = tl.program_id(0) // HALF
@@ -50,7 +52,7 @@ def _qkv_rope_store_kernel(
     pair = tl.arange(0, 2)
     cols = head * 2 * HALF + j + pair * HALF  # [2]: columns j and j + HALF of this head
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K)  # [BLOCK_M, 2]
+    acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K, PDL)  # [BLOCK_M, 2]
     if SCALED:  # an FP8 weight: W ~= w_q * w_scale (per output column); e4m3 x ~= x_q * x_scale (per row)
         acc = acc * tl.load(ws_ptr + cols)[None, :]
     if HAS_XS:
@@ -149,6 +151,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         H=num_heads, KVH=num_kv_heads, HALF=d // 2, BS=kv_layer.shape[2], HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, SCALED=scaled, HAS_XS=x_scales is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(x.device),
     )
     return out

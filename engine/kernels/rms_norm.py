@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
+from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_N = 65536  # one row is one register tile; wider rows would spill (models use N <= 8192)
@@ -45,8 +46,10 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr,
     stride_x, stride_r, stride_o, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (T,): one program per row (rms_norm_row)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     y, mask = rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps, N, BLOCK_N, HAS_RESIDUAL)
     tl.store(out_ptr + row * stride_o + tl.arange(0, BLOCK_N), y, mask=mask)
@@ -93,6 +96,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x, r, weight, out,
             x.stride(0), r.stride(0), out.stride(0), float(eps),
             N=n, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block_n // 512)),
+            num_warps=min(16, max(1, block_n // 512)), **pdl_args(x.device),
         )
     return out if residual is None else (out, residual)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.kv_store import KV_DTYPES, check_kv_args, check_scales, to_cache
+from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 POS_DTYPES = (torch.int64, torch.int32)
 
@@ -75,9 +76,11 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_p,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (T,): one program per token rotates all its q heads and k heads (each a [heads, D/2] x 2 tile), so the
     # cos/sin row is loaded once per token and the whole step is one launch.
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     c1, s1, c2, s2 = _load_tables(cos_ptr, sin_ptr, pos_ptr, t, stride_p, HALF, BLOCK_HALF,
                                   q_ptr.dtype.element_ty)
@@ -92,9 +95,11 @@ def _rope_store_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     BS: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (T,): as _rope_kernel, then the same program stores its rotated k (still in registers) and its v row
     # into the cache slot; a negative slot folds into the store mask. One launch per layer instead of two.
+    wait_for_inputs(PDL)
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     CACHE: tl.constexpr = kv_ptr.dtype.element_ty  # DTYPE, or fp8 (stores k / k_scale, v / v_scale)
     t = tl.program_id(0)
@@ -151,7 +156,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
         H=h, KVH=kvh, HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        num_warps=4,
+        num_warps=4, **pdl_args(q.device),
     )
 
 
@@ -176,5 +181,5 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         BS=bs, H=h, KVH=kvh, HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        num_warps=4,
+        num_warps=4, **pdl_args(q.device),
     )

@@ -13,15 +13,18 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
+from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 1024  # elements of one row per program: 8 per thread at 4 warps, 16-byte vectors in bf16
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     # Grid (T, cdiv(INTER, BLOCK)): each program reads BLOCK gate values and the BLOCK up values INTER columns later
     # in the same row and writes BLOCK outputs; purely bandwidth-bound, so the tile only has to be wide and contiguous.
+    wait_for_inputs(PDL)
     DTYPE = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -50,5 +53,6 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         block = min(BLOCK, triton.next_power_of_2(i))
         _silu_mul_kernel[(t, triton.cdiv(i, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), INTER=i, BLOCK=block, num_warps=4,
+            **pdl_args(gate_up.device),
         )
     return out

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
+from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_M = 16
@@ -28,35 +29,51 @@ MAX_M = 16
 # cuBLAS's tensor-core kernels win (the model switches at engine.model.SKINNY_ROWS).
 @triton.jit
 def gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # [BLOCK_M, BLOCK_N] fp32: rows 0..M-1 of x times the weight rows at `w_rows` ([BLOCK_N, 1] pointers, masked by
-    # n_mask [BLOCK_N]) over K. Shared with engine.kernels.qkv_rope.
-    offs_m = tl.arange(0, BLOCK_M)
+    # n_mask [BLOCK_N]) over K. Waits for the previous kernel (engine.kernels.pdl) itself: under PDL the first weight
+    # tile is requested before the wait, so the weight stream starts while the kernel before still runs; callers
+    # read nothing that kernel writes before calling this. Shared with engine.kernels.qkv_rope.
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if PDL:
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+        wait_for_inputs(PDL)
+        acc = _gemv_add(acc, x_ptr, w.to(tl.float32), offs_k, M, K, stride_xm, BLOCK_M)
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         ks = k0 + offs_k
-        k_mask = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0,
                     eviction_policy="evict_first").to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        for m in tl.static_range(BLOCK_M):
-            x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm  # rows past M repeat the last; never stored
-            x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-            part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
-            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        acc = _gemv_add(acc, x_ptr, w, ks, M, K, stride_xm, BLOCK_M)
+    return acc
+
+
+@triton.jit
+def _gemv_add(acc, x_ptr, w, ks, M, K, stride_xm, BLOCK_M: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] + each x row's columns `ks` [BLOCK_K] times the weight tile w [BLOCK_N, BLOCK_K] (fp32)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_mask = ks < K
+    for m in tl.static_range(BLOCK_M):
+        x_row = x_ptr + tl.minimum(m, M - 1) * stride_xm  # rows past M repeat the last; never stored
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
+        acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     return acc
 
 
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -103,6 +120,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(dev),
     )
     return out
