@@ -13,6 +13,7 @@
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_gpu.py decode).
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor;
 #   benchmarks/serve_load.py smoke).
+# pdl (1 GPU): the 8B decode steps (bf16; FP8 weights + fp8 KV) with programmatic dependent launch vs without.
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
 # fp8attn (1 GPU): the decode attention kernel alone on bf16 and fp8 caches at batch 1 / 1k, 64 / 2k and 16 / 8k,
 #   each launch configuration and split count (benchmarks/fp8_gpu.py attention; ATTN_ARGS=--cases ...).
@@ -50,6 +51,8 @@
 # coldstart1 (1 GPU, issue 45): the 8B shape (dummy weights) collocated on GPU 0: `pdserve serve` to /health 200, to
 #   the first streamed token and the first windows' goodput, with each worker's start phases (benchmarks/start.py
 #   serving): an empty Triton cache, then a second start, then a second start capturing every graph at start.
+# structured1 (1 GPU, issue 45): the same server alone, first and second start: the first json_schema request's
+#   stall on 8 running streams (their longest gap while it is served, against before it).
 # drift (1 GPU): the offline engine over fresh prompts run after run in one process: does it slow down, and why
 #   (benchmarks/engine_host.py drift).
 # prefill (1 GPU): a 64-token prompt's prefill on the engine alone (1B shape), beside the same engine's decode step
@@ -204,6 +207,12 @@ for step in "$@"; do
         --model /tmp/l8bd --rate 4 --layout "1P+1D:load_format=dummy" \
         --layout "collocated x2:mode=collocated,decode.workers=2,load_format=dummy" 2>&1 \
         | tee "$OUT/coldstart.log" | grep -v "^(" | tail -20 ;;
+    structured1)  # issue 45: the 8B shape collocated on GPU 0, this checkout alone (benchmarks/start.py server):
+      # /health 200 on a first and a second start, then the first json_schema request with 8 streams running
+      checkpoint8b
+      timeout ${STRUCT_TIMEOUT:-300} python3 benchmarks/start.py server --config configs/gpu-1p1d-llama3-8b.yaml \
+        --as-is --rounds 1 --streams 8 --kill none --set model=/tmp/l8bd --set mode=collocated \
+        --set decode.workers=1 --set load_format=dummy 2>&1 | tee "$OUT/structured1.log" | grep "^{" ;;
     coldstart1)  # a new machine's first start, then the second (graphs deferred: the default), then the second
       # with every graph captured at start (graph_capture start: the reference); their server logs into $OUT
       [ -d /tmp/l8bd ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd --no-weights
@@ -243,8 +252,13 @@ for step in "$@"; do
       sweep multiturnquick gpu-1x-llama3-8b-multiturn-quick "${SWEEP_TIMEOUT:-300}" ;;
     multiturnbusy)
       sweep multiturnbusy gpu-1x-llama3-8b-multiturn-busy "${SWEEP_TIMEOUT:-360}" ;;
-    multiturnagents)
-      sweep multiturnagents gpu-1x-llama3-8b-multiturn-agents "${SWEEP_TIMEOUT:-450}" ;;
+    multiturnagents)  # AGENT_RATES=5: other arrival rates (new conversations/s) than the YAML's 3
+      agents=gpu-1x-llama3-8b-multiturn-agents
+      if [ -n "${AGENT_RATES:-}" ]; then
+        sed "s/^  rates: \[3\]/  rates: [$AGENT_RATES]/" "configs/sweeps/$agents.yaml" > configs/sweeps/agents-rates.yaml
+        agents=agents-rates
+      fi
+      sweep multiturnagents "$agents" "${SWEEP_TIMEOUT:-450}" ;;
     adaptive2)
       sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" ;;
     adaptive2x2)  # two sweeps side by side, one pair of GPUs each
@@ -289,6 +303,11 @@ for step in "$@"; do
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_gpu.py decode --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
+    pdl)  # decode steps with programmatic dependent launch against ordinary launches (fp8_gpu.py pdl)
+      checkpoint8b
+      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+      timeout ${PDL_TIMEOUT:-400} python3 benchmarks/fp8_gpu.py pdl --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
+        --load-format dummy 2>&1 | tee "$OUT/pdl.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;

@@ -16,7 +16,9 @@ docs/benchmarks.md's "Start-up" rows and its "Worker start, CPU (issue 45 part 1
   /health shows the slot replaced, live, 200, with its start-up phases as /health reports them (where the checkout
   reports them).
   Prints every server's figures and, per measure, the means and their ratio (this / other). The other checkout
-  runs with its own directory first on PYTHONPATH (its coordinator and workers import its code).
+  runs with its own directory first on PYTHONPATH (its coordinator and workers import its code). Without
+  `--against` this checkout runs alone (its figures, no ratio: `bash benchmarks/gpu_run.sh structured1`, the 8B
+  shape on a GPU through `--set` overrides); `--kill none` skips the replacement.
 - `engine`: cold vs warm engine, the same workload run twice on one fresh LLMEngine, with Triton compilations
   counted. Prints one JSON line per pass and a summary: the wall time of each pass, the Triton kernel
   specialisations compiled during it (by kernel), and the ratio of the first pass's time to the second's. The
@@ -141,8 +143,10 @@ with tempfile.TemporaryDirectory() as tmp:
     with running_server(Path(tmp), config) as server:
         start_s = time.perf_counter() - t
         structured_s, stall_s, gap_before_s = asyncio.run(structured(server.url))
-        time.sleep(settle_s)
-        replace_s, recovery, phases = asyncio.run(replacement(server.url))
+        replace_s, recovery, phases = None, {}, None
+        if kill != "none":
+            time.sleep(settle_s)
+            replace_s, recovery, phases = asyncio.run(replacement(server.url))
     print(json.dumps({"start_s": start_s, "structured_s": structured_s, "stall_s": stall_s,
                       "gap_before_s": gap_before_s, "replace_s": replace_s,
                       "replacement_phases_s": {k: round(v, 2) for k, v in (phases or recovery).items()}}))
@@ -162,24 +166,39 @@ def one_server(checkout: Path, config: Path, half: bool, cache: Path, streams: i
 
 
 def server_mode(args: argparse.Namespace) -> None:
-    runs: dict[str, dict[str, list[dict]]] = {"this": {"first": [], "second": []}, "other": {"first": [], "second": []}}
-    for _ in range(args.rounds):
-        for side, checkout in (("other", args.against.resolve()), ("this", HERE)):
-            with tempfile.TemporaryDirectory(prefix="pdserve-cache-") as cache:
-                for start in ("first", "second"):
-                    row = one_server(checkout, args.config.resolve(), not args.as_is, Path(cache), args.streams,
-                                     args.kill, args.settle_s)
-                    runs[side][start].append(row)
-                    print(json.dumps({"checkout": side, "start": start,
-                                      **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}}),
-                          flush=True)
+    sides = [("this", HERE)] if args.against is None else [("other", args.against.resolve()), ("this", HERE)]
+    runs: dict[str, dict[str, list[dict]]] = {side: {"first": [], "second": []} for side, _ in sides}
+    with tempfile.TemporaryDirectory(prefix="pdserve-config-") as folder:
+        config = args.config.resolve()
+        if args.set:  # the YAML with the overrides, run locally (no ray_address)
+            config = Path(folder) / "config.yaml"
+            config.write_text(yaml.safe_dump(serving_config(args.config, _overrides(",".join(args.set)), None, None)))
+        for _ in range(args.rounds):
+            _server_round(args, sides, config, runs)
     for start in ("first", "second"):
         summary = {"start": start}
         for measure in MEASURES:
-            mine = statistics.mean(r[measure] for r in runs["this"][start])
-            other = statistics.mean(r[measure] for r in runs["other"][start])
-            summary[measure] = {"this": round(mine, 3), "other": round(other, 3), "ratio": round(mine / other, 3)}
+            mine = [r[measure] for r in runs["this"][start] if r[measure] is not None]
+            if not mine:
+                continue
+            summary[measure] = {"this": round(statistics.mean(mine), 3)}
+            if "other" in runs:
+                other = statistics.mean(r[measure] for r in runs["other"][start])
+                summary[measure] |= {"other": round(other, 3), "ratio": round(statistics.mean(mine) / other, 3)}
         print(json.dumps(summary))
+
+
+def _server_round(args: argparse.Namespace, sides: list[tuple[str, Path]], config: Path,
+                  runs: dict[str, dict[str, list[dict]]]) -> None:
+    for side, checkout in sides:
+        with tempfile.TemporaryDirectory(prefix="pdserve-cache-") as cache:
+            for start in ("first", "second"):
+                row = one_server(checkout, config, not args.as_is, Path(cache), args.streams, args.kill,
+                                 args.settle_s)
+                runs[side][start].append(row)
+                print(json.dumps({"checkout": side, "start": start,
+                                  **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}}),
+                      flush=True)
 
 
 VARIANTS = [  # the sampling options users send, cycled over the requests
@@ -325,12 +344,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser("server", help="start, first structured request, replacement: this checkout vs another")
-    p.add_argument("--against", type=Path, required=True, help="another checkout (e.g. a git worktree)")
+    p.add_argument("--against", type=Path, help="another checkout (e.g. a git worktree); without: this one alone")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config overrides (e.g. model=/tmp/l8bd); the server then runs without ray_address")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--config", type=Path, default=HERE / "configs/default.yaml")
     p.add_argument("--as-is", action="store_true", help="keep the config's num_cpus (default: half a CPU each)")
     p.add_argument("--streams", type=int, default=4, help="streams running while the structured request is served")
-    p.add_argument("--kill", default="decode-0", help="the worker to kill and time until replaced")
+    p.add_argument("--kill", default="decode-0", help="the worker to kill and time until replaced (none: no kill)")
     p.add_argument("--settle-s", type=float, default=10.0, help="wait after the structured request before the "
                    "kill (a server up for a while: what it starts after /health 200, e.g. processes started ahead, "
                    "is ready)")
