@@ -13,15 +13,11 @@ reads the static buffers, which by then hold live slots.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM
 from engine.runner.graph_capture import DeferredCaptures, capture_graph
-
-log = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -121,13 +117,8 @@ class DecodeGraphs:
         with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
             self.slots.fill_(-1)
             self.context_lens.zero_()
-        try:
-            self._capture_one(b)
-        except (torch.cuda.OutOfMemoryError, RuntimeError):
-            self.deferred.failed.add(b)
-            log.warning("decode graph of %d rows: capture failed; such steps run eagerly", b, exc_info=True)
-            return False
-        return True
+        return self.deferred.attempt(b, lambda: self._capture_one(b), f"decode graph of {b} rows",
+                                     "such steps run eagerly")
 
     def _capture_one(self, b: int) -> None:
         meta = self._meta(b)

@@ -9,10 +9,13 @@ calls neither break it nor are refused), and it neither synchronizes the device 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import torch
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -60,6 +63,18 @@ class DeferredCaptures(Generic[K]):
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
+
+    def attempt(self, key: K, capture: Callable[[], object], what: str, instead: str) -> bool:
+        """Run `capture` for bucket `key`; True if it succeeded. A capture that fails (out of memory, or another
+        CUDA error while capturing) marks the bucket failed for good and is logged as `what` with where its steps
+        run `instead`."""
+        try:
+            capture()
+        except (torch.cuda.OutOfMemoryError, RuntimeError):
+            self.failed.add(key)
+            log.warning("%s: capture failed; %s", what, instead, exc_info=True)
+            return False
+        return True
 
     def take(self, key: K | None = None) -> K | None:
         """Remove and return `key` (or the next pending bucket) if it is pending."""

@@ -20,15 +20,11 @@ steps, smallest first; until then a step takes the smallest captured bucket that
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM, RopeInputs
 from engine.runner.graph_capture import DeferredCaptures, capture_graph
-
-log = logging.getLogger(__name__)
 
 FIRST_BUCKETS = (64, 128, 256)
 STEP = 256  # bucket spacing above the first ones: padding costs at most this many rows of GEMM
@@ -76,15 +72,13 @@ class MixedGraphs:
         if n is None:
             return False
         self.slots.fill_(-1)
-        try:
-            pieces = [capture_graph(lambda i=i: self._piece(i, n), self.deferred.memory_pool(),
-                                    self.deferred.stream())[0] for i in range(len(self.layers) + 1)]
-        except (torch.cuda.OutOfMemoryError, RuntimeError):
-            self.deferred.failed.add(n)
-            log.warning("mixed-step graphs of %d tokens: capture failed; such steps run in a larger bucket or "
-                        "eagerly", n, exc_info=True)
-            return True
-        self.graphs[n] = pieces  # only once every piece is captured: a step never meets half a set
+
+        def capture() -> None:  # graphs[n] set only once every piece is captured: a step never meets half a set
+            self.graphs[n] = [capture_graph(lambda i=i: self._piece(i, n), self.deferred.memory_pool(),
+                                            self.deferred.stream())[0] for i in range(len(self.layers) + 1)]
+
+        self.deferred.attempt(n, capture, f"mixed-step graphs of {n} tokens",
+                              "such steps run in a larger bucket or eagerly")
         return True
 
     @torch.inference_mode()

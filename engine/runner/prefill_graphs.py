@@ -17,7 +17,6 @@ Steps with decode rows, a per-layer hook or prompt logprobs run eagerly (engine.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -25,8 +24,6 @@ import torch
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM
 from engine.runner.graph_capture import DeferredCaptures, capture_graph
-
-log = logging.getLogger(__name__)
 
 MIN_TOKENS = 16
 
@@ -115,12 +112,8 @@ class PrefillGraphs:
         self.slots.fill_(-1)
         self.query_start.zero_()
         self.context_lens.zero_()
-        try:
-            self._capture_one(*key)
-        except (torch.cuda.OutOfMemoryError, RuntimeError):
-            self.deferred.failed.add(key)
-            log.warning("prefill graph %s: capture failed; its steps run in another bucket or eagerly", key,
-                        exc_info=True)
+        self.deferred.attempt(key, lambda: self._capture_one(*key), f"prefill graph {key}",
+                              "its steps run in another bucket or eagerly")
         return True
 
     @torch.inference_mode()
