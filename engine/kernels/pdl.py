@@ -15,6 +15,7 @@ before waiting, so the weight stream starts under the previous kernel's tail.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,7 +30,13 @@ def pdl_launch(device: torch.device) -> bool:
     and PDSERVE_PDL not "0". Callers pass it as both the kernel's PDL constexpr and Triton's `launch_pdl`."""
     if device.type != "cuda" or interpreting() or os.environ.get("PDSERVE_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    # a fact of the hardware, asked once per device: this runs at every kernel launch of an eager step
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit
