@@ -38,10 +38,10 @@ def gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_first = 0
     if PDL:
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+        w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
+                          eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
         wait_for_inputs(PDL)
-        acc = _gemv_add(acc, x_ptr, w.to(tl.float32), offs_k, M, K, stride_xm, BLOCK_M)
+        acc = _gemv_add(acc, x_ptr, w_first.to(tl.float32), offs_k, M, K, stride_xm, BLOCK_M)
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
         ks = k0 + offs_k

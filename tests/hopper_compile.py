@@ -1,0 +1,99 @@
+"""Compiles the decode step's Triton kernels for an H100/H200 (sm_90) on any machine, with and without
+programmatic dependent launch, and prints one JSON line per variant. Run in a process of its own without
+TRITON_INTERPRET (tests/test_kernels_compile_hopper.py): the CPU interpreter accepts code the compiler refuses.
+
+The variants are the ones the engine launches on an 8B-shaped model (bf16 and fp8 caches, FP8 weights); their
+signatures follow each kernel's parameters: pointers default to bf16, a few named ones are given below.
+"""
+
+from __future__ import annotations
+
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engine.kernels import (
+    decode_attention,
+    fp8_gemm,
+    fp8_quant,
+    kv_store,
+    qkv_rope,
+    rms_norm,
+    rope,
+    silu_mul,
+    skinny_gemm,
+)
+
+HOPPER = GPUTarget("cuda", 90, 32)
+FLOAT_ARGS = {"eps", "k_scale", "v_scale", "qk_scale", "scale"}
+F32, F8, I32, I64 = "*fp32", "*fp8e4nv", "*i32", "*i64"
+ROPE = {"pos_ptr": I64, "cos_ptr": F32, "sin_ptr": F32, "slots_ptr": I64}
+QUANT = {"q_ptr": F8, "s_ptr": F32, "static_ptr": F32}
+
+
+def variants():
+    """(kernel, constexprs, pointer dtypes, num_warps, num_stages)"""
+    yield skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=4096), {}, 8, 3
+    yield skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=True, BLOCK_M=2, BLOCK_N=2, BLOCK_K=4096), {}, 4, 3
+    yield (fp8_gemm._fp8_gemv_kernel, dict(HAS_BIAS=False, HAS_XS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048),
+           {"w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32}, 4, 3)
+    yield (fp8_gemm._fp8_mm_kernel, dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_M=64, BLOCK_K=256, SPLIT_K=2,
+                                          DOT_F32=False),
+           {"x_ptr": F8, "w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32}, 4, 4)
+    yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
+                                                  BLOCK_K=1024, SCALED=True, HAS_XS=False),
+           {"w_ptr": F8, "kv_ptr": F8, "xs_ptr": F32, "ws_ptr": F32, **ROPE}, 2, 3)
+    yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
+                                                  BLOCK_K=4096, SCALED=False, HAS_XS=False),
+           {"xs_ptr": "*bf16", "ws_ptr": "*bf16", **ROPE}, 8, 3)
+    for cache, block_n in (("*bf16", 64), (F8, 128)):
+        yield (decode_attention._decode_split_kernel,
+               dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
+                    BLOCK_N=block_n, NUM_SPLITS=4, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=4, WINDOW=0,
+                    DOT_F32=False, WIDEN_F16=cache == F8),
+               {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
+                "sem_ptr": I32}, 4, 3)
+    yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3
+    yield silu_mul._silu_mul_kernel, dict(INTER=14336, BLOCK=1024), {}, 4, 3
+    yield (rope._rope_store_kernel, dict(BS=16, H=32, KVH=8, HALF=64, BLOCK_H=32, BLOCK_KVH=8, BLOCK_HALF=64),
+           {"kv_ptr": F8, **ROPE}, 4, 3)
+    yield rope._rope_kernel, dict(H=32, KVH=8, HALF=64, BLOCK_H=32, BLOCK_KVH=8, BLOCK_HALF=64), ROPE, 4, 3
+    yield (kv_store._store_kv_kernel, dict(BS=16, KVH=8, D=128, BLOCK_H=8, BLOCK_D=128),
+           {"kv_ptr": F8, "slots_ptr": I64}, 4, 3)
+    yield fp8_quant._quant_rows_kernel, dict(N=4096, BLOCK_N=4096, STATIC=False, MIN=1e-12), QUANT, 8, 3
+    yield (fp8_quant._rms_norm_quant_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True, STATIC=False,
+                                                   MIN=1e-12), QUANT, 8, 3)
+    yield fp8_quant._silu_mul_quant_kernel, dict(INTER=14336, CHUNK=2048, STATIC=False, MIN=1e-12), QUANT, 8, 3
+    yield fp8_quant._silu_mul_amax_kernel, dict(INTER=14336, CHUNK=1024, CHUNKS=14), {"amax_ptr": F32}, 4, 3
+    yield (fp8_quant._silu_mul_quant_split_kernel, dict(INTER=14336, CHUNK=1024, CHUNKS=14, BLOCK_C=16, STATIC=False,
+                                                         MIN=1e-12), {"amax_ptr": F32, **QUANT}, 4, 3)
+
+
+def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: int, pdl: bool) -> dict:
+    signature, values = {}, {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            values[p.name] = pdl if p.name == "PDL" else constexprs[p.name]
+        elif p.name.endswith("_ptr"):
+            signature[p.name] = pointers.get(p.name, "*bf16")
+        else:
+            signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
+    row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl,
+           "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16")}}
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=HOPPER,
+                                  options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl})
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        return row | {"error": f"{type(e).__name__}: {e}"[:2000]}
+    ptx = compiled.asm["ptx"]
+    return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
+                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx}
+
+
+if __name__ == "__main__":
+    for kernel, constexprs, pointers, warps, stages in variants():
+        for pdl in (False, True):
+            print(json.dumps(compile_one(kernel, constexprs, pointers, warps, stages, pdl)), flush=True)
