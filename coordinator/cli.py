@@ -40,6 +40,8 @@ ENVIRONMENT = """environment (settings no YAML key holds: they belong to a machi
                             its Ray node's address; the loopback on a single-host server)
   PDSERVE_KV_FAULTS=SPEC    transfer faults for tests and drills, e.g. "fail=0.05,stall=0.01:2.0,seed=7"
                             (the YAML's `faults:` and POST /admin/faults are the serving way)
+  PDSERVE_PDL=0             the decode step's kernels launch without programmatic dependent launch on Hopper
+                            GPUs (on by default there; docs/engine.md); the workers get the same value
   PDSERVE_TRACE_HANDOFF=1   every KV handoff prints its stages as JSON lines on stderr
                             (benchmarks/handoff_serving.py reads them)
   PDSERVE_LAUNCHED_AT=T     set by `pdserve serve` for its coordinator (wall-clock seconds of its launch): the

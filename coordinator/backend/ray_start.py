@@ -7,11 +7,13 @@ import os
 
 import ray
 
+FORWARDED_ENV = ("PDSERVE_CACHE", "PDSERVE_PDL")  # the workers' copy of the environment settings that reach them
+
 
 def init_ray(address: str | None, namespace: str | None = None) -> None:
     """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
     for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
-    env = {"PDSERVE_CACHE": os.environ["PDSERVE_CACHE"]} if os.environ.get("PDSERVE_CACHE") else {}
+    env = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
     # a local Ray's workers inherit this process's environment; a runtime_env would add ~1 s to the start
     runtime_env = {"env_vars": env} if env and address is not None else None
     # a Ray started here: its worker processes import pdserve's worker modules ahead (pool_worker.preload), and it
