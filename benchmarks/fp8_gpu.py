@@ -216,15 +216,22 @@ def pdl(args: argparse.Namespace) -> None:
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
                       round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
     kv_bytes = int(args.kv_gib * (1 << 30))
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
     for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
+        if args.only and args.only != ("fp8" if fp8 else "bf16"):
+            continue
         rows = {}
         for flag in ("0", "1"):
             os.environ["PDSERVE_PDL"] = flag  # read at every launch; the engine captures its graphs under it
-            rows[flag] = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
-                                 kv_cache_dtype=kv)
-        for name in ("decode1", "decode64"):
-            compare(f"PDL vs ordinary launches, {'fp8 weights + fp8 KV' if fp8 else 'bf16'}, "
-                    f"{rows['0'][name]['case']}", rows["0"][name], rows["1"][name])
+            bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=args.load_format, kv_cache_dtype=kv)
+            try:
+                rows[flag] = [bench.decode(batch, context) for batch, context in cases]
+            finally:
+                close(bench)
+            for row in rows[flag]:
+                print(json.dumps(row | {"pdl": flag == "1"}), flush=True)
+        for off, on in zip(rows["0"], rows["1"], strict=True):
+            compare(f"PDL vs ordinary launches, {'fp8 weights + fp8 KV' if fp8 else 'bf16'}, {off['case']}", off, on)
 
 
 SHAPES = {"llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -427,6 +434,8 @@ def main() -> None:
     p.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--kv-gib", type=float, default=40)
+    p.add_argument("--cases", default="1x1024,64x2048", help="comma-separated BATCHxCONTEXT decode cases")
+    p.add_argument("--only", choices=("bf16", "fp8"), help="one of the two engines")
     p.set_defaults(run=pdl)
     p = commands.add_parser("gemm-sweep", help="one layer's GEMMs at each M, every way, against the read floor")
     p.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))

@@ -307,7 +307,7 @@ for step in "$@"; do
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       timeout ${PDL_TIMEOUT:-400} python3 benchmarks/fp8_gpu.py pdl --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
-        --load-format dummy 2>&1 | tee "$OUT/pdl.log" | grep "^{" | grep -v static_context ;;
+        --load-format dummy ${PDL_ARGS:-} 2>&1 | tee "$OUT/pdl.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;

@@ -269,6 +269,6 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and kv_layer.dtype == torch.float8_e4m3fn,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(dev),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(dev, batch),
     )
     return out

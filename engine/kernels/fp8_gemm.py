@@ -206,7 +206,7 @@ def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tenso
             x, x_scales if x_scales is not None else w_scales, weight, w_scales, bias if bias is not None else w_scales,
             out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
             HAS_XS=x_scales is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, **pdl_args(x.device))
+            num_warps=warps, **pdl_args(x.device, m))
     return out
 
 
@@ -240,5 +240,5 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
             x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
             BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-            num_stages=stages, **pdl_args(x.device))
+            num_stages=stages, **pdl_args(x.device, m))
     return out

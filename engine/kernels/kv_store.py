@@ -99,7 +99,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: to
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         BS=bs, KVH=kvh, D=d,
         BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4, **pdl_args(k.device),
+        num_warps=4, **pdl_args(k.device, t),
     )
 
 

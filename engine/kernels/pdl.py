@@ -10,7 +10,8 @@ kernel can only have started early once the kernel before it passed its own wait
 direct predecessor is complete. The GEMVs (engine.kernels.skinny_gemm.gemv_tile) request their first weight tile
 before waiting, so the weight stream starts under the previous kernel's tail.
 
-`PDSERVE_PDL=0` launches every kernel the ordinary way (benchmarks/fp8_gpu.py `pdl` compares both in one run).
+Only small steps (MAX_ROWS) launch this way: there it pays, beyond it it measured slower. `PDSERVE_PDL=0` launches
+every kernel the ordinary way (benchmarks/fp8_gpu.py `pdl` compares both in one run).
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ import triton.language as tl
 
 from engine.kernels import interpreting
 
+# Steps of at most this many rows launch with PDL. 8B shape on one H200 (`bash benchmarks/gpu_run.sh pdl`, 2026-12-03,
+# docs/benchmarks.md): FP8 weights + fp8 KV 1.053 / 1.064 / 1.032x faster at batch 1 / 4 / 16, but 0.991 / 0.955x
+# at 32 / 64; bfloat16 1.017 / 1.019 / 1.006 / 1.005 / 0.999x. Past a few rows a kernel is long next to its gaps.
+MAX_ROWS = 16
 
-def pdl_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability 9.0+, not the interpreter,
-    and PDSERVE_PDL not "0". Callers pass it as both the kernel's PDL constexpr and Triton's `launch_pdl`."""
-    if device.type != "cuda" or interpreting() or os.environ.get("PDSERVE_PDL", "1") == "0":
+
+def pdl_launch(device: torch.device, rows: int = 1) -> bool:
+    """Whether a kernel over `rows` rows (tokens or sequences) on `device` launches with PDL: a CUDA device of compute
+    capability 9.0+, not the interpreter, PDSERVE_PDL not "0", and rows <= MAX_ROWS. Callers pass it as both the
+    kernel's PDL constexpr and Triton's `launch_pdl`."""
+    if rows > MAX_ROWS or device.type != "cuda" or interpreting() or os.environ.get("PDSERVE_PDL", "1") == "0":
         return False
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -49,7 +56,7 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def pdl_args(device: torch.device) -> dict[str, bool]:
+def pdl_args(device: torch.device, rows: int) -> dict[str, bool]:
     """The launch's keyword arguments: a kernel's `PDL` constexpr and Triton's `launch_pdl`, both pdl_launch."""
-    on = pdl_launch(device)
+    on = pdl_launch(device, rows)
     return {"PDL": on, "launch_pdl": on}

@@ -151,6 +151,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         H=num_heads, KVH=num_kv_heads, HALF=d // 2, BS=kv_layer.shape[2], HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, SCALED=scaled, HAS_XS=x_scales is not None,
-        num_warps=num_warps, **pdl_args(x.device),
+        num_warps=num_warps, **pdl_args(x.device, m),
     )
     return out

@@ -96,6 +96,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x, r, weight, out,
             x.stride(0), r.stride(0), out.stride(0), float(eps),
             N=n, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block_n // 512)), **pdl_args(x.device),
+            num_warps=min(16, max(1, block_n // 512)), **pdl_args(x.device, t),
         )
     return out if residual is None else (out, residual)

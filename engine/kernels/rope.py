@@ -156,7 +156,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
         H=h, KVH=kvh, HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        num_warps=4, **pdl_args(q.device),
+        num_warps=4, **pdl_args(q.device, t),
     )
 
 
@@ -181,5 +181,5 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         BS=bs, H=h, KVH=kvh, HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        num_warps=4, **pdl_args(q.device),
+        num_warps=4, **pdl_args(q.device, t),
     )

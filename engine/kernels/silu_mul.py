@@ -53,6 +53,6 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         block = min(BLOCK, triton.next_power_of_2(i))
         _silu_mul_kernel[(t, triton.cdiv(i, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), INTER=i, BLOCK=block, num_warps=4,
-            **pdl_args(gate_up.device),
+            **pdl_args(gate_up.device, t),
         )
     return out
