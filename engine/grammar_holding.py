@@ -55,14 +55,20 @@ class GrammarHolding:
     grammar_loader: GrammarLoader | None
     _held: dict[str, _Held]
 
-    def start_grammar_load(self, on_ready: Callable[[], None] | None = None) -> GrammarLoader:
+    def start_grammar_load(self, on_ready: Callable[[], None] | None = None,
+                           tokenizer: Callable[[], Tokenizer] | None = None) -> GrammarLoader:
         """Build the structured-output machinery on a thread of its own (engine.sampling.grammar_loader), from
         any thread; `on_ready()` is called on that thread when it ends. Structured requests that arrive meanwhile
-        are held, the others step on. Once only: later calls return the first loader."""
+        are held, the others step on. Once only: a later call returns the first loader, `on_ready` now its callback
+        (called at once if the build has ended). `tokenizer`: where the build gets the tokenizer (LLMEngine's start,
+        before self.tokenizer is set); None: self.tokenizer."""
         from engine.sampling.grammar_loader import GrammarLoader
 
         if self.grammar_loader is None:
-            self.grammar_loader = GrammarLoader(self._build_grammar, on_ready)
+            self.grammar_loader = GrammarLoader(lambda: self._build_grammar(tokenizer() if tokenizer else None),
+                                                on_ready)
+        elif on_ready is not None:
+            self.grammar_loader.notify(on_ready)
         return self.grammar_loader
 
     def prepare_grammar(self) -> bool:
@@ -85,11 +91,11 @@ class GrammarHolding:
                 return False
         return True
 
-    def _build_grammar(self) -> GrammarManager:
+    def _build_grammar(self, tokenizer: Tokenizer | None = None) -> GrammarManager:
         from engine.sampling.grammar import GrammarManager  # llguidance: only where outputs are structured
 
-        return GrammarManager(self.tokenizer.to_json(), self.model_config.vocab_size, self.model_config.eos_token_ids,
-                              self.device, self.config.max_num_seqs)
+        return GrammarManager((tokenizer or self.tokenizer).to_json(), self.model_config.vocab_size,
+                              self.model_config.eos_token_ids, self.device, self.config.max_num_seqs)
 
     def _grammar_pending(self, params: SamplingParams) -> bool:
         """A structured request must wait: its grammar's loader is still building."""

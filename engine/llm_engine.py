@@ -82,9 +82,12 @@ STEP_BUDGET_FLOOR = 64  # prompt tokens a decoding step may always carry (engine
 
 
 class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineReport, LaneSteps):
-    def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank_service: RankServiceFactory | None = None,
+                 grammar_at_start: bool = False) -> None:
         """`rank_service`: with TP, an object to start in every follower beside its cache shard (reached with
-        `rank_call`; engine.runner.rank_service); ignored at TP=1, where the caller holds rank 0's cache itself."""
+        `rank_call`; engine.runner.rank_service); ignored at TP=1, where the caller holds rank 0's cache itself.
+        `grammar_at_start`: the structured-output machinery is built on its own thread from now on, beside the
+        load (start_grammar_load; a pool worker's choice), not with the first structured request."""
         clock = PhaseClock()  # start-up phases: config, then build_rank's (weights, kv_cache, *graphs), warmup
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(path)
@@ -112,6 +115,9 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
             self.followers = TPFollowers(self.config, path, mc, rank_service)
         else:
             self.device = torch.device(config.device)
+        self.grammar_loader: GrammarLoader | None = None  # the machinery built on its own thread (start_grammar_load)
+        if grammar_at_start:  # its hold of the GIL (~1 s for a 128k vocabulary) falls in the load, not after it
+            self.start_grammar_load(tokenizer=tokenizer.result)
         # overlapped steps (async_scheduling; None: where the device runs asynchronously, i.e. CUDA)
         self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         clock.lap("config")
@@ -158,7 +164,6 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         self._leases: set[str] = set()  # prefix blocks lent to or fetched from another worker (engine.prefix_exchange)
         self.num_lent_blocks = self.num_lent_host_blocks = self.num_fetched_blocks = 0
         self.grammar: GrammarManager | None = None  # made with the first structured request (engine.grammar)
-        self.grammar_loader: GrammarLoader | None = None  # or on its own thread (start_grammar_load)
         self._held: dict[str, _Held] = {}  # structured requests waiting for the loader, in arrival order
         self._in_flight: LaunchedStep | None = None  # a decode step on the device whose tokens are not applied
         self.num_steps = 0  # step() calls since start, and the host time they took (for load())

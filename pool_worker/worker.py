@@ -94,7 +94,8 @@ class Worker:
         self._phases.append(imports_done(self._imports_began))
         tp = self._engine_config.tensor_parallel_size
         rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
-        engine = LLMEngine(self._engine_config, rank_agents)  # weights, KV cache, CUDA graphs
+        # weights, KV cache, CUDA graphs; the structured-output tables beside them, on a thread of their own
+        engine = LLMEngine(self._engine_config, rank_agents, grammar_at_start=True)
         started = time.monotonic()
         self._phases += [(f"engine_{k}", v) for k, v in engine.startup_s]
         steps = StepTimes()  # the `agent` phase's, logged once it is done
@@ -133,8 +134,9 @@ class Worker:
                                 engine.config.max_model_len, engine.model_config.vocab_size,
                                 self.agents.metadata() if self.agents else None, tuple(self._phases),
                                 pid=os.getpid(), host=socket.gethostname(), outputs_at=outputs_at)
-        # routable from here on: the grammar tables are built meanwhile, off the engine thread (structured requests
-        # that arrive first wait in the engine, the others step on); their end wakes the engine thread
+        # routable from here on: if the grammar tables are still being built (off the engine thread, since the
+        # engine's start), structured requests that arrive first wait in the engine, the others step on; the
+        # build's end wakes the engine thread
         engine.start_grammar_load(self._wake_engine)
         return self._info
 

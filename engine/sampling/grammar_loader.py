@@ -1,9 +1,10 @@
 """GrammarLoader: an engine's structured-output machinery (engine.sampling.grammar) built on a thread of its own.
 
-A pool worker starts it once it is routable (pool_worker.worker), so neither its start nor its engine thread waits
-for the grammar library's import and its view of the vocabulary. Until the build is done the engine holds the
-structured requests that arrive (LLMEngine: they wait, holding nothing but a hand-over's booked blocks) and keeps
-stepping every other request; `on_ready` wakes the engine's owner when it ends.
+A pool worker starts it with its engine, beside the engine's load (LLMEngine `grammar_at_start`), so neither its
+start nor its engine thread waits for the grammar library's import and its view of the vocabulary, and the build's
+hold of the GIL (below) falls in the load, before the worker serves anything. Until the build is done the engine
+holds the structured requests that arrive (LLMEngine: they wait, holding nothing but a hand-over's booked blocks)
+and keeps stepping every other request; `on_ready` wakes the engine's owner when it ends.
 
 Owns the thread and the outcome: `manager()` is the GrammarManager once built, None while building; a failed
 build (llguidance missing, a tokenizer it refuses) raises its error from `manager()` every time, so each
@@ -12,7 +13,9 @@ name of the thread that ran it.
 
 What the build costs, measured on the 2-core CPU machine: the library's tokenizer tables take 22 ms for `tiny`'s
 2,048 tokens and about 1 s for a 128k vocabulary; llguidance 1.9's constructor holds the GIL for all of it, so the
-engine thread pauses that long once, right after start, whatever thread builds them. llguidance has no way to save
+engine thread pauses that long once, whatever thread builds them: built after start, as until 2026-12-03, that pause
+came right after the worker became routable (on an H200 it also held back the worker's next reply by ~1 s:
+docs/benchmark-log.md, worker start on one H200). llguidance has no way to save
 those tables and load them again (no serialization; building from cached token bytes measured no faster), so there
 is nothing to cache on disk: the tables are built once per worker start, off every request's path.
 """
@@ -34,12 +37,22 @@ class GrammarLoader:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self._build = build
         self._on_ready = on_ready
+        self._lock = threading.Lock()  # on_ready set (notify) against the build ending
         self.seconds = 0.0
         self.thread = ""
         threading.Thread(target=self._run, name="grammar-load", daemon=True).start()
 
     def done(self) -> bool:
         return self._future.done()
+
+    def notify(self, on_ready: Callable[[], None]) -> None:
+        """Call `on_ready()` when the build ends (now, on this thread, if it has ended), instead of the one given
+        at construction."""
+        with self._lock:
+            if not self._future.done():
+                self._on_ready = on_ready
+                return
+        on_ready()
 
     def manager(self) -> GrammarManager | None:
         """The built GrammarManager; None while building; the build's error if it failed."""
@@ -55,9 +68,11 @@ class GrammarLoader:
         except BaseException as e:  # noqa: BLE001 - handed to every structured request (manager())
             built, error = None, e
         self.seconds = time.monotonic() - start  # before done() says so
-        if error is None:
-            self._future.set_result(built)
-        else:
-            self._future.set_exception(error)
-        if self._on_ready is not None:
-            self._on_ready()
+        with self._lock:
+            if error is None:
+                self._future.set_result(built)
+            else:
+                self._future.set_exception(error)
+            on_ready = self._on_ready
+        if on_ready is not None:
+            on_ready()
