@@ -415,14 +415,19 @@ def gemm_sweep(args: argparse.Namespace) -> None:
                               "layer_bf16_ms": round(bf16, 4), "speedup": round(bf16 / complete[best], 3)}), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = commands.add_parser("decode", help="decode and prefill steps, FP8 weights and fp8 KV against bfloat16")
+def checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The two folders `decode` and `pdl` compare, how their weights load and the KV cache's size."""
     p.add_argument("--bf16", required=True, help="a bfloat16 checkpoint folder (e.g. the Llama-3-8B shape)")
     p.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--kv-gib", type=float, default=40)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = commands.add_parser("decode", help="decode and prefill steps, FP8 weights and fp8 KV against bfloat16")
+    checkpoint_args(p)
     p.add_argument("--skip-attention", action="store_true", help="no decode-attention kernel variants")
     p.add_argument("--profile", action="store_true", help="the bf16 engine's top GPU kernels, live vs replay")
     p.add_argument("--trace-dir", help="write chrome traces of live decode steps here (with a summary)")
@@ -430,10 +435,7 @@ def main() -> None:
     p.add_argument("--only", choices=("bf16", "fp8"), help="measure one engine's decode and prefill only")
     p.set_defaults(run=decode)
     p = commands.add_parser("pdl", help="decode steps with programmatic dependent launch against without")
-    p.add_argument("--bf16", required=True, help="a bfloat16 checkpoint folder (e.g. the Llama-3-8B shape)")
-    p.add_argument("--fp8", required=True, help="the same shape as FP8 (make_random_checkpoint.py --fp8)")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    p.add_argument("--kv-gib", type=float, default=40)
+    checkpoint_args(p)
     p.add_argument("--cases", default="1x1024,64x2048", help="comma-separated BATCHxCONTEXT decode cases")
     p.add_argument("--only", choices=("bf16", "fp8"), help="one of the two engines")
     p.set_defaults(run=pdl)
