@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 __all__ = ["LLMEngine", "LaunchFence", "LayerHook", "STEP_BUDGET_FLOOR"]  # LaunchFence: re-exported
 
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]  # see LLMEngine.step
+GRAMMAR_WAIT_S = 30.0  # how long the step-rate probe waits for a structured-output build running beside the load
 STEP_BUDGET_FLOOR = 64  # prompt tokens a decoding step may always carry (engine.core.step_budget)
 
 
@@ -183,6 +184,8 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
                 self.host_tier.clear()
             clock.lap("warmup")
         if self.step_budget is not None and config.warmup:  # its figures from the first request on
+            if self.grammar_loader is not None:  # its build holds the GIL: the probe would time a disturbed engine
+                self.grammar_loader.wait(GRAMMAR_WAIT_S)
             measure_step_rates(self)
             clock.lap("step_rates")
         self.startup_s: tuple[tuple[str, float], ...] = tuple(clock.phases)  # seconds per start-up phase

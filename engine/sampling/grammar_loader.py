@@ -45,6 +45,11 @@ class GrammarLoader:
     def done(self) -> bool:
         return self._future.done()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the build has ended (built or failed) or `timeout` s passed; True if it has ended."""
+        done, _ = concurrent.futures.wait([self._future], timeout)
+        return bool(done)
+
     def notify(self, on_ready: Callable[[], None]) -> None:
         """Call `on_ready()` when the build ends (now, on this thread, if it has ended), instead of the one given
         at construction."""
