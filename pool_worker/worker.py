@@ -8,8 +8,8 @@ so a role can change while serving without a restart. Its RPCs only enqueue work
 results. One step's outputs are split by owner: a prefill's first token resolves its prefill() call (the event
 loop), every other delta goes onto the stream from the engine thread (Decodes.stream_step).
 Shared here once: start-up (weights, KV cache, graphs, agents; seconds per phase in WorkerInfo, as
-pool_worker.start_phases names them, and the `agent` phase's steps in one log line; then, once routable, the grammar
-tables on a thread of their own: engine.sampling.grammar_loader), the load reported
+pool_worker.start_phases names them, and the `agent` phase's steps in one log line; the grammar tables on a thread
+of their own beside the engine's load: engine.sampling.grammar_loader), the load reported
 with every reply, integrity checks, peers' transfer metadata (each add_peer / replace_peer's steps in one log line),
 drills (kill a rank, inject faults) and shutdown. The log lines are warnings: a Ray worker's root logger has no
 handler, so only Python's last-resort one (warnings and above) reaches the server's log (Ray forwards its stderr).
