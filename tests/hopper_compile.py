@@ -9,6 +9,9 @@ signatures follow each kernel's parameters: pointers default to bf16, a few name
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -52,7 +55,7 @@ def variants():
         yield (decode_attention._decode_split_kernel,
                dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                     BLOCK_N=block_n, NUM_SPLITS=4, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=4, WINDOW=0,
-                    DOT_F32=False, WIDEN_F16=cache == F8),
+                    DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, V_PTX=True),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, 4, 3)
     yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3
@@ -83,14 +86,35 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16")}}
+    # what a launch specialises on: 16-byte aligned pointers and strides divisible by 16 (except those a kernel
+    # marks do_not_specialize), so the vectorized loads compiled here are the ones that run
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if not p.is_constexpr and p.name not in kernel.do_not_specialize and i not in kernel.do_not_specialize
+             and (p.name.endswith("_ptr") or p.name.startswith("stride"))}
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=HOPPER,
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
+                                  target=HOPPER,
                                   options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl})
     except Exception as e:  # noqa: BLE001 - reported per variant
         return row | {"error": f"{type(e).__name__}: {e}"[:2000]}
     ptx = compiled.asm["ptx"]
     return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
-                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx}
+                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
+                  "byte_shared_loads": byte_shared_loads(compiled.asm["cubin"])}
+
+
+def byte_shared_loads(cubin: bytes) -> int | None:
+    """How many one-byte shared-memory loads (LDS.U8) the machine code has, by Triton's own cuobjdump: the mark
+    of an e4m3 tile transposed for tl.dot byte by byte (engine.kernels.e4m3.widen_e4m3_words). None if the tool
+    is missing."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sass.count("LDS.U8")
 
 
 if __name__ == "__main__":
