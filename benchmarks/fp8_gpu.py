@@ -122,9 +122,10 @@ def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
                       "reference_x_floor": base.get("x_floor")}), flush=True)
 
 
-ATTENTION_LAUNCHES = (None, AttentionLaunch(128, 4, 3, v_words=False), AttentionLaunch(64, 4, 3),
-                      AttentionLaunch(64, 4, 4), AttentionLaunch(128, 4, 2), AttentionLaunch(128, 8, 3),
-                      AttentionLaunch(256, 8, 3), AttentionLaunch(256, 8, 2))  # v_words=False: fp8 V as e4m3 tiles
+ATTENTION_LAUNCHES = (None, AttentionLaunch(128, 4, 3, v_words=False), AttentionLaunch(128, 4, 3, True, 128),
+                      AttentionLaunch(128, 4, 3, True, 160), AttentionLaunch(64, 4, 3),
+                      AttentionLaunch(64, 4, 3, True, 80), AttentionLaunch(64, 8, 3), AttentionLaunch(128, 8, 3),
+                      None)  # v_words=False: fp8 V as e4m3 tiles; the default twice: the run's noise
 ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
 
 

@@ -182,11 +182,13 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
 
 class AttentionLaunch(NamedTuple):
     """How the kernel is launched: tokens per tile, warps, pipeline stages, and (fp8 caches) whether V is loaded as
-    int32 words and widened before tl.dot (e4m3.widen_e4m3_words) rather than widened by the compiler."""
+    int32 words and widened before tl.dot (e4m3.widen_e4m3_words) rather than widened by the compiler, and a cap
+    on registers a thread (more programs a SM; None: the compiler's choice)."""
     block_n: int
     num_warps: int
     num_stages: int
     v_words: bool = True
+    max_registers: int | None = None
 
 
 def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> AttentionLaunch:
@@ -260,7 +262,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages, v_words = launch or _launch_config(q.dtype, head_dim, fp8_cache)
+    block_n, num_warps, num_stages, v_words, max_registers = launch or _launch_config(q.dtype, head_dim, fp8_cache)
     # V as int32 words: whole words per row, 4-byte aligned (an fp8 element is one byte)
     v_words = (v_words and fp8_cache and head_dim % 4 == 0 and kv_layer.data_ptr() % 4 == 0
                and all(st % 4 == 0 for st in kv_layer.stride()[:4]))
@@ -291,5 +293,6 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words, V_PTX=not interpreting(),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(dev, batch),
+        **({} if max_registers is None or interpreting() else {"maxnreg": max_registers}),
     )
     return out
