@@ -52,9 +52,15 @@ class RunConfig:
             raise ValueError(f"num_requests must be positive, got {self.num_requests}")
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 async def run_load(cfg: RunConfig, progress: bool = False) -> list[RequestResult]:
     """Every request's result, warm-up ones included (marked)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # an idle pooled connection is dropped after KEEPALIVE_EXPIRY_S, before a server with a 5 s keep-alive (pdserve's
+    # and vLLM's default) closes it: at equal timeouts a request sent as the server closes fails with a ReadError
+    # (seen once in 852 requests of the multi-turn agents load, whose turns come 10 s apart)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s))
     horizon = cfg.warmup_s + (math.inf if cfg.num_requests else cfg.duration_s)
     bar = Progress(horizon if math.isfinite(horizon) else None, cfg.num_requests, enabled=progress)

@@ -66,6 +66,8 @@
 #   each decoding stream), ~5 minutes.
 # kvread (1 GPU, issue 42): the decode attention's read pattern through the block table alone (no math), one
 #   program per KV head against one per span of tokens, fp8 and bf16 caches (benchmarks/kv_read_pattern.py).
+# multiturnagents1p1d (1 GPU, issue 44): the agents load on a prefill and a decode worker sharing the GPU, host
+#   tiers on against off, 5 new conversations/s, ~7 minutes.
 # smsplit (1 GPU, issue 43): a decode step beside a prefill, the SMs split between them (engine.runner.sm_lanes:
 #   green contexts, default or balanced work queues) or not; cuBLAS GEMMs of one 8B layer, then the engine's own
 #   decode graph and prefill layers (benchmarks/sm_split.py micro; SMSPLIT_ARGS=--decode-sms 32,64 ...).
@@ -261,6 +263,8 @@ for step in "$@"; do
         agents=agents-rates
       fi
       sweep multiturnagents "$agents" "${SWEEP_TIMEOUT:-450}" ;;
+    multiturnagents1p1d)  # the agents load on 1P+1D sharing the GPU, 5 new conversations/s
+      sweep multiturnagents1p1d gpu-1x-llama3-8b-multiturn-agents-1p1d "${SWEEP_TIMEOUT:-480}" ;;
     adaptive2)
       sweep sweep gpu-2x-llama3-8b-adaptive "${SWEEP_TIMEOUT:-575}" ;;
     adaptive2x2)  # two sweeps side by side, one pair of GPUs each
