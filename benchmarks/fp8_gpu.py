@@ -54,7 +54,6 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_bench_gpu import Bench, ceilings  # noqa: E402
-from engine.kernels.decode_attention import AttentionLaunch  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm, mm_config  # noqa: E402
 from engine.kernels.skinny_gemm import skinny_linear  # noqa: E402
 from engine.model.fp8_linear import Fp8Linear  # noqa: E402
@@ -122,8 +121,7 @@ def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
                       "reference_x_floor": base.get("x_floor")}), flush=True)
 
 
-ATTENTION_LAUNCHES = (None, AttentionLaunch(128, 4, 3, v_words=False), AttentionLaunch(128, 4, 3, True, 128),
-                      AttentionLaunch(64, 4, 3), AttentionLaunch(128, 8, 3))  # v_words=False: fp8 V as e4m3 tiles
+ATTENTION_LAUNCHES = (None, (64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 3))
 ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
 
 

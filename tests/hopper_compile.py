@@ -9,9 +9,6 @@ signatures follow each kernel's parameters: pointers default to bf16, a few name
 from __future__ import annotations
 
 import json
-import subprocess
-import tempfile
-from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -55,7 +52,7 @@ def variants():
         yield (decode_attention._decode_split_kernel,
                dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                     BLOCK_N=block_n, NUM_SPLITS=4, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=4, WINDOW=0,
-                    DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, V_PTX=True),
+                    DOT_F32=False, WIDEN_F16=cache == F8),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, 4, 3)
     yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3
@@ -99,22 +96,7 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
         return row | {"error": f"{type(e).__name__}: {e}"[:2000]}
     ptx = compiled.asm["ptx"]
     return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
-                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
-                  "byte_shared_loads": byte_shared_loads(compiled.asm["cubin"])}
-
-
-def byte_shared_loads(cubin: bytes) -> int | None:
-    """How many one-byte shared-memory loads (LDS.U8) the machine code has, by Triton's own cuobjdump: the mark
-    of an e4m3 tile transposed for tl.dot byte by byte (engine.kernels.e4m3.widen_e4m3_words). None if the tool
-    is missing."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return sass.count("LDS.U8")
+                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx}
 
 
 if __name__ == "__main__":

@@ -8,15 +8,12 @@ widened to q's dtype as it is loaded, k_scale folded into the score scale and v_
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
-from engine.kernels.e4m3 import widen_e4m3_words
 from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -50,8 +47,8 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
-    V_PTX: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     kvh = tl.program_id(0)
@@ -96,13 +93,7 @@ def _decode_split_kernel(
             row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
             kv_mask = t_mask[:, None] & d_mask[None, :]
             k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            if V_WORDS:  # an fp8 cache's V rows as int32 words, widened before tl.dot transposes them (e4m3.py)
-                offs_w = tl.arange(0, BLOCK_D // 4)
-                words = tl.load((kv_ptr + stride_kv_kv + row[:, None]).to(tl.pointer_type(tl.int32)) + offs_w[None, :],
-                                mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
-                v = widen_e4m3_words(words, BLOCK_N, BLOCK_D, V_PTX)  # [BLOCK_N, BLOCK_D] float16
-            else:
-                v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
             v = v.to(q.dtype)
             if DOT_F32:
@@ -180,28 +171,17 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
              o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-class AttentionLaunch(NamedTuple):
-    """How the kernel is launched: tokens per tile, warps, pipeline stages, and (fp8 caches) whether V is loaded as
-    int32 words and widened before tl.dot (e4m3.widen_e4m3_words) rather than widened by the compiler, and a cap
-    on registers a thread (more programs a SM; None: the compiler's choice)."""
-    block_n: int
-    num_warps: int
-    num_stages: int
-    v_words: bool = True
-    max_registers: int | None = None
-
-
-def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> AttentionLaunch:
-    """16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V in bf16 at D = 128), 4 warps, pipelined loads
-    (sm_90 build: ~104 registers, 39 KiB shared memory, so ~4 programs per SM). An fp8 cache (widened to float16):
-    128-token tiles, the same bytes in flight as bf16's 64; on an H200 (batch 16, 8k context, `gpu_run.sh fp8` at
-    851e631) 0.114 ms against 0.138 with 64-token tiles and bf16's 0.150, before V was widened from words. fp32 (ieee
-    dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
+def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
+    in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~114 registers, 39 KiB shared memory, so ~4 programs
+    per SM). An fp8 cache (widened to float16): 128-token tiles, the same bytes in flight as bf16's 64; on an H200
+    (batch 16, 8k context, `gpu_run.sh fp8` at 851e631) 0.114 ms against 0.138 with 64-token tiles and bf16's 0.150.
+    fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
     if interpreting():
-        return AttentionLaunch(32, 4, 1)
+        return 32, 4, 1
     if dtype == torch.float32 or head_dim > 128:
-        return AttentionLaunch(32, 8, 2)
-    return AttentionLaunch(128, 4, 3) if fp8_cache else AttentionLaunch(64, 4, 3)
+        return 32, 8, 2
+    return (128, 4, 3) if fp8_cache else (64, 4, 3)
 
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # every value default_num_splits can return
@@ -239,12 +219,12 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, launch: AttentionLaunch | None = None) -> torch.Tensor:  # [B, H, D]
+                     v_scale: float = 1.0, launch: tuple[int, int, int] | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
-    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` overrides
-    _launch_config (benchmarks time several)."""
+    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` (BLOCK_N, num_warps,
+    num_stages) overrides _launch_config (benchmarks time several)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
@@ -262,10 +242,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages, v_words, max_registers = launch or _launch_config(q.dtype, head_dim, fp8_cache)
-    # V as int32 words: whole words per row, 4-byte aligned (an fp8 element is one byte)
-    v_words = (v_words and fp8_cache and head_dim % 4 == 0 and kv_layer.data_ptr() % 4 == 0
-               and all(st % 4 == 0 for st in kv_layer.stride()[:4]))
+    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim, fp8_cache)
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
@@ -291,8 +268,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
         MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
-        WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words, V_PTX=not interpreting(),
+        WIDEN_F16=not dot_f32 and kv_layer.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(dev, batch),
-        **({} if max_registers is None or interpreting() else {"maxnreg": max_registers}),
     )
     return out
