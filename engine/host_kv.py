@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.core.copy_cost import CopyCost
 from engine.core.host_tier import HostTier
 from engine.engine_config import EngineConfig
 from engine.runner.host_tier_store import HostTierStore, auto_host_cache_bytes, build_host_tier_store
@@ -53,8 +54,9 @@ class HostKV:
         if self.host_tier is not None:
             self.host_tier_store.copy_out_now(self.host_tier.store(self.block_manager.take_evicted()))
 
-    def _host_tier(self, config: EngineConfig) -> tuple[HostTier | None, HostTierStore | None]:
-        """The host tier and its store, sized by kv_host_cache_bytes (None: auto where the tier can run)."""
+    def _host_tier(self, config: EngineConfig, cost: CopyCost) -> tuple[HostTier | None, HostTierStore | None]:
+        """The host tier and its store, sized by kv_host_cache_bytes (None: auto where the tier can run); its
+        restores are weighed by `cost`, whose copy bandwidth is measured here (16 MiB each way, at start)."""
         size = config.kv_host_cache_bytes
         if size is None:  # on a GPU only when set until its start cost and gain are measured (docs/kv_tiers.md)
             usable = config.enable_prefix_caching and config.tensor_parallel_size == 1 and self.device.type != "cuda"
@@ -65,4 +67,5 @@ class HostKV:
                 block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
                 raise ValueError(f"EngineConfig.kv_host_cache_bytes {size} holds no KV block ({block_bytes} bytes)")
             return None, None
-        return HostTier(store.copies.host.shape[0], store.block_bytes), store
+        cost.copy_bytes_per_s = store.copies.measure_bandwidth(16 << 20)
+        return HostTier(store.copies.host.shape[0], store.block_bytes, cost), store

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.block_manager import BlockManager
+from engine.core.copy_cost import CopyCost
 from engine.core.request import Request, validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepOutput
@@ -134,13 +135,15 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         self.model, self.uses_kernels, self.kv_cache = rank.model, rank.uses_kernels, rank.kv_cache
         self.kv_spec, self.kv_head_range, self.num_kv_blocks = rank.kv_spec, rank.kv_head_range, rank.num_kv_blocks
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
-        # the host tier under the prefix cache (kv_host_cache_bytes; None: none)
-        self.host_tier, self.host_tier_store = self._host_tier(config)
+        # the host tier under the prefix cache (kv_host_cache_bytes; None: none); it and the swap space copy KV
+        # where that beats computing it, by the rates in copy_cost (the engine's prompt steps time it below)
+        self.copy_cost = CopyCost()
+        self.host_tier, self.host_tier_store = self._host_tier(config, self.copy_cost)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           record_evictions=self.host_tier is not None)
         # preempted requests' KV on the host (preemption_mode swap / auto; None: recomputed)
         self.swap_space, self.swap_store = build_swap(config.preemption_mode, config.swap_space_bytes,
-                                                      self.kv_cache) or (None, None)
+                                                      self.kv_cache, self.copy_cost) or (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk,
                                    head_bypass_steps=config.head_bypass_steps, swap=self.swap_space,
@@ -250,8 +253,8 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
                 self.step_budget.observe(*self._applied, self.step_time_last_s)
                 if self.lane is None:  # a lane takes a step's prompts whole: they do not ride in the steps
                     self.scheduler.prefill_cap = self.step_budget.tokens
-            if self.swap_space is not None and self._applied is not None:  # auto's recompute cost
-                self.swap_space.observe_prefill(self._applied[1], self.step_time_last_s)
+            if self._applied is not None and (self.swap_space is not None or self.host_tier is not None):
+                self.copy_cost.observe_prefill(self._applied[1], self.step_time_last_s)  # a recompute's cost
             self._applied = None
 
     def _step(self, layer_hook: LayerHook | None) -> list[StepOutput]:
@@ -290,7 +293,8 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
 
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
         sampled = launched.result()
-        if self.step_budget is not None or self.swap_space is not None:  # what the step step() times carried
+        if self.step_budget is not None or self.swap_space is not None or self.host_tier is not None:
+            # what the step step() times carried
             chunks = launched.sched.chunks
             decodes = sum(1 for c in chunks if len(c.token_ids) == 1 and c.output_index > 0)
             self._applied = (decodes, launched.sched.num_tokens - decodes)

@@ -157,3 +157,35 @@ def test_the_automatic_size_shares_the_node_s_memory_between_its_gpus(tmp_path):
     assert auto_host_cache_bytes("cuda", str(meminfo), str(tmp_path / "none")) == 32 << 30  # one GPU: capped
     assert auto_host_cache_bytes("cpu", str(meminfo), str(gpus)) == 1 << 30
     assert auto_host_cache_bytes("cpu", str(tmp_path / "missing")) == 0
+
+
+def test_a_restore_is_weighed_against_computing_the_blocks():
+    """engine.core.copy_cost: copied back while the copy is the cheaper (or a rate is unmeasured), else computed."""
+    tier = HostTier(num_slots=4, block_bytes=1 << 20)  # 1 MiB blocks of 16 tokens
+    assert tier.worth_restoring([0, 1], 16) == [0, 1]  # nothing measured yet: copy
+    tier.cost.copy_bytes_per_s = 10e9  # 2 MiB: ~0.2 ms
+    tier.cost.observe_prefill(1000, 0.1)  # 100 us a token: 32 tokens 3.2 ms
+    assert tier.worth_restoring([0, 1], 16) == [0, 1]
+    tier.cost.copy_bytes_per_s = 1e8  # ~21 ms
+    assert tier.worth_restoring([0, 1], 16) == [] and tier.chose_recompute == 2
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_history_whose_copy_costs_more_than_its_recompute_is_computed_exactly(checkpoints, params):
+    """The engine measures the copy bandwidth at start and times its prompt steps; with the copy made to look slow,
+    the evicted history is computed again instead of restored, and the output is the same."""
+    folder = str(checkpoints.tiny())
+    turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=44)
+    engine = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
+    assert engine.host_tier.cost is engine.copy_cost and engine.copy_cost.copy_bytes_per_s > 0
+    reply, _ = run_alone(engine, "t1", turn1, params)
+    for i, other in enumerate(others):
+        run_alone(engine, f"o{i}", other, params)
+    assert engine.copy_cost.prefill_token_s > 0  # timed from the prompt steps above
+    engine.copy_cost.copy_bytes_per_s = 1.0  # a byte a second: no copy pays
+    turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=45)[0]
+    got, first = run_alone(engine, "t2", turn2, params)
+    assert first.num_cached_tokens == 0 and engine.host_tier.chose_recompute == 3
+    assert engine.load().host_tier_hit_blocks_total == 0
+    cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
+    assert got == run_alone(cold, "t2", turn2, params)[0]

@@ -68,6 +68,8 @@ class Admitting:
             if swapped:  # its own KV comes back from the host; what the prefix cache still holds is not copied
                 prefix = prefix[:req.num_computed_tokens // self.bm.block_size]
             on_host = self.tier.find(hashes[len(prefix):]) if self.tier is not None and fresh else []
+            if on_host:  # copied back only where that beats computing them (engine.core.copy_cost)
+                on_host = self.tier.worth_restoring(on_host, self.bm.block_size)
             device_tokens = len(prefix) * self.bm.block_size
             cached_tokens = req.num_computed_tokens if swapped else device_tokens + len(on_host) * self.bm.block_size
             n = min(req.num_tokens - cached_tokens, budget, self.max_prefill_chunk)

@@ -3,8 +3,9 @@
 A full block evicted from the device's prefix cache (BlockManager: its least recently used cached block, taken for
 another request) is copied to a host slot and indexed by the same chained block hash; a prompt whose prefix runs on
 past what the device holds finds the next blocks here and has them copied back into fresh device blocks instead of
-computing them again. The tier is inclusive: a block restored to the device keeps its host copy (a second eviction
-then copies nothing).
+computing them again, when the copy is the cheaper of the two by the engine's measured rates (`cost`,
+engine.core.copy_cost; a run it recomputes is counted in `chose_recompute`). The tier is inclusive: a block restored
+to the device keeps its host copy (a second eviction then copies nothing).
 Owns the slots: each is free or holds one block's KV under one hash (least recently used first: a store into a full
 tier evicts the oldest entry). Slots a copy of the step being planned reads (a copy back to the device) or writes (a
 store) are busy until `end_step()`: no store overwrites them before those copies are queued. The data movement is
@@ -22,12 +23,15 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.core.copy_cost import CopyCost
+
 
 class HostTier:
-    def __init__(self, num_slots: int, block_bytes: int) -> None:
+    def __init__(self, num_slots: int, block_bytes: int, cost: CopyCost | None = None) -> None:
         if num_slots < 1 or block_bytes < 1:
             raise ValueError(f"num_slots and block_bytes must be >= 1, got {num_slots}, {block_bytes}")
         self.num_slots, self.block_bytes = num_slots, block_bytes
+        self.cost = cost or CopyCost()  # the rates a restore is weighed by (the engine measures them)
         self._free = list(range(num_slots))  # a heap: low slots first
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._busy: set[int] = set()  # slots the step being planned copies from or into
@@ -38,6 +42,7 @@ class HostTier:
         self.stored = 0     # blocks copied in from the device
         self.evictions = 0  # entries dropped to make room
         self.dropped = 0    # evicted device blocks not stored (no slot could be taken)
+        self.chose_recompute = 0  # blocks found here at admission attempts whose copy cost more than computing
 
     @property
     def num_used(self) -> int:
@@ -52,6 +57,13 @@ class HostTier:
                 break
             slots.append(slot)
         return slots
+
+    def worth_restoring(self, slots: list[int], block_size: int) -> list[int]:
+        """`slots` (a run from `find`) if copying them back beats computing their tokens, else none."""
+        if not slots or self.cost.copy_pays(len(slots) * self.block_bytes, len(slots) * block_size):
+            return slots
+        self.chose_recompute += len(slots)
+        return []
 
     def take(self, hashes: Sequence[bytes], looked_up: int) -> list[int]:
         """An admission restores the run of `hashes` (from `find`): their slots, read in the step being planned

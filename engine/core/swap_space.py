@@ -5,10 +5,8 @@ dropped and recomputed when it resumes ("recompute"), or its computed blocks are
 back, into new block ids, when it resumes ("swap"); EngineConfig.preemption_mode chooses:
 - "recompute": always recompute (no host memory);
 - "swap": swap while the host space has slots for the request, else recompute (counted: `num_full`);
-- "auto": swap when the copy is cheaper than the recompute by a simple model: a swap moves the request's blocks
-  out and back in, 2 * blocks * block_bytes / copy_bytes_per_s (measured at start, engine.runner.swap_store), a
-  recompute computes its tokens again, tokens * prefill_token_s (the engine's own prompt steps: seconds per prompt
-  token, a running average; until one was timed, swap).
+- "auto": swap when the copy is cheaper than the recompute (engine.core.copy_cost: a swap moves the request's blocks
+  out and back in, 2 * blocks * block_bytes, against its tokens computed again; until both rates are measured, swap).
 Owns the slots: each is free or held by exactly one waiting, swapped-out request (Request.swap_slots). The data
 movement is the runner's (SchedulerOutput.swap_out / swap_in, executed before the step is launched).
 """
@@ -18,22 +16,19 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
+from engine.core.copy_cost import CopyCost
 from engine.engine_config import PREEMPTION_MODES
-
-PREFILL_EWMA = 0.2  # weight of a newly timed prompt step in prefill_token_s
-MIN_TIMED_PROMPT_TOKENS = 16  # shorter prompt steps are dominated by fixed costs: not timed
 
 
 class SwapSpace:
-    def __init__(self, num_slots: int, mode: str, block_bytes: int) -> None:
+    def __init__(self, num_slots: int, mode: str, block_bytes: int, cost: CopyCost | None = None) -> None:
         if mode not in PREEMPTION_MODES[1:]:
             raise ValueError(f"SwapSpace mode must be one of {PREEMPTION_MODES[1:]}, got {mode!r}")
         if num_slots < 1 or block_bytes < 1:
             raise ValueError(f"num_slots and block_bytes must be >= 1, got {num_slots}, {block_bytes}")
         self.num_slots, self.mode, self.block_bytes = num_slots, mode, block_bytes
         self._free = list(range(num_slots))  # a heap: low slots first
-        self.copy_bytes_per_s: float | None = None  # host <-> device copy bandwidth (set by the engine)
-        self.prefill_token_s: float | None = None   # seconds a prompt token takes (the engine's prompt steps)
+        self.cost = cost or CopyCost()  # the rates auto decides by (shared with the engine's host tier)
         # totals since start
         self.num_swapped_out = 0   # requests swapped out
         self.num_swapped_in = 0    # requests swapped back in
@@ -41,6 +36,21 @@ class SwapSpace:
         self.blocks_in = 0         # blocks copied back (a block still in the prefix cache at swap-in is not copied)
         self.num_full = 0          # preemptions that would have swapped but found too few free slots: recomputed
         self.num_chose_recompute = 0  # auto: preemptions the cost model sent to recompute
+
+    @property
+    def copy_bytes_per_s(self) -> float | None:
+        return self.cost.copy_bytes_per_s
+
+    @copy_bytes_per_s.setter
+    def copy_bytes_per_s(self, value: float | None) -> None:
+        self.cost.copy_bytes_per_s = value
+
+    @property
+    def prefill_token_s(self) -> float | None:
+        return self.cost.prefill_token_s
+
+    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        self.cost.observe_prefill(prompt_tokens, seconds)
 
     @property
     def num_free(self) -> int:
@@ -51,10 +61,7 @@ class SwapSpace:
         cost model; the slots may still be missing: `take`)."""
         if self.mode == "swap":
             return True
-        if self.copy_bytes_per_s is None or self.prefill_token_s is None:
-            return True
-        swap_s = 2 * blocks * self.block_bytes / self.copy_bytes_per_s
-        if swap_s < tokens * self.prefill_token_s:
+        if self.cost.copy_pays(2 * blocks * self.block_bytes, tokens):
             return True
         self.num_chose_recompute += 1
         return False
@@ -69,14 +76,6 @@ class SwapSpace:
     def give_back(self, slots: Iterable[int]) -> None:
         for s in slots:
             heapq.heappush(self._free, s)
-
-    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
-        """A step that computed `prompt_tokens` prompt tokens (beside any decode rows) took `seconds`."""
-        if prompt_tokens < MIN_TIMED_PROMPT_TOKENS or seconds <= 0:
-            return
-        per_token = seconds / prompt_tokens
-        old = self.prefill_token_s
-        self.prefill_token_s = per_token if old is None else (1 - PREFILL_EWMA) * old + PREFILL_EWMA * per_token
 
     def check_integrity(self, held: Iterable[list[int]]) -> int:
         """Assert every slot is free or held by one request (`held`: each swapped-out request's slots); returns

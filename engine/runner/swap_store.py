@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.core.copy_cost import CopyCost
 from engine.core.swap_space import SwapSpace
 
 
@@ -68,9 +69,10 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def build_swap(mode: str, swap_space_bytes: int, kv_cache: torch.Tensor) -> tuple[SwapSpace, HostSwapStore] | None:
+def build_swap(mode: str, swap_space_bytes: int, kv_cache: torch.Tensor,
+               cost: CopyCost | None = None) -> tuple[SwapSpace, HostSwapStore] | None:
     """The swap space of EngineConfig.preemption_mode `mode` over `swap_space_bytes` of host memory (None for
-    "recompute"); with "auto" the copy bandwidth is measured now."""
+    "recompute"), deciding by `cost`; with "auto" the copy bandwidth is measured now."""
     if mode == "recompute":
         return None
     block_bytes = kv_cache[0].numel() * kv_cache.element_size()
@@ -78,7 +80,7 @@ def build_swap(mode: str, swap_space_bytes: int, kv_cache: torch.Tensor) -> tupl
     if num_slots < 1:
         raise ValueError(f"EngineConfig.swap_space_bytes {swap_space_bytes} holds no KV block ({block_bytes} bytes)")
     store = HostSwapStore(kv_cache, num_slots)
-    space = SwapSpace(num_slots, mode, block_bytes)
+    space = SwapSpace(num_slots, mode, block_bytes, cost)
     if mode == "auto":
         space.copy_bytes_per_s = store.measure_bandwidth()
     return space, store
