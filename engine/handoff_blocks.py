@@ -6,7 +6,8 @@ Owns the reservations (`_reserved`, `_reserved_hits`, made in LLMEngine.__init__
 fork_reservation() book blocks, add_prefilled_request() starts decoding in them (or holds it for its grammar's
 loader: engine.grammar_holding), abort() (LLMEngine) gives them back; launch_fence() and order_after() order the
 outside writes against the engine's device launches; release() frees a pinned prefill-only request.
-Relies on LLMEngine's state and on _validate/_request (LLMEngine), _offload_now (engine.host_kv), _grammar_pending
+Relies on LLMEngine's state and on _validate/_request (LLMEngine), _offload_now, _restorable and _restore_now
+(engine.host_kv), _grammar_pending
 and _grammar_row (engine.grammar_holding).
 """
 
@@ -74,12 +75,15 @@ class HandoffBlocks:
         be the first: its KV moved here for nothing).
         `prefix_hashes`: the hashes of the KV's leading full blocks (engine.core.block_manager.prefix_block_hashes
         of its tokens but the last). The longest run of them the prefix cache holds starts the table, shared (ref
-        counted, as a prompt's prefix hits are): their KV is here already, and only the blocks after them need
-        writing (`reserved_hits` says how many lead the table)."""
+        counted, as a prompt's prefix hits are): their KV is here already; the run the host tier holds after them
+        is copied back into the next blocks now, where that beats computing it (engine.core.copy_cost); only the
+        blocks after both need writing (`reserved_hits` says how many lead the table)."""
         if request_id in self.scheduler.requests or request_id in self._reserved or request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
         bm = self.block_manager
-        hits = bm.cached_blocks(prefix_hashes)[:max(bm.blocks_needed(num_tokens) - 1, 0)]  # one block is written
+        leading = list(prefix_hashes[:max(bm.blocks_needed(num_tokens) - 1, 0)])  # the last block is written
+        hits = bm.cached_blocks(leading)
+        on_host = self._restorable(leading[len(hits):])  # copied back from the host tier: not written either
         if leave_room:
             s = self.scheduler
             own = bm.blocks_needed(num_tokens + 1) - bm.blocks_needed(num_tokens)
@@ -88,11 +92,14 @@ class HandoffBlocks:
                 return None
         if not bm.allocate(request_id, num_tokens, hits):
             return None
+        table = bm.table(request_id)
+        self._restore_now(leading[len(hits):len(hits) + on_host], len(leading) - len(hits),
+                          table[len(hits):len(hits) + on_host])
         self._offload_now()
         self._reserved.add(request_id)
-        if hits:
-            self._reserved_hits[request_id] = len(hits)
-        return list(bm.table(request_id))
+        if hits or on_host:
+            self._reserved_hits[request_id] = len(hits) + on_host
+        return list(table)
 
     def reserved_hits(self, request_id: str) -> int:
         """How many leading blocks of `request_id`'s reservation the prefix cache supplied (reserve_blocks'

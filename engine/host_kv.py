@@ -1,11 +1,13 @@
 """KV copies between the device and the host for LLMEngine: the host tier under the prefix cache (its construction,
-_host_tier, called by LLMEngine.__init__), the copies of blocks taken outside a step (_offload_now, called by
-engine.handoff_blocks) and each step's swap and tier copies (_move_swapped, called by LLMEngine's stepping).
+_host_tier, called by LLMEngine.__init__), the copies of blocks taken outside a step (_offload_now, and a
+reservation's leading blocks restored from the tier, _restore_now; called by engine.handoff_blocks) and each step's
+swap and tier copies (_move_swapped, called by LLMEngine's stepping).
 A mixin of LLMEngine; relies on its state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.core.copy_cost import CopyCost
@@ -53,6 +55,21 @@ class HostKV:
         now, ahead of any write into them."""
         if self.host_tier is not None:
             self.host_tier_store.copy_out_now(self.host_tier.store(self.block_manager.take_evicted()))
+
+    def _restorable(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes` (from the first) the host tier holds and would copy back rather than recompute."""
+        if self.host_tier is None or not hashes:
+            return 0
+        return len(self.host_tier.worth_restoring(self.host_tier.find(hashes), self.block_manager.block_size))
+
+    def _restore_now(self, hashes: Sequence[bytes], looked_up: int, blocks: Sequence[int]) -> None:
+        """Copy the host tier's blocks of `hashes` (a run `_restorable` counted) into device `blocks` now, ahead
+        of every later launch; `looked_up` blocks were sought in the tier. Call before _offload_now: the slots
+        read are busy, so the stores it queues cannot overwrite them."""
+        if self.host_tier is None or looked_up == 0:
+            return
+        slots = self.host_tier.take(hashes, looked_up)
+        self.host_tier_store.copy_in_now(list(zip(slots, blocks, strict=True)))
 
     def _host_tier(self, config: EngineConfig, cost: CopyCost) -> tuple[HostTier | None, HostTierStore | None]:
         """The host tier and its store, sized by kv_host_cache_bytes (None: auto where the tier can run); its

@@ -189,3 +189,27 @@ def test_a_history_whose_copy_costs_more_than_its_recompute_is_computed_exactly(
     assert engine.load().host_tier_hit_blocks_total == 0
     cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
     assert got == run_alone(cold, "t2", turn2, params)[0]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_decode_booking_restores_the_history_its_host_tier_holds(checkpoints, params):
+    """Disaggregated on two engines: the decode engine's host tier holds a conversation's first turn (handed over,
+    decoded, then evicted from its device by other requests); the second turn's booking copies those blocks back
+    from the tier instead of having them written from outside, and decodes what a single engine does."""
+    from tests.engine_helpers import prefill_then_hand_over
+
+    folder = str(checkpoints.tiny())
+    turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=47)
+    prefill = LLM(folder, device=DEVICE, num_kv_blocks=64, kv_host_cache_bytes=0).engine
+    decode = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=64 << 20).engine
+    reply = prefill_then_hand_over(prefill, decode, [turn1], [params], tag="t1-", reuse_prefix=True)["t1-0"]
+    for i, other in enumerate(others):
+        run_alone(decode, f"o{i}", other, params)
+    turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=48)[0]  # 61 tokens: 3 full blocks before the last
+    assert decode.block_manager.cached_prefix(turn2) == []  # gone from the decode engine's device
+    hits_before = decode.load().host_tier_hit_blocks_total
+    got = prefill_then_hand_over(prefill, decode, [turn2], [params], tag="t2-", reuse_prefix=True)["t2-0"]
+    assert decode.load().host_tier_hit_blocks_total - hits_before == 3  # restored: not written from outside
+    assert decode.check_integrity()["in_use"] == 0
+    single = LLM(folder, device=DEVICE, num_kv_blocks=64, kv_host_cache_bytes=0).engine
+    assert got == run_alone(single, "t2", turn2, params)[0]

@@ -77,6 +77,15 @@ class HostTierStore:
         self._copied_back = timer.end
         return timer
 
+    def copy_in_now(self, back: Sequence[tuple[int, int]]) -> None:
+        """Queue copies of (slot, block) host blocks into device blocks on the launch stream, ahead of every later
+        launch (a reservation's leading blocks: engine.handoff_blocks); later stores to the host wait for them."""
+        self.copies.copy_in(back)
+        if self._stream is not None and back:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self._device))
+            self._copied_back = done
+
     def copy_out_now(self, out: Sequence[tuple[int, int]]) -> None:
         """Queue copies of evicted blocks on the launch stream (blocks reserved for a write from outside; the copies
         back that read the slots earlier are ahead of them on the same stream)."""
