@@ -98,6 +98,7 @@ class EngineReport:
                 "host_tier_in_bytes_total": t.stored * t.block_bytes,
                 "host_tier_out_bytes_total": t.hits * t.block_bytes,
                 "host_tier_evictions_total": t.evictions, "host_tier_dropped_total": t.dropped,
+                "host_tier_recompute_blocks_total": t.chose_recompute,
                 "host_tier_used_blocks": t.num_used, "host_tier_total_blocks": t.num_slots,
                 "host_tier_used_bytes": t.num_used * t.block_bytes,
                 "host_tier_capacity_bytes": t.num_slots * t.block_bytes}
@@ -111,7 +112,7 @@ class EngineReport:
         if tier is not None:
             tier.clear()
             tier.take_changes()  # nothing for the fleet's index: it held these requests' blocks only
-            tier.hits = tier.misses = tier.stored = tier.evictions = tier.dropped = 0
+            tier.hits = tier.misses = tier.stored = tier.evictions = tier.dropped = tier.chose_recompute = 0
         self.num_steps, self.step_time_last_s, self.step_time_total_s = 0, 0.0, 0.0
         s = self.scheduler
         s.num_preemptions = s.num_prefix_query_tokens = s.num_prefix_hit_tokens = 0

@@ -68,6 +68,7 @@ class EngineLoad:
     host_tier_out_bytes_total: int = 0
     host_tier_evictions_total: int = 0
     host_tier_dropped_total: int = 0
+    host_tier_recompute_blocks_total: int = 0  # found there but computed: the copy would have cost more
     host_tier_used_blocks: int = 0
     host_tier_total_blocks: int = 0
     host_tier_used_bytes: int = 0

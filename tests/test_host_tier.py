@@ -186,7 +186,7 @@ def test_a_history_whose_copy_costs_more_than_its_recompute_is_computed_exactly(
     turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=45)[0]
     got, first = run_alone(engine, "t2", turn2, params)
     assert first.num_cached_tokens == 0 and engine.host_tier.chose_recompute == 3
-    assert engine.load().host_tier_hit_blocks_total == 0
+    assert engine.load().host_tier_hit_blocks_total == 0 and engine.load().host_tier_recompute_blocks_total == 3
     cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
     assert got == run_alone(cold, "t2", turn2, params)[0]
 

@@ -216,6 +216,8 @@ _TIER_HELP = {
     "out_bytes_total": "Bytes copied out of the tier (prefixes restored to the device)",
     "evictions_total": "Entries the tier dropped to make room (least recently used first)",
     "dropped_total": "Blocks evicted from the tier above that the tier could not take",
+    "recompute_blocks_total": "KV blocks found in the tier at admission attempts but computed: the copy would have "
+                              "cost more (engine.core.copy_cost)",
     "used_bytes": "Bytes of KV the tier holds now", "capacity_bytes": "The tier's size in bytes",
     "used_blocks": "KV blocks the tier holds now", "total_blocks": "KV blocks the tier can hold"}
 
