@@ -9,6 +9,9 @@ signatures follow each kernel's parameters: pointers default to bf16, a few name
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -83,11 +86,11 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16")}}
-    # what a launch specialises on: 16-byte aligned pointers and strides divisible by 16 (except those a kernel
-    # marks do_not_specialize), so the vectorized loads compiled here are the ones that run
+    # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
+    # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
              if not p.is_constexpr and p.name not in kernel.do_not_specialize and i not in kernel.do_not_specialize
-             and (p.name.endswith("_ptr") or p.name.startswith("stride"))}
+             and signature[p.name] != "fp32"}
     try:
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
                                   target=HOPPER,
@@ -96,7 +99,21 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
         return row | {"error": f"{type(e).__name__}: {e}"[:2000]}
     ptx = compiled.asm["ptx"]
     return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
-                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx}
+                  "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
+                  "local_stores": local_stores(compiled.asm["cubin"])}
+
+
+def local_stores(cubin: bytes) -> int | None:
+    """How many stores to thread-local memory (STL: registers spilled) the machine code has, by Triton's own
+    cuobjdump (None if it is missing)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sass.count(" STL")
 
 
 if __name__ == "__main__":
