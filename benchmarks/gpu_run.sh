@@ -64,8 +64,6 @@
 # multiturnbusy (1 GPU, issue 44): one collocated worker, 16 GiB of device KV, twice quick's load, ~5 minutes.
 # multiturnagents (1 GPU, issue 44): the same worker, short replies and 10 s of think time (many idle histories for
 #   each decoding stream), ~5 minutes.
-# kvread (1 GPU, issue 42): the decode attention's read pattern through the block table alone (no math), one
-#   program per KV head against one per span of tokens, fp8 and bf16 caches (benchmarks/kv_read_pattern.py).
 # multiturnagents1p1d (1 GPU, issue 44): the agents load on a prefill and a decode worker sharing the GPU, host
 #   tiers on against off, 5 new conversations/s, ~7 minutes.
 # smsplit (1 GPU, issue 43): a decode step beside a prefill, the SMs split between them (engine.runner.sm_lanes:
@@ -320,9 +318,6 @@ for step in "$@"; do
     fp8attn)  # the decode attention kernel alone, bf16 and fp8 caches: launches and split counts per case
       timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/fp8_gpu.py attention ${ATTN_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|error' | cut -c1-300 ;;
-    kvread)  # the decode attention's paged-cache read pattern alone, per KV head against all heads (kv_read_pattern.py)
-      timeout ${KVREAD_TIMEOUT:-200} python3 benchmarks/kv_read_pattern.py ${KVREAD_ARGS:-} 2>&1 \
-        | tee "$OUT/kv_read_pattern.log" | grep "^{" | cut -c1-300 ;;
     smsplit)  # issue 43: decode beside prefill with the SMs split (green contexts) or not, GEMMs then the engine
       checkpoint8b
       timeout ${SMSPLIT_TIMEOUT:-300} python3 benchmarks/sm_split.py micro --model /tmp/l8bd ${SMSPLIT_ARGS:-} 2>&1 \
