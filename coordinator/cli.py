@@ -124,31 +124,23 @@ def _serve_main(args: argparse.Namespace) -> int:
 
 
 def coordinator_main(argv: list[str]) -> int:
-    """The coordinator under `pdserve serve`'s supervisor: STATE_DIR LISTEN_FD READY_FD local|joined [GO_FD]. It runs
-    with the configuration the supervisor froze at start (STATE_DIR's CHILD_CONFIG, never the YAML file as it is now),
-    joins the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD once it
-    serves. With GO_FD (the first coordinator, started while Ray starts) it imports, then waits for a byte there
-    before it reads its configuration; the pipe's end without one means there is nothing to serve."""
+    """The coordinator under `pdserve serve`'s supervisor: STATE_DIR LISTEN_FD READY_FD local|joined. It runs with the
+    configuration the supervisor froze at start (STATE_DIR's CHILD_CONFIG, never the YAML file as it is now), joins
+    the supervisor's Ray in its namespace, serves on the inherited socket and writes a byte to READY_FD once it
+    serves."""
     import pickle
     import socket
     from pathlib import Path
 
-    from coordinator.process_supervisor import CHILD_CONFIG, CHILD_ENV
+    from coordinator.process_supervisor import CHILD_CONFIG
     from engine.config_error import ConfigError
-    state_dir, listen_fd, ready_fd, ray_kind, *go = argv
+    state_dir, listen_fd, ready_fd, ray_kind = argv
+    config = pickle.loads((Path(state_dir) / CHILD_CONFIG).read_bytes())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from coordinator.serve import serve  # the HTTP side (~1 s of imports; no Ray: it reads its settings at import)
-    if go:  # the first coordinator, started beside Ray: its configuration is written once Ray is up
-        fd = int(go[0])
-        told = os.read(fd, 1)
-        os.close(fd)
-        if not told:  # the supervisor could not start Ray (or ended): nothing to serve
-            return 0
-        os.environ.update(pickle.loads((Path(state_dir) / CHILD_ENV).read_bytes()))  # before Ray is imported
     import ray
 
     from coordinator.backend.ray_start import init_ray
-    config = pickle.loads((Path(state_dir) / CHILD_CONFIG).read_bytes())
+    from coordinator.serve import serve
     start_watchdog()  # its own tree (HTTP frontend processes); Ray's processes are the supervisor's
     if ray_kind == "local":  # the supervisor's own cluster: the workers inherit its environment already
         ray.init(address=config.ray_address, namespace=config.namespace, include_dashboard=False,

@@ -10,8 +10,7 @@ once, from the port bound). A coordinator inside Ray would need all three passed
 machinery to behave under a SIGKILL of its owner; a parent process that waits on a child is a few dozen lines.
 
 Life: bind -> start Ray (a local one on the loopback only: coordinator.backend.ray_network) or join it, in namespace
-`namespace` (or pdserve-HOST-PORT) -> the child (`python -m coordinator.cli _coordinator`, its own session; the first
-one is started beside Ray and imports meanwhile, then waits on a pipe until its configuration is written) gets the
+`namespace` (or pdserve-HOST-PORT) -> the child (`python -m coordinator.cli _coordinator`, its own session) gets the
 socket, a pipe on which it says when it serves, and the server's state folder (private, removed at exit): the
 configuration loaded at start (frozen: a YAML file edited since is not read again, so an invalid edit cannot stop a
 restarted coordinator) and what the coordinators keep across restarts (the tenants' usage,
@@ -50,7 +49,6 @@ from coordinator.config.serve_config import ServeConfig
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_CONFIG = "config.pickle"  # in the server's state folder: the frozen configuration of every coordinator
-CHILD_ENV = "ray_env.pickle"  # ... and the environment ray.init added, for the first one (started before it)
 
 
 def pid_file(namespace: str) -> Path:
@@ -117,44 +115,25 @@ class ProcessSupervisor:
         except RuntimeError as e:
             log.error("pdserve: error: %s", e)
             return 3
-        local = self.config.ray_address is None
-        state = tempfile.TemporaryDirectory(prefix="pdserve-state-")  # private (0700): ours and our children's
         try:
-            # the first coordinator starts now and imports while Ray starts; it reads its configuration (which
-            # holds Ray's address) once told to go (a closed pipe instead: it exits)
-            go_r, go_w = os.pipe()
-            first = self._spawn_child(Path(state.name), local, go_r)
-            env_before = dict(os.environ)
-            try:
-                init_ray(self.config.ray_address, self.namespace)
-                if local:
-                    self._prestart_first_workers()
-            except BaseException:
-                os.close(go_w)  # the waiting coordinator reads the end of the pipe and exits
-                os.close(first)
-                self._child.wait()
-                raise
+            local = self.config.ray_address is None
+            init_ray(self.config.ray_address, self.namespace)
+            if local:
+                self._prestart_first_workers()
             log.warning("pdserve: Ray %s, %s", "started" if local else "joined", since_launch())
             for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
                 signal.signal(sig, self._on_signal)
             import ray
             address = ray.get_runtime_context().gcs_address
+            state = tempfile.TemporaryDirectory(prefix="pdserve-state-")  # private (0700): ours and our children's
             try:
-                try:
-                    self._write_child_config(Path(state.name), address)
-                    # what joining this Ray takes that ray.init put in our environment (its auth mode): a child
-                    # started before it lacks it
-                    ray_env = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
-                    (Path(state.name) / CHILD_ENV).write_bytes(pickle.dumps(ray_env))
-                    os.write(go_w, b"1")
-                finally:
-                    os.close(go_w)
-                return self._loop(Path(state.name), local, first)
+                self._write_child_config(Path(state.name), address)
+                return self._loop(Path(state.name), local)
             finally:
                 self._teardown()
                 ray.shutdown()
+                state.cleanup()
         finally:
-            state.cleanup()
             path.unlink(missing_ok=True)  # ours while we hold its lock
             held.close()
 
@@ -178,14 +157,11 @@ class ProcessSupervisor:
         config = dataclasses.replace(self.config, server=server, namespace=self.namespace, ray_address=address)
         (state / CHILD_CONFIG).write_bytes(pickle.dumps(config))
 
-    def _loop(self, state: Path, local: bool, first: int) -> int:
-        """Watch the coordinator started first (`first`: its ready pipe), then each one started after a crash."""
+    def _loop(self, state: Path, local: bool) -> int:
         served_once = False
-        ready_r: int | None = first
         while True:
             started = time.monotonic()
-            rc, served = self._watch_child(ready_r if ready_r is not None else self._spawn_child(state, local))
-            ready_r = None
+            rc, served = self._run_child(state, local)
             served_once = served_once or served
             if self._stopping.is_set() or rc == 0:
                 return 0
@@ -210,24 +186,16 @@ class ProcessSupervisor:
                 return 0
             self.restarts += 1
 
-    def _spawn_child(self, state: Path, local: bool, go_r: int | None = None) -> int:
-        """Start a coordinator (`self._child`); returns the read end of the pipe on which it says it serves. With
-        `go_r`, it waits for a byte there before it reads its configuration (the first one, started beside Ray)."""
+    def _run_child(self, state: Path, local: bool) -> tuple[int, bool]:
+        """Run one coordinator until it exits: (its exit status, whether it served)."""
         ready_r, ready_w = os.pipe()
         fd = self._listener.fileno()
         command = [sys.executable, "-m", "coordinator.cli", "_coordinator", str(state), str(fd), str(ready_w),
-                   "local" if local else "joined", *([] if go_r is None else [str(go_r)])]
-        passed = (fd, ready_w) if go_r is None else (fd, ready_w, go_r)
-        self._child = subprocess.Popen(command, pass_fds=passed, start_new_session=True, cwd=ROOT)
+                   "local" if local else "joined"]
+        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True, cwd=ROOT)
         os.close(ready_w)
-        if go_r is not None:
-            os.close(go_r)
         if self._stopping.is_set():  # a signal that came while it was being started
             self._child.send_signal(signal.SIGTERM)
-        return ready_r
-
-    def _watch_child(self, ready_r: int) -> tuple[int, bool]:
-        """Wait for the coordinator `self._child` to exit: (its exit status, whether it served)."""
         served = False
         try:
             while True:
