@@ -118,6 +118,9 @@ def test_a_flood_grows_the_short_pool_until_the_cluster_is_full_and_the_quiet_sh
 
     # the load stopped: the pool shrinks back to min_workers, each worker drained and removed
     assert _poll(lambda: _scaling(url)["pools"]["decode"]["workers"] == 1), _scaling(url)
+    # a slot leaves the pool when its removal begins; its event comes once the worker has stopped (seconds later on
+    # a loaded machine)
+    assert _poll(lambda: len(_events(url, "in")) >= 2), _scaling(url)["events"]
     shrunk = _events(url, "in")
     assert len(shrunk) == 2 and all("drained and removed" in e["reason"] for e in shrunk), shrunk
     assert sorted(e["worker"] for e in shrunk) == ["decode-1", "decode-2"], shrunk
