@@ -76,7 +76,7 @@ class HandoffBlocks:
         `prefix_hashes`: the hashes of the KV's leading full blocks (engine.core.block_manager.prefix_block_hashes
         of its tokens but the last). The longest run of them the prefix cache holds starts the table, shared (ref
         counted, as a prompt's prefix hits are): their KV is here already; the run the host tier holds after them
-        is copied back into the next blocks now, where that beats computing it (engine.core.copy_cost); only the
+        is copied back into the next blocks now (a host-to-device copy instead of the handoff's); only the
         blocks after both need writing (`reserved_hits` says how many lead the table)."""
         if request_id in self.scheduler.requests or request_id in self._reserved or request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -57,10 +57,11 @@ class HostKV:
             self.host_tier_store.copy_out_now(self.host_tier.store(self.block_manager.take_evicted()))
 
     def _restorable(self, hashes: Sequence[bytes]) -> int:
-        """How many of `hashes` (from the first) the host tier holds and would copy back rather than recompute."""
+        """How many of `hashes` (from the first) the host tier holds: a booking's alternative is the handoff writing
+        them, not computing them, so every one found is copied back."""
         if self.host_tier is None or not hashes:
             return 0
-        return len(self.host_tier.worth_restoring(self.host_tier.find(hashes), self.block_manager.block_size))
+        return len(self.host_tier.find(hashes))
 
     def _restore_now(self, hashes: Sequence[bytes], looked_up: int, blocks: Sequence[int]) -> None:
         """Copy the host tier's blocks of `hashes` (a run `_restorable` counted) into device `blocks` now, ahead
