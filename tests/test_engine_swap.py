@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager
@@ -24,6 +25,9 @@ from engine.core.swap_space import SwapSpace
 from engine.engine_config import EngineConfig
 from tests.engine_helpers import prefill_then_hand_over, random_prompts
 
+# The engine tests run on a GPU where there is one (pinned host slots, the copy stream), else the CPU
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 2000
 PROMPTS = random_prompts((20, 25, 18, 30, 22, 27), VOCAB, seed=381)
 PARAMS = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
@@ -42,13 +46,13 @@ def folder(checkpoints) -> str:
 @pytest.fixture(scope="module")
 def expected(folder) -> tuple[list[list[int]], int]:
     """The unpreempted run's tokens, and the tokens it computed."""
-    llm = LLM(folder, enable_prefix_caching=False)
+    llm = LLM(folder, device=DEVICE, enable_prefix_caching=False)
     outs = llm.generate(PROMPTS, PARAMS)
     return [o.token_ids for o in outs], llm.engine.load().scheduled_tokens_total
 
 
 def _run(folder: str, **kwargs):
-    llm = LLM(folder, **kwargs)
+    llm = LLM(folder, device=DEVICE, **kwargs)
     outs = llm.generate(PROMPTS, PARAMS)
     return [o.token_ids for o in outs], llm.engine
 
@@ -80,7 +84,7 @@ def test_recompute_mode_computes_again_what_swap_saves(folder, expected):
 
 def test_a_full_swap_space_falls_back_to_recompute_and_stays_exact(folder, expected):
     tokens, _ = expected
-    block_bytes = LLM(folder, num_kv_blocks=2).engine.kv_cache[0].nbytes
+    block_bytes = LLM(folder, device=DEVICE, num_kv_blocks=2).engine.kv_cache[0].nbytes
     # 4 host blocks: one victim of 3-4 blocks at a time, the others recompute
     got, engine = _run(folder, num_kv_blocks=12, enable_prefix_caching=False, preemption_mode="swap",
                        swap_space_bytes=4 * block_bytes)
@@ -181,8 +185,8 @@ def test_auto_mode_measures_the_copy_and_stays_exact(folder, expected):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_handed_over_requests_outgrowing_a_small_cache_are_swapped_and_exact(folder, expected, overlap):
     tokens, _ = expected
-    decode = LLM(folder, num_kv_blocks=12, async_scheduling=overlap, preemption_mode="swap").engine
-    got = prefill_then_hand_over(LLM(folder).engine, decode, PROMPTS, PARAMS)
+    decode = LLM(folder, device=DEVICE, num_kv_blocks=12, async_scheduling=overlap, preemption_mode="swap").engine
+    got = prefill_then_hand_over(LLM(folder, device=DEVICE).engine, decode, PROMPTS, PARAMS)
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == tokens
     load = decode.load()
     assert load.swapped_out_total == load.preemptions_total > 0 and load.swapped_in_total == load.swapped_out_total
@@ -200,4 +204,4 @@ def test_bad_swap_settings_are_refused_naming_the_field(kwargs, field):
 
 def test_a_swap_space_smaller_than_a_block_is_refused(folder):
     with pytest.raises(ValueError, match="swap_space_bytes 100 holds no KV block"):
-        LLM(folder, preemption_mode="swap", swap_space_bytes=100)
+        LLM(folder, device=DEVICE, preemption_mode="swap", swap_space_bytes=100)
