@@ -104,3 +104,14 @@ def test_warm_up_leaves_the_engine_as_it_was(checkpoints):
     tier = warm.engine.host_tier
     assert tier is not None and tier.num_used == 0 and tier.stored == 0  # nothing of the warm-up's kept
     assert [o.token_ids for o in warm.generate(prompts, params)] == expected
+
+
+def test_warm_up_fits_an_engine_whose_cache_holds_two_blocks(checkpoints):
+    """A deliberately tiny cache (num_kv_blocks 2 = 32 tokens) starts: the warm-up's prompts shrink to fit it (a CUDA
+    engine warms up at start; at 49 tokens it had refused its own warm-up request)."""
+    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                            num_key_value_heads=1, intermediate_size=64)
+    llm = LLM(str(llama), device=DEVICE, kernels="triton", max_num_seqs=4, max_model_len=256,
+              max_num_batched_tokens=256, warmup=False, num_kv_blocks=2)
+    assert warm_up(llm.engine) > 0
+    assert llm.engine.check_integrity()["in_use"] == 0

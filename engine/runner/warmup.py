@@ -122,7 +122,9 @@ def _requests(engine) -> None:
     """Prefill-only, mixed and decode steps with every sampler option, as short seeded requests."""
     vocab = engine.model_config.vocab_size
     bs = engine.config.block_size
-    prompt_len = min(3 * bs + 1, engine.config.max_model_len - 8, engine.config.max_num_batched_tokens // 4)
+    # a tiny cache (num_kv_blocks set low) still fits one request with its 4 tokens
+    prompt_len = min(3 * bs + 1, engine.config.max_model_len - 8, engine.config.max_num_batched_tokens // 4,
+                     engine.num_kv_blocks * bs - 5)
 
     def prompt(i: int) -> list[int]:
         return [(7 + 131 * i + 17 * j) % vocab for j in range(max(prompt_len, 2))]
