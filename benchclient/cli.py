@@ -15,6 +15,7 @@ import sys
 import httpx
 
 from benchclient.arrivals import ArrivalSpec
+from benchclient.cache_tiers import read_tier_counters, tier_shares
 from benchclient.client import Target, first_model, serves_pdserve
 from benchclient.phase_table import format_phase_table
 from benchclient.run import RunConfig, run_load, run_report, save_json
@@ -73,8 +74,10 @@ def bench_main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    counters = read_tier_counters(cfg.target.url, cfg.target.api_key)  # None: not pdserve, or /metrics refused
     results = asyncio.run(run_load(cfg, progress=sys.stderr.isatty() and not args.no_progress))
     doc = run_report(cfg, results)
+    doc["summary"].update(tier_shares(counters, read_tier_counters(cfg.target.url, cfg.target.api_key)))
     print(format_summary(doc["summary"]))
     table = format_phase_table(doc["phases"])
     if table:

@@ -90,6 +90,7 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     if config.extra_slos:
         lines += ["", "## Goodput under each SLO pair", ""] + _slo_table(config, rows)
     lines += _adaptive_section(config, rows)
+    lines += _cache_section(rows)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     loads = [r["loadavg_1m"] for r in rows if r.get("loadavg_1m") is not None]
@@ -121,6 +122,27 @@ def _slo_table(config, rows: list[dict]) -> list[str]:
     for r in (r for r in rows if r["status"] == "ok"):
         lines.append(f"| {r['workload']} | {r['load']} | {r['layout']} | "
                      + " | ".join(_f(_goodput(r, p, config), "{:.2f}") for p in pairs) + " |")
+    return lines
+
+
+def _cache_section(rows: list[dict]) -> list[str]:
+    """Where the prompts' KV came from (rows with the server's tier counters or multi-turn figures)."""
+    ok = [r for r in rows if r["status"] == "ok" and (r.get("cache_share_device") is not None
+                                                       or r.get("ttft_later_turns_p50_ms") is not None)]
+    if not ok:
+        return []
+    lines = ["", "## Prompt caching", "",
+             "Cached share: prompt tokens the server reported cached (`usage.prompt_tokens_details`), measured "
+             "requests. Device / host share: tokens admitted during the cell (warm-up included) whose KV the device "
+             "prefix cache / the host tier supplied (the server's counters, benchclient.cache_tiers).", "",
+             "| workload | load | layout | cached share | device share | host share "
+             "| later turns' TTFT p50 / p99 (ms) |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in ok:
+        later = f"{_f(r.get('ttft_later_turns_p50_ms'), '{:.1f}')} / {_f(r.get('ttft_later_turns_p99_ms'), '{:.1f}')}"
+        shares = " | ".join(_f(r.get(k), "{:.2f}") for k in ("cached_prompt_tokens_ratio", "cache_share_device",
+                                                             "cache_share_host"))
+        lines.append(f"| {r['workload']} | {r['load']} | {r['layout']} | {shares} | {later} |")
     return lines
 
 

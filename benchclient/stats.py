@@ -118,12 +118,12 @@ def _error_kind(error: str | None) -> str:
 FORMAT = [("requests", "{:.0f}"), ("completed", "{:.0f}"), ("failed", "{:.0f}"), ("duration_s", "{:.2f}"),
           ("request_throughput", "{:.2f} req/s"), ("output_token_throughput", "{:.1f} tok/s"),
           ("total_token_throughput", "{:.1f} tok/s"), ("goodput", "{:.2f} req/s"), ("slo_attainment", "{:.1%}"),
-          ("cached_prompt_tokens_ratio", "{:.1%}")]
+          ("cached_prompt_tokens_ratio", "{:.1%}"), ("cache_share_device", "{:.1%}"), ("cache_share_host", "{:.1%}")]
 
 
 def format_summary(s: dict) -> str:
     """A human-readable block of the figures, as `pdserve bench` prints it."""
-    lines = [f"{key:<26}{fmt.format(s[key])}" for key, fmt in FORMAT]
+    lines = [f"{key:<26}{fmt.format(s[key])}" for key, fmt in FORMAT if key in s]  # cache shares: pdserve's counters
     lines.append(f"{'SLOs':<26}TTFT <= {s['slo_ttft_ms']:g} ms, TPOT <= {s['slo_tpot_ms']:g} ms")
     if s["errors"]:
         lines.append(f"{'errors':<26}{s['errors']}")

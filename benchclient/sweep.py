@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchclient.cache_tiers import read_tier_counters, tier_shares
 from benchclient.client import Target, first_model
 from benchclient.launcher import LaunchError, launched_server, serving_config
 from benchclient.run import RunConfig, json_safe, run_load, run_report, save_json
@@ -35,7 +36,7 @@ SUMMARY_COLUMNS = ("requests", "completed", "failed", "duration_s", "goodput", "
                    "itl_mean_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
                    "e2e_mean_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms",
                    "prompt_tokens_mean", "completion_tokens_mean", "cached_prompt_tokens_ratio",
-                   "ttft_later_turns_p50_ms", "ttft_later_turns_p99_ms")
+                   "ttft_later_turns_p50_ms", "ttft_later_turns_p99_ms", "cache_share_device", "cache_share_host")
 COLUMNS = ("cell", "status", "layout", "mode", "prefill_workers", "decode_workers", "workers", "workload",
            "load", "load_kind", "load_value") + SUMMARY_COLUMNS + (
     "errors", "error", "finished_at", "loadavg_1m")
@@ -98,8 +99,10 @@ def _run_cell(config: SweepConfig, cell: Cell, url: str, model: str, out: Path, 
     target = Target(url=url, model=model, endpoint=config.endpoint, ignore_eos=config.ignore_eos, phases=True)
     run = RunConfig(target=target, workload=cell.workload, arrival=cell.arrival, slo=config.slo,
                     duration_s=config.duration_s, warmup_s=config.warmup_s, timeout_s=config.timeout_s)
+    before = read_tier_counters(url)
     results = asyncio.run(run_load(run, progress=progress))
     doc = run_report(run, results)
+    doc["summary"].update(tier_shares(before, read_tier_counters(url)))  # the server's own, warm-up included
     doc["cell"] = {"key": cell.key, "layout": cell.layout.name, "serve_overrides": cell.layout.serve_overrides()}
     extra = {s.goodput_key: summarize(results, s)["goodput"] for s in config.extra_slos}
     doc["summary"].update(extra)

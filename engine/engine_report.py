@@ -95,6 +95,7 @@ class EngineReport:
         if t is None:
             return {}
         return {"host_tier_hit_blocks_total": t.hits, "host_tier_miss_blocks_total": t.misses,
+                "host_tier_hit_tokens_total": self.scheduler.num_host_hit_tokens,
                 "host_tier_in_bytes_total": t.stored * t.block_bytes,
                 "host_tier_out_bytes_total": t.hits * t.block_bytes,
                 "host_tier_evictions_total": t.evictions, "host_tier_dropped_total": t.dropped,
@@ -115,7 +116,7 @@ class EngineReport:
             tier.hits = tier.misses = tier.stored = tier.evictions = tier.dropped = tier.chose_recompute = 0
         self.num_steps, self.step_time_last_s, self.step_time_total_s = 0, 0.0, 0.0
         s = self.scheduler
-        s.num_preemptions = s.num_prefix_query_tokens = s.num_prefix_hit_tokens = 0
+        s.num_preemptions = s.num_prefix_query_tokens = s.num_prefix_hit_tokens = s.num_host_hit_tokens = 0
         s.num_scheduled_tokens = s.num_sampled_tokens = 0
         s.iteration_tokens = IterationTokens()
 

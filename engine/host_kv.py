@@ -1,14 +1,20 @@
-"""KV copies between the device and the host for LLMEngine: the host tier under the prefix cache (its construction,
-_host_tier, called by LLMEngine.__init__), the copies of blocks taken outside a step (_offload_now, and a
-reservation's leading blocks restored from the tier, _restore_now; called by engine.handoff_blocks) and each step's
-swap and tier copies (_move_swapped, called by LLMEngine's stepping).
+"""KV copies between the device and the host for LLMEngine: the host tier under the prefix cache (built on a
+thread of its own, _start_host_tier, called by LLMEngine.__init__; joined between steps, _attach_host_tier), the
+copies of blocks taken outside a step (_offload_now, and a reservation's leading blocks restored from the tier,
+_restore_now; called by engine.handoff_blocks) and each step's swap and tier copies (_move_swapped, called by
+LLMEngine's stepping).
 A mixin of LLMEngine; relies on its state.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
+
+import torch
 
 from engine.core.copy_cost import CopyCost
 from engine.core.host_tier import HostTier
@@ -16,12 +22,11 @@ from engine.engine_config import EngineConfig
 from engine.runner.host_tier_store import HostTierStore, auto_host_cache_bytes, build_host_tier_store
 
 if TYPE_CHECKING:
-    import torch
-
     from engine.core.block_manager import BlockManager
     from engine.core.scheduler import Scheduler, SchedulerOutput
     from engine.runner.swap_store import HostSwapStore
 
+log = logging.getLogger(__name__)
 
 class HostKV:
     """LLMEngine's device-host KV copies (see the module)."""
@@ -33,6 +38,7 @@ class HostKV:
     block_manager: BlockManager
     host_tier: HostTier | None
     host_tier_store: HostTierStore | None
+    _tier_build: Future | None  # the host tier being built (_start_host_tier); None once joined or with none
     swap_store: HostSwapStore | None
 
     def _move_swapped(self, sched: SchedulerOutput) -> None:
@@ -72,18 +78,54 @@ class HostKV:
         slots = self.host_tier.take(hashes, looked_up)
         self.host_tier_store.copy_in_now(list(zip(slots, blocks, strict=True)))
 
-    def _host_tier(self, config: EngineConfig, cost: CopyCost) -> tuple[HostTier | None, HostTierStore | None]:
-        """The host tier and its store, sized by kv_host_cache_bytes (None: auto where the tier can run); its
-        restores are weighed by `cost`, whose copy bandwidth is measured here (16 MiB each way, at start)."""
+    def _start_host_tier(self, config: EngineConfig, cost: CopyCost) -> None:
+        """Size the host tier (kv_host_cache_bytes; None: auto where the tier can run) and start building it on a
+        thread of its own: its memory (pinned on CUDA, about half a second a GiB on an H200 host) and the copy
+        bandwidth its restores are weighed by (`cost`, 16 MiB each way). Until it joins at a step boundary
+        (_attach_host_tier), host_tier and host_tier_store are None: a CUDA worker serves while it is built."""
+        self.host_tier = self.host_tier_store = None
+        self._tier_build: Future | None = None
         size = config.kv_host_cache_bytes
-        if size is None:  # on a GPU only when set until its start cost and gain are measured (docs/kv_tiers.md)
+        if size is None:  # on a GPU only when set (docs/kv_tiers.md)
             usable = config.enable_prefix_caching and config.tensor_parallel_size == 1 and self.device.type != "cuda"
             size = auto_host_cache_bytes(self.device.type) if usable else 0
-        store = build_host_tier_store(size, self.kv_cache) if size else None
-        if store is None:
+        block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        if size < block_bytes:
             if config.kv_host_cache_bytes:
-                block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
                 raise ValueError(f"EngineConfig.kv_host_cache_bytes {size} holds no KV block ({block_bytes} bytes)")
-            return None, None
-        cost.copy_bytes_per_s = store.copies.measure_bandwidth(16 << 20)
-        return HostTier(store.copies.host.shape[0], store.block_bytes, cost), store
+            return
+        builder = ThreadPoolExecutor(1, thread_name_prefix="host-tier")
+        self._tier_build = builder.submit(_build_host_tier, size, self.kv_cache, cost)
+        builder.shutdown(wait=False)
+
+    def wait_for_host_tier(self) -> None:
+        """Wait until the host tier is built and join it now (the offline LLM and a CPU engine do at start)."""
+        self._attach_host_tier(wait=True)
+
+    def _attach_host_tier(self, wait: bool = False) -> None:
+        """Join the host tier once built (between steps: the block manager records evictions from here on); a build
+        that failed (e.g. no pinned memory to be had) is logged and the engine goes on without a tier."""
+        build = self._tier_build
+        if build is None or not (wait or build.done()):
+            return
+        self._tier_build = None
+        try:
+            tier, store, seconds = build.result()
+        except Exception:  # noqa: BLE001 - the tier is a cache: serving goes on without it
+            log.exception("host tier: building it failed; this engine runs without one")
+            return
+        self.host_tier, self.host_tier_store = tier, store
+        self.scheduler.tier = tier
+        self.block_manager.record_evictions()
+        log.info("host tier: %d blocks (%.1f GiB) ready in %.2f s, %.1f GB/s to the device and back", tier.num_slots,
+                 tier.num_slots * tier.block_bytes / 2**30, seconds, tier.cost.copy_bytes_per_s / 1e9)
+
+
+def _build_host_tier(size: int, kv_cache: torch.Tensor, cost: CopyCost) -> tuple[HostTier, HostTierStore, float]:
+    """The tier, its store over `size` bytes and the seconds the build took (on the builder's thread)."""
+    start = time.perf_counter()
+    if kv_cache.is_cuda:
+        torch.cuda.set_device(kv_cache.device)
+    store = build_host_tier_store(size, kv_cache)
+    cost.copy_bytes_per_s = store.copies.measure_bandwidth(16 << 20)
+    return HostTier(store.copies.host.shape[0], store.block_bytes, cost), store, time.perf_counter() - start

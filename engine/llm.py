@@ -23,6 +23,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown keyword(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.engine.wait_for_host_tier()  # offline: every request finds the tier (a server's joins when built)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

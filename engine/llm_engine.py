@@ -138,16 +138,16 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         # the host tier under the prefix cache (kv_host_cache_bytes; None: none); it and the swap space copy KV
         # where that beats computing it, by the rates in copy_cost (the engine's prompt steps time it below)
         self.copy_cost = CopyCost()
-        self.host_tier, self.host_tier_store = self._host_tier(config, self.copy_cost)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          record_evictions=self.host_tier is not None)
+        self._start_host_tier(config, self.copy_cost)  # built beside the start; joins at a step (engine.host_kv)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # preempted requests' KV on the host (preemption_mode swap / auto; None: recomputed)
         self.swap_space, self.swap_store = build_swap(config.preemption_mode, config.swap_space_bytes,
                                                       self.kv_cache, self.copy_cost) or (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk,
-                                   head_bypass_steps=config.head_bypass_steps, swap=self.swap_space,
-                                   tier=self.host_tier)
+                                   head_bypass_steps=config.head_bypass_steps, swap=self.swap_space)
+        if self.device.type != "cuda":  # plain memory: built at once, so the CPU engine starts as it always did
+            self.wait_for_host_tier()
         sampler = Sampler(self.device, config.seed, mc.eos_token_ids, self.scheduler.requests,
                           cpu_kernel=config.kernels == "auto")
         if self.followers is None:
@@ -244,6 +244,8 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         try:
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
+            if self._tier_build is not None:
+                self._attach_host_tier()
             return self._step(layer_hook)
         finally:
             self.num_steps += 1

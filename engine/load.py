@@ -64,6 +64,7 @@ class EngineLoad:
     # evicted for room, evicted device blocks it could not take, and its occupancy now
     host_tier_hit_blocks_total: int = 0
     host_tier_miss_blocks_total: int = 0
+    host_tier_hit_tokens_total: int = 0  # prompt tokens admitted with their KV copied back (prefix_query_tokens')
     host_tier_in_bytes_total: int = 0
     host_tier_out_bytes_total: int = 0
     host_tier_evictions_total: int = 0

@@ -17,6 +17,7 @@ import json
 import pytest
 
 from benchclient.arrivals import ArrivalSpec
+from benchclient.cache_tiers import tier_shares
 from benchclient.client import Target
 from benchclient.conversations import build_conversations, turn_prompt
 from benchclient.run import RunConfig, run_load, run_report
@@ -106,3 +107,13 @@ def test_turns_resend_the_history_and_later_ones_find_it_cached(server, endpoint
     for _, step in sorted(starts):
         running += step
         assert running <= 2  # at most `concurrency` conversations at once
+
+
+def test_tier_shares_are_the_counters_differences_over_the_tokens_admitted():
+    """benchclient.cache_tiers (read from a real server in tests/test_serving_host_tier.py and the CPU smoke sweep)."""
+    before = {"queries": 100.0, "device": 10.0, "host": 0.0}
+    after = {"queries": 300.0, "device": 60.0, "host": 100.0}
+    assert tier_shares(before, after) == {"cache_share_device": 0.25, "cache_share_host": 0.5}
+    assert tier_shares(None, after) == {} and tier_shares(before, None) == {}
+    assert tier_shares(before, before) == {}  # nothing admitted
+    assert tier_shares(before, {**after, "host": 0.0, "device": 5.0}) == {}  # a replaced worker's counters restarted

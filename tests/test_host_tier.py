@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -69,7 +71,7 @@ def test_an_evicted_history_comes_back_from_the_host_tier_exactly(checkpoints, p
     assert first.num_cached_tokens == 48 and load.host_tier_hit_blocks_total == 3
     assert load.host_tier_out_bytes_total == 3 * engine.host_tier.block_bytes
     assert load.host_tier_in_bytes_total >= 3 * engine.host_tier.block_bytes
-    assert load.prefix_hit_tokens_total == 0  # none of it from the device
+    assert load.prefix_hit_tokens_total == 0 and load.host_tier_hit_tokens_total == 48  # all of it from the host
     cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
     assert cold.host_tier is None
     expected, cold_first = run_alone(cold, "t2", turn2, params)
@@ -213,3 +215,32 @@ def test_a_decode_booking_restores_the_history_its_host_tier_holds(checkpoints, 
     assert decode.check_integrity()["in_use"] == 0
     single = LLM(folder, device=DEVICE, num_kv_blocks=64, kv_host_cache_bytes=0).engine
     assert got == run_alone(single, "t2", turn2, params)[0]
+
+
+def test_a_tier_still_being_built_joins_between_steps_and_serves_exactly_from_then_on(checkpoints, monkeypatch):
+    """A CUDA server's tier is pinned on a thread of its own while the engine serves (engine.host_kv): until it
+    joins, the engine runs as one without a tier; it joins at the first step after its build, and from then on an
+    evicted history comes back from it. The build is held here by a gate (on the CPU it is instant)."""
+    import threading
+
+    import engine.host_kv as host_kv
+
+    folder = str(checkpoints.tiny())
+    turn1, *others = random_prompts((40, 40, 40, 40), VOCAB, seed=51)
+    engine = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
+    gate, build = threading.Event(), host_kv._build_host_tier
+    monkeypatch.setattr(host_kv, "_build_host_tier", lambda *a: gate.wait(60) and build(*a))
+    engine._start_host_tier(replace(engine.config, kv_host_cache_bytes=64 << 20), engine.copy_cost)
+    reply, _ = run_alone(engine, "t1", turn1, GREEDY)  # served while the tier is built
+    assert engine.host_tier is None and engine.block_manager.take_evicted() == []
+    gate.set()
+    engine._tier_build.result(timeout=60)
+    for i, other in enumerate(others):  # the first step joins it; these evict turn 1's blocks into it
+        run_alone(engine, f"o{i}", other, GREEDY)
+    assert engine.host_tier is not None and engine.scheduler.tier is engine.host_tier
+    turn2 = turn1 + reply + random_prompts((9,), VOCAB, seed=52)[0]
+    got, first = run_alone(engine, "t2", turn2, GREEDY)
+    assert first.num_cached_tokens == 48 and engine.load().host_tier_hit_blocks_total == 3
+    cold = LLM(folder, device=DEVICE, num_kv_blocks=8, kv_host_cache_bytes=0).engine
+    assert got == run_alone(cold, "t2", turn2, GREEDY)[0]
+    assert engine.check_integrity()["host_free"] + engine.check_integrity()["host_cached"] == engine.host_tier.num_slots

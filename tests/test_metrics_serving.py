@@ -56,7 +56,8 @@ _COUNTERS = (
     "pdserve_worker_engine_lent_blocks", "pdserve_worker_engine_lent_host_blocks",
     "pdserve_worker_engine_fetched_blocks",
     *(f"{prefix}{key}" for prefix in ("pdserve_kv_tier_", "pdserve_worker_engine_host_tier_")
-      for key in ("hit_blocks", "miss_blocks", "in_bytes", "out_bytes", "evictions", "dropped", "recompute_blocks")))
+      for key in ("hit_blocks", "hit_tokens", "miss_blocks", "in_bytes", "out_bytes", "evictions", "dropped",
+                  "recompute_blocks")))
 _GAUGES = (
     "pdserve_backend_requests_in_flight", "pdserve_backend_stats_errors", "pdserve_coordinator_gc_pause_max_s",
     "pdserve_coordinator_loop_lag_max_seconds", "pdserve_coordinator_loop_lag_seconds", "pdserve_draining",

@@ -20,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import httpx
 import pytest
 
+from benchclient.cache_tiers import read_tier_counters, tier_shares
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.server_process import (
@@ -84,6 +86,16 @@ def _tier(url: str, name: str, worker: str) -> float:
     return sum(v for labels, v in values.items() if f'worker="{worker}"' in labels and 'tier="host"' in labels)
 
 
+def _quiet_counters(url: str) -> dict[str, float]:
+    """The server's cache-tier counters once two reads 0.7 s apart agree (every worker's last load report in: an
+    idle worker reports every 0.5 s)."""
+    def settled():
+        first = read_tier_counters(url)
+        time.sleep(0.7)
+        return first is not None and first == read_tier_counters(url) and first
+    return poll(settled, 30)
+
+
 def _indexed(url: str, worker: str) -> float:
     """The blocks the coordinator's prefix index says `worker`'s host tier holds."""
     return metric_values(url, "pdserve_prefix_index_host_blocks").get(f'{{worker="{worker}"}}', 0.0)
@@ -108,10 +120,12 @@ def test_an_evicted_turn_comes_back_from_the_host_tier_exactly(server, reference
     a1 = reference.generate([first], params)[0].token_ids
     a2 = reference.generate([[*first, *a1, *new_message]], params)[0].token_ids
     hits_before = _tier(server.url, "hit_blocks_total", "prefill-0")
+    tokens_before = _tier(server.url, "hit_tokens_total", "prefill-0")
     got1, usage1 = _complete(server.url, first, sampling)
     assert got1 == a1 and usage1["prompt_tokens_details"] == {"cached_tokens": 0}
     for other in others:  # 5 x 3 blocks through the prefill worker's 8: the first turn's 2 cached blocks go
         _complete(server.url, other, sampling)
+    counters = _quiet_counters(server.url)
     got2, usage2 = _complete(server.url, [*first, *a1, *new_message], sampling, phases=True)
     assert got2 == a2
     # the prefill worker computed the first turn's prompt (2 full blocks); the answer's KV was computed on the decode
@@ -119,6 +133,11 @@ def test_an_evicted_turn_comes_back_from_the_host_tier_exactly(server, reference
     assert usage2["prompt_tokens_details"] == {"cached_tokens": 32}
     assert "kv_restore" in usage2["phases"] and usage2["phases"]["kv_restore"] >= 0
     assert _settled_tier(server.url, "hit_blocks_total", "prefill-0", hits_before + 2) == hits_before + 2
+    assert _tier(server.url, "hit_tokens_total", "prefill-0") == tokens_before + 32  # the prompt's host share
+    # the bench's reading of the same counters: of the turn's tokens admitted, 32 came from the host tier
+    turn2 = len(first) + len(a1) + len(new_message)
+    assert tier_shares(counters, _quiet_counters(server.url)) == {"cache_share_device": 0.0,
+                                                                     "cache_share_host": 32 / turn2}
     assert _tier(server.url, "out_bytes_total", "prefill-0") >= 2 * _tier(server.url, "capacity_bytes",
                                                                           "prefill-0") / HOST_SLOTS
     assert _index_caught_up(server.url, "prefill-0") >= 2  # the router knows where the history went

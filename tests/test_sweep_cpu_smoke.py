@@ -48,6 +48,11 @@ def test_cpu_smoke_sweep_writes_table_plots_and_report_and_resumes(tmp_path):
         assert float(row["completion_tokens_mean"]) == 32 and float(row["prompt_tokens_mean"]) == 256
         assert float(row["goodput"]) <= float(row["request_throughput"])
         assert 0 < float(row["ttft_p50_ms"]) <= float(row["ttft_p99_ms"])
+        # the server's own counters, read around the cell: its first cell found no prefix; a later one on the same
+        # server sends the same seeded prompts again (its device caches hold some: none went to the host tiers)
+        first = row["cell"] == cells[0].key
+        assert 0 <= float(row["cache_share_device"]) <= (0 if first else 1), row
+        assert float(row["cache_share_host"]) == 0.0, row
         assert (tmp_path / "cells" / f"{cell.slug}.json").exists()
     assert not (tmp_path / "cells" / f"{cells[-1].slug}.json").exists()  # skipped, not rerun
     assert len(json.loads((tmp_path / "results.json").read_text())) == 4
@@ -56,7 +61,7 @@ def test_cpu_smoke_sweep_writes_table_plots_and_report_and_resumes(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     report = (tmp_path / "report.md").read_text()
     assert "## Best layout per workload" in report and "![goodput](goodput.png)" in report
-    assert "| short-chat | rate | **" in report and "Cells: 4 of 4 ok" in report
+    assert "| short-chat | rate | **" in report and "Cells: 4 of 4 ok" in report and "## Prompt caching" in report
     for layout in config.layouts:
         assert f"| {layout.name} | rate=3 |" in report
 

@@ -212,6 +212,8 @@ def backend_families(stats: dict) -> list[Metric]:
 _TIER_HELP = {
     "hit_blocks_total": "KV blocks of admitted prompts found in the tier (copied back, not recomputed)",
     "miss_blocks_total": "KV blocks of admitted prompts looked up in the tier and not found (recomputed)",
+    "hit_tokens_total": "Tokens admitted with their KV copied back from the tier (its share of "
+                        "vllm:prefix_cache_queries; a decode booking's restores count in hit_blocks only)",
     "in_bytes_total": "Bytes copied into the tier (full blocks evicted from the tier above)",
     "out_bytes_total": "Bytes copied out of the tier (prefixes restored to the device)",
     "evictions_total": "Entries the tier dropped to make room (least recently used first)",

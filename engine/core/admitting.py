@@ -40,6 +40,7 @@ class Admitting:
     preemptions_by_cause: dict[str, int]
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
+    num_host_hit_tokens: int
     clock: Callable[[], float]
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, leaving: int = 0,
@@ -93,6 +94,7 @@ class Admitting:
                     req.num_restored_tokens = cached_tokens - device_tokens
                 self.num_prefix_query_tokens += req.num_tokens
                 self.num_prefix_hit_tokens += device_tokens
+                self.num_host_hit_tokens += cached_tokens - device_tokens
             req.num_computed_tokens = cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)

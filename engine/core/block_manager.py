@@ -126,6 +126,11 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def record_evictions(self) -> None:
+        """List evicted cached blocks from now on (a host tier joined: take_evicted)."""
+        if self._evicted is None:
+            self._evicted = []
+
     def take_evicted(self) -> list[tuple[int, bytes]]:
         """(block, hash) of every cached block evicted for reuse since the last call (record_evictions): its KV is
         still there until a step or a transfer writes the block."""

@@ -74,6 +74,7 @@ class Scheduler(Admitting):
         self.preemptions_by_cause = dict.fromkeys(PREEMPTION_CAUSES, 0)
         self.num_prefix_query_tokens = 0  # tokens of requests admitted (each admission looks the cache up)
         self.num_prefix_hit_tokens = 0    # of those, tokens whose KV came from the prefix cache
+        self.num_host_hit_tokens = 0      # ... and from the host tier below it (copied back)
         self.num_scheduled_tokens = 0     # tokens planned for the device (prefill chunks, recomputes, decodes)
         self.num_sampled_tokens = 0       # tokens sampled and appended to a request
         self.iteration_tokens = IterationTokens()  # vLLM's tokens per step (engine.load)
