@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 class HostKV:
     """LLMEngine's device-host KV copies (see the module)."""
 
@@ -82,7 +83,8 @@ class HostKV:
         """Size the host tier (kv_host_cache_bytes; None: auto where the tier can run) and start building it on a
         thread of its own: its memory (pinned on CUDA, about half a second a GiB on an H200 host) and the copy
         bandwidth its restores are weighed by (`cost`, 16 MiB each way). Until it joins at a step boundary
-        (_attach_host_tier), host_tier and host_tier_store are None: a CUDA worker serves while it is built."""
+        (_attach_host_tier), host_tier and host_tier_store are None. LLMEngine.__init__ waits for it (built beside
+        the warm-up on an H200 it slowed both: docs/kv_tiers.md); the late join is kept, tested, for a later design."""
         self.host_tier = self.host_tier_store = None
         self._tier_build: Future | None = None
         size = config.kv_host_cache_bytes
