@@ -123,6 +123,9 @@ def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
 
 ATTENTION_LAUNCHES = (None, (64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 3))
 ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
+# Five stages give K and V two shared-memory buffers each (Triton's pipeliner, sm_90 build: three and four stages
+# give one), so two tiles are in flight a program: timed at every split count, since fewer programs fit a SM.
+ATTENTION_TWO_TILES = ((64, 4, 5), (128, 4, 5), (128, 8, 5))
 
 
 def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, repeats: int = 3) -> None:
@@ -147,6 +150,7 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
     for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
         nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
         variants = [(launch, None) for launch in ATTENTION_LAUNCHES] + [(None, s) for s in ATTENTION_SPLITS[1:]]
+        variants += [(launch, s) for launch in ATTENTION_TWO_TILES for s in ATTENTION_SPLITS]
         begin = time.perf_counter()
         while time.perf_counter() - begin < 1.0:
             decode_attention(q, layer, tables, lens, d ** -0.5)
@@ -261,6 +265,9 @@ CONFIGS = tuple(itertools.product((16, 32, 64, 128), (128, 256), (4,), (4,), (1,
 # K split for the decode sizes (an N = 4,096 GEMM has 64 tiles of 64 rows for 132 SMs)
 SPLIT_CONFIGS = tuple((64, 256, 4, stages, split) for stages in (3, 4) for split in (2, 3, 4)) + ((64, 256, 4, 3, 1),)
 GEMV_CONFIGS = ((2, 4096, 8), (4, 4096, 8), (4, 2048, 4), (8, 2048, 8))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the swapped-operand kernel on 16-bit operands (bf16_mm rows), the same
+# bytes a K tile as FP8's 256
+BF16_MM_CONFIGS = ((64, 128, 4, 4), (64, 128, 4, 5), (128, 64, 4, 4), (128, 128, 8, 4), (32, 128, 4, 4))
 L2_BYTES = 60 << 20
 
 
@@ -308,6 +315,8 @@ def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8:
            "bf16_cublas": timed(lambda i: torch.nn.functional.linear(x, w16[i]), len(w16))}
     if m <= 16:
         row["bf16_skinny"] = timed(lambda i: skinny_linear(x, w16[i]), len(w16))
+    if 16 <= m <= 128 and name != "lm_head":
+        row.update(bf16_swapped(x, w16, m))
     if name == "lm_head" and m > 16:
         return row
     row["fp8_scaled_mm_rowwise"] = timed(lambda i: torch._scaled_mm(xq, w8[i].t(), scale_a=xs, scale_b=ws,
@@ -333,6 +342,27 @@ def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         row["fp8_mm_default"] = timed(lambda i: fp8_mm(xq, xs, w8[i], ws, config=mm_config(m, n, k, sms),
                                                        semaphores=sems), len(w8))
+    return row
+
+
+def bf16_swapped(x: torch.Tensor, w16: list[torch.Tensor], m: int) -> dict:
+    """The FP8 swapped-operand tensor-core kernel (engine.kernels.fp8_gemm) run on bf16 operands with unit scales:
+    whether a Triton bf16 GEMM beats cuBLAS at decode sizes. {way: median ms}"""
+    from engine.kernels.fp8_gemm import _fp8_mm_kernel
+    n, k = w16[0].shape
+    xs = torch.ones(m, device="cuda")
+    ws = torch.ones(n, device="cuda")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    row = {}
+    for bn, bk, warps, stages in BF16_MM_CONFIGS:
+        bm = block_m(m)
+
+        def call(i: int, bn=bn, bk=bk, warps=warps, stages=stages, bm=bm) -> None:
+            _fp8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), 1)](
+                x, xs, w16[i], ws, ws, out, out, out, m, n, k, k, x.stride(0), w16[i].stride(0), out.stride(0),
+                HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=1, DOT_F32=False, PDL=False,
+                num_warps=warps, num_stages=stages)
+        row[f"bf16_mm_{bn}x{bm}x{bk}w{warps}s{stages}"] = timed(call, len(w16))
     return row
 
 
