@@ -8,6 +8,8 @@ widened to q's dtype as it is loaded, k_scale folded into the score scale and v_
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -173,15 +175,18 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
 
 def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
-    in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~114 registers, 39 KiB shared memory, so ~4 programs
-    per SM). An fp8 cache (widened to float16): 128-token tiles, the same bytes in flight as bf16's 64; on an H200
-    (batch 16, 8k context, `gpu_run.sh fp8` at 851e631) 0.114 ms against 0.138 with 64-token tiles and bf16's 0.150.
-    fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids register spills."""
+    in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~104 registers, 39 KiB shared memory, so ~4 programs
+    per SM). An fp8 cache (widened to float16): 128-token tiles, the same bytes a tile as bf16's 64, on five stages:
+    the sm_90 build then gives K and V two shared buffers each (three or four stages give one), so each program has
+    two tiles in flight; its ~201 registers fit two programs a SM. On an H200 (`gpu_run.sh fp8attn`, f331708,
+    median of 3): batch 64 / 2k 0.105 ms (1 split) against 0.115 for three stages' best (4 splits); 16 / 8k 0.104
+    (2 splits) against 0.110. fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids
+    register spills."""
     if interpreting():
         return 32, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 32, 8, 2
-    return (128, 4, 3) if fp8_cache else (64, 4, 3)
+    return (128, 4, 5) if fp8_cache else (64, 4, 3)
 
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # every value default_num_splits can return
@@ -198,16 +203,20 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: t
 
 
 def programs_per_sm(fp8_cache: bool) -> int:
-    """The programs a split count aims for per SM. On an H200 (`bash benchmarks/gpu_run.sh fp8attn`, 2026-12-02):
-    a bf16 cache is read fastest with ~2 (batch 64 / 2k context: 1 split, 0.137 ms against 0.149 with 4 splits;
-    batch 16 / 8k: 4 splits, 0.140 against 0.150 with 16), an fp8 cache with ~8 (64 / 2k: 4 splits 0.114 ms, 1 split
-    0.126; 16 / 8k: 16 splits 0.114, 4 splits 0.124): its tiles hold half the bytes, so more of them in flight."""
-    return 8 if fp8_cache else 2
+    """The programs a split count aims for per SM: ~2, what fits a SM at once (registers) for either cache. On an
+    H200 (`bash benchmarks/gpu_run.sh fp8attn`): a bf16 cache at batch 64 / 2k context 1 split, 0.137 ms against
+    0.149 with 4 splits; 16 / 8k: 4 splits, 0.140 against 0.150 with 16 (2026-12-02); an fp8 cache on its five
+    stages (f331708) 64 / 2k: 1 split 0.105 ms, 2 splits 0.117, 4 0.119; 16 / 8k: 2 splits 0.104, 1 split 0.133,
+    4 0.108-0.160 (noisy)."""
+    return 2
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, sms: int, fp8_cache: bool = False) -> int:
-    """default_num_splits on a device of `sms` streaming multiprocessors."""
-    want = triton.next_power_of_2(triton.cdiv(programs_per_sm(fp8_cache) * sms, max(batch * num_kv_heads, 1)))
+    """default_num_splits on a device of `sms` streaming multiprocessors. A bf16 cache rounds the splits that fill
+    every SM up to a power of two; an fp8 cache rounds down (16 / 8k on an H200: 2 splits, not 4), as its two tiles
+    in flight a program already keep HBM busy."""
+    fill = programs_per_sm(fp8_cache) * sms / max(batch * num_kv_heads, 1)
+    want = 1 << max(int(fill).bit_length() - 1, 0) if fp8_cache else triton.next_power_of_2(math.ceil(fill))
     cap = min(max(max_blocks, 1), SPLIT_CHOICES[-1])
     return min(want, 1 << (cap.bit_length() - 1))
 
