@@ -156,12 +156,15 @@ class WorkerAgents:
     """Rank 0's handle on every rank's agent of one worker. `engine` is the worker's LLMEngine, built with
     `rank_service=RankAgents(...)` when its TP size is above 1."""
 
-    def __init__(self, name: str, config: AgentConfig, engine: Any) -> None:
+    def __init__(self, name: str, config: AgentConfig, engine: Any,
+                 ahead: concurrent.futures.Future | None = None) -> None:
+        """`ahead`: rank 0's agent being made (worker_setup.begin_agent, named rank_agent_name(name, 0, tp_size));
+        None: made here."""
         self.name, self._engine = name, engine
         self._timeout_s = config.timeout_s
         self.tp_size = engine.config.tensor_parallel_size
         agent = start_agent(rank_agent_name(name, 0, self.tp_size), config, engine.kv_cache, engine.kv_spec,
-                            engine.kv_head_range)
+                            engine.kv_head_range, ahead)
         self.start_steps = StepTimes()  # rank 0's agent's start, then the wait for the followers' metadata
         self.start_steps.extend(agent.start_steps)
         self.local = RankAgent(agent, 0)

@@ -81,8 +81,8 @@ class Worker:
         import torch
 
         from engine.llm_engine import LLMEngine
-        from kvtransfer.worker_agents import RankAgents, WorkerAgents
-        from kvtransfer.worker_setup import prepare_process
+        from kvtransfer.worker_agents import RankAgents, WorkerAgents, rank_agent_name
+        from kvtransfer.worker_setup import begin_agent, discard_agent, prepare_process
 
         torch.set_num_threads(self._num_threads)
         if self._agent_config is not None and self._agent_config.address is None:  # the interface Ray's node uses
@@ -93,14 +93,23 @@ class Worker:
         prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         self._phases.append(imports_done(self._imports_began))
         tp = self._engine_config.tensor_parallel_size
+        # rank 0's KV agent (UCX's context: ~0.8 s on a GPU host) is made beside the engine's load, not after it
+        ahead = begin_agent(rank_agent_name(self.name, 0, tp), self._agent_config) if self._agent_config else None
         rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
         # weights, KV cache, CUDA graphs; the structured-output tables beside them, on a thread of their own
-        engine = LLMEngine(self._engine_config, rank_agents, grammar_at_start=True)
+        try:
+            engine = LLMEngine(self._engine_config, rank_agents, grammar_at_start=True)
+        except BaseException:
+            if ahead is not None:
+                discard_agent(ahead)
+            raise
         started = time.monotonic()
         self._phases += [(f"engine_{k}", v) for k, v in engine.startup_s]
         steps = StepTimes()  # the `agent` phase's, logged once it is done
         if self._agent_config is not None:
-            self.agents = WorkerAgents(self.name, self._agent_config, engine)
+            with steps.step("agent_wait"):  # what of the agent's start the engine's load did not cover
+                ahead.exception()
+            self.agents = WorkerAgents(self.name, self._agent_config, engine, ahead)
             steps.extend(self.agents.start_steps)
         if self._use_stream:
             with steps.step("stream"):

@@ -5,6 +5,7 @@ connection and replacement; the helper's own arithmetic and line."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -64,3 +65,36 @@ def test_an_agents_start_and_its_connections_report_their_steps() -> None:
     finally:
         peer.close()
         agent.close()
+
+
+
+def test_an_agent_made_ahead_on_a_thread_is_the_one_started_and_its_failure_is_the_starts(monkeypatch) -> None:
+    from kvtransfer import worker_setup
+
+    ahead = worker_setup.begin_agent("made-ahead", AgentConfig(**CONFIG))
+    agent = worker_setup.start_agent("made-ahead", AgentConfig(**CONFIG), random_cache(SPEC, 4, seed=1), SPEC,
+                                     ahead=ahead)
+    peer = PeerProcess("ahead-peer", num_blocks=16, seed=5, config=CONFIG)
+    try:
+        assert agent is ahead.result()
+        assert [name for name, _ in agent.start_steps.steps][:2] == ["loop_thread", "ucx_context"]
+        assert agent.add_remote(peer.ready().meta) == "ahead-peer"  # its UCX context serves this process's loop
+    finally:
+        peer.close()
+        agent.close()
+
+    # a worker whose engine failed to start discards the agent it made ahead: closed once made
+    spare = worker_setup.begin_agent("discarded", AgentConfig(**CONFIG))
+    worker_setup.discard_agent(spare)
+    made = spare.result(timeout=60)
+    deadline = time.monotonic() + 60
+    while not made._closed and time.monotonic() < deadline:  # the callback may still be running on its thread
+        time.sleep(0.01)
+    assert made._closed
+
+    def fails(name, config):
+        raise OSError(f"agent {name}: cannot listen")
+    monkeypatch.setattr(worker_setup, "KVAgent", fails)
+    bad = worker_setup.begin_agent("bad", AgentConfig(**CONFIG))
+    with pytest.raises(OSError, match="agent bad: cannot listen"):  # raised where start_agent is called
+        worker_setup.start_agent("bad", AgentConfig(**CONFIG), random_cache(SPEC, 4, seed=1), SPEC, ahead=bad)
