@@ -128,16 +128,23 @@ ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
 ATTENTION_TWO_TILES = ((64, 4, 5), (128, 4, 5), (128, 8, 5))
 
 
-def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, repeats: int = 3) -> None:
+def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, repeats: int = 3,
+                       graphs: bool = False) -> None:
     """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
     K/V): its KV read rate against the copy bandwidth for each launch configuration (at the default split count)
     and each split count (at the default launch), then the best pair of the two. The GPU is kept busy for a second
     first (its clocks ramp up: the first variant timed from idle read up to 1.5x slow), then every variant is timed
-    `repeats` times, interleaved, and reported by its median."""
+    `repeats` times, interleaved, and reported by its median. `graphs`: each call replayed in a CUDA graph with the
+    splits' semaphores kept, as a decode step runs it (at batch 1 a plain launch's own cost and the scratch
+    tensors' allocation are most of what do_bench times)."""
     import statistics
     import time
 
     from triton.testing import do_bench
+
+    def bench(fn) -> float:
+        return do_bench_cudagraph(fn, rep=20, return_mode="median") if graphs else do_bench(
+            fn, warmup=5, rep=40, return_mode="median")
 
     from engine.kernels.decode_attention import decode_attention
     heads, kv_heads, d, bs = 32, 8, 128, 16
@@ -147,6 +154,8 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
     tables = torch.randperm(blocks - 8, device="cuda")[: batch * per_seq].view(batch, per_seq).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     base = torch.randn(blocks, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    sems = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")  # left zero by every call
     for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
         nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
         variants = [(launch, None) for launch in ATTENTION_LAUNCHES] + [(None, s) for s in ATTENTION_SPLITS[1:]]
@@ -161,9 +170,9 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
                 if times.get((launch, splits), []) is None:
                     continue  # failed before
                 try:
-                    ms = do_bench(lambda launch=launch, splits=splits, layer=layer: decode_attention(
-                        q, layer, tables, lens, d ** -0.5, launch=launch, num_splits=splits), warmup=5, rep=40,
-                        return_mode="median")
+                    ms = bench(lambda launch=launch, splits=splits, layer=layer: decode_attention(
+                        q, layer, tables, lens, d ** -0.5, launch=launch, num_splits=splits, out=out,
+                        semaphores=sems))
                 except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot run: reported)
                     print(json.dumps({"attention": name, "launch": launch, "splits": splits,
                                       "error": str(e).splitlines()[0][:120]}))
@@ -195,7 +204,7 @@ def attention(args: argparse.Namespace) -> None:
                       "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
     for case in args.cases.split(","):
         batch, context = (int(v) for v in case.split("x"))
-        attention_variants(bandwidth, batch, context, args.repeats)
+        attention_variants(bandwidth, batch, context, args.repeats, args.graphs)
 
 
 def decode(args: argparse.Namespace) -> None:
@@ -496,6 +505,7 @@ def main() -> None:
     p = commands.add_parser("attention", help="the decode attention kernel alone: launches and split counts")
     p.add_argument("--cases", default="1x1024,64x2048,16x8000", help="comma-separated BATCHxCONTEXT")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timings of each variant (median reported)")
+    p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (as a decode step runs it)")
     p.set_defaults(run=attention)
     args = parser.parse_args()
     args.run(args)

@@ -38,10 +38,13 @@ QUANT = {"q_ptr": F8, "s_ptr": F32, "static_ptr": F32}
 
 def variants():
     """(kernel, constexprs, pointer dtypes, num_warps, num_stages)"""
-    yield skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=4096), {}, 8, 3
-    yield skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=True, BLOCK_M=2, BLOCK_N=2, BLOCK_K=4096), {}, 4, 3
-    yield (fp8_gemm._fp8_gemv_kernel, dict(HAS_BIAS=False, HAS_XS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048),
-           {"w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32}, 4, 3)
+    for gated in (False, True):  # gated: gate_up's GEMV with SiLU-and-mul in its epilogue
+        yield (skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=4096, GATED=gated),
+               {}, 8, 3)
+        yield (fp8_gemm._fp8_gemv_kernel, dict(HAS_BIAS=False, HAS_XS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048,
+                                                GATED=gated), {"w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32}, 4, 3)
+    yield (skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=True, BLOCK_M=2, BLOCK_N=2, BLOCK_K=4096, GATED=False), {},
+           4, 3)
     yield (fp8_gemm._fp8_mm_kernel, dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_M=64, BLOCK_K=256, SPLIT_K=2,
                                           DOT_F32=False),
            {"x_ptr": F8, "w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32}, 4, 4)
@@ -85,7 +88,7 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl,
-           "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16")}}
+           "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)

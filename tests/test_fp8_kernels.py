@@ -133,6 +133,29 @@ def test_fp8_gemv_weight_only_multiplies_16_bit_rows_by_the_upcast_weight():
         fp8_mm(x, None, wq, ws)  # the tensor-core kernel takes e4m3 x only
 
 
+def test_gated_fp8_gemv_is_the_gemv_then_silu_and_mul():
+    """A fused [gate; up] e4m3 weight's gated GEMV (weight-only, what an MLP runs at M = 1; and with e4m3 x): silu(gate)
+    * up as silu_and_mul makes it of the plain GEMV's output, bit for bit; Fp8Linear.gated is the weight-only one."""
+    _, _, wq, ws = fp8_operands(2, seed=60)  # [N, K]: gate the first N / 2 rows, up the rest
+    for m in (1, 2):
+        x = rand(m, K, seed=61 + m)
+        out = fp8_gemv(x, None, wq, ws, gated=True)
+        assert out.shape == (m, N // 2)
+        assert torch.equal(out, silu_and_mul(fp8_gemv(x, None, wq, ws)))
+        xq, xs = torch_quantize_rows(x, None)
+        assert torch.equal(fp8_gemv(xq, xs, wq, ws, gated=True), silu_and_mul(fp8_gemv(xq, xs, wq, ws)))
+    layer = Fp8Linear(K, N, False, Fp8Scheme("compressed-tensors", "channel", "dynamic"), torch.bfloat16,
+                      device=DEVICE)
+    layer.weight.data, layer.weight_scale.data = (
+        t.to(DEVICE) for t in quantize_weight(rand(N, K, seed=65, dtype=torch.float32, scale=0.05), "channel"))
+    layer.finish()
+    layer.use_kernels = True
+    x = rand(1, K, seed=64)
+    assert torch.equal(layer.gated(x), silu_and_mul(layer(x)))
+    with pytest.raises(ValueError, match="even"):
+        fp8_gemv(x, None, wq[:-1], ws[:, :-1], gated=True)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 64, 200])
 def test_fp8_linear_kernel_path_agrees_with_its_torch_path(m, monkeypatch):
     """By M: the GEMV (1, 2; weight-only at 1: the 16-bit rows as they are, which the torch path quantizes, so

@@ -54,6 +54,29 @@ def test_skinny_linear_matches_reference(m, n, k, dtype, bias):
     check_linear(m, n, k, dtype, bias, seed=m * 1000 + n + k)
 
 
+@pytest.mark.parametrize("m,i,k,dtype,bias", [
+    pytest.param(1, 37, 70, torch.bfloat16, False, id="m1-bf16-ragged"),
+    pytest.param(2, 40, 96, torch.bfloat16, True, id="m2-bf16-bias"),
+    pytest.param(3, 21, 45, torch.float32, False, id="m3-fp32"),
+])
+def test_gated_skinny_linear_is_the_gemv_then_silu_and_mul(m, i, k, dtype, bias):
+    """A fused [gate; up] weight's gated GEMV: silu(gate) * up as engine.kernels.silu_mul makes it of the plain
+    GEMV's output, bit for bit (the same sums, each rounded to the dtype before the activation as there)."""
+    from engine.kernels.silu_mul import silu_and_mul
+    g = torch.Generator().manual_seed(m + i + k)
+    x = randn((m, k), dtype, g)
+    w = randn((2 * i, k), dtype, g) * k ** -0.5
+    b = randn((2 * i,), dtype, g) if bias else None
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=DEV)
+    got = skinny_linear(x, w, b, out=out, gated=True)
+    assert got is out and not torch.isnan(got).any()
+    assert torch.equal(got, silu_and_mul(skinny_linear(x, w, b)))
+    with pytest.raises(ValueError, match="even"):
+        skinny_linear(x, w[:-1], gated=True)
+    with pytest.raises(ValueError, match=rf"out must be \[{m}, {i}\]"):
+        skinny_linear(x, w, gated=True, out=torch.zeros(m, 2 * i, dtype=dtype, device=DEV))
+
+
 def test_skinny_linear_zero_rows_and_strided_input():
     g = torch.Generator().manual_seed(4)
     w = randn((12, 20), torch.float32, g)
@@ -93,3 +116,6 @@ def test_skinny_linear_llama_8b_sizes(m, n, k):
     out = skinny_linear(x, w, out=torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV))
     assert rel_err(out, x.double() @ w.double().T) < 1e-2
     assert rel_err(out, F.linear(x, w).double()) < 1e-2  # and cuBLAS agrees
+    if n == 28672 and m <= 2:  # gate_up, as the model runs it at these rows: SiLU-and-mul in the epilogue
+        from engine.kernels.silu_mul import silu_and_mul
+        assert torch.equal(skinny_linear(x, w, gated=True), silu_and_mul(out))

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.pdl import pdl_args, wait_for_inputs
-from engine.kernels.skinny_gemm import gemv_tile
+from engine.kernels.skinny_gemm import gated_outputs, gemv_rows, gemv_store, gemv_tile
 
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -40,22 +40,19 @@ MAX_SPLIT_K = 4
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, HAS_XS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Grid (cdiv(N, BLOCK_N),): engine.kernels.skinny_gemm's program over an e4m3 weight (upcast in registers) and
-    # e4m3 x with per-row scales, or 16-bit x (HAS_XS false: weight-only)
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False):
+    # Grid (cdiv(N, BLOCK_N),), or (cdiv(2N, BLOCK_N),) GATED: engine.kernels.skinny_gemm's program over an e4m3
+    # weight (upcast in registers) and e4m3 x with per-row scales, or 16-bit x (HAS_XS false: weight-only)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    rows, n_mask, out_n, out_mask = gemv_rows(N, BLOCK_N, GATED)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL)  # [BLOCK_M, BLOCK_N]
-    acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc = acc * tl.load(ws_ptr + rows, mask=n_mask, other=0.0)[None, :]
     if HAS_XS:
-        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+        acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    gemv_store(acc, y_ptr, out_n, out_mask, M, stride_ym, BLOCK_M, BLOCK_N, GATED)
 
 
 @triton.jit
@@ -192,21 +189,25 @@ def _check(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor,
 
 def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+             config: tuple[int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M) @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype: x e4m3
     with x_scales [M, 1], or 16-bit with x_scales None (weight-only). `config` (BLOCK_N, BLOCK_K, num_warps)
-    overrides gemv_config (the sweep times several)."""
+    overrides gemv_config (the sweep times several). `gated`: weight is a fused [gate; up] and the result
+    silu(gate) * up, [M, N / 2] (engine.kernels.skinny_gemm's gated GEMV)."""
     m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
     if m > GEMV_MAX_M:
         raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {m}")
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    n_out = gated_outputs(n) if gated else n
+    out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     if m and n:
         block_n, block_k, warps = config or gemv_config(m, k)
+        if gated and block_n % 2:
+            raise ValueError(f"a gated GEMV reads gate and up rows in pairs: BLOCK_N must be even, got {block_n}")
         _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x_scales if x_scales is not None else w_scales, weight, w_scales, bias if bias is not None else w_scales,
-            out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            out, m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
             HAS_XS=x_scales is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, **pdl_args(x.device, m))
+            GATED=gated, num_warps=warps, **pdl_args(x.device, m))
     return out
 
 

@@ -31,8 +31,15 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, INTER: tl.constexpr, 
     mask = cols < INTER
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, swiglu(g, u, DTYPE), mask=mask)
+
+
+@triton.jit
+def swiglu(g, u, DTYPE: tl.constexpr):
+    # silu(g) * u as torch's two ops round it (module docstring), from gate and up values already in DTYPE (held as
+    # fp32); shared with the gated GEMVs (engine.kernels.skinny_gemm, fp8_gemm), which hand their sums rounded to DTYPE
     s = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (s * u).to(DTYPE), mask=mask)
+    return (s * u).to(DTYPE)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.silu_mul import swiglu
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_M = 16
@@ -26,7 +27,7 @@ MAX_M = 16
 # and thousands of small programs keep every SM's memory pipe full, with no split-K and no second kernel. Each of
 # the M input rows (tiny, served from L2) is multiplied with the tile and reduced along K into column m of the
 # [BLOCK_M, BLOCK_N] fp32 accumulator. Past a few rows the per-row reductions cost more than the weight read, and
-# cuBLAS's tensor-core kernels win (the model switches at engine.model.SKINNY_ROWS).
+# cuBLAS's tensor-core kernels win (the model switches at engine.model.kernel_linears.SKINNY_ROWS).
 @triton.jit
 def gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -65,19 +66,48 @@ def _gemv_add(acc, x_ptr, w, ks, M, K, stride_xm, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def gemv_rows(N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    # The weight rows [BLOCK_N] this program reads, their mask, and the output columns it writes with theirs. Plain:
+    # BLOCK_N rows, one output each. GATED (a fused [gate; up] weight of 2N rows, N outputs): BLOCK_N // 2 outputs,
+    # each from the gate row n and the up row N + n, read side by side (rows 2j and 2j + 1 of the tile).
+    r = tl.arange(0, BLOCK_N)
+    if GATED:
+        n = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        rows = n + (r % 2) * N
+        out_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        rows = tl.program_id(0) * BLOCK_N + r
+        n = rows
+        out_n = rows
+    return rows, n < N, out_n, out_n < N
+
+
+@triton.jit
+def gemv_store(acc, y_ptr, out_n, out_mask, M, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               GATED: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] fp32 over gemv_rows' rows -> y; GATED: silu(gate) * up of each (gate, up) pair
+    DTYPE = y_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc.to(DTYPE).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
+        y = swiglu(gate, up, DTYPE)  # [BLOCK_M, BLOCK_N // 2]
+    else:
+        y = acc.to(DTYPE)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + out_n[None, :], y, mask=(offs_m < M)[:, None] & out_mask[None, :])
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr = False,
 ):
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    rows, n_mask, out_n, out_mask = gemv_rows(N, BLOCK_N, GATED)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    gemv_store(acc, y_ptr, out_n, out_mask, M, stride_ym, BLOCK_M, BLOCK_N, GATED)
 
 
 def launch_config(m: int, n: int, k: int) -> tuple[int, int, int]:
@@ -91,9 +121,10 @@ def launch_config(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, M <= MAX_M. `out` [M, N] is allocated if
-    None."""
+    None. `gated`: weight is a fused [gate; up] (N even) and the result silu(gate) * up, [M, N / 2], as
+    engine.kernels.silu_mul would make of the plain result (rounded alike), without that kernel's launch."""
     check("x", x, 2, DTYPES, inner_contiguous=True)
     dev = x.device
     if dev.type != "cuda" and not interpreting():
@@ -108,18 +139,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         check("bias", bias, 1, (x.dtype,), dev, inner_contiguous=True)
         if bias.shape[0] != n:
             raise ValueError(f"bias must have {n} entries (weight's out-features), got {bias.shape[0]}")
+    n_out = gated_outputs(n) if gated else n
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=dev)
+        out = torch.empty((m, n_out), dtype=x.dtype, device=dev)
     else:
         check("out", out, 2, (x.dtype,), dev, inner_contiguous=True)
-        if tuple(out.shape) != (m, n):
-            raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
+        if tuple(out.shape) != (m, n_out):
+            raise ValueError(f"out must be [{m}, {n_out}], got {tuple(out.shape)}")
     if m == 0 or n == 0:
         return out
     block_n, block_k, num_warps = launch_config(m, n, k)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, **pdl_args(dev, m),
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](  # gated: half the outputs a program, the same rows a tile
+        x, weight, bias if bias is not None else weight, out, m, n_out, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, GATED=gated, num_warps=num_warps, **pdl_args(dev, m),
     )
     return out
+
+
+def gated_outputs(rows: int) -> int:
+    """The outputs of a gated GEMV over a fused [gate; up] weight of `rows` rows."""
+    if rows % 2:
+        raise ValueError(f"a gated GEMV's weight is [gate; up]: its rows must be even, got {rows}")
+    return rows // 2

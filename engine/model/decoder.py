@@ -10,7 +10,7 @@ transformers op for op (RoPE rotates q and k together: the same elementwise ops)
 GPU path: RMSNorm with the residual add, RoPE with the KV store, SiLU-and-mul and attention run as Triton kernels.
 A step of at most SKINNY_ROWS tokens (small-batch decode) runs its qkv, o and gate_up projections as GEMVs
 (engine.kernels.skinny_gemm; the down projection's long K suits cuBLAS's split-K better), the qkv one with RoPE
-and the KV store fused in.
+and the KV store fused in, the gate_up one with SiLU-and-mul in its epilogue (engine.model.kernel_linears).
 
 With a TPGroup (engine.model.parallel) the layers are built from the rank's local config (its heads and slice of
 the intermediate size) and o/down all-reduce; without one (TP=1) no collective or extra op runs.
@@ -34,14 +34,13 @@ from engine.kv_quant import KVScales
 from engine.model import torch_attention
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.fp8_linear import GEMV_ROWS, Fp8Linear, Fp8Rows, fuse_fp8
+from engine.model.fp8_linear import GEMV_ROWS, Fp8Linear, Fp8Rows
+from engine.model.kernel_linears import SKINNY_ROWS, fuse_linears, gated_linear, kernel_linear
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding, apply_rope, rotate
 from engine.model.torch_attention import write_kv
 from engine.model.tp_layout import TPLayout
-
-SKINNY_ROWS = 2  # kernel path: steps of at most this many tokens use engine.kernels.skinny_gemm (see _linear)
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class Attention(nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0
 
     def fuse(self) -> None:
-        self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_layer: torch.Tensor,
@@ -168,7 +167,7 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The part after attention: o [T, H, D] -> [T, hidden] (o_proj, then the all-reduce under TP)."""
         o = o.reshape(o.shape[0], self.num_heads * self.head_dim)
-        out = _linear(self.o_proj, o) if self.use_kernels else self.o_proj(o)
+        out = kernel_linear(self.o_proj, o) if self.use_kernels else self.o_proj(o)
         return out if self.tp is None else self.tp.all_reduce(out)  # o_proj has no bias
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,7 +175,7 @@ class Attention(nn.Module):
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is None:
             return self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
-        qkv = _linear(self.qkv_proj, x) if self.use_kernels else self.qkv_proj(x)
+        qkv = kernel_linear(self.qkv_proj, x) if self.use_kernels else self.qkv_proj(x)
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         return q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
 
@@ -193,25 +192,29 @@ class MLP(nn.Module):
         self.cpu_fused = False  # SiLU-and-mul by engine.cpu_kernels.elementwise (use_cpu_elementwise)
 
     def fuse(self) -> None:
-        self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = gated_linear(self.gate_up_proj, x) if self.use_kernels else None  # a few rows: from the GEMV itself
+        if act is None:
+            act = self._activation(x)  # [T, I]
+        return self.down_proj(act) if self.tp is None else self.tp.row_parallel(self.down_proj, act)
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
         if self.use_kernels and isinstance(self.down_proj, Fp8Linear) and x.shape[0] > GEMV_ROWS:
             from engine.kernels.fp8_quant import silu_mul_quant
-            act = Fp8Rows(*silu_mul_quant(_linear(self.gate_up_proj, x), self.down_proj.input_scale))  # [T, I]
-        elif self.use_kernels:
+            return Fp8Rows(*silu_mul_quant(kernel_linear(self.gate_up_proj, x), self.down_proj.input_scale))
+        if self.use_kernels:
             from engine.kernels.silu_mul import silu_and_mul
-            act = silu_and_mul(_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
-        elif self.cpu_fused:
+            return silu_and_mul(kernel_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
+        if self.cpu_fused:
             from engine.cpu_kernels.elementwise import silu_mul
-            act = silu_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
-        elif self.gate_up_proj is not None:
+            return silu_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
+        if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-            act = nn.functional.silu(gate) * up
-        else:
-            act = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(act) if self.tp is None else self.tp.row_parallel(self.down_proj, act)
+            return nn.functional.silu(gate) * up
+        return nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 class DecoderLayer(nn.Module):
@@ -370,29 +373,3 @@ class CausalLM(nn.Module):
         else:
             local = self.lm_head(hidden)  # an nn.Linear without bias, or an Fp8Linear
         return self.tp.all_gather_last(local)[:, : self.config.vocab_size].float().contiguous()
-
-
-def _linear(layer: nn.Linear | Fp8Linear, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-    """layer(x) on the kernel path: the skinny GEMV for a few rows (one pass over the weight), cuBLAS otherwise
-    (an Fp8Linear always runs its own FP8 matmul)."""
-    if x.shape[0] <= SKINNY_ROWS and type(layer) is nn.Linear:
-        from engine.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, layer.weight, layer.bias)
-    return layer(x)
-
-
-def _fuse_linears(*linears: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
-    """One Linear whose output is the concatenation of the given ones' outputs (same input); FP8 ones stay FP8."""
-    fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
-    if any(fp8):
-        if not all(fp8):
-            raise ValueError("the FP8 quantization config quantizes some of the projections fused into one "
-                             "(q/k/v or gate/up) and ignores others; quantize all of them or none")
-        return fuse_fp8(*linears)
-    weight = torch.cat([lin.weight.data for lin in linears])  # [sum of outs, in]
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
-                      device=weight.device, dtype=weight.dtype)
-    fused.weight.data = weight
-    if fused.bias is not None:
-        fused.bias.data = torch.cat([lin.bias.data for lin in linears])
-    return fused

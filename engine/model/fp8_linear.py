@@ -132,6 +132,14 @@ class Fp8Linear(nn.Module):
         return torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scales, scale_b=self.scale_row, bias=bias,
                                 out_dtype=self.out_dtype)
 
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M <= GEMV_ROWS, in] 16-bit, this layer a fused [gate; up] -> silu(gate) * up [M, out / 2] in out_dtype:
+        the weight-only GEMV with the activation in its epilogue (engine.kernels.fp8_gemm.fp8_gemv, gated)."""
+        from engine.kernels.fp8_gemm import fp8_gemv
+        if self.scale_row is None:
+            raise RuntimeError("Fp8Linear used before finish() (its scales are not prepared)")
+        return fp8_gemv(x, None, self.weight, self.scale_row, self.bias, self.out_dtype, gated=True)
+
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):
             return self.matmul(x, self.bias)
