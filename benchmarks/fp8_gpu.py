@@ -55,6 +55,7 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_bench_gpu import Bench, ceilings  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm, mm_config  # noqa: E402
+from engine.kernels.silu_mul import silu_and_mul  # noqa: E402
 from engine.kernels.skinny_gemm import skinny_linear  # noqa: E402
 from engine.model.fp8_linear import Fp8Linear  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
@@ -338,6 +339,16 @@ def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8:
         for bn, bk, warps in GEMV_CONFIGS:
             row[f"fp8_gemv_{bn}x{bk}w{warps}"] = timed(
                 lambda i, c=(bn, bk, warps): fp8_gemv(xq, xs, w8[i], ws, config=c), len(w8))
+    if name == "gate_up" and m <= 2:  # SiLU-and-mul in the GEMV's epilogue against the GEMV, then its own launch
+        for way, gated in (("gated", True), ("then_silu", False)):
+            row[f"act_bf16_skinny_{way}"] = timed(
+                lambda i, gated=gated: skinny_linear(x, w16[i], gated=True) if gated else silu_and_mul(
+                    skinny_linear(x, w16[i])), len(w16))
+            row[f"act_fp8_gemvwo_{way}"] = timed(
+                lambda i, gated=gated: fp8_gemv(x, None, w8[i], ws, gated=True) if gated else silu_and_mul(
+                    fp8_gemv(x, None, w8[i], ws)), len(w8))
+        print(json.dumps({"gate_up_activation": m, **{k: round(v, 4) for k, v in row.items()
+                                                      if k.startswith("act_")}}), flush=True)
     if m <= 2:  # weight-only: the 16-bit rows as they are (what the model runs at M = 1)
         for bn, bk, warps in GEMV_CONFIGS:
             row[f"fp8_gemvwo_{bn}x{bk}w{warps}"] = timed(

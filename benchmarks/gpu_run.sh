@@ -314,7 +314,7 @@ for step in "$@"; do
         --load-format dummy ${PDL_ARGS:-} 2>&1 | tee "$OUT/pdl.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
-        | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"' | cut -c1-400 ;;
+        | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"|"gate_up_activation"' | cut -c1-400 ;;
     fp8attn)  # the decode attention kernel alone, bf16 and fp8 caches: launches and split counts per case
       timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/fp8_gpu.py attention ${ATTN_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|error' | cut -c1-300 ;;
