@@ -180,7 +180,7 @@ def engine_work(engine, batch: int, device: torch.device):
     """(decode step fn, prefill blocks factories by block size, chunked-prefill step fn): the engine's model over
     its own KV cache."""
     from engine.model.attention_metadata import AttentionMetadata
-    from engine.model.decoder import RopeInputs
+    from engine.model.decoder_layer import RopeInputs
 
     model, kv = engine.model, engine.kv_cache
     bs, ctx = engine.kv_spec.block_size, 512

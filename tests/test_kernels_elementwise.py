@@ -178,7 +178,7 @@ def rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def model_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """engine.model.decoder.RMSNorm's arithmetic."""
+    """engine.model.decoder_layer.RMSNorm's arithmetic."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)

@@ -1,6 +1,7 @@
-"""How a projection runs on the kernel path (engine.model.decoder's use_kernels), and how two or three of them become
-one: the choice between the skinny GEMV, cuBLAS and an Fp8Linear's own matmul by the step's rows, the gated GEMV that
-gives an MLP's silu(gate) * up straight from its fused gate/up projection, and the fusion of q/k/v or gate/up.
+"""How a projection runs on the kernel path (engine.model.decoder_layer's use_kernels), and how two or three of them
+become one: the choice between the skinny GEMV, cuBLAS and an Fp8Linear's own matmul by the step's rows, the gated
+GEMV that gives an MLP's silu(gate) * up straight from its fused gate/up projection, and the fusion of q/k/v or
+gate/up.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.decoder import CausalLM, RopeInputs
+from engine.model.decoder import CausalLM
+from engine.model.decoder_layer import RopeInputs
 from engine.runner.graph_capture import DeferredCaptures, capture_graph
 
 FIRST_BUCKETS = (64, 128, 256)
