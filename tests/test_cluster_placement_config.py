@@ -3,7 +3,7 @@ the other keys, and goes into every worker's placement-group bundle (the two-nod
 
 import pytest
 
-from coordinator.backend.pools import worker_bundle
+from coordinator.backend.placement_groups import worker_bundle
 from coordinator.config.serve_config import load_serve_config
 from engine.config_error import ConfigError
 

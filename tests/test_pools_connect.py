@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from coordinator.backend import pools
-from coordinator.backend.pools import CONNECT_ATTEMPTS, _connecting
+from coordinator.backend import peer_links
+from coordinator.backend.peer_links import CONNECT_ATTEMPTS, connect_link
 from kvtransfer.errors import PeerLost
 
 
@@ -34,30 +34,30 @@ def _from_worker(error: Exception) -> Exception:
 
 @pytest.fixture(autouse=True)
 def waits(monkeypatch):
-    """The waits _connecting takes between attempts (the sleep recorded, not slept)."""
+    """The waits connect_link takes between attempts (the sleep recorded, not slept)."""
     taken = []
 
     async def sleep(seconds):
         taken.append(seconds)
-    monkeypatch.setattr(pools.asyncio, "sleep", sleep)
+    monkeypatch.setattr(peer_links.asyncio, "sleep", sleep)
     return taken
 
 
 def test_a_timed_out_connect_is_tried_again_until_it_succeeds(waits):
     lost = _from_worker(PeerLost("cannot connect to 'prefill-0': TimeoutError"))
     call, made = _calls(*([lost] * (CONNECT_ATTEMPTS - 1)), "prefill-0")
-    asyncio.run(_connecting(call, "decode-0 to prefill-0"))
+    asyncio.run(connect_link(call, "decode-0 to prefill-0"))
     assert len(made) == CONNECT_ATTEMPTS
-    assert waits == [pools.CONNECT_BACKOFF_S * 2 ** i for i in range(CONNECT_ATTEMPTS - 1)]
+    assert waits == [peer_links.CONNECT_BACKOFF_S * 2 ** i for i in range(CONNECT_ATTEMPTS - 1)]
 
 
 def test_it_gives_up_after_the_last_attempt_and_other_errors_are_not_retried():
     lost = _from_worker(PeerLost("cannot connect"))
     call, made = _calls(*([lost] * CONNECT_ATTEMPTS))
     with pytest.raises(PeerLost):
-        asyncio.run(_connecting(call, "decode-0 to prefill-0"))
+        asyncio.run(connect_link(call, "decode-0 to prefill-0"))
     assert len(made) == CONNECT_ATTEMPTS
     call, made = _calls(_from_worker(ValueError("incompatible agents")), "never")
     with pytest.raises(ValueError):
-        asyncio.run(_connecting(call, "decode-0 to prefill-0"))
+        asyncio.run(connect_link(call, "decode-0 to prefill-0"))
     assert len(made) == 1

@@ -65,7 +65,7 @@ async def adopt(pools: Any) -> tuple[list[WorkerState], list[WorkerState]] | Non
     for key, entries in found.items():  # stale incarnations, and any slot this config has no more
         for _, name in entries[1:] if key in adopted else entries:
             _kill(name)
-    pools.adopt_groups(groups)
+    pools.groups.adopt(groups)
     fresh = await asyncio.gather(*[_restart(pools, role, i, found) for role, i in slots if (role, i) not in adopted])
     return [adopted.get(s) or next(w for w in fresh if w.name == f"{s[0]}-{s[1]}") for s in slots], list(fresh)
 

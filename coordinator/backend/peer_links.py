@@ -1,4 +1,5 @@
-"""Which workers' transfer agents connect to which: the one rule that Pools' start, connect and disconnect share.
+"""Which workers' transfer agents connect to which: the one rule that Pools' start, connect and disconnect share;
+and `connect_link`, which makes one such connection, trying again after a timeout.
 
 A link (a, b) means worker a's agent adds b's (a.add_peer(b)): a reads KV from b's blocks or writes into them.
 - disaggregated: every decode worker to every prefill worker (decode pulls the prompt's KV); with pushes, every
@@ -11,8 +12,18 @@ A worker's role here is the one it started with (info.role): a role flip in adap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvtransfer.errors import PeerLost, TransferTimeout
+
+CONNECT_ATTEMPTS = 4  # a transfer connection that times out (a loaded machine, a slow network) is tried again
+CONNECT_BACKOFF_S = 1.0  # ... after this wait, doubled each time: a peer too busy to answer gets time to catch up
+RETRIED = (PeerLost, TransferTimeout)
+
+log = logging.getLogger(__name__)
 
 
 class Linked(Protocol):
@@ -49,3 +60,22 @@ def waves(links: list[tuple[Linked, Linked]]) -> tuple[list, list]:
             first.append((a, b))
             seen.add((a.name, b.name))
     return first, second
+
+
+async def connect_link(call: Callable[[], Any], what: str) -> None:
+    """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
+    be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times, waiting
+    CONNECT_BACKOFF_S (doubled each time) in between."""
+    wait = CONNECT_BACKOFF_S
+    for attempt in range(1, CONNECT_ATTEMPTS + 1):
+        try:
+            await call()
+            return
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's PeerLost; anything else is raised as is
+            if attempt == CONNECT_ATTEMPTS or not (isinstance(e, RETRIED) or isinstance(getattr(e, "cause", None),
+                                                                                      RETRIED)):
+                raise
+            log.warning("connecting %s failed (attempt %d of %d), trying again in %.0f s: %s", what, attempt,
+                        CONNECT_ATTEMPTS, wait, e)
+            await asyncio.sleep(wait)
+            wait *= 2

@@ -1,8 +1,8 @@
 """Pools: creates, starts, wires, replaces and stops the worker actors of both pools on the Ray cluster.
 
-Each pool's workers go into one placement group (PACK keeps them on as few nodes as possible, SPREAD across
-nodes), each worker slot in its own bundle with its CPUs/GPUs and the pool's custom resources (`resources:`), so
-a pool lands only on nodes started with them (`ray start --resources`, a node type's `resources` under `ray up`).
+Each pool's workers go into one placement group, each worker slot in its own bundle
+(coordinator.backend.placement_groups), so a pool lands only on nodes with its resources (`ray start --resources`, a
+node type's `resources` under `ray up`).
 start() returns once every worker has loaded its model and reported its KV capacity and the workers' transfer agents
 are connected along coordinator.backend.peer_links' links (disaggregated: decode to prefill, and the other way round
 with pushes; adaptive: every worker to every other). Adaptive workers start in their pool's role
@@ -21,32 +21,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator.admission.router import WorkerState
 from coordinator.backend.adoption import adopt
-from coordinator.backend.fleet import actor_name, fingerprint, group_name, teardown
+from coordinator.backend.fleet import actor_name, fingerprint, teardown
 from coordinator.backend.launch_clock import since_launch
-from coordinator.backend.peer_links import peer_links, waves
+from coordinator.backend.peer_links import connect_link, peer_links, waves
+from coordinator.backend.placement_groups import PlacementGroups, worker_bundle
 from coordinator.backend.ray_start import init_ray
-from coordinator.backend.warm_processes import WarmProcesses, bundle_node
+from coordinator.backend.warm_processes import WarmProcesses
 from coordinator.config.serve_config import PoolConfig, ServeConfig
 from engine.tiny import resolve_model_path
 from kvtransfer import AgentConfig
-from kvtransfer.errors import PeerLost, TransferTimeout
 from pool_worker.worker import Worker
 
 START_TIMEOUT_S = 600.0
-PLACEMENT_TIMEOUT_S = 60.0
-CONNECT_ATTEMPTS = 4  # a transfer connection that times out (a loaded machine, a slow network) is tried again
-CONNECT_BACKOFF_S = 1.0  # ... after this wait, doubled each time: a peer too busy to answer gets time to catch up
-RETRIED = (PeerLost, TransferTimeout)
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +49,8 @@ class Pools:
         self.prefill: list[WorkerState] = []
         self.decode: list[WorkerState] = []
         self.model_path = ""
-        self._groups: dict[str, object] = {}
-        # actor name -> (placement group key, bundle index) where not its slot's own bundle (warm spares, and a slot
-        # a spare took over: coordinator.backend.spares)
-        self.bundles: dict[str, tuple[str, int]] = {}
+        self.groups = PlacementGroups(config)  # the pools', spares' and scaled slots' groups and bundles
         self.scaled: set[str] = set()  # slots the scaler added (coordinator.backend.scaler): they die with this
-        self.free_bundles: dict[str, list[tuple[str, int]]] = {}  # pool -> bundles of slots it removed (reused)
         self._started_ray = False
         self.fleet = ""  # the fleet's fingerprint when it has a namespace (coordinator.backend.fleet)
         self.adopted = False  # start() took over a dead coordinator's workers
@@ -115,8 +103,8 @@ class Pools:
                 return
             await teardown("starting a new fleet")  # what a crash between two starts may have left
         for role in self.pool_names:
-            self._groups[role] = self._group(self.pool(role), role)
-        await self._placed()
+            self.groups.create(role, self.pool(role))
+        await self.groups.placed()
         slots = [(role, i) for role in self.pool_names for i in range(self.pool(role).workers)]
         log.warning("requesting %d workers, %s", len(slots), since_launch())
         started = await asyncio.wait_for(asyncio.gather(*[self.start_slot(role, i, replace_process=False)
@@ -127,18 +115,14 @@ class Pools:
         self.prefill = [w for w in started if w.info.role == "prefill"]
         self.decode = [w for w in started if w.info.role != "prefill"]
         for wave in waves(self._links(started)):  # one direction of every pair, then the other
-            await asyncio.gather(*[_connecting(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
+            await asyncio.gather(*[connect_link(lambda a=a, b=b: a.handle.add_peer.remote(b.info.agent_metadata),
                                                f"{a.name} to {b.name}") for a, b in wave])
         await self._warm_up_nodes()
 
     async def _warm_up_nodes(self) -> None:
         """recovery.warm_processes worker processes started ahead on each node that holds a slot's bundle."""
-        nodes = {await self._bundle_node(role, i) for role in self.pool_names for i in range(self.pool(role).workers)}
+        nodes = {await self.groups.node(role, i) for role in self.pool_names for i in range(self.pool(role).workers)}
         await asyncio.gather(*[self.warm.top_up(node, self.warm.count) for node in nodes if node is not None])
-
-    async def _bundle_node(self, group: str, bundle: int) -> str | None:
-        """The node that holds bundle `bundle` of placement group `group` (None: no such group, or unplaced)."""
-        return await asyncio.to_thread(bundle_node, self._groups[group], bundle) if group in self._groups else None
 
     def _links(self, workers: list[WorkerState]) -> list[tuple[WorkerState, WorkerState]]:
         return peer_links(workers, self.config.mode, self.pushes, self.prefills_connect)
@@ -175,7 +159,8 @@ class Pools:
             ray.kill(handle, no_restart=True)
             raise
         if replace_process and dict(info.startup_s).get("schedule") == 0:  # it took a process started ahead
-            await self.warm.top_up(await self._bundle_node(*self.bundles.get(name or f"{role}-{index}", (role, index))))
+            await self.warm.top_up(await self.groups.node(*self.groups.slot_bundle(name or f"{role}-{index}", role,
+                                                                                   index)))
         return WorkerState(info, handle, incarnation=incarnation, load=load, role=current_role)
 
     async def connect(self, worker: WorkerState) -> None:
@@ -185,9 +170,9 @@ class Pools:
         live = [w for w in self.all_workers if w.alive and w.name != worker.name] + [worker]
         links = [(a, b) for a, b in self._links(live) if a is worker or b is worker]
         await asyncio.gather(*[
-            _connecting(lambda b=b: worker.handle.add_peer.remote(b.info.agent_metadata), f"{a.name} to {b.name}")
+            connect_link(lambda b=b: worker.handle.add_peer.remote(b.info.agent_metadata), f"{a.name} to {b.name}")
             if a is worker else
-            _connecting(lambda a=a: a.handle.replace_peer.remote(worker.name, worker.info.agent_metadata),
+            connect_link(lambda a=a: a.handle.replace_peer.remote(worker.name, worker.info.agent_metadata),
                         f"{a.name} to {b.name}")
             for a, b in links])
 
@@ -212,25 +197,10 @@ class Pools:
         workers = self.prefill if worker.info.role == "prefill" else self.decode
         workers[:] = [w for w in workers if w.name != worker.name]
 
-    def own_group(self, key: str, group: object, name: str) -> None:
-        """Placement group `key` (placed) is slot `name`'s own, bundle 0 (a scale-out: coordinator.backend.scaler)."""
-        self._groups[key] = group
-        self.bundles[name] = (key, 0)
-
     def give_back(self, name: str, role: str) -> None:
-        """Slot `name` of pool `role` is gone: its own placement group (a scaled slot's) is removed, giving its
-        resources back to the cluster; a bundle in a shared group (Ray cannot shrink one) is kept for the pool's next
-        new slot."""
-        key, index = self.bundles.pop(name, None) or (role, int(name.rsplit("-", 1)[1]))
+        """Slot `name` of pool `role` is gone for good: its bundle goes back (PlacementGroups.release)."""
         self.scaled.discard(name)
-        if key.startswith(f"{role}-slot-"):
-            remove_placement_group(self._groups.pop(key))
-        else:
-            self.free_bundles.setdefault(role, []).append((key, index))
-
-    def adopt_groups(self, groups: dict[str, object]) -> None:
-        """The placement groups of an adopted fleet (replacements start in their bundles)."""
-        self._groups = dict(groups)
+        self.groups.release(name, role)
 
     @staticmethod
     def slot_index(worker: WorkerState) -> int:
@@ -243,50 +213,22 @@ class Pools:
         await asyncio.gather(*[w.handle.shutdown.remote() for w in workers if w.alive], return_exceptions=True)
         for w in workers:
             ray.kill(w.handle, no_restart=True)
-        for group in self._groups.values():
-            remove_placement_group(group)
-        self._groups.clear()
+        self.groups.remove_all()
         if self.config.namespace is not None:  # on purpose: the namespace ends empty (a start under way included)
             await teardown("the server is stopping")
         if self._started_ray:
             ray.shutdown()
 
-    async def _placed(self) -> None:
-        """Wait until the placement groups have their resources; fail clearly when the cluster lacks them."""
-        groups = list(self._groups.values())
-        try:
-            await asyncio.wait_for(asyncio.gather(*[g.ready() for g in groups]), PLACEMENT_TIMEOUT_S)
-        except TimeoutError:
-            wanted = [g.bundle_specs for g in groups]
-            raise RuntimeError(f"the Ray cluster cannot place the pools within {PLACEMENT_TIMEOUT_S:.0f} s: they need "
-                               f"{wanted}, the cluster has {ray.available_resources()}; lower num_cpus / num_gpus "
-                               "or workers in the config") from None
-
     def pool(self, role: str) -> PoolConfig:
         return self.config.prefill if role == "prefill" else self.config.decode
-
-    def _group(self, pool: PoolConfig, role: str, count: int | None = None):
-        strategy = "PACK" if self.config.placement == "pack" else "SPREAD"
-        # the pools' groups outlive this coordinator with a namespace (coordinator.backend.fleet); spares' do not
-        lifetime = "detached" if self.config.namespace is not None and count is None else None
-        return placement_group([worker_bundle(pool)] * (pool.workers if count is None else count), strategy=strategy,
-                               name=group_name(role), lifetime=lifetime)
-
-    async def add_group(self, key: str, role: str, count: int) -> None:
-        """Another placement group `key` of `count` bundles of `role`'s pool (warm spares), once it is placed;
-        removed at shutdown with the pools' own."""
-        self._groups[key] = self._group(self.pool(role), key, count)
-        await self._placed()
 
     def _actor(self, role: str, index: int, incarnation: int = 0, name: str | None = None):
         cfg, pool = self.config, self.pool(role)
         spare = name is not None
         name = name or f"{role}-{index}"
-        group, bundle = self.bundles.get(name, (role, index))
         options = dict(num_cpus=pool.num_cpus, num_gpus=worker_bundle(pool).get("GPU", 0),
                        resources=dict(pool.resources), max_concurrency=10_000,
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[group],
-                                                                            placement_group_bundle_index=bundle))
+                       scheduling_strategy=self.groups.strategy(name, role, index))
         # peers reach a worker's KV agent by its UCX worker address, so it has no UCX listener (which ucxx opens on
         # every interface); UCX's own sockets follow transfer.net_devices, else UCX_NET_DEVICES (a single host's: lo,
         # ray_network). docs/operations.md, Security model
@@ -302,30 +244,5 @@ class Pools:
             requested_at=time.time())  # the start's `schedule` and `process` phases (pool_worker.start_phases)
 
 
-def worker_bundle(pool: PoolConfig) -> dict[str, float]:
-    """What one worker of `pool` reserves on its node: CPUs, GPUs and the pool's custom resources."""
-    gpus = pool.num_gpus * pool.tensor_parallel_size  # one actor drives every rank of its tensor-parallel group
-    return {"CPU": pool.num_cpus} | ({"GPU": gpus} if gpus else {}) | pool.resources
-
-
 def _threads(pool: PoolConfig) -> int:
     return max(1, int(pool.num_cpus))
-
-
-async def _connecting(call: Callable[[], Any], what: str) -> None:
-    """Run a peer-connecting actor call (add_peer / replace_peer: a failed connect registers nothing, so it may
-    be repeated), again after a PeerLost or TransferTimeout, up to CONNECT_ATTEMPTS times, waiting
-    CONNECT_BACKOFF_S (doubled each time) in between."""
-    wait = CONNECT_BACKOFF_S
-    for attempt in range(1, CONNECT_ATTEMPTS + 1):
-        try:
-            await call()
-            return
-        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's PeerLost; anything else is raised as is
-            if attempt == CONNECT_ATTEMPTS or not (isinstance(e, RETRIED) or isinstance(getattr(e, "cause", None),
-                                                                                      RETRIED)):
-                raise
-            log.warning("connecting %s failed (attempt %d of %d), trying again in %.0f s: %s", what, attempt,
-                        CONNECT_ATTEMPTS, wait, e)
-            await asyncio.sleep(wait)
-            wait *= 2

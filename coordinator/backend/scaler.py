@@ -38,7 +38,8 @@ from coordinator.backend.busy_meter import BusyMeter
 from coordinator.backend.cycling import Cycler, RollingRestart
 from coordinator.backend.drains import DrainRefused, Drains
 from coordinator.backend.fleet import group_name
-from coordinator.backend.pools import START_TIMEOUT_S, Pools, worker_bundle
+from coordinator.backend.placement_groups import worker_bundle
+from coordinator.backend.pools import START_TIMEOUT_S, Pools
 from coordinator.backend.scale_policy import Decision, PoolView, ScalePolicy
 from coordinator.backend.slot_placement import NoRoom, place, set_fleet_shape, single_machine
 from coordinator.config.serve_config import ServeConfig
@@ -119,14 +120,14 @@ class Scaler:
         log.warning("scaling: the %s pool grows by %s (%s)", pool, name, decision.why)
         placed = False
         try:
-            free = self.pools.free_bundles.get(pool)
+            free = self.pools.groups.free.get(pool)
             if free:
-                self.pools.bundles[name] = free.pop()
+                self.pools.groups.bundles[name] = free.pop()
             else:
                 key = f"{pool}-slot-{index}"
                 group = await place(worker_bundle(cfg), group_name(key), "PACK", self.joined,
                                     self.config.scaling.placement_timeout_s, self._fleet())
-                self.pools.own_group(key, group, name)
+                self.pools.groups.own(key, group, name)
             placed = True
             self.pools.scaled.add(name)
             worker = await asyncio.wait_for(self.pools.start_slot(pool, index), START_TIMEOUT_S)

@@ -7,7 +7,8 @@ first: a ready spare adopts the slot's name (Worker.adopt: its transfer metadata
 slot's name) and comes back as the slot's next incarnation, which the Supervisor then wires to its peers
 (Pools.connect) and installs: no process start, no imports, no weights. The slot's old bundle is free then (its
 actor is dead), so a new spare is started there in the background, and the slot keeps the spare's bundle
-(Pools.bundles). A spare that died while idle is dropped (and replaced) when it is found so.
+(coordinator.backend.placement_groups' `bundles`). A spare that died while idle is dropped (and replaced) when it is
+found so.
 
 Spare names are never reused (`<pool>-spare-<k>`, k counting up): a peer knows a spare's transfer agent by its own
 name as well, and a fresh name never collides with one a peer still remembers.
@@ -43,7 +44,7 @@ class Spares:
         if self.count == 0:
             return
         for pool in self.pools.pool_names:
-            await self.pools.add_group(f"{pool}-spares", pool, self.count)
+            await self.pools.groups.add(f"{pool}-spares", self.pools.pool(pool), self.count)
             self.ready[pool], self.starting[pool], self.taken[pool] = [], 0, 0
             for bundle in range(self.count):
                 self._refill(pool, (f"{pool}-spares", bundle))
@@ -65,10 +66,10 @@ class Spares:
             except (RayActorError, RayTaskError) as e:
                 log.warning("spare %s could not take over %s (%s); trying the next", spare.name, dead.name, e)
                 ray.kill(spare.handle, no_restart=True)
-                self._refill(pool, self.pools.bundles.pop(spare.name))
+                self._refill(pool, self.pools.groups.bundles.pop(spare.name))
                 continue
-            freed = self.pools.bundles.pop(dead.name, (pool, Pools.slot_index(dead)))
-            self.pools.bundles[dead.name] = self.pools.bundles.pop(spare.name)
+            freed = self.pools.groups.bundles.pop(dead.name, (pool, Pools.slot_index(dead)))
+            self.pools.groups.bundles[dead.name] = self.pools.groups.bundles.pop(spare.name)
             self.taken[pool] += 1
             log.warning("worker %s: taken over by spare %s (pid %d)", dead.name, spare.name, info.pid)
             self._refill(pool, freed)
@@ -86,7 +87,7 @@ class Spares:
     def _refill(self, pool: str, bundle: tuple[str, int]) -> None:
         self._serial += 1
         name = f"{pool}-spare-{self._serial}"
-        self.pools.bundles[name] = bundle
+        self.pools.groups.bundles[name] = bundle
         self.starting[pool] += 1
         task = asyncio.get_running_loop().create_task(self._start(pool, name))
         self._tasks.add(task)
@@ -100,7 +101,7 @@ class Spares:
             self.failed_starts += 1
             log.warning("spare %s failed to start: %s: %s; trying again", name, type(e).__name__, e)
             await asyncio.sleep(5.0)
-            self._refill(pool, self.pools.bundles.pop(name))
+            self._refill(pool, self.pools.groups.bundles.pop(name))
             return
         finally:
             self.starting[pool] -= 1
