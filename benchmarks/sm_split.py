@@ -364,6 +364,7 @@ def long_prompt(model_dir: str, decode_sms: int, chunk: int, streams: int = 32, 
                 "gap_p99_during_ms": round(pct(gaps_during, 0.99), 3),
                 "p99_during_x_before": round(pct(gaps_during, 0.99) / pct(gaps_before, 0.99), 3),
                 "ttft_ms": round((first - sent) * 1e3, 1), "lane_jobs": lane.jobs if lane else 0,
+                "lane_launch_ms": round(lane.launch_s * 1e3, 2) if lane else None,  # the job's launches (its thread)
                 "steps_during": len(worst), "longest_steps": sorted(worst, reverse=True)[:4]}
     finally:
         engine.close()

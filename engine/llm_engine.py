@@ -334,7 +334,9 @@ class LLMEngine(HandoffBlocks, PrefixExchange, GrammarHolding, HostKV, EngineRep
         return self.followers.calls.call(rank, method, *args)
 
     def close(self) -> None:
-        """Stop the tensor-parallel followers (nothing to do at TP=1); the engine cannot step afterwards."""
+        """Stop the prefill lane's thread and the tensor-parallel followers; the engine cannot step afterwards."""
+        if getattr(self, "lane", None) is not None:
+            self.lane.close()
         if self.followers is not None:
             if getattr(self, "runner", None) is not None:  # CUDA graphs that captured NCCL kernels go before the
                 # communicator: tearing it down under them hangs (pytorch#115388); a pool worker froze them at

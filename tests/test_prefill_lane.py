@@ -127,6 +127,57 @@ def test_lane_on_green_contexts_equals_the_plain_engine(checkpoints):
     assert engine.lane.graphs is not None and engine.lane.graphs.replays > 0  # decode steps on the lane's graphs
 
 
+@pytest.mark.gpus(1)
+def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(checkpoints):
+    """On CUDA the lane's own thread queues a job's forward: aborting its request at once (the launch may still be
+    running) waits for the launch and the forward, then frees the blocks; the engine goes on and leaks nothing."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("SM lanes need compute capability 9.0+")
+    pytest.importorskip("cuda.bindings", reason="SM lanes need cuda-bindings")
+    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256)
+    llm = LLM(str(llama), device="cuda", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
+              kv_cache_memory_bytes=256 << 20, warmup=False)
+    e = llm.engine
+    try:
+        e.add_request("short", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        for _ in range(3):
+            e.step()
+        e.add_request("long", [(i * 7) % 90 + 3 for i in range(400)],
+                      SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        for _ in range(5):
+            e.step()
+            if e.scheduler.held:
+                break
+        assert e.scheduler.held == {"long"} and e.lane.busy
+        assert e.abort("long")
+        while e.has_unfinished():
+            e.step()
+        assert not e.lane.busy and not e.scheduler.held and e.check_integrity()["in_use"] == 0
+        assert e.lane.launch_s > 0  # its launches ran (on the lane's thread)
+    finally:
+        e.close()
+
+
+def test_slo_gives_a_static_pool_with_the_lane_its_decode_step_target(tmp_path):
+    """Outside mode adaptive `slo` is read where a pool has a prefill lane: its engines get the decode step target,
+    by which each chooses between the lane and chunking (engine.core.lane_policy); elsewhere it is refused."""
+    from coordinator.config.serve_config import load_serve_config
+    from engine.config_error import ConfigError
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("mode: collocated\nslo: {ttft_ms: 500, tpot_ms: 20}\ndecode: {sm_split_decode_sms: 64}\n")
+    config = load_serve_config(path)
+    assert config.lane_pools == ("decode",)
+    assert config.engine_config(config.decode).decode_step_target_s == pytest.approx(0.020 * 0.85)
+    path.write_text("mode: collocated\ndecode: {sm_split_decode_sms: 64}\n")
+    config = load_serve_config(path)
+    assert config.engine_config(config.decode).decode_step_target_s is None  # no target: the lane takes prompts
+    path.write_text("mode: collocated\nslo: {ttft_ms: 500, tpot_ms: 20}\n")
+    with pytest.raises(ConfigError, match="or have a prefill lane"):
+        load_serve_config(path)
+
+
 def test_a_collocated_server_with_the_lane_gives_the_engines_outputs(llama, reference, tmp_path):
     """`pdserve serve` with decode.sm_split_decode_sms (in order on the CPU): prompts arriving while others decode
     go to the lane, and every output equals the offline engine's, streamed or not."""

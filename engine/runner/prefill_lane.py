@@ -2,22 +2,26 @@
 
 Chunked prefill puts a prompt's chunk into every decode step until the prompt is done, so each running stream's
 step grows by the chunk's cost (an 8B 2,048-token chunk: ~50 ms on an H200). With a lane, the engine hands the
-step's prompt chunks to `start`, which queues their whole forward on the prefill lane's stream (the GPU's SMs left
-over from the decode lane: engine.runner.sm_lanes) and returns at once; the decode rows, and the decode-only steps
-after them while the prompt runs, replay decode graphs captured on the decode lane's stream. Decode kernels then
+step's prompt chunks to `start`, which hands their whole forward to the lane's own thread and returns at once; that
+thread queues it on the prefill lane's stream (the GPU's SMs left over from the decode lane: engine.runner.sm_lanes),
+so the few hundred eager launches of a long prompt's forward never delay the engine thread's next decode step. The
+decode rows, and the decode-only steps after them while the prompt runs, replay decode graphs captured on the decode
+lane's stream. Decode kernels then
 never wait behind queued prefill kernels for SMs (measured in benchmarks/sm_split.py). When `ready()`, `finish`
 computes the prompt's logits and samples on the engine's stream; the engine then applies it like any step.
 
 Owns the two streams' ordering (each lane waits for the engine's stream before its work, the engine's stream waits
-for the decode lane after each decode step) and the one job in flight; the scheduler (Scheduler.held) keeps the
-job's requests out of other steps and out of preemption until `finish`. On the CPU there are no lanes: `start`
-computes the forward at once (same order, same results), which lets CPU tests cover the engine's lane logic.
+for the decode lane after each decode step), the launching thread and the one job in flight; the scheduler
+(Scheduler.held) keeps the job's requests out of other steps and out of preemption until `finish`. On the CPU there
+are no lanes: `start` computes the forward at once (same order, same results), which lets CPU tests cover the
+engine's lane logic.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +39,24 @@ RATE_EWMA = 0.3
 
 
 @dataclass
-class LaneJob:
-    """Prompt chunks whose forward is queued on the prefill lane."""
+class LaneForward:
+    """A job's forward as queued on the prefill lane."""
 
-    sched: SchedulerOutput
     step: StepInputs
     hidden: torch.Tensor                # [T, hidden], written by the lane
     done: torch.cuda.Event | None       # recorded after the forward (None: computed already, on the CPU)
-    started: float                      # time.perf_counter() when it was queued
+    launch_s: float                     # host seconds its launches took (on the lane's thread on CUDA)
+
+
+@dataclass
+class LaneJob:
+    """Prompt chunks whose forward is queued, or being queued, on the prefill lane."""
+
+    sched: SchedulerOutput
+    started: float                      # time.perf_counter() when it was handed over
     tokens: int                         # prompt tokens it computes
+    launching: Future | None = None     # CUDA: the lane thread's launch (its result: the LaneForward)
+    forward: LaneForward | None = None  # once launched
 
 
 class PrefillLane:
@@ -55,7 +68,10 @@ class PrefillLane:
             first = FIRST_DECODE_BUCKETS if runner.graphs.deferred.pending else None  # deferred like the runner's
             self.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode,
                                        first_buckets=first)
+        # the job's launches run here on CUDA, off the engine thread (one thread: one job at a time)
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane") if lanes is not None else None
         self.job: LaneJob | None = None
+        self.launch_s = 0.0  # host seconds the last job's launches took
         self.jobs = 0  # prompt steps the lane ran since start
         # seconds per prompt token on the lane, from queueing a job to finding it done (a running average; 0 until
         # a job of at least RATE_MIN_TOKENS): what the placement model prices a local prefill at
@@ -71,45 +87,87 @@ class PrefillLane:
         return self.job is not None
 
     def ready(self) -> bool:
-        return self.job is not None and (self.job.done is None or self.job.done.query())
+        job = self.job
+        if job is None or (job.launching is not None and not job.launching.done()):
+            return False
+        done = self._forward(job).done
+        return done is None or done.query()
 
     def wait(self) -> None:
         """Block until the job's forward is done (before its blocks may be freed)."""
-        if self.job is not None and self.job.done is not None:
-            self.job.done.synchronize()
+        if self.job is not None:
+            done = self._forward(self.job).done
+            if done is not None:
+                done.synchronize()
 
-    @torch.inference_mode()
     def start(self, sched: SchedulerOutput) -> None:
-        """Queue the forward of `sched` (prompt chunks only) on the prefill lane."""
+        """Hand the forward of `sched` (prompt chunks only) to the prefill lane: on CUDA the lane's thread queues it
+        on the lane's stream after what the engine's stream has queued so far (the step's KV copies); on the CPU
+        it is computed here and now."""
         if self.job is not None:
             raise RuntimeError("the prefill lane runs one job at a time")
+        job = LaneJob(sched, time.perf_counter(), sched.num_tokens)
+        if self._launcher is None:
+            job.forward = self._launch(sched, None, None)
+        else:
+            main = torch.cuda.current_stream(self.runner.device)
+            gate = torch.cuda.Event()
+            gate.record(main)
+            job.launching = self._launcher.submit(self._launch, sched, gate, main)
+        self.job = job
+        self.jobs += 1
+
+    def close(self) -> None:
+        """Stop the launching thread (after any job it is launching)."""
+        if self._launcher is not None:
+            self._launcher.shutdown(wait=True)
+
+    def _forward(self, job: LaneJob) -> LaneForward:
+        """The job's queued forward, waiting for its launch if the lane's thread is still at it (its error raises
+        here)."""
+        if job.forward is None:
+            job.forward = job.launching.result()
+            self.launch_s = job.forward.launch_s
+        return job.forward
+
+    @torch.inference_mode()
+    def _launch(self, sched: SchedulerOutput, gate: torch.cuda.Event | None,
+                main: torch.cuda.Stream | None) -> LaneForward:
+        """Queue the forward on the prefill lane after `gate` (None: the CPU, computed in place). Runs on the lane's
+        thread on CUDA, where `main` is the engine's stream, which reads the results (finish)."""
+        began = time.perf_counter()
         runner = self.runner
-        main = torch.cuda.current_stream(runner.device) if self.lanes is not None else None
-        with self._on(self.lanes.prefill if self.lanes else None):
+        stream = self.lanes.prefill if gate is not None else None
+        with contextlib.ExitStack() as scope:
+            if stream is not None:
+                scope.enter_context(torch.cuda.device(runner.device))
+                stream.wait_event(gate)
+                scope.enter_context(torch.cuda.stream(stream))
             step = build_step_inputs(sched, runner.block_size, runner.device, runner.model.config.sliding_window)
             hidden = runner.model(step.input_ids, step.positions, runner.kv_cache, step.meta)  # [T, h]
             done = None
-            if self.lanes is not None:
+            if stream is not None:
                 done = torch.cuda.Event()
-                done.record(self.lanes.prefill)
+                done.record(stream)
                 hidden.record_stream(main)  # read there by finish()
                 step.sample_index.record_stream(main)
-        self.job = LaneJob(sched, step, hidden, done, time.perf_counter(), sched.num_tokens)
-        self.jobs += 1
+        return LaneForward(step, hidden, done, time.perf_counter() - began)
 
     @torch.inference_mode()
     def finish(self, params: dict[str, SamplingParams]) -> LaunchedStep:
         """The job's sampling, queued on the engine's stream after the lane's forward; the job ends."""
-        job, self.job = self.job, None
+        job = self.job
+        forward = self._forward(job)
+        self.job = None
         if job.tokens >= RATE_MIN_TOKENS:
             seconds = (time.perf_counter() - job.started) / job.tokens
             self.token_s = seconds if not self.token_s else (1 - RATE_EWMA) * self.token_s + RATE_EWMA * seconds
-        if job.done is not None:
-            torch.cuda.current_stream(self.runner.device).wait_event(job.done)
-        if not job.step.sampling:
+        if forward.done is not None:
+            torch.cuda.current_stream(self.runner.device).wait_event(forward.done)
+        if not forward.step.sampling:
             return LaunchedStep(job.sched, [], None)
-        logits = self.runner.model.compute_logits(job.hidden[job.step.sample_index])  # [S, V]
-        return self.runner.sample(job.sched, job.step.sampling, logits, params)
+        logits = self.runner.model.compute_logits(forward.hidden[forward.step.sample_index])  # [S, V]
+        return self.runner.sample(job.sched, forward.step.sampling, logits, params)
 
     def launch_decode(self, sched: SchedulerOutput, params: dict[str, SamplingParams]) -> LaunchedStep:
         """A decode step (no prompt chunks) on the decode lane, with its graphs."""
