@@ -79,7 +79,8 @@ class LaneSteps:
         pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
             r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1)
         self.lane_on = self.lane.busy or lane_pays(pending, b.tokens if b else None, b.target_s if b else None,
-                                                   self.lane.token_s, self.lane.step_s)
+                                                   self.lane.token_s, self.lane.step_s,
+                                                   time.perf_counter() - self.lane.step_at)
         s.prefill_cap = None if self.lane_on or b is None else b.tokens
 
     def _lane_takes(self, sched: SchedulerOutput) -> bool:

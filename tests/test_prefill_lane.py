@@ -159,25 +159,6 @@ def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(chec
         e.close()
 
 
-def test_slo_gives_a_static_pool_with_the_lane_its_decode_step_target(tmp_path):
-    """Outside mode adaptive `slo` is read where a pool has a prefill lane: its engines get the decode step target,
-    by which each chooses between the lane and chunking (engine.core.lane_policy); elsewhere it is refused."""
-    from coordinator.config.serve_config import load_serve_config
-    from engine.config_error import ConfigError
-
-    path = tmp_path / "serve.yaml"
-    path.write_text("mode: collocated\nslo: {ttft_ms: 500, tpot_ms: 20}\ndecode: {sm_split_decode_sms: 64}\n")
-    config = load_serve_config(path)
-    assert config.lane_pools == ("decode",)
-    assert config.engine_config(config.decode).decode_step_target_s == pytest.approx(0.020 * 0.85)
-    path.write_text("mode: collocated\ndecode: {sm_split_decode_sms: 64}\n")
-    config = load_serve_config(path)
-    assert config.engine_config(config.decode).decode_step_target_s is None  # no target: the lane takes prompts
-    path.write_text("mode: collocated\nslo: {ttft_ms: 500, tpot_ms: 20}\n")
-    with pytest.raises(ConfigError, match="or have a prefill lane"):
-        load_serve_config(path)
-
-
 def test_a_collocated_server_with_the_lane_gives_the_engines_outputs(llama, reference, tmp_path):
     """`pdserve serve` with decode.sm_split_decode_sms (in order on the CPU): prompts arriving while others decode
     go to the lane, and every output equals the offline engine's, streamed or not."""
@@ -245,13 +226,16 @@ def test_the_lane_takes_a_prompt_whole_and_reports_its_rate():
 
 
 def test_lane_pays_by_the_engines_figures():
-    from engine.core.lane_policy import lane_pays
+    from engine.core.lane_policy import FIGURE_TTL_S, lane_pays
 
     # no decode step target, or no lane figures yet: the lane
     assert lane_pays(5000, None, None, 50e-6, 0.012)
     assert lane_pays(5000, 256, 0.015, 0.0, 0.0)
     # a decode step beside the lane misses the target: chunk under the budget, which meets it
     assert not lane_pays(5000, 256, 0.015, 50e-6, 0.016)
+    assert not lane_pays(5000, 256, 0.015, 50e-6, 0.016, lane_step_age_s=FIGURE_TTL_S / 2)
+    # ... but not for ever: once that figure is older than FIGURE_TTL_S the lane gets a job, which measures it anew
+    assert lane_pays(5000, 256, 0.015, 50e-6, 0.016, lane_step_age_s=FIGURE_TTL_S + 1)
     # 5,000 tokens: chunked 20 steps x 15 ms = 300 ms; the lane 5,000 x 50 us = 250 ms -> the lane
     assert lane_pays(5000, 256, 0.015, 50e-6, 0.012)
     # a roomy budget (1,024 a step): chunked 5 x 15 ms = 75 ms -> chunk
@@ -289,21 +273,27 @@ def _long_beside_short(e) -> dict[str, list[int]]:
 
 def test_prompts_are_chunked_where_the_lane_does_not_pay():
     """With a decode step target, the engine asks lane_pays before each step: by the lane's figures (set here) a
-    prompt goes to the lane or is chunked under the budget; outputs are the same either way."""
+    prompt goes to the lane or is chunked under the budget; outputs are the same either way. A figure that keeps the
+    lane passed over is measured anew once it is stale."""
+    import math
+    import time
+
     runs = {}
-    for name, (token_s, step_s) in {"lane quicker": (1e-6, 0.001), "chunks quicker": (1.0, 0.001),
-                                    "lane misses the target": (1e-6, 0.5)}.items():
+    for name, (token_s, step_s, step_at) in {
+            "lane quicker": (1e-6, 0.001, math.inf), "chunks quicker": (1.0, 0.001, math.inf),
+            "lane misses the target": (1e-6, 0.5, math.inf),  # measured "now" for the whole run
+            "lane missed it long ago": (1e-6, 0.5, time.perf_counter() - 60)}.items():
         llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
                   decode_step_target_s=0.1, warmup=False)
         e = llm.engine
         e.step_budget = _Budget(64, 0.1)
-        e.lane.token_s, e.lane.step_s = token_s, step_s
+        e.lane.token_s, e.lane.step_s, e.lane.step_at = token_s, step_s, step_at
         e.lane.observe_step = lambda s: None  # the figures stay as set
         tokens = _long_beside_short(e)
         runs[name] = e.lane.jobs, tokens
-    assert runs["lane quicker"][0] == 1
+    assert runs["lane quicker"][0] == 1 and runs["lane missed it long ago"][0] == 1
     assert runs["chunks quicker"][0] == 0 and runs["lane misses the target"][0] == 0
-    assert runs["lane quicker"][1] == runs["chunks quicker"][1] == runs["lane misses the target"][1]
+    assert len({str(tokens) for _, tokens in runs.values()}) == 1
 
 
 def test_streams_cut_off_while_prompts_are_on_the_lane_leak_nothing(llama, reference, tmp_path):

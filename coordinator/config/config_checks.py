@@ -30,15 +30,12 @@ def _fp8(kv_cache_dtype: str) -> bool:
 
 def check_adaptive(config: ServeConfig, raw: dict, path: Path) -> None:
     """`slo` and `planner` belong to mode adaptive, which needs `slo` (`slo` also serves pools that scale:
-    check_scaling, and pools with a prefill lane: its decode step target); its workers can each take the other's
-    role."""
+    check_scaling); its workers can each take the other's role."""
     if not config.adaptive:
-        read = config.scaling_pools or config.lane_pools
-        extra = [key for key in ("slo", "planner") if key in raw and not (key == "slo" and read)]
+        extra = [key for key in ("slo", "planner") if key in raw and not (key == "slo" and config.scaling_pools)]
         if extra:
             raise ConfigError(f"{path}: {extra[0]!r} applies to mode: adaptive only (mode is {config.mode!r})"
-                              + (" or to pools that scale (min_workers / max_workers) or have a prefill lane "
-                                 "(sm_split_decode_sms)" if extra[0] == "slo" else ""))
+                              + (" or to pools that scale (min_workers / max_workers)" if extra[0] == "slo" else ""))
         return
     if config.slo is None:
         raise ConfigError(f"{path}: mode adaptive needs 'slo' with ttft_ms and tpot_ms (the targets it serves)")

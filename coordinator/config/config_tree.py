@@ -59,12 +59,6 @@ class ServeConfig:
         return ("decode",) if self.mode == "collocated" else ("prefill", "decode")
 
     @property
-    def lane_pools(self) -> tuple[str, ...]:
-        """The pools whose engines run a prefill lane (sm_split_decode_sms); with `slo` their decode steps get its
-        step target, by which each engine chooses between the lane and chunking (engine.core.lane_policy)."""
-        return tuple(name for name in self.pool_names if getattr(self, name).sm_split_decode_sms)
-
-    @property
     def scaling_pools(self) -> tuple[str, ...]:
         """The pools whose size the scaler may change (coordinator.backend.scaler)."""
         return tuple(name for name in self.pool_names if getattr(self, name).scales)
@@ -88,5 +82,4 @@ class ServeConfig:
             prefill_graph_tokens=pool.prefill_graph_tokens, mixed_graph_tokens=pool.mixed_graph_tokens,
             warmup=pool.warmup, graph_capture=pool.engine_graph_capture, sm_split_decode_sms=pool.sm_split_decode_sms,
             tensor_parallel_size=pool.tensor_parallel_size, load_format=self.load_format,
-            decode_step_target_s=self.slo.decode_step_target_s if self.slo and (
-                self.adaptive or pool.sm_split_decode_sms) else None)
+            decode_step_target_s=self.slo.decode_step_target_s if self.adaptive and self.slo else None)

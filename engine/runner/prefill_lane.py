@@ -77,10 +77,12 @@ class PrefillLane:
         # a job of at least RATE_MIN_TOKENS): what the placement model prices a local prefill at
         self.token_s = 0.0
         self.step_s = 0.0  # a decode step's time while a job runs beside it (a running average; 0 until one)
+        self.step_at = 0.0  # time.perf_counter() when step_s was last measured
 
     def observe_step(self, seconds: float) -> None:
         """A decode step that ran while a job was on the lane (not the one that queued the job) took `seconds`."""
         self.step_s = seconds if not self.step_s else (1 - RATE_EWMA) * self.step_s + RATE_EWMA * seconds
+        self.step_at = time.perf_counter()
 
     @property
     def busy(self) -> bool:
