@@ -6,21 +6,19 @@ Ray imports this module in each Python worker process it starts when its raylet 
 starts; on a cluster, `RAY_preload_python_modules=pool_worker.preload` in `ray start`'s environment:
 configs/cluster.yaml), and coordinator.backend.warm_processes keeps such processes ready on the workers' nodes.
 Nothing here may start CUDA: the process learns its GPUs (CUDA_VISIBLE_DEVICES) only when Ray gives it an actor.
+Nor is anything imported that a start does not use: a `pdserve serve`'s first workers wait for this import (on an
+H200 host it took 7.4-8.9 s, sympy 2.2 s of it until the engine stopped importing that: tests/test_start_imports.py).
 """
 
 import contextlib
 import gc
 
-import torch
+import torch  # noqa: F401 - the heaviest import of a start (3.3 s on an H200 host), made here first
 
 import engine.llm_engine  # noqa: F401
 import kvtransfer.worker_agents  # noqa: F401
 import kvtransfer.worker_setup  # noqa: F401
 import pool_worker.worker  # noqa: F401
-
-# torch imports sympy (its symbolic shapes) on the first Module.to_empty, which the engine's weight load makes: ~0.2 s
-# of a start on the CPU machine, paid here instead (a meta module made real on the CPU: no device is touched)
-torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
 
 # ucxx's progress thread imports cuda.core as it starts (ucxx._cuda_context, with the worker's first KV agent), and the
 # agent's start waited for it: ~0.05 s of `ucx_listen` on the CPU machine (kvtransfer.agent's start steps), paid here.

@@ -120,13 +120,13 @@ def _load_model(mc: ModelConfig, path: Path, config: EngineConfig, device: torch
                 tp: TPGroup | None) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(mc, config.max_model_len, tp)
-    # the dtype first, on the meta device: to_empty() then allocates the weights once, in their own dtype (a
+    # the dtype first, on the meta device: _allocate() then allocates the weights once, in their own dtype (a
     # float32 allocation converted afterwards would need twice the memory: a 70B shard would not fit an 80 GB GPU)
     dtype = TORCH_DTYPES[config.dtype]
     model = model.to(dtype)
     if mc.fp8 is not None:  # after the dtype conversion, which would upcast FP8 weights
         swap_in_fp8(model, mc.fp8, dtype)  # any dtype: the kernel path's FP8 GEMMs write each (fp8_linear)
-    model = model.to_empty(device=device)
+    model = _allocate(model, device)
     model.rope.build(device)  # float32 tables, not converted
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
@@ -135,6 +135,13 @@ def _load_model(mc: ModelConfig, path: Path, config: EngineConfig, device: torch
         load_weights(model, path, slices)
     finish_fp8(model)
     return model.eval()
+
+
+def _allocate(model: CausalLM, device: torch.device) -> CausalLM:
+    """Module.to_empty without its `empty_like`: on a meta tensor that runs torch's Python reference, which imports
+    sympy (torch.fx.experimental.symbolic_shapes): 2.2 s of a worker's start on an H200 host, 0.2 s on the CPU
+    machine. torch.empty from the shape and dtype allocates the same uninitialised tensor."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def _affordable_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:

@@ -1,0 +1,48 @@
+"""What a worker's start imports: nothing it does not use. A `pdserve serve`'s first workers wait for their process's
+imports (pool_worker.preload), and a start pays any import the engine makes on its way. torch imported sympy (its
+symbolic shapes) when the engine allocated the weights of its meta-device model with Module.to_empty: 2.2 s of an
+H200 host's 7.4-8.9 s preload (engine.runner.rank_setup._allocate avoids it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SERVE_AND_REPORT = """
+import json, sys
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], device=sys.argv[2], kv_cache_memory_bytes=256 << 20)
+out = llm.generate([[5, 6, 7, 8]], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+print(json.dumps({"tokens": out[0].token_ids, "sympy": "sympy" in sys.modules}))
+"""
+
+
+def _run(code: str, *args: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_preload_imports_no_sympy():
+    got = _run("import json, sys; import pool_worker.preload; print(json.dumps({'sympy': 'sympy' in sys.modules}))")
+    assert not got["sympy"]
+
+
+def test_an_engine_starts_and_serves_on_the_cpu_without_sympy():
+    got = _run(SERVE_AND_REPORT, "tiny", "cpu")
+    assert len(got["tokens"]) == 4 and not got["sympy"]
+
+
+@pytest.mark.gpus(1)
+def test_an_engine_starts_and_serves_on_a_gpu_without_sympy(checkpoints):
+    """The CUDA start: weights allocated and drawn, the warm-up (kernels compiled, CUDA graphs captured), a request."""
+    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256)
+    got = _run(SERVE_AND_REPORT, str(llama), "cuda")
+    assert len(got["tokens"]) == 4 and not got["sympy"]
