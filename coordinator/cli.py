@@ -112,7 +112,7 @@ def _serve_main(args: argparse.Namespace) -> int:
         return 2
     config, _ = loaded
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from coordinator.api.http_server import ListenError, bind_listener
+    from coordinator.api.listener import ListenError, bind_listener
     from coordinator.process_supervisor import ProcessSupervisor
     try:  # bound before anything starts: a port in use fails in a second
         listener = bind_listener(config.server.host, config.server.port)

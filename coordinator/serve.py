@@ -20,7 +20,8 @@ import socket
 from coordinator.admission.tenant_usage_log import USAGE_LOG, UsageLog
 from coordinator.admission.tenants import TenantRegistry
 from coordinator.api.app import create_app
-from coordinator.api.http_server import DrainingServer, bind_listener, log_serving, uvicorn_config
+from coordinator.api.http_server import DrainingServer, log_serving, uvicorn_config
+from coordinator.api.listener import bind_listener
 from coordinator.config.serve_config import ServeConfig
 from coordinator.observability.stall_reporter import start_stall_reporter
 

@@ -1,4 +1,4 @@
-"""The server's listening socket (coordinator.api.http_server.bind_listener): connections uvicorn accepts from it have
+"""The server's listening socket (coordinator.api.listener.bind_listener): connections uvicorn accepts from it have
 Nagle's
 algorithm off, so a stream's small writes (the response head, each token's chunk) go out at once instead of waiting
 for the client's delayed ACK (up to ~40 ms on Linux)."""
@@ -9,7 +9,8 @@ import socket
 import pytest
 import uvicorn
 
-from coordinator.api.http_server import ListenError, bind_listener, uvicorn_config
+from coordinator.api.http_server import uvicorn_config
+from coordinator.api.listener import ListenError, bind_listener
 from coordinator.config.settings import ServerSettings
 
 

@@ -46,3 +46,37 @@ def test_an_engine_starts_and_serves_on_a_gpu_without_sympy(checkpoints):
                             num_key_value_heads=2, intermediate_size=256)
     got = _run(SERVE_AND_REPORT, str(llama), "cuda")
     assert len(got["tokens"]) == 4 and not got["sympy"]
+
+
+def test_the_supervisor_reaches_ray_without_the_http_server_or_torch(tmp_path):
+    """`pdserve serve`'s supervisor starts Ray (after which the workers' processes can start) having imported the
+    config, the listening socket and Ray, not FastAPI or uvicorn (its coordinator child imports those while the
+    workers start) nor torch: read from `python -X importtime`, whose lines precede the "Ray started" log line."""
+    import os
+    import signal
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny\nmode: collocated\ndecode: {workers: 1, num_cpus: 0.5}\n"
+                      "server: {host: 127.0.0.1, port: 0}\n")
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "coordinator.cli", "serve", str(config)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    before: list[str] = []
+    try:
+        for line in proc.stderr:
+            if "Ray started" in line:
+                break
+            if line.startswith("import time:"):
+                before.append(line.rsplit("|", 1)[-1].strip())
+        else:
+            pytest.fail(f"pdserve serve exited ({proc.wait()}) before it started Ray")
+    finally:  # the supervisor alone: it stops Ray itself (SIGTERM to the group took Ray's GCS from under it)
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    assert "ray" in before and "coordinator.api.listener" in before
+    assert not {"fastapi", "uvicorn", "torch"} & set(before)

@@ -4,15 +4,14 @@
 (coordinator.api.http_protocol, `server.header_timeout_s`, `server.max_request_header_bytes`),
 `server.keep_alive_timeout_s` for idle keep-alive connections, and logging whose every line carries the request id
 (`[%(request_id)s]`, "-" outside a request); every HTTP process (`server.api_processes`) serves with it.
-`bind_listener()`: the listening socket, bound before any worker starts. `DrainingServer`: its first exit signal
-drains in-flight requests.
+`DrainingServer`: its first exit signal drains in-flight requests. (The listening socket it serves on:
+coordinator.api.listener.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from typing import Any
 
 import uvicorn
@@ -77,28 +76,6 @@ class DrainingServer(uvicorn.Server):
         # exit without recording the signal: uvicorn would re-raise it after shutdown, and Ray's SIGTERM
         # handler turns that into exit status 15 although the drain handled it
         self.should_exit = True
-
-
-class ListenError(OSError):
-    pass
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (uvicorn serves on it); ListenError names the address and the cause.
-    Its protocol is named (IPPROTO_TCP): asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
-    proto says TCP, and a socket made with proto 0 passes that 0 to every connection it accepts. With Nagle on, a
-    stream's small writes (the response head, then each token's chunk) wait for the client's delayed ACK: up to
-    ~40 ms added to a first token or an inter-token gap, now and then."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebinding over TIME_WAIT is fine
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ListenError(f"cannot listen on {host}:{port} (server.host/server.port): {e.strerror}") from e
-    sock.listen(2048)
-    return sock
 
 
 def log_serving(config: ServeConfig, backend: Any) -> None:
