@@ -15,6 +15,9 @@ faults (`AgentConfig.faults`, `set_faults`, $PDSERVE_KV_FAULTS) end the handle w
 byte moves. After a real failure (or `remove_remote`) the destination blocks hold undefined data, but nothing lands
 in them once the handle reports it: UCX operations and cuda_ipc copies are awaited (a receive not confirmed stopped
 2 s after its abort quarantines its staging buffer, except one straight into a cache region).
+
+Layout: this module holds the agent's start, cache registration, faults, peers, metrics and close; its data path
+(read/write) is kvtransfer.agent_transfers, its notifications kvtransfer.agent_notifications (mixins).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,32 +36,29 @@ from engine.kv_layout import KVCacheSpec
 
 from . import backends, wire
 from .agent_config import AgentConfig
+from .agent_notifications import AgentNotifications
+from .agent_transfers import AgentTransfers
 from .backends.cuda_ipc import CudaIpcPeer, export
 from .backends.ucx import UcxConnection, UcxServer, ucx_context
-from .cache import RegisteredCache, event_done
-from .client import ucx_chunk
-from .descriptors import Chunk
-from .errors import BadDescriptor, PeerLost, TransferError, TransferTimeout
-from .faults import NO_FAULT, FaultConfig, FaultInjector
-from .handle import TransferHandle
-from .head_slices import plan_transfer
+from .cache import RegisteredCache
+from .errors import PeerLost, TransferError
+from .faults import FaultConfig, FaultInjector
 from .inbox import Inbox
 from .loop import LoopThread
 from .metadata import AgentMetadata, CacheInfo, check_compatible, default_address, host_identity
 from .metrics import TransferMetrics
 from .notify_channel import NotifyListener
-from .remotes import DROP_WAIT_S, Remote, run_transfer
+from .remotes import DROP_WAIT_S, Remote
 from .serve import Server
 from .staging import StagingPool
 from .step_times import StepTimes, maybe_step
 
-NOTIFY_SPIN_S = 0.005  # notify_after polls the copies' events this long on the loop before a thread waits for them
 # the agent's own start (UCX's context and listeners: nothing remote) is bounded by this, not by connect_timeout_s:
 # on a loaded 2-core CI machine starting several Ray nodes it once took longer than 10 s
 START_TIMEOUT_S = 60.0
 
 
-class KVAgent:
+class KVAgent(AgentTransfers, AgentNotifications):
     def __init__(self, name: str, config: AgentConfig | None = None, address: str | None = None,
                  port: int = 0) -> None:
         self.name = name
@@ -220,78 +220,11 @@ class KVAgent:
         """{remote name: backend used for its data}, for the remotes that are not lost."""
         return {k: r.backend for k, r in self._remotes.items() if r.lost is None}
 
-    # ---- transfers -----------------------------------------------------------------------------------
-    def read(self, remote: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             layers: tuple[int, int] | None = None, notify: bytes | None = None,
-             timeout: float | None = None, heads: tuple[int, int] | None = None,
-             ready: torch.cuda.Event | None = None) -> TransferHandle:
-        """Pull remote blocks into local blocks (pairwise), layers [l0, l1) or all, the global KV heads [h0, h1)
-        (held by both caches; see kvtransfer.head_slices) or all (equal head ranges); then send `notify`. On CUDA
-        the copies start after `ready` (an event on the cache's device: the local blocks' last writer), or with
-        None after everything the caller's current stream has queued now."""
-        return self._submit("read", remote, local_block_ids, remote_block_ids, layers, notify, timeout, heads,
-                            ready)
-
-    def write(self, remote: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-              layers: tuple[int, int] | None = None, notify: bytes | None = None,
-              timeout: float | None = None) -> TransferHandle:
-        """Push local blocks into remote blocks (pairwise), layers [l0, l1) or all; then send `notify`,
-        which the peer sees only after the data is in its cache."""
-        return self._submit("write", remote, local_block_ids, remote_block_ids, layers, notify, timeout, None)
-
-    def notify(self, remote: str, msg: bytes, timeout: float | None = None) -> TransferHandle:
-        """Send a small message (at most wire.MAX_NOTIFY_BYTES); it arrives after every transfer to `remote` that
-        finished before. One way: the handle succeeds once the message is sent, and fails if the send failed."""
-        r = self._refused("notify", lambda: self._notify_check(remote, msg))
-        deadline = time.monotonic() + (timeout or self.config.timeout_s)
-        fut = self._loop.submit(self._notify(r, bytes(msg), deadline))
-        return TransferHandle(fut, "notify", remote, len(msg))
-
-    def notify_after(self, remote: str, msg: bytes, handles: Sequence[TransferHandle],
-                     timeout: float | None = None) -> TransferHandle:
-        """Send `msg` once all `handles` succeeded (without blocking the caller; a cuda_ipc copy counts once its
-        event has completed, polled on the agent's loop); if one fails, the message is not sent and this handle
-        fails with that error."""
-        r = self._refused("notify", lambda: self._notify_check(remote, msg))
-        deadline = time.monotonic() + (timeout or self.config.timeout_s)
-
-        async def run() -> None:
-            for h in handles:
-                if h.gpu_done is not None:  # a cuda_ipc copy: its event's end is the data's landing
-                    try:
-                        await event_done(h.gpu_done, deadline, spin_s=NOTIFY_SPIN_S)
-                        continue
-                    except TransferError:
-                        pass  # the handle's own outcome decides
-                await asyncio.wrap_future(h.future)
-            await self._notify(r, bytes(msg), deadline)
-
-        return TransferHandle(self._loop.submit(run()), "notify", remote, len(msg))
-
-    def on_notification(self, listener: Callable[[str, bytes], None] | None) -> None:
-        """Have every notification from now on passed to listener(sender, msg) on the agent's loop thread (which
-        it must not block) instead of queued for get_notifications; None queues them again."""
-        self._inbox.listener = listener
-
-    def get_notifications(self) -> dict[str, list[bytes]]:
-        """Drain received notifications: {sender agent name: [msg, ...]} in arrival order."""
-        return self._inbox.drain()
-
-    def wait_notifications(self, timeout: float) -> dict[str, list[bytes]]:
-        """Like get_notifications, but first wait up to `timeout` s for at least one."""
-        self._inbox.wait(timeout)
-        return self._inbox.drain()
-
     def _remote(self, name: str) -> Remote:
         r = self._remotes.get(name)
         if r is None:
             raise PeerLost(f"agent {self.name!r} has no remote {name!r} (add_remote first, or it was removed)")
         return r
-
-    def _notify_check(self, remote: str, msg: bytes | None) -> Remote:
-        if msg is not None:
-            wire.check_notify(msg)
-        return self._remote(remote)
 
     def _refused(self, op: str, check: Callable[[], Any]) -> Any:
         """Run the synchronous checks of a call; a refusal counts as a failure of `op`, like one in flight."""
@@ -302,94 +235,6 @@ class KVAgent:
         except TransferError as e:
             self._metrics.record_failure(op, e)
             raise
-
-    def _submit(self, op: str, remote: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-                layers: tuple[int, int] | None, notify: bytes | None, timeout: float | None,
-                heads: tuple[int, int] | None, ready: torch.cuda.Event | None = None) -> TransferHandle:
-        def check() -> tuple[Remote, list[Chunk]]:
-            r = self._notify_check(remote, notify)
-            if self._info is None or r.meta.cache is None:
-                raise BadDescriptor(f"{op}: both {self.name!r} and {remote!r} need a registered cache")
-            size = self.config.ucx_chunk_bytes if r.backend == "ucx" else self.config.max_chunk_bytes
-            return r, plan_transfer(op, local_ids, remote_ids, layers, heads, self._info, r.meta.cache, remote,
-                                    min(size, self.config.staging_bytes))
-
-        r, chunks = self._refused(op, check)
-        cache = self._cache
-        assert cache is not None
-        nbytes = sum(c.nbytes(cache.spec) for c in chunks)
-        fault = self._faults.decide(remote) if r.lost is None else NO_FAULT
-        if ready is None:
-            ready = cache.caller_event()
-        t0 = time.monotonic()
-        deadline = t0 + (timeout or self.config.timeout_s)
-        gpu_done = None
-        ipc = r.ipc  # read once: the agent's loop may drop the remote meanwhile (then launch raises PeerLost)
-        if ipc is not None and fault.none and r.lost is None:  # queue the GPU copies now, from this thread
-            done = gpu_done = self._refused(op, lambda: ipc.launch(op, chunks, ready))
-            work = lambda: self._finish_ipc(op, r, done, nbytes, notify, deadline, t0)  # noqa: E731
-        elif ipc is not None:  # a faulted cuda_ipc transfer launches (if at all) from the loop, after its fault
-            work = lambda: self._launch_ipc(op, r, chunks, ready, nbytes, notify, deadline, t0)  # noqa: E731
-        else:
-            work = lambda: self._transfer(op, r, cache, chunks, ready, notify, deadline, t0)  # noqa: E731
-        reason = f"dropped by fault injection after {self._faults.config.drop_peer_after} transfers"
-        fut = self._loop.submit(run_transfer(op, r, fault, deadline, work, self._metrics, self._in_flight, reason))
-        return TransferHandle(fut, op, remote, nbytes, gpu_done=gpu_done if notify is None else None)
-
-    async def _launch_ipc(self, op: str, r: Remote, chunks: list[Chunk], ready: torch.cuda.Event | None,
-                          nbytes: int, notify: bytes | None, deadline: float, t0: float) -> None:
-        r.check()
-        assert r.ipc is not None
-        await self._finish_ipc(op, r, r.ipc.launch(op, chunks, ready), nbytes, notify, deadline, t0)
-
-    async def _finish_ipc(self, op: str, r: Remote, done: torch.cuda.Event, nbytes: int, notify: bytes | None,
-                          deadline: float, t0: float) -> None:
-        try:
-            # Without a notification the caller's handle watches the event itself; spinning here as well would
-            # only fight the caller for the GIL, so this thread blocks in cudaEventSynchronize instead.
-            await event_done(done, deadline, spin_s=0.05 if notify is not None else 0.0)
-        except BaseException:
-            # the copies are queued already: let them end before the handle reports the failure, so nothing
-            # lands in the destination afterwards and the peer's cache is never unmapped under them
-            settle = asyncio.get_running_loop().run_in_executor(None, done.synchronize)
-            await asyncio.wait({settle}, timeout=DROP_WAIT_S)
-            raise
-        if notify is not None:
-            await self._send_notify(r, notify, deadline)
-        self._metrics.record_ok(op, nbytes, time.monotonic() - t0)
-
-    async def _transfer(self, op: str, r: Remote, cache: RegisteredCache, chunks: list[Chunk],
-                        ready: torch.cuda.Event | None, notify: bytes | None, deadline: float, t0: float) -> None:
-        conn = await self._connect(r, deadline)
-        cache.wait_event(ready)
-        pool = self._client_pool
-        assert pool is not None
-        jobs = [ucx_chunk(op, conn, cache, pool, c, next(self._xids), deadline) for c in chunks]
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        errors = [e for e in results if isinstance(e, BaseException)]
-        if errors:  # a timeout aborts the connection, failing the others: report the timeout
-            raise next((e for e in errors if isinstance(e, TransferTimeout)), errors[0])
-        if notify is not None:
-            await self._send_notify(r, notify, deadline)
-        self._metrics.record_ok(op, sum(results), time.monotonic() - t0)  # type: ignore[arg-type]
-
-    async def _send_notify(self, r: Remote, msg: bytes, deadline: float) -> None:
-        if r.meta.notify_port is not None:  # its TCP notification stream (kvtransfer.notify_channel): far quicker
-            await r.notify(self.name, msg, deadline)
-            return
-        conn = await self._connect(r, deadline)
-        await conn.send_request({"op": "notify", "msg": wire.b64(msg)}, deadline)
-
-    async def _notify(self, r: Remote, msg: bytes, deadline: float) -> None:
-        """A notification on its own, its failure counted under "notify"."""
-        try:
-            await self._send_notify(r, msg, deadline)
-        except TransferError as e:
-            self._metrics.record_failure("notify", e)
-            raise
-        except Exception as e:  # noqa: BLE001
-            self._metrics.record_failure("notify", e)
-            raise TransferError(f"notify to {r.name!r} failed: {e!r}") from e
 
     # ---- observability and shutdown ------------------------------------------------------------------
     def metrics(self) -> dict:
