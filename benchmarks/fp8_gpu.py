@@ -228,7 +228,7 @@ def decode(args: argparse.Namespace) -> None:
                   trace_dir=args.trace_dir)
     kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
     both = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
-                   kv_cache_dtype="fp8")
+                   kv_cache_dtype="fp8", trace_dir=args.trace_dir)
     for name in ("decode1", "decode64"):
         compare(f"fp8 weights vs bf16, {bf16[name]['case']}", bf16[name], fp8[name])
         compare(f"fp8 weights + fp8 KV vs bf16, {bf16[name]['case']}", bf16[name], both[name])
