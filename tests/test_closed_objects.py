@@ -10,7 +10,8 @@ import json
 import llguidance
 import pytest
 
-from coordinator.api.protocol import ChatCompletionRequest, parse, sampling_params
+from coordinator.api.engine_inputs import sampling_params
+from coordinator.api.protocol import ChatCompletionRequest, parse
 from coordinator.api.tool_calls import parse_calls
 from engine import LLM
 from engine.sampling.structured import StructuredSpec, grammar_text

@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_params
+from coordinator.api.engine_inputs import sampling_params
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from coordinator.api.tool_calls import parse_calls
 from coordinator.api.tool_stream import ToolStream
 from coordinator.errors import APIError

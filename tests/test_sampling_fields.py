@@ -6,7 +6,8 @@ import httpx
 import pytest
 
 from coordinator.api.app import create_app
-from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest, parse, sampling_params
+from coordinator.api.engine_inputs import sampling_params
+from coordinator.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from coordinator.api.sampling_fields import bad_words_token_ids
 from coordinator.api.text_output import TextOutput
 from coordinator.config.settings import ServerSettings

@@ -1,9 +1,9 @@
-"""Where a request's prompt is tokenized (coordinator.api.protocol.tokenize_inline): short prompts on the event loop
-(cheaper than a hop to a thread), long ones and chats with tools in a thread; both serve the prompt's tokens."""
+"""Where a request's prompt is tokenized (coordinator.api.engine_inputs.tokenize_inline): short prompts on the event
+loop (cheaper than a hop to a thread), long ones and chats with tools in a thread; both serve the prompt's tokens."""
 
 import pytest
 
-from coordinator.api import protocol
+from coordinator.api import engine_inputs, protocol
 from coordinator.api.app import create_app
 from coordinator.config.settings import ServerSettings
 from engine import LLM
@@ -11,7 +11,7 @@ from engine.text.tokenizer import Tokenizer
 from tests.inprocess_backend import InProcessBackend, run_asgi
 
 pytestmark = pytest.mark.timeout(120)
-LIMIT = protocol.INLINE_TOKENIZE_CHARS
+LIMIT = engine_inputs.INLINE_TOKENIZE_CHARS
 
 
 def chat(content, **extra):
@@ -24,15 +24,15 @@ def completion(prompt):
 
 
 def test_short_prompts_inline_long_ones_and_tools_in_a_thread():
-    assert protocol.tokenize_inline(completion("x" * LIMIT))
-    assert not protocol.tokenize_inline(completion("x" * (LIMIT + 1)))
-    assert protocol.tokenize_inline(completion(list(range(5000))))  # token ids: validation only
-    assert not protocol.tokenize_inline(completion(["short", "x" * (LIMIT + 1)]))
-    assert protocol.tokenize_inline(chat("x" * LIMIT))
-    assert not protocol.tokenize_inline(chat([{"type": "text", "text": "x" * (LIMIT // 2 + 1)}] * 2))
+    assert engine_inputs.tokenize_inline(completion("x" * LIMIT))
+    assert not engine_inputs.tokenize_inline(completion("x" * (LIMIT + 1)))
+    assert engine_inputs.tokenize_inline(completion(list(range(5000))))  # token ids: validation only
+    assert not engine_inputs.tokenize_inline(completion(["short", "x" * (LIMIT + 1)]))
+    assert engine_inputs.tokenize_inline(chat("x" * LIMIT))
+    assert not engine_inputs.tokenize_inline(chat([{"type": "text", "text": "x" * (LIMIT // 2 + 1)}] * 2))
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    assert not protocol.tokenize_inline(chat("hi", tools=[tool]))
-    assert protocol.tokenize_inline(chat("hi", chat_template_kwargs={"enable_thinking": False}))
+    assert not engine_inputs.tokenize_inline(chat("hi", tools=[tool]))
+    assert engine_inputs.tokenize_inline(chat("hi", chat_template_kwargs={"enable_thinking": False}))
 
 
 @pytest.mark.parametrize("chars", [40, 3 * LIMIT])

@@ -20,7 +20,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coordinator.api import protocol, reasoning
+from coordinator.api import engine_inputs, protocol, reasoning
 from coordinator.api.lifecycle import Generation, Piece
 from coordinator.api.sse import Formatter
 from coordinator.api.text_output import TextOutput
@@ -126,9 +126,9 @@ def build(app: Any, req: Any, chat: bool, request_id: str, priority: int, arriva
     out: list[Choice] = []
     for i, prompt in enumerate(prompts):
         one = req if chat else req.model_copy(update={"prompt": prompt})
-        ids = protocol.prompt_token_ids(one, tok, backend.vocab_size, settings.allow_special_tokens_in_content)
-        max_tokens = protocol.max_tokens(one, len(ids), backend.max_model_len)
-        params = protocol.sampling_params(one, max_tokens, num_logprobs, tok, backend.vocab_size)
+        ids = engine_inputs.prompt_token_ids(one, tok, backend.vocab_size, settings.allow_special_tokens_in_content)
+        max_tokens = engine_inputs.max_tokens(one, len(ids), backend.max_model_len)
+        params = engine_inputs.sampling_params(one, max_tokens, num_logprobs, tok, backend.vocab_size)
         ranked = fan > n and params.logprobs is None  # best_of ranks by logprobs: ask for the chosen token's
         prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else (
             num_logprobs if echo and num_logprobs is not None else None)

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 
 from coordinator import errors
 from coordinator.admission.tenants import Tenant
-from coordinator.api import choices, protocol, reasoning
+from coordinator.api import choices, engine_inputs, protocol, reasoning
 from coordinator.api.http_body import read_json
 from coordinator.api.model_api import accepts
 from engine.core.sampling_params import SamplingParams
@@ -80,13 +80,13 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
                                              f"stream_options.{option}")
         return InternalRequest(req, chat, tenant, request_id, arrival)
     args = (req, app.state.tokenizer, backend.vocab_size, settings.allow_special_tokens_in_content)
-    if protocol.tokenize_inline(req):  # cheaper here than a hop to a thread
-        prompt = protocol.prompt_token_ids(*args)
+    if engine_inputs.tokenize_inline(req):  # cheaper here than a hop to a thread
+        prompt = engine_inputs.prompt_token_ids(*args)
     else:  # a long prompt: off the loop, so it does not stall every stream
-        prompt = await asyncio.to_thread(protocol.prompt_token_ids, *args)
-    max_tokens = protocol.max_tokens(req, len(prompt), backend.max_model_len)
+        prompt = await asyncio.to_thread(engine_inputs.prompt_token_ids, *args)
+    max_tokens = engine_inputs.max_tokens(req, len(prompt), backend.max_model_len)
     given = (req.requested_max_tokens if chat else req.max_tokens) is not None
     num_logprobs = req.num_logprobs if chat else req.logprobs
-    params = protocol.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
+    params = engine_inputs.sampling_params(req, max_tokens, num_logprobs, app.state.tokenizer, backend.vocab_size)
     return InternalRequest(req, chat, tenant, request_id, arrival, prompt, max_tokens, num_logprobs, params,
                            request.headers.get("traceparent"), given)

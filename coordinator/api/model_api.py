@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator import errors
-from coordinator.api import protocol
+from coordinator.api import engine_inputs, protocol
 from coordinator.api.http_body import read_json
 from coordinator.api.tool_calls import MAX_TOOLS, Tool
 
@@ -166,5 +166,5 @@ def _encode(req: TokenizeCompletionRequest | TokenizeChatRequest, state: Any) ->
         **({"add_generation_prompt": req.add_generation_prompt} if "add_generation_prompt" in req.model_fields_set
            else {}),
         "tools": None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]})
-    return protocol.prompt_token_ids(chat, state.tokenizer, state.backend.vocab_size,
+    return engine_inputs.prompt_token_ids(chat, state.tokenizer, state.backend.vocab_size,
                                      state.settings.allow_special_tokens_in_content)

@@ -6,7 +6,7 @@ OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` into SamplingP
 are token ids as strings, checked against the vocabulary (at most 300 entries, finite biases in [-100, 100]); bad
 words are tokenized as vLLM does (each word as written, and with a leading space when that gives a different first
 token and as many tokens), so the engine bans token sequences. Every bad value is a 400 naming its field; ranges
-that SamplingParams checks itself (penalties, min_tokens) are reported by protocol.sampling_params.
+that SamplingParams checks itself (penalties, min_tokens) are reported by engine_inputs.sampling_params.
 """
 
 from __future__ import annotations
