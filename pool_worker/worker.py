@@ -10,8 +10,8 @@ loop), every other delta goes onto the stream from the engine thread (Decodes.st
 Shared here once: start-up (weights, KV cache, graphs, agents; seconds per phase in WorkerInfo, as
 pool_worker.start_phases names them, and the `agent` phase's steps in one log line; the grammar tables on a thread
 of their own beside the engine's load: engine.sampling.grammar_loader), the load reported
-with every reply, integrity checks, peers' transfer metadata (each add_peer / replace_peer's steps in one log line),
-drills (kill a rank, inject faults) and shutdown. The log lines are warnings: a Ray worker's root logger has no
+with every reply and shutdown; the side calls (transfer peers, integrity checks, drills, polled figures) are
+pool_worker.worker_operations' mixin. The log lines are warnings: a Ray worker's root logger has no
 handler, so only Python's last-resort one (warnings and above) reaches the server's log (Ray forwards its stderr).
 """
 
@@ -22,9 +22,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from decode_pool.decodes import Decodes
 from decode_pool.worker_stream import WorkerStream
@@ -41,6 +41,7 @@ from kvtransfer.step_times import StepTimes
 from pool_worker.orphans import Adoption, abort_held
 from pool_worker.prefix_share import PrefixShare, PrefixSource
 from pool_worker.start_phases import before_start, imports_began, imports_done
+from pool_worker.worker_operations import WorkerOperations
 from prefill_pool.prefills import PrefillResult, Prefills
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve")
 
 
-class Worker:
+class Worker(WorkerOperations):
     def __init__(self, name: str, engine_config: EngineConfig, agent_config: AgentConfig | None, num_threads: int,
                  admission_timeout_s: float, role: str = "decode", stream: bool = False, fleet: str = "",
                  requested_at: float | None = None) -> None:
@@ -254,50 +255,8 @@ class Worker:
             return freed
         return await self.decodes.abort(request_id)
 
-    async def add_peer(self, agent_metadata: bytes) -> str:
-        """Connect every rank to another worker's ranks (its GroupMetadata): to pull from it, or push to it."""
-        return await self._timed_peer_call("add_peer", self.agents.add_peer, agent_metadata)
-
-    async def drop_peer(self, name: str) -> bool:
-        """A peer died: forget its agent now (transfers in flight with it fail with PeerLost) and unmap its cache,
-        so nothing here keeps the dead worker's GPU memory alive for its replacement to find taken."""
-        return await asyncio.to_thread(self.agents.remove_peer, name)
-
-    async def replace_peer(self, name: str, agent_metadata: bytes) -> str:
-        """A peer was replaced: drop the connection to its dead agent, then connect to the new one (same name)."""
-        return await self._timed_peer_call("replace_peer", self.agents.replace_peer, name, agent_metadata)
-
     async def load(self) -> EngineLoad:
         return self._reported(await self.loop.call(lambda e: e.load()))
-
-    async def check_integrity(self) -> dict[str, int]:
-        return await self.loop.call(lambda e: e.check_integrity())
-
-    async def kill_rank(self, rank: int) -> int:
-        """Drills: SIGKILL tensor-parallel rank `rank` (1..N-1) of this worker; its pid. ValueError without it."""
-        return self.loop.kill_rank(rank)
-
-    async def set_faults(self, kv: dict, prefill_error_fraction: float = 0.0, seed: int = 0,
-                         step_delay_s: float = 0.0) -> None:
-        """Inject failures from now on: this fraction of prefill calls fail, the transfer agent's `kv` faults, and
-        each engine step sleeps `step_delay_s` (a throttled worker, for the straggler watch)."""
-        self.prefills.set_faults(prefill_error_fraction, seed)
-        self.loop.engine.step_delay_s = step_delay_s
-        if self.agents is not None:
-            await asyncio.to_thread(self.agents.set_faults, kv)
-
-    async def host_tier_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """The block hashes its engine's host tier added and evicted since the last call (engine.core.host_tier),
-        for the coordinator's prefix index; none without a tier."""
-        return await self.loop.call(lambda e: e.host_tier.take_changes() if e.host_tier is not None else ([], []))
-
-    async def transfer_metrics(self) -> list[dict]:
-        """Every rank's transfer figures (rank 0's with the push counters); none when collocated."""
-        if self.agents is None:
-            return []
-        ranks = await asyncio.to_thread(self.agents.metrics)
-        ranks[0] = ranks[0] | self.prefills.counters()
-        return ranks
 
     async def shutdown(self) -> None:
         if self.loop is not None:
@@ -308,20 +267,6 @@ class Worker:
             self._stream.close()
 
     # ---- internals
-    async def _timed_peer_call(self, what: str, call: Callable[..., str], *args: Any) -> str:
-        """`call(*args, steps)` (WorkerAgents.add_peer / replace_peer) on a thread; its steps logged in one line,
-        after `thread_wait` (until the thread ran it)."""
-        steps = StepTimes()
-        began = time.monotonic()
-
-        def run() -> str:
-            steps.add("thread_wait", time.monotonic() - began)
-            return call(*args, steps)
-
-        peer = await asyncio.to_thread(run)
-        log.warning("worker %s: %s %s %.3f s, its steps: %s", self.name, what, peer, time.monotonic() - began, steps)
-        return peer
-
     def _wake_engine(self) -> None:
         """From any thread: the engine thread looks at its work again now (held requests may start)."""
         try:
