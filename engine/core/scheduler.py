@@ -15,11 +15,8 @@ device's hits in the host tier has those blocks copied back into its new blocks 
 `num_cached_tokens` counts both, `num_restored_tokens` the latter. Waiting requests start in the WaitingQueue's
 order, where one that fits may pass a head that does not, for a while (engine.core.waiting).
 
-Overlapped scheduling: `schedule_after` plans the step that follows one still on the device, before its tokens are
-known (a row continuing from a sampled token has a placeholder input, taken from the device), with prompt chunks,
-joining and newly admitted requests in it as schedule() would plan them; only blocks running short (preemption)
-and requests whose steps need their outputs read at once fall back to schedule(). `update` then skips chunks whose
-request ended meanwhile (`is_current`).
+Overlapped scheduling (`schedule_after`, engine.core.planning_ahead's mixin) plans the step that follows one still
+on the device, before its tokens are known; `update` then skips chunks whose request ended meanwhile (`is_current`).
 
 The step's plan and outcome are plain dataclasses (engine.core.step_plan), re-exported here; starting waiting
 requests and preempting running ones, with their KV moves, are engine.core.admitting's (a mixin of Scheduler).
@@ -35,9 +32,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.core.admitting import Admitting, plans_alone
+from engine.core.admitting import Admitting
 from engine.core.block_manager import BlockManager
 from engine.core.host_tier import HostTier
+from engine.core.planning_ahead import PlanningAhead, decodes_next
 from engine.core.request import Request, RequestStatus, TokenLogprob
 from engine.core.step_plan import PENDING_TOKEN, ScheduledChunk, SchedulerOutput, StepOutput
 from engine.core.swap_space import SwapSpace
@@ -45,10 +43,12 @@ from engine.core.waiting import WaitingQueue, victim
 from engine.engine_config import EngineConfig
 from engine.load import IterationTokens
 
+__all__ = ["PENDING_TOKEN", "PREEMPTION_CAUSES", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StepOutput"]
+
 PREEMPTION_CAUSES = ("decode", "prompt")  # what needed the blocks: a decode row, or a prompt chunk (or recompute)
 
 
-class Scheduler(Admitting):
+class Scheduler(Admitting, PlanningAhead):
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.monotonic, max_prefill_chunk: int | None = None,
                  head_bypass_steps: int = EngineConfig.head_bypass_steps, swap: SwapSpace | None = None,
@@ -145,18 +145,18 @@ class Scheduler(Admitting):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        prompt_budget = self._prompt_budget(any(_decodes(r) for r in self.running))
+        prompt_budget = self._prompt_budget(any(decodes_next(r) for r in self.running))
         scheduled: list[tuple[Request, int]] = []  # (request, tokens granted this step)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending_tokens, budget, self.max_prefill_chunk)
-            if not _decodes(req):
+            if not decodes_next(req):
                 n = min(n, prompt_budget)
                 if n <= 0:  # no prompt tokens left for this step: the prompt goes on next step
                     i += 1
                     continue
-            cause = "decode" if _decodes(req) else "prompt"
+            cause = "decode" if decodes_next(req) else "prompt"
             while not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
                 v = victim([r for r in self.running if r.request_id not in self.held])
                 at = self.running.index(v)
@@ -164,7 +164,7 @@ class Scheduler(Admitting):
                 if k is not None:  # planned this step already: its tokens go back to the budgets
                     granted = scheduled.pop(k)[1]
                     budget += granted
-                    prompt_budget += 0 if _decodes(v) else granted
+                    prompt_budget += 0 if decodes_next(v) else granted
                 self._preempt(v, cause, out)
                 out.preempted.append(v.request_id)
                 if at < i:  # it ran ahead of req: req moved up one
@@ -174,7 +174,7 @@ class Scheduler(Admitting):
             else:
                 scheduled.append((req, n))
                 budget -= n
-                prompt_budget -= 0 if _decodes(req) else n
+                prompt_budget -= 0 if decodes_next(req) else n
                 i += 1
         if not out.preempted:
             self._admit_waiting(scheduled, min(budget, prompt_budget), swap_in=out.swap_in, tier_in=out.tier_in,
@@ -183,95 +183,6 @@ class Scheduler(Admitting):
         self.num_scheduled_tokens += out.num_tokens
         self._offload(out)
         return out
-
-    def schedule_after(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after `prev` (on the device, not yet updated), planned as schedule() would plan it once prev's
-        tokens are known: a row of prev that samples continues with a decode of the token it is sampling
-        (PENDING_TOKEN) unless that token is its last by length; a row computing a prompt chunk without sampling
-        gets its next chunk; a running request outside prev joins (its next input token known, or its next prompt
-        chunk); waiting requests are admitted into the slots left, counting those that rows ending by length with
-        prev give up. A row that then ends on a stop token leaves a wasted row (dropped by update) and a slot
-        filled one step later than schedule() would. None where only schedule() may plan: work for a request
-        that `_plans_alone`, or blocks running short (only schedule() preempts)."""
-        budget = self.max_num_batched_tokens
-        prompt_budget = self._prompt_budget(any(c.sample and self.is_current(c) for c in prev.chunks)
-                                            or any(_decodes(r) for r in self.running))
-        chunks: list[ScheduledChunk] = []
-        in_prev, leaving = set(), 0
-        for c in prev.chunks:
-            in_prev.add(c.request_id)
-            if not self.is_current(c):
-                continue
-            req = self.requests[c.request_id]
-            start = c.start_pos + len(c.token_ids)
-            if c.sample and (req.prefill_only or self._ends_by_length(c, req)):
-                leaving += 1  # pinned or finished by prev's update
-                continue
-            if plans_alone(req, start):
-                return None
-            if budget <= 0:
-                break  # as in schedule(): later rows wait a step (they join the step after)
-            n = 1 if c.sample else min(req.num_tokens - start, budget, self.max_prefill_chunk, prompt_budget)
-            if n <= 0:
-                continue
-            if not self.bm.allocate(req.request_id, start + n):
-                return None
-            if c.sample:  # a decode of the token prev samples
-                tokens, sample, index = [PENDING_TOKEN], True, c.output_index + 1
-            else:  # the prompt's next chunk
-                tokens, sample, index = req.all_token_ids[start:start + n], start + n == req.num_tokens, c.output_index
-            chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)), sample,
-                                         index))
-            budget -= n
-            prompt_budget -= 0 if c.sample else n
-        for req in self.running:
-            if req.request_id in in_prev:
-                continue
-            if plans_alone(req, req.num_computed_tokens):
-                return None
-            if budget <= 0:
-                break
-            n = min(req.num_pending_tokens, budget, self.max_prefill_chunk)
-            if not _decodes(req):
-                n = min(n, prompt_budget)
-                if n <= 0:
-                    continue
-            if not self.bm.allocate(req.request_id, req.num_computed_tokens + n):
-                return None
-            chunks.append(self._chunk(req, n))
-            budget -= n
-            prompt_budget -= 0 if _decodes(req) else n
-        if self.waiting and len(self.running) - leaving < self.max_num_seqs and plans_alone(self.waiting[0], 0):
-            return None
-        admitted: list[tuple[Request, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        tier_in: list[tuple[int, int]] = []
-        restored: list[str] = []
-        self._admit_waiting(admitted, min(budget, prompt_budget), leaving, overlappable_only=True, swap_in=swap_in,
-                            tier_in=tier_in, restored=restored)
-        chunks += [self._chunk(r, n) for r, n in admitted]
-        if not chunks:
-            return None
-        out = SchedulerOutput(chunks, swap_in=swap_in, tier_in=tier_in, restored=restored)
-        self.num_scheduled_tokens += out.num_tokens
-        self._offload(out)
-        return out
-
-    def plans_alone(self, sched: SchedulerOutput) -> bool:
-        """Whether the step after `sched` must wait for `sched`'s tokens to be read (the engine then applies it at
-        once instead of overlapping it): some chunk's request `_plans_alone` from where the chunk starts."""
-        return any(plans_alone(self.requests[c.request_id], c.start_pos) for c in sched.chunks)
-
-    @staticmethod
-    def _ends_by_length(chunk: ScheduledChunk, req: Request) -> bool:
-        """Whether the token `chunk` samples is its request's last (max_tokens or the model's length)."""
-        end = chunk.start_pos + len(chunk.token_ids)  # the sampled token's position
-        return chunk.output_index + 1 >= req.params.max_tokens or end + 1 >= req.max_model_len
-
-    def is_current(self, chunk: ScheduledChunk) -> bool:
-        """Whether `chunk` still applies: its request runs and has computed exactly the tokens before it."""
-        req = self.requests.get(chunk.request_id)
-        return req is not None and req.status == RequestStatus.RUNNING and req.num_computed_tokens == chunk.start_pos
 
     def update(self, sched: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]],
                pin_lease_s: float) -> list[StepOutput]:
@@ -322,8 +233,3 @@ class Scheduler(Admitting):
         tokens = req.all_token_ids[start:start + n]
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
                               sample=start + n == req.num_tokens, output_index=req.num_output_tokens)
-
-
-def _decodes(req: Request) -> bool:
-    """Whether `req`'s next row is a decode (one token after an output), not a prompt chunk."""
-    return req.num_pending_tokens == 1 and req.num_output_tokens > 0
