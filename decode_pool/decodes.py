@@ -2,14 +2,14 @@
 pushed here), or run here whole (prefilled locally: collocated mode, a local placement, a recompute).
 
 Owns the handoffs in flight (decode_pool.handoff: the pull and the join of a request prefilled elsewhere), the
-early bookings (decode_pool.reservations), the requests' timing here and the way their tokens leave; the worker
-(pool_worker.worker.Worker) owns the engine, its loop, the agents and the stream. Tokens leave in batches, one per
-step, never
-one call per token: with a stream (as the coordinator starts its workers) the engine thread writes each step's
-deltas to the coordinator's stream (decode_pool.worker_stream, `stream_step`); without one they wait in an outbox
-that poll() drains. The same stream brings the coordinator's commands ("generate" and "abort" for requests run here
-whole: `command`), which reach the engine's queue straight from the stream's reading thread; a command that fails
-comes back on the stream under its request id, as a Ray call's error would.
+early bookings (decode_pool.reservations) and the requests' timing here; how their tokens leave is
+decode_pool.decode_outputs' (a mixin); the worker (pool_worker.worker.Worker) owns the engine, its loop, the agents
+and the stream. Tokens leave in batches, one per step, never one call per token: with a stream (as the coordinator
+starts its workers) the engine thread writes each step's deltas to the coordinator's stream (decode_pool.worker_stream,
+`stream_step`); without one they wait in an outbox that poll() drains. The same stream brings the coordinator's
+commands ("generate" and "abort" for requests run here whole: `command`), which reach the engine's queue straight
+from the stream's reading thread; a command that fails comes back on the stream under its request id, as a Ray
+call's error would.
 Block ownership: reserve (booked early, while the prompt is prefilled elsewhere) -> (transfer in flight: nobody
 else may touch them) -> running request -> freed on finish or abort; an abort during a transfer is applied once the
 transfer has ended.
@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from decode_pool.decode_outputs import DecodeOutputs
 from decode_pool.handoff import Handoffs
 from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
-from decode_pool.step_delta import StepDelta
 from decode_pool.worker_stream import WorkerStream
 from engine.async_engine import AsyncEngine
 from engine.core.request import TokenLogprob
@@ -53,10 +53,9 @@ if TYPE_CHECKING:
     from kvtransfer.worker_agents import WorkerAgents
 
 log = logging.getLogger(__name__)
-LOAD_REFRESH_S = 0.5  # with an output stream, an idle worker still reports its load this often
 
 
-class Decodes:
+class Decodes(DecodeOutputs):
     def __init__(self, name: str, loop: AsyncEngine, agents: WorkerAgents | None, stream: WorkerStream | None,
                  admission_timeout_s: float, load: Callable[[], asyncio.Future],
                  reported: Callable[[EngineLoad], EngineLoad]) -> None:
@@ -187,22 +186,6 @@ class Decodes:
         if done:
             self._push(done)
 
-    async def poll(self, timeout_s: float) -> tuple[list[tuple], EngineLoad, dict[str, Durations]]:
-        """Every delta since the last poll (waits up to timeout_s for one), as plain tuples (decode_pool.step_delta:
-        `StepDelta(*t)` reads them), the load as of their last step (asking the loop now would hold the deltas back
-        until the step under way ends) or, with none, now, and the phase durations here of the timed requests whose
-        first output is among those deltas."""
-        if not self._outbox:
-            try:
-                await asyncio.wait_for(self._outbox_ready.wait(), timeout_s)
-            except TimeoutError:
-                pass
-        out, self._outbox = self._outbox, []
-        phases, self._phases = self._phases, {}
-        self._outbox_ready.clear()
-        load = self.step_load if out and self.step_load is not None else await self._load()
-        return StepDelta.wire(out), load, phases
-
     async def abort(self, request_id: str) -> bool:
         self._timing.drop(request_id)
         self.handoffs.forget(request_id)
@@ -216,16 +199,7 @@ class Decodes:
             await self.report_load()
         return freed
 
-    async def report_load(self) -> None:
-        """Blocks were freed outside a step (an abort): the coordinator gets the load now, not with the next step or
-        LOAD_REFRESH_S later (vllm:kv_cache_usage_perc kept an aborted stream's blocks for up to a second)."""
-        if self.stream is not None:
-            self.stream.send(([], await self._load(), {}, {}))
-            self._stream_sent_at = time.monotonic()
-        else:
-            self._outbox_ready.set()  # the long-poll returns now, with the load as of now
-
-    # ---- the stream's commands and the engine's outputs
+    # ---- the stream's commands
     def command(self, command: tuple) -> None:
         """A command from the coordinator's stream, on the stream's reading thread (in the coordinator's order):
         ("generate", request id, prompt ids, params, prior output ids, priority) queues the request for the engine
@@ -251,43 +225,6 @@ class Decodes:
         else:
             raise ValueError(f"unknown command {kind!r}")
 
-    def takes(self, out: StepOutput) -> bool:
-        """Whether a step output is this duty's to deliver: every output but other workers' prefills' (a local
-        group prefill's first tokens resolve its prefill_group here)."""
-        return not out.prefill_only or out.request_id in self._group_prefills
-
-    def stream_step(self, outputs: list[StepOutput], load: EngineLoad) -> None:
-        """On the engine thread, after each step: the step's deltas onto the output stream at once, not through the
-        event loop (prefills' first tokens, a local group prefill's included, go to the event loop: on_outputs)."""
-        self.step_load = self._reported(load)
-        deltas = [o for o in outputs if not o.prefill_only]
-        if deltas:
-            self.stream.send((StepDelta.wire(deltas), self.step_load, self._first_phases(deltas), {}))
-            self._stream_sent_at = time.monotonic()
-
-    def on_outputs(self, outputs: list[StepOutput], load: EngineLoad) -> None:
-        """On the event loop: with a stream, only local group prefills' first outputs; without, every delta."""
-        if self.stream is None:
-            self.step_load = self._reported(load)  # taken on the engine thread right after the step
-        rest = []
-        for out in outputs:
-            future = self._group_prefills.pop(out.request_id, None) if out.prefill_only else None
-            if future is None:
-                rest.append(out)
-            elif not future.done():
-                future.set_result(out)
-        if self.stream is None:
-            self._push([o for o in rest if not o.prefill_only])
-
-    async def keep_load_fresh(self) -> None:
-        """With a stream: an idle worker's load reaches the coordinator every LOAD_REFRESH_S all the same (the
-        long-poll returned it on its timeout)."""
-        while True:
-            await asyncio.sleep(LOAD_REFRESH_S)
-            if time.monotonic() - self._stream_sent_at >= LOAD_REFRESH_S:
-                self.stream.send(([], await self._load(), {}, {}))
-                self._stream_sent_at = time.monotonic()
-
     # ---- internals
     def _add(self, e: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              prior: list[int], priority: int) -> None:
@@ -308,27 +245,6 @@ class Decodes:
             return
         if kind == "pushed":
             self.handoffs.pushed(request_id, token, logprob, heard_at)
-
-    def _push(self, outputs: list[StepOutput]) -> None:
-        """Outputs made off the engine's steps (a request ended as it joined) or, without a stream, every step's."""
-        if self.stream is not None:
-            if outputs:
-                self.stream.send((StepDelta.wire(outputs), self.step_load, self._first_phases(outputs), {}))
-                self._stream_sent_at = time.monotonic()
-            return
-        self._phases.update(self._first_phases(outputs))
-        self._outbox.extend(outputs)
-        self._outbox_ready.set()
-
-    def _first_phases(self, outputs: list[StepOutput]) -> dict[str, Durations]:
-        """The phase durations of the timed requests whose first output is among `outputs` (each ends its entry)."""
-        phases = {}
-        if self._timing:
-            for out in outputs:
-                durations = self._timing.first_output(out.request_id)
-                if durations is not None:
-                    phases[out.request_id] = durations
-        return phases
 
 
 def _log_failed_abort(request_id: str, done: concurrent.futures.Future) -> None:
