@@ -39,7 +39,8 @@ from .agent_config import AgentConfig
 from .agent_notifications import AgentNotifications
 from .agent_transfers import AgentTransfers
 from .backends.cuda_ipc import CudaIpcPeer, export
-from .backends.ucx import UcxConnection, UcxServer, ucx_context
+from .backends.ucx import UcxConnection, ucx_context
+from .backends.ucx_server import UcxServer
 from .cache import RegisteredCache
 from .errors import PeerLost, TransferError
 from .faults import FaultConfig, FaultInjector

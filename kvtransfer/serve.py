@@ -1,6 +1,6 @@
 """The serving side of the protocol: what an agent does when a peer reads from or writes into its cache.
 
-`Server` implements `backends.ucx.RequestHandler`. It owns nothing long-lived: each request borrows a slot
+`Server` implements `backends.ucx_server.RequestHandler`. It owns nothing long-lived: each request borrows a slot
 of the agent's *serve* staging pool (separate from the pool its own reads/writes use, so two agents
 transferring to each other at once can never deadlock on staging) and returns it on every path. Failures
 are replied to the peer (which raises them) and counted in the agent's metrics under "serve_read" /
@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 
 from . import wire
-from .backends.ucx import BufferMayBeInUse, PeerEndpoint
+from .backends.ucx import BufferMayBeInUse
+from .backends.ucx_server import PeerEndpoint
 from .cache import RegisteredCache, event_done
 from .descriptors import normalize_layers, region_bytes, validate_ids
 from .errors import BadDescriptor, TransferError

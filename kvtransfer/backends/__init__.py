@@ -1,6 +1,7 @@
 """Backends that move a chunk of blocks, and the registry that picks one per remote agent by name.
 
-- "ucx":      kvtransfer.backends.ucx, works between any two agents (also the control plane for all).
+- "ucx":      kvtransfer.backends.ucx (the client side; the server side: ucx_server), works between any two agents
+              (also the control plane for all).
 - "cuda_ipc": kvtransfer.backends.cuda_ipc, same host, both caches on GPUs that reach each other P2P.
 An agent is configured with a preference order; for each remote the first available backend is used.
 """

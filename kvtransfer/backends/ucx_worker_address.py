@@ -13,7 +13,7 @@ of endpoints and a pair of tags, set up by one message:
 - the client (`connect`) makes an endpoint from the server's worker address, draws the connection's two tags and
   sends a *connect request* on the accept tag: its own worker address and the tags;
 - the server makes an endpoint back from the client's address and hands it, tagged, to the agent, which serves it
-  as one a listener accepted (kvtransfer.backends.ucx.UcxServer). Then the client's hello goes as usual.
+  as one a listener accepted (kvtransfer.backends.ucx_server.UcxServer). Then the client's hello goes as usual.
 
 Telling a slow peer from an absent one: UCX cannot reach a dead process's worker, so `connect` fails at once
 (HandshakeRefused); a live but stopped or busy peer leaves the hello unanswered (a timeout, tried again:
