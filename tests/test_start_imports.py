@@ -1,7 +1,8 @@
 """What a worker's start imports: nothing it does not use. A `pdserve serve`'s first workers wait for their process's
-imports (pool_worker.preload), and a start pays any import the engine makes on its way. torch imported sympy (its
-symbolic shapes) when the engine allocated the weights of its meta-device model with Module.to_empty: 2.2 s of an
-H200 host's 7.4-8.9 s preload (engine.runner.rank_setup._allocate avoids it)."""
+imports (pool_worker.preload, or pool_worker.preload_engine for a collocated server), and a start pays any import the
+engine makes on its way. torch imported sympy (its symbolic shapes) when the engine allocated the weights of its
+meta-device model with Module.to_empty: 2.2 s of an H200 host's 7.4-8.9 s preload (engine.runner.rank_setup._allocate
+avoids it)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,33 @@ def _run(code: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+REPORT_MODULES = ("import json, sys; import {module}; print(json.dumps({{name: name in sys.modules for name in "
+                  "('sympy', 'ucxx', 'torch', 'engine.llm_engine', 'pool_worker.worker')}}))")
+
+
 def test_the_preload_imports_no_sympy():
-    got = _run("import json, sys; import pool_worker.preload; print(json.dumps({'sympy': 'sympy' in sys.modules}))")
-    assert not got["sympy"]
+    got = _run(REPORT_MODULES.format(module="pool_worker.preload"))
+    assert not got["sympy"] and got["ucxx"] and got["engine.llm_engine"] and got["pool_worker.worker"]
+
+
+def test_a_collocated_servers_preload_leaves_the_transfer_agents_out():
+    """Its workers run no KV agent: their processes started ahead import the engine and the worker, not ucxx."""
+    got = _run(REPORT_MODULES.format(module="pool_worker.preload_engine"))
+    assert got["torch"] and got["engine.llm_engine"] and got["pool_worker.worker"]
+    assert not got["ucxx"] and not got["sympy"]
+
+
+@pytest.mark.parametrize("transfers,preload", [(True, "pool_worker.preload"), (False, "pool_worker.preload_engine")])
+def test_a_local_ray_preloads_what_its_workers_use(monkeypatch, transfers, preload):
+    import ray
+
+    from coordinator.backend import ray_start
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    ray_start.init_ray(None, "ns", transfers=transfers)
+    ray_start.init_ray("auto", "ns", transfers=transfers)  # a cluster's own raylets decide (configs/cluster.yaml)
+    assert calls[0]["_system_config"]["preload_python_modules"] == [preload]
+    assert calls[1]["_system_config"] is None
 
 
 def test_an_engine_starts_and_serves_on_the_cpu_without_sympy():

@@ -86,7 +86,7 @@ class Pools:
         cfg = self.config
         self.model_path = str(resolve_model_path(cfg.model))  # builds `tiny` once, before the workers race to
         if not ray.is_initialized():
-            init_ray(cfg.ray_address, cfg.namespace)
+            init_ray(cfg.ray_address, cfg.namespace, transfers=self.transfers)
             self._started_ray = cfg.ray_address is None
         self.config = cfg = replace(cfg, model=self.model_path)  # workers load the resolved folder
         if cfg.namespace is not None:

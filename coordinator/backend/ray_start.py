@@ -10,15 +10,18 @@ import ray
 FORWARDED_ENV = ("PDSERVE_CACHE", "PDSERVE_PDL")  # the workers' copy of the environment settings that reach them
 
 
-def init_ray(address: str | None, namespace: str | None = None) -> None:
+def init_ray(address: str | None, namespace: str | None = None, transfers: bool = True) -> None:
     """Join `address` ("auto": the running cluster) or start a local Ray. A local start waits a fixed 30 s
-    for its raylet; on a loaded machine that can run out, so a local start is tried twice."""
+    for its raylet; on a loaded machine that can run out, so a local start is tried twice. `transfers`: the workers
+    hand KV over to each other (not collocated), so the worker processes a local Ray starts import the transfer
+    agents ahead too (pool_worker.preload; else pool_worker.preload_engine)."""
     env = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
     # a local Ray's workers inherit this process's environment; a runtime_env would add ~1 s to the start
     runtime_env = {"env_vars": env} if env and address is not None else None
-    # a Ray started here: its worker processes import pdserve's worker modules ahead (pool_worker.preload), and it
+    # a Ray started here: its worker processes import pdserve's worker modules ahead (`preload`), and it
     # starts none ahead for its first driver (one per CPU: coordinator.backend.warm_processes starts what is used)
-    system = None if address is not None else {"preload_python_modules": ["pool_worker.preload"],
+    preload = "pool_worker.preload" if transfers else "pool_worker.preload_engine"
+    system = None if address is not None else {"preload_python_modules": [preload],
                                                "prestart_worker_first_driver": False}
     for attempt in (1, 2):
         try:

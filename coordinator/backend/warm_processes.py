@@ -1,6 +1,7 @@
 """Warm processes: Ray worker processes started ahead on the nodes that host pdserve's workers, so that a worker
 started later (a replacement, a scale-out, a spare, a role's restart) skips the process start and, where the raylet
-preloads pool_worker.preload, the imports (torch, the engine, the transfer agents): seconds of every such start.
+preloads pool_worker.preload (or pool_worker.preload_engine, collocated), the imports (torch, the engine, the
+transfer agents): seconds of every such start.
 
 Ray hands an actor an idle worker process of the same job and runtime environment when it has one, and otherwise
 starts a new one; it never starts one ahead by itself after its first driver (which pdserve turns off: it would
