@@ -82,21 +82,24 @@ class Worker(WorkerOperations):
         import torch
 
         from engine.llm_engine import LLMEngine
-        from kvtransfer.worker_agents import RankAgents, WorkerAgents, rank_agent_name
-        from kvtransfer.worker_setup import begin_agent, discard_agent, prepare_process
 
         torch.set_num_threads(self._num_threads)
-        if self._agent_config is not None and self._agent_config.address is None:  # the interface Ray's node uses
-            import ray  # (a single-host server's: the loopback, coordinator.backend.ray_network)
+        transfers = self._agent_config is not None
+        if transfers:  # a collocated worker runs no KV agent: it never imports the transfer modules (ucxx)
+            from kvtransfer.worker_agents import RankAgents, WorkerAgents, rank_agent_name
+            from kvtransfer.worker_setup import begin_agent, discard_agent, prepare_process
 
-            address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
-            self._agent_config = replace(self._agent_config, address=address)
-        prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
+            if self._agent_config.address is None:  # the interface Ray's node uses
+                import ray  # (a single-host server's: the loopback, coordinator.backend.ray_network)
+
+                address = os.environ.get("KVTRANSFER_ADDRESS") or ray.util.get_node_ip_address()
+                self._agent_config = replace(self._agent_config, address=address)
+            prepare_process(self._engine_config.device, self._agent_config)  # before CUDA starts
         self._phases.append(imports_done(self._imports_began))
         tp = self._engine_config.tensor_parallel_size
         # rank 0's KV agent (UCX's context: ~0.8 s on a GPU host) is made beside the engine's load, not after it
-        ahead = begin_agent(rank_agent_name(self.name, 0, tp), self._agent_config) if self._agent_config else None
-        rank_agents = RankAgents(self.name, tp, self._agent_config) if self._agent_config and tp > 1 else None
+        ahead = begin_agent(rank_agent_name(self.name, 0, tp), self._agent_config) if transfers else None
+        rank_agents = RankAgents(self.name, tp, self._agent_config) if transfers and tp > 1 else None
         # weights, KV cache, CUDA graphs; the structured-output tables beside them, on a thread of their own
         try:
             engine = LLMEngine(self._engine_config, rank_agents, grammar_at_start=True)
@@ -107,7 +110,7 @@ class Worker(WorkerOperations):
         started = time.monotonic()
         self._phases += [(f"engine_{k}", v) for k, v in engine.startup_s]
         steps = StepTimes()  # the `agent` phase's, logged once it is done
-        if self._agent_config is not None:
+        if transfers:
             with steps.step("agent_wait"):  # what of the agent's start the engine's load did not cover
                 ahead.exception()
             self.agents = WorkerAgents(self.name, self._agent_config, engine, ahead)

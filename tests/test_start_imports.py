@@ -46,6 +46,31 @@ def test_a_collocated_servers_preload_leaves_the_transfer_agents_out():
     assert not got["ucxx"] and not got["sympy"]
 
 
+COLLOCATED_WORKER = """
+import asyncio, json, sys
+import pool_worker.preload_engine
+from engine.engine_config import EngineConfig
+from pool_worker.worker import Worker
+
+async def main():
+    worker = Worker("decode-0", EngineConfig(model="tiny", max_num_seqs=2), None, 1, 5.0, role="collocated")
+    info = await worker.start()
+    await worker.shutdown()
+    return info
+
+info = asyncio.run(main())
+print(json.dumps({"blocks": info.num_kv_blocks, "ucxx": "ucxx" in sys.modules,
+                  "kvtransfer.agent": "kvtransfer.agent" in sys.modules}))
+"""
+
+
+def test_a_collocated_worker_starts_without_the_transfer_modules():
+    """A worker without a KV agent (collocated) starts in a process that preloaded pool_worker.preload_engine and
+    imports no transfer agent on its way: neither kvtransfer's agent nor ucxx is in the process after start()."""
+    got = _run(COLLOCATED_WORKER)
+    assert got["blocks"] > 0 and not got["ucxx"] and not got["kvtransfer.agent"]
+
+
 @pytest.mark.parametrize("transfers,preload", [(True, "pool_worker.preload"), (False, "pool_worker.preload_engine")])
 def test_a_local_ray_preloads_what_its_workers_use(monkeypatch, transfers, preload):
     import ray
