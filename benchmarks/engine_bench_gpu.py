@@ -311,6 +311,40 @@ def _export_trace(fn, path: str, calls: int = 6) -> None:
     print(json.dumps({"trace": path}), flush=True)
     for line in trace_gaps(path):
         print(json.dumps(line), flush=True)
+    for line in kernel_front(path, calls):
+        print(json.dumps(line), flush=True)
+
+
+HOST_GAP_US = 300.0  # device idle longer than this in a trace of steps: the host between two calls, not a kernel's
+
+
+def kernel_front(path: str, calls: int, top: int = 16) -> list[dict]:
+    """Each kernel's (and copy's) share of a chrome trace of _export_trace, counted as how far it moves the device's
+    completion front: its end past the latest end before it. A kernel launched early under programmatic dependent
+    launch (engine.kernels.pdl) overlaps the one before and is charged only what it adds; device idle before a
+    kernel is charged to it, except a gap over HOST_GAP_US (the kernel after it is charged its own duration). Per
+    call of the traced function (`calls`), by name."""
+    import gzip
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"] + e["dur"])
+    charged: dict[str, list[float]] = {}
+    front = None
+    for e in events:
+        end = e["ts"] + e["dur"]
+        # from the front, or from its own start after a host gap (or as the trace's first)
+        since = e["ts"] if front is None or e["ts"] - front > HOST_GAP_US else front
+        entry = charged.setdefault(e["name"][:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += max(end - since, 0.0)
+        front = end if front is None else max(front, end)
+    total = sum(us for _, us in charged.values())
+    out = [{"front": "summary", "us_per_call": round(total / calls, 1), "calls": calls}]
+    for name, (count, us) in sorted(charged.items(), key=lambda kv: -kv[1][1])[:top]:
+        out.append({"front": name, "per_call": round(count / calls, 2), "us_per_call": round(us / calls, 1),
+                    "us_each": round(us / count, 2)})
+    return out
 
 
 def trace_gaps(path: str, min_gap_us: float = 30.0, top: int = 12) -> list[dict]:
