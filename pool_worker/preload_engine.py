@@ -1,6 +1,6 @@
 """What a Ray worker process started ahead imports before Ray gives it an actor, for a server whose workers run no KV
 agent (`mode: collocated`): torch and every module a worker's start() imports but the transfer agents'
-(pool_worker.preload adds those: ucxx alone is ~0.45 s of imports on the 2-core machine, ~3x on an H200 host).
+(pool_worker.preload adds those: ucxx and cuda.core, ~0.7 s of imports on the 2-core machine, ~3x on an H200 host).
 
 Ray imports it in each Python worker process it starts when its raylet runs with `preload_python_modules` naming it
 (coordinator.backend.ray_start.init_ray sets that for a Ray that pdserve starts). Nothing here may start CUDA: the
