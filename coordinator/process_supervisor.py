@@ -117,7 +117,7 @@ class ProcessSupervisor:
             return 3
         try:
             local = self.config.ray_address is None
-            init_ray(self.config.ray_address, self.namespace, transfers=self.config.mode != "collocated")
+            init_ray(self.config.ray_address, self.namespace, transfers=self.config.transfers)
             if local:
                 self._prestart_first_workers()
             log.warning("pdserve: Ray %s, %s", "started" if local else "joined", since_launch())

@@ -80,7 +80,7 @@ class Pools:
     @property
     def transfers(self) -> bool:
         """Workers hand KV over to each other (not collocated)."""
-        return self.config.mode != "collocated"
+        return self.config.transfers
 
     async def start(self) -> None:
         cfg = self.config

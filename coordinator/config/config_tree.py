@@ -54,6 +54,11 @@ class ServeConfig:
         return self.mode == "adaptive"
 
     @property
+    def transfers(self) -> bool:
+        """Workers hand KV over to each other (every mode but collocated): they run KV agents."""
+        return self.mode != "collocated"
+
+    @property
     def pool_names(self) -> tuple[str, ...]:
         """The pools the workers are started from (collocated: the decode pool alone)."""
         return ("decode",) if self.mode == "collocated" else ("prefill", "decode")
