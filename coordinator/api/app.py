@@ -64,9 +64,10 @@ def load_tokenizer(model_path: str) -> Tokenizer:
 
 
 def create_app(backend: ServingBackend, settings: ServerSettings, tenants: TenantsConfig | None = None,
-               registry: TenantRegistry | None = None) -> FastAPI:
+               registry: TenantRegistry | None = None, tokenizer: Tokenizer | None = None) -> FastAPI:
     """The app over `backend`. `registry`: the tenants' live state, when it is not this process's own (an HTTP
-    frontend process charges the core's: coordinator.frontends); by default one made from `tenants`."""
+    frontend process charges the core's: coordinator.frontends); by default one made from `tenants`. `tokenizer`:
+    the model's, read already (coordinator.serve reads it while the workers start); by default read here."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         anyio.create_task_group()  # anyio imports its asyncio backend on first use: here, not in the first stream
@@ -79,7 +80,7 @@ def create_app(backend: ServingBackend, settings: ServerSettings, tenants: Tenan
     app.state.backend = backend
     app.state.settings = settings
     app.state.model_name = model_api.model_id(backend.model_name, backend.model_path, settings.served_model_name)
-    app.state.tokenizer = load_tokenizer(backend.model_path)
+    app.state.tokenizer = tokenizer or load_tokenizer(backend.model_path)
     app.state.lifecycle = Lifecycle()
     app.state.metrics = Metrics(app.state.model_name, backend.max_model_len)
     app.state.tenants = registry or TenantRegistry(tenants or TenantsConfig(), settings.api_key)  # one key, or tenants'
