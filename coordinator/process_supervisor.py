@@ -117,9 +117,11 @@ class ProcessSupervisor:
             return 3
         try:
             local = self.config.ray_address is None
-            init_ray(self.config.ray_address, self.namespace, transfers=self.config.transfers)
-            if local:
-                self._prestart_first_workers()
+            first = self._first_processes() if local else 0
+            if init_ray(self.config.ray_address, self.namespace, transfers=self.config.transfers, prestart=first):
+                log.warning("pdserve: %d worker process(es) asked for at the raylet's registration", first)
+            elif first:
+                self._prestart_first_workers(first)
             log.warning("pdserve: Ray %s, %s", "started" if local else "joined", since_launch())
             for sig in (signal.SIGTERM, signal.SIGINT):  # after Ray's: a driver's SIGTERM handler exits at once
                 signal.signal(sig, self._on_signal)
@@ -137,16 +139,20 @@ class ProcessSupervisor:
             path.unlink(missing_ok=True)  # ours while we hold its lock
             held.close()
 
-    def _prestart_first_workers(self) -> None:
-        """The Ray started here hosts every worker: start one process per first worker now, importing pdserve's
-        worker modules (pool_worker.preload) while the coordinator starts (coordinator.backend.warm_processes)."""
+    def _first_processes(self) -> int:
+        """The Ray started here hosts every worker: one process per first worker is started ahead, importing
+        pdserve's worker modules (pool_worker.preload) while the coordinator starts; none with
+        recovery.warm_processes 0."""
+        if self.config.recovery.warm_processes == 0:
+            return 0
+        return sum(getattr(self.config, pool).workers for pool in self.config.pool_names)
+
+    def _prestart_first_workers(self, count: int) -> None:
+        """What init_ray could not ask for at the raylet's registration, now (coordinator.backend.warm_processes)."""
         import ray
 
         from coordinator.backend.warm_processes import WarmProcesses
-        if self.config.recovery.warm_processes == 0:
-            return
-        first = sum(getattr(self.config, pool).workers for pool in self.config.pool_names)
-        WarmProcesses(first, any_job=True).prestart(ray.get_runtime_context().get_node_id(), first)
+        WarmProcesses(count, any_job=True).prestart(ray.get_runtime_context().get_node_id(), count)
 
     def _write_child_config(self, state: Path, address: str) -> None:
         """The configuration every coordinator of this server runs with (coordinator.cli's `_coordinator` reads it):

@@ -106,3 +106,39 @@ def test_the_keeper_never_fails_a_start_and_says_why_it_cannot_help(runtime_env)
     else:
         assert result.startswith("RESULT False \"the job has a runtime_env (['env_vars'])"), out.stdout
         assert "no warm worker processes: the job has a runtime_env" in out.stdout, out.stdout
+
+
+def test_the_first_worker_takes_a_process_asked_for_at_the_raylets_registration(tmp_path):
+    """`pdserve serve` asks the raylet of the Ray it starts for its first workers' processes while `ray.init` still
+    runs (coordinator.backend.early_prestart): the log says so before Ray is up, and the first worker's start has a
+    handover and no schedule or process phase (it took a process started before it was asked for)."""
+    config = {"model": "tiny", "mode": "collocated", "prefill": dict(HALF_CPU), "decode": dict(HALF_CPU)}
+    with running_server(tmp_path, config) as server:
+        workers = httpx.get(f"{server.url}/health", headers=OPERATOR, timeout=10).json()["workers"]
+    log = (tmp_path / "server.log").read_text()
+    asked = "worker process(es) asked for at the raylet's registration"
+    assert asked in log and log.index(asked) < log.index("pdserve: Ray started"), log[-3000:]
+    for worker in workers:
+        phases = worker["start_phases_s"]
+        assert "handover" in phases and phases["schedule"] == 0.0 and phases["process"] == 0.0, worker
+
+
+EARLY_PRESTART_STOPS = """
+import time
+from coordinator.backend.early_prestart import EarlyPrestart
+early = EarlyPrestart(1)
+early.start()  # no Ray starts in this process: its session folder never appears
+time.sleep(0.3)
+sent = early.finish()
+early._thread.join(10)
+print("RESULT", sent, early._thread.is_alive())
+"""
+
+
+def test_the_early_ask_stops_when_ray_init_is_done_without_it():
+    """Where the raylet was not found before `ray.init` returned (here: no Ray at all), finish() says nothing was
+    asked for (the caller asks then) and the watching thread ends."""
+    out = subprocess.run([sys.executable, "-c", EARLY_PRESTART_STOPS], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT False False" in out.stdout, out.stdout
