@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 COMMANDS = {
     "serve": "serve the OpenAI-compatible API from Ray prefill/decode pools",
@@ -111,6 +112,11 @@ def _serve_main(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     config, _ = loaded
+    if config.model != "tiny" and not Path(config.model).expanduser().is_dir():  # before anything starts
+        print(f"pdserve: error: {args.config}: model {config.model!r}: no such checkpoint folder "
+              f"{Path(config.model).expanduser().absolute()} (a relative path is taken from the directory pdserve "
+              "serve runs in)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from coordinator.api.listener import ListenError, bind_listener
     from coordinator.process_supervisor import ProcessSupervisor

@@ -196,9 +196,13 @@ class ProcessSupervisor:
         """Run one coordinator until it exits: (its exit status, whether it served)."""
         ready_r, ready_w = os.pipe()
         fd = self._listener.fileno()
-        command = [sys.executable, "-m", "coordinator.cli", "_coordinator", str(state), str(fd), str(ready_w),
+        # in this process's directory, where the configuration's relative paths (model, server.traces_file) were
+        # written from; -P and ROOT first on its path: a folder there named like a package of ours never shadows it
+        command = [sys.executable, "-P", "-m", "coordinator.cli", "_coordinator", str(state), str(fd), str(ready_w),
                    "local" if local else "joined"]
-        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True, cwd=ROOT)
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True,
+                                       env={**os.environ, "PYTHONPATH": path})
         os.close(ready_w)
         if self._stopping.is_set():  # a signal that came while it was being started
             self._child.send_signal(signal.SIGTERM)

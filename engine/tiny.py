@@ -182,10 +182,12 @@ def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
 
 
 def resolve_model_path(model: str) -> Path:
-    """`tiny` -> the embedded checkpoint (built if needed); anything else must be an existing checkpoint folder."""
+    """`tiny` -> the embedded checkpoint (built if needed); anything else must be an existing checkpoint folder (a
+    relative path is taken from this process's directory; the path returned is absolute, so that processes started
+    elsewhere, e.g. a server's Ray workers, find the same folder)."""
     if model == TINY_MODEL_NAME:
         return ensure_tiny_model()
-    path = Path(model).expanduser()
+    path = Path(model).expanduser().absolute()
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r}: not {TINY_MODEL_NAME!r} and no such checkpoint folder {path}")
     return path
