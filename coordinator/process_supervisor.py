@@ -197,9 +197,11 @@ class ProcessSupervisor:
         ready_r, ready_w = os.pipe()
         fd = self._listener.fileno()
         # in this process's directory, where the configuration's relative paths (model, server.traces_file) were
-        # written from; -P and ROOT first on its path: a folder there named like a package of ours never shadows it
-        command = [sys.executable, "-P", "-m", "coordinator.cli", "_coordinator", str(state), str(fd), str(ready_w),
-                   "local" if local else "joined"]
+        # written from; -P (Python 3.11+) and ROOT first on its path: a folder there named like a package of ours
+        # never shadows it
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        command = [sys.executable, *safe_path, "-m", "coordinator.cli", "_coordinator", str(state), str(fd),
+                   str(ready_w), "local" if local else "joined"]
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True,
                                        env={**os.environ, "PYTHONPATH": path})
