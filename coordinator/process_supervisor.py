@@ -49,6 +49,9 @@ from coordinator.config.serve_config import ServeConfig
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_CONFIG = "config.pickle"  # in the server's state folder: the frozen configuration of every coordinator
+# the coordinator child's program: argv[1] (the project's folder) replaces the launch directory at the head of its
+# module path, then coordinator.cli runs with the rest (`_coordinator ...`)
+CHILD_MAIN = "import sys; sys.path[0] = sys.argv.pop(1); from coordinator.cli import main; sys.exit(main())"
 
 
 def pid_file(namespace: str) -> Path:
@@ -197,14 +200,11 @@ class ProcessSupervisor:
         ready_r, ready_w = os.pipe()
         fd = self._listener.fileno()
         # in this process's directory, where the configuration's relative paths (model, server.traces_file) were
-        # written from; -P (Python 3.11+) and ROOT first on its path: a folder there named like a package of ours
-        # never shadows it
-        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-        command = [sys.executable, *safe_path, "-m", "coordinator.cli", "_coordinator", str(state), str(fd),
-                   str(ready_w), "local" if local else "joined"]
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True,
-                                       env={**os.environ, "PYTHONPATH": path})
+        # written from, with this project first on its module path (as `-m` in ROOT had it): a folder there named
+        # like one of our packages shadows nothing
+        command = [sys.executable, "-c", CHILD_MAIN, ROOT, "_coordinator", str(state), str(fd), str(ready_w),
+                   "local" if local else "joined"]
+        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True)
         os.close(ready_w)
         if self._stopping.is_set():  # a signal that came while it was being started
             self._child.send_signal(signal.SIGTERM)
