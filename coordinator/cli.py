@@ -113,9 +113,9 @@ def _serve_main(args: argparse.Namespace) -> int:
         return 2
     config, _ = loaded
     if config.model != "tiny" and not Path(config.model).expanduser().is_dir():  # before anything starts
-        print(f"pdserve: error: {args.config}: model {config.model!r}: no such checkpoint folder "
-              f"{Path(config.model).expanduser().absolute()} (a relative path is taken from the directory pdserve "
-              "serve runs in)", file=sys.stderr)
+        folder = os.path.abspath(os.path.expanduser(config.model))
+        print(f"pdserve: error: {args.config}: model {config.model!r}: no such checkpoint folder {folder} (a relative "
+              "path is taken from the directory pdserve serve runs in)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from coordinator.api.listener import ListenError, bind_listener

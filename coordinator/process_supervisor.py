@@ -49,9 +49,11 @@ from coordinator.config.serve_config import ServeConfig
 log = logging.getLogger("pdserve")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_CONFIG = "config.pickle"  # in the server's state folder: the frozen configuration of every coordinator
-# the coordinator child's program: argv[1] (the project's folder) replaces the launch directory at the head of its
-# module path, then coordinator.cli runs with the rest (`_coordinator ...`)
-CHILD_MAIN = "import sys; sys.path[0] = sys.argv.pop(1); from coordinator.cli import main; sys.exit(main())"
+
+
+def absolute_path(path: str | None) -> str | None:
+    """`path` with `~` expanded, made absolute from this process's directory (`..` resolved, links kept)."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 def pid_file(namespace: str) -> Path:
@@ -159,11 +161,16 @@ class ProcessSupervisor:
 
     def _write_child_config(self, state: Path, address: str) -> None:
         """The configuration every coordinator of this server runs with (coordinator.cli's `_coordinator` reads it):
-        the one loaded at start, with the port bound, the namespace and the Ray address filled in. Frozen here, so
-        an edit of the YAML file reaches no coordinator restarted after a crash; a changed file is applied by
-        restarting the whole server (`pdserve stop`, then `pdserve serve`)."""
-        server = dataclasses.replace(self.config.server, port=self.port)
-        config = dataclasses.replace(self.config, server=server, namespace=self.namespace, ray_address=address)
+        the one loaded at start, with the port bound, the namespace and the Ray address filled in, and its paths
+        (model, server.traces_file) made absolute: relative ones are taken from this process's directory, where
+        `pdserve serve` was run, while the coordinator runs in the project's (ROOT: Ray puts its driver's directory
+        on its workers' module path). Frozen here, so an edit of the YAML file reaches no coordinator restarted after
+        a crash; a changed file is applied by restarting the whole server (`pdserve stop`, then `pdserve serve`)."""
+        server = dataclasses.replace(self.config.server, port=self.port,
+                                     traces_file=absolute_path(self.config.server.traces_file))
+        model = self.config.model if self.config.model == "tiny" else absolute_path(self.config.model)
+        config = dataclasses.replace(self.config, server=server, namespace=self.namespace, ray_address=address,
+                                     model=model)
         (state / CHILD_CONFIG).write_bytes(pickle.dumps(config))
 
     def _loop(self, state: Path, local: bool) -> int:
@@ -199,12 +206,9 @@ class ProcessSupervisor:
         """Run one coordinator until it exits: (its exit status, whether it served)."""
         ready_r, ready_w = os.pipe()
         fd = self._listener.fileno()
-        # in this process's directory, where the configuration's relative paths (model, server.traces_file) were
-        # written from, with this project first on its module path (as `-m` in ROOT had it): a folder there named
-        # like one of our packages shadows nothing
-        command = [sys.executable, "-c", CHILD_MAIN, ROOT, "_coordinator", str(state), str(fd), str(ready_w),
+        command = [sys.executable, "-m", "coordinator.cli", "_coordinator", str(state), str(fd), str(ready_w),
                    "local" if local else "joined"]
-        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True)
+        self._child = subprocess.Popen(command, pass_fds=(fd, ready_w), start_new_session=True, cwd=ROOT)
         os.close(ready_w)
         if self._stopping.is_set():  # a signal that came while it was being started
             self._child.send_signal(signal.SIGTERM)

@@ -39,8 +39,10 @@ async def serve(config: ServeConfig, ready: asyncio.Event | None = None,
     stalls = None
     usage_log = UsageLog(os.path.join(state_dir, USAGE_LOG)) if state_dir is not None else None
     # a checkpoint's tokenizer (a 128k vocabulary: ~0.3 s here, ~0.5 s on an H200 host) is read while the workers
-    # start, not after them; `tiny` is built by the backend's start first (and its tokenizer is small)
-    reading = None if config.model == "tiny" else asyncio.ensure_future(asyncio.to_thread(load_tokenizer, config.model))
+    # start, not after them; `tiny` is built by the backend's start first (and its tokenizer is small); HTTP in
+    # other processes (api_processes > 1) reads its own there
+    ahead = config.model != "tiny" and config.server.api_processes == 1
+    reading = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, config.model)) if ahead else None
     try:
         await backend.start()
         tokenizer = await reading if reading is not None else None

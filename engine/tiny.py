@@ -187,7 +187,7 @@ def resolve_model_path(model: str) -> Path:
     elsewhere, e.g. a server's Ray workers, find the same folder)."""
     if model == TINY_MODEL_NAME:
         return ensure_tiny_model()
-    path = Path(model).expanduser().absolute()
+    path = Path(os.path.abspath(Path(model).expanduser()))
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r}: not {TINY_MODEL_NAME!r} and no such checkpoint folder {path}")
     return path

@@ -1,10 +1,11 @@
-"""A configuration's relative paths are taken from the directory `pdserve serve` runs in: its coordinator runs there
-too (not in the project's folder), its workers get the checkpoint's absolute path, and a folder there named like one
-of pdserve's packages shadows nothing. A model folder that does not exist is refused before anything starts, with
-the folder it looked for."""
+"""A configuration's relative paths are taken from the directory `pdserve serve` runs in (the supervisor makes them
+absolute for its coordinator, which runs in the project's folder, and for the workers), and a folder there named like
+one of pdserve's packages shadows nothing. A model folder that does not exist is refused before anything starts,
+with the folder it looked for."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -57,13 +58,17 @@ def test_a_relative_model_path_is_served_from_the_launch_directory(tmp_path):
         _wait_healthy(url, proc, tmp_path / "server.log")
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == ["m"], models
-        for name in ("m", "./m"):  # the id, and the configured model as written
+        for name in ("m", str(tmp_path / "m")):  # the id, and the configured model (made absolute)
             body = {"model": name, "prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     finally:
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=90)
+        try:
+            rc = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the supervisor and what it started
+            raise
     assert rc == 0, (tmp_path / "server.log").read_text()[-3000:]
 
 

@@ -108,19 +108,50 @@ def test_the_keeper_never_fails_a_start_and_says_why_it_cannot_help(runtime_env)
         assert "no warm worker processes: the job has a runtime_env" in out.stdout, out.stdout
 
 
-def test_the_first_worker_takes_a_process_asked_for_at_the_raylets_registration(tmp_path):
-    """`pdserve serve` asks the raylet of the Ray it starts for its first workers' processes while `ray.init` still
-    runs (coordinator.backend.early_prestart): the log says so before Ray is up, and the first worker's start has a
-    handover and no schedule or process phase (it took a process started before it was asked for)."""
+def test_the_first_workers_take_processes_started_ahead(tmp_path):
+    """`pdserve serve` asks the raylet of the Ray it starts for its first workers' processes (at the raylet's
+    registration, or once `ray.init` returns where that could not be done): each first worker's start has a handover
+    and no schedule or process phase (it took a process started before it was asked for)."""
     config = {"model": "tiny", "mode": "collocated", "prefill": dict(HALF_CPU), "decode": dict(HALF_CPU)}
     with running_server(tmp_path, config) as server:
         workers = httpx.get(f"{server.url}/health", headers=OPERATOR, timeout=10).json()["workers"]
-    log = (tmp_path / "server.log").read_text()
-    asked = "worker process(es) asked for at the raylet's registration"
-    assert asked in log and log.index(asked) < log.index("pdserve: Ray started"), log[-3000:]
     for worker in workers:
         phases = worker["start_phases_s"]
         assert "handover" in phases and phases["schedule"] == 0.0 and phases["process"] == 0.0, worker
+
+
+EARLY_PRESTART_ASKS = """
+import time
+from coordinator.backend.early_prestart import EarlyPrestart
+early = EarlyPrestart(1)
+early.start()
+import ray
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR",
+         _system_config={"prestart_worker_first_driver": False})  # Ray starts none ahead by itself
+early._thread.join(60)  # it finds the raylet registered (ray.init waited for that) and asks, or gives up
+sent = early.finish()
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def created(self):
+        from pool_worker.start_phases import process_created_at
+        return process_created_at()
+
+asked = time.time()
+created = ray.get(Probe.remote().created.remote(), timeout=120)
+print("RESULT", sent, created < asked)
+ray.shutdown()
+"""
+
+
+def test_the_early_ask_reaches_the_raylet_of_the_ray_being_started():
+    """coordinator.backend.early_prestart against a real local Ray: it finds this process's session, the GCS and the
+    registered raylet, and asks for a process of no job; the next actor runs in that process, created before the
+    actor was asked for."""
+    out = subprocess.run([sys.executable, "-c", EARLY_PRESTART_ASKS], capture_output=True, text=True, timeout=240,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT True True" in out.stdout, (out.stdout, out.stderr[-3000:])
 
 
 EARLY_PRESTART_STOPS = """

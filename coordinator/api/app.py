@@ -56,11 +56,10 @@ T = TypeVar("T")
 STREAM_DEADLINE_GRACE_S = 1.0  # past the request's deadline, a stream blocked on a slow reader is cut
 
 
-def load_tokenizer(model_path: str) -> Tokenizer:
-    if model_path == "tiny":  # the embedded model: resolving it imports torch, so only then
-        from engine.tiny import resolve_model_path
-        model_path = str(resolve_model_path(model_path))
-    return Tokenizer.from_folder(model_path)
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of `model` (`tiny`, built if needed, or a checkpoint folder)."""
+    from engine.tiny import resolve_model_path  # building `tiny` imports torch: only where it is asked for
+    return Tokenizer.from_folder(resolve_model_path(model))
 
 
 def create_app(backend: ServingBackend, settings: ServerSettings, tenants: TenantsConfig | None = None,

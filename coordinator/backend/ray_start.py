@@ -31,8 +31,10 @@ def init_ray(address: str | None, namespace: str | None = None, transfers: bool 
     early = EarlyPrestart(prestart) if address is None and prestart > 0 else None
     if early is not None:
         early.start()
+    attempts = 0
     try:
         for attempt in (1, 2):
+            attempts = attempt
             try:
                 ray.init(address=address, include_dashboard=False, logging_level="WARNING",
                          runtime_env=runtime_env, namespace=namespace, _system_config=system)
@@ -43,4 +45,4 @@ def init_ray(address: str | None, namespace: str | None = None, transfers: bool 
                 ray.shutdown()
     finally:
         sent = early is not None and early.finish()
-    return sent
+    return sent and attempts == 1  # after a retry, the raylet asked may have been the first try's
