@@ -2,7 +2,7 @@
 
 A `pdserve serve` that starts its own Ray has its first workers wait for their processes' boot and imports
 (pool_worker.preload: torch, the engine; ~4-5 s on an H200 host), which can only begin once the raylet runs. `ray.init`
-returns ~0.3-0.6 s after the raylet registered with the GCS there (it polls for the node once a second, then connects
+returns 0.2-0.6 s after the raylet registered with the GCS there (it polls for the node once a second, then connects
 the driver); this starts the processes at the registration instead. A thread beside `ray.init` finds the session
 folder Ray makes for this process (`session_*_<pid>` under Ray's temp folder), the GCS port Ray persists in it,
 then polls the GCS every POLL_S for the alive node and sends its raylet PrestartWorkers for no job in particular
@@ -49,7 +49,7 @@ class EarlyPrestart:
             address = self._raylet_address()
             if address is None:
                 return
-            with self._lock:  # held across the RPC: finish() waits for it rather than asking twice
+            with self._lock:  # held across the RPC (<= RPC_TIMEOUT_S): finish() waits rather than ask twice
                 if self._closed:
                     return
                 self._sent = prestart_at(address, self.count)
