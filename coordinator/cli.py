@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 COMMANDS = {
     "serve": "serve the OpenAI-compatible API from Ray prefill/decode pools",
@@ -112,14 +111,14 @@ def _serve_main(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     config, _ = loaded
-    if config.model != "tiny" and not Path(config.model).expanduser().is_dir():  # before anything starts
-        folder = os.path.abspath(os.path.expanduser(config.model))
+    from coordinator.process_supervisor import ProcessSupervisor, absolute_path
+    folder = absolute_path(config.model)  # the folder the supervisor hands its coordinator and workers
+    if config.model != "tiny" and not os.path.isdir(folder):  # before anything starts
         print(f"pdserve: error: {args.config}: model {config.model!r}: no such checkpoint folder {folder} (a relative "
               "path is taken from the directory pdserve serve runs in)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from coordinator.api.listener import ListenError, bind_listener
-    from coordinator.process_supervisor import ProcessSupervisor
     try:  # bound before anything starts: a port in use fails in a second
         listener = bind_listener(config.server.host, config.server.port)
     except ListenError as e:
