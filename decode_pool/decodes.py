@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from decode_pool.decode_outputs import DecodeOutputs
 from decode_pool.handoff import Handoffs
-from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, Reservations
+from decode_pool.reservations import RESERVE_RETRY_S, NoCapacity, RequestEnded, Reservations
 from decode_pool.worker_stream import WorkerStream
 from engine.async_engine import AsyncEngine
 from engine.core.request import TokenLogprob
@@ -117,7 +117,10 @@ class Decodes(DecodeOutputs):
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prior_output_ids: Sequence[int] = (), priority: int = 0) -> None:
         """Run the request here, its KV computed over prompt + prior outputs; its new tokens leave on the stream
-        (or poll()). The stream's "generate" command does the same without a call: `command`."""
+        (or poll()). The stream's "generate" command does the same without a call: `command`. RequestEnded if an
+        abort of it overtook this call."""
+        if self.reservations.ended(request_id):
+            raise RequestEnded(f"request {request_id} was aborted before it arrived")
         prior = list(prior_output_ids)
         self._timing.received(request_id)
         try:

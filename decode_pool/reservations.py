@@ -19,8 +19,10 @@ prompt's prefix hits are, so nothing evicts them), and only the blocks after the
 from outside; the partial last block always is. The tokens' block hashes are computed here, on the event loop,
 not on the engine thread.
 A cancelled id is remembered for ENDED_TTL_S: an abort can overtake its request's handoff (the coordinator sends
-the abort as the client leaves, the handoff from its own task), and a handoff arriving after it must not book
-blocks and decode, to max_tokens, a request nobody reads (`take` raises RequestEnded).
+the abort as the client leaves, the handoff from its own task; and Ray runs an async actor's calls in no guaranteed
+order: a local Ray ran ~10% of aborts sent right behind a call to the same actor before it), and a handoff arriving
+after it must not book blocks and decode, to max_tokens, a request nobody reads (`take` raises RequestEnded). The
+worker asks the same (`ended`) before it prefills or generates a request.
 """
 
 from __future__ import annotations
@@ -137,6 +139,10 @@ class Reservations:
         await asyncio.gather(task, return_exceptions=True)
         await freed
         return True
+
+    def ended(self, request_id: str) -> bool:
+        """Whether `request_id` was aborted here (within ENDED_TTL_S): a call for it arriving now came too late."""
+        return request_id in self._ended
 
     def _remember_ended(self, request_id: str) -> None:
         now = time.monotonic()

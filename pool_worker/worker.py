@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from decode_pool.decodes import Decodes
+from decode_pool.reservations import RequestEnded
 from decode_pool.worker_stream import WorkerStream
 from engine.async_engine import AsyncEngine, exit_process_on_failure
 from engine.core.request import TokenLogprob
@@ -186,6 +187,8 @@ class Worker(WorkerOperations):
         fetched = ()
         if fetch is not None and self.share is not None:
             fetched = await self.share.fetch_from(fetch, [*prompt_token_ids, *prior_output_ids])
+        if self.decodes.reservations.ended(request_id):  # its abort overtook this call (and found nothing here):
+            raise RequestEnded(f"request {request_id} was aborted before its prefill arrived")  # nothing to pin
         result = await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
                                              fork_params, push)
         return replace(result, phases=fetched + tuple(result.phases)) if fetched else result
@@ -256,6 +259,8 @@ class Worker(WorkerOperations):
             if freed:
                 await self.decodes.report_load()  # the load reaches the coordinator on the decode duty's channel
             return freed
+        # the decode duty remembers the id: a prefill, booking, handoff or generate of it that this abort overtook
+        # (Ray orders no async actor's calls) is refused when it arrives
         return await self.decodes.abort(request_id)
 
     async def load(self) -> EngineLoad:
