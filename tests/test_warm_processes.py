@@ -48,10 +48,22 @@ def _kill_and_wait(url: str, name: str, restarts: int) -> dict:
 
 
 def _one_idle(server) -> int:
-    """The one idle process the node keeps (polled: it starts after the pools are up, or after a start took it)."""
-    idle = poll(lambda: len(found := idle_ray_processes(server)) == 1 and found, DEADLINE_S)
-    assert idle, f"expected one idle worker process, found {idle_ray_processes(server)}"
+    """The one idle process the node keeps, once its preload has begun (polled: it starts after the pools are up, or
+    after a start took it). Its start phases say `process` 0 only if the worker's code began to import before the
+    actor was asked for: a process that exists but has not begun its preload yet would not."""
+    idle = poll(lambda: len(found := idle_ray_processes(server)) == 1 and _preloading(found[0]) and found,
+                DEADLINE_S)
+    assert idle, f"expected one idle worker process, preloading, found {idle_ray_processes(server)}"
     return idle[0]
+
+
+def _preloading(pid: int) -> bool:
+    """Whether process `pid` has begun pool_worker.preload: torch's library is mapped (the preload imports it, after
+    pool_worker/__init__ stamped the import's start: pool_worker.start_phases)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
 
 
 def test_a_replacement_takes_the_process_started_ahead_and_another_replaces_it(tmp_path):
