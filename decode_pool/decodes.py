@@ -98,7 +98,11 @@ class Decodes(DecodeOutputs):
             raise ValueError(f"worker {self.name}: pushed handoffs need a tensor_parallel_size 1 worker")
         prior = list(prior_output_ids)
         self.handoffs.expect_push(request_id, prompt_token_ids, params, prior, priority)
-        booking = await self.reservations.settled(request_id, [*prompt_token_ids, *prior])
+        try:
+            booking = await self.reservations.settled(request_id, [*prompt_token_ids, *prior])
+        except RequestEnded:  # it came after the request's abort or handoff: nothing is pushed for it
+            self.handoffs.forget(request_id)
+            raise
         return self.agents.local.agent.name, booking.blocks, booking.skip
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

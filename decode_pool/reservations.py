@@ -22,7 +22,9 @@ A cancelled id is remembered for ENDED_TTL_S: an abort can overtake its request'
 the abort as the client leaves, the handoff from its own task; and Ray runs an async actor's calls in no guaranteed
 order: a local Ray ran ~10% of aborts sent right behind a call to the same actor before it), and a handoff arriving
 after it must not book blocks and decode, to max_tokens, a request nobody reads (`take` raises RequestEnded). The
-worker asks the same (`ended`) before it prefills or generates a request.
+worker asks the same (`ended`) before it prefills or generates a request. A taken id is remembered as long, for the
+same reason: an early booking that arrives after its handoff (which booked its own) is not made, where it would
+have held its blocks for ever (no abort follows a request that finished).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class Reservations:
     def __init__(self, loop: AsyncEngine, worker: str, timeout_s: float) -> None:
         self.loop, self.worker, self.timeout_s = loop, worker, timeout_s
         self._early: dict[str, asyncio.Task] = {}
-        self._ended: OrderedDict[str, float] = OrderedDict()  # cancelled id -> when, oldest first
+        self._ended = RecentIds()  # cancelled ids
+        self._taken = RecentIds()  # ids whose handoff took (or made) their booking
 
     async def book(self, request_id: str, token_ids: Sequence[int]) -> Booking:
         """The blocks of the KV of `token_ids`, booked under `request_id` (those this worker's prefix cache holds
@@ -91,8 +94,9 @@ class Reservations:
             await asyncio.sleep(RESERVE_RETRY_S)
 
     def book_early(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Start booking now, for a `take` later (a second early booking of the same id is ignored)."""
-        if request_id not in self._early and request_id not in self._ended:
+        """Start booking now, for a `take` later (a second early booking of the same id is ignored, and so is one
+        arriving after its request's abort or handoff)."""
+        if request_id not in self._early and request_id not in self._ended and request_id not in self._taken:
             self._early[request_id] = asyncio.ensure_future(self.book(request_id, token_ids))
 
     async def settled(self, request_id: str, token_ids: Sequence[int]) -> Booking:
@@ -102,7 +106,8 @@ class Reservations:
         self.book_early(request_id, token_ids)
         task = self._early.get(request_id)
         if task is None:
-            raise RequestEnded(f"request {request_id} was aborted before its blocks were booked")
+            why = "handed over" if request_id in self._taken else "aborted"
+            raise RequestEnded(f"request {request_id} was {why} before its blocks were booked")
         booking = await asyncio.shield(task)
         if booking.fence.event is not None:
             from kvtransfer.cache import event_done  # torch: this module is imported by the torch-free coordinator
@@ -116,6 +121,7 @@ class Reservations:
         if the early booking was made for other tokens: its shared blocks would hold another prefix's KV."""
         if request_id in self._ended:
             raise RequestEnded(f"request {request_id} was aborted before its handoff arrived")
+        self._taken.add(request_id)
         task = self._early.pop(request_id, None)
         if task is None:
             return await self.book(request_id, token_ids)
@@ -128,7 +134,7 @@ class Reservations:
     async def cancel(self, request_id: str) -> bool:
         """End an early booking that no handoff will take, giving back what it booked; False if there is none.
         Either way a handoff of `request_id` arriving later is refused."""
-        self._remember_ended(request_id)
+        self._ended.add(request_id)
         task = self._early.pop(request_id, None)
         if task is None:
             return False
@@ -144,12 +150,22 @@ class Reservations:
         """Whether `request_id` was aborted here (within ENDED_TTL_S): a call for it arriving now came too late."""
         return request_id in self._ended
 
-    def _remember_ended(self, request_id: str) -> None:
-        now = time.monotonic()
-        self._ended[request_id] = now
-        self._ended.move_to_end(request_id)
-        while self._ended and (len(self._ended) > ENDED_MAX or next(iter(self._ended.values())) < now - ENDED_TTL_S):
-            self._ended.popitem(last=False)
-
     def __len__(self) -> int:
         return len(self._early)
+
+
+class RecentIds:
+    """Request ids seen lately: each kept ENDED_TTL_S, at most ENDED_MAX of them (the oldest forgotten first)."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[str, float] = OrderedDict()  # id -> when, oldest first
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._seen[request_id] = now
+        self._seen.move_to_end(request_id)
+        while self._seen and (len(self._seen) > ENDED_MAX or next(iter(self._seen.values())) < now - ENDED_TTL_S):
+            self._seen.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._seen

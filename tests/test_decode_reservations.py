@@ -192,3 +192,19 @@ def test_a_booking_shares_the_blocks_the_prefix_cache_holds_and_gives_them_back(
     engine.abort("t4")
     assert engine.check_integrity()["in_use"] == 0
     assert engine.block_manager.cached_prefix(turn2)[:4] == cached  # (t4's own full blocks were cached after it)
+
+
+def test_an_early_booking_arriving_after_its_handoff_books_nothing():
+    """Ray ran the handoff's call before the early booking's (it orders no async actor's calls): the handoff booked
+    its own blocks, and the late early booking must not book another set, which nothing would ever take or free
+    (no abort follows a request that finished)."""
+    from decode_pool.reservations import RequestEnded
+
+    async def body(res: Reservations, engine):
+        booking = await res.take("d", T40)  # nothing booked early: booked now
+        res.book_early("d", T40)
+        with pytest.raises(RequestEnded, match="d was handed over before its blocks were booked"):
+            await res.settled("d", T40)  # a late reserve_for_push
+        assert engine.load().num_reserved == 1 and len(res) == 0 and len(booking.blocks) == 3
+        await res.loop.call(lambda e: e.abort("d"))
+    run_with_loop(body)
