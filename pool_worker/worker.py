@@ -39,6 +39,7 @@ from engine.gc_pauses import GcPauses, freeze_startup_objects
 from engine.load import EngineLoad, WorkerInfo
 from kvtransfer import AgentConfig
 from kvtransfer.step_times import StepTimes
+from pool_worker.call_jitter import CallJitter
 from pool_worker.orphans import Adoption, abort_held
 from pool_worker.prefix_share import PrefixShare, PrefixSource
 from pool_worker.start_phases import before_start, imports_began, imports_done
@@ -75,6 +76,7 @@ class Worker(WorkerOperations):
         self.share: PrefixShare | None = None  # prefixes lent to and fetched from other workers (with agents)
         self._stream: WorkerStream | None = None
         self._tasks: list[asyncio.Task] = []  # kept: not collected while they run
+        self.jitter = CallJitter()  # a wait before each request call: faults.call_jitter_s (WorkerOperations)
         self._info: WorkerInfo | None = None  # what start() (or a spare's take_over_slot()) reported
 
     async def start(self) -> WorkerInfo:
@@ -184,6 +186,7 @@ class Worker(WorkerOperations):
         """Prefill and sample the first token; its blocks stay pinned for decode. `push`: a target for its KV may
         come (push_to) while it runs. `fetch`: another worker lends the prompt's leading blocks: they are pulled
         into this worker's prefix cache first (the result's phases then start with `kv_restore`)."""
+        await self.jitter.wait()  # faults.call_jitter_s: calls run out of order (drills)
         fetched = ()
         if fetch is not None and self.share is not None:
             fetched = await self.share.fetch_from(fetch, [*prompt_token_ids, *prior_output_ids])
@@ -196,54 +199,65 @@ class Worker(WorkerOperations):
     async def lend_prefix(self, lease_id: str, token_ids: list[int]) -> list[int]:
         """Hold the longest run of `token_ids`' whole blocks this worker has for another worker's fetch (a prefill
         call's `fetch`): the blocks, in order ([]: it holds none, or moves no KV); end_lease gives them back."""
+        await self.jitter.wait()
         return await self.share.lend(lease_id, token_ids) if self.share is not None else []
 
     async def end_lease(self, lease_id: str) -> bool:
+        await self.jitter.wait()
         return await self.share.end(lease_id) if self.share is not None else False
 
     async def push_to(self, request_id: str, remote: str, remote_block_ids: list[int], skip: int = 0) -> bool:
         """Name the decode worker's booked blocks to push `request_id`'s KV into, the first `skip` left out (its
         prefix cache holds them: Decodes.reserve_for_push)."""
+        await self.jitter.wait()
         return self.prefills.push_to(request_id, remote, remote_block_ids, skip)
 
     async def push_outcome(self, request_id: str) -> tuple[bool, float]:
         """How a pushed request's writes ended (PrefillResult.pushed: they were under way): (all landed, seconds)."""
+        await self.jitter.wait()
         return await self.prefills.push_outcome(request_id)
 
     async def release(self, request_id: str) -> bool:
         """Decode has the KV: free the pinned blocks."""
+        await self.jitter.wait()
         return await self.prefills.release(request_id)
 
     # ---- the decode duty (decode_pool.decodes)
     async def reserve(self, request_id: str, token_ids: list[int]) -> None:
         """Book the blocks of the KV of `token_ids` (prompt, then prior outputs) for a handoff to come."""
+        await self.jitter.wait()
         self.decodes.reserve(request_id, token_ids)
 
     async def reserve_for_push(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                                prior_output_ids: Sequence[int] = (), priority: int = 0
                                ) -> tuple[str, list[int], int]:
+        await self.jitter.wait()
         return await self.decodes.reserve_for_push(request_id, prompt_token_ids, params, prior_output_ids,
                                                    priority)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
                      first_logprob: TokenLogprob | None, peer: str, peer_block_ids: list[int],
                      prior_output_ids: Sequence[int] = (), pushed: bool = False, priority: int = 0) -> EngineLoad:
+        await self.jitter.wait()
         await self.decodes.decode(request_id, prompt_token_ids, params, first_token_id, first_logprob, peer,
                                   peer_block_ids, prior_output_ids, pushed, priority)
         return await self.load()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prior_output_ids: Sequence[int] = (), priority: int = 0) -> EngineLoad:
+        await self.jitter.wait()
         await self.decodes.generate(request_id, prompt_token_ids, params, prior_output_ids, priority)
         return await self.load()
 
     async def prefill_group(self, group_id: str, prompt_token_ids: list[int], params: list[SamplingParams],
                             priority: int = 0) -> StepOutput:
+        await self.jitter.wait()
         return await self.decodes.prefill_group(group_id, prompt_token_ids, params, priority)
 
     async def decode_group(self, group_id: str, choice_ids: list[str], prompt_token_ids: list[int],
                            params: list[SamplingParams], firsts: list[tuple[int, TokenLogprob | None]],
                            peer: str | None, peer_block_ids: list[int], priority: int = 0) -> EngineLoad:
+        await self.jitter.wait()
         await self.decodes.decode_group(group_id, choice_ids, prompt_token_ids, params, firsts, peer,
                                         peer_block_ids, priority)
         return await self.load()
@@ -254,6 +268,7 @@ class Worker(WorkerOperations):
     # ---- shared
     async def abort(self, request_id: str) -> bool:
         """End a request here, whichever duty holds it; its blocks are freed once no transfer touches them."""
+        await self.jitter.wait()
         if self.prefills.owns(request_id):
             freed = await self.prefills.abort(request_id)
             if freed:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.step_times import StepTimes
+from pool_worker.call_jitter import CallJitter
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -29,6 +30,7 @@ class WorkerOperations:
     loop: AsyncEngine
     agents: WorkerAgents | None
     prefills: Prefills
+    jitter: CallJitter
 
     async def add_peer(self, agent_metadata: bytes) -> str:
         """Connect every rank to another worker's ranks (its GroupMetadata): to pull from it, or push to it."""
@@ -51,10 +53,12 @@ class WorkerOperations:
         return self.loop.kill_rank(rank)
 
     async def set_faults(self, kv: dict, prefill_error_fraction: float = 0.0, seed: int = 0,
-                         step_delay_s: float = 0.0) -> None:
-        """Inject failures from now on: this fraction of prefill calls fail, the transfer agent's `kv` faults, and
-        each engine step sleeps `step_delay_s` (a throttled worker, for the straggler watch)."""
+                         step_delay_s: float = 0.0, call_jitter_s: float = 0.0) -> None:
+        """Inject failures from now on: this fraction of prefill calls fail, the transfer agent's `kv` faults,
+        each engine step sleeps `step_delay_s` (a throttled worker, for the straggler watch), and each request call
+        first waits a random time up to `call_jitter_s` (calls run out of order)."""
         self.prefills.set_faults(prefill_error_fraction, seed)
+        self.jitter = CallJitter(call_jitter_s, seed)
         self.loop.engine.step_delay_s = step_delay_s
         if self.agents is not None:
             await asyncio.to_thread(self.agents.set_faults, kv)

@@ -220,6 +220,15 @@ def test_a_bad_injected_step_delay_is_a_400(backend, faults):
     assert "slow_step_s must be a number in [0, 10]" in assert_openai_error(r, 400)["message"]
 
 
+@pytest.mark.parametrize("faults", [{"call_jitter_s": float("nan")}, {"call_jitter_s": -0.1},
+                                    {"call_jitter_s": 6}, {"call_jitter_s": True}])
+def test_a_bad_injected_call_jitter_is_a_400(backend, faults):
+    app = make_app(backend, admin_api=True, admin_api_key="op")
+    r = send(app, backend, "POST", "/admin/faults", content=json.dumps(faults),
+             headers={"Content-Type": "application/json", "Authorization": "Bearer op"})
+    assert "call_jitter_s must be a number in [0, 5]" in assert_openai_error(r, 400)["message"]
+
+
 def test_only_the_operators_key_opens_admin_routes_and_health_details(backend):
     """A client's key (server.api_key here; tenants' likewise) is not an operator's: /admin/* answers 403 to it
     (a known key, not allowed) and 401 to no key or an unknown one; /health shows pids, hosts and failures only to

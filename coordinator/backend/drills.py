@@ -71,4 +71,5 @@ def worker_faults(faults: FaultsConfig) -> dict:
     for another: the prefill faults apply wherever prefill() runs)."""
     kv = {"fail_fraction": faults.transfer_fail_fraction, "stall_fraction": faults.transfer_stall_fraction,
           "stall_s": faults.transfer_stall_s, "seed": faults.seed}
-    return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed}
+    return {"kv": kv, "prefill_error_fraction": faults.prefill_error_fraction, "seed": faults.seed,
+            "call_jitter_s": faults.call_jitter_s}

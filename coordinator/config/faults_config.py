@@ -1,5 +1,6 @@
 """Injected failures' settings (`faults:`; coordinator.backend.drills): failed prefills, failed or stalled KV
-transfers and throttled workers, for tests and operators' drills; also set at run time through POST /admin/faults.
+transfers, throttled workers and workers' calls run out of order, for tests and operators' drills; also set at run
+time through POST /admin/faults.
 
     faults: {transfer_fail_fraction: 0.1, seed: 7, slow_step_s: 0.02, slow_workers: [decode-0]}
 """
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 MAX_STALL_S = 600.0  # an injected transfer stall longer than a request's default timeout tests nothing more
 MAX_SLOW_STEP_S = 10.0  # an injected step sleep: slower than this is a hung worker (the liveness probe's to find)
+MAX_CALL_JITTER_S = 5.0  # an injected wait before a worker's call: longer reorders nothing more
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class FaultsConfig:
     # processes live when it is set (a replacement is a fresh process, as a straggler's is: it is not slowed)
     slow_step_s: float = 0.0
     slow_workers: tuple[str, ...] = ()
+    # calls run out of order: each request call a worker gets (prefill, booking, handoff, generate, release, abort,
+    # ...) first waits a random time in [0, call_jitter_s]. Ray runs an async actor's calls in no guaranteed order
+    # anyway (an abort can run before the prefill sent ahead of it); this makes that common
+    call_jitter_s: float = 0.0
 
     def __post_init__(self) -> None:
         slow = self.slow_step_s
@@ -39,6 +45,9 @@ class FaultsConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        jitter = self.call_jitter_s
+        if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not 0 <= jitter <= MAX_CALL_JITTER_S:
+            raise ValueError(f"call_jitter_s must be a number in [0, {MAX_CALL_JITTER_S:g}], got {jitter!r}")
         stall = self.transfer_stall_s
         if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall <= MAX_STALL_S:
             raise ValueError(f"transfer_stall_s must be a number in [0, {MAX_STALL_S:g}], got {stall!r}")
