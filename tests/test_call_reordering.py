@@ -1,6 +1,6 @@
 """Workers whose calls run out of order (faults.call_jitter_s: each request call a worker gets waits a random time
 first, so the coordinator's calls to one worker arrive in any order, as Ray may run them anyway), on the real server
-(`pdserve serve`, local Ray, 1 prefill + 1 decode over UCX with pushed handoffs, the embedded `tiny` model): greedy
+(`pdserve serve`, local Ray, 1 prefill + 1 decode over UCX, KV pushed or pulled, the embedded `tiny` model): greedy
 requests still generate exactly the offline engine's tokens; clients that leave in every phase (during the prefill,
 right after the first token, mid-decode) leave nothing behind: no pin freed by its lease, no booking, no block in use
 (pool_worker.call_jitter; the orderings it found: decode_pool.reservations, pool_worker.worker.prefill)."""
@@ -21,11 +21,13 @@ LEASE_S = 10.0  # transfer.pin_lease_s: a pin nothing released is freed (and cou
 DEADLINE_S = 180.0  # generous bound for the streams of a loaded 2-core machine (never a measured duration)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["pushed", "pulled"])
+def server(tmp_path_factory, request):
+    """transfer.push on (booking, then the prefill worker writes into it) and off (booked early, then pulled)."""
     config = {"model": "tiny", "prefill": {**HALF_CPU, "chunk_size": 256, "kv_cache_memory_bytes": 128 << 20},
               "decode": {**HALF_CPU, "kv_cache_memory_bytes": 128 << 20},
-              "transfer": {"backends": ["ucx"], "pin_lease_s": LEASE_S}, "server": {"admin_api": True},
+              "transfer": {"backends": ["ucx"], "pin_lease_s": LEASE_S, "push": request.param},
+              "server": {"admin_api": True},
               "faults": {"call_jitter_s": JITTER_S, "seed": 11}}
     with running_server(tmp_path_factory.mktemp("call_reordering"), config) as srv:
         yield srv
