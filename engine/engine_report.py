@@ -119,6 +119,8 @@ class EngineReport:
         s.num_preemptions = s.num_prefix_query_tokens = s.num_prefix_hit_tokens = s.num_host_hit_tokens = 0
         s.num_scheduled_tokens = s.num_sampled_tokens = 0
         s.iteration_tokens = IterationTokens()
+        if self.lane is not None:  # its rate figures stay: measuring them is what a start probe is for
+            self.lane.jobs = 0
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and

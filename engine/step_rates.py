@@ -9,6 +9,9 @@ one probe request (a prompt of the step budget's ceiling, then a few decode step
 step(), from fresh averages (steps of a CUDA warm-up before it, with their compiles, say nothing of the rates),
 then undoes what it left (LLMEngine.start_counting: the prefix cache and host tier emptied, the counters from zero,
 as after a warm-up). Runs on any device: it is a request like any other.
+With a prefill lane (EngineConfig.sm_split_decode_sms) a second probe gives the lane its figures too (its seconds
+per prompt token, EngineLoad.lane_token_s, which the placement model and the planner read): a short request
+decoding, and beside it another prompt (of other tokens: the first one's are cached), which the lane takes.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.step_budget import StepBudget
+from engine.runner.prefill_lane import RATE_MIN_TOKENS
 
 PROBE_ID = "pdserve-step-rate-probe"
+LANE_PROBE_ID = "pdserve-lane-rate-probe"  # the prompt the lane takes
+DECODING_PROBE_ID = "pdserve-lane-rate-decoding"  # the request decoding beside it (aborted once the lane is done)
+DECODING_PROMPT = 8  # tokens of the decoding request's prompt
 PROBE_DECODES = 4  # decode steps after the prompt's
 PROBE_MAX_PROMPT = 2048  # a prompt of the step budget's ceiling, at most this long (an 8B prefill of it: ~0.1 s)
 PROBE_MAX_STEPS = 10_000  # a bound on the probe's steps: a start never hangs on it
@@ -40,12 +47,33 @@ def measure_step_rates(engine: Any) -> None:
     vocab = engine.model_config.vocab_size
     prompt = [(17 * i + 3) % vocab for i in range(length)]
     engine.add_request(PROBE_ID, prompt, SamplingParams(temperature=0, max_tokens=PROBE_DECODES + 1, ignore_eos=True))
-    for _ in range(PROBE_MAX_STEPS):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    else:  # never expected (it fits alone): give up on the figures rather than on the start
-        engine.abort(PROBE_ID)
+    if not _steps_until(engine, lambda: not engine.has_unfinished()):  # never expected (it fits alone): give up on
+        engine.abort(PROBE_ID)                                          # the figures rather than on the start
         engine.step_budget = StepBudget(budget.target_s, budget.floor_tokens, budget.ceiling_tokens)
+    elif engine.lane is not None and length - DECODING_PROMPT >= RATE_MIN_TOKENS:
+        _probe_lane(engine, [(19 * i + 5) % vocab for i in range(length - DECODING_PROMPT)])
     engine.start_counting()
     engine.check_integrity()
+
+
+def _probe_lane(engine: Any, prompt: list[int]) -> None:
+    """A request decoding, then `prompt` beside it: the step that plans both hands the prompt to the lane."""
+    config = engine.config
+    decoding = [(23 * i + 7) % engine.model_config.vocab_size for i in range(DECODING_PROMPT)]
+    engine.add_request(DECODING_PROBE_ID, decoding, SamplingParams(
+        temperature=0, max_tokens=config.max_model_len - DECODING_PROMPT, ignore_eos=True))
+    engine.step()  # its prompt: it decodes from here on
+    engine.add_request(LANE_PROBE_ID, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    _steps_until(engine, lambda: LANE_PROBE_ID not in engine.scheduler.requests)
+    for request_id in (LANE_PROBE_ID, DECODING_PROBE_ID):
+        engine.abort(request_id)
+    _steps_until(engine, lambda: not engine.has_unfinished())  # (a lane job of an aborted prompt is applied)
+
+
+def _steps_until(engine: Any, done: Any) -> bool:
+    """Step the engine until done() (at most PROBE_MAX_STEPS steps); whether it got there."""
+    for _ in range(PROBE_MAX_STEPS):
+        if done():
+            return True
+        engine.step()
+    return done()

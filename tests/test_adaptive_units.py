@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from coordinator.admission.placement import PlacementModel, Side
 from coordinator.admission.router import HOST_HIT_VALUE, Router, WorkerState
-from coordinator.backend.planner import Planner, step_toward, verdict
+from coordinator.backend.planner import Planner, lane_share, step_toward, verdict
 from coordinator.config.adaptive_config import PlannerConfig, SLOConfig
 from coordinator.config.serve_config import load_serve_config
 from coordinator.observability.latency_window import LatencyWindow
@@ -152,6 +153,35 @@ def test_a_busy_prefill_worker_does_not_take_decodes():
     assert step_toward("decode", ws, lambda w: 0, {}) is None  # not measured yet: counted busy
     ws = _workers("prefill", "mixed", "decode")
     assert step_toward("decode", ws, lambda w: 0, {"w-0": 0.95}) == (ws[1], "decode")
+
+
+def _with_lane(worker: WorkerState, lane_token_s: float) -> WorkerState:
+    """The worker's load as one with a prefill lane measured at `lane_token_s` (its full rate: 30 us a token)."""
+    worker.load = replace(worker.load, lane_token_s=lane_token_s)
+    return worker
+
+
+def test_short_prefill_moves_a_decode_worker_with_a_lane_to_mixed_before_any_worker_stops_decoding():
+    """Its prompts run on the lane beside its steps; a mixed worker turned prefill would stop decoding instead."""
+    idle = {"w-0": 0.2, "w-1": 0.2, "w-2": 0.2}
+    ws = _workers("mixed", "decode", "decode")
+    assert step_toward("prefill", ws, lambda w: 0, idle) == (ws[0], "prefill")  # no lane: the ladder as before
+    _with_lane(ws[2], 50e-6)
+    assert lane_share(ws[2]) == pytest.approx(0.6) and lane_share(ws[1]) == 0
+    assert step_toward("prefill", ws, lambda w: 0, idle) == (ws[2], "mixed")
+    ws[2].load = replace(ws[2].load, prefill_token_s=0.0)  # the full rate not measured: no share known
+    assert step_toward("prefill", ws, lambda w: 0, idle) == (ws[0], "prefill")
+
+
+def test_a_busy_prefill_worker_with_a_lane_that_carries_its_prompts_takes_decodes():
+    """A lane keeping 0.6 of the full prefill rate carries a worker busy 0.5 (0.83 of the lane's time, under
+    LANE_FULL), not one busy 0.6 (1.0): that one's prompts would fall behind."""
+    ws = _workers("prefill", "decode")
+    assert step_toward("decode", ws, lambda w: 0, {"w-0": 0.5}) is None  # no lane: busy is not < SPARE
+    _with_lane(ws[0], 50e-6)
+    assert step_toward("decode", ws, lambda w: 0, {"w-0": 0.5}) == (ws[0], "mixed")
+    assert step_toward("decode", ws, lambda w: 0, {"w-0": 0.6}) is None
+    assert step_toward("decode", ws, lambda w: 0, {}) is None  # not measured yet: counted busy
 
 
 class _Clock:

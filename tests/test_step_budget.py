@@ -123,3 +123,19 @@ def test_an_engine_with_a_step_target_knows_its_rates_before_its_first_request()
     assert "step_rates" in dict(engine.startup_s)
     plain = LLM("tiny", max_num_batched_tokens=256).engine.load()  # no step target: no probe, no figures
     assert plain.prefill_token_s == plain.decode_step_s == 0
+
+
+def test_an_engine_with_a_prefill_lane_knows_the_lanes_rate_before_its_first_request():
+    """With sm_split_decode_sms (on the CPU the lane runs in order: same steps, no streams) the probe at start also
+    runs a prompt beside a decoding request, which the lane takes: EngineLoad.lane_token_s (what the placement model
+    and the planner price the lane's prefills at) is known before the first request, and nothing is left behind."""
+    from engine import LLM
+
+    engine = LLM("tiny", max_num_batched_tokens=512, decode_step_target_s=0.5, sm_split_decode_sms=8).engine
+    load = engine.load()
+    assert load.lane_token_s > 0 and load.prefill_token_s > 0, load
+    assert load.steps == load.lane_jobs_total == load.sampled_tokens_total == 0, load
+    assert load.free_blocks == load.total_blocks and load.cached_blocks == 0 and not engine.has_unfinished()
+    assert not engine.scheduler.held
+    no_lane = LLM("tiny", max_num_batched_tokens=512, decode_step_target_s=0.5).engine.load()
+    assert no_lane.lane_token_s == 0

@@ -14,11 +14,16 @@ short when the TTFT p90 passes DECODE_SHORT of its target while decode is not sh
 step toward decoding: a prefill worker busy less than SPARE of the time becomes mixed (a busier one would lose the
 prefill rate its pool lives on: its prompts would share decoding steps within their budget), else a mixed worker
 becomes decode. Short prefill moves one step toward prefilling (mixed -> prefill, else decode -> mixed), always
-keeping a worker that decodes. Hysteresis: the same verdict on CONFIRM consecutive looks, then `planner.cooldown_s`
-without changes, and a change is judged only by requests that ended after it. Both short, or neither: no change. One
-exception needs no verdict: when no live worker decodes but another lives, one becomes mixed at once, the moment the
-last decoding worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its streams should
-not wait for it).
+keeping a worker that decodes. A worker with a prefill lane (EngineConfig.sm_split_decode_sms: prompts run on SMs
+of their own beside its decode steps, at its measured EngineLoad.lane_token_s) changes the ladder twice: short
+prefill moves such a decode worker to mixed first (its streams go on decoding, its prompts do not share their
+steps), before a mixed one stops decoding; and short decode may move such a prefill worker to mixed however busy, as
+long as its lane alone would carry the prompt work it has (busy share over the lane's share of the full prefill
+rate, `lane_share`, under LANE_FULL). Hysteresis: the same verdict on CONFIRM consecutive looks, then
+`planner.cooldown_s` without changes, and a change is judged only by requests that ended after it. Both short, or
+neither: no change. One exception needs no verdict: when no live worker decodes but another lives, one becomes mixed at
+once, the moment the last decoding worker dies (`ensure_decoder`: a dead decode worker's replacement takes seconds; its
+streams should not wait for it).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ DECODE_SHORT = 0.9   # a p90 past this share of its target: that pool is short
 HEADROOM = 0.6       # decode is short only while the TTFT p90 is within this share of its target
 SPARE = 0.5          # a prefill worker busy less than this share of the time may take decodes too
 CONFIRM = 2          # consecutive looks with the same verdict before a change
+LANE_FULL = 0.9      # a prefill worker's prompt work on its lane alone must fit this share of the time
 
 
 @dataclass(frozen=True)
@@ -71,17 +77,37 @@ def step_toward(short: str, workers: list[WorkerState], pressure: Callable[[Work
     decoders = [w for w in live if w.role != "prefill"]
     if short == "decode":
         order = [("prefill", "mixed"), ("mixed", "decode")]
-    else:
-        order = [("mixed", "prefill"), ("decode", "mixed")]
+    else:  # a decode worker with a lane takes prompts beside its steps: before any worker stops decoding
+        order = [("decode+lane", "mixed"), ("mixed", "prefill"), ("decode", "mixed")]
     for old, new in order:
-        movable = [w for w in live if w.role == old]
+        movable = [w for w in live if w.role == old.removesuffix("+lane")]
+        if old.endswith("+lane"):
+            movable = [w for w in movable if lane_share(w) > 0]
         if new == "prefill":  # it stops decoding: another must go on
             movable = [w for w in movable if len(decoders) > 1]
-        if old == "prefill":  # only a prefill worker with time to spare may take decodes
-            movable = [w for w in movable if busy.get(w.name, 1.0) < SPARE]
+        if old == "prefill":  # only a prefill worker with time to spare (or a lane that carries its prompts)
+            movable = [w for w in movable if _may_take_decodes(w, busy.get(w.name, 1.0))]
         if movable:
             return min(movable, key=pressure), new
     return None
+
+
+def lane_share(worker: WorkerState) -> float:
+    """The share of the worker's full prefill rate its prefill lane keeps beside decode steps (its measured seconds
+    per prompt token, whole GPU over lane); 0 without a lane or before both are measured."""
+    load = worker.load
+    if load is None or load.lane_token_s <= 0 or load.prefill_token_s <= 0:
+        return 0.0
+    return min(1.0, load.prefill_token_s / load.lane_token_s)
+
+
+def _may_take_decodes(worker: WorkerState, busy: float) -> bool:
+    """Whether a prefill worker busy this share of the time may become mixed: with time to spare, its prompts may
+    share decoding steps; with a lane, they move to the lane, which must carry them."""
+    if busy < SPARE:
+        return True
+    share = lane_share(worker)
+    return share > 0 and busy / share < LANE_FULL
 
 
 class Planner:
