@@ -159,6 +159,26 @@ def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(chec
         e.close()
 
 
+@pytest.mark.gpus(1)
+def test_the_start_probe_measures_the_lane_on_green_contexts(checkpoints):
+    """engine.step_rates with a lane on a Hopper GPU: the probe's second prompt runs on the prefill lane beside a
+    decoding request (its launches on the lane's thread), so lane_token_s is known at start, and nothing is left."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("SM lanes need compute capability 9.0+")
+    pytest.importorskip("cuda.bindings", reason="SM lanes need cuda-bindings")
+    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256)
+    llm = LLM(str(llama), device="cuda", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
+              decode_step_target_s=0.5, kv_cache_memory_bytes=256 << 20)
+    e = llm.engine
+    try:
+        load = e.load()
+        assert load.lane_token_s > 0 and load.prefill_token_s > 0 and load.lane_jobs_total == 0, load
+        assert not e.has_unfinished() and not e.lane.busy and e.check_integrity()["in_use"] == 0
+    finally:
+        e.close()
+
+
 def test_a_collocated_server_with_the_lane_gives_the_engines_outputs(llama, reference, tmp_path):
     """`pdserve serve` with decode.sm_split_decode_sms (in order on the CPU): prompts arriving while others decode
     go to the lane, and every output equals the offline engine's, streamed or not."""
