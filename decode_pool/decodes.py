@@ -136,7 +136,10 @@ class Decodes(DecodeOutputs):
     async def prefill_group(self, group_id: str, prompt_token_ids: list[int], params: list[SamplingParams],
                             priority: int = 0) -> StepOutput:
         """Prefill a group here once (choice j samples its first token with params[j]) and keep it pinned for
-        decode_group(..., peer=None); returns its StepOutput (first tokens, prompt logprobs)."""
+        decode_group(..., peer=None); returns its StepOutput (first tokens, prompt logprobs). RequestEnded if an
+        abort of the group overtook this call (it would be pinned for nobody until its lease)."""
+        if self.reservations.ended(group_id):
+            raise RequestEnded(f"group {group_id} was aborted before its prefill arrived")
         future = asyncio.get_running_loop().create_future()
         self._group_prefills[group_id] = future
         try:
@@ -170,8 +173,8 @@ class Decodes(DecodeOutputs):
         except BaseException:
             await self.loop.call(lambda e: [e.abort(i) for i in [group_id, *choice_ids]])
             raise
-        finally:
-            aborted = {cid for cid in choice_ids if transferring.pop(cid, False)}
+        finally:  # aborted while the KV moved, or before this call arrived
+            aborted = {cid for cid in choice_ids if transferring.pop(cid, False) or self.reservations.ended(cid)}
 
         def start(e: LLMEngine) -> list[StepOutput]:
             e.abort(group_id)  # its blocks live on in the choices' tables

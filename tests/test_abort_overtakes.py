@@ -56,3 +56,26 @@ def test_a_generate_its_abort_overtook_is_refused_and_runs_nothing():
         return await _held(worker)
     held = drive("decode", body)
     assert not held["unfinished"] and held["in_use"] == 0, held
+
+
+def test_a_group_its_abort_overtook_is_not_prefilled_and_an_aborted_choice_is_not_started():
+    """A group prefilled on its decode worker (n > 1, no prefill worker): its abort overtaking prefill_group leaves
+    nothing pinned; a choice aborted before decode_group arrived is not started, the others are."""
+    params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, seed=i) for i in range(2)]
+
+    async def body(worker):
+        await worker.abort("late-group")
+        with pytest.raises(RequestEnded, match="late-group was aborted before its prefill arrived"):
+            await worker.prefill_group("late-group", PROMPT, params)
+        refused = await _held(worker)
+        out = await worker.prefill_group("g", PROMPT, params)
+        firsts = [(out.new_token_ids[0], None), *(out.fork_first or [])]
+        await worker.abort("g-1")  # this choice's client left before its group started here
+        await worker.decode_group("g", ["g-0", "g-1"], PROMPT, params, firsts, None, [])
+        running = await worker.loop.call(lambda e: sorted(e.scheduler.requests))
+        await worker.abort("g-0")
+        return refused, running, await _held(worker)
+    refused, running, after = drive("decode", body)
+    assert refused["pinned"] == 0 and refused["in_use"] == 0, refused
+    assert running == ["g-0"]
+    assert not after["unfinished"] and after["in_use"] == 0 and after["pinned"] == 0, after
