@@ -188,9 +188,9 @@ class Worker(WorkerOperations):
         into this worker's prefix cache first (the result's phases then start with `kv_restore`)."""
         await self.jitter.wait()  # faults.call_jitter_s: calls run out of order (drills)
         fetched = ()
-        if fetch is not None and self.share is not None:
+        if fetch is not None and self.share is not None and not self.decodes.reservations.ended(request_id):
             fetched = await self.share.fetch_from(fetch, [*prompt_token_ids, *prior_output_ids])
-        if self.decodes.reservations.ended(request_id):  # its abort overtook this call (and found nothing here):
+        if self.decodes.reservations.ended(request_id):  # its abort overtook this call (or the fetch) and found
             raise RequestEnded(f"request {request_id} was aborted before its prefill arrived")  # nothing to pin
         result = await self.prefills.prefill(request_id, prompt_token_ids, params, prior_output_ids, priority,
                                              fork_params, push)
