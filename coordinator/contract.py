@@ -61,6 +61,11 @@ class WorkerLost(BackendError):
     request that ran out of moves reaches the client as an error."""
 
 
+class PrefillFailed(BackendError):
+    """The prefill worker's prefill call failed (an error there, not its death, which moves the request anyway): the
+    backend runs the request whole on a decode worker once (recovery.prefill_retry), else the client gets it."""
+
+
 class TransferFailed(BackendError):
     """The decode worker could not pull the request's KV (it freed what it had reserved)."""
 

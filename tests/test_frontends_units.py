@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import errors
 from coordinator.api.drain import Lifecycle
-from coordinator.contract import BackendError, Overloaded, RequestTooLarge, WorkerLost
+from coordinator.contract import BackendError, Overloaded, PrefillFailed, RequestTooLarge, TransferFailed, WorkerLost
 from coordinator.frontends import link as link_module
 from coordinator.frontends.link import Link, LinkClosed
 from coordinator.frontends.wire import decode_error, encode_error
@@ -20,7 +20,8 @@ from coordinator.observability.phases import PhaseTrace
 
 
 @pytest.mark.parametrize("error", [Overloaded("full", retry_after_s=3.5), RequestTooLarge("huge"), WorkerLost("gone"),
-                                   BackendError("broken"), ValueError("no rank 7"),
+                                   BackendError("broken"), TransferFailed("no KV"), PrefillFailed("failed there"),
+                                   ValueError("no rank 7"),
                                    errors.APIError(429, "slow down", "requests", "rate_limited",
                                                    code="rate_limit_exceeded", headers={"Retry-After": "2"})])
 def test_errors_cross_with_what_the_http_layer_answers_with(error):

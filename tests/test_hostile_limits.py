@@ -31,7 +31,8 @@ def server(tmp_path_factory):
               "tenants": [{"name": "free-tenant", "api_keys": ["k-free"]},
                           {"name": "metered-tenant", "api_keys": ["k-metered"], "tokens_per_minute": 400},
                           {"name": "tight-tenant", "api_keys": ["k-tight"], "tokens_per_minute": 200}],
-              "server": {"api_processes": 2, "admin_api": True, "metrics_api_key": METRICS_KEY}}
+              "server": {"api_processes": 2, "admin_api": True, "metrics_api_key": METRICS_KEY},
+              "recovery": {"prefill_retry": False}}  # an injected prefill error reaches the client (its check below)
     with running_server(tmp_path_factory.mktemp("hostile"), config) as srv:
         yield srv
 
@@ -126,6 +127,22 @@ def test_admin_faults_refuses_a_seed_that_is_not_an_integer_and_keeps_nothing_of
     assert served.status_code == 200, served.text  # every prefill would fail, had the faults been set
     ok = httpx.post(f"{server.url}/admin/faults", json={"seed": 7}, headers=OPERATOR, timeout=30)
     assert ok.status_code == 200 and ok.json()["faults"]["seed"] == 7
+
+
+def test_without_prefill_retry_an_injected_prefill_error_is_a_502_naming_it(server):
+    """recovery.prefill_retry false: a failed prefill is not run again on the decode worker; the client gets a 502
+    (never a 500) naming the error, and the next request after the faults are off is served."""
+    assert httpx.post(f"{server.url}/admin/faults", json={"prefill_error_fraction": 1.0}, headers=OPERATOR,
+                      timeout=30).status_code == 200
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", headers=_key("k-free"), timeout=60,
+                       json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    finally:
+        assert httpx.post(f"{server.url}/admin/faults", json={}, headers=OPERATOR, timeout=30).status_code == 200
+    assert r.status_code == 502 and "injected" in r.json()["error"]["message"], r.text
+    served = httpx.post(f"{server.url}/v1/completions", headers=_key("k-free"), timeout=60,
+                        json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert served.status_code == 200, served.text
 
 
 def test_a_tenants_burst_stays_within_its_tokens_per_minute(server):

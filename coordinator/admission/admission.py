@@ -116,9 +116,10 @@ class Admission:
         return full + 1 + request.n * (-(-(partial + budget) // bs) + 1)
 
     async def place(self, request: GenerateRequest, num_prior: int, reservation: Reservation,
-                    migrating: bool = False) -> Placement:
+                    migrating: bool = False, run_whole: bool = False) -> Placement:
         """Pick the workers and book the request's capacity on them (in `reservation`), waiting up to the
-        admission timeout; raises RequestTooLarge or Overloaded."""
+        admission timeout; raises RequestTooLarge or Overloaded. `run_whole`: on one decode worker, prompt included
+        (its remote prefill failed: recovery.prefill_retry)."""
         blocks = self.kv_blocks(request, num_prior)
         whole = self.kv_blocks(request, num_prior, request.params.max_tokens - num_prior)
         largest = max((w.info.num_kv_blocks for w in self._pool("decode")), default=0)
@@ -134,7 +135,7 @@ class Admission:
         try:
             return await self.queue.acquire(priority, deadline, lambda: self._try_place(
                 request, tokens, blocks, reservation, priority,
-                self.queue.effective_priority(priority, time.monotonic() - arrived)))
+                self.queue.effective_priority(priority, time.monotonic() - arrived), run_whole))
         except AdmissionTimeout:
             raise self._why_not(blocks, tokens) from None
 
@@ -144,10 +145,14 @@ class Admission:
 
     # ---- internals
     def _try_place(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,
-                   priority: int, aged: int) -> Placement | None:
+                   priority: int, aged: int, run_whole: bool = False) -> Placement | None:
         """Book the request's capacity and say where it runs, or None if it must wait; raises Unavailable when no
         placement can come without an operator."""
-        placement = self._place_now(request, tokens, blocks, reservation, priority, aged)
+        if run_whole:
+            share = 1.0 if aged <= HIGH_PRIORITY else 1.0 - self.config.admission.reserved_for_high
+            placement = self._place_whole("decode", tokens, blocks, reservation, priority, share)
+        else:
+            placement = self._place_now(request, tokens, blocks, reservation, priority, aged)
         if placement is None and (unavailable := self._unavailable()) is not None:
             raise unavailable  # the queue fails this waiter and asks the next
         return placement
@@ -205,16 +210,23 @@ class Admission:
         for the replacement. Counted in `fallbacks` by the pool that was missing."""
         missing = "prefill" if self.workers.live("decode") else "decode"
         other = "decode" if missing == "prefill" else "prefill"
-        candidates = [w for w in self.workers.live(other) if self._backlog_allows(w, tokens, share)]
+        placement = self._place_whole(other, tokens, blocks, reservation, priority, share)
+        if placement is not None:
+            self.fallbacks[missing] += 1
+            log.info("request %s: no live %s worker; running it whole on %s worker %s", request.request_id, missing,
+                     other, placement.decode.name)
+        return placement
+
+    def _place_whole(self, pool: str, tokens: int, blocks: int, reservation: Reservation, priority: int,
+                     share: float) -> Placement | None:
+        """The request whole (prompt and decode) on the live worker of `pool` with the most room, booked there."""
+        candidates = [w for w in self.workers.live(pool) if self._backlog_allows(w, tokens, share)]
         worker = self.router.pick_decode(candidates, lambda w: self._room(w, share), blocks)
         if worker is None:
             return None
         reservation.book(worker.key, "kv_blocks", blocks)
         reservation.book(worker.key, "prompt_tokens", tokens)
         self.placements["local"] += 1
-        self.fallbacks[missing] += 1
-        log.info("request %s: no live %s worker; running it whole on %s worker %s", request.request_id, missing,
-                 other, worker.name)
         return Placement(worker, None, blocks, priority)
 
     def _place_adaptive(self, request: GenerateRequest, tokens: int, blocks: int, reservation: Reservation,

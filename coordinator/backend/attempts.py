@@ -50,14 +50,16 @@ class Attempts:
                 s for p, s in (*durations, *self._push_waits.pop(attempt, ())) if p == "kv_transfer"))
 
     async def _attempt(self, rid: str, move: int, request: GenerateRequest, prior: list[int],
-                       reservation: Reservation, trace: PhaseTrace) -> AsyncIterator[TokenDelta]:
-        """One placement of the request: deltas until its end; WorkerLost if a worker under it died. `prior`: the
+                       reservation: Reservation, trace: PhaseTrace, whole: bool = False) -> AsyncIterator[TokenDelta]:
+        """One placement of the request (`whole`: on one decode worker, prompt included): deltas until its end;
+        WorkerLost if a worker under it died, PrefillFailed if its prefill worker's prefill failed. `prior`: the
         tokens streamed so far, which generate() extends. With request.sink, once its first decode token is out,
         the intake hands the middle of the stream to the sink (OutputIntake.go_direct)."""
         record = self.inflight.get(rid)
         if record is not None:
             record.state = "queued"
-        placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0)
+        placement = await self.admission.place(request, len(prior), reservation, migrating=move > 0,
+                                               run_whole=whole)
         trace.mark("admission")
         placed_at = time.monotonic()
         trace.attributes = _span_attributes(placement)  # the latest placement's, for the request's trace

@@ -66,7 +66,7 @@ from coordinator.backend.stats import backend_stats, transfer_totals
 from coordinator.backend.stragglers import StragglerWatch
 from coordinator.backend.supervisor import Supervisor
 from coordinator.config.serve_config import ServeConfig
-from coordinator.contract import BackendError, GenerateRequest, Overloaded, TokenDelta, WorkerLost
+from coordinator.contract import BackendError, GenerateRequest, Overloaded, PrefillFailed, TokenDelta, WorkerLost
 from coordinator.observability.loop_lag import LoopLag
 from coordinator.observability.phases import PhaseTrace
 from engine.core.request_timing import Durations
@@ -177,13 +177,14 @@ class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls):
         sent: list[int] = list(moved_after or ())  # every token streamed so far: where a moved request resumes
         moves = 0 if moved_after is None else 1
         started_at, first_at = time.monotonic(), None
+        whole = False  # after a failed prefill: on one decode worker, prompt included (recovery.prefill_retry)
         record = self.inflight[rid] = InFlight(rid, len(request.prompt_token_ids), request.params.max_tokens,
                                                request.priority, self._block_size, trace, reservation, started_at,
                                                moves=moves)
         try:
             while True:
                 try:
-                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace)) as deltas:
+                    async with aclosing(self._attempt(rid, moves, request, sent, reservation, trace, whole)) as deltas:
                         async for delta in deltas:
                             sent.extend(delta.token_ids)
                             record.output_tokens = len(sent)
@@ -206,6 +207,15 @@ class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls):
                     record.moves, record.state = moves, "migrating"
                     reservation.clear()
                     log.warning("request %s: %s; resuming after %d tokens", rid, e, len(sent))
+                except PrefillFailed as e:
+                    if whole or not self.config.recovery.prefill_retry or moves >= self.config.recovery.max_migrations:
+                        raise
+                    trace.mark("migration")
+                    self._count(self.migrations, "prefill_retried")
+                    moves, whole = moves + 1, True
+                    record.moves, record.state = moves, "migrating"
+                    reservation.clear()
+                    log.warning("request %s: %s; running it whole on a decode worker", rid, e)
         except BackendError:
             if moves:  # a moved request that still failed: out of moves, no room, or an error elsewhere
                 self._count(self.migrations, "outcome_failed")

@@ -17,7 +17,7 @@ from coordinator.admission.admission import Placement
 from coordinator.admission.reservation import Reservation
 from coordinator.admission.router import WorkerState
 from coordinator.backend.ray_calls import in_order, quietly
-from coordinator.contract import BackendError, GenerateRequest, TokenDelta, TransferFailed
+from coordinator.contract import BackendError, GenerateRequest, PrefillFailed, TokenDelta, TransferFailed, WorkerLost
 from coordinator.observability.phases import PhaseTrace
 
 log = logging.getLogger("pdserve")
@@ -45,6 +45,10 @@ class RemotePrefill:
             result = await self._call(prefill, prefill.handle.prefill.remote(
                 attempt, request.prompt_token_ids, request.params, prior_output_ids=prior,
                 priority=placement.priority, push=self.pools.pushes, fetch=lent[1] if lent else None))
+        except WorkerLost:
+            raise
+        except BackendError as e:  # an error there, not its death: generate() may run the request whole instead
+            raise PrefillFailed(str(e)) from None
         finally:
             self._end_lease(lent)
         trace.split(result.phases)

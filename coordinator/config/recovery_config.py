@@ -1,8 +1,10 @@
 """Self-healing's settings (`recovery:`; coordinator.backend.supervisor): how dead workers are replaced (restarts,
-backoff, warm spares), how often a request may move off a dead worker, the fallback to one pool, and how often
+backoff, warm spares), how often a request may move off a dead worker, the fallback to one pool, the retry of a
+failed prefill, and how often
 `pdserve serve` restarts a crashed coordinator.
 
-    recovery: {max_restarts: 5, restart_window_s: 600, max_migrations: 3, fallback: true, spares: 1}
+    recovery: {max_restarts: 5, restart_window_s: 600, max_migrations: 3, fallback: true, prefill_retry: true,
+               spares: 1}
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class RecoveryConfig:
     max_migrations: int = 3          # per request: moves to another worker after a worker or transfer failure
     # disaggregated: while one pool has no live worker, requests (new and moved) run whole on the other pool's workers
     fallback: bool = True
+    # a prompt whose prefill failed on its prefill worker (an error there: its death moves the request anyway) runs
+    # whole on a decode worker, once (counted as a move); false: the request fails (502 naming the error)
+    prefill_retry: bool = True
     spares: int = 0                  # warm spare workers per pool (model loaded, not routed to); take over a dead slot
     # Ray worker processes kept started ahead (pdserve's worker modules imported) on each node with workers, for the
     # next worker start there (coordinator.backend.warm_processes); 0: none

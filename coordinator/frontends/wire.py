@@ -11,10 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator import errors
-from coordinator.contract import BackendError, Overloaded, RequestTooLarge, TransferFailed, Unavailable, WorkerLost
+from coordinator.contract import (
+    BackendError,
+    Overloaded,
+    PrefillFailed,
+    RequestTooLarge,
+    TransferFailed,
+    Unavailable,
+    WorkerLost,
+)
 from coordinator.observability.phases import PhaseTrace, TraceState
 
-_BACKEND_ERRORS = {cls.__name__: cls for cls in (BackendError, RequestTooLarge, WorkerLost, TransferFailed)}
+_BACKEND_ERRORS = {cls.__name__: cls for cls in (BackendError, RequestTooLarge, WorkerLost, TransferFailed,
+                                                  PrefillFailed)}
 ErrorTuple = tuple[Any, ...]
 
 

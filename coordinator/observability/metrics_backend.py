@@ -133,8 +133,9 @@ def backend_families(stats: dict) -> list[Metric]:
                            "lack of KV blocks (recomputed later, or swapped to host memory and back), by cause: a "
                            "decode row or a prompt chunk needed the blocks", preemptions))
     for key, name, label, help in (
-            ("migrations", "pdserve_migrations_total", "event", "Request moves after a worker or transfer failure: "
-             "attempted, and outcome_completed / outcome_failed of moved requests"),
+            ("migrations", "pdserve_migrations_total", "event", "Request moves after a worker, transfer or prefill "
+             "failure: attempted (off a lost worker), prefill_retried (a failed prefill run whole on a decode "
+             "worker: recovery.prefill_retry), and outcome_completed / outcome_failed of moved requests"),
             ("pool_down_seconds", "pdserve_pool_down_seconds_total", "pool", "Seconds each pool spent with no live "
              "worker"),
             ("fallbacks", "pdserve_fallback_placements_total", "missing", "Requests (new or moving off a dead "
