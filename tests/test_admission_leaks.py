@@ -121,10 +121,13 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
             return await asyncio.gather(*[client.post(f"{url}/v1/completions", json={
                 "model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0}) for p in prompts])
     responses = asyncio.run(failing())
+    group = httpx.post(f"{url}/v1/completions", timeout=120, json={  # n > 1: prefilled on the decode worker
+        "model": "tiny", "prompt": prompts[0], "max_tokens": 8, "temperature": 0, "n": 2})
     assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={}, timeout=30).status_code == 200
     assert {r.status_code for r in responses} == {200}, {r.status_code for r in responses}
     assert [r.json()["choices"][0]["text"] for r in responses] == want
-    assert metric_values(url, "pdserve_migrations_total")['{event="prefill_retried"}'] - retried == 60
+    assert group.status_code == 200 and [c["text"] for c in group.json()["choices"]] == [want[0]] * 2, group.text
+    assert metric_values(url, "pdserve_migrations_total")['{event="prefill_retried"}'] - retried == 61
     assert_nothing_booked(server.url)
     _serves_every_size(url)
     assert_nothing_booked(server.url)

@@ -166,20 +166,30 @@ class GroupRun:
                 b.intake.queues[cid] = queue
             source = prefill or decode
             cleanup.append((source, "abort_group"))
+            if prefill is not None:
+                try:
+                    out = await b._call(prefill, prefill.handle.prefill.remote(
+                        rid, request.prompt_token_ids, self._params[0], priority=placement.priority,
+                        fork_params=self._params[1:]))
+                    prefill.load = out.load
+                    firsts = [(out.first_token_id, out.first_logprob), *(out.fork_first or [])]
+                    prompt_lps, peer, blocks = out.prompt_logprobs, prefill.name, out.block_ids
+                    cached = out.num_cached_tokens
+                except WorkerLost:
+                    raise
+                except BackendError as e:  # an error there, not its death: prefilled on its decode worker instead
+                    if not b.config.recovery.prefill_retry:
+                        raise
+                    log.warning("group %s: %s; prefilling it on decode worker %s", rid, e, decode.name)
+                    b._count(b.migrations, "prefill_retried")
+                    prefill = None
+                    cleanup.append((decode, "abort_group"))
             if prefill is None:
                 out = await b._call(decode, decode.handle.prefill_group.remote(
                     rid, request.prompt_token_ids, self._params, priority=placement.priority))
                 firsts = [(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None),
                           *(out.fork_first or [])]
                 prompt_lps, peer, blocks, cached = out.prompt_logprobs, None, [], out.num_cached_tokens
-            else:
-                out = await b._call(prefill, prefill.handle.prefill.remote(
-                    rid, request.prompt_token_ids, self._params[0], priority=placement.priority,
-                    fork_params=self._params[1:]))
-                prefill.load = out.load
-                firsts = [(out.first_token_id, out.first_logprob), *(out.fork_first or [])]
-                prompt_lps, peer, blocks = out.prompt_logprobs, prefill.name, out.block_ids
-                cached = out.num_cached_tokens
             reservation.unbook(source.key, "prompt_tokens")
             for j, (token, lp) in enumerate(firsts):
                 yield j, TokenDelta([token], [lp] if lp else [], None, prompt_lps, cached)
