@@ -1,0 +1,71 @@
+"""Everything at once, on the real server (`pdserve serve`, local Ray, 1 prefill + 1 decode over UCX, the embedded
+`tiny` model): workers' calls run out of order (faults.call_jitter_s), a tenth of prefills fail, a tenth of KV
+transfers fail and a tenth stall, clients leave in every phase, and in each round one worker is killed while
+requests stream. Every greedy request still ends with exactly the offline engine's tokens (moved off the dead
+worker, retried whole after a failed prefill, recomputed after a failed transfer), and afterwards nothing is booked,
+pinned or in use, and no pin waited for its lease."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.server_process import (
+    HALF_CPU,
+    OPERATOR,
+    assert_nothing_booked,
+    complete,
+    metric_values,
+    running_server,
+    wait_for_health,
+)
+from tests.test_call_reordering import _leave_after, _leave_at_once
+
+pytestmark = pytest.mark.timeout(600)
+VOCAB = 2000
+MAX_TOKENS = 60
+DEADLINE_S = 300.0  # generous bound for the streams of a loaded 2-core machine (never a measured duration)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "adaptive"])
+def test_requests_end_exactly_under_every_fault_at_once(tmp_path, mode):
+    config = {"model": "tiny", "mode": mode,
+              "prefill": {**HALF_CPU, "chunk_size": 256, "kv_cache_memory_bytes": 128 << 20},
+              "decode": {**HALF_CPU, "kv_cache_memory_bytes": 128 << 20},
+              "transfer": {"backends": ["ucx"], "pin_lease_s": 10.0}, "server": {"admin_api": True},
+              "recovery": {"backoff_initial_s": 0.1},
+              "faults": {"call_jitter_s": 0.03, "seed": 5, "prefill_error_fraction": 0.1,
+                         "transfer_fail_fraction": 0.1, "transfer_stall_fraction": 0.1, "transfer_stall_s": 0.5}}
+    if mode == "adaptive":
+        config["slo"] = {"ttft_ms": 2000, "tpot_ms": 200}
+    prompts = random_prompts([60 + (i * 97) % 700 for i in range(24)], VOCAB, seed=71)
+    want = [o.text for o in LLM("tiny").generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                         ignore_eos=True))]
+    leaving = random_prompts([100 + 37 * (i % 24) for i in range(40)], VOCAB, seed=72)
+    with running_server(tmp_path, config) as server:
+        url = server.url
+        for victim, kill_after_s in (("decode-0", 0.4), ("prefill-0", 0.2)):
+            async def round_(victim: str, kill_after_s: float) -> list[dict]:
+                async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                    done = asyncio.gather(*[complete(client, url, {
+                        "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+                        "stream": i % 2 == 0}) for i, p in enumerate(prompts)])
+                    gone = asyncio.gather(*[_leave_at_once(client, url, p, 0.003 * i)
+                                            for i, p in enumerate(leaving[:24])],
+                                          *[_leave_after(client, url, p, 1 + i % 8)
+                                            for i, p in enumerate(leaving[24:])])
+                    await asyncio.sleep(kill_after_s)
+                    r = await client.post(f"{url}/admin/workers/{victim}/kill", headers=OPERATOR)
+                    assert r.status_code == 200, r.text
+                    return (await asyncio.gather(done, gone))[0]
+            results = asyncio.run(round_(victim, kill_after_s))
+            assert [r["text"] for r in results] == want, victim
+            wait_for_health(url, 200, DEADLINE_S)
+        assert httpx.post(f"{url}/admin/faults", headers=OPERATOR, json={}, timeout=30).status_code == 200
+        report = assert_nothing_booked(url)
+        assert {name: c["expired_pins"] for name, c in report["workers"].items()} == \
+            {"prefill-0": 0, "decode-0": 0}, report
+        moves = metric_values(url, "pdserve_migrations_total")
+        assert moves.get('{event="attempted"}', 0) > 0, moves  # the kills moved streams
