@@ -1,8 +1,8 @@
-"""An abort that overtakes the call it ends: Ray runs an async actor's calls in no guaranteed order (a local Ray
-ran ~10% of aborts sent right behind a call to the same actor first), so a worker may get a request's abort before
-its prefill or generate. In this process, on the real tiny engine (pool_worker.worker.Worker, no Ray): the late call
-is refused with RequestEnded and leaves nothing pinned or running, where before it was prefilled and pinned until
-transfer.pin_lease_s (or generated to max_tokens for nobody); a call that no abort overtook runs as before."""
+"""An abort that overtakes the call it ends: Ray runs an async actor's calls in no guaranteed order (a local Ray ran the
+second of two calls first in up to 5.75% of pairs: benchmarks/ray_call_order.py), so a worker may get its abort
+before its prefill or generate. In this process, on the real tiny engine (pool_worker.worker.Worker, no Ray): the
+late call is refused with RequestEnded and leaves nothing pinned or running, where before it was prefilled and pinned
+until transfer.pin_lease_s (or generated to max_tokens for nobody); a call that no abort overtook runs as before."""
 
 import asyncio
 
