@@ -111,14 +111,20 @@ def test_sm_split_needs_one_rank():
         EngineConfig(model="tiny", tensor_parallel_size=2, sm_split_decode_sms=64)
 
 
-@pytest.mark.gpus(1)
-def test_lane_on_green_contexts_equals_the_plain_engine(checkpoints):
-    """Real SM lanes on a Hopper GPU: the prompts' forward on one green context, the decode graphs on the other."""
+def _hopper_llama(checkpoints):
+    """A small Llama checkpoint for the GPU tests of SM lanes; skips where lanes cannot be made (before CC 9.0, or
+    without cuda-bindings)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("SM lanes need compute capability 9.0+")
     pytest.importorskip("cuda.bindings", reason="SM lanes need cuda-bindings")
-    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=256)
+    return checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=256)
+
+
+@pytest.mark.gpus(1)
+def test_lane_on_green_contexts_equals_the_plain_engine(checkpoints):
+    """Real SM lanes on a Hopper GPU: the prompts' forward on one green context, the decode graphs on the other."""
+    llama = _hopper_llama(checkpoints)
     options = dict(kv_cache_memory_bytes=256 << 20, warmup=False)
     expected, _ = _generate("cuda", str(llama), **options)
     got, engine = _generate("cuda", str(llama), sm_split_decode_sms=64, **options)
@@ -131,11 +137,7 @@ def test_lane_on_green_contexts_equals_the_plain_engine(checkpoints):
 def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(checkpoints):
     """On CUDA the lane's own thread queues a job's forward: aborting its request at once (the launch may still be
     running) waits for the launch and the forward, then frees the blocks; the engine goes on and leaks nothing."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("SM lanes need compute capability 9.0+")
-    pytest.importorskip("cuda.bindings", reason="SM lanes need cuda-bindings")
-    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=256)
+    llama = _hopper_llama(checkpoints)
     llm = LLM(str(llama), device="cuda", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
               kv_cache_memory_bytes=256 << 20, warmup=False)
     e = llm.engine
@@ -163,11 +165,7 @@ def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(chec
 def test_the_start_probe_measures_the_lane_on_green_contexts(checkpoints):
     """engine.step_rates with a lane on a Hopper GPU: the probe's second prompt runs on the prefill lane beside a
     decoding request (its launches on the lane's thread), so lane_token_s is known at start, and nothing is left."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("SM lanes need compute capability 9.0+")
-    pytest.importorskip("cuda.bindings", reason="SM lanes need cuda-bindings")
-    llama = checkpoints.get("LlamaForCausalLM", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=256)
+    llama = _hopper_llama(checkpoints)
     llm = LLM(str(llama), device="cuda", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
               decode_step_target_s=0.5, kv_cache_memory_bytes=256 << 20)
     e = llm.engine
