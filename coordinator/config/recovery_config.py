@@ -1,7 +1,6 @@
 """Self-healing's settings (`recovery:`; coordinator.backend.supervisor): how dead workers are replaced (restarts,
 backoff, warm spares), how often a request may move off a dead worker, the fallback to one pool, the retry of a
-failed prefill, and how often
-`pdserve serve` restarts a crashed coordinator.
+failed prefill, and how often `pdserve serve` restarts a crashed coordinator.
 
     recovery: {max_restarts: 5, restart_window_s: 600, max_migrations: 3, fallback: true, prefill_retry: true,
                spares: 1}
