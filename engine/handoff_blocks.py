@@ -93,9 +93,8 @@ class HandoffBlocks:
         if not bm.allocate(request_id, num_tokens, hits):
             return None
         table = bm.table(request_id)
-        self._restore_now(leading[len(hits):len(hits) + on_host], len(leading) - len(hits),
-                          table[len(hits):len(hits) + on_host])
-        self._offload_now()
+        self._restore_now(leading[len(hits):len(hits) + on_host], len(leading) - len(hits),  # (and the blocks it
+                          table[len(hits):len(hits) + on_host])                             # evicted copied down)
         self._reserved.add(request_id)
         if hits or on_host:
             self._reserved_hits[request_id] = len(hits) + on_host

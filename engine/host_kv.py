@@ -45,17 +45,22 @@ class HostKV:
     def _move_swapped(self, sched: SchedulerOutput) -> None:
         """Queue the step's KV copies to and from the host (preempted requests swapped out, resumed ones swapped
         in; evicted prefix blocks to the host tier, prefixes restored from it: engine.runner.host_tier_store) ahead
-        of the step, on the stream it launches on."""
+        of the step, on the stream it launches on. The evicted blocks are copied down first: the blocks a resumed
+        request is swapped into may be among them (swapped in first, the tier kept the resumed request's KV under
+        the evicted blocks' hashes, and a later prompt restoring those got it)."""
+        tier = self.host_tier
+        if tier is not None and sched.tier_out:
+            self.host_tier_store.move(sched.tier_out, [])  # on CUDA the launch stream waits for these copies
         if sched.swap_out:
             self.swap_store.copy_out(sched.swap_out)
         if sched.swap_in:
             self.swap_store.copy_in(sched.swap_in)
-        if self.host_tier is not None:
-            if sched.tier_out or sched.tier_in:
-                timer = self.host_tier_store.move(sched.tier_out, sched.tier_in)
+        if tier is not None:
+            if sched.tier_in:
+                timer = self.host_tier_store.move([], sched.tier_in)
                 for rid in sched.restored:  # for the request's kv_restore phase (engine.core.request_timing)
                     self.scheduler.requests[rid].restore_timer = timer
-            self.host_tier.end_step()
+            tier.end_step()
 
     def _offload_now(self) -> None:
         """Blocks taken outside a step (a reservation, a fork) evicted cached ones: their copies to the host tier go
@@ -72,12 +77,17 @@ class HostKV:
 
     def _restore_now(self, hashes: Sequence[bytes], looked_up: int, blocks: Sequence[int]) -> None:
         """Copy the host tier's blocks of `hashes` (a run `_restorable` counted) into device `blocks` now, ahead
-        of every later launch; `looked_up` blocks were sought in the tier. Call before _offload_now: the slots
-        read are busy, so the stores it queues cannot overwrite them."""
-        if self.host_tier is None or looked_up == 0:
+        of every later launch; `looked_up` blocks were sought in the tier. The blocks just taken may have evicted
+        cached ones whose copies down (_offload_now) must read them before the copies back overwrite them: so the
+        slots are taken first (busy: no store takes them), then the copies down queued, then the copies back.
+        (The other way round, the host tier kept the restored KV under the evicted blocks' hashes, and a later
+        prompt restoring those was answered from another prompt's KV.)"""
+        if self.host_tier is None:
             return
-        slots = self.host_tier.take(hashes, looked_up)
-        self.host_tier_store.copy_in_now(list(zip(slots, blocks, strict=True)))
+        slots = self.host_tier.take(hashes, looked_up) if looked_up else []
+        self._offload_now()
+        if slots:
+            self.host_tier_store.copy_in_now(list(zip(slots, blocks, strict=True)))
 
     def _start_host_tier(self, config: EngineConfig, cost: CopyCost) -> None:
         """Size the host tier (kv_host_cache_bytes; None: auto where the tier can run) and start building it on a

@@ -217,6 +217,49 @@ def test_a_decode_booking_restores_the_history_its_host_tier_holds(checkpoints, 
     assert got == run_alone(single, "t2", turn2, params)[0]
 
 
+def test_conversations_handed_over_into_a_small_decode_cache_decode_exactly_turn_after_turn(checkpoints):
+    """Six conversations, three turns each, handed over into a decode engine of 12 device blocks with a host tier:
+    each booking restores its history from the tier into blocks that evicted other conversations' cached blocks.
+    Those blocks were copied down after the restore had overwritten them, so the tier kept one conversation's KV
+    under another's hashes, and 7 of 18 turns decoded other tokens than a single engine's; every turn now equals
+    it."""
+    from tests.engine_helpers import prefill_then_hand_over
+
+    folder = str(checkpoints.tiny())
+    prompts = random_prompts([40 + 3 * i for i in range(6)], VOCAB, seed=5)
+    prefill = LLM(folder, device=DEVICE, num_kv_blocks=256, kv_host_cache_bytes=0).engine
+    decode = LLM(folder, device=DEVICE, num_kv_blocks=12, kv_host_cache_bytes=64 << 20).engine
+    single = LLM(folder, device=DEVICE, num_kv_blocks=256, kv_host_cache_bytes=0, enable_prefix_caching=False)
+    for turn in range(3):
+        for c in range(6):
+            tag = f"t{turn}c{c}-"
+            got = prefill_then_hand_over(prefill, decode, [prompts[c]], [GREEDY], tag=tag, reuse_prefix=True)
+            want = single.generate([prompts[c]], GREEDY)[0].token_ids
+            assert got[f"{tag}0"] == list(want), (turn, c)
+            prompts[c] = prompts[c] + list(want) + random_prompts([7], VOCAB, seed=100 + 10 * turn + c)[0]
+    assert decode.load().host_tier_hit_blocks_total > 0  # histories came back from the tier
+    assert decode.check_integrity()["in_use"] == 0
+
+
+def test_swapped_requests_and_the_host_tier_together_decode_exactly():
+    """preemption_mode swap beside the host tier: a resumed request is swapped into blocks that may have evicted
+    cached ones in the same step. Those were copied down to the tier after the swap-in had overwritten them (7 of 30
+    outputs differed from a single engine's over three turns of ten prompts); now first."""
+    prompts = random_prompts([40 + 5 * i for i in range(10)], VOCAB, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine = LLM("tiny", device=DEVICE, num_kv_blocks=24, kv_host_cache_bytes=64 << 20, preemption_mode="swap",
+                 max_num_seqs=8)
+    single = LLM("tiny", device=DEVICE, num_kv_blocks=512, kv_host_cache_bytes=0, enable_prefix_caching=False)
+    for turn in range(3):
+        want = single.generate(prompts, params)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == [w.token_ids for w in want], turn
+        prompts = [p + list(w.token_ids) + random_prompts([5], VOCAB, seed=200 + 10 * turn + c)[0]
+                   for c, (p, w) in enumerate(zip(prompts, want, strict=True))]
+    load = engine.engine.load()
+    assert load.swapped_out_total > 0 and load.host_tier_hit_blocks_total > 0  # both paths ran
+    assert engine.engine.check_integrity()["in_use"] == 0
+
+
 def test_a_tier_still_being_built_joins_between_steps_and_serves_exactly_from_then_on(checkpoints, monkeypatch):
     """A CUDA server's tier is pinned on a thread of its own while the engine serves (engine.host_kv): until it
     joins, the engine runs as one without a tier; it joins at the first step after its build, and from then on an
