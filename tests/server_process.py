@@ -163,15 +163,16 @@ def metric_values(url: str, name: str) -> LabelSets:
 async def complete(client: httpx.AsyncClient, url: str, body: dict,
                    on_chunk: Callable[[int], None] | None = None) -> dict:
     """POST a completion; for streams, reassemble text, token count and finish reason from the SSE chunks
-    (`on_chunk(n)` is called with the number of chunks received so far)."""
+    (`on_chunk(n)` is called with the number of chunks received so far); `token_ids` with return_token_ids."""
     if not body.get("stream"):
         r = await client.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 200, r.text
         data = r.json()
         return {"text": data["choices"][0]["text"], "finish_reason": data["choices"][0]["finish_reason"],
-                "completion_tokens": data["usage"]["completion_tokens"]}
+                "completion_tokens": data["usage"]["completion_tokens"],
+                "token_ids": data["choices"][0].get("token_ids")}
     body = {**body, "stream_options": {"include_usage": True}}
-    text, finish, usage, received = [], None, None, 0
+    text, finish, usage, received, ids = [], None, None, 0, []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200, (r.status_code, (await r.aread()).decode()[:2000])
         async for line in r.aiter_lines():
@@ -186,8 +187,10 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict,
                 usage = chunk["usage"]
             for choice in chunk["choices"]:
                 text.append(choice["text"])
+                ids += choice.get("token_ids") or []
                 finish = choice["finish_reason"] or finish
-    return {"text": "".join(text), "finish_reason": finish, "completion_tokens": usage["completion_tokens"]}
+    return {"text": "".join(text), "finish_reason": finish, "completion_tokens": usage["completion_tokens"],
+            "token_ids": ids if body.get("return_token_ids") else None}
 
 
 
