@@ -10,6 +10,7 @@ from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.text.detokenizer import IncrementalDetokenizer
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
 
@@ -67,7 +68,13 @@ class LLM:
                     self.engine.abort(rid)
         return [
             RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids_, tokens[rid],
-                          self.tokenizer.decode(tokens[rid]), finish[rid],
+                          self._text(ids_, tokens[rid]), finish[rid],
                           logprobs[rid] if p.logprobs is not None else None)
             for rid, prompt, ids_, p in zip(ids, prompts, encoded, params, strict=True)
         ]
+
+    def _text(self, prompt_ids: list[int], output_ids: list[int]) -> str:
+        """The output's text as a server streams it: decoded after the prompt's last tokens (a character the
+        prompt's last token began and the first output token completes is the prompt's, not the output's)."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        return detokenizer.step(output_ids) + detokenizer.flush()

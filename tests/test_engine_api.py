@@ -187,3 +187,24 @@ def test_cli_generate_prints_a_completion(checkpoints, capsys):
     assert capsys.readouterr().out.startswith("'Hello' -> ")
     assert main(["generate", "--model", "/no/such/folder", "Hello"]) == 2
     assert "no such checkpoint folder" in capsys.readouterr().err
+
+
+def test_offline_text_is_what_a_server_streams_after_the_prompt():
+    """LLM.generate's text decodes the output after the prompt's last tokens, as the server's TextOutput does: a
+    reply whose first token completes a character the prompt's last token began gave a leading U+FFFD offline and
+    not served. This conversation's second turn is such a case (its reply starts with token 118)."""
+    from coordinator.api.text_output import TextOutput
+    from tests.engine_helpers import random_prompts
+
+    llm = LLM("tiny")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    history = random_prompts([100 + 13 * i for i in range(12)], 2000, seed=81)[6]
+    first = llm.generate([history], greedy)[0]
+    second_turn = history + list(first.token_ids) + random_prompts([26], 2000, seed=90)[0]
+    for prompt in (history, second_turn):
+        out = llm.generate([prompt], greedy)[0]
+        served = TextOutput(llm.tokenizer, prompt)
+        text = "".join(served.add_token(t) for t in out.token_ids) + served.finish()
+        assert out.text == text
+    assert out.token_ids[0] == 118 and not out.text.startswith("\ufffd")
+    assert llm.tokenizer.decode(out.token_ids).startswith("\ufffd")  # the output alone begins mid-character
