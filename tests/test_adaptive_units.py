@@ -412,3 +412,16 @@ def test_the_prefill_pick_follows_a_prefill_worker_holding_the_prompt_when_a_dec
     router.remember(prompt + reply, "decode-0")
     pressures = {"prefill-0": 10, "prefill-1": 0}
     assert router.pick_prefill(prompt + reply + [7], [p0, p1], lambda w: pressures[w.name]) is p0
+
+
+def test_a_worker_keeps_the_newest_load_it_reported_whatever_order_they_arrive_in():
+    """A decode() reply carries the load of the request's join; the stream may have brought the loads of the steps
+    after it first. The older one must not replace them (the coordinator's bookings and /metrics read it)."""
+    worker = _workers("decode")[0]
+    newer = replace(_load(30e-6), steps=12, taken_at_s=105.0)
+    older = replace(_load(30e-6), steps=3, taken_at_s=100.0)
+    worker.report(newer)
+    worker.report(older)
+    assert worker.load.steps == 12
+    worker.report(replace(newer, steps=13, taken_at_s=106.0))
+    assert worker.load.steps == 13

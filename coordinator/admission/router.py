@@ -54,6 +54,13 @@ class WorkerState:
     def __post_init__(self) -> None:
         self.role = self.role or self.info.role
 
+    def report(self, load: EngineLoad) -> None:
+        """The worker's load as a reply or its stream brought it: kept unless one taken later on the worker is kept
+        already (replies and stream messages arrive in any order: a decode() reply carries the load of the request's
+        join, which may land after the stream's loads of the steps that followed)."""
+        if self.load is None or load.taken_at_s >= self.load.taken_at_s or not load.taken_at_s:
+            self.load = load
+
     @property
     def prefills(self) -> bool:
         """It takes prompts for other workers."""

@@ -123,7 +123,7 @@ class OutputIntake:
         """One batch of a worker's deltas (poll() or its stream) to their attempts; `load`: the worker's after
         them."""
         if load is not None:
-            worker.load = load
+            worker.report(load)
         for attempt, durations in phases.items():  # before its output: the attempt takes them with it
             if attempt in self.queues:
                 self._phases[attempt] = durations

@@ -171,7 +171,7 @@ class GroupRun:
                     out = await b._call(prefill, prefill.handle.prefill.remote(
                         rid, request.prompt_token_ids, self._params[0], priority=placement.priority,
                         fork_params=self._params[1:]))
-                    prefill.load = out.load
+                    prefill.report(out.load)
                     firsts = [(out.first_token_id, out.first_logprob), *(out.fork_first or [])]
                     prompt_lps, peer, blocks = out.prompt_logprobs, prefill.name, out.block_ids
                     cached = out.num_cached_tokens
@@ -231,8 +231,8 @@ class GroupRun:
         the group's priority); the prefill worker then frees its pinned copy. Errors go into the group's stream."""
         b = self._backend
         try:
-            decode.load = await b._call(decode, decode.handle.decode_group.remote(
-                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks, priority))
+            decode.report(await b._call(decode, decode.handle.decode_group.remote(
+                rid, self._ids, self._request.prompt_token_ids, self._params, firsts, peer, blocks, priority)))
         except BackendError as e:
             queue.put_nowait(e)
         finally:

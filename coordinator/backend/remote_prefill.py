@@ -55,7 +55,7 @@ class RemotePrefill:
         reservation.unbook(prefill.key, "prompt_tokens")
         if not result.pushed:  # nothing pinned (it ended), or the handoff releases it; while a push is under way
             cleanup.remove((prefill, "abort"))  # the prefill's abort stays first in line (in_order): it waits out
-        prefill.load = result.load            # the writes before the decode worker frees their blocks
+        prefill.report(result.load)           # the writes before the decode worker frees their blocks
         first = TokenDelta([result.first_token_id], [result.first_logprob] if result.first_logprob else [],
                            result.finish_reason, cached_tokens=result.num_cached_tokens)
         if result.finish_reason is None:
@@ -100,9 +100,9 @@ class RemotePrefill:
                     return
                 if self.adaptive is not None:
                     self._push_waits[attempt] = (("kv_transfer", waited),)
-            decode.load = await self._call(decode, decode.handle.decode.remote(
+            decode.report(await self._call(decode, decode.handle.decode.remote(
                 attempt, request.prompt_token_ids, request.params, result.first_token_id, result.first_logprob,
-                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed, priority=placement.priority))
+                prefill.name, result.block_ids, prior_output_ids=prior, pushed=pushed, priority=placement.priority)))
         except TransferFailed as e:
             self._count(self.errors, "transfer_failed")
             if self.config.transfer.on_failure == "fail":

@@ -120,7 +120,7 @@ class Supervisor:
         """Ask every live worker for its load; an actor error marks it dead (a hung worker times out)."""
         async def one(w: WorkerState) -> None:
             try:
-                w.load = await asyncio.wait_for(w.handle.load.remote(), PROBE_TIMEOUT_S)
+                w.report(await asyncio.wait_for(w.handle.load.remote(), PROBE_TIMEOUT_S))
             except (RayActorError, TimeoutError) as e:
                 self.worker_died(w, f"liveness probe: {type(e).__name__}: {e}")
             except RayTaskError:
