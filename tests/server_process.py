@@ -194,6 +194,34 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict,
 
 
 
+def leaver(prompt: list[int], max_tokens: int = 40) -> dict:
+    """The completion body of a `tiny` client that leaves mid-way (stream_until, leave_after_s)."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+async def stream_until(client: httpx.AsyncClient, url: str, body: dict, chunks: float) -> int:
+    """Read `chunks` SSE events of a streamed completion (inf: all of them), then drop the connection (a client that
+    leaves). Returns the events read; no event may carry an error."""
+    seen = 0
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                assert '"error"' not in line, line
+                seen += 1
+                if seen >= chunks:
+                    break
+    return seen
+
+
+async def leave_after_s(client: httpx.AsyncClient, url: str, body: dict, after_s: float) -> None:
+    """A client that gives up `after_s` into its streamed completion, whatever phase it is in."""
+    task = asyncio.ensure_future(stream_until(client, url, body, float("inf")))
+    await asyncio.sleep(after_s)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def streams_with_a_kill(url: str, bodies: list[dict], kill: Callable[[], Awaitable[None]], stream=None,
                         after_chunks: int = 3, timeout_s: float = 300.0) -> list[dict]:
     """Runs every body as a stream (`stream(client, url, body, on_chunk)`, default `complete`) and awaits `kill()`

@@ -19,6 +19,7 @@ from tests.server_process import (
     assert_nothing_booked,
     metric_values,
     running_server,
+    stream_until,
 )
 
 pytestmark = pytest.mark.timeout(400)
@@ -35,20 +36,6 @@ def server(tmp_path_factory):
               "admission": {"timeout_s": 5, "reserve_output": 1.0}}
     with running_server(tmp_path_factory.mktemp("leaks"), config) as srv:
         yield srv
-
-
-async def _stream_until(client, url: str, body: dict, chunks: int) -> int:
-    """Read `chunks` SSE events of a streamed completion, then drop the connection. Returns events read."""
-    seen = 0
-    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                assert '"error"' not in line, line
-                seen += 1
-                if seen >= chunks:
-                    break
-    return seen
 
 
 def _booked(url: str, name: str) -> float:
@@ -70,7 +57,7 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
 
     async def drop_during_prefill():
         async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [asyncio.create_task(_stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens": 32,
+            tasks = [asyncio.create_task(stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens": 32,
                                                                       "ignore_eos": True}, 10**9)) for p in long]
             while _booked(url, "pdserve_worker_booked_prompt_tokens") < 10 * 1800:
                 await asyncio.sleep(0.01)
@@ -97,7 +84,7 @@ def test_drops_in_every_phase_and_prefill_errors_leave_nothing_booked(server):
 
     async def drop_after(chunks: int, prompts, max_tokens: int):
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*[_stream_until(client, url, {"model": "tiny", "prompt": p, "ignore_eos": True,
+            return await asyncio.gather(*[stream_until(client, url, {"model": "tiny", "prompt": p, "ignore_eos": True,
                                                                       "max_tokens": max_tokens}, chunks)
                                           for p in prompts])
     assert asyncio.run(drop_after(1, short, 64)) == [1] * 60

@@ -12,7 +12,16 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
-from tests.server_process import HALF_CPU, admin_integrity, assert_nothing_booked, complete, running_server
+from tests.server_process import (
+    HALF_CPU,
+    admin_integrity,
+    assert_nothing_booked,
+    complete,
+    leave_after_s,
+    leaver,
+    running_server,
+    stream_until,
+)
 
 pytestmark = pytest.mark.timeout(400)
 VOCAB = 2000
@@ -33,28 +42,6 @@ def server(tmp_path_factory, request):
         yield srv
 
 
-async def _leave_after(client: httpx.AsyncClient, url: str, prompt: list[int], chunks: float) -> None:
-    """Stream a completion and drop the connection after `chunks` SSE events (inf: read it all)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "stream": True}
-    seen = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                seen += 1
-                if seen >= chunks:
-                    return
-
-
-async def _leave_at_once(client: httpx.AsyncClient, url: str, prompt: list[int], after_s: float) -> None:
-    """A client that gives up `after_s` into its streamed request, whatever phase it is in (mostly its prefill's
-    first calls: an abort sent then races them)."""
-    task = asyncio.ensure_future(_leave_after(client, url, prompt, float("inf")))
-    await asyncio.sleep(after_s)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-
-
 def test_requests_end_exactly_and_leave_nothing_when_calls_run_out_of_order(server):
     url = server.url
     prompts = random_prompts([60 + (i * 97) % 700 for i in range(24)], VOCAB, seed=71)
@@ -67,9 +54,10 @@ def test_requests_end_exactly_and_leave_nothing_when_calls_run_out_of_order(serv
             done = asyncio.gather(*[complete(client, url, {"model": "tiny", "prompt": p, "max_tokens": 12,
                                                            "ignore_eos": True, "temperature": 0,
                                                            "stream": i % 2 == 0}) for i, p in enumerate(prompts)])
-            gone = asyncio.gather(*[_leave_at_once(client, url, p, 0.002 * i) for i, p in enumerate(leaving[:40])],
-                                  *[_leave_after(client, url, p, 1) for p in leaving[40:48]],
-                                  *[_leave_after(client, url, p, 4) for p in leaving[48:]])
+            gone = asyncio.gather(*[leave_after_s(client, url, leaver(p), 0.002 * i)
+                                    for i, p in enumerate(leaving[:40])],
+                                  *[stream_until(client, url, leaver(p), 1) for p in leaving[40:48]],
+                                  *[stream_until(client, url, leaver(p), 4) for p in leaving[48:]])
             return (await asyncio.gather(done, gone))[0]
     results = asyncio.run(run())
     assert [r["text"] for r in results] == want

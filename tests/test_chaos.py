@@ -17,11 +17,13 @@ from tests.server_process import (
     OPERATOR,
     assert_nothing_booked,
     complete,
+    leave_after_s,
+    leaver,
     metric_values,
     running_server,
+    stream_until,
     wait_for_health,
 )
-from tests.test_call_reordering import _leave_after, _leave_at_once
 
 pytestmark = pytest.mark.timeout(600)
 VOCAB = 2000
@@ -52,9 +54,9 @@ def test_requests_end_exactly_under_every_fault_at_once(tmp_path, mode):
                     done = asyncio.gather(*[complete(client, url, {
                         "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
                         "stream": i % 2 == 0}) for i, p in enumerate(prompts)])
-                    gone = asyncio.gather(*[_leave_at_once(client, url, p, 0.003 * i)
+                    gone = asyncio.gather(*[leave_after_s(client, url, leaver(p), 0.003 * i)
                                             for i, p in enumerate(leaving[:24])],
-                                          *[_leave_after(client, url, p, 1 + i % 8)
+                                          *[stream_until(client, url, leaver(p), 1 + i % 8)
                                             for i, p in enumerate(leaving[24:])])
                     await asyncio.sleep(kill_after_s)
                     r = await client.post(f"{url}/admin/workers/{victim}/kill", headers=OPERATOR)

@@ -19,6 +19,7 @@ from tests.server_process import (
     assert_nothing_booked,
     metric_values,
     running_server,
+    stream_until,
     wait_for_idle_workers,
 )
 
@@ -37,23 +38,10 @@ def server(tmp_path_factory):
         yield srv
 
 
-async def _stream_until(client: httpx.AsyncClient, url: str, body: dict, chunks: int) -> int:
-    """Read `chunks` SSE events of a streamed completion, then drop the connection. Returns events read."""
-    seen = 0
-    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                seen += 1
-                if seen >= chunks:
-                    break
-    return seen
-
-
 def _drop_after(url: str, prompts: list[list[int]], chunks: int, max_tokens: int) -> list[int]:
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-            return await asyncio.gather(*[_stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens":
+            return await asyncio.gather(*[stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens":
                                                                       max_tokens, "ignore_eos": True}, chunks)
                                           for p in prompts])
     return asyncio.run(run())
@@ -63,7 +51,7 @@ def _drop_during_prefill(url: str, prompts: list[list[int]]) -> None:
     """Clients that leave while their prompts are being computed (booked on the prefill worker)."""
     async def run() -> None:
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-            tasks = [asyncio.create_task(_stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens": 32,
+            tasks = [asyncio.create_task(stream_until(client, url, {"model": "tiny", "prompt": p, "max_tokens": 32,
                                                                      "ignore_eos": True}, 10**9)) for p in prompts]
             deadline = time.monotonic() + DEADLINE_S
             while sum(metric_values(url, "pdserve_worker_booked_prompt_tokens").values()) < 4 * len(prompts[0]):

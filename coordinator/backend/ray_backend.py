@@ -197,25 +197,21 @@ class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls):
                             if delta.finish_reason is not None:
                                 return
                     raise BackendError("the worker's token stream ended without a finish reason")
-                except WorkerLost as e:
-                    trace.mark("migration")
-                    self._count(self.migrations, "attempted")
-                    if moves >= self.config.recovery.max_migrations:
-                        raise BackendError(f"{e}; the request was moved {moves} times already "
-                                           "(recovery.max_migrations)") from None
-                    moves += 1
-                    record.moves, record.state = moves, "migrating"
-                    reservation.clear()
-                    log.warning("request %s: %s; resuming after %d tokens", rid, e, len(sent))
-                except PrefillFailed as e:
-                    if whole or not self.config.recovery.prefill_retry or moves >= self.config.recovery.max_migrations:
+                except (WorkerLost, PrefillFailed) as e:  # a worker died, or its prefill failed: move the request
+                    failed_prefill = isinstance(e, PrefillFailed)  # then it runs whole on a decode worker, once
+                    out_of_moves = moves >= self.config.recovery.max_migrations
+                    if failed_prefill and (whole or not self.config.recovery.prefill_retry or out_of_moves):
                         raise
                     trace.mark("migration")
-                    self._count(self.migrations, "prefill_retried")
-                    moves, whole = moves + 1, True
+                    self._count(self.migrations, "prefill_retried" if failed_prefill else "attempted")
+                    if out_of_moves:
+                        raise BackendError(f"{e}; the request was moved {moves} times already "
+                                           "(recovery.max_migrations)") from None
+                    moves, whole = moves + 1, whole or failed_prefill
                     record.moves, record.state = moves, "migrating"
                     reservation.clear()
-                    log.warning("request %s: %s; running it whole on a decode worker", rid, e)
+                    log.warning("request %s: %s; %s", rid, e, "running it whole on a decode worker" if failed_prefill
+                                else f"resuming after {len(sent)} tokens")
         except BackendError:
             if moves:  # a moved request that still failed: out of moves, no room, or an error elsewhere
                 self._count(self.migrations, "outcome_failed")
