@@ -356,7 +356,8 @@ def long_prompt(model_dir: str, decode_sms: int, chunk: int, streams: int = 32, 
                                    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
                 sent = time.perf_counter()
         lane = engine.lane
-        return {"case": "long prompt", "decode_sms": (lane.lanes.decode_sms if lane and lane.lanes else 0),
+        used = [split for split in (lane.splits.values() if lane else ()) if split.jobs and split.lanes]
+        return {"case": "long prompt", "decode_sms": ",".join(str(split.lanes.decode_sms) for split in used) or 0,
                 "chunk": chunk, "streams": streams, "prompt_len": prompt_len,
                 "gap_p50_before_ms": round(pct(gaps_before, 0.5), 3),
                 "gap_p99_before_ms": round(pct(gaps_before, 0.99), 3),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_quant import KV_CACHE_DTYPES
+from engine.lane_splits import split_table
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "triton", "torch")
@@ -70,10 +71,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # issue 43: > 0 runs a step's prompt chunks beside its decode rows instead of inside them: the prompt's forward
     # on a lane of the GPU's other SMs (green contexts, engine.runner.sm_lanes), the decode steps on a lane of this
-    # many SMs with CUDA graphs of their own, until the prompt is done (engine.runner.prefill_lane). Needs CUDA
-    # compute capability 9.0+, cuda-bindings, tensor_parallel_size 1; on the CPU the lane runs in order (no split).
-    # 0: off (chunked prefill only)
-    sm_split_decode_sms: int = 0
+    # many SMs with CUDA graphs of their own, until the prompt is done (engine.runner.prefill_lane). Or a table
+    # {decode rows up to: SMs} (a dict, kept as sorted pairs): the split by the decode batch a job starts beside
+    # (engine.lane_splits). Needs CUDA compute capability 9.0+, cuda-bindings, tensor_parallel_size 1; on the CPU the
+    # lane runs in order (no split). 0: off (chunked prefill only)
+    sm_split_decode_sms: int | tuple[tuple[int, int], ...] = 0
     warmup: bool = True                 # with Triton kernels: compile every kernel variant at start (runner.warmup)
     tensor_parallel_size: int = 1       # ranks the model is split over (engine.model.parallel; 1 = one device)
     device_ids: tuple[int, ...] | None = None  # CUDA device of each rank (None: consecutive from `device`)
@@ -84,6 +86,9 @@ class EngineConfig:
     tp_all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
+        split_why = _split_error(self.sm_split_decode_sms)
+        if split_why is None and not isinstance(self.sm_split_decode_sms, int):  # frozen: the table in its one form
+            object.__setattr__(self, "sm_split_decode_sms", split_table(self.sm_split_decode_sms))
         checks = [
             ("dtype", self.dtype in DTYPES, f"must be one of {DTYPES}"),
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -115,10 +120,9 @@ class EngineConfig:
                     self.tensor_parallel_size == 1 and self.enable_prefix_caching))),
              "must be null (sized from the host's memory), 0 (off) or a number of bytes; a host tier needs "
              "enable_prefix_caching and tensor_parallel_size 1"),
-            ("sm_split_decode_sms", isinstance(self.sm_split_decode_sms, int)
-             and not isinstance(self.sm_split_decode_sms, bool) and self.sm_split_decode_sms >= 0
-             and (self.sm_split_decode_sms == 0 or self.tensor_parallel_size == 1),
-             "must be 0 (off) or a number of SMs for the decode lane (with tensor_parallel_size 1)"),
+            ("sm_split_decode_sms", split_why is None and (not split_table(self.sm_split_decode_sms)
+                                                           or self.tensor_parallel_size == 1),
+             split_why or "needs tensor_parallel_size 1 (a lane splits one device's SMs)"),
             ("max_prefill_chunk", self.max_prefill_chunk is None or self.max_prefill_chunk > 0, "must be positive"),
             ("decode_step_target_s", self.decode_step_target_s is None or (
                 isinstance(self.decode_step_target_s, (int, float)) and not isinstance(self.decode_step_target_s, bool)
@@ -145,3 +149,12 @@ class EngineConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
+
+
+def _split_error(value: object) -> str | None:
+    """Why `value` is no sm_split_decode_sms (engine.lane_splits), None if it is one."""
+    try:
+        split_table(value)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -22,6 +22,7 @@ from engine.core.lane_policy import lane_pays
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput, StepOutput
 from engine.engine_config import EngineConfig
+from engine.lane_splits import split_table
 from engine.runner.prefill_lane import PrefillLane
 from engine.runner.step_extras import plan_extras
 
@@ -38,18 +39,21 @@ class LaneSteps:
 
     def _prefill_lane(self, config: EngineConfig) -> PrefillLane | None:
         """The lane sm_split_decode_sms asks for (None: off); ValueError naming the key where it cannot run."""
-        n = config.sm_split_decode_sms
-        if not n:
+        table = split_table(config.sm_split_decode_sms)
+        if not table:
             return None
-        lanes = None
+        make_lanes = None
         if self.device.type == "cuda":
             from engine.runner.sm_lanes import available, split_sms
 
             why = available(self.device)
             if why:
-                raise ValueError(f"EngineConfig.sm_split_decode_sms {n}: {why}")
-            lanes = split_sms(self.device, n)
-        return PrefillLane(self.runner, lanes, config.max_num_seqs, self.max_blocks_per_seq)
+                raise ValueError(f"EngineConfig.sm_split_decode_sms {config.sm_split_decode_sms}: {why}")
+            device = self.device
+
+            def make_lanes(decode_sms: int):
+                return split_sms(device, decode_sms)
+        return PrefillLane(self.runner, table, make_lanes, config.max_num_seqs, self.max_blocks_per_seq)
 
     def _prompts_pending(self) -> bool:
         """Whether a prompt waits to be planned (then a lane engine stops overlapping: schedule() plans it)."""
@@ -100,7 +104,7 @@ class LaneSteps:
         decode = [c for c in sched.chunks if len(c.token_ids) == 1]
         if prompt:  # the lane is idle: held requests leave no prompt tokens to plan
             self.scheduler.held.update(c.request_id for c in prompt)
-            self.lane.start(SchedulerOutput(chunks=prompt))
+            self.lane.start(SchedulerOutput(chunks=prompt), len(decode))
         if decode:
             began = time.perf_counter()
             outputs = self._apply(self.lane.launch_decode(SchedulerOutput(chunks=decode),

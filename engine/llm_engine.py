@@ -160,7 +160,7 @@ class LLMEngine(EngineSteps, HandoffBlocks, PrefixExchange, GrammarHolding, Host
         self.lane = self._prefill_lane(config)  # prompts beside the decode steps (sm_split_decode_sms; None: off)
         # graphs left for after start (graph_capture "deferred"; None: none), captured between steps
         self.deferred_graphs = DeferredGraphs([
-            self.runner.graphs, self.lane and self.lane.graphs, self.runner.prefill_graphs,
+            self.runner.graphs, *(self.lane.graph_sets if self.lane else ()), self.runner.prefill_graphs,
             self.runner.mixed_graphs]) if self.followers is None and rank.graphs is not None else None
         self._reserved: set[str] = set()
         self._reserved_hits: dict[str, int] = {}  # reservations that began with prefix-cache hits -> how many blocks

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.config.scaling_config import MAX_POOL_WORKERS
+from engine.lane_splits import split_table
 
 GRAPH_CAPTURES = ("auto", "start", "deferred")  # EngineConfig.graph_capture, or "auto" (PoolConfig.graph_capture)
 
@@ -47,14 +48,20 @@ class PoolConfig:
     # ready seconds sooner), else "start" (EngineConfig.graph_capture)
     graph_capture: str = "auto"
     # > 0: prompts run beside the decode steps on the GPU's other SMs, the decode steps on this many (issue 43;
-    # EngineConfig.sm_split_decode_sms); 0: chunked prefill only
-    sm_split_decode_sms: int = 0
+    # EngineConfig.sm_split_decode_sms), or a table {decode rows up to: SMs} (engine.lane_splits); 0: chunked
+    # prefill only
+    sm_split_decode_sms: int | dict[int, int] | tuple[tuple[int, int], ...] = 0
     tensor_parallel_size: int = 1  # ranks per worker (engine.model.parallel); a worker reserves num_gpus per rank
     kv_cache_dtype: str | None = None  # None: the top-level kv_cache_dtype (both pools must hold the same)
     # per worker, Ray custom resources ({"prefill_node": 1}) that only some nodes offer: puts the pool on them
     resources: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sm_split_decode_sms, int):  # frozen (and hashable): the table as sorted pairs
+            try:
+                object.__setattr__(self, "sm_split_decode_sms", split_table(self.sm_split_decode_sms))
+            except ValueError as e:
+                raise ValueError(f"sm_split_decode_sms: {e}, got {self.sm_split_decode_sms!r}") from None
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:

@@ -10,17 +10,22 @@ lane's stream. Decode kernels then
 never wait behind queued prefill kernels for SMs (measured in benchmarks/sm_split.py). When `ready()`, `finish`
 computes the prompt's logits and samples on the engine's stream; the engine then applies it like any step.
 
-Owns the two streams' ordering (each lane waits for the engine's stream before its work, the engine's stream waits
-for the decode lane after each decode step), the launching thread and the one job in flight; the scheduler
-(Scheduler.held) keeps the job's requests out of other steps and out of preemption until `finish`. On the CPU there
-are no lanes: `start` computes the forward at once (same order, same results), which lets CPU tests cover the
-engine's lane logic.
+With a table of splits (engine.lane_splits) the lane holds one split per SM count in it, each with its green
+contexts and its decode graphs; a job takes the split its decode batch asks for when it starts, and keeps it.
+
+Owns the splits, the two streams' ordering (each lane waits for the engine's stream before its work, the engine's
+stream waits for the decode lane after each decode step), the launching thread and the one job in flight; the
+scheduler (Scheduler.held) keeps the job's requests out of other steps and out of preemption until `finish`. On the
+CPU there are no lanes: `start` computes the forward at once (same order, same results), which lets CPU tests cover
+the engine's lane logic and the choice of split.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,6 +33,7 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
+from engine.lane_splits import SplitTable, decode_sms_for
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_setup import FIRST_DECODE_BUCKETS
@@ -36,6 +42,17 @@ from engine.runner.step_inputs import StepInputs, build_step_inputs
 
 RATE_MIN_TOKENS = 256  # shorter jobs time mostly the step that notices them done
 RATE_EWMA = 0.3
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LaneSplit:
+    """One split of the GPU's SMs: the decode lane's size asked for, its green contexts and its decode graphs."""
+
+    decode_sms: int
+    lanes: SmLanes | None          # None on the CPU (no split)
+    graphs: DecodeGraphs | None    # decode graphs captured on lanes.decode (None: on the CPU, or without graphs)
+    jobs: int = 0                  # jobs run on this split since start
 
 
 @dataclass
@@ -53,6 +70,7 @@ class LaneJob:
     """Prompt chunks whose forward is queued, or being queued, on the prefill lane."""
 
     sched: SchedulerOutput
+    split: LaneSplit                    # the SMs it and the decode steps beside it run on
     started: float                      # time.perf_counter() when it was handed over
     tokens: int                         # prompt tokens it computes
     launching: Future | None = None     # CUDA: the lane thread's launch (its result: the LaneForward)
@@ -60,16 +78,22 @@ class LaneJob:
 
 
 class PrefillLane:
-    def __init__(self, runner: ModelRunner, lanes: SmLanes | None, max_batch: int, max_blocks_per_seq: int) -> None:
-        """`lanes` None: the CPU's in-order lane (no graphs, no streams)."""
-        self.runner, self.lanes = runner, lanes
-        self.graphs = None
-        if lanes is not None and runner.graphs is not None:  # the decode lane's own graphs: they keep its SMs
-            first = FIRST_DECODE_BUCKETS if runner.graphs.deferred.pending else None  # deferred like the runner's
-            self.graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode,
-                                       first_buckets=first)
+    def __init__(self, runner: ModelRunner, table: SplitTable, make_lanes: Callable[[int], SmLanes] | None,
+                 max_batch: int, max_blocks_per_seq: int) -> None:
+        """`table`: the splits by decode batch (engine.lane_splits); `make_lanes(decode_sms)` splits the device (None:
+        the CPU's in-order lane, no graphs, no streams)."""
+        self.runner, self.table = runner, table
+        self.splits: dict[int, LaneSplit] = {}
+        for sms in sorted({sms for _, sms in table}):
+            lanes = make_lanes(sms) if make_lanes is not None else None
+            graphs = None
+            if lanes is not None and runner.graphs is not None:  # the decode lane's own graphs: they keep its SMs
+                first = FIRST_DECODE_BUCKETS if runner.graphs.deferred.pending else None  # deferred as the runner's
+                graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch, max_blocks_per_seq, lanes.decode,
+                                      first_buckets=first)
+            self.splits[sms] = LaneSplit(sms, lanes, graphs)
         # the job's launches run here on CUDA, off the engine thread (one thread: one job at a time)
-        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane") if lanes is not None else None
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane") if make_lanes is not None else None
         self.job: LaneJob | None = None
         self.launch_s = 0.0  # host seconds the last job's launches took
         self.jobs = 0  # prompt steps the lane ran since start
@@ -78,6 +102,11 @@ class PrefillLane:
         self.token_s = 0.0
         self.step_s = 0.0  # a decode step's time while a job runs beside it (a running average; 0 until one)
         self.step_at = 0.0  # time.perf_counter() when step_s was last measured
+
+    @property
+    def graph_sets(self) -> list[DecodeGraphs]:
+        """Every split's decode graphs (for the captures deferred past start)."""
+        return [split.graphs for split in self.splits.values() if split.graphs is not None]
 
     def observe_step(self, seconds: float) -> None:
         """A decode step that ran while a job was on the lane (not the one that queued the job) took `seconds`."""
@@ -102,22 +131,27 @@ class PrefillLane:
             if done is not None:
                 done.synchronize()
 
-    def start(self, sched: SchedulerOutput) -> None:
-        """Hand the forward of `sched` (prompt chunks only) to the prefill lane: on CUDA the lane's thread queues it
-        on the lane's stream after what the engine's stream has queued so far (the step's KV copies); on the CPU
-        it is computed here and now."""
+    def start(self, sched: SchedulerOutput, decode_rows: int) -> None:
+        """Hand the forward of `sched` (prompt chunks only), beside `decode_rows` decoding rows, to the prefill
+        lane of the split those rows ask for: on CUDA the lane's thread queues it on that lane's stream after what
+        the engine's stream has queued so far (the step's KV copies); on the CPU it is computed here and now."""
         if self.job is not None:
             raise RuntimeError("the prefill lane runs one job at a time")
-        job = LaneJob(sched, time.perf_counter(), sched.num_tokens)
+        split = self.splits[decode_sms_for(self.table, decode_rows)]
+        if not split.jobs and len(self.splits) > 1:
+            log.info("prefill lane: first job on the split of %d decode SMs (beside %d decoding rows)",
+                     split.decode_sms, decode_rows)
+        job = LaneJob(sched, split, time.perf_counter(), sched.num_tokens)
         if self._launcher is None:
-            job.forward = self._launch(sched, None, None)
+            job.forward = self._launch(sched, None, None, None)
         else:
             main = torch.cuda.current_stream(self.runner.device)
             gate = torch.cuda.Event()
             gate.record(main)
-            job.launching = self._launcher.submit(self._launch, sched, gate, main)
+            job.launching = self._launcher.submit(self._launch, sched, gate, main, split.lanes.prefill)
         self.job = job
         self.jobs += 1
+        split.jobs += 1
 
     def close(self) -> None:
         """Stop the launching thread (after any job it is launching)."""
@@ -133,13 +167,12 @@ class PrefillLane:
         return job.forward
 
     @torch.inference_mode()
-    def _launch(self, sched: SchedulerOutput, gate: torch.cuda.Event | None,
-                main: torch.cuda.Stream | None) -> LaneForward:
-        """Queue the forward on the prefill lane after `gate` (None: the CPU, computed in place). Runs on the lane's
-        thread on CUDA, where `main` is the engine's stream, which reads the results (finish)."""
+    def _launch(self, sched: SchedulerOutput, gate: torch.cuda.Event | None, main: torch.cuda.Stream | None,
+                stream: torch.cuda.Stream | None) -> LaneForward:
+        """Queue the forward on the prefill lane's `stream` after `gate` (None: the CPU, computed in place). Runs on
+        the lane's thread on CUDA, where `main` is the engine's stream, which reads the results (finish)."""
         began = time.perf_counter()
         runner = self.runner
-        stream = self.lanes.prefill if gate is not None else None
         with contextlib.ExitStack() as scope:
             if stream is not None:
                 scope.enter_context(torch.cuda.device(runner.device))
@@ -172,11 +205,12 @@ class PrefillLane:
         return self.runner.sample(job.sched, forward.step.sampling, logits, params)
 
     def launch_decode(self, sched: SchedulerOutput, params: dict[str, SamplingParams]) -> LaunchedStep:
-        """A decode step (no prompt chunks) on the decode lane, with its graphs."""
-        with self._on(self.lanes.decode if self.lanes else None):
-            launched = self.runner.launch(sched, params, graphs=self.graphs)
-        if self.lanes is not None:
-            torch.cuda.current_stream(self.runner.device).wait_stream(self.lanes.decode)
+        """A decode step (no prompt chunks) on the decode lane of the job's split, with its graphs."""
+        split = self.job.split
+        with self._on(split.lanes.decode if split.lanes else None):
+            launched = self.runner.launch(sched, params, graphs=split.graphs)
+        if split.lanes is not None:
+            torch.cuda.current_stream(self.runner.device).wait_stream(split.lanes.decode)
         return launched
 
     @contextlib.contextmanager
