@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.core.lane_policy import lane_pays
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput, StepOutput
@@ -49,10 +51,16 @@ class LaneSteps:
             why = available(self.device)
             if why:
                 raise ValueError(f"EngineConfig.sm_split_decode_sms {config.sm_split_decode_sms}: {why}")
-            device = self.device
+            device, total = self.device, torch.cuda.get_device_properties(self.device).multi_processor_count
 
             def make_lanes(decode_sms: int):
-                return split_sms(device, decode_sms)
+                if decode_sms >= total:
+                    raise ValueError(f"EngineConfig.sm_split_decode_sms {config.sm_split_decode_sms}: a decode lane "
+                                     f"of {decode_sms} SMs leaves none of this GPU's {total} to the prefill lane")
+                try:
+                    return split_sms(device, decode_sms)
+                except RuntimeError as e:
+                    raise ValueError(f"EngineConfig.sm_split_decode_sms {config.sm_split_decode_sms}: {e}") from None
         return PrefillLane(self.runner, table, make_lanes, config.max_num_seqs, self.max_blocks_per_seq)
 
     def _prompts_pending(self) -> bool:

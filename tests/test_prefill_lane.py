@@ -210,6 +210,15 @@ def test_a_split_table_on_green_contexts_equals_the_plain_engine(checkpoints):
 
 
 @pytest.mark.gpus(1)
+def test_a_decode_lane_as_large_as_the_gpu_is_refused_by_name(checkpoints):
+    llama = _hopper_llama(checkpoints)
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match=f"sm_split_decode_sms.*{total} SMs.*leaves none of this GPU's"):
+        LLM(str(llama), device="cuda", sm_split_decode_sms={1: 32, 64: total}, kv_cache_memory_bytes=256 << 20,
+            warmup=False)
+
+
+@pytest.mark.gpus(1)
 def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(checkpoints):
     """On CUDA the lane's own thread queues a job's forward: aborting its request at once (the launch may still be
     running) waits for the launch and the forward, then frees the blocks; the engine goes on and leaks nothing."""
