@@ -76,7 +76,8 @@
 #   chunked prefill against the prefill lane, decode on 64 and on 32 SMs
 #   (configs/sweeps/gpu-1x-llama3-8b-sm-split.yaml), packed into $OUT.
 # smsplittable (1 GPU, issue 43): the same load, chunked prefill against the lane whose split follows the decode
-#   batch (decode.sm_split_decode_sms: {32: 32, 128: 64}; configs/sweeps/gpu-1x-llama3-8b-sm-split-table.yaml).
+#   batch (decode.sm_split_decode_sms: {32: 32, 128: 64}, and {12: 0, 32: 32, 128: 64}: chunked beside few rows;
+#   configs/sweeps/gpu-1x-llama3-8b-sm-split-table.yaml; ~9 minutes with SWEEP_TIMEOUT=580, a call of its own).
 # extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
 #   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
 #   does not fetch (httptools, prometheus-client, grpcio) or cannot (llguidance is manylinux_2_31 only, beyond its
@@ -328,7 +329,7 @@ for step in "$@"; do
     smsplitserve)  # issue 43: pdserve serve, one collocated worker: chunked prefill vs the prefill lane, 3 rates
       sweep smsplitserve gpu-1x-llama3-8b-sm-split "${SWEEP_TIMEOUT:-580}" ;;
     smsplittable)  # issue 43: the same, chunked prefill vs the lane's split chosen by the decode batch
-      sweep smsplittable gpu-1x-llama3-8b-sm-split-table "${SWEEP_TIMEOUT:-420}" ;;
+      sweep smsplittable gpu-1x-llama3-8b-sm-split-table "${SWEEP_TIMEOUT:-580}" ;;
     smsplitlong)  # issue 43: 32 streams, then a 7,000-token prompt: chunked prefill vs the prefill lane (engine)
       checkpoint8b
       timeout ${SMSPLIT_TIMEOUT:-400} python3 benchmarks/sm_split.py long-prompt --model /tmp/l8bd ${SMSPLIT_ARGS:-} \

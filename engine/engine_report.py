@@ -63,7 +63,7 @@ class EngineReport:
             preemptions_decode_total=s.preemptions_by_cause["decode"],
             preemptions_prompt_total=s.preemptions_by_cause["prompt"], head_bypassed_total=s.waiting.num_bypassed,
             expired_pins_total=self.num_expired_pins, lane_jobs_total=self.lane.jobs if self.lane else 0,
-            lane_token_s=self.lane.token_s if self.lane else 0.0,
+            lane_token_s=self.lane.token_s if self.lane and self.lane.takes(self._decoding_rows()) else 0.0,
             handoff_hit_blocks_total=self.num_handoff_hit_blocks,
             lent_blocks_total=self.num_lent_blocks, lent_host_blocks_total=self.num_lent_host_blocks,
             fetched_blocks_total=self.num_fetched_blocks,

@@ -8,7 +8,9 @@ can only shrink under it.
 
 Why a table: on one H200 (8B shape, chat workload served; docs/benchmarks.md "One GPU, both phases") 32 decode SMs
 gave prompts the better TTFT at 4-8 req/s (~8-16 rows decoding) but the streams a 31 ms TPOT at 12 req/s (~60+
-rows), where 64 SMs kept 18 ms. Owns only the table's form and lookup; engine.runner.prefill_lane makes the splits.
+rows), where 64 SMs kept 18 ms; and at 4 req/s chunked prefill beat both (the lane's prompts get fewer SMs while
+few streams need protecting): hence rows of 0. Owns only the table's form and lookup; engine.runner.prefill_lane
+makes the splits.
 """
 
 from __future__ import annotations
@@ -35,14 +37,26 @@ def split_table(value: int | dict | tuple) -> SplitTable:
     if not table:
         raise ValueError("a table needs at least one row {decode rows up to: SMs}")
     for bound, sms in table:
-        for what, n in (("decode rows", bound), ("SMs", sms)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"a table's {what} must be integers >= 1 (the row {bound!r}: {sms!r})")
+        for what, n, least in (("decode rows", bound, 1), ("SMs", sms, 0)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                raise ValueError(f"a table's {what} must be integers >= {least} (the row {bound!r}: {sms!r})")
     if len({bound for bound, _ in table}) != len(table):
         raise ValueError("a table names each decode-row bound once")
+    if not any(sms for _, sms in table):
+        raise ValueError("a table whose rows are all 0 SMs never uses the lane: write 0 (off)")
     return table
 
 
 def decode_sms_for(table: SplitTable, decode_rows: int) -> int:
-    """The decode lane's SMs for a job that starts beside `decode_rows` decoding rows."""
+    """The decode lane's SMs for a job that starts beside `decode_rows` decoding rows (0: no job; chunked)."""
     return next((sms for bound, sms in table if decode_rows <= bound), table[-1][1])
+
+
+def fewest_lane_rows(table: SplitTable) -> int:
+    """The fewest decoding rows (>= 1) beside which a job takes the lane (after the table's leading rows of 0)."""
+    rows = 1
+    for bound, sms in table:
+        if sms:
+            return rows
+        rows = bound + 1
+    return rows  # (unreached: split_table refuses a table of only 0 rows)

@@ -7,7 +7,8 @@ on the decode lane. The job is applied at the start of the first step after it i
 waited for). Steps the lane does not take run as without it: prompt-only steps (no stream to protect), steps with
 prompt logprobs or parallel samples (engine.runner.step_extras), steps with a per-layer hook (KV pushes), and
 decode-only steps while the lane is idle (these keep overlapped scheduling; LLMEngine stops overlapping when a
-prompt waits, so that schedule() plans it here), and, with a decode step target (the StepBudget), steps whose
+prompt waits, so that schedule() plans it here), steps beside as many decoding rows as the split table gives 0 SMs
+(engine.lane_splits: chunked there), and, with a decode step target (the StepBudget), steps whose
 prompts engine.core.lane_policy finds quicker chunked under the budget. The lane's figures (its seconds per prompt
 token, a decode step's time beside a job) are its own; neither its jobs nor the steps beside them teach the
 StepBudget.
@@ -64,9 +65,14 @@ class LaneSteps:
         return PrefillLane(self.runner, table, make_lanes, config.max_num_seqs, self.max_blocks_per_seq)
 
     def _prompts_pending(self) -> bool:
-        """Whether a prompt waits to be planned (then a lane engine stops overlapping: schedule() plans it)."""
+        """Whether a prompt waits to be planned beside a decode batch the lane takes (then a lane engine stops
+        overlapping: schedule() plans it)."""
         s = self.scheduler
-        return bool(s.waiting) or any(r.num_pending_tokens > 1 for r in s.running)
+        return (bool(s.waiting) or any(r.num_pending_tokens > 1 for r in s.running)) and self.lane.takes(
+            self._decoding_rows())
+
+    def _decoding_rows(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.num_pending_tokens <= 1)
 
     def _lane_finish(self) -> list[StepOutput]:
         """Apply the lane's job if it is done."""
@@ -90,9 +96,9 @@ class LaneSteps:
         s, b = self.scheduler, self.step_budget
         pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
             r.num_pending_tokens for r in s.running if r.num_pending_tokens > 1)
-        self.lane_on = self.lane.busy or lane_pays(pending, b.tokens if b else None, b.target_s if b else None,
-                                                   self.lane.token_s, self.lane.step_s,
-                                                   time.perf_counter() - self.lane.step_at)
+        self.lane_on = self.lane.busy or self.lane.takes(self._decoding_rows()) and lane_pays(
+            pending, b.tokens if b else None, b.target_s if b else None, self.lane.token_s, self.lane.step_s,
+            time.perf_counter() - self.lane.step_at)
         s.prefill_cap = None if self.lane_on or b is None else b.tokens
 
     def _lane_takes(self, sched: SchedulerOutput) -> bool:
@@ -103,8 +109,9 @@ class LaneSteps:
         if not self.lane_on:  # chunked this step (lane_pays)
             return False
         has_prompt = any(len(c.token_ids) > 1 for c in sched.chunks)
-        has_decode = any(len(c.token_ids) == 1 for c in sched.chunks)
-        return has_prompt and has_decode and not plan_extras(sched, self.scheduler.requests)
+        decode_rows = sum(1 for c in sched.chunks if len(c.token_ids) == 1)
+        return (has_prompt and decode_rows > 0 and self.lane.takes(decode_rows)
+                and not plan_extras(sched, self.scheduler.requests))
 
     def _lane_step(self, sched: SchedulerOutput) -> list[StepOutput]:
         """Run `sched` (which _lane_takes) with the lane; its KV copies are queued already."""

@@ -31,7 +31,9 @@ class EngineLoad:
     prefill_budget_tokens: int = 0
     decode_step_s: float = 0.0
     prefill_token_s: float = 0.0
-    lane_token_s: float = 0.0      # a prefill lane's seconds per prompt token (sm_split_decode_sms; 0: none or unknown)
+    # a prefill lane's seconds per prompt token (sm_split_decode_sms) for a prompt arriving now; 0: no lane, none
+    # measured yet, or its split table chunks prompts beside the current decode batch (a row of 0 SMs)
+    lane_token_s: float = 0.0
     step_time_last_s: float = 0.0   # host wall time of the last step (scheduling, device work, bookkeeping)
     step_time_total_s: float = 0.0  # summed over all steps
     scheduled_tokens_total: int = 0     # tokens computed on the device (prefill chunks, recomputes, decodes)

@@ -10,8 +10,9 @@ step(), from fresh averages (steps of a CUDA warm-up before it, with their compi
 then undoes what it left (LLMEngine.start_counting: the prefix cache and host tier emptied, the counters from zero,
 as after a warm-up). Runs on any device: it is a request like any other.
 With a prefill lane (EngineConfig.sm_split_decode_sms) a second probe gives the lane its figures too (its seconds
-per prompt token, EngineLoad.lane_token_s, which the placement model and the planner read): a short request
-decoding, and beside it another prompt (of other tokens: the first one's are cached), which the lane takes.
+per prompt token, EngineLoad.lane_token_s, which the placement model and the planner read): short requests
+decoding (one, or as many as its split table needs before it takes a prompt), and beside them another prompt (of
+other tokens: the first one's are cached), which the lane takes.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.step_budget import StepBudget
+from engine.lane_splits import fewest_lane_rows
 from engine.runner.prefill_lane import RATE_MIN_TOKENS
 
 PROBE_ID = "pdserve-step-rate-probe"
 LANE_PROBE_ID = "pdserve-lane-rate-probe"  # the prompt the lane takes
-DECODING_PROBE_ID = "pdserve-lane-rate-decoding"  # the request decoding beside it (aborted once the lane is done)
+DECODING_PROBE_ID = "pdserve-lane-rate-decoding"  # + "-k": the requests decoding beside it (aborted once it is done)
 DECODING_PROMPT = 8  # tokens of the decoding request's prompt
 PROBE_DECODES = 4  # decode steps after the prompt's
 PROBE_MAX_PROMPT = 2048  # a prompt of the step budget's ceiling, at most this long (an 8B prefill of it: ~0.1 s)
@@ -57,15 +59,23 @@ def measure_step_rates(engine: Any) -> None:
 
 
 def _probe_lane(engine: Any, prompt: list[int]) -> None:
-    """A request decoding, then `prompt` beside it: the step that plans both hands the prompt to the lane."""
-    config = engine.config
-    decoding = [(23 * i + 7) % engine.model_config.vocab_size for i in range(DECODING_PROMPT)]
-    engine.add_request(DECODING_PROBE_ID, decoding, SamplingParams(
-        temperature=0, max_tokens=config.max_model_len - DECODING_PROMPT, ignore_eos=True))
-    engine.step()  # its prompt: it decodes from here on
-    engine.add_request(LANE_PROBE_ID, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    _steps_until(engine, lambda: LANE_PROBE_ID not in engine.scheduler.requests)
-    for request_id in (LANE_PROBE_ID, DECODING_PROBE_ID):
+    """Requests decoding (as many as the lane needs beside it: its split table may chunk beside few rows), then
+    `prompt` beside them: the step that plans it hands it to the lane."""
+    config, vocab = engine.config, engine.model_config.vocab_size
+    rows = fewest_lane_rows(engine.lane.table)
+    prompt = prompt[:len(prompt) - (rows - 1) * (DECODING_PROMPT + config.block_size)]  # their blocks fit beside it
+    if rows >= config.max_num_seqs or len(prompt) < RATE_MIN_TOKENS:
+        return  # the lane's figures come with its first job instead
+    ids = [f"{DECODING_PROBE_ID}-{k}" for k in range(rows)]
+    for k, request_id in enumerate(ids):
+        decoding = [(23 * i + 7 + k) % vocab for i in range(DECODING_PROMPT)]
+        engine.add_request(request_id, decoding, SamplingParams(
+            temperature=0, max_tokens=config.max_model_len - DECODING_PROMPT, ignore_eos=True))
+    requests = engine.scheduler.requests
+    if _steps_until(engine, lambda: all(rid in requests and requests[rid].num_pending_tokens <= 1 for rid in ids)):
+        engine.add_request(LANE_PROBE_ID, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        _steps_until(engine, lambda: LANE_PROBE_ID not in engine.scheduler.requests)
+    for request_id in (LANE_PROBE_ID, *ids):
         engine.abort(request_id)
     _steps_until(engine, lambda: not engine.has_unfinished())  # (a lane job of an aborted prompt is applied)
 

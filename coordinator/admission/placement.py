@@ -10,7 +10,8 @@ The choice is a cost model of each side's time to the first token, from figures 
 - the handoff's seconds per prompt token (kv_transfer phases of earlier remote requests: `observe_transfer`);
 - the prompt's tokens that each side's prefix cache likely holds already (the router's prefix owners);
 - a decoding worker with a prefill lane (EngineConfig.sm_split_decode_sms) prefills beside its steps, not in them:
-  at the lane's measured seconds per prompt token (EngineLoad.lane_token_s), once it has one.
+  at the lane's measured seconds per prompt token (EngineLoad.lane_token_s), once it has one and while its split
+  table takes prompts beside its decode batch (a table row of 0 SMs chunks them: the load then reports 0).
 A worker that decodes nothing prefills at its full rate; one that decodes gets only its step budget's share, and
 none at all while its decode steps leave no room under the target (its budget is then the engine's floor). A
 remote prefill keeps the prompt off the decode worker's steps entirely, so it wins whenever it meets the TTFT

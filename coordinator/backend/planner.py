@@ -94,7 +94,8 @@ def step_toward(short: str, workers: list[WorkerState], pressure: Callable[[Work
 
 def lane_share(worker: WorkerState) -> float:
     """The share of the worker's full prefill rate its prefill lane keeps beside decode steps (its measured seconds
-    per prompt token, whole GPU over lane); 0 without a lane or before both are measured."""
+    per prompt token, whole GPU over lane); 0 without a lane, before both are measured, or while its split table
+    chunks prompts beside the worker's decode batch (EngineLoad.lane_token_s)."""
     load = worker.load
     if load is None or load.lane_token_s <= 0 or load.prefill_token_s <= 0:
         return 0.0

@@ -84,7 +84,7 @@ class PrefillLane:
         the CPU's in-order lane, no graphs, no streams)."""
         self.runner, self.table = runner, table
         self.splits: dict[int, LaneSplit] = {}
-        for sms in sorted({sms for _, sms in table}):
+        for sms in sorted({sms for _, sms in table if sms}):  # (a row of 0: chunked beside those rows, no split)
             lanes = make_lanes(sms) if make_lanes is not None else None
             graphs = None
             if lanes is not None and runner.graphs is not None:  # the decode lane's own graphs: they keep its SMs
@@ -113,6 +113,10 @@ class PrefillLane:
         self.step_s = seconds if not self.step_s else (1 - RATE_EWMA) * self.step_s + RATE_EWMA * seconds
         self.step_at = time.perf_counter()
 
+    def takes(self, decode_rows: int) -> bool:
+        """Whether a job beside `decode_rows` decoding rows runs on the lane (a table row of 0 SMs: chunked)."""
+        return decode_sms_for(self.table, decode_rows) > 0
+
     @property
     def busy(self) -> bool:
         return self.job is not None
@@ -137,6 +141,8 @@ class PrefillLane:
         the engine's stream has queued so far (the step's KV copies); on the CPU it is computed here and now."""
         if self.job is not None:
             raise RuntimeError("the prefill lane runs one job at a time")
+        if not self.takes(decode_rows):
+            raise RuntimeError(f"the split table {self.table} gives no lane beside {decode_rows} decoding rows")
         split = self.splits[decode_sms_for(self.table, decode_rows)]
         if not split.jobs and len(self.splits) > 1:
             log.info("prefill lane: first job on the split of %d decode SMs (beside %d decoding rows)",
