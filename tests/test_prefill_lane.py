@@ -192,16 +192,18 @@ def test_a_request_aborted_while_the_lanes_thread_launches_frees_its_blocks(chec
 
 
 @pytest.mark.gpus(1)
-def test_the_start_probe_measures_the_lane_on_green_contexts(checkpoints):
-    """engine.step_rates with a lane on a Hopper GPU: the probe's second prompt runs on the prefill lane beside a
-    decoding request (its launches on the lane's thread), so lane_token_s is known at start, and nothing is left."""
+@pytest.mark.parametrize("split", [64, {1: 0, 64: 64}], ids=["64 SMs", "chunked beside 1 row"])
+def test_the_start_probe_measures_the_lane_on_green_contexts(checkpoints, split):
+    """engine.step_rates with a lane on a Hopper GPU: the probe's second prompt runs on the prefill lane beside
+    decoding requests (one; two where the table chunks beside one), its launches on the lane's thread, so the lane's
+    rate is known at start, and nothing is left."""
     llama = _hopper_llama(checkpoints)
-    llm = LLM(str(llama), device="cuda", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
+    llm = LLM(str(llama), device="cuda", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=split,
               decode_step_target_s=0.5, kv_cache_memory_bytes=256 << 20)
     e = llm.engine
     try:
         load = e.load()
-        assert load.lane_token_s > 0 and load.prefill_token_s > 0 and load.lane_jobs_total == 0, load
+        assert e.lane.token_s > 0 and load.prefill_token_s > 0 and load.lane_jobs_total == 0, load
         assert not e.has_unfinished() and not e.lane.busy and e.check_integrity()["in_use"] == 0
     finally:
         e.close()
