@@ -121,6 +121,8 @@ class EngineReport:
         s.iteration_tokens = IterationTokens()
         if self.lane is not None:  # its rate figures stay: measuring them is what a start probe is for
             self.lane.jobs = 0
+            for split in self.lane.splits.values():
+                split.jobs = 0
 
     def check_integrity(self) -> dict[str, int]:
         """Assert block ownership; return counts {"free", "cached", "pinned", "in_use", "total"} and

@@ -56,6 +56,8 @@ class EngineSteps:
             return outputs
         if self._in_flight is not None:  # a lane engine lets schedule() plan a waiting prompt (engine.lane_steps)
             may_continue = layer_hook is None and not (self.lane is not None and self._prompts_pending())
+            if may_continue:
+                self._plan_lane()  # the cap of prompt tokens a lane engine chunks into the steps it plans ahead
             return outputs + self._overlapped_step(may_continue)
         outputs += self._lane_finish()
         self._plan_lane()

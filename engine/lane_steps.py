@@ -79,9 +79,10 @@ class LaneSteps:
         if self.lane is None or not self.lane.ready():
             return []
         sched, requests = self.lane.job.sched, self.scheduler.requests
-        # a request aborted meanwhile still has its row sampled (greedy), and update() then skips it
-        params = {c.request_id: requests[c.request_id].params if c.request_id in requests else ENDED
-                  for c in sched.chunks}
+        # a request aborted meanwhile (its id maybe taken again since) still has its row sampled (greedy), and
+        # update() then skips it
+        params = {c.request_id: requests[c.request_id].params if c.request_id in requests
+                  and requests[c.request_id].incarnation == c.incarnation else ENDED for c in sched.chunks}
         launched = self.lane.finish(params)
         self.scheduler.held.clear()
         outputs = self._apply(launched)

@@ -31,6 +31,8 @@ DECODING_PROMPT = 8  # tokens of the decoding request's prompt
 PROBE_DECODES = 4  # decode steps after the prompt's
 PROBE_MAX_PROMPT = 2048  # a prompt of the step budget's ceiling, at most this long (an 8B prefill of it: ~0.1 s)
 PROBE_MAX_STEPS = 10_000  # a bound on the probe's steps: a start never hangs on it
+ROW_DECODES = 64  # tokens a decoding request of the lane's probe may decode (more than a job's steps beside it)
+PROBE_LANE_STEPS = 1_000  # a bound on each wait of the lane's probe (a 2k-token 8B job: ~20 decode steps)
 
 
 def measure_step_rates(engine: Any) -> None:
@@ -60,29 +62,32 @@ def measure_step_rates(engine: Any) -> None:
 
 def _probe_lane(engine: Any, prompt: list[int]) -> None:
     """Requests decoding (as many as the lane needs beside it: its split table may chunk beside few rows), then
-    `prompt` beside them: the step that plans it hands it to the lane."""
-    config, vocab = engine.config, engine.model_config.vocab_size
+    `prompt` (cut to what the cache holds beside them) beside them: the step that plans it hands it to the lane."""
+    config, vocab, block_size = engine.config, engine.model_config.vocab_size, engine.config.block_size
     rows = fewest_lane_rows(engine.lane.table)
-    prompt = prompt[:len(prompt) - (rows - 1) * (DECODING_PROMPT + config.block_size)]  # their blocks fit beside it
+    decodes = min(ROW_DECODES, config.max_model_len - DECODING_PROMPT)
+    row_blocks = -(-(DECODING_PROMPT + decodes) // block_size)  # a row's blocks at the most
+    prompt = prompt[:max((engine.num_kv_blocks - rows * row_blocks) * block_size, 0)]
     if rows >= config.max_num_seqs or len(prompt) < RATE_MIN_TOKENS:
         return  # the lane's figures come with its first job instead
     ids = [f"{DECODING_PROBE_ID}-{k}" for k in range(rows)]
     for k, request_id in enumerate(ids):
         decoding = [(23 * i + 7 + k) % vocab for i in range(DECODING_PROMPT)]
-        engine.add_request(request_id, decoding, SamplingParams(
-            temperature=0, max_tokens=config.max_model_len - DECODING_PROMPT, ignore_eos=True))
+        engine.add_request(request_id, decoding, SamplingParams(temperature=0, max_tokens=decodes, ignore_eos=True))
     requests = engine.scheduler.requests
-    if _steps_until(engine, lambda: all(rid in requests and requests[rid].num_pending_tokens <= 1 for rid in ids)):
+    if _steps_until(engine, lambda: all(rid in requests and requests[rid].num_pending_tokens <= 1 for rid in ids),
+                    PROBE_LANE_STEPS):
         engine.add_request(LANE_PROBE_ID, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        _steps_until(engine, lambda: LANE_PROBE_ID not in engine.scheduler.requests)
+        _steps_until(engine, lambda: LANE_PROBE_ID not in engine.scheduler.requests, PROBE_LANE_STEPS)
     for request_id in (LANE_PROBE_ID, *ids):
         engine.abort(request_id)
-    _steps_until(engine, lambda: not engine.has_unfinished())  # (a lane job of an aborted prompt is applied)
+    # (a job of an aborted prompt is applied by the next step, even with nothing else to run)
+    _steps_until(engine, lambda: not engine.has_unfinished() and not engine.lane.busy, PROBE_LANE_STEPS)
 
 
-def _steps_until(engine: Any, done: Any) -> bool:
-    """Step the engine until done() (at most PROBE_MAX_STEPS steps); whether it got there."""
-    for _ in range(PROBE_MAX_STEPS):
+def _steps_until(engine: Any, done: Any, limit: int = PROBE_MAX_STEPS) -> bool:
+    """Step the engine until done() (at most `limit` steps); whether it got there."""
+    for _ in range(limit):
         if done():
             return True
         engine.step()

@@ -137,3 +137,17 @@ def test_the_start_probe_decodes_as_many_rows_as_the_lane_needs():
     few_seqs = LLM("tiny", max_num_batched_tokens=512, max_num_seqs=3, decode_step_target_s=0.5,
                    sm_split_decode_sms={2: 0, 64: 16}).engine
     assert few_seqs.lane.token_s == 0 and not few_seqs.has_unfinished()  # 3 rows + the prompt do not fit 3 seqs
+
+
+def test_the_start_probe_fits_a_cache_smaller_than_the_model_length():
+    """A lane engine with a step target on a cache of 640 tokens (max_model_len 2,048): the probe's decoding rows ask
+    for what the cache holds (they asked for max_model_len, and the engine refused to start); a table whose rows
+    and prompt cannot fit beside each other skips the lane's figures at once (its cut prompt was once longer than
+    the cache, and the probe stepped 10,000 times waiting for it)."""
+    engine = LLM("tiny", device="cpu", decode_step_target_s=0.5, num_kv_blocks=40, max_num_batched_tokens=512,
+                 sm_split_decode_sms=16).engine
+    assert engine.lane.token_s > 0 and not engine.has_unfinished()
+    engine = LLM("tiny", device="cpu", decode_step_target_s=0.5, num_kv_blocks=40, max_num_batched_tokens=512,
+                 max_num_seqs=40, max_model_len=600, sm_split_decode_sms={29: 0, 64: 16}).engine
+    assert engine.lane.token_s == 0 and not engine.has_unfinished() and not engine.lane.busy
+    assert not engine.scheduler.held and engine.check_integrity()["in_use"] == 0

@@ -66,7 +66,7 @@ class PlanningAhead:
             else:  # the prompt's next chunk
                 tokens, sample, index = req.all_token_ids[start:start + n], start + n == req.num_tokens, c.output_index
             chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)), sample,
-                                         index))
+                                         index, req.incarnation))
             budget -= n
             prompt_budget -= 0 if c.sample else n
         for req in self.running:
@@ -114,9 +114,11 @@ class PlanningAhead:
         return chunk.output_index + 1 >= req.params.max_tokens or end + 1 >= req.max_model_len
 
     def is_current(self, chunk: ScheduledChunk) -> bool:
-        """Whether `chunk` still applies: its request runs and has computed exactly the tokens before it."""
+        """Whether `chunk` still applies: its request (the one it was planned for, not a later one of the same id)
+        runs and has computed exactly the tokens before it."""
         req = self.requests.get(chunk.request_id)
-        return req is not None and req.status == RequestStatus.RUNNING and req.num_computed_tokens == chunk.start_pos
+        return (req is not None and req.incarnation == chunk.incarnation and req.status == RequestStatus.RUNNING
+                and req.num_computed_tokens == chunk.start_pos)
 
 
 def decodes_next(req: Request) -> bool:

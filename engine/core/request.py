@@ -63,6 +63,9 @@ class Request:
     prefill_only: bool = False
     prior_output_ids: tuple[int, ...] = ()  # outputs already delivered before this request was (re)started here
     priority: int = 0  # scheduling order among waiting requests: lower first, arrival order within one priority
+    # set by the scheduler as it takes the request: tells its chunks from those of an ended request of the same id
+    # (a retry) that a step in flight or a prefill lane still computes
+    incarnation: int = 0
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, appended in place (no copy per step)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0

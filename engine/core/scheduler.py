@@ -64,6 +64,7 @@ class Scheduler(Admitting, PlanningAhead):
         # requests whose prompt chunks a prefill lane is computing beside the steps (engine.runner.prefill_lane):
         # until the engine applies them, no step plans them, none is preempted, and no step takes prompt tokens
         self.held: set[str] = set()
+        self._incarnations = 0  # requests taken so far (Request.incarnation)
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(head_bypass_steps)
@@ -83,7 +84,7 @@ class Scheduler(Admitting, PlanningAhead):
     def add(self, req: Request) -> None:
         if req.request_id in self.requests or self.bm.has_table(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
+        self._take(req)
         self.waiting.add(req)
 
     def add_prefilled(self, req: Request) -> None:
@@ -99,8 +100,13 @@ class Scheduler(Admitting, PlanningAhead):
         req.status = RequestStatus.RUNNING
         # its full blocks join the prefix cache at its first step's update (cache_full_blocks), not here: hashing a
         # 2,048-token prompt's 128 blocks here delayed every handoff's join on an H200 host (docs/benchmark-log.md)
-        self.requests[req.request_id] = req
+        self._take(req)
         self.running.append(req)
+
+    def _take(self, req: Request) -> None:
+        self._incarnations += 1
+        req.incarnation = self._incarnations
+        self.requests[req.request_id] = req
 
     def finish(self, request_id: str, reason: str) -> bool:
         """End a request in any state (abort, release of a pinned one), freeing its blocks. False if unknown."""
@@ -232,4 +238,5 @@ class Scheduler(Admitting, PlanningAhead):
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
         return ScheduledChunk(req.request_id, tokens, start, list(self.bm.table(req.request_id)),
-                              sample=start + n == req.num_tokens, output_index=req.num_output_tokens)
+                              sample=start + n == req.num_tokens, output_index=req.num_output_tokens,
+                              incarnation=req.incarnation)

@@ -23,6 +23,7 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool
     output_index: int  # index of the token to sample among the request's outputs (for seeded sampling)
+    incarnation: int = 0  # its request's Request.incarnation when planned
 
 
 @dataclass

@@ -1,0 +1,50 @@
+"""A request id taken again right after an abort (a client's retry), while the ended request's last step is still
+on the device (overlapped scheduling) or its prompt still on a prefill lane (sm_split_decode_sms): the new request's
+outputs are its own, as on an engine that steps one at a time, and nothing leaks. Each planned chunk carries its
+request's incarnation (Request.incarnation, set by the scheduler), so the old step's tokens are dropped, not applied
+to the new request (they were: its computed tokens ran past its length and it never finished) or sampled with its
+parameters (a repetition penalty then read outputs it did not have, and the step raised)."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+RETRY = SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.3)
+
+
+def _retry_while_in_flight(engine, on_lane: bool) -> dict[str, list[int]]:
+    """"a" decodes; "x" (resuming 3 delivered outputs) joins; once its prompt is in flight (or on the lane) it is
+    aborted and "x" is added again with other tokens and a repetition penalty. Every request's tokens."""
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        step()
+    engine.add_request("x", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       prior_output_ids=[11, 12, 13])
+    step()
+    if on_lane:
+        assert "x" in engine.scheduler.held  # its prompt is the lane's job
+    engine.abort("x")
+    tokens.pop("x", None)
+    engine.add_request("x", list(range(50, 60)), RETRY)
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        step()
+    assert not engine.has_unfinished()
+    assert engine.check_integrity()["in_use"] == 0 and not engine.scheduler.held
+    return tokens
+
+
+@pytest.mark.parametrize("options", [dict(async_scheduling=True), dict(sm_split_decode_sms=16)],
+                         ids=["a step in flight", "a prompt on the lane"])
+def test_a_request_id_taken_again_gets_its_own_outputs(options):
+    expected = _retry_while_in_flight(LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                                          async_scheduling=False).engine, on_lane=False)
+    engine = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, **options).engine
+    got = _retry_while_in_flight(engine, on_lane="sm_split_decode_sms" in options)
+    assert len(expected["x"]) == RETRY.max_tokens and got == expected
