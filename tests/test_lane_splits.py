@@ -151,3 +151,39 @@ def test_the_start_probe_fits_a_cache_smaller_than_the_model_length():
                  max_num_seqs=40, max_model_len=600, sm_split_decode_sms={29: 0, 64: 16}).engine
     assert engine.lane.token_s == 0 and not engine.has_unfinished() and not engine.lane.busy
     assert not engine.scheduler.held and engine.check_integrity()["in_use"] == 0
+
+
+class _Budget:
+    """A StepBudget whose figures the test sets: `tokens` a decoding step may carry under `target_s`."""
+
+    def __init__(self, tokens: int, target_s: float) -> None:
+        self.tokens, self.target_s = tokens, target_s
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_prompts_chunked_beside_a_0_row_batch_keep_the_step_budget_in_planned_ahead_steps():
+    """A decode step target and {1: 0, 64: 16}: a prompt arriving beside one decoding row while the engine overlaps
+    its steps is chunked into the steps it plans ahead, at most the budget's tokens each (it was uncapped when the
+    last plan had found nothing waiting)."""
+    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms={1: 0, 64: 16},
+              decode_step_target_s=0.1, warmup=False, async_scheduling=True)
+    e = llm.engine
+    e.step_budget = _Budget(16, 0.1)
+    carried = []
+    launch = e.runner.launch
+
+    def spy(sched, params, **options):
+        rows = [len(c.token_ids) for c in sched.chunks]
+        if 1 in rows:
+            carried.append(sum(n for n in rows if n > 1))
+        return launch(sched, params, **options)
+    e.runner.launch = spy
+    _decoding(e, "a", [5, 6, 7, 8])
+    assert e._in_flight is not None  # overlapping
+    e.scheduler.prefill_cap = None  # as a plan beside two rows with nothing waiting leaves it (lane jobs: uncapped)
+    e.add_request("p", list(range(3, 200)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    assert e.lane.jobs == 0 and sum(carried) >= 190 and max(carried) <= 16, carried
