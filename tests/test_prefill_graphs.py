@@ -48,6 +48,11 @@ def _llm(folder, graphs_tokens: int, **kw) -> LLM:
     return llm
 
 
+# A padded step's padding tokens belong to no sequence: attention leaves their output rows unwritten (whatever the
+# buffer held), and numpy may overflow on them in the interpreter's kernels (squares, sums, inf * 0). Every row's
+# math is its own (activation quantization too is per row), so the real rows, which this test checks, are untouched.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
 def test_padded_prefill_steps_match_transformers(checkpoints):
     """First pass, all prompts at once: one step of 56 tokens in 5 chunks, replayed as bucket (64, 8): padding of
     both kinds (it fails if either padding write is left out). Second pass, one prompt at a time, first token only:
