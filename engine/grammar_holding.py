@@ -115,7 +115,7 @@ class GrammarHolding:
                 if held.first is None:
                     grammar = self._grammar_row(rid, held.req.params, held.req.prior_output_ids)
                     self.scheduler.add(held.req)
-                    self.grammar.attach(rid, grammar)
+                    self.grammar.attach(rid, grammar, held.req.incarnation)
                     continue
                 out = self._start_prefilled(held.req, *held.first)
             except Exception as e:  # noqa: BLE001 - the request ends; the engine steps on

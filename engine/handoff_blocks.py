@@ -184,7 +184,7 @@ class HandoffBlocks:
         self.num_handoff_hit_blocks += self._reserved_hits.pop(request_id, 0)
         req.append_token(first_token_id, first_logprob)
         if grammar is not None:
-            self.grammar.attach(request_id, grammar)
+            self.grammar.attach(request_id, grammar, req.incarnation)
             req.finish_reason = req.finish_reason or self.grammar.finish_reason(request_id)
         if req.finish_reason is not None:
             self.scheduler.finish(request_id, req.finish_reason)

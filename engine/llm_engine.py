@@ -222,11 +222,13 @@ class LLMEngine(EngineSteps, HandoffBlocks, PrefixExchange, GrammarHolding, Host
         req.fork_params = None if fork_params is None else tuple(fork_params)
         self.scheduler.add(req)
         if grammar is not None:
-            self.grammar.attach(request_id, grammar)
+            self.grammar.attach(request_id, grammar, req.incarnation)
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state (waiting, running, pinned) or drop a reservation; frees its blocks."""
         held = self._held.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.drop(request_id)
         if self.lane is not None and request_id in self.scheduler.held:
             self.lane.wait()  # its blocks are written by the lane until then
         if request_id in self._reserved:

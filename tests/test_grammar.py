@@ -42,12 +42,17 @@ def test_matcher_masks_advance_and_complete(llm):
     tok = llm.engine.tokenizer
     gm = GrammarManager(tok.to_json(), llm.engine.model_config.vocab_size, llm.engine.model_config.eos_token_ids,
                         torch.device("cpu"), 4)
-    gm.attach("r", gm.make("r", StructuredSpec.choice(["yes", "no"]), []))
+    gm.attach("r", gm.make("r", StructuredSpec.choice(["yes", "no"]), []), 1)
     logits = torch.zeros(1, llm.engine.model_config.vocab_size)
 
     class Chunk:
-        request_id, output_index = "r", 0
+        request_id, output_index, incarnation = "r", 0, 1
 
+    before = logits.clone()
+    stale = Chunk()
+    stale.incarnation = 0  # a chunk of an earlier request of the id: never masked by this one's grammar
+    gm.constrain([stale], logits, None)
+    assert torch.equal(logits, before)
     gm.constrain([Chunk()], logits, None)
     allowed = {tok.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
     assert allowed and all("yes".startswith(a) or "no".startswith(a) for a in allowed)

@@ -3,11 +3,13 @@ on the device (overlapped scheduling) or its prompt still on a prefill lane (sm_
 outputs are its own, as on an engine that steps one at a time, and nothing leaks. Each planned chunk carries its
 request's incarnation (Request.incarnation, set by the scheduler), so the old step's tokens are dropped, not applied
 to the new request (they were: its computed tokens ran past its length and it never finished) or sampled with its
-parameters (a repetition penalty then read outputs it did not have, and the step raised)."""
+parameters (a repetition penalty then read outputs it did not have, and the step raised); a grammar's matcher is
+bound to its request's incarnation and dropped at abort."""
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.sampling.structured import StructuredSpec
 
 RETRY = SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.3)
 
@@ -48,3 +50,44 @@ def test_a_request_id_taken_again_gets_its_own_outputs(options):
     engine = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, **options).engine
     got = _retry_while_in_flight(engine, on_lane="sm_split_decode_sms" in options)
     assert len(expected["x"]) == RETRY.max_tokens and got == expected
+
+
+REGEX = SamplingParams(temperature=0, max_tokens=30, structured=StructuredSpec("regex", "[a-z]{20}"))
+PLAIN = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _alone(params: SamplingParams) -> tuple[list[int], str | None]:
+    engine = LLM("tiny", device="cpu", max_num_seqs=4, async_scheduling=False).engine
+    engine.add_request("x", [5, 6, 7, 8], params)
+    return _drain(engine)
+
+
+def _drain(engine) -> tuple[list[int], str | None]:
+    tokens, reason = [], None
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.request_id == "x":
+                tokens += o.new_token_ids
+                reason = o.finish_reason or reason
+    assert not engine.has_unfinished() and engine.check_integrity()["in_use"] == 0
+    return tokens, reason
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step by step", "overlapped"])
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("retry", [PLAIN, REGEX], ids=["plain retry", "structured retry"])
+def test_a_structured_requests_id_taken_again_gets_its_own_grammar_or_none(overlap, steps, retry):
+    """A request with a grammar aborted after `steps` steps and its id taken again at once: the new request is
+    constrained by its own grammar only (the old one masked a plain retry's tokens and ended it early, its matcher
+    outliving the abort), and the old request's token in flight never advances the new matcher (it did, or the
+    step raised "grammar at output 0, got output 2")."""
+    engine = LLM("tiny", device="cpu", max_num_seqs=4, async_scheduling=overlap).engine
+    engine.add_request("bg", [9, 10, 11], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("x", [1, 2, 3], REGEX)
+    for _ in range(steps):
+        engine.step()
+    engine.abort("x")
+    engine.add_request("x", [5, 6, 7, 8], retry)
+    assert _drain(engine) == _alone(retry)

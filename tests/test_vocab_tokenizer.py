@@ -135,10 +135,10 @@ def test_grammar_matcher_over_the_exact_vocabulary(folder):
     for n in range(8):  # each row steps through a valid document's own tokens: every one must be allowed
         schema = json.loads(json.dumps(random_schema(rng), sort_keys=True))  # properties in StructuredSpec's order
         document = json.dumps(random_instance(rng, schema), separators=(",", ":"))
-        gm.attach("r", gm.make("r", StructuredSpec.json_schema(schema), []))
+        gm.attach("r", gm.make("r", StructuredSpec.json_schema(schema), []), 0)
         for i, token in enumerate(tok.encode(document, add_special_tokens=False)):
             logits = torch.zeros(1, N)
-            gm.constrain([SimpleNamespace(request_id="r", output_index=i)], logits, None)
+            gm.constrain([SimpleNamespace(request_id="r", output_index=i, incarnation=0)], logits, None)
             assert torch.isfinite(logits[0, token]), f"schema {n}: token {token} masked at {i} of {document!r}"
             assert torch.isinf(logits[0]).any()
             gm.advance("r", i, token)

@@ -11,7 +11,9 @@ request, and on a decode worker the first token the prefill worker sampled under
 consumes each accepted token once, keyed by its output index (so the overlapped path and the plain path may both
 call it); `after_update` ends a request whose grammar is complete with finish_reason "stop" (and one whose matcher
 failed with "error": its mask and the request's bans left no allowed token), except a group prefill, which stays
-pinned whatever its first tokens, and drops matchers of requests that ended. `constrain` is the model runner's
+pinned whatever its first tokens, and drops matchers of requests that ended (or whose id a later request took: a
+matcher is bound to its request's incarnation, and a chunk of another never reads or advances it). `constrain` is the
+model runner's
 logits hook: for an overlapped decode step it first waits for the previous step's tokens (the device computes this
 step's forward meanwhile, so the host's mask work hides behind it), advances, then fills this step's masks with
 the library's thread pool and applies them in place.
@@ -40,6 +42,7 @@ MAX_CACHED_GRAMMARS = 256
 class _Row:
     matcher: llguidance.LLMatcher
     consumed: int  # outputs consumed so far: the output index of the next token it takes
+    incarnation: int = 0  # its request's (Request.incarnation): chunks of an earlier request of the id are not its
 
 
 class GrammarManager:
@@ -73,7 +76,9 @@ class GrammarManager:
             matcher.consume_tokens(tokens[-1:])
         return _Row(matcher, len(tokens))
 
-    def attach(self, request_id: str, row: _Row) -> None:
+    def attach(self, request_id: str, row: _Row, incarnation: int) -> None:
+        """`row` (from make) constrains the request `request_id` of this Request.incarnation from now on."""
+        row.incarnation = incarnation
         self._rows[request_id] = row
 
     def has(self, request_id: str) -> bool:
@@ -103,7 +108,8 @@ class GrammarManager:
     def after_update(self, outputs: list[Any], requests: dict[str, Any],
                      finish: Callable[[str, str], bool]) -> list[Any]:
         """Advance over a step's outputs (scheduler StepOutputs); end requests whose grammar is complete."""
-        for rid in [r for r in self._rows if r not in requests]:  # ended some other way (abort, release, expiry)
+        for rid in [r for r, row in self._rows.items()  # ended some other way (abort, release, expiry), maybe
+                    if r not in requests or requests[r].incarnation != row.incarnation]:  # its id taken again since
             del self._rows[rid]
         result = []
         for out in outputs:
@@ -129,13 +135,13 @@ class GrammarManager:
         if not self._rows:
             return
         if after is not None and after.sampled is not None:
-            pending = [(c.request_id, c.output_index) for c in after.sampling if c.request_id in self._rows]
+            pending = [(c.request_id, c.output_index) for c in after.sampling if self._row(c) is not None]
             if pending:
                 tokens = after.result()  # the previous step's tokens, waited for while this step's forward runs
                 for rid, index in pending:
                     self.advance(rid, index, tokens[rid][0])
-        rows = [(i, self._rows[c.request_id]) for i, c in enumerate(chunks) if c.request_id in self._rows]
-        rows = [(i, r) for i, r in rows if not (r.matcher.is_stopped() or r.matcher.is_error())]
+        rows = [(i, r) for i, r in enumerate(map(self._row, chunks))
+                if r is not None and not (r.matcher.is_stopped() or r.matcher.is_error())]
         if not rows:
             return
         start = time.perf_counter()
@@ -145,6 +151,11 @@ class GrammarManager:
         self.fill_time_s += time.perf_counter() - start
         self.num_fills += 1
         apply_bitmask(logits, mask, [i for i, _ in rows], self._shifts)
+
+    def _row(self, chunk: Any) -> _Row | None:
+        """The matcher of the request a planned chunk (engine.core.step_plan.ScheduledChunk) was planned for."""
+        row = self._rows.get(chunk.request_id)
+        return row if row is not None and row.incarnation == chunk.incarnation else None
 
     def _template(self, spec: StructuredSpec) -> llguidance.LLMatcher:
         template = self._templates.get(spec.key)
