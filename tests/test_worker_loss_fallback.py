@@ -27,7 +27,7 @@ from tests.server_process import (
     wait_for_idle_workers,
     worker_pids,
 )
-from tests.test_self_healing import _bodies, _expected
+from tests.test_self_healing import _bodies, _expected, _faults
 
 pytestmark = pytest.mark.timeout(500)
 TOKENS = 96
@@ -56,6 +56,11 @@ def test_the_only_decode_worker_killed_streams_go_on_whole_on_the_prefill_worker
     expected_later = _expected(reference, later)
     with running_server(tmp_path, config) as server:
         url = server.url
+        # decode-0 steps at >= 20 ms and its pid is looked up ahead: the streams cannot all end before the kill
+        # lands (on a loaded CI machine they once did, and nothing was left to move)
+        _faults(url, {"slow_step_s": 0.02, "slow_workers": ["decode-0"]})
+        pids = worker_pids(server, "decode")
+        assert len(pids) == 1, pids
         decoding, started = asyncio.Event(), []
 
         def progress(chunks: int) -> None:
@@ -66,8 +71,6 @@ def test_the_only_decode_worker_killed_streams_go_on_whole_on_the_prefill_worker
 
         async def kill() -> None:
             await decoding.wait()
-            pids = worker_pids(server, "decode")
-            assert len(pids) == 1, pids
             os.kill(pids[0], signal.SIGKILL)
 
         async def run() -> list[dict]:
