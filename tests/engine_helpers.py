@@ -1,4 +1,5 @@
-"""Test helpers: transformers references and a logits recorder around the engine's real sampler."""
+"""Test helpers: transformers references, a logits recorder around the engine's real sampler, a step budget of fixed
+figures."""
 
 from __future__ import annotations
 
@@ -104,3 +105,14 @@ def run_alone(engine, request_id: str, prompt: list[int], params) -> tuple[list[
             tokens += out.new_token_ids
         engine.check_integrity()
     return tokens, first
+
+
+class FixedStepBudget:
+    """A StepBudget (engine.core.step_budget) whose figures the test sets: `tokens` a decoding step may carry under
+    `target_s`; it learns nothing from the steps."""
+
+    def __init__(self, tokens: int, target_s: float) -> None:
+        self.tokens, self.target_s = tokens, target_s
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        pass

@@ -12,6 +12,7 @@ from engine import LLM, SamplingParams
 from engine.config_error import ConfigError
 from engine.engine_config import EngineConfig
 from engine.lane_splits import ANY_BATCH, decode_sms_for, fewest_lane_rows, split_table
+from tests.engine_helpers import FixedStepBudget
 
 
 @pytest.mark.parametrize("value", [-1, True, "64", 1.5, {}, {0: 32}, {32: -8}, {32: True}, {"a": 32},
@@ -153,16 +154,6 @@ def test_the_start_probe_fits_a_cache_smaller_than_the_model_length():
     assert not engine.scheduler.held and engine.check_integrity()["in_use"] == 0
 
 
-class _Budget:
-    """A StepBudget whose figures the test sets: `tokens` a decoding step may carry under `target_s`."""
-
-    def __init__(self, tokens: int, target_s: float) -> None:
-        self.tokens, self.target_s = tokens, target_s
-
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        pass
-
-
 def test_prompts_chunked_beside_a_0_row_batch_keep_the_step_budget_in_planned_ahead_steps():
     """A decode step target and {1: 0, 64: 16}: a prompt arriving beside one decoding row while the engine overlaps
     its steps is chunked into the steps it plans ahead, at most the budget's tokens each (it was uncapped when the
@@ -170,7 +161,7 @@ def test_prompts_chunked_beside_a_0_row_batch_keep_the_step_budget_in_planned_ah
     llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms={1: 0, 64: 16},
               decode_step_target_s=0.1, warmup=False, async_scheduling=True)
     e = llm.engine
-    e.step_budget = _Budget(16, 0.1)
+    e.step_budget = FixedStepBudget(16, 0.1)
     carried = []
     launch = e.runner.launch
 

@@ -15,6 +15,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.engine_config import EngineConfig
+from tests.engine_helpers import FixedStepBudget
 
 
 def _workload(n: int = 6):
@@ -294,16 +295,6 @@ def test_lane_pays_by_the_engines_figures():
     assert lane_pays(0, 256, 0.015, 50e-6, 0.012)
 
 
-class _Budget:
-    """A StepBudget whose figures the test sets: `tokens` a decoding step may carry under `target_s`."""
-
-    def __init__(self, tokens: int, target_s: float) -> None:
-        self.tokens, self.target_s = tokens, target_s
-
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        pass
-
-
 def _long_beside_short(e) -> dict[str, list[int]]:
     """A 300-token prompt arrives while a short one decodes; every request's tokens."""
     tokens: dict[str, list[int]] = {}
@@ -336,7 +327,7 @@ def test_prompts_are_chunked_where_the_lane_does_not_pay():
         llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, sm_split_decode_sms=64,
                   decode_step_target_s=0.1, warmup=False)
         e = llm.engine
-        e.step_budget = _Budget(64, 0.1)
+        e.step_budget = FixedStepBudget(64, 0.1)
         e.lane.token_s, e.lane.step_s, e.lane.step_at = token_s, step_s, step_at
         e.lane.observe_step = lambda s: None  # the figures stay as set
         tokens = _long_beside_short(e)

@@ -13,10 +13,9 @@ call it); `after_update` ends a request whose grammar is complete with finish_re
 failed with "error": its mask and the request's bans left no allowed token), except a group prefill, which stays
 pinned whatever its first tokens, and drops matchers of requests that ended (or whose id a later request took: a
 matcher is bound to its request's incarnation, and a chunk of another never reads or advances it). `constrain` is the
-model runner's
-logits hook: for an overlapped decode step it first waits for the previous step's tokens (the device computes this
-step's forward meanwhile, so the host's mask work hides behind it), advances, then fills this step's masks with
-the library's thread pool and applies them in place.
+model runner's logits hook: for an overlapped decode step it first waits for the previous step's tokens (the device
+computes this step's forward meanwhile, so the host's mask work hides behind it), advances, then fills this step's
+masks with the library's thread pool and applies them in place.
 
 Buffer reuse: the host bitmask is refilled only after the previous step's tokens were read back, which the device
 produces after it copied the previous masks, so a non-blocking copy is never overwritten while in flight.
