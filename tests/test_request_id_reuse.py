@@ -91,3 +91,36 @@ def test_a_structured_requests_id_taken_again_gets_its_own_grammar_or_none(overl
     engine.abort("x")
     engine.add_request("x", [5, 6, 7, 8], retry)
     assert _drain(engine) == _alone(retry)
+
+
+def _hand_over_after_abort(new_id: str) -> tuple[int, list[int]]:
+    """An overlapped decode engine: "x" decodes beside "bg"; with its step in flight "x" is aborted and a handed-over
+    request (prefilled on another engine) starts under `new_id`. The steps until it ends, and its tokens."""
+    prefill = LLM("tiny", device="cpu", async_scheduling=False).engine
+    decode = LLM("tiny", device="cpu", max_num_seqs=4, async_scheduling=True).engine
+    decode.add_request("bg", [9, 10, 11], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    decode.add_request("x", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(3):
+        decode.step()
+    prompt = list(range(20, 45))
+    prefill.add_request("p", prompt, PLAIN, prefill_only=True)
+    first = None
+    while prefill.has_unfinished():
+        first = next((o for o in prefill.step() if o.request_id == "p"), first)
+    decode.abort("x")
+    blocks = decode.reserve_blocks(new_id, len(prompt))
+    decode.kv_cache[blocks] = prefill.kv_cache[first.pinned_block_ids]
+    assert decode.add_prefilled_request(new_id, prompt, first.new_token_ids[0], PLAIN) is None
+    tokens, steps = list(first.new_token_ids), 0
+    while new_id in decode.scheduler.requests:
+        steps += 1
+        tokens += [t for o in decode.step() if o.request_id == new_id for t in o.new_token_ids]
+        assert steps < 50
+    return steps, tokens
+
+
+def test_a_handed_over_request_under_an_id_in_flight_joins_the_next_planned_step():
+    """The handed-over request starts running at once; one taking the id of a request whose row is still on the
+    device is planned into the very next step like one under a fresh id (it waited a step: the planned-ahead step
+    skipped any id in the step in flight, though that row belonged to the aborted request)."""
+    assert _hand_over_after_abort("x") == _hand_over_after_abort("fresh")

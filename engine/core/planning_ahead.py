@@ -44,9 +44,9 @@ class PlanningAhead:
         chunks: list[ScheduledChunk] = []
         in_prev, leaving = set(), 0
         for c in prev.chunks:
-            in_prev.add(c.request_id)
-            if not self.is_current(c):
+            if not self.is_current(c):  # an ended request's row (its id maybe taken again: that request may join)
                 continue
+            in_prev.add(c.request_id)
             req = self.requests[c.request_id]
             start = c.start_pos + len(c.token_ids)
             if c.sample and (req.prefill_only or self._ends_by_length(c, req)):
