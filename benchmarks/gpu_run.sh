@@ -77,7 +77,7 @@
 #   (configs/sweeps/gpu-1x-llama3-8b-sm-split.yaml), packed into $OUT.
 # smsplittable (1 GPU, issue 43): the same load, chunked prefill against the lane whose split follows the decode
 #   batch (decode.sm_split_decode_sms: {32: 32, 128: 64}, and {12: 0, 32: 32, 128: 64}: chunked beside few rows;
-#   configs/sweeps/gpu-1x-llama3-8b-sm-split-table.yaml; ~9 minutes with SWEEP_TIMEOUT=580, a call of its own).
+#   configs/sweeps/gpu-1x-llama3-8b-sm-split-table.yaml; 350 s on an H100 at 463d3a7: a call of its own).
 # extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
 #   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
 #   does not fetch (httptools, prometheus-client, grpcio) or cannot (llguidance is manylinux_2_31 only, beyond its
