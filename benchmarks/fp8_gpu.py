@@ -54,6 +54,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_bench_gpu import Bench, ceilings  # noqa: E402
+from engine.kernels.decode_launch import AttentionLaunch  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm, mm_config  # noqa: E402
 from engine.kernels.silu_mul import silu_and_mul  # noqa: E402
 from engine.kernels.skinny_gemm import skinny_linear  # noqa: E402
@@ -122,11 +123,19 @@ def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
                       "reference_x_floor": base.get("x_floor")}), flush=True)
 
 
-ATTENTION_LAUNCHES = (None, (64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 3))
+# Per cache: launches timed at the default split count, and launches timed at every split count. `BEFORE` is the
+# kernel as it was before whole tiles and V words (AttentionLaunch's two flags off, the launch it had by default):
+# the reference each run prints its new default against.
+BEFORE = {"bf16": AttentionLaunch(64, 4, 3, whole_tiles=False, v_words=False),
+          "fp8": AttentionLaunch(128, 4, 5, whole_tiles=False, v_words=False)}
+ATTENTION_LAUNCHES = {"bf16": (None, AttentionLaunch(64, 4, 4), AttentionLaunch(128, 4, 3),
+                               AttentionLaunch(32, 1, 4)),
+                      "fp8": (None, AttentionLaunch(64, 4, 3), AttentionLaunch(128, 4, 3), AttentionLaunch(128, 8, 5))}
 ATTENTION_SPLITS = (None, 1, 2, 4, 8, 16, 32)
-# Five stages give K and V two shared-memory buffers each (Triton's pipeliner, sm_90 build: three and four stages
-# give one), so two tiles are in flight a program: timed at every split count, since fewer programs fit a SM.
-ATTENTION_TWO_TILES = ((64, 4, 5), (128, 4, 5), (128, 8, 5))
+# crossed with every split count (fewer programs fit a SM than the default splits assume, or more)
+ATTENTION_BY_SPLITS = {"bf16": (BEFORE["bf16"], AttentionLaunch(64, 4, 3)),
+                       "fp8": (BEFORE["fp8"], AttentionLaunch(128, 4, 5), AttentionLaunch(64, 4, 4),
+                               AttentionLaunch(32, 1, 4), AttentionLaunch(64, 2, 4))}
 
 
 def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, repeats: int = 3,
@@ -159,8 +168,8 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
     sems = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")  # left zero by every call
     for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
         nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
-        variants = [(launch, None) for launch in ATTENTION_LAUNCHES] + [(None, s) for s in ATTENTION_SPLITS[1:]]
-        variants += [(launch, s) for launch in ATTENTION_TWO_TILES for s in ATTENTION_SPLITS]
+        variants = [(launch, None) for launch in ATTENTION_LAUNCHES[name]]
+        variants += [(launch, s) for launch in ATTENTION_BY_SPLITS[name] for s in ATTENTION_SPLITS]
         begin = time.perf_counter()
         while time.perf_counter() - begin < 1.0:
             decode_attention(q, layer, tables, lens, d ** -0.5)
@@ -195,6 +204,13 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
                               "splits": splits or "default", "ms": round(ms, 4),
                               "default_ms": None if default is None else round(default, 4),
                               "x_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
+            before = {splits: ms for (launch, splits), ms in medians.items() if launch == BEFORE[name]}
+            if before and default is not None:
+                splits, ms = min(before.items(), key=lambda item: item[1])
+                print(json.dumps({"attention_vs_before": name, "batch": batch, "context": context,
+                                  "before_ms": round(ms, 4), "before_splits": splits or "default",
+                                  "default_ms": round(default, 4), "speedup": round(ms / default, 3),
+                                  "x_copy": round(nbytes / default / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
 
 
 def attention(args: argparse.Namespace) -> None:

@@ -321,7 +321,7 @@ for step in "$@"; do
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"|"gate_up_activation"' | cut -c1-400 ;;
     fp8attn)  # the decode attention kernel alone, bf16 and fp8 caches: launches and split counts per case
       timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/fp8_gpu.py attention ${ATTN_ARGS:-} 2>&1 \
-        | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|error' | cut -c1-300 ;;
+        | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|"attention_vs_before"|error' | cut -c1-300 ;;
     smsplit)  # issue 43: decode beside prefill with the SMs split (green contexts) or not, GEMMs then the engine
       checkpoint8b
       timeout ${SMSPLIT_TIMEOUT:-300} python3 benchmarks/sm_split.py micro --model /tmp/l8bd ${SMSPLIT_ARGS:-} 2>&1 \

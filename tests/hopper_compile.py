@@ -54,11 +54,11 @@ def variants():
     yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
                                                   BLOCK_K=4096, SCALED=False, HAS_XS=False),
            {"xs_ptr": "*bf16", "ws_ptr": "*bf16", **ROPE}, 8, 3)
-    for cache, block_n, stages in (("*bf16", 64, 3), (F8, 128, 5)):  # decode_attention._launch_config's
+    for cache, block_n, stages in (("*bf16", 64, 3), (F8, 128, 5)):  # decode_launch.launch_config's
         yield (decode_attention._decode_split_kernel,
                dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                     BLOCK_N=block_n, NUM_SPLITS=4, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=4, WINDOW=0,
-                    DOT_F32=False, WIDEN_F16=cache == F8),
+                    DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, WHOLE_TILES=True),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, 4, stages)
     yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3
@@ -88,7 +88,8 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl,
-           "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED")}}
+           "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED",
+                                                                          "V_WORDS")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
@@ -101,22 +102,25 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
     except Exception as e:  # noqa: BLE001 - reported per variant
         return row | {"error": f"{type(e).__name__}: {e}"[:2000]}
     ptx = compiled.asm["ptx"]
+    sass = machine_code(compiled.asm["cubin"])
     return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
                   "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
-                  "local_stores": local_stores(compiled.asm["cubin"])}
+                  # stores to thread-local memory: registers spilled
+                  "local_stores": None if sass is None else sass.count(" STL"),
+                  # one-byte shared-memory loads: an e4m3 tile transposed for tl.dot byte by byte
+                  # (engine.kernels.e4m3.widen_e4m3_words)
+                  "byte_shared_loads": None if sass is None else sass.count("LDS.U8")}
 
 
-def local_stores(cubin: bytes) -> int | None:
-    """How many stores to thread-local memory (STL: registers spilled) the machine code has, by Triton's own
-    cuobjdump (None if it is missing)."""
+def machine_code(cubin: bytes) -> str | None:
+    """The SASS of a cubin, by Triton's own cuobjdump (None if it is missing)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return sass.count(" STL")
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from engine.cpu_kernels.paged_decode import load as load_cpu_decode
 from engine.cpu_kernels.paged_decode import paged_decode_attention
 from engine.kernels.decode_attention import decode_attention
+from engine.kernels.decode_launch import AttentionLaunch
 from engine.kernels.kv_store import store_kv
 from engine.kernels.prefill_attention import prefill_attention
 from engine.kernels.qkv_rope import qkv_rope_store
@@ -104,6 +105,36 @@ def test_decode_attention_reads_an_fp8_cache(splits):
         want = reference(q[i:i + 1], deq, tables[i], ctx, d ** -0.5, None)[0]
         assert (out[i].double() - want).abs().max() < 2e-2
 
+
+
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_whole_tiles_and_v_words_change_no_result(cache, splits):
+    """The kernel's two faster paths (AttentionLaunch: whole tiles without masks, an fp8 V widened from int32
+    words) give what the kernel without them gives: contexts of whole 32-token tiles, a partial last tile, one
+    token, a sliding window starting inside a block. Equal bits in the interpreter; on a GPU the builds differ and
+    agree to float rounding."""
+    gen = torch.Generator().manual_seed(5)
+    bs, kvh, h, d, nb = 8, 2, 8, 32, 64
+    contexts = [1, 32, 64, 100, 45]
+    tables = make_tables(gen, contexts, bs, 14, nb)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    if cache == "fp8":
+        kv, _ = _fp8_cache(gen, nb, bs, kvh, d)
+    else:
+        kv = torch.randn(nb, 2, bs, kvh, d, generator=gen).to(torch.bfloat16).to(DEV)
+    q = torch.randn(len(contexts), h, d, generator=gen).to(torch.bfloat16).to(DEV)
+    stages = 1 if DEV.type == "cpu" else 3
+    for window in (None, 27):
+        outs = [decode_attention(q, kv, tables, lens, d ** -0.5, sliding_window=window, num_splits=splits,
+                                 k_scale=K_SCALE, v_scale=V_SCALE,
+                                 launch=AttentionLaunch(32, 4, stages, whole_tiles=whole, v_words=words))
+                for whole in (False, True) for words in (False, True)]
+        for out in outs[1:]:
+            if DEV.type == "cpu":
+                assert torch.equal(out, outs[0])
+            else:
+                torch.testing.assert_close(out, outs[0], atol=2e-3, rtol=2e-2)
 
 def test_prefill_attention_reads_an_fp8_cache():
     gen = torch.Generator().manual_seed(3)

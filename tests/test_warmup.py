@@ -10,7 +10,7 @@ from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.kernels.decode_attention import SPLIT_CHOICES, num_splits_for
+from engine.kernels.decode_launch import SPLIT_CHOICES, num_splits_for
 from engine.runner.prefill_graphs import PrefillBuckets
 from engine.runner.step_inputs import build_step_inputs
 from engine.runner.warmup import plan, step_variants, warm_up

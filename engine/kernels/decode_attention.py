@@ -8,14 +8,14 @@ widened to q's dtype as it is loaded, k_scale folded into the score scale and v_
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
+from engine.kernels.decode_launch import AttentionLaunch, default_num_splits, launch_config, shuns_pdl
+from engine.kernels.e4m3 import widen_e4m3_words
 from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -50,8 +50,8 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr,
-    PDL: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     kvh = tl.program_id(0)
@@ -73,7 +73,6 @@ def _decode_split_kernel(
     if NUM_SPLITS == 1 or split < busy_splits:  # an empty slice has nothing to read, write or count
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
         heads = kvh * GROUP + offs_g  # [BLOCK_G]
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
@@ -89,30 +88,21 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table_row = tables_ptr + b * stride_tb
         head_off = kvh * stride_kv_head
-        for tile in range(start, end, BLOCK_N):  # every tile holds >= 1 valid token, so m_i is finite after it
-            toks = tile + offs_n  # [BLOCK_N]
-            t_mask = toks < end
-            blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-            row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
-            v = v.to(q.dtype)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        if WHOLE_TILES:
+            whole_end = start + (end - start) // BLOCK_N * BLOCK_N
+            for tile in range(start, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
+                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                             BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
+            if whole_end < end:  # the last, partial tile
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
+                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                             BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
+        else:  # every tile masked (the kernel before whole tiles: benchmarks time it as the reference)
+            for tile in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
+                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                             BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
 
         has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
@@ -140,6 +130,60 @@ def _decode_split_kernel(
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty),
                  mask=(tl.arange(0, BLOCK_G) < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
+                 stride_kv_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
+    # One tile of BLOCK_N tokens from `tile` on: the online softmax's state (m_i, l_i [BLOCK_G], acc [BLOCK_G,
+    # BLOCK_D]) updated with its keys and values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
+    # are masked; a whole tile skips every mask and select (the sm_90 build's loop: 1,083 -> 898 instructions on an
+    # fp8 cache, 444 -> 383 on bf16).
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    toks = tile + offs_n  # [BLOCK_N]
+    t_mask = toks < end
+    if MASKED:
+        blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table_row + toks // BLOCK_SIZE).to(tl.int64)
+    row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
+    kv_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if MASKED:
+        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    else:
+        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :])
+    if V_WORDS:  # an fp8 cache's V rows as int32 words, widened before tl.dot transposes them (e4m3.py)
+        offs_w = tl.arange(0, BLOCK_D // 4)
+        words_ptr = (kv_ptr + stride_kv_kv + row[:, None]).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
+        if MASKED:
+            words = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
+        else:
+            words = tl.load(words_ptr)
+        v = widen_e4m3_words(words, BLOCK_N, BLOCK_D, not DOT_F32)  # [BLOCK_N, BLOCK_D] float16
+    elif MASKED:
+        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :])
+    k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
+    v = v.to(q.dtype)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale  # [BLOCK_G, BLOCK_N]
+    if MASKED:
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a tile holds >= 1 valid token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -174,54 +218,6 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row,
              o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). 16-bit, D <= 128: 64 tokens per tile (16 KiB each of K and V
-    in bf16 at D = 128), 4 warps, pipelined loads (sm_90 build: ~104 registers, 39 KiB shared memory, so ~4 programs
-    per SM). An fp8 cache (widened to float16): 128-token tiles, the same bytes a tile as bf16's 64, on five stages:
-    the sm_90 build then gives K and V two shared buffers each (three or four stages give one), so each program has
-    two tiles in flight; its ~201 registers fit two programs a SM. On an H200 (`gpu_run.sh fp8attn`, f331708,
-    median of 3): batch 64 / 2k 0.105 ms (1 split) against 0.115 for three stages' best (4 splits); 16 / 8k 0.104
-    (2 splits) against 0.110. fp32 (ieee dots) and wider heads: 32-token tiles on 8 warps, which is what avoids
-    register spills."""
-    if interpreting():
-        return 32, 4, 1
-    if dtype == torch.float32 or head_dim > 128:
-        return 32, 8, 2
-    return (128, 4, 5) if fp8_cache else (64, 4, 3)
-
-
-SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # every value default_num_splits can return
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device,
-                       fp8_cache: bool = False) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill every SM (programs_per_sm),
-    no more splits than table blocks, at most 64. Always a power of two (SPLIT_CHOICES): the count is a constexpr,
-    so steps of any shape compile one of seven variants, which start-up compiles (engine.runner.warmup) instead of
-    the first requests."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return num_splits_for(batch, num_kv_heads, max_blocks, sms, fp8_cache)
-
-
-def programs_per_sm(fp8_cache: bool) -> int:
-    """The programs a split count aims for per SM: ~2, what fits a SM at once (registers) for either cache. On an
-    H200 (`bash benchmarks/gpu_run.sh fp8attn`): a bf16 cache at batch 64 / 2k context 1 split, 0.137 ms against
-    0.149 with 4 splits; 16 / 8k: 4 splits, 0.140 against 0.150 with 16 (2026-12-02); an fp8 cache on its five
-    stages (f331708) 64 / 2k: 1 split 0.105 ms, 2 splits 0.117, 4 0.119; 16 / 8k: 2 splits 0.104, 1 split 0.133,
-    4 0.108-0.160 (noisy)."""
-    return 2
-
-
-def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, sms: int, fp8_cache: bool = False) -> int:
-    """default_num_splits on a device of `sms` streaming multiprocessors. A bf16 cache rounds the splits that fill
-    every SM up to a power of two; an fp8 cache rounds down (16 / 8k on an H200: 2 splits, not 4), as its two tiles
-    in flight a program already keep HBM busy."""
-    fill = programs_per_sm(fp8_cache) * sms / max(batch * num_kv_heads, 1)
-    want = 1 << max(int(fill).bit_length() - 1, 0) if fp8_cache else triton.next_power_of_2(math.ceil(fill))
-    cap = min(max(max_blocks, 1), SPLIT_CHOICES[-1])
-    return min(want, 1 << (cap.bit_length() - 1))
-
-
 def decode_attention(q: torch.Tensor,             # [B, H, D]
                      kv_layer: torch.Tensor,      # [NB, 2, bs, KVH, D], strided layer view
                      block_tables: torch.Tensor,  # [B, max_blocks] int32
@@ -229,12 +225,12 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, launch: tuple[int, int, int] | None = None) -> torch.Tensor:  # [B, H, D]
+                     v_scale: float = 1.0, launch: AttentionLaunch | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
-    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` (BLOCK_N, num_warps,
-    num_stages) overrides _launch_config (benchmarks time several)."""
+    dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` overrides
+    launch_config (benchmarks time several)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
@@ -252,7 +248,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = launch or _launch_config(q.dtype, head_dim, fp8_cache)
+    block_n, num_warps, num_stages, whole_tiles, v_words = AttentionLaunch(
+        *(launch or launch_config(q.dtype, head_dim, fp8_cache)))
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
@@ -278,15 +275,14 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
         MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
-        WIDEN_F16=not dot_f32 and kv_layer.dtype == torch.float8_e4m3fn,
-        num_warps=num_warps, num_stages=num_stages, **(NO_PDL if _shuns_pdl(num_stages) else pdl_args(dev, batch)),
+        WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
+        WHOLE_TILES=whole_tiles,
+        num_warps=num_warps, num_stages=num_stages, **(NO_PDL if shuns_pdl(num_stages) else pdl_args(dev, batch)),
     )
     return out
 
 
-def _shuns_pdl(num_stages: int) -> bool:
-    """Whether a launch of this many stages goes without programmatic dependent launch, which at <= 16 rows starts
-    its programs early, where they wait. The five-stage build (an fp8 cache) holds ~73 KiB of shared memory a
-    program: waiting early, it took a decode step of FP8 weights and fp8 KV at batch 16 / 8k context from 6.04 to
-    7.01 ms on an H200 (`gpu_run.sh pdl`, 6caf790)."""
-    return num_stages >= 5
+def _whole_words(kv_layer: torch.Tensor) -> bool:
+    """Whether an fp8 layer's V rows can be read as int32 words: 4-byte aligned rows of whole words."""
+    return kv_layer.shape[4] % 4 == 0 and kv_layer.data_ptr() % 4 == 0 and all(
+        st % 4 == 0 for st in kv_layer.stride()[:4])

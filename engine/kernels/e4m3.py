@@ -30,3 +30,40 @@ def to_e4m3(y):
     a = (a + magic) - magic
     # the sign put back by its bit: a value that rounds to zero keeps it (-0.0, as torch's cast gives)
     return (a.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def _e4m3x4_to_f16(words):
+    # one int32 word = 4 e4m3 values (little-endian: byte i is value i) -> four float16 tensors, one per byte
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b16 lo, hi; .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b; }""",
+        constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3x4_to_f16_portable(words):
+    # the same as _e4m3x4_to_f16 in plain Triton, for the CPU interpreter (which cannot run inline PTX)
+    return ((words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16),
+            ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16),
+            ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16),
+            ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16))
+
+
+@triton.jit
+def widen_e4m3_words(words, ROWS: tl.constexpr, COLS: tl.constexpr, PTX: tl.constexpr):
+    """[ROWS, COLS // 4] int32 words of packed e4m3 -> [ROWS, COLS] float16 in registers: with PTX (sm_89+) by
+    cvt.rn.f16x2.e4m3x2, otherwise (the CPU interpreter) by shifts and casts. Why: a tile that tl.dot reduces along
+    its rows (P.V's V) is transposed on its way to the tensor cores. Loaded as e4m3, the compiler widens it after
+    that transpose and reads shared memory a byte at a time (sm_90 build of the decode kernel: 128 LDS.U8 and 1,061
+    instructions a loop iteration); widened here first, the float16 tile transposes through ldmatrix (704)."""
+    if PTX:
+        v0, v1, v2, v3 = _e4m3x4_to_f16(words)
+    else:
+        v0, v1, v2, v3 = _e4m3x4_to_f16_portable(words)
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (ROWS, COLS))

@@ -28,7 +28,8 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
-from engine.kernels.decode_attention import SPLIT_CHOICES, decode_attention, num_splits_for
+from engine.kernels.decode_attention import decode_attention
+from engine.kernels.decode_launch import SPLIT_CHOICES, num_splits_for
 from engine.runner.cuda_graphs import bucket_sizes
 from engine.runner.prefill_graphs import PrefillBuckets
 
