@@ -3,7 +3,8 @@
 Owns `decode_attention`: the semantics of engine.attention.paged_attention's decode branch (the query sits at
 position context_len - 1 and sees every cached key up to it, or the last `sliding_window` of them; GQA), read
 straight from the paged cache through the block table, without gathering K/V. An fp8 cache (engine.kv_quant) is
-widened to q's dtype as it is loaded, k_scale folded into the score scale and v_scale into the output.
+widened to q's dtype as it is loaded, k_scale folded into the score scale and v_scale into the output. How it is
+launched (tile, warps, stages, splits) is engine.kernels.decode_launch's.
 """
 
 from __future__ import annotations

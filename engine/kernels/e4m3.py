@@ -1,4 +1,5 @@
-"""Rounding float32 values to float8 e4m3 inside a Triton kernel, the same way torch's cast does.
+"""e4m3 inside Triton kernels: rounding float32 values to float8 e4m3 the way torch's cast does (`to_e4m3`), and
+widening packed e4m3 words to float16 (`widen_e4m3_words`, for the fp8 cache's V in engine.kernels.decode_attention).
 
 Shared by every kernel that writes e4m3: the KV-cache stores (engine.kernels.kv_store) and the activation
 quantization of FP8 linears (engine.kernels.fp8_quant). e4m3 (float8_e4m3fn) has no infinity; its largest finite
