@@ -103,7 +103,7 @@ def test_decode_matches_reference(group, kvh, d, bs, dtype, splits, window, cont
 
 def test_decode_tile_wider_than_split(monkeypatch):
     """BLOCK_N = 64 (the GPU tile) over block size 8 and 5 splits: tiles overhang split ends and table rows."""
-    monkeypatch.setattr(decode_mod, "launch_config", lambda dtype, head_dim, fp8_cache: (64, 4, 1))
+    monkeypatch.setattr(decode_mod, "launch_config", lambda *shape: (64, 4, 1))
     gen = torch.Generator().manual_seed(7)
     contexts, bs, kvh, d = [100, 1, 0, 64], 8, 2, 16
     kv = make_cache(gen, 40, bs, kvh, d, torch.float32)
@@ -120,7 +120,7 @@ def test_decode_merge_in_chunks_and_semaphores_left_zero(monkeypatch):
     """The last split merges the others in chunks of 2 (a small merge tile): 9 splits of two 8-token blocks each
     (BLOCK_N 16), contexts with 9, 5 and 0 busy splits; the caller's semaphores are zero again after each call,
     so a second call with them (as a graph replay does) is right too."""
-    monkeypatch.setattr(decode_mod, "launch_config", lambda dtype, head_dim, fp8_cache: (16, 4, 1))
+    monkeypatch.setattr(decode_mod, "launch_config", lambda *shape: (16, 4, 1))
     monkeypatch.setattr(decode_mod, "MERGE_TILE", 2 * 4 * 16)  # [GROUP 4, 2 splits, D 16]
     gen = torch.Generator().manual_seed(11)
     contexts, bs, kvh, d = [144, 73, 0], 8, 2, 16

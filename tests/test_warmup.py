@@ -54,8 +54,10 @@ def test_decode_splits_are_always_one_of_the_planned_choices():
             for kv_heads in (1, 2, 8):
                 for blocks in (0, 1, 2, 3, 5, 17, 64, 100, 513):
                     for fp8_cache in (False, True):
-                        splits = num_splits_for(batch, kv_heads, blocks, sms, fp8_cache)
-                        assert splits in SPLIT_CHOICES and splits <= max(blocks, 1)
+                        for tile_blocks in (1, 2, 4, 8):
+                            splits = num_splits_for(batch, kv_heads, blocks, sms, fp8_cache, tile_blocks)
+                            assert splits in SPLIT_CHOICES and splits <= max(blocks, 1)
+                            assert splits == 1 or (splits - 1) * tile_blocks < blocks  # each split has a tile
 
 
 def test_every_step_input_starts_16_byte_aligned():

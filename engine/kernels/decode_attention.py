@@ -246,11 +246,12 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         return out
 
     fp8_cache = kv_layer.dtype == torch.float8_e4m3fn
-    splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages, whole_tiles, v_words = AttentionLaunch(
-        *(launch or launch_config(q.dtype, head_dim, fp8_cache)))
+    launch = AttentionLaunch(*(launch or launch_config(q.dtype, head_dim, fp8_cache, batch * num_kv_heads)))
+    block_n, num_warps, num_stages, whole_tiles, v_words = launch
+    splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache,
+                                              max(1, block_n // block_size))
     if splits > 1:
         part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=dev)
         part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=dev)
@@ -278,7 +279,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles,
-        num_warps=num_warps, num_stages=num_stages, **(NO_PDL if shuns_pdl(num_stages) else pdl_args(dev, batch)),
+        num_warps=num_warps, num_stages=num_stages, **(NO_PDL if shuns_pdl(launch) else pdl_args(dev, batch)),
     )
     return out
 

@@ -29,7 +29,7 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.kernels.decode_attention import decode_attention
-from engine.kernels.decode_launch import SPLIT_CHOICES, num_splits_for
+from engine.kernels.decode_launch import SPLIT_CHOICES, launch_choices, num_splits_for
 from engine.runner.cuda_graphs import bucket_sizes
 from engine.runner.prefill_graphs import PrefillBuckets
 
@@ -68,8 +68,9 @@ def plan(max_num_seqs: int, max_blocks_per_seq: int, graphs: bool,
 
 def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sms: int,
                   graph_buckets: tuple[int, ...], prefill_buckets: PrefillBuckets | None = None,
-                  fp8_cache: bool = False) -> set[tuple]:
-    """The variants a scheduled step launches (mirrors ModelRunner's graph choices and attend()'s kernels)."""
+                  fp8_cache: bool = False, tile_blocks: int = 1) -> set[tuple]:
+    """The variants a scheduled step launches (mirrors ModelRunner's graph choices and attend()'s kernels;
+    `tile_blocks`: the table blocks a decode tile spans, decode_launch.launch_config's block_n // block_size)."""
     decodes = [c for c in sched.chunks if len(c.token_ids) == 1]
     prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
     sampling = sum(1 for c in sched.chunks if c.sample)
@@ -84,7 +85,7 @@ def step_variants(sched: SchedulerOutput, block_size: int, num_kv_heads: int, sm
     out: set[tuple] = {("prefill",)} if prefills else set()
     if decodes:
         width = max(-(-(c.start_pos + 1) // block_size) for c in decodes)
-        out.add(("decode", num_splits_for(len(decodes), num_kv_heads, width, sms, fp8_cache)))
+        out.add(("decode", num_splits_for(len(decodes), num_kv_heads, width, sms, fp8_cache, tile_blocks)))
     return out
 
 
@@ -105,7 +106,8 @@ def warm_up(engine) -> float:
 
 @torch.inference_mode()
 def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-    """One eager decode-attention launch per split count, on block 0 of layer 0 (its contents are not read back).
+    """One eager decode-attention launch per split count and launch choice (decode_launch.launch_choices: an fp8
+    cache has one for few sequences and one for many), on block 0 of layer 0 (its contents are not read back).
     Every tensor-parallel rank runs it on its own shard (`model.config` holds the rank's local heads)."""
     kv_layer = kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
     bs, kvh, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
@@ -113,10 +115,12 @@ def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks
     dtype = model.model.embed_tokens.weight.dtype  # the activations' (an fp8 cache's is not q's)
     qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=dtype, device=kv_cache.device)
     q = qkv[:, :heads * d].view(1, heads, d)  # a view of the qkv projection, as in the model
-    for splits in plan(max_num_seqs, max_blocks_per_seq, False).decode_splits:
-        tables = torch.zeros(1, splits, dtype=torch.int32, device=kv_cache.device)
-        lens = torch.full((1,), splits * bs, dtype=torch.int32, device=kv_cache.device)
-        decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits)
+    for launch in launch_choices(dtype, d, kv_layer.dtype == torch.float8_e4m3fn):
+        for splits in plan(max_num_seqs, max_blocks_per_seq, False).decode_splits:
+            tables = torch.zeros(1, splits, dtype=torch.int32, device=kv_cache.device)
+            lens = torch.full((1,), splits * bs, dtype=torch.int32, device=kv_cache.device)
+            decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits,
+                             launch=launch)
 
 
 def _requests(engine) -> None:
