@@ -238,6 +238,15 @@ def decode(args: argparse.Namespace) -> None:
                 ["decode1", "decode64", "prefill"], profile=args.profile, trace_dir=args.trace_dir,
                 events=args.events)
         return
+    if args.kv_rows:  # what the fp8 cache's attention changes: bf16, FP8 + fp8 KV, fp8 KV at 16 / 8k
+        bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "long"])
+        both = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
+                       kv_cache_dtype="fp8")
+        kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
+        for name in ("decode1", "decode64"):
+            compare(f"fp8 weights + fp8 KV vs bf16, {bf16[name]['case']}", bf16[name], both[name])
+        compare(f"fp8 KV vs bf16 KV (bf16 weights), {bf16['long']['case']}", bf16["long"], kv8["long"])
+        return
     bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format,
                    ["decode1", "decode64", "prefill", "long"], profile=args.profile, trace_dir=args.trace_dir)
     fp8 = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "prefill"],
@@ -516,6 +525,7 @@ def main() -> None:
     p.add_argument("--trace-dir", help="write chrome traces of live decode steps here (with a summary)")
     p.add_argument("--events", action="store_true", help="time live decode steps with CUDA events too")
     p.add_argument("--only", choices=("bf16", "fp8"), help="measure one engine's decode and prefill only")
+    p.add_argument("--kv-rows", action="store_true", help="only bf16, FP8 + fp8 KV and fp8 KV at 16 / 8k (decode)")
     p.set_defaults(run=decode)
     p = commands.add_parser("pdl", help="decode steps with programmatic dependent launch against without")
     checkpoint_args(p)
