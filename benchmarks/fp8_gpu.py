@@ -242,9 +242,9 @@ def decode(args: argparse.Namespace) -> None:
         bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "long"])
         both = measure(args.fp8, True, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64"],
                        kv_cache_dtype="fp8")
-        kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
         for name in ("decode1", "decode64"):
             compare(f"fp8 weights + fp8 KV vs bf16, {bf16[name]['case']}", bf16[name], both[name])
+        kv8 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["long"], kv_cache_dtype="fp8")
         compare(f"fp8 KV vs bf16 KV (bf16 weights), {bf16['long']['case']}", bf16["long"], kv8["long"])
         return
     bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format,
