@@ -54,11 +54,13 @@ def variants():
     yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
                                                   BLOCK_K=4096, SCALED=False, HAS_XS=False),
            {"xs_ptr": "*bf16", "ws_ptr": "*bf16", **ROPE}, 8, 3)
-    for cache, block_n, warps, stages in (("*bf16", 64, 4, 3), (F8, 64, 4, 4), (F8, 32, 1, 4)):  # launch_config's
+    # launch_config's launches; the one-warp launch merges at most 4 splits at a time (decode_attention.MERGE_TILE)
+    for cache, block_n, warps, stages, splits, merge in (("*bf16", 64, 4, 3, 4, 4), (F8, 64, 4, 4, 16, 16),
+                                                         (F8, 32, 1, 4, 16, 4)):
         yield (decode_attention._decode_split_kernel,
                dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
-                    BLOCK_N=block_n, NUM_SPLITS=4, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=4, WINDOW=0,
-                    DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, WHOLE_TILES=True),
+                    BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=merge,
+                    WINDOW=0, DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, WHOLE_TILES=True),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, warps, stages)
     yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3

@@ -21,7 +21,9 @@ from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 NO_PDL = {"PDL": False, "launch_pdl": False}
-MERGE_TILE = 8192  # fp32 elements of the merge's [GROUP, splits, D] tile: 64 registers a thread at 4 warps
+# fp32 elements of the merge's [GROUP, splits, D] tile at 4 warps (scaled by the launch's warps): 64 registers a thread;
+# a one-warp program merging 16 splits at once spilled 90 registers (sm_90 build)
+MERGE_TILE = 8192
 
 
 # Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one program owns
@@ -275,7 +277,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, merge_g),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
-        MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE // (merge_g * block_d))),
+        MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE * num_warps // 4 // (merge_g * block_d))),
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles,
