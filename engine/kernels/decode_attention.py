@@ -17,6 +17,7 @@ from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 from engine.kernels.decode_launch import AttentionLaunch, default_num_splits, launch_config, shuns_pdl
 from engine.kernels.e4m3 import widen_e4m3_words
+from engine.kernels.online_softmax import softmax_step, tile_scores
 from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -171,22 +172,10 @@ def _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, strid
         v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :])
     k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
     v = v.to(q.dtype)
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # [BLOCK_G, BLOCK_N]
+    s = tile_scores(q, k, qk_scale, DOT_F32)  # [BLOCK_G, BLOCK_N]
     if MASKED:
         s = tl.where(t_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a tile holds >= 1 valid token
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return softmax_step(s, v, m_i, l_i, acc, DOT_F32)  # m_i finite after: a tile holds >= 1 valid token
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
+from engine.kernels.online_softmax import softmax_step, tile_scores
 
 LOG2E = 1.4426950408889634
 
@@ -44,24 +45,13 @@ def _attend_tile(acc, l_i, m_i, q, kv_ptr, table_row, tile, hi, pos, offs_n, off
         v = tl.load(ptrs + stride_kv_kv, mask=d_mask[None, :], other=0.0)
     k = k.to(q.dtype)  # no-ops unless the cache is fp8 (its scales are folded into qk_scale and the output)
     v = v.to(q.dtype)
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tile_scores(q, k, qk_scale, DOT_F32)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         allowed = (toks[None, :] <= pos[:, None]) & t_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (toks[None, :] > pos[:, None] - WINDOW)
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so a fully masked row gives p = 0, not NaN
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    m_new, l_i, acc = softmax_step(s, v, m_i, l_i, acc, DOT_F32)  # m_i starts finite: a masked row adds p = 0
     return acc, l_i, m_new
 
 
