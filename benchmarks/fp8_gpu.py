@@ -81,9 +81,26 @@ def check_inputs(bf16: str, fp8: str) -> None:
 
 
 def close(bench: Bench) -> None:
+    """Close the engine and hand its memory back to the device. The engine goes first: while it is referenced its
+    KV cache stays allocated, and the next engine's weights would be carved out of that freed-but-cached segment,
+    leaving no room for the next cache on an 80 GB card (H100: an OOM at the third engine of `decode`)."""
     bench.engine.close()
+    bench.engine = None
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def engine_tag(bench: Bench, folder: str, fp8: bool, kv_cache_dtype: str) -> dict:
+    """What a row's engine was: weights, KV dtype, weight bytes, FP8 linears, KV capacity; refuses an engine whose
+    linears are not what the checkpoint promised. (A function of its own: its locals must not outlive the engine.)"""
+    e = bench.engine
+    layers = [m for m in e.model.modules() if isinstance(m, Fp8Linear)]
+    if bool(layers) != fp8:
+        raise SystemExit(f"{folder}: the engine built {len(layers)} FP8 linears; expected {'some' if fp8 else 'none'}")
+    if fp8 and not all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in layers):
+        raise SystemExit(f"{folder}: an FP8 linear's weight is not float8_e4m3fn on the GPU")
+    return {"weights": "fp8" if fp8 else "bf16", "kv_cache_dtype": kv_cache_dtype, "weight_bytes": bench.weight_bytes,
+            "fp8_linears": len(layers), "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size}
 
 
 def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
@@ -95,15 +112,7 @@ def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: in
                   profile=profile, trace_dir=trace_dir, events=events,
                   trace_tag=f"{'fp8' if fp8 else 'bf16'}-kv{kv_cache_dtype}")
     try:
-        e = bench.engine
-        layers = [m for m in e.model.modules() if isinstance(m, Fp8Linear)]
-        if bool(layers) != fp8:
-            raise SystemExit(f"{folder}: the engine built {len(layers)} FP8 linears; expected "
-                             f"{'some' if fp8 else 'none'}")
-        if fp8 and not all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in layers):
-            raise SystemExit(f"{folder}: an FP8 linear's weight is not float8_e4m3fn on the GPU")
-        tag = {"weights": "fp8" if fp8 else "bf16", "kv_cache_dtype": kv_cache_dtype, "weight_bytes":
-               bench.weight_bytes, "fp8_linears": len(layers), "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size}
+        tag = engine_tag(bench, folder, fp8, kv_cache_dtype)
         rows = {}
         for name in cases:
             if name == "prefill":
