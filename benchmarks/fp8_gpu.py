@@ -148,14 +148,15 @@ ATTENTION_BY_SPLITS = {"bf16": (BEFORE["bf16"], AttentionLaunch(64, 4, 3)),
 
 
 def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, repeats: int = 3,
-                       graphs: bool = False) -> None:
+                       graphs: bool = False, by_splits: dict | None = None) -> None:
     """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
     K/V): its KV read rate against the copy bandwidth for each launch configuration (at the default split count)
     and each split count (at the default launch), then the best pair of the two. The GPU is kept busy for a second
     first (its clocks ramp up: the first variant timed from idle read up to 1.5x slow), then every variant is timed
     `repeats` times, interleaved, and reported by its median. `graphs`: each call replayed in a CUDA graph with the
     splits' semaphores kept, as a decode step runs it (at batch 1 a plain launch's own cost and the scratch
-    tensors' allocation are most of what do_bench times)."""
+    tensors' allocation are most of what do_bench times). `by_splits` {cache: launches} replaces
+    ATTENTION_BY_SPLITS for the caches it names and leaves out the others (their reference launches stay)."""
     import statistics
     import time
 
@@ -176,9 +177,12 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
     out = torch.empty_like(q)
     sems = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")  # left zero by every call
     for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
+        if by_splits is not None and name not in by_splits:
+            continue
         nbytes = batch * context * 2 * kv_heads * d * layer.element_size()
         variants = [(launch, None) for launch in ATTENTION_LAUNCHES[name]]
-        variants += [(launch, s) for launch in ATTENTION_BY_SPLITS[name] for s in ATTENTION_SPLITS]
+        launches = (BEFORE[name], *by_splits[name]) if by_splits else ATTENTION_BY_SPLITS[name]
+        variants += [(launch, s) for launch in launches for s in ATTENTION_SPLITS]
         begin = time.perf_counter()
         while time.perf_counter() - begin < 1.0:
             decode_attention(q, layer, tables, lens, d ** -0.5)
@@ -228,9 +232,14 @@ def attention(args: argparse.Namespace) -> None:
     bandwidth = copy_bandwidth()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(),
                       "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
+    by_splits = None
+    if args.launches:  # "fp8:32x1x4,16x2x4": tokens a tile x warps x stages, timed at every split count
+        cache, _, launches = args.launches.partition(":")
+        by_splits = {cache: tuple(AttentionLaunch(*(int(v) for v in launch.split("x")))
+                                  for launch in launches.split(","))}
     for case in args.cases.split(","):
         batch, context = (int(v) for v in case.split("x"))
-        attention_variants(bandwidth, batch, context, args.repeats, args.graphs)
+        attention_variants(bandwidth, batch, context, args.repeats, args.graphs, by_splits)
 
 
 def decode(args: argparse.Namespace) -> None:
@@ -552,6 +561,9 @@ def main() -> None:
     p.add_argument("--cases", default="1x1024,64x2048,16x8000", help="comma-separated BATCHxCONTEXT")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timings of each variant (median reported)")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (as a decode step runs it)")
+    p.add_argument("--launches", default=None,
+                   help="CACHE:NxWxS,... only this cache (bf16 or fp8), these launches (tokens a tile x warps x "
+                        "stages) at every split count, beside the default and the reference launch")
     p.set_defaults(run=attention)
     args = parser.parse_args()
     args.run(args)
