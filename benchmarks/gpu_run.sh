@@ -14,6 +14,9 @@
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor;
 #   benchmarks/serve_load.py smoke).
 # pdl (1 GPU): the 8B decode steps (bf16; FP8 weights + fp8 KV) with programmatic dependent launch vs without.
+# attnstages (1 GPU, issue 42): the 8B decode steps (FP8 weights + fp8 KV; STAGES_ARGS="--stages fp8:5,bf16:5" adds
+#   bf16) with the decode attention's launches on more pipeline stages against the engine's own, one process
+#   (benchmarks/attention_stages.py).
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
 # fp8attn (1 GPU): the decode attention kernel alone on bf16 and fp8 caches at batch 1 / 1k, 64 / 2k and 16 / 8k,
 #   each launch configuration and split count (benchmarks/fp8_gpu.py attention; ATTN_ARGS=--cases ...).
@@ -316,6 +319,11 @@ for step in "$@"; do
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       timeout ${PDL_TIMEOUT:-400} python3 benchmarks/fp8_gpu.py pdl --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${PDL_ARGS:-} 2>&1 | tee "$OUT/pdl.log" | grep "^{" | grep -v static_context ;;
+    attnstages)  # issue 42: decode steps with the attention on more pipeline stages vs the engine's (attention_stages.py)
+      checkpoint8b
+      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+      timeout ${STAGES_TIMEOUT:-400} python3 benchmarks/attention_stages.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
+        --load-format dummy ${STAGES_ARGS:-} 2>&1 | tee "$OUT/attention_stages.log" | grep "^{" | grep -v static_context ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"|"gate_up_activation"' | cut -c1-400 ;;

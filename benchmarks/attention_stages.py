@@ -1,0 +1,81 @@
+"""The decode step with the decode attention's pipeline stages changed, against the engine's own launches, in one
+process (issue 42): `bash benchmarks/gpu_run.sh attnstages` (STAGES_ARGS="--stages fp8:5,bf16:5 ...").
+
+Why: Triton's pipeliner gives a load that sits behind another load in the loop (the K / V tile behind the block
+table's ids) (num_stages - 1) // 2 stages of lead, so the engine's 4-stage fp8 launch and 3-stage bf16 launch
+request each tile's K / V only after the tile before it is computed, and wait for it at once (docs/benchmark-log.md,
+2026-12-05 evening). This times whole decode steps, not the kernel alone: each engine (FP8 weights + fp8 KV cache,
+then bf16) runs the decode cases with engine.kernels.decode_launch's launches, then again, in a new engine, with
+every launch it picks for that cache given the stage count asked for (tiles, warps and splits unchanged; a launch of
+5 or more stages goes without programmatic dependent launch, as decode_launch.shuns_pdl says). Prints each engine's
+rows and the ratio per case. The change is made by patching launch_config for the second engine only: the engine
+itself has no such switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.engine_bench_gpu import ceilings  # noqa: E402
+from benchmarks.fp8_gpu import check_inputs, checkpoint_args, compare, measure  # noqa: E402
+from engine.kernels import decode_launch  # noqa: E402
+from engine.kernels.decode_launch import AttentionLaunch  # noqa: E402
+
+CASES = ("decode1", "decode64", "long")  # fp8_gpu.measure's names: batch 1 / 1k, 64 / 2k, 16 / 8k
+
+
+def parse_stages(text: str) -> dict[str, int]:
+    """"fp8:5,bf16:4" -> {"fp8": 5, "bf16": 4}; a clear error for anything else."""
+    stages = {}
+    for part in text.split(","):
+        cache, _, value = part.partition(":")
+        if cache not in ("fp8", "bf16") or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--stages: {part!r} is not CACHE:N with CACHE fp8 or bf16 and N >= 1")
+        stages[cache] = int(value)
+    return stages
+
+
+def with_stages(launch_config: Callable[..., AttentionLaunch], cache: str, stages: int
+                ) -> Callable[..., AttentionLaunch]:
+    """launch_config, with every launch it picks for `cache` ("fp8" or "bf16") on `stages` pipeline stages."""
+    def changed(dtype, head_dim, fp8_cache, pairs) -> AttentionLaunch:
+        launch = launch_config(dtype, head_dim, fp8_cache, pairs)
+        return launch._replace(num_stages=stages) if fp8_cache == (cache == "fp8") else launch
+    return changed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    checkpoint_args(parser)
+    parser.add_argument("--stages", default="fp8:5", help="CACHE:N,... (fp8 and / or bf16)")
+    args = parser.parse_args()
+    stages = parse_stages(args.stages)
+    check_inputs(args.bf16, args.fp8)
+    bandwidth, flops = ceilings()
+    print(json.dumps({"case": "ceilings", "copy_gb_per_s": round(bandwidth / 1e9, 1),
+                      "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    for cache, count in stages.items():
+        fp8 = cache == "fp8"
+        folder, kv = (args.fp8, "fp8") if fp8 else (args.bf16, "auto")
+        cases = list(CASES)
+        base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+        changed = with_stages(decode_launch.launch_config, cache, count)
+        # decode_attention picks its launch through its own import of launch_config, warm-up's launch_choices
+        # through decode_launch's: both see the change while the second engine is built and timed
+        with mock.patch("engine.kernels.decode_launch.launch_config", changed), \
+                mock.patch("engine.kernels.decode_attention.launch_config", changed):
+            new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+        for name in cases:
+            compare(f"{cache} cache, attention on {count} stages vs the engine's launches, {base[name]['case']}",
+                    base[name], new[name])
+
+
+if __name__ == "__main__":
+    main()

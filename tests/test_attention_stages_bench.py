@@ -1,0 +1,35 @@
+"""benchmarks/attention_stages.py changes what it says it changes: with its patch in place, the launch the decode
+attention picks for one cache (and every launch warm-up compiles for it) runs on the stage count asked for, the other
+cache's launches stay as they were, and a bad --stages is refused by name."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from benchmarks.attention_stages import parse_stages, with_stages
+from engine.kernels import decode_attention, decode_launch
+
+
+def test_the_patch_reaches_the_kernels_pick_and_warm_up_for_one_cache_only():
+    before = {fp8: decode_launch.launch_choices(torch.bfloat16, 128, fp8) for fp8 in (False, True)}
+    changed = with_stages(decode_launch.launch_config, "fp8", 7)
+    with mock.patch("engine.kernels.decode_launch.launch_config", changed), \
+            mock.patch("engine.kernels.decode_attention.launch_config", changed):
+        picked = decode_attention.launch_config(torch.bfloat16, 128, True, 512)
+        assert picked.num_stages == 7
+        assert picked._replace(num_stages=0) == decode_launch.launch_config(torch.bfloat16, 128, True, 512)._replace(
+            num_stages=0)
+        fp8_choices = decode_launch.launch_choices(torch.bfloat16, 128, True)
+        assert fp8_choices and all(launch.num_stages == 7 for launch in fp8_choices)
+        assert decode_launch.launch_choices(torch.bfloat16, 128, False) == before[False]
+    assert decode_launch.launch_choices(torch.bfloat16, 128, True) == before[True]  # undone on leaving
+
+
+@pytest.mark.parametrize("text", ["fp9:5", "fp8:0", "fp8", "fp8:x", "bf16:5,fp8:"])
+def test_a_bad_stages_argument_is_refused_by_name(text):
+    with pytest.raises(SystemExit, match="--stages"):
+        parse_stages(text)
+    assert parse_stages("fp8:5,bf16:4") == {"fp8": 5, "bf16": 4}
