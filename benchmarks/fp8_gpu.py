@@ -226,17 +226,28 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
                                   "x_copy": round(nbytes / default / 1e6 / (bandwidth / 1e9), 3)}), flush=True)
 
 
+def parse_launches(text: str) -> dict[str, tuple[AttentionLaunch, ...]]:
+    """--launches "fp8:32x1x4,16x2x4" (tokens a tile x warps x stages) -> {"fp8": launches}; anything else refused."""
+    cache, _, launches = text.partition(":")
+    parsed = []
+    for launch in launches.split(","):
+        values = launch.split("x")
+        if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values):
+            parsed = None
+            break
+        parsed.append(AttentionLaunch(*(int(v) for v in values)))
+    if cache not in ("bf16", "fp8") or not parsed:
+        raise SystemExit(f"--launches: {text!r} is not CACHE:NxWxS,... with CACHE bf16 or fp8 and positive numbers")
+    return {cache: tuple(parsed)}
+
+
 def attention(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this times the decode attention kernel")
     bandwidth = copy_bandwidth()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(),
                       "copy_gb_per_s": round(bandwidth / 1e9, 1)}), flush=True)
-    by_splits = None
-    if args.launches:  # "fp8:32x1x4,16x2x4": tokens a tile x warps x stages, timed at every split count
-        cache, _, launches = args.launches.partition(":")
-        by_splits = {cache: tuple(AttentionLaunch(*(int(v) for v in launch.split("x")))
-                                  for launch in launches.split(","))}
+    by_splits = None if args.launches is None else parse_launches(args.launches)
     for case in args.cases.split(","):
         batch, context = (int(v) for v in case.split("x"))
         attention_variants(bandwidth, batch, context, args.repeats, args.graphs, by_splits)

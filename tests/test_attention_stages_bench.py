@@ -1,6 +1,7 @@
-"""benchmarks/attention_stages.py changes what it says it changes: with its patch in place, the launch the decode
-attention picks for one cache (and every launch warm-up compiles for it) runs on the stage count asked for, the other
-cache's launches stay as they were, and a bad --stages is refused by name."""
+"""The attention-launch benchmarks' arguments do what they say. benchmarks/attention_stages.py: with its patch in
+place, the launch the decode attention picks for one cache (and every launch warm-up compiles for it) runs on the
+stage count asked for, the other cache's launches stay as they were, and a bad --stages is refused by name;
+benchmarks/fp8_gpu.py attention --launches: parsed into launches, or refused by name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from benchmarks.attention_stages import parse_stages, with_stages
+from benchmarks.fp8_gpu import parse_launches
 from engine.kernels import decode_attention, decode_launch
+from engine.kernels.decode_launch import AttentionLaunch
 
 
 def test_the_patch_reaches_the_kernels_pick_and_warm_up_for_one_cache_only():
@@ -33,3 +36,10 @@ def test_a_bad_stages_argument_is_refused_by_name(text):
     with pytest.raises(SystemExit, match="--stages"):
         parse_stages(text)
     assert parse_stages("fp8:5,bf16:4") == {"fp8": 5, "bf16": 4}
+
+
+@pytest.mark.parametrize("text", ["fp9:32x1x4", "fp8:32x1", "fp8:", "fp8:32x0x4", "fp8:32x1x4,"])
+def test_attention_launches_are_parsed_or_refused_by_name(text):
+    with pytest.raises(SystemExit, match="--launches"):
+        parse_launches(text)
+    assert parse_launches("bf16:64x4x5,32x2x3") == {"bf16": (AttentionLaunch(64, 4, 5), AttentionLaunch(32, 2, 3))}
