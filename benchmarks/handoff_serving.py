@@ -61,7 +61,7 @@ import httpx
 import torch
 import yaml
 
-from coordinator.backend.ray_backend import STATS_PERIOD_S
+from coordinator.backend.worker_events import STATS_PERIOD_S
 from coordinator.config.serve_config import set_dotted
 from engine.tiny import ensure_tiny_model
 from tests.server_process import running_server

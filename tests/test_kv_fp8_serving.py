@@ -11,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from coordinator.backend.ray_backend import STATS_PERIOD_S
+from coordinator.backend.worker_events import STATS_PERIOD_S
 from coordinator.config.serve_config import load_serve_config
 from engine.config_error import ConfigError
 from engine.kv_heads import KVHeadRange

@@ -28,11 +28,12 @@ replaces them, and this backend starts polling the replacement. Workers an opera
 collects the workers' transfer figures and their host tiers' added and evicted blocks, for the router's prefix index
 (coordinator.admission.router); a dead worker's host entries are forgotten at once.
 
-Three parts live in their own modules and are inherited: one attempt, from its placement to its cleanup, and the
+Parts live in their own modules and are inherited: one attempt, from its placement to its cleanup, and the
 worker calls under it (coordinator.backend.attempts), the remote prefill and its handoff
-(coordinator.backend.remote_prefill) and what the admin routes and /health call (coordinator.backend.operator_calls).
-This class owns the request across its attempts (generate: moves, counts, the in-flight record), the workers' life
-events, the periodic stats and the backend's state those parts work on.
+(coordinator.backend.remote_prefill), the prefix fetch (coordinator.backend.prefix_fetch), what the admin routes and
+/health call (coordinator.backend.operator_calls), and the workers' life events with the periodic stats
+(coordinator.backend.worker_events). This class owns the request across its attempts (generate: moves, counts, the
+in-flight record) and the backend's state those parts work on.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ from coordinator.backend.ray_group import GroupRun
 from coordinator.backend.remote_prefill import RemotePrefill
 from coordinator.backend.scaler import Scaler
 from coordinator.backend.spares import Spares
-from coordinator.backend.stats import backend_stats, transfer_totals
+from coordinator.backend.stats import backend_stats
 from coordinator.backend.stragglers import StragglerWatch
 from coordinator.backend.supervisor import Supervisor
+from coordinator.backend.worker_events import WorkerEvents
 from coordinator.config.serve_config import ServeConfig
 from coordinator.contract import BackendError, GenerateRequest, Overloaded, PrefillFailed, TokenDelta, WorkerLost
 from coordinator.observability.loop_lag import LoopLag
@@ -73,10 +75,9 @@ from engine.core.request_timing import Durations
 from engine.gc_pauses import GcPauses
 
 log = logging.getLogger("pdserve")
-STATS_PERIOD_S = 1.0
 
 
-class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls):
+class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls, WorkerEvents):
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.pools = Pools(config)
@@ -231,70 +232,6 @@ class RayBackend(Attempts, RemotePrefill, PrefixFetch, OperatorCalls):
     def generate_group(self, request: GenerateRequest) -> GroupRun:
         """request.n choices of one prompt, prefilled once (coordinator.backend.ray_group)."""
         return GroupRun(self, request)
-
-    # ---- workers
-    def _worker_dead(self, worker: WorkerState, reason: str) -> None:
-        if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
-            self._count(self.errors, "worker_died")
-        self.ledger.retire(worker.key)  # its books go once its requests have moved off (a bounded history)
-        self.audit.forget(worker)
-        if self.adaptive is not None:  # the last decoding worker died: another decodes now, before its requests move
-            self.adaptive.planner.ensure_decoder()
-        if self.admission is not None:  # its host tier went with it
-            self.admission.router.forget_host(worker.name)
-        for attempt in list(worker.requests):
-            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
-
-    def _worker_removed(self, worker: WorkerState) -> None:
-        """A scale-in took `worker` out of its pool (coordinator.backend.scaler): its books go, and what still runs
-        there (past the drain's timeout) moves to other workers as off a dead one."""
-        self.ledger.retire(worker.key)
-        self.audit.forget(worker)
-        if self.admission is not None:
-            self.admission.router.forget_host(worker.name)
-        for attempt in list(worker.requests):
-            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} was removed (its pool "
-                                                 "shrank)"))
-
-    def _worker_live(self, worker: WorkerState) -> None:
-        self._spawn(self.intake.loop(worker))
-        if self.drills.injecting:
-            self._spawn(self.drills.on_worker_live(worker))
-        self._capacity_freed()
-
-    def _capacity_freed(self) -> None:
-        if self.admission is not None:
-            self.admission.notify()
-
-    async def _stats_loop(self) -> None:
-        while True:
-            await asyncio.sleep(STATS_PERIOD_S)
-            await self.supervisor.probe()
-            self._watch_stragglers()
-            self.audit.observe(self.pools.all_workers)  # what workers hold that no booking explains, since when
-            live = [w for w in self.pools.all_workers if w.alive]
-            snapshots = await asyncio.gather(*[w.handle.transfer_metrics.remote() for w in live],
-                                           return_exceptions=True)
-            self.transfer_totals = transfer_totals([m for ranks in snapshots if isinstance(ranks, list)
-                                                    for m in ranks if isinstance(m, dict)])  # every rank's
-            await self._collect_host_tiers(live)
-            self._capacity_freed()  # waiting requests also look again on a timer
-
-    async def _collect_host_tiers(self, live: list[WorkerState]) -> None:
-        """The workers' host-tier changes since the last period into the router's index (a worker that died
-        meanwhile is left out: its entries went with it, forget_host)."""
-        changes = await asyncio.gather(*[w.handle.host_tier_changes.remote() for w in live], return_exceptions=True)
-        for worker, change in zip(live, changes, strict=True):
-            if isinstance(change, tuple) and worker.alive and self.admission is not None:
-                self.admission.router.host_report(worker.name, *change)
-
-    def _watch_stragglers(self) -> None:
-        """Compare the workers' step times (coordinator.backend.stragglers); replace a straggler if configured."""
-        if not self.config.stragglers.enabled:
-            return
-        for worker, why in self.stragglers.observe(self.pools.all_workers, time.monotonic()):
-            if self.config.stragglers.replace and self.drains.state(worker.name) is None:  # an operator's drain
-                self._spawn(self.stragglers.replace(self.cycler, worker, why))            # stays theirs
 
     def _booked_prompt_tokens(self, worker: WorkerState) -> float:
         return self.ledger.booked(worker.key, "prompt_tokens")
