@@ -17,6 +17,9 @@
 # attnstages (1 GPU, issue 42): the 8B decode steps (FP8 weights + fp8 KV; STAGES_ARGS="--stages fp8:5,bf16:5" adds
 #   bf16) with the decode attention's launches on more pipeline stages against the engine's own, one process
 #   (benchmarks/attention_stages.py).
+# attnncu (1 GPU, issue 42): Nsight Compute over the decode attention's launches (benchmarks/attention_counters.py;
+#   ATTNNCU_ARGS="--cases 64x2048 --launches fp8:32x1x5 --splits 2"): each launch's duration, DRAM throughput,
+#   occupancy and warp stalls, the raw counters in $OUT/attn_ncu_raw.csv.
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
 # fp8attn (1 GPU): the decode attention kernel alone on bf16 and fp8 caches at batch 1 / 1k, 64 / 2k and 16 / 8k,
 #   each launch configuration and split count (benchmarks/fp8_gpu.py attention; ATTN_ARGS=--cases ...).
@@ -324,6 +327,17 @@ for step in "$@"; do
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       timeout ${STAGES_TIMEOUT:-400} python3 benchmarks/attention_stages.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${STAGES_ARGS:-} 2>&1 | tee "$OUT/attention_stages.log" | grep "^{" | grep -v static_context ;;
+    attnncu)  # issue 42: Nsight Compute's counters of the decode attention's launches (attention_counters.py)
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      [ -n "$ncu" ] || { echo "attnncu: no ncu on this machine"; continue; }
+      timeout ${ATTNNCU_TIMEOUT:-240} "$ncu" --clock-control none -k regex:_decode_split_kernel --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats -o "$OUT/attn" --force-overwrite python3 benchmarks/attention_counters.py \
+        ${ATTNNCU_ARGS:-} > "$OUT/attn_ncu.log" 2>&1
+      grep "^variant" "$OUT/attn_ncu.log"
+      "$ncu" --import "$OUT/attn.ncu-rep" --page raw --csv > "$OUT/attn_ncu_raw.csv" 2>&1
+      "$ncu" --import "$OUT/attn.ncu-rep" --page details 2>&1 | grep -E "_decode_split_kernel|Duration|DRAM Through|\
+Registers Per|Achieved Occupancy|Warp Cycles Per Issued|No Eligible" ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"|"gate_up_activation"' | cut -c1-400 ;;
