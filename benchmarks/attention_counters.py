@@ -3,8 +3,9 @@
 nothing itself: ncu profiles every launch of `_decode_split_kernel` (the first call of each compiles it, so each
 variant's second launch is the one to read) and gpu_run.sh prints each launch's duration, DRAM throughput,
 occupancy, issue rate and its warps' stall reasons. Llama-3-8B heads (32 query, 8 KV, 128 wide), 16-token blocks,
-random K/V in a shuffled block table, every context the same; the default launch of a bf16 and an fp8 cache first,
-then each launch asked for (--launches, as benchmarks/fp8_gpu.py attention takes it) at the split count given.
+random K/V in a shuffled block table, every context the same (benchmarks/fp8_gpu.attention_inputs); the default
+launch of a bf16 and an fp8 cache first, then each launch asked for (--launches, as benchmarks/fp8_gpu.py attention
+takes it) at the split count given.
 Its steps ran on an H100 as an uncommitted script (2026-12-05, docs/benchmark-log.md); this program itself has not
 yet run on a GPU.
 """
@@ -18,25 +19,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.fp8_gpu import parse_launches  # noqa: E402
+from benchmarks.fp8_gpu import ATTENTION_HEAD_DIM, attention_inputs, parse_launches  # noqa: E402
 from engine.kernels.decode_attention import decode_attention  # noqa: E402
-
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
 def run_case(batch: int, context: int, launches: dict, splits: int | None) -> None:
-    per_seq = -(-context // BLOCK)
-    blocks = batch * per_seq + 8
-    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randperm(blocks - 8, device="cuda")[: batch * per_seq].view(batch, per_seq).to(torch.int32)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    caches = {"bf16": torch.randn(blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)}
-    caches["fp8"] = caches["bf16"].to(torch.float8_e4m3fn)
+    q, tables, lens, kv = attention_inputs(batch, context)
+    caches = {"bf16": kv, "fp8": kv.to(torch.float8_e4m3fn)}
     variants = [(cache, None, None) for cache in ("bf16", "fp8")]
     variants += [(cache, launch, splits) for cache, chosen in launches.items() for launch in chosen]
     for cache, launch, num_splits in variants:
         for _ in range(2):  # the first compiles; ncu reads both, the second is the one to compare
-            decode_attention(q, caches[cache], tables, lens, HEAD_DIM ** -0.5, launch=launch, num_splits=num_splits)
+            decode_attention(q, caches[cache], tables, lens, ATTENTION_HEAD_DIM ** -0.5, launch=launch,
+                             num_splits=num_splits)
         torch.cuda.synchronize()
         print(f"variant {batch}x{context} {cache} {tuple(launch) if launch else 'default'} splits "
               f"{num_splits or 'default'}", flush=True)

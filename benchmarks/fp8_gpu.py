@@ -147,6 +147,23 @@ ATTENTION_BY_SPLITS = {"bf16": (BEFORE["bf16"], AttentionLaunch(64, 4, 3)),
                                AttentionLaunch(32, 1, 4), AttentionLaunch(64, 2, 4))}
 
 
+ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM, ATTENTION_BLOCK = 32, 8, 128, 16  # Llama-3-8B, 16-token blocks
+
+
+def attention_inputs(batch: int, context: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """The decode attention's inputs at `batch` x `context` (every row the same length): q [B, 32, 128] bf16, a
+    block table [B, blocks a row] int32 of shuffled distinct blocks, context_lens [B] int32 and a bf16 cache
+    [blocks + 8, 2, 16, 8, 128] of random K/V (benchmarks/attention_counters.py runs the same inputs)."""
+    per_seq = -(-context // ATTENTION_BLOCK)
+    blocks = batch * per_seq + 8
+    q = torch.randn(batch, ATTENTION_HEADS, ATTENTION_HEAD_DIM, device=device, dtype=torch.bfloat16)
+    tables = torch.randperm(blocks - 8, device=device)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    cache = torch.randn(blocks, 2, ATTENTION_BLOCK, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM, device=device,
+                        dtype=torch.bfloat16)
+    return q, tables, lens, cache
+
+
 def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, repeats: int = 3,
                        graphs: bool = False, by_splits: dict | None = None) -> None:
     """The decode attention kernel alone on a bf16 and an fp8 cache (Llama-3-8B heads, 16-token blocks, random
@@ -167,13 +184,8 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
             fn, warmup=5, rep=40, return_mode="median")
 
     from engine.kernels.decode_attention import decode_attention
-    heads, kv_heads, d, bs = 32, 8, 128, 16
-    per_seq = -(-context // bs)
-    blocks = batch * per_seq + 8
-    q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randperm(blocks - 8, device="cuda")[: batch * per_seq].view(batch, per_seq).to(torch.int32)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    base = torch.randn(blocks, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    kv_heads, d = ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM
+    q, tables, lens, base = attention_inputs(batch, context)
     out = torch.empty_like(q)
     sems = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")  # left zero by every call
     for name, layer in (("bf16", base), ("fp8", base.to(torch.float8_e4m3fn))):
