@@ -21,25 +21,24 @@ class WorkerEvents:
     def _worker_dead(self, worker: WorkerState, reason: str) -> None:
         if not self.supervisor.planned(worker):  # a rolling restart's or a straggler's replacement is no error
             self._count(self.errors, "worker_died")
-        self.ledger.retire(worker.key)  # its books go once its requests have moved off (a bounded history)
-        self.audit.forget(worker)
         if self.adaptive is not None:  # the last decoding worker died: another decodes now, before its requests move
             self.adaptive.planner.ensure_decoder()
-        if self.admission is not None:  # its host tier went with it
-            self.admission.router.forget_host(worker.name)
-        for attempt in list(worker.requests):
-            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} died"))
+        self._let_go(worker, "died")
 
     def _worker_removed(self, worker: WorkerState) -> None:
         """A scale-in took `worker` out of its pool (coordinator.backend.scaler): its books go, and what still runs
         there (past the drain's timeout) moves to other workers as off a dead one."""
+        self._let_go(worker, "was removed (its pool shrank)")
+
+    def _let_go(self, worker: WorkerState, what_happened: str) -> None:
+        """A worker gone (dead or removed): its books retire once its requests have moved off (a bounded history),
+        the audit and the router forget it (its host tier went with it), and each attempt on it fails, to move."""
         self.ledger.retire(worker.key)
         self.audit.forget(worker)
         if self.admission is not None:
             self.admission.router.forget_host(worker.name)
         for attempt in list(worker.requests):
-            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} was removed (its pool "
-                                                 "shrank)"))
+            self.intake.fail(attempt, WorkerLost(f"{worker.info.role} worker {worker.name} {what_happened}"))
 
     def _worker_live(self, worker: WorkerState) -> None:
         self._spawn(self.intake.loop(worker))
