@@ -239,18 +239,23 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
 
 
 def parse_launches(text: str) -> dict[str, tuple[AttentionLaunch, ...]]:
-    """--launches "fp8:32x1x4,16x2x4" (tokens a tile x warps x stages) -> {"fp8": launches}; anything else refused."""
-    cache, _, launches = text.partition(":")
-    parsed = []
-    for launch in launches.split(","):
-        values = launch.split("x")
-        if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values):
-            parsed = None
-            break
-        parsed.append(AttentionLaunch(*(int(v) for v in values)))
-    if cache not in ("bf16", "fp8") or not parsed:
-        raise SystemExit(f"--launches: {text!r} is not CACHE:NxWxS,... with CACHE bf16 or fp8 and positive numbers")
-    return {cache: tuple(parsed)}
+    """--launches "fp8:32x1x4,16x2x4;bf16:64x4x5" (tokens a tile x warps x stages, caches apart by ";") ->
+    {"fp8": launches, "bf16": launches}; anything else refused, a cache named twice too."""
+    parsed: dict[str, tuple[AttentionLaunch, ...]] = {}
+    for group in text.split(";"):
+        cache, _, launches = group.partition(":")
+        found = []
+        for launch in launches.split(","):
+            values = launch.split("x")
+            if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values):
+                found = []
+                break
+            found.append(AttentionLaunch(*(int(v) for v in values)))
+        if cache not in ("bf16", "fp8") or not found or cache in parsed:
+            raise SystemExit(f"--launches: {group!r} of {text!r} is not CACHE:NxWxS,... with CACHE bf16 or fp8 "
+                             "(each once) and positive numbers")
+        parsed[cache] = tuple(found)
+    return parsed
 
 
 def attention(args: argparse.Namespace) -> None:
@@ -585,8 +590,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved timings of each variant (median reported)")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (as a decode step runs it)")
     p.add_argument("--launches", default=None,
-                   help="CACHE:NxWxS,... only this cache (bf16 or fp8), these launches (tokens a tile x warps x "
-                        "stages) at every split count, beside the default and the reference launch")
+                   help="CACHE:NxWxS,...[;CACHE:...] only these caches (bf16, fp8), these launches (tokens a tile x "
+                        "warps x stages) at every split count, beside the default and the reference launch")
     p.set_defaults(run=attention)
     args = parser.parse_args()
     args.run(args)
