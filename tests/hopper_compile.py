@@ -45,9 +45,13 @@ def variants():
                                                 GATED=gated), {"w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32}, 4, 3)
     yield (skinny_gemm._skinny_gemm_kernel, dict(HAS_BIAS=True, BLOCK_M=2, BLOCK_N=2, BLOCK_K=4096, GATED=False), {},
            4, 3)
-    yield (fp8_gemm._fp8_mm_kernel, dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_M=64, BLOCK_K=256, SPLIT_K=2,
-                                          DOT_F32=False),
-           {"x_ptr": F8, "w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32}, 4, 4)
+    for block_n, block_k, split, warps in ((64, 256, 2, 4), (*fp8_gemm.WIDE_CONFIG[:2], 1, fp8_gemm.WIDE_CONFIG[2])):
+        for tma in (False, True):  # the weight by pointers, or by a tensor descriptor (fp8_mm's w_tma)
+            weight = f"tensordesc<fp8e4nv[{block_n}, {block_k}]>" if tma else F8
+            yield (fp8_gemm._fp8_mm_kernel, dict(HAS_BIAS=False, BLOCK_N=block_n, BLOCK_M=64, BLOCK_K=block_k,
+                                                  SPLIT_K=split, DOT_F32=False, W_TMA=tma),
+                   {"x_ptr": F8, "w_ptr": weight, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32},
+                   warps, 4)
     yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
                                                   BLOCK_K=1024, SCALED=True, HAS_XS=False),
            {"w_ptr": F8, "kv_ptr": F8, "xs_ptr": F32, "ws_ptr": F32, **ROPE}, 2, 3)
@@ -96,7 +100,7 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
              if not p.is_constexpr and p.name not in kernel.do_not_specialize and i not in kernel.do_not_specialize
-             and signature[p.name] != "fp32"}
+             and signature[p.name] != "fp32" and not signature[p.name].startswith("tensordesc")}
     try:
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
                                   target=HOPPER,

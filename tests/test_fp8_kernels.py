@@ -247,3 +247,17 @@ def test_fused_fp8_qkv_rope_store_is_the_gemv_then_rope_and_store(kv_dtype):
 
 def test_thresholds_order_the_paths():
     assert 1 <= fp8_linear.GEMV_ROWS < fp8_linear.MM_ROWS
+
+
+@pytest.mark.parametrize("m", [5, 64])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fp8_mm_reads_the_same_weight_tiles_by_tma_as_by_pointer_loads(m, split_k):
+    """w_tma=True (the weight's tiles by a tensor descriptor, zero-filled past N and K) gives the pointer loads' bits:
+    the same tiles, multiplied and summed in the same order. N is not a multiple of the tile on the CPU (72 rows)."""
+    xq, xs, wq, ws = fp8_operands(m, seed=60 + m)
+    block = (16, 16, 32, 4, 1) if DEVICE == "cpu" else (64, 64, 256, 4, 4)
+    sems = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
+    loads = fp8_mm(xq, xs, wq, ws, None, torch.float32, config=(*block, split_k), semaphores=sems)
+    tma = fp8_mm(xq, xs, wq, ws, None, torch.float32, config=(*block, split_k), semaphores=sems, w_tma=True)
+    assert torch.equal(loads, tma)
+    assert not sems.any()

@@ -58,13 +58,16 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, str
 @triton.jit
 def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_SPLIT, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+                   W_TMA: tl.constexpr = False):
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T
     # tile [BLOCK_K, BLOCK_M] over this split's K_SPLIT columns of K (a multiple of BLOCK_K). x^T's tile is
     # K-contiguous per token: the K-major B operand FP8 MMAs take. With SPLIT_K > 1 (an N too narrow to give every
     # SM a tile) each split writes its float32 sum to `part` and counts itself in on its tile's semaphore; the one
     # that arrives last adds the splits' sums, writes the tile and sets the semaphore back to 0 for the next call
     # (engine.kernels.decode_attention merges its splits the same way: no second launch).
+    # W_TMA: w_ptr is a host tensor descriptor of the weight ([BLOCK_N, BLOCK_K] boxes) and its tiles come by the
+    # Hopper tensor-memory accelerator (one bulk copy a tile, zero-filled past N and K) instead of per-thread loads.
     wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -75,18 +78,22 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
     m_mask = offs_m < M
     k_start = tl.program_id(2) * K_SPLIT
     k_end = tl.minimum(K, k_start + K_SPLIT)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    if not W_TMA:
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = (k0 + offs_k) < k_end
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        if W_TMA:  # a split's tiles end at its k_end (K_SPLIT is whole tiles), the last split's at K (zero-filled)
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            w_ptrs += BLOCK_K
         xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:  # each tile's MMA sum added in float32: Hopper's FP8 MMAs accumulate with fewer bits (module doc)
             acc += tl.dot(w, xt)
-        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
@@ -213,11 +220,14 @@ def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tenso
 
 def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-           config: tuple[int, ...] | None = None, semaphores: torch.Tensor | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None, semaphores: torch.Tensor | None = None,
+           w_tma: bool = False) -> torch.Tensor:
     """x [M, K] e4m3 @ weight [N, K] e4m3 ^T, scaled (module docstring) -> [M, N] out_dtype on FP8 tensor cores.
     `config` (BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages[, SPLIT_K]) overrides mm_config (the sweep times
     several). A split K meets on `semaphores` (int32, zero, at least one per output tile; left zero again, so a
-    caller may keep one: engine.model.fp8_linear does); without enough of them a zeroed one is made per call."""
+    caller may keep one: engine.model.fp8_linear does); without enough of them a zeroed one is made per call.
+    `w_tma`: the weight's tiles by the tensor-memory accelerator (a host tensor descriptor; benchmarks/fp8_gpu.py
+    gemm-sweep times it against the per-thread loads, not yet on a GPU)."""
     if x_scales is None:
         raise ValueError("fp8_mm takes e4m3 x with its x_scales")
     m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
@@ -237,9 +247,13 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
             sems = semaphores
             if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != x.device:
                 sems = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+        w_arg = weight
+        if w_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            w_arg = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
         _fp8_mm_kernel[grid](
-            x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
+            x, x_scales, w_arg, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
             BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-            num_stages=stages, **pdl_args(x.device, m))
+            num_stages=stages, W_TMA=w_tma, **pdl_args(x.device, m))
     return out
