@@ -3,7 +3,7 @@
 nothing itself: ncu profiles every launch of `_decode_split_kernel` (the first call of each compiles it, so each
 variant's second launch is the one to read) and gpu_run.sh prints each launch's duration, DRAM throughput,
 occupancy, issue rate and its warps' stall reasons. Llama-3-8B heads (32 query, 8 KV, 128 wide), 16-token blocks,
-random K/V in a shuffled block table, every context the same (benchmarks/fp8_gpu.attention_inputs); the default
+random K/V in a shuffled block table, every context the same (benchmarks/attention_bench.attention_inputs); the default
 launch of a bf16 and an fp8 cache first, then each launch asked for (--launches, as benchmarks/fp8_gpu.py attention
 takes it) at the split count given.
 Its steps ran on an H100 as an uncommitted script (2026-12-05, docs/benchmark-log.md); this program itself has not
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.fp8_gpu import ATTENTION_HEAD_DIM, attention_inputs, parse_launches  # noqa: E402
+from benchmarks.attention_bench import ATTENTION_HEAD_DIM, attention_inputs, parse_launches  # noqa: E402
 from engine.kernels.decode_attention import decode_attention  # noqa: E402
 
 

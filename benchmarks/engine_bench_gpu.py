@@ -56,6 +56,15 @@ def ceilings() -> tuple[float, float]:
     return copied / copy_s, 2 * n**3 / mm_s
 
 
+def copy_bandwidth() -> float:
+    """Copy bytes/s counting read + write (2 GiB of bf16), median of triton do_bench: the kernel benchmarks' floor."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    from triton.testing import do_bench
+    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
 class Bench:
     def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto", tp_all_reduce: str = "nccl",

@@ -10,8 +10,8 @@ from unittest import mock
 import pytest
 import torch
 
+from benchmarks.attention_bench import parse_launches
 from benchmarks.attention_stages import parse_stages, with_stages
-from benchmarks.fp8_gpu import parse_launches
 from engine.kernels import decode_attention, decode_launch
 from engine.kernels.decode_launch import AttentionLaunch
 
