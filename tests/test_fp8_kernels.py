@@ -261,3 +261,7 @@ def test_fp8_mm_reads_the_same_weight_tiles_by_tma_as_by_pointer_loads(m, split_
     tma = fp8_mm(xq, xs, wq, ws, None, torch.float32, config=(*block, split_k), semaphores=sems, w_tma=True)
     assert torch.equal(loads, tma)
     assert not sems.any()
+    unaligned = torch.zeros(N, K + 8, dtype=FP8, device=DEVICE)[:, :K]  # rows K + 8 bytes apart
+    unaligned.copy_(wq)
+    with pytest.raises(ValueError, match="w_tma needs weight rows 16-byte aligned"):
+        fp8_mm(xq, xs, unaligned, ws, None, torch.float32, config=(*block, split_k), w_tma=True)

@@ -248,7 +248,10 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
             if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != x.device:
                 sems = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
         w_arg = weight
-        if w_tma:
+        if w_tma:  # a tensor descriptor needs a 16-byte aligned base and row stride
+            if weight.data_ptr() % 16 or weight.stride(0) % 16:
+                raise ValueError(f"w_tma needs weight rows 16-byte aligned (row stride {weight.stride(0)} bytes, "
+                                 f"base address % 16 = {weight.data_ptr() % 16})")
             from triton.tools.tensor_descriptor import TensorDescriptor
             w_arg = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
         _fp8_mm_kernel[grid](
