@@ -1,5 +1,6 @@
 """The decode step with the decode attention's pipeline stages changed, against the engine's own launches, in one
-process (issue 42): `bash benchmarks/gpu_run.sh attnstages` (STAGES_ARGS="--stages fp8:5,bf16:5 ...").
+process (issue 42): `bash benchmarks/gpu_run.sh attnstages` (STAGES_ARGS="--stages fp8:5,bf16:5 ..."); or, with
+`--early-kv off`, without the attention's early first tile against with it (early_kv_off).
 
 Why: Triton's pipeliner gives a load that sits behind another load in the loop (the K / V tile behind the block
 table's ids) (num_stages - 1) // 2 stages of lead, so the engine's 4-stage fp8 launch and 3-stage bf16 launch
@@ -54,7 +55,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint_args(parser)
     parser.add_argument("--stages", default="fp8:5", help="CACHE:N,... (fp8 and / or bf16)")
+    parser.add_argument("--early-kv", choices=("off",), default=None,
+                        help="instead of --stages: both caches' steps with decode_attention.EARLY_KV off against on")
     args = parser.parse_args()
+    if args.early_kv:
+        early_kv_off(args)
+        return
     stages = parse_stages(args.stages)
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
@@ -75,6 +81,25 @@ def main() -> None:
         for name in cases:
             compare(f"{cache} cache, attention on {count} stages vs the engine's launches, {base[name]['case']}",
                     base[name], new[name])
+
+
+
+def early_kv_off(args: argparse.Namespace) -> None:
+    """The decode cases of both engines (bf16; FP8 weights + fp8 KV), then again in a new engine with the decode
+    attention's early first tile off (decode_attention.EARLY_KV, read at each launch): what loading a slice's first
+    tile before the PDL wait gains. It applies where the attention launches with PDL (bf16 at <= 16 rows, an fp8
+    cache at 1-7 rows), so the 64-row case is the control."""
+    check_inputs(args.bf16, args.fp8)
+    bandwidth, flops = ceilings()
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
+        cases = list(CASES)
+        base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+        with mock.patch("engine.kernels.decode_attention.EARLY_KV", False):
+            new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+        for name in cases:
+            compare(f"{'fp8' if fp8 else 'bf16'} cache, attention without its early tile vs with, "
+                    f"{base[name]['case']}", base[name], new[name])
 
 
 if __name__ == "__main__":

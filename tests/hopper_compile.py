@@ -88,7 +88,8 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
     for p in kernel.params:
         if p.is_constexpr:
             signature[p.name] = "constexpr"
-            values[p.name] = pdl if p.name == "PDL" else constexprs[p.name]
+            # EARLY_KV (decode attention's first tile before the wait) goes with PDL, as the launch sets it
+            values[p.name] = pdl if p.name in ("PDL", "EARLY_KV") else constexprs[p.name]
         elif p.name.endswith("_ptr"):
             signature[p.name] = pointers.get(p.name, "*bf16")
         else:

@@ -116,6 +116,32 @@ def test_decode_tile_wider_than_split(monkeypatch):
         assert_close(out[b:b + 1], reference(q[b:b + 1], kv[:, 1], tables[b], contexts[b], 0.3, None), torch.float32)
 
 
+@pytest.mark.parametrize("cache_dtype,window", [(torch.bfloat16, None), (torch.float8_e4m3fn, None),
+                                                 (torch.bfloat16, 45)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_early_first_tile_gives_the_same_bits(cache_dtype, window, splits):
+    """EARLY_KV (on a GPU under PDL: each slice's first tile loaded before the wait when all its tokens are older
+    than the step's own) computes what the loop computes: bit for bit, with contexts whose first tile is early, ends
+    at the newest token, is partial, or is missing. Forced on here, where PDL's wait is a no-op."""
+    gen = torch.Generator().manual_seed(23 + splits)
+    contexts, bs, kvh, d, group = [1, 32, 33, 64, 65, 100, 0, 47], 8, 2, 32, 4
+    max_blocks = max(-(-c // bs) for c in contexts) + 1
+    num_blocks = sum(-(-c // bs) for c in contexts) + 2
+    kv = make_cache(gen, num_blocks, bs, kvh, d, torch.bfloat16).to(cache_dtype)
+    tables = make_tables(gen, contexts, bs, max_blocks, num_blocks)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(contexts), group * kvh, d, generator=gen).to(torch.bfloat16).to(DEV)
+    scales = {"k_scale": 0.7, "v_scale": 1.3} if cache_dtype == torch.float8_e4m3fn else {}
+    runs = [decode_attention(q, kv[:, 1], tables, lens, d ** -0.5, sliding_window=window, num_splits=splits,
+                             early_kv=early, **scales) for early in (False, True)]
+    assert torch.equal(runs[0], runs[1])
+    if cache_dtype == torch.bfloat16:
+        for b, ctx in enumerate(contexts):
+            if ctx:
+                assert_close(runs[1][b:b + 1], reference(q[b:b + 1], kv[:, 1], tables[b], ctx, d ** -0.5, window),
+                             torch.bfloat16)
+
+
 def test_decode_merge_in_chunks_and_semaphores_left_zero(monkeypatch):
     """The last split merges the others in chunks of 2 (a small merge tile): 9 splits of two 8-token blocks each
     (BLOCK_N 16), contexts with 9, 5 and 0 busy splits; the caller's semaphores are zero again after each call,

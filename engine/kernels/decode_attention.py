@@ -4,7 +4,9 @@ Owns `decode_attention`: the semantics of engine.attention.paged_attention's dec
 position context_len - 1 and sees every cached key up to it, or the last `sliding_window` of them; GQA), read
 straight from the paged cache through the block table, without gathering K/V. An fp8 cache (engine.kv_quant) is
 widened to q's dtype as it is loaded, k_scale folded into the score scale and v_scale into the output. How it is
-launched (tile, warps, stages, splits) is engine.kernels.decode_launch's.
+launched (tile, warps, stages, splits) is engine.kernels.decode_launch's. Under programmatic dependent launch each
+slice's first tile is loaded before the kernel waits for the one before it, when all its tokens are older than the
+row's new one (EARLY_KV).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 NO_PDL = {"PDL": False, "launch_pdl": False}
+# Under PDL, each slice's first tile is requested before the kernel waits for the one before (the kernel's EARLY_KV).
+# Not yet timed on a GPU: benchmarks/attention_stages.py --early-kv off compares the decode steps without it.
+EARLY_KV = True
 # fp32 elements of the merge's [GROUP, splits, D] tile at 4 warps (scaled by the launch's warps): 64 registers a thread;
 # a one-warp program merging 16 splits at once spilled 90 registers (sm_90 build)
 MERGE_TILE = 8192
@@ -55,12 +60,13 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, PDL: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
+    if not EARLY_KV:
+        wait_for_inputs(PDL)
 
     ctx = tl.load(lens_ptr + b)
     first_tok = 0
@@ -73,6 +79,16 @@ def _decode_split_kernel(
     start = (first_blk + split * blocks_per_split) * BLOCK_SIZE
     end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, ctx)
     start = tl.maximum(start, first_tok)
+    table_row = tables_ptr + b * stride_tb
+    head_off = kvh * stride_kv_head
+    if EARLY_KV:  # under PDL (WHOLE_TILES): the slice's first tile requested before the wait when every one of its
+        # tokens is older than the step's own (at context_lens - 1, written by the kernel just before this one);
+        # context_lens and the table are the step's inputs, the older K / V earlier steps' (engine.kernels.pdl)
+        early = ((NUM_SPLITS == 1) | (split < busy_splits)) & (start + BLOCK_N <= end) & (start + BLOCK_N < ctx)
+        k_early, v_early = _tile_kv(kv_ptr, table_row, head_off, start, end, stride_kv_blk, stride_kv_kv,
+                                    stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, V_WORDS, True,
+                                    early)
+        wait_for_inputs(PDL)
 
     if NUM_SPLITS == 1 or split < busy_splits:  # an empty slice has nothing to read, write or count
         offs_g = tl.arange(0, BLOCK_G)
@@ -90,11 +106,15 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        table_row = tables_ptr + b * stride_tb
-        head_off = kvh * stride_kv_head
         if WHOLE_TILES:
             whole_end = start + (end - start) // BLOCK_N * BLOCK_N
-            for tile in range(start, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
+            first = start
+            if EARLY_KV:
+                if early:  # the loop's first tile, from the registers it was loaded into
+                    m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
+                                               BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
+                    first = start + BLOCK_N
+            for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
                 m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                              stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
                                              BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
@@ -145,37 +165,59 @@ def _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, strid
     # BLOCK_D]) updated with its keys and values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
     # are masked; a whole tile skips every mask and select (the sm_90 build's loop: 1,083 -> 898 instructions on an
     # fp8 cache, 444 -> 383 on bf16).
+    k, v = _tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
+                    BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
+    return _attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS)
+
+
+@triton.jit
+def _tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, V_WORDS: tl.constexpr, GATED: tl.constexpr, take):
+    # The tile's block ids, then K [BLOCK_N, BLOCK_D] and V as stored (an fp8 cache's V as int32 words
+    # [BLOCK_N, BLOCK_D / 4] with V_WORDS). GATED: every load also masked by the scalar `take` (none issued when it is
+    # false; the kernel's early tile, loaded before its PDL wait).
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     toks = tile + offs_n  # [BLOCK_N]
     t_mask = toks < end
-    if MASKED:
+    if GATED:
+        t_mask = t_mask & take
+    if MASKED or GATED:
         blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
     else:
         blk = tl.load(table_row + toks // BLOCK_SIZE).to(tl.int64)
     row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
     kv_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if MASKED:
+    if MASKED or GATED:
         k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     else:
         k = tl.load(kv_ptr + row[:, None] + offs_d[None, :])
     if V_WORDS:  # an fp8 cache's V rows as int32 words, widened before tl.dot transposes them (e4m3.py)
         offs_w = tl.arange(0, BLOCK_D // 4)
         words_ptr = (kv_ptr + stride_kv_kv + row[:, None]).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
-        if MASKED:
-            words = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
+        if MASKED or GATED:
+            v = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
         else:
-            words = tl.load(words_ptr)
-        v = widen_e4m3_words(words, BLOCK_N, BLOCK_D, not DOT_F32)  # [BLOCK_N, BLOCK_D] float16
-    elif MASKED:
+            v = tl.load(words_ptr)
+    elif MASKED or GATED:
         v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
         v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :])
+    return k, v
+
+
+@triton.jit
+def _attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
+    # _attend_tile's arithmetic on a tile's loaded K / V (_tile_kv)
+    if V_WORDS:
+        v = widen_e4m3_words(v, BLOCK_N, BLOCK_D, not DOT_F32)  # [BLOCK_N, BLOCK_D] float16
     k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
     v = v.to(q.dtype)
     s = tile_scores(q, k, qk_scale, DOT_F32)  # [BLOCK_G, BLOCK_N]
     if MASKED:
-        s = tl.where(t_mask[None, :], s, float("-inf"))
+        s = tl.where((tile + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
     return softmax_step(s, v, m_i, l_i, acc, DOT_F32)  # m_i finite after: a tile holds >= 1 valid token
 
 
@@ -218,12 +260,14 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, launch: AttentionLaunch | None = None) -> torch.Tensor:  # [B, H, D]
+                     v_scale: float = 1.0, launch: AttentionLaunch | None = None,
+                     early_kv: bool | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
     dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` overrides
-    launch_config (benchmarks time several)."""
+    launch_config (benchmarks time several). `early_kv` None: EARLY_KV under PDL (whole tiles only); True / False
+    force the early first tile on or off (tests run it without PDL, where the wait is a no-op)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
@@ -258,6 +302,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         part_out = part_lse = semaphores = out
     merge_g = triton.next_power_of_2(group)
     dot_f32 = interpreting() or q.dtype == torch.float32
+    pdl = NO_PDL if shuns_pdl(launch) else pdl_args(dev, batch)
     _decode_split_kernel[(num_kv_heads, splits, batch)](
         q, kv_layer, block_tables, context_lens, part_out, part_lse, semaphores, out,
         q.stride(0), q.stride(1),
@@ -271,7 +316,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles,
-        num_warps=num_warps, num_stages=num_stages, **(NO_PDL if shuns_pdl(launch) else pdl_args(dev, batch)),
+        EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv),
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     return out
 

@@ -5,10 +5,11 @@ previous kernel's last wave draining, the next one's launch and its first DRAM r
 capability 9.0+) a kernel launched with PDL may be scheduled while the kernel before it still runs, and waits on the
 device (`griddepcontrol.wait`) until that kernel has completed and its writes are visible. The rule every kernel
 that takes a `PDL` constexpr keeps: before `wait_for_inputs` it reads only what no kernel of the step writes after
-the step's inputs are set (weights, the step's input buffers), and it writes nothing. That holds transitively: a
-kernel can only have started early once the kernel before it passed its own wait, so everything older than its
-direct predecessor is complete. The GEMVs (engine.kernels.skinny_gemm.gemv_tile) request their first weight tile
-before waiting, so the weight stream starts under the previous kernel's tail.
+the step's inputs are set (weights, the step's input buffers; for decode attention also the KV of positions older
+than each row's new token, which only earlier steps and kernels before the layers wrote), and it writes nothing.
+That holds transitively: a kernel can only have started early once the kernel before it passed its own wait, so
+everything older than its direct predecessor is complete. The GEMVs (engine.kernels.skinny_gemm.gemv_tile) request
+their first weight tile before waiting, so the weight stream starts under the previous kernel's tail.
 
 Only small steps (MAX_ROWS) launch this way: there it pays, beyond it it measured slower. `PDSERVE_PDL=0` launches
 every kernel the ordinary way (benchmarks/fp8_gpu.py `pdl` compares both in one run).
