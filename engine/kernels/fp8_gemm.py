@@ -129,13 +129,15 @@ def _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m
 # From benchmarks/fp8_gpu.py gemm-sweep on an H200 (docs/benchmark-log.md, 2026-12-02): 64 weight rows x 256 of K a
 # tile on 4 warps was the best at every M from 2 to 64 for the 8B layer's narrower GEMMs; the token tile follows M
 # so a small batch pads to 16, not 64. A weight wide enough for two tiles per SM (gate_up, N = 28,672) runs
-# WIDE_CONFIG's 128 x 128 tiles on 8 warps instead (0.034 ms at M = 64 against 0.040).
+# WIDE_CONFIG's 128 x 128 tiles on 8 warps instead once the token tile is WIDE_MIN_BLOCK_M or more: gate_up at M = 64
+# 0.0345 ms against 0.0413, but at M = 16 0.0431 against 64 x 256's 0.0312 (H200, 2026-12-06).
 FP8_MM_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
     (16, 64, 16, 256, 4, 4),
     (32, 64, 32, 256, 4, 4),
     (1 << 30, 64, 64, 256, 4, 4),
 )
 WIDE_CONFIG = (128, 128, 8, 4)  # BLOCK_N, BLOCK_K, num_warps, num_stages; BLOCK_M as FP8_MM_CONFIGS'
+WIDE_MIN_BLOCK_M = 32
 
 
 def gemv_config(m: int, k: int) -> tuple[int, int, int]:
@@ -156,7 +158,7 @@ def mm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int
     for bound, block_n, block_m, block_k, warps, stages in FP8_MM_CONFIGS:
         if m <= bound:
             m_tiles = triton.cdiv(m, block_m)
-            if triton.cdiv(n, block_n) * m_tiles >= 2 * sms:
+            if block_m >= WIDE_MIN_BLOCK_M and triton.cdiv(n, block_n) * m_tiles >= 2 * sms:
                 wide_n, wide_k, wide_warps, wide_stages = WIDE_CONFIG
                 return wide_n, block_m, wide_k, wide_warps, wide_stages, 1
             tiles = triton.cdiv(n, block_n) * m_tiles
