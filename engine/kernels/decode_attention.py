@@ -18,14 +18,14 @@ import triton.language as tl
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 from engine.kernels.decode_launch import AttentionLaunch, default_num_splits, launch_config, shuns_pdl
-from engine.kernels.e4m3 import widen_e4m3_words
-from engine.kernels.online_softmax import softmax_step, tile_scores
+from engine.kernels.decode_tiles import attend_kv, attend_tile, merge_splits, tile_kv
 from engine.kernels.pdl import pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 NO_PDL = {"PDL": False, "launch_pdl": False}
 # Under PDL, each slice's first tile is requested before the kernel waits for the one before (the kernel's EARLY_KV).
-# Not yet timed on a GPU: benchmarks/attention_stages.py --early-kv off compares the decode steps without it.
+# An fp8 cache's batch-1 step 1.8-2.0% faster with it, bf16's within 1% either way (H100 / H200, 2026-12-06:
+# benchmarks/attention_stages.py --early-kv off).
 EARLY_KV = True
 # fp32 elements of the merge's [GROUP, splits, D] tile at 4 warps (scaled by the launch's warps): 64 registers a thread;
 # a one-warp program merging 16 splits at once spilled 90 registers (sm_90 build)
@@ -85,7 +85,7 @@ def _decode_split_kernel(
         # tokens is older than the step's own (at context_lens - 1, written by the kernel just before this one);
         # context_lens and the table are the step's inputs, the older K / V earlier steps' (engine.kernels.pdl)
         early = ((NUM_SPLITS == 1) | (split < busy_splits)) & (start + BLOCK_N <= end) & (start + BLOCK_N < ctx)
-        k_early, v_early = _tile_kv(kv_ptr, table_row, head_off, start, end, stride_kv_blk, stride_kv_kv,
+        k_early, v_early = tile_kv(kv_ptr, table_row, head_off, start, end, stride_kv_blk, stride_kv_kv,
                                     stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, V_WORDS, True,
                                     early)
         wait_for_inputs(PDL)
@@ -111,21 +111,21 @@ def _decode_split_kernel(
             first = start
             if EARLY_KV:
                 if early:  # the loop's first tile, from the registers it was loaded into
-                    m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
+                    m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
                                                BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
                     first = start + BLOCK_N
             for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
+                m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                              stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
                                              BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
             # the last, partial tile: an `if`, as a second loop would be pipelined too (one warp: 233 -> 255 registers)
             if whole_end < end:
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
+                m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
                                              stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
                                              BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
         else:  # every tile masked (the kernel before whole tiles: benchmarks time it as the reference)
             for tile in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
+                m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                              stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
                                              BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
 
@@ -145,7 +145,7 @@ def _decode_split_kernel(
             tl.debug_barrier()  # every thread's partial stores precede the release below
             sem = sem_ptr + b * NUM_KV_HEADS + kvh
             if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == busy_splits - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
+                merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
                               (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, kvh * GROUP, busy_splits,
                               GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, MERGE_G, MERGE_S)
                 tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
@@ -155,102 +155,6 @@ def _decode_split_kernel(
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty),
                  mask=(tl.arange(0, BLOCK_G) < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
-                 stride_kv_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
-    # One tile of BLOCK_N tokens from `tile` on: the online softmax's state (m_i, l_i [BLOCK_G], acc [BLOCK_G,
-    # BLOCK_D]) updated with its keys and values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
-    # are masked; a whole tile skips every mask and select (the sm_90 build's loop: 1,083 -> 898 instructions on an
-    # fp8 cache, 444 -> 383 on bf16).
-    k, v = _tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
-                    BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
-    return _attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS)
-
-
-@triton.jit
-def _tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, V_WORDS: tl.constexpr, GATED: tl.constexpr, take):
-    # The tile's block ids, then K [BLOCK_N, BLOCK_D] and V as stored (an fp8 cache's V as int32 words
-    # [BLOCK_N, BLOCK_D / 4] with V_WORDS). GATED: every load also masked by the scalar `take` (none issued when it is
-    # false; the kernel's early tile, loaded before its PDL wait).
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    toks = tile + offs_n  # [BLOCK_N]
-    t_mask = toks < end
-    if GATED:
-        t_mask = t_mask & take
-    if MASKED or GATED:
-        blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    else:
-        blk = tl.load(table_row + toks // BLOCK_SIZE).to(tl.int64)
-    row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
-    kv_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if MASKED or GATED:
-        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    else:
-        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :])
-    if V_WORDS:  # an fp8 cache's V rows as int32 words, widened before tl.dot transposes them (e4m3.py)
-        offs_w = tl.arange(0, BLOCK_D // 4)
-        words_ptr = (kv_ptr + stride_kv_kv + row[:, None]).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
-        if MASKED or GATED:
-            v = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
-        else:
-            v = tl.load(words_ptr)
-    elif MASKED or GATED:
-        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :])
-    return k, v
-
-
-@triton.jit
-def _attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
-    # _attend_tile's arithmetic on a tile's loaded K / V (_tile_kv)
-    if V_WORDS:
-        v = widen_e4m3_words(v, BLOCK_N, BLOCK_D, not DOT_F32)  # [BLOCK_N, BLOCK_D] float16
-    k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
-    v = v.to(q.dtype)
-    s = tile_scores(q, k, qk_scale, DOT_F32)  # [BLOCK_G, BLOCK_N]
-    if MASKED:
-        s = tl.where((tile + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
-    return softmax_step(s, v, m_i, l_i, acc, DOT_F32)  # m_i finite after: a tile holds >= 1 valid token
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, first_head, busy_splits,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
-    # The GROUP heads' outputs from the busy splits' partials, weighted by exp2(lse - max lse), MERGE_S splits at a
-    # time ([MERGE_G, MERGE_S, D] fp32 tile). The partials were written by other programs: .cg loads read them from
-    # L2, past this SM's L1.
-    offs_g = tl.arange(0, MERGE_G)
-    offs_s = tl.arange(0, MERGE_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    rows = first_row + offs_g[:, None] * NUM_SPLITS + offs_s[None, :]  # [MERGE_G, MERGE_S]
-    m = tl.full([MERGE_G], float("-inf"), tl.float32)
-    total = tl.zeros([MERGE_G], tl.float32)
-    acc = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
-    for s0 in range(0, busy_splits, MERGE_S):  # one pass, rescaling by the running max like the online softmax
-        mask = g_mask[:, None] & (s0 + offs_s < busy_splits)[None, :]
-        lse = tl.load(part_lse_ptr + s0 + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(part_out_ptr + (s0 + rows)[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                        mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 1))  # finite: every chunk has >= 1 busy split
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[:, None])  # [MERGE_G, MERGE_S], 0 where masked
-        total = total * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
-        m = m_new
-    o = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_row_ptr + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_row_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def decode_attention(q: torch.Tensor,             # [B, H, D]
