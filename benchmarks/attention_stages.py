@@ -1,6 +1,7 @@
 """The decode step with the decode attention's pipeline stages changed, against the engine's own launches, in one
 process (issue 42): `bash benchmarks/gpu_run.sh attnstages` (STAGES_ARGS="--stages fp8:5,bf16:5 ..."); or, with
-`--early-kv off`, without the attention's early first tile against with it (early_kv_off).
+`--early-kv off`, without the attention's early first tile against with it (early_kv_off); or, with `--max-splits
+N`, with at most N splits a sequence against the engine's count (capped_splits).
 
 Why: Triton's pipeliner gives a load that sits behind another load in the loop (the K / V tile behind the block
 table's ids) (num_stages - 1) // 2 stages of lead, so the engine's 4-stage fp8 launch and 3-stage bf16 launch
@@ -10,7 +11,8 @@ then bf16) runs the decode cases with engine.kernels.decode_launch's launches, t
 every launch it picks for that cache given the stage count asked for (tiles, warps and splits unchanged; a launch of
 5 or more stages goes without programmatic dependent launch, as decode_launch.shuns_pdl says). Prints each engine's
 rows and the ratio per case. The change is made by patching launch_config for the second engine only: the engine
-itself has no such switch.
+itself has no such switch. Measured 2026-12-06 (docs/benchmark-log.md): 5 stages slower than the engine's 4 for an
+fp8 cache (batch 64 / 2k 7.27 ms against 6.92 on an H200).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_bench_gpu import ceilings  # noqa: E402
 from benchmarks.fp8_gpu import check_inputs, checkpoint_args, compare, measure  # noqa: E402
 from engine.kernels import decode_launch  # noqa: E402
-from engine.kernels.decode_launch import AttentionLaunch  # noqa: E402
+from engine.kernels.decode_launch import SPLIT_CHOICES, AttentionLaunch  # noqa: E402
 
 CASES = ("decode1", "decode64", "long")  # fp8_gpu.measure's names: batch 1 / 1k, 64 / 2k, 16 / 8k
 
@@ -51,15 +53,28 @@ def with_stages(launch_config: Callable[..., AttentionLaunch], cache: str, stage
     return changed
 
 
+def with_max_splits(num_splits_for: Callable[..., int], most: int) -> Callable[..., int]:
+    """num_splits_for (decode_launch's), never above `most` splits a sequence."""
+    def capped(*args, **kwargs) -> int:
+        return min(num_splits_for(*args, **kwargs), most)
+    return capped
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint_args(parser)
     parser.add_argument("--stages", default="fp8:5", help="CACHE:N,... (fp8 and / or bf16)")
     parser.add_argument("--early-kv", choices=("off",), default=None,
                         help="instead of --stages: both caches' steps with decode_attention.EARLY_KV off against on")
+    parser.add_argument("--max-splits", type=int, choices=SPLIT_CHOICES, default=None,
+                        help="instead of --stages: both caches' steps with at most N splits a sequence against the "
+                             "engine's count")
     args = parser.parse_args()
     if args.early_kv:
         early_kv_off(args)
+        return
+    if args.max_splits:
+        capped_splits(args)
         return
     stages = parse_stages(args.stages)
     check_inputs(args.bf16, args.fp8)
@@ -104,3 +119,25 @@ def early_kv_off(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def capped_splits(args: argparse.Namespace) -> None:
+    """The decode cases of both engines, then again in a new engine whose decode attention cuts each sequence into at
+    most `--max-splits` slices. Why: a decode graph's split count follows its block table's width (the longest
+    context it can hold), not the step's, so at batch 1 / 1k the engine launches 64 splits of which 16 find a tile
+    (the kernel alone: 0.0068 ms against 0.0053 with 16, decode_launch.num_splits_for); --max-splits 16 changes only
+    the steps of few rows (batch 64 and 16 x 8k keep their 1-8), so those are the control."""
+    check_inputs(args.bf16, args.fp8)
+    bandwidth, flops = ceilings()
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    capped = with_max_splits(decode_launch.num_splits_for, args.max_splits)
+    for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
+        cases = list(CASES)
+        base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+        # the kernel's default_num_splits calls num_splits_for in decode_launch; warm-up imported its own name
+        with mock.patch("engine.kernels.decode_launch.num_splits_for", capped), \
+                mock.patch("engine.runner.warmup.num_splits_for", capped):
+            new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+        for name in cases:
+            compare(f"{'fp8' if fp8 else 'bf16'} cache, at most {args.max_splits} splits vs the engine's count, "
+                    f"{base[name]['case']}", base[name], new[name])

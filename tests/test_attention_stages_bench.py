@@ -1,6 +1,7 @@
 """The attention-launch benchmarks' arguments do what they say. benchmarks/attention_stages.py: with its patch in
 place, the launch the decode attention picks for one cache (and every launch warm-up compiles for it) runs on the
-stage count asked for, the other cache's launches stay as they were, and a bad --stages is refused by name;
+stage count asked for, the other cache's launches stay as they were, and a bad --stages is refused by name; its
+--max-splits patch caps the split count the kernel's default and warm-up see, leaving smaller counts alone;
 benchmarks/fp8_gpu.py attention --launches: parsed into launches, or refused by name."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from benchmarks.attention_bench import parse_launches
-from benchmarks.attention_stages import parse_stages, with_stages
+from benchmarks.attention_stages import parse_stages, with_max_splits, with_stages
 from engine.kernels import decode_attention, decode_launch
 from engine.kernels.decode_launch import AttentionLaunch
+from engine.runner import warmup
 
 
 def test_the_patch_reaches_the_kernels_pick_and_warm_up_for_one_cache_only():
@@ -46,3 +48,20 @@ def test_attention_launches_are_parsed_or_refused_by_name(text):
     assert parse_launches("bf16:64x4x5,32x2x3") == {"bf16": (AttentionLaunch(64, 4, 5), AttentionLaunch(32, 2, 3))}
     assert parse_launches("fp8:32x1x5;bf16:64x4x4") == {"fp8": (AttentionLaunch(32, 1, 5),),
                                                         "bf16": (AttentionLaunch(64, 4, 4),)}
+
+
+def test_the_split_cap_reaches_the_kernels_default_and_warm_up_only_above_the_cap():
+    h200 = 132
+    one_row = (1, 8, 512, h200)  # batch 1 at 8 KV heads, a graph's table of 512 blocks
+    many_rows = (64, 8, 512, h200)
+    assert decode_launch.num_splits_for(*one_row) == 64
+    small = decode_launch.num_splits_for(*many_rows)
+    capped = with_max_splits(decode_launch.num_splits_for, 16)
+    with mock.patch("engine.kernels.decode_launch.num_splits_for", capped), \
+            mock.patch("engine.runner.warmup.num_splits_for", capped):
+        assert decode_launch.num_splits_for(*one_row) == 16
+        assert warmup.num_splits_for(*one_row, True) == 16
+        assert decode_launch.num_splits_for(*many_rows) == small < 16
+        # the kernel's own call (CPU: 4 "SMs" -> a count under the cap, unchanged)
+        assert decode_launch.default_num_splits(1, 8, 512, torch.device("cpu")) == 1
+    assert decode_launch.num_splits_for(*one_row) == 64  # undone on leaving
