@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bf16_swapped import BF16_MM_CONFIGS, bf16_swapped_mm, block_m, config_name, swapped_buffers  # noqa: E402
 from benchmarks.engine_bench_gpu import copy_bandwidth  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm, mm_config  # noqa: E402
 from engine.kernels.silu_mul import silu_and_mul  # noqa: E402
@@ -35,9 +35,6 @@ SPLIT_CONFIGS = tuple((64, 256, 4, stages, split) for stages in (3, 4) for split
 TMA_CONFIGS = ((64, 256, 4, 4, 1), (64, 256, 4, 4, 2), (64, 256, 4, 3, 2), (64, 128, 4, 6, 2), (64, 128, 4, 8, 1),
                (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (32, 256, 4, 4, 2))
 GEMV_CONFIGS = ((2, 4096, 8), (4, 4096, 8), (4, 2048, 4), (8, 2048, 8))
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): the swapped-operand kernel on 16-bit operands (bf16_mm rows), the same
-# bytes a K tile as FP8's 256
-BF16_MM_CONFIGS = ((64, 128, 4, 4), (64, 128, 4, 5), (128, 64, 4, 4), (128, 128, 8, 4), (32, 128, 4, 4))
 L2_BYTES = 60 << 20
 
 
@@ -60,10 +57,6 @@ def timed(fn, count: int) -> float:
     except Exception as e:  # a configuration the GPU cannot run (shared memory): reported, not fatal
         print(json.dumps({"skipped": str(e).splitlines()[0][:160]}), flush=True)
         return float("inf")
-
-
-def block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8: list[torch.Tensor], ws: torch.Tensor,
@@ -126,23 +119,14 @@ def measure_gemm(name: str, n: int, k: int, m: int, w16: list[torch.Tensor], w8:
 
 
 def bf16_swapped(x: torch.Tensor, w16: list[torch.Tensor], m: int) -> dict:
-    """The FP8 swapped-operand tensor-core kernel (engine.kernels.fp8_gemm) run on bf16 operands with unit scales:
-    whether a Triton bf16 GEMM beats cuBLAS at decode sizes. {way: median ms}"""
-    from engine.kernels.fp8_gemm import _fp8_mm_kernel
-    n, k = w16[0].shape
-    xs = torch.ones(m, device="cuda")
-    ws = torch.ones(n, device="cuda")
+    """benchmarks/bf16_swapped.py's launches of the FP8 swapped kernel on bf16 operands. {way: median ms}"""
+    n = w16[0].shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
     row = {}
-    for bn, bk, warps, stages in BF16_MM_CONFIGS:
-        bm = block_m(m)
-
-        def call(i: int, bn=bn, bk=bk, warps=warps, stages=stages, bm=bm) -> None:
-            _fp8_mm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), 1)](
-                x, xs, w16[i], ws, ws, out, out, out, m, n, k, k, x.stride(0), w16[i].stride(0), out.stride(0),
-                HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=1, DOT_F32=False, PDL=False,
-                num_warps=warps, num_stages=stages)
-        row[f"bf16_mm_{bn}x{bm}x{bk}w{warps}s{stages}"] = timed(call, len(w16))
+    for config in BF16_MM_CONFIGS:
+        buffers = swapped_buffers(m, n, config, x.device)
+        row[config_name(config, m)] = timed(
+            lambda i, c=config, b=buffers: bf16_swapped_mm(x, w16[i], out, c, b), len(w16))
     return row
 
 
