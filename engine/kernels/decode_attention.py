@@ -86,8 +86,8 @@ def _decode_split_kernel(
         # context_lens and the table are the step's inputs, the older K / V earlier steps' (engine.kernels.pdl)
         early = ((NUM_SPLITS == 1) | (split < busy_splits)) & (start + BLOCK_N <= end) & (start + BLOCK_N < ctx)
         k_early, v_early = tile_kv(kv_ptr, table_row, head_off, start, end, stride_kv_blk, stride_kv_kv,
-                                    stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, V_WORDS, True,
-                                    early)
+                                   stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, V_WORDS, True,
+                                   early)
         wait_for_inputs(PDL)
 
     if NUM_SPLITS == 1 or split < busy_splits:  # an empty slice has nothing to read, write or count
@@ -112,22 +112,22 @@ def _decode_split_kernel(
             if EARLY_KV:
                 if early:  # the loop's first tile, from the registers it was loaded into
                     m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
-                                               BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
+                                              BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
                     first = start + BLOCK_N
             for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
-                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                             BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
+                                            stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
             # the last, partial tile: an `if`, as a second loop would be pipelined too (one warp: 233 -> 255 registers)
             if whole_end < end:
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
-                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                             BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
+                                            stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
         else:  # every tile masked (the kernel before whole tiles: benchmarks time it as the reference)
             for tile in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
-                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                             BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
+                                            stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
 
         has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
@@ -146,8 +146,8 @@ def _decode_split_kernel(
             sem = sem_ptr + b * NUM_KV_HEADS + kvh
             if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == busy_splits - 1:
                 merge_splits(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
-                              (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, kvh * GROUP, busy_splits,
-                              GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, MERGE_G, MERGE_S)
+                             (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, kvh * GROUP, busy_splits,
+                             GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, MERGE_G, MERGE_S)
                 tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
     elif split == 0:  # no busy split at all (context 0, a padding row): zeros
         heads = kvh * GROUP + tl.arange(0, BLOCK_G)

@@ -15,21 +15,21 @@ from engine.kernels.online_softmax import softmax_step, tile_scores
 
 @triton.jit
 def attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
-                 stride_kv_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
+                stride_kv_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
     # One tile of BLOCK_N tokens from `tile` on: the online softmax's state (m_i, l_i [BLOCK_G], acc [BLOCK_G,
     # BLOCK_D]) updated with its keys and values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
     # are masked; a whole tile skips every mask and select (the sm_90 build's loop: 1,083 -> 898 instructions on an
     # fp8 cache, 444 -> 383 on bf16).
     k, v = tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
-                    BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
+                   BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
     return attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS)
 
 
 @triton.jit
 def tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, V_WORDS: tl.constexpr, GATED: tl.constexpr, take):
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASKED: tl.constexpr, V_WORDS: tl.constexpr, GATED: tl.constexpr, take):
     # The tile's block ids, then K [BLOCK_N, BLOCK_D] and V as stored (an fp8 cache's V as int32 words
     # [BLOCK_N, BLOCK_D / 4] with V_WORDS). GATED: every load also masked by the scalar `take` (none issued when it is
     # false; the kernel's early tile, loaded before its PDL wait).
@@ -65,7 +65,7 @@ def tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
 
 @triton.jit
 def attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
+              MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr):
     # attend_tile's arithmetic on a tile's loaded K / V (tile_kv)
     if V_WORDS:
         v = widen_e4m3_words(v, BLOCK_N, BLOCK_D, not DOT_F32)  # [BLOCK_N, BLOCK_D] float16
@@ -79,8 +79,8 @@ def attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D: tl.constexpr
 
 @triton.jit
 def merge_splits(part_out_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, first_head, busy_splits,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
     # The GROUP heads' outputs from the busy splits' partials, weighted by exp2(lse - max lse), MERGE_S splits at a
     # time ([MERGE_G, MERGE_S, D] fp32 tile). The partials were written by other programs: .cg loads read them from
     # L2, past this SM's L1.
