@@ -229,7 +229,7 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
     several). A split K meets on `semaphores` (int32, zero, at least one per output tile; left zero again, so a
     caller may keep one: engine.model.fp8_linear does); without enough of them a zeroed one is made per call.
     `w_tma`: the weight's tiles by the tensor-memory accelerator (a host tensor descriptor). Off by default: on an
-    H200 it gave the loads' bits and their time to within 1-6% slower per config (benchmarks/fp8_gpu.py gemm-sweep,
+    H200 it gave the loads' bits in 0.99-1.06x their time at the same launch (benchmarks/fp8_gpu.py gemm-sweep,
     2026-12-06), so nothing uses it."""
     if x_scales is None:
         raise ValueError("fp8_mm takes e4m3 x with its x_scales")
