@@ -1,7 +1,7 @@
 """The decode step with the decode attention's pipeline stages changed, against the engine's own launches, in one
 process (issue 42): `bash benchmarks/gpu_run.sh attnstages` (STAGES_ARGS="--stages fp8:5,bf16:5 ..."); or, with
 `--early-kv off`, without the attention's early first tile against with it (early_kv_off); or, with `--max-splits
-N`, with at most N splits a sequence against the engine's count (capped_splits).
+16,8,4`, with at most N splits a sequence against the engine's count, each N in a new engine (capped_splits).
 
 Why: Triton's pipeliner gives a load that sits behind another load in the loop (the K / V tile behind the block
 table's ids) (num_stages - 1) // 2 stages of lead, so the engine's 4-stage fp8 launch and 3-stage bf16 launch
@@ -60,15 +60,23 @@ def with_max_splits(num_splits_for: Callable[..., int], most: int) -> Callable[.
     return capped
 
 
+def parse_split_caps(text: str) -> tuple[int, ...]:
+    """"16,8" -> (16, 8): split counts the kernel can launch (decode_launch.SPLIT_CHOICES), or a clear error."""
+    caps = tuple(int(part) if part.isdigit() else -1 for part in text.split(","))
+    if any(cap not in SPLIT_CHOICES for cap in caps):
+        raise argparse.ArgumentTypeError(f"{text!r}: each cap must be one of {SPLIT_CHOICES}")
+    return caps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint_args(parser)
     parser.add_argument("--stages", default="fp8:5", help="CACHE:N,... (fp8 and / or bf16)")
     parser.add_argument("--early-kv", choices=("off",), default=None,
                         help="instead of --stages: both caches' steps with decode_attention.EARLY_KV off against on")
-    parser.add_argument("--max-splits", type=int, choices=SPLIT_CHOICES, default=None,
-                        help="instead of --stages: both caches' steps with at most N splits a sequence against the "
-                             "engine's count")
+    parser.add_argument("--max-splits", type=parse_split_caps, default=None,
+                        help="N,...: instead of --stages, both caches' steps with at most N splits a sequence "
+                             "against the engine's count, each N in a new engine")
     args = parser.parse_args()
     if args.early_kv:
         early_kv_off(args)
@@ -117,27 +125,29 @@ def early_kv_off(args: argparse.Namespace) -> None:
                     f"{base[name]['case']}", base[name], new[name])
 
 
-if __name__ == "__main__":
-    main()
-
 
 def capped_splits(args: argparse.Namespace) -> None:
-    """The decode cases of both engines, then again in a new engine whose decode attention cuts each sequence into at
-    most `--max-splits` slices. Why: a decode graph's split count follows its block table's width (the longest
-    context it can hold), not the step's, so at batch 1 / 1k the engine launches 64 splits of which 16 find a tile
-    (the kernel alone: 0.0068 ms against 0.0053 with 16, decode_launch.num_splits_for); --max-splits 16 changes only
-    the steps of few rows (batch 64 and 16 x 8k keep their 1-8), so those are the control."""
+    """The decode cases of both engines, then again, for each N of `--max-splits`, in a new engine whose decode
+    attention cuts each sequence into at most N slices. Why: a decode graph's split count follows its block table's
+    width (the longest context it can hold), not the step's, so at batch 1 / 1k the engine launches 64 splits of which
+    16 find a tile (the kernel alone: 0.0068 ms against 0.0053 with 16, decode_launch.num_splits_for); caps of 8 and
+    more change only the steps of few rows (batch 64 and 16 x 8k keep their 1-8): those are the control."""
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     kv_bytes = int(args.kv_gib * (1 << 30))
-    capped = with_max_splits(decode_launch.num_splits_for, args.max_splits)
     for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
         cases = list(CASES)
         base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        # the kernel's default_num_splits calls num_splits_for in decode_launch; warm-up imported its own name
-        with mock.patch("engine.kernels.decode_launch.num_splits_for", capped), \
-                mock.patch("engine.runner.warmup.num_splits_for", capped):
-            new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        for name in cases:
-            compare(f"{'fp8' if fp8 else 'bf16'} cache, at most {args.max_splits} splits vs the engine's count, "
-                    f"{base[name]['case']}", base[name], new[name])
+        for most in args.max_splits:
+            capped = with_max_splits(decode_launch.num_splits_for, most)
+            # the kernel's default_num_splits calls num_splits_for in decode_launch; warm-up imported its own name
+            with mock.patch("engine.kernels.decode_launch.num_splits_for", capped), \
+                    mock.patch("engine.runner.warmup.num_splits_for", capped):
+                new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
+            for name in cases:
+                compare(f"{'fp8' if fp8 else 'bf16'} cache, at most {most} splits vs the engine's count, "
+                        f"{base[name]['case']}", base[name], new[name])
+
+
+if __name__ == "__main__":
+    main()

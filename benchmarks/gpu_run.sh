@@ -16,9 +16,9 @@
 # pdl (1 GPU): the 8B decode steps (bf16; FP8 weights + fp8 KV) with programmatic dependent launch vs without.
 # attnstages (1 GPU, issue 42): the 8B decode steps (FP8 weights + fp8 KV; STAGES_ARGS="--stages fp8:5,bf16:5" adds
 #   bf16) with the decode attention's launches on more pipeline stages against the engine's own, one process
-#   (benchmarks/attention_stages.py; STAGES_ARGS="--early-kv off": without the early K / V tile; "--max-splits 16":
-#   batch 1's splits capped at its 1k context's tiles instead of the graph table's width). STAGES_ARGS="--early-kv off": both engines' steps without the attention's early
-#   first tile (decode_attention.EARLY_KV) against with it.
+#   (benchmarks/attention_stages.py). STAGES_ARGS="--early-kv off": both engines' steps without the attention's early
+#   first tile (decode_attention.EARLY_KV) against with it; "--max-splits 16,8,4": with batch 1's splits capped near
+#   its 1k context's 16 tiles instead of the graph table's width, an engine each.
 # attnncu (1 GPU, issue 42): Nsight Compute over the decode attention's launches (benchmarks/attention_counters.py;
 #   ATTNNCU_ARGS="--cases 64x2048 --launches fp8:32x1x5 --splits 2"): each launch's duration, DRAM throughput,
 #   occupancy and warp stalls, the raw counters in $OUT/attn_ncu_raw.csv.

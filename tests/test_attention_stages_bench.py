@@ -1,18 +1,23 @@
 """The attention-launch benchmarks' arguments do what they say. benchmarks/attention_stages.py: with its patch in
 place, the launch the decode attention picks for one cache (and every launch warm-up compiles for it) runs on the
 stage count asked for, the other cache's launches stay as they were, and a bad --stages is refused by name; its
---max-splits patch caps the split count the kernel's default and warm-up see, leaving smaller counts alone;
+--max-splits patch caps the split count the kernel's default and warm-up see, leaving smaller counts alone, and a
+cap the kernel cannot launch is refused; run as a script, each mode reaches its check of the machine;
 benchmarks/fp8_gpu.py attention --launches: parsed into launches, or refused by name."""
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
 from benchmarks.attention_bench import parse_launches
-from benchmarks.attention_stages import parse_stages, with_max_splits, with_stages
+from benchmarks.attention_stages import parse_split_caps, parse_stages, with_max_splits, with_stages
 from engine.kernels import decode_attention, decode_launch
 from engine.kernels.decode_launch import AttentionLaunch
 from engine.runner import warmup
@@ -65,3 +70,21 @@ def test_the_split_cap_reaches_the_kernels_default_and_warm_up_only_above_the_ca
         # the kernel's own call (CPU: 4 "SMs" -> a count under the cap, unchanged)
         assert decode_launch.default_num_splits(1, 8, 512, torch.device("cpu")) == 1
     assert decode_launch.num_splits_for(*one_row) == 64  # undone on leaving
+
+
+def test_split_caps_are_parsed_or_refused_by_value():
+    assert parse_split_caps("16,8,4") == (16, 8, 4)
+    for text in ("12", "16,", "x", "0", "128"):
+        with pytest.raises(argparse.ArgumentTypeError, match="each cap must be one of"):
+            parse_split_caps(text)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU each mode runs for minutes; this checks the dispatch")
+@pytest.mark.parametrize("mode", [["--max-splits", "16,8"], ["--early-kv", "off"], ["--stages", "fp8:5"]])
+def test_each_mode_runs_as_a_script_up_to_its_machine_check(mode, tmp_path):
+    """Every mode's function exists by the time the script calls it (a function defined below the __main__ guard
+    would raise NameError here) and stops at the same clear refusal on a machine without CUDA."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_stages.py"
+    run = subprocess.run([sys.executable, str(script), "--bf16", str(tmp_path), "--fp8", str(tmp_path), *mode],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "no CUDA device" in run.stderr, run.stderr[-2000:]
