@@ -18,6 +18,7 @@ fp8 cache (batch 64 / 2k 7.27 ms against 6.92 on an H200).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -106,47 +107,45 @@ def main() -> None:
                     base[name], new[name])
 
 
-
 def early_kv_off(args: argparse.Namespace) -> None:
-    """The decode cases of both engines (bf16; FP8 weights + fp8 KV), then again in a new engine with the decode
-    attention's early first tile off (decode_attention.EARLY_KV, read at each launch): what loading a slice's first
-    tile before the PDL wait gains. It applies where the attention launches with PDL (bf16 at <= 16 rows, an fp8
-    cache at 1-7 rows), so the 64-row case is the control."""
-    check_inputs(args.bf16, args.fp8)
-    bandwidth, flops = ceilings()
-    kv_bytes = int(args.kv_gib * (1 << 30))
-    for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
-        cases = list(CASES)
-        base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        with mock.patch("engine.kernels.decode_attention.EARLY_KV", False):
-            new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        for name in cases:
-            compare(f"{'fp8' if fp8 else 'bf16'} cache, attention without its early tile vs with, "
-                    f"{base[name]['case']}", base[name], new[name])
-
+    """What loading a slice's first tile before the PDL wait gains: each engine's decode cases, then again with the
+    decode attention's early first tile off (decode_attention.EARLY_KV, read at each launch). It applies where the
+    attention launches with PDL (bf16 at <= 16 rows, an fp8 cache at 1-7 rows), so the 64-row case is the control."""
+    against_the_engine(args, [("attention without its early tile vs with",
+                               lambda: [mock.patch("engine.kernels.decode_attention.EARLY_KV", False)])])
 
 
 def capped_splits(args: argparse.Namespace) -> None:
-    """The decode cases of both engines, then again, for each N of `--max-splits`, in a new engine whose decode
-    attention cuts each sequence into at most N slices. Why: a decode graph's split count follows its block table's
-    width (the longest context it can hold), not the step's, so at batch 1 / 1k the engine launches 64 splits of which
-    16 find a tile (the kernel alone: 0.0068 ms against 0.0053 with 16, decode_launch.num_splits_for); caps of 8 and
-    more change only the steps of few rows (batch 64 and 16 x 8k keep their 1-8): those are the control."""
+    """Each engine's decode cases, then again, for each N of `--max-splits`, with the decode attention cutting each
+    sequence into at most N slices. Why: a decode graph's split count follows its block table's width (the longest
+    context it can hold), not the step's, so at batch 1 / 1k the engine launches 64 splits of which 16 find a tile
+    (the kernel alone: 0.0068 ms against 0.0053 with 16, decode_launch.num_splits_for); caps of 8 and more change
+    only the steps of few rows (batch 64 and 16 x 8k keep their 1-8): those are the control."""
+    def patches(most: int) -> list:
+        capped = with_max_splits(decode_launch.num_splits_for, most)
+        # the kernel's default_num_splits calls num_splits_for in decode_launch; warm-up imported its own name
+        return [mock.patch("engine.kernels.decode_launch.num_splits_for", capped),
+                mock.patch("engine.runner.warmup.num_splits_for", capped)]
+    against_the_engine(args, [(f"at most {most} splits vs the engine's count", lambda most=most: patches(most))
+                              for most in args.max_splits])
+
+
+def against_the_engine(args: argparse.Namespace, variants: list[tuple[str, Callable[[], list]]]) -> None:
+    """Both engines (bf16; FP8 weights + fp8 KV) run the decode cases as they are, then, for each (label, patches)
+    of `variants`, again in a new engine built and timed inside those patches; prints every row and each ratio."""
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     kv_bytes = int(args.kv_gib * (1 << 30))
     for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
         cases = list(CASES)
         base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        for most in args.max_splits:
-            capped = with_max_splits(decode_launch.num_splits_for, most)
-            # the kernel's default_num_splits calls num_splits_for in decode_launch; warm-up imported its own name
-            with mock.patch("engine.kernels.decode_launch.num_splits_for", capped), \
-                    mock.patch("engine.runner.warmup.num_splits_for", capped):
+        for label, make_patches in variants:
+            with contextlib.ExitStack() as stack:
+                for patch in make_patches():
+                    stack.enter_context(patch)
                 new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
             for name in cases:
-                compare(f"{'fp8' if fp8 else 'bf16'} cache, at most {most} splits vs the engine's count, "
-                        f"{base[name]['case']}", base[name], new[name])
+                compare(f"{'fp8' if fp8 else 'bf16'} cache, {label}, {base[name]['case']}", base[name], new[name])
 
 
 if __name__ == "__main__":

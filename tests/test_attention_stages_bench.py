@@ -8,6 +8,7 @@ benchmarks/fp8_gpu.py attention --launches: parsed into launches, or refused by 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
+from benchmarks import attention_stages
 from benchmarks.attention_bench import parse_launches
 from benchmarks.attention_stages import parse_split_caps, parse_stages, with_max_splits, with_stages
 from engine.kernels import decode_attention, decode_launch
@@ -88,3 +90,29 @@ def test_each_mode_runs_as_a_script_up_to_its_machine_check(mode, tmp_path):
     run = subprocess.run([sys.executable, str(script), "--bf16", str(tmp_path), "--fp8", str(tmp_path), *mode],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "no CUDA device" in run.stderr, run.stderr[-2000:]
+
+
+def test_each_variant_engine_is_built_and_timed_inside_its_patches_and_compared(monkeypatch, capsys):
+    """The GPU-only pieces (the machine check, the ceilings, an engine's timed cases) replaced by a recorder: each
+    variant's engine sees its patch while it is measured, the engine as it is sees none, and every case is compared."""
+    seen = []
+
+    def fake_measure(folder, fp8, *args, **kwargs):
+        seen.append((fp8, decode_attention.EARLY_KV, decode_launch.num_splits_for(1, 8, 512, 132)))
+        return {name: {"case": name, "step_ms": 2.0 if seen[-1][1] else 1.0, "x_floor": 1.0}
+                for name in attention_stages.CASES}
+
+    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1.0, 1.0))
+    monkeypatch.setattr(attention_stages, "measure", fake_measure)
+    args = argparse.Namespace(bf16="b", fp8="f", kv_gib=1.0, load_format="dummy", max_splits=(16, 4))
+    attention_stages.capped_splits(args)
+    assert seen == [(fp8, True, cap) for fp8 in (False, True) for cap in (64, 16, 4)]
+    seen.clear()
+    attention_stages.early_kv_off(args)
+    assert seen == [(fp8, early, 64) for fp8 in (False, True) for early in (True, False)]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"speedup"' in line]
+    assert len(lines) == 2 * 2 * 3 + 2 * 3  # (2 caps + early tile) x 2 caches x 3 cases
+    assert lines[0]["case"] == "bf16 cache, at most 16 splits vs the engine's count, decode1"
+    assert lines[-1]["case"].startswith("fp8 cache, attention without its early tile vs with")
+    assert lines[-1]["speedup"] == 2.0
