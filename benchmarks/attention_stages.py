@@ -72,12 +72,13 @@ def parse_split_caps(text: str) -> tuple[int, ...]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint_args(parser)
-    parser.add_argument("--stages", default="fp8:5", help="CACHE:N,... (fp8 and / or bf16)")
-    parser.add_argument("--early-kv", choices=("off",), default=None,
-                        help="instead of --stages: both caches' steps with decode_attention.EARLY_KV off against on")
-    parser.add_argument("--max-splits", type=parse_split_caps, default=None,
-                        help="N,...: instead of --stages, both caches' steps with at most N splits a sequence "
-                             "against the engine's count, each N in a new engine")
+    mode = parser.add_mutually_exclusive_group()  # one comparison a run
+    mode.add_argument("--stages", default="fp8:5", help="CACHE:N,... (fp8 and / or bf16)")
+    mode.add_argument("--early-kv", choices=("off",), default=None,
+                      help="instead of --stages: both caches' steps with decode_attention.EARLY_KV off against on")
+    mode.add_argument("--max-splits", type=parse_split_caps, default=None,
+                      help="N,...: instead of --stages, both caches' steps with at most N splits a sequence against "
+                           "the engine's count, each N in a new engine")
     args = parser.parse_args()
     if args.early_kv:
         early_kv_off(args)

@@ -94,6 +94,13 @@ def test_each_mode_runs_as_a_script_up_to_its_machine_check(mode, tmp_path):
     assert run.returncode == 1 and "no CUDA device" in run.stderr, run.stderr[-2000:]
 
 
+def test_two_comparisons_in_one_run_are_refused():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_stages.py"
+    run = subprocess.run([sys.executable, str(script), "--bf16", "b", "--fp8", "f", "--early-kv", "off",
+                          "--max-splits", "16"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "not allowed with argument" in run.stderr, run.stderr[-2000:]
+
+
 def test_each_variant_engine_is_built_and_timed_inside_its_patches_and_compared(monkeypatch, capsys):
     """The GPU-only pieces (the machine check, the ceilings, an engine's timed cases) replaced by a recorder: each
     variant's engine sees its patch while it is measured, the engine as it is sees none, and every case is compared."""
