@@ -13,7 +13,7 @@ import torch
 import triton
 
 from engine.kernels import interpreting
-from engine.kernels.fp8_gemm import _fp8_mm_kernel
+from engine.kernels.fp8_gemm import FP8_MM_CONFIGS, _fp8_mm_kernel
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the same bytes a K tile as FP8's 256; the K splits as FP8's
 # for its N = 4,096 projections (64 tiles of 64 rows for 132 SMs)
@@ -33,8 +33,8 @@ class SwappedBuffers:
 
 
 def block_m(m: int) -> int:
-    """The token tile for M rows (fp8_gemm.FP8_MM_CONFIGS')."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    """The token tile fp8_mm picks for M rows (the first row of fp8_gemm.FP8_MM_CONFIGS whose bound holds)."""
+    return next(tile for bound, _, tile, *_ in FP8_MM_CONFIGS if m <= bound)
 
 
 def swapped_buffers(m: int, n: int, config: tuple[int, int, int, int, int], device: torch.device) -> SwappedBuffers:
