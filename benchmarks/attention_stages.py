@@ -1,7 +1,8 @@
 """The decode step with the decode attention's pipeline stages changed, against the engine's own launches, in one
 process (issue 42): `bash benchmarks/gpu_run.sh attnstages` (STAGES_ARGS="--stages fp8:5,bf16:5 ..."); or, with
 `--early-kv off`, without the attention's early first tile against with it (early_kv_off); or, with `--max-splits
-16,8,4`, with at most N splits a sequence against the engine's count, each N in a new engine (capped_splits).
+16,8,4`, with at most N splits a sequence against the engine's count, each N in a new engine (capped_splits); or, with
+`--lazy on`, the lazy online softmax against the engine's exact one (lazy_softmax).
 
 Why: Triton's pipeliner gives a load that sits behind another load in the loop (the K / V tile behind the block
 table's ids) (num_stages - 1) // 2 stages of lead, so the engine's 4-stage fp8 launch and 3-stage bf16 launch
@@ -79,7 +80,12 @@ def main() -> None:
     mode.add_argument("--max-splits", type=parse_split_caps, default=None,
                       help="N,...: instead of --stages, both caches' steps with at most N splits a sequence against "
                            "the engine's count, each N in a new engine")
+    mode.add_argument("--lazy", choices=("on",), default=None,
+                      help="instead of --stages: both caches' steps with the lazy online softmax against the exact one")
     args = parser.parse_args()
+    if args.lazy:
+        lazy_softmax(args)
+        return
     if args.early_kv:
         early_kv_off(args)
         return
@@ -116,6 +122,18 @@ def early_kv_off(args: argparse.Namespace) -> None:
                                lambda: [mock.patch("engine.kernels.decode_attention.EARLY_KV", False)])])
 
 
+def lazy_softmax(args: argparse.Namespace) -> None:
+    """What the lazy softmax (AttentionLaunch.lazy: acc rescaled only when the running max moves by 2^8) gains:
+    each engine's decode cases, then again with every decode attention launch on it. Measured 2026-12-06 on an H100
+    (docs/benchmark-log.md): 1% slower at batch 64 with an fp8 cache, within 0.4% elsewhere."""
+    def lazy(dtype, head_dim, fp8_cache, pairs) -> AttentionLaunch:
+        return original(dtype, head_dim, fp8_cache, pairs)._replace(lazy=True)
+    original = decode_launch.launch_config
+    against_the_engine(args, [("the lazy softmax vs the exact one",
+                               lambda: [mock.patch("engine.kernels.decode_launch.launch_config", lazy),
+                                        mock.patch("engine.kernels.decode_attention.launch_config", lazy)])])
+
+
 def capped_splits(args: argparse.Namespace) -> None:
     """Each engine's decode cases, then again, for each N of `--max-splits`, with the decode attention cutting each
     sequence into at most N slices. Why: a decode graph's split count follows its block table's width (the longest
@@ -131,13 +149,16 @@ def capped_splits(args: argparse.Namespace) -> None:
                               for most in args.max_splits])
 
 
-def against_the_engine(args: argparse.Namespace, variants: list[tuple[str, Callable[[], list]]]) -> None:
-    """Both engines (bf16; FP8 weights + fp8 KV) run the decode cases as they are, then, for each (label, patches)
-    of `variants`, again in a new engine built and timed inside those patches; prints every row and each ratio."""
+def against_the_engine(args: argparse.Namespace, variants: list[tuple[str, Callable[[], list]]],
+                       only: str | None = None) -> None:
+    """Both engines (bf16; FP8 weights + fp8 KV), or the one `only` names ("bf16", "fp8"), run the decode cases as
+    they are, then, for each (label, patches) of `variants`, again in a new engine built and timed inside those
+    patches; prints every row and each ratio."""
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     kv_bytes = int(args.kv_gib * (1 << 30))
-    for folder, fp8, kv in ((args.bf16, False, "auto"), (args.fp8, True, "fp8")):
+    engines = ((args.bf16, False, "auto"), (args.fp8, True, "fp8"))
+    for folder, fp8, kv in (e for e in engines if only is None or (only == "fp8") == e[1]):
         cases = list(CASES)
         base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
         for label, make_patches in variants:

@@ -19,10 +19,16 @@
 #   (benchmarks/attention_stages.py). STAGES_ARGS="--early-kv off": both engines' steps without the attention's early
 #   first tile (decode_attention.EARLY_KV) against with it; "--max-splits 16,8,4": with batch 1's splits capped near
 #   its 1k context's 16 tiles instead of the graph table's width, an engine each.
+#   STAGES_ARGS="--lazy on": both engines' steps with the lazy online softmax against the exact one (the default).
+# stepab (1 GPU, issue 42): the 8B decode steps (bf16; FP8 weights + fp8 KV) with engine module constants changed
+#   against as they are, one process (benchmarks/step_ab.py; STEPAB_ARGS="--set engine.kernels.fp8_quant.SPLIT_ROWS=64").
 # attnncu (1 GPU, issue 42): Nsight Compute over the decode attention's launches (benchmarks/attention_counters.py;
 #   ATTNNCU_ARGS="--cases 64x2048 --launches fp8:32x1x5 --splits 2"): each launch's duration, DRAM throughput,
 #   occupancy and warp stalls, the raw counters in $OUT/attn_ncu_raw.csv.
 # fp8sweep (1 GPU): one 8B layer's GEMMs and the LM head at each M, every way (benchmarks/fp8_gpu.py gemm-sweep).
+# attnlayout (1 GPU, issue 42): the decode attention kernel alone at 64 / 2k, 16 / 8k and 1 / 1k, bf16 and fp8 caches:
+#   the engine's token-major blocks against head-major ones, the exact softmax against the lazy one
+#   (benchmarks/attention_layout.py; LAYOUT_ARGS="--cases 64x2048").
 # fp8attn (1 GPU): the decode attention kernel alone on bf16 and fp8 caches at batch 1 / 1k, 64 / 2k and 16 / 8k,
 #   each launch configuration and split count (benchmarks/fp8_gpu.py attention; ATTN_ARGS=--cases ...).
 # recovery: 1P+1D on the Llama-3.2-1B shape; kill decode-0 then prefill-0 under load, time each recovery
@@ -329,6 +335,11 @@ for step in "$@"; do
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       timeout ${STAGES_TIMEOUT:-400} python3 benchmarks/attention_stages.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${STAGES_ARGS:-} 2>&1 | tee "$OUT/attention_stages.log" | grep "^{" | grep -v static_context ;;
+    stepab)  # issue 42: the decode steps with engine constants changed vs as they are (step_ab.py, STEPAB_ARGS)
+      checkpoint8b
+      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+      timeout ${STEPAB_TIMEOUT:-400} python3 benchmarks/step_ab.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
+        --load-format dummy ${STEPAB_ARGS:-} 2>&1 | tee "$OUT/step_ab.log" | grep "^{" | grep -v static_context ;;
     attnncu)  # issue 42: Nsight Compute's counters of the decode attention's launches (attention_counters.py)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       [ -n "$ncu" ] || { echo "attnncu: no ncu on this machine"; continue; }
@@ -343,6 +354,9 @@ Registers Per|Achieved Occupancy|Warp Cycles Per Issued|No Eligible" ;;
     fp8sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py gemm-sweep --out "$OUT/fp8_sweep.json" ${SWEEP_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_sweep.log" | grep -E '"layer_m"|"gemm"|"qkv_rope"|"gate_up_activation"' | cut -c1-400 ;;
+    attnlayout)  # issue 42: the decode attention alone, token- vs head-major cache blocks, exact vs lazy softmax
+      timeout ${LAYOUT_TIMEOUT:-180} python3 benchmarks/attention_layout.py ${LAYOUT_ARGS:-} 2>&1 \
+        | tee "$OUT/attention_layout.log" | grep -E '^\{|Error|error' | cut -c1-300 ;;
     fp8attn)  # the decode attention kernel alone, bf16 and fp8 caches: launches and split counts per case
       timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/fp8_gpu.py attention ${ATTN_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_attention.log" | grep -E '"attention_best"|"attention_vs_before"|error' | cut -c1-300 ;;

@@ -82,7 +82,8 @@ def test_split_caps_are_parsed_or_refused_by_value():
             parse_split_caps(text)
 
 
-@pytest.mark.parametrize("mode", [["--max-splits", "16,8"], ["--early-kv", "off"], ["--stages", "fp8:5"]])
+@pytest.mark.parametrize("mode", [["--max-splits", "16,8"], ["--early-kv", "off"], ["--stages", "fp8:5"],
+                                  ["--lazy", "on"]])
 def test_each_mode_runs_as_a_script_up_to_its_machine_check(mode, tmp_path):
     """Every mode's function exists by the time the script calls it (a function defined below the __main__ guard
     would raise NameError here) and stops at the same clear refusal where no device is visible (hidden here, so a
@@ -125,3 +126,21 @@ def test_each_variant_engine_is_built_and_timed_inside_its_patches_and_compared(
     assert lines[0]["case"] == "bf16 cache, at most 16 splits vs the engine's count, decode1"
     assert lines[-1]["case"].startswith("fp8 cache, attention without its early tile vs with")
     assert lines[-1]["speedup"] == 2.0
+
+
+def test_the_lazy_softmax_variant_reaches_both_launch_config_names(monkeypatch, capsys):
+    """--lazy on: the second engine's every decode attention launch (decode_attention's name and warm-up's) has the
+    lazy softmax; the engine as it is keeps the exact one."""
+    seen = []
+
+    def fake_measure(folder, fp8, *args, **kwargs):
+        seen.append((fp8, decode_launch.launch_config(torch.bfloat16, 128, fp8, 512).lazy,
+                     decode_attention.launch_config(torch.bfloat16, 128, fp8, 512).lazy))
+        return {name: {"case": name, "step_ms": 1.0} for name in attention_stages.CASES}
+
+    monkeypatch.setattr(attention_stages, "measure", fake_measure)
+    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1e12, 1e15))
+    attention_stages.lazy_softmax(argparse.Namespace(bf16="b", fp8="f", kv_gib=1.0, load_format="dummy"))
+    assert seen == [(False, False, False), (False, True, True), (True, False, False), (True, True, True)]
+    assert not decode_launch.launch_config(torch.bfloat16, 128, True, 512).lazy  # undone on leaving

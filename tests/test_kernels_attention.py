@@ -142,6 +142,38 @@ def test_decode_early_first_tile_gives_the_same_bits(cache_dtype, window, splits
                              torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_lazy_softmax_follows_a_rising_max(dtype, splits):
+    """The lazy softmax (the running max lags by up to 2^8; acc rescaled only when a row's max passes it by more)
+    against the exact one and float64, on keys whose scores climb along the context: by less than 8 (log2) a tile
+    in one row, by more in another, so tiles both reuse a stale max and rescale. A lazy step that never rescales
+    after the first tile overflows p; one that rescales by the wrong factor is far off the reference."""
+    gen = torch.Generator().manual_seed(41 + splits)
+    contexts, bs, kvh, d, group = [100, 257, 40, 1], 8, 2, 32, 4
+    max_blocks = max(-(-c // bs) for c in contexts) + 1
+    num_blocks = sum(-(-c // bs) for c in contexts) + 2
+    kv = make_cache(gen, num_blocks, bs, kvh, d, torch.float32)
+    tables = make_tables(gen, contexts, bs, max_blocks, num_blocks)
+    q = torch.randn(len(contexts), group * kvh, d, generator=gen).to(DEV)
+    unit = q.view(len(contexts), kvh, group, d).mean(2)  # [B, KVH, D]: each KV head's query heads lean along it
+    unit = unit / unit.norm(dim=-1, keepdim=True)
+    # K climbs along `unit`: on KV head 0 ~0.14 log2 a token (~4.5 a 32-token tile: a stale max reused), on KV
+    # head 1 five times faster (a rescale every tile; p overflows float32 over the context unless rescaled)
+    for b, ctx in enumerate(contexts):
+        for t in range(ctx):
+            blk, off = int(tables[b, t // bs]), t % bs
+            kv[blk, 1, 0, off] += unit[b] * torch.tensor([0.2, 1.0], device=DEV)[:, None] * t
+    kv, q = kv.to(dtype), q.to(dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    runs = {lazy: decode_attention(q, kv[:, 1], tables, lens, d ** -0.5, num_splits=splits,
+                                   launch=decode_mod.AttentionLaunch(32, 4, 1, lazy=lazy)) for lazy in (False, True)}
+    for b, ctx in enumerate(contexts):
+        ref = reference(q[b:b + 1], kv[:, 1], tables[b], ctx, d ** -0.5, None)
+        for out in runs.values():
+            assert_close(out[b:b + 1], ref, dtype)
+
+
 def test_decode_merge_in_chunks_and_semaphores_left_zero(monkeypatch):
     """The last split merges the others in chunks of 2 (a small merge tile): 9 splits of two 8-token blocks each
     (BLOCK_N 16), contexts with 9, 5 and 0 busy splits; the caller's semaphores are zero again after each call,

@@ -60,7 +60,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False,
+    WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False, LAZY: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,22 +112,22 @@ def _decode_split_kernel(
             if EARLY_KV:
                 if early:  # the loop's first tile, from the registers it was loaded into
                     m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
-                                              BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
+                                              BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
                     first = start + BLOCK_N
             for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS)
+                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
             # the last, partial tile: an `if`, as a second loop would be pipelined too (one warp: 233 -> 255 registers)
             if whole_end < end:
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY)
         else:  # every tile masked (the kernel before whole tiles: benchmarks time it as the reference)
             for tile in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS)
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY)
 
         has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
@@ -189,7 +189,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     launch = AttentionLaunch(*(launch or launch_config(q.dtype, head_dim, fp8_cache, batch * num_kv_heads)))
-    block_n, num_warps, num_stages, whole_tiles, v_words = launch
+    block_n, num_warps, num_stages, whole_tiles, v_words, lazy = launch
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache,
                                               max(1, block_n // block_size))
     if splits > 1:
@@ -220,7 +220,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles,
-        EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv),
+        EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv), LAZY=lazy,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     return out

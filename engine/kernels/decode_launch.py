@@ -18,12 +18,15 @@ class AttentionLaunch(NamedTuple):
     """How the kernel is launched: tokens a tile, warps, pipeline stages; `whole_tiles`: tiles wholly inside the
     context skip every mask (only the last is masked); `v_words` (fp8 caches): V read as int32 words and widened
     before tl.dot (engine.kernels.e4m3.widen_e4m3_words). Both are on in every launch the engine makes; with both
-    off the kernel is the one before them, which benchmarks/fp8_gpu.py times as the reference."""
+    off the kernel is the one before them, which benchmarks/fp8_gpu.py times as the reference. `lazy`: the online
+    softmax's running max lags by up to 2^8 and acc is rescaled only when it moves that far (online_softmax); off:
+    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy off)."""
     block_n: int
     num_warps: int
     num_stages: int
     whole_tiles: bool = True
     v_words: bool = True
+    lazy: bool = False
 
 
 FEW_PAIRS = 64  # (sequence, KV head) pairs below which an fp8 cache takes the 4-warp launch

@@ -1,0 +1,62 @@
+"""The decode step with engine constants changed, against the engine as it is, in one process (issue 42):
+`python benchmarks/step_ab.py --bf16 DIR --fp8 DIR --set engine.kernels.fp8_quant.SPLIT_ROWS=64 [--set ...]`
+(`bash benchmarks/gpu_run.sh stepab`, STEPAB_ARGS="--set ... [--only fp8]"; each --set is one variant: several
+names in one --set, apart by ";", change together).
+
+Both engines (bf16; FP8 weights + fp8 KV) run the decode cases of benchmarks/fp8_gpu.py as they are, then once per
+variant in a new engine built and timed with the constants patched (benchmarks/attention_stages.against_the_engine),
+and print each ratio. A constant is patched where it is defined, so it reaches the code that reads it as a global
+of its own module; a name that does not exist there is refused before any engine is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import sys
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.attention_stages import against_the_engine  # noqa: E402
+from benchmarks.fp8_gpu import checkpoint_args  # noqa: E402
+
+
+def parse_setting(text: str) -> list[tuple[str, object]]:
+    """"engine.x.NAME=64;engine.y.OTHER=True" -> [("engine.x.NAME", 64), ...]: each a module constant that exists,
+    set to a Python literal; anything else an argparse error naming it."""
+    settings = []
+    for part in text.split(";"):
+        target, sep, value = part.partition("=")
+        module_name, _, name = target.strip().rpartition(".")
+        if not sep or not module_name.startswith("engine.") or not name:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected engine.MODULE.NAME=VALUE")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise argparse.ArgumentTypeError(f"{part!r}: no module {module_name} ({e})") from None
+        if not hasattr(module, name):
+            raise argparse.ArgumentTypeError(f"{part!r}: {module_name} has no {name}")
+        try:
+            settings.append((target.strip(), ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"{part!r}: {value!r} is not a Python literal") from None
+    return settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    checkpoint_args(parser)
+    parser.add_argument("--set", dest="variants", type=parse_setting, action="append", required=True,
+                        help="engine.MODULE.NAME=VALUE[;...]: one variant (repeat for more)")
+    parser.add_argument("--only", choices=("bf16", "fp8"), default=None, help="one engine (default: both)")
+    args = parser.parse_args()
+    variants = [(", ".join(f"{target}={value!r}" for target, value in settings) + " vs as it is",
+                 lambda settings=settings: [mock.patch(target, value) for target, value in settings])
+                for settings in args.variants]
+    against_the_engine(args, variants, args.only)
+
+
+if __name__ == "__main__":
+    main()
