@@ -28,7 +28,11 @@ from engine.kernels.rms_norm import DTYPES, MAX_N, check_norm_args, rms_norm_row
 FP8 = torch.float8_e4m3fn
 MIN_SCALE = 1.0 / (448.0 * 512.0)  # engine.model.fp8_linear.MIN_SCALE: a row of zeros still gets a finite scale
 CHUNK = 4096  # silu_mul_quant: elements of one row per loop iteration
-SPLIT_ROWS = 16  # silu_mul_quant: up to this many rows, each row is spread over many programs (two launches)
+# silu_mul_quant: up to this many rows, each row is spread over many programs (two launches); one program a row
+# left 68 of an H100's 132 SMs idle at 64 rows: the FP8 + fp8 KV step at batch 64 / 2k took 7.486 ms with 16 here,
+# 7.410 with 64 (`STEPAB_ARGS="--only fp8 --set engine.kernels.fp8_quant.SPLIT_ROWS=64"`, 2026-12-06); more rows
+# were not timed
+SPLIT_ROWS = 64
 SPLIT_CHUNK = 1024  # ... of this many elements each
 
 
