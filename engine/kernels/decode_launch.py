@@ -20,7 +20,7 @@ class AttentionLaunch(NamedTuple):
     before tl.dot (engine.kernels.e4m3.widen_e4m3_words). Both are on in every launch the engine makes; with both
     off the kernel is the one before them, which benchmarks/fp8_gpu.py times as the reference. `lazy`: the online
     softmax's running max lags by up to 2^8 and acc is rescaled only when it moves that far (online_softmax); off:
-    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy off)."""
+    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy on)."""
     block_n: int
     num_warps: int
     num_stages: int
