@@ -150,16 +150,16 @@ def capped_splits(args: argparse.Namespace) -> None:
 
 
 def against_the_engine(args: argparse.Namespace, variants: list[tuple[str, Callable[[], list]]],
-                       only: str | None = None) -> None:
-    """Both engines (bf16; FP8 weights + fp8 KV), or the one `only` names ("bf16", "fp8"), run the decode cases as
-    they are, then, for each (label, patches) of `variants`, again in a new engine built and timed inside those
-    patches; prints every row and each ratio."""
+                       only: str | None = None, cases: tuple[str, ...] = CASES) -> None:
+    """Both engines (bf16; FP8 weights + fp8 KV), or the one `only` names ("bf16", "fp8"), run the decode `cases`
+    (fp8_gpu.decode_case's names) as they are, then, for each (label, patches) of `variants`, again in a new engine
+    built and timed inside those patches; prints every row and each ratio."""
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     kv_bytes = int(args.kv_gib * (1 << 30))
     engines = ((args.bf16, False, "auto"), (args.fp8, True, "fp8"))
+    cases = list(cases)
     for folder, fp8, kv in (e for e in engines if only is None or (only == "fp8") == e[1]):
-        cases = list(CASES)
         base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
         for label, make_patches in variants:
             with contextlib.ExitStack() as stack:

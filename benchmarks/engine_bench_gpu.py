@@ -69,12 +69,13 @@ class Bench:
     def __init__(self, model: str, bandwidth: float, flops: float, kv_bytes: int, profile: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto", tp_all_reduce: str = "nccl",
                  kv_cache_dtype: str = "auto", trace_dir: str | None = None, trace_tag: str = "",
-                 events: bool = False) -> None:
+                 events: bool = False, max_num_seqs: int = 64) -> None:
         """With TP, every figure is rank 0's: its shard of the weights and KV heads against one GPU's bandwidth.
-        `trace_dir`: also write a chrome trace of live decode steps there, named by batch and `trace_tag`."""
+        `trace_dir`: also write a chrome trace of live decode steps there, named by batch and `trace_tag`.
+        `max_num_seqs`: the largest decode batch the engine takes (and captures graphs for)."""
         self.profile, self.tp = profile, tensor_parallel_size
         self.trace_dir, self.trace_tag, self.events = trace_dir, trace_tag, events
-        self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=64,
+        self.engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=8192, enable_prefix_caching=False,
                                              kv_cache_memory_bytes=kv_bytes, max_model_len=8192,
                                              tensor_parallel_size=tensor_parallel_size, load_format=load_format,

@@ -102,14 +102,28 @@ def engine_tag(bench: Bench, folder: str, fp8: bool, kv_cache_dtype: str) -> dic
             "fp8_linears": len(layers), "kv_tokens": e.num_kv_blocks * e.kv_spec.block_size}
 
 
+def decode_case(name: str) -> tuple[int, int]:
+    """A decode case's (batch, context): "decode1", "decode64" (CASES), "long" (LONG_CONTEXT) or "BATCHxCONTEXT"
+    (e.g. "128x1024"); anything else a ValueError naming it."""
+    named = {"decode1": CASES[0], "decode64": CASES[1], "long": LONG_CONTEXT}
+    if name in named:
+        return named[name]
+    batch, sep, context = name.partition("x")
+    if sep and batch.isdigit() and context.isdigit() and int(batch) > 0 and int(context) > 0:
+        return int(batch), int(context)
+    raise ValueError(f"decode case {name!r}: expected decode1, decode64, long or BATCHxCONTEXT (e.g. 128x1024)")
+
+
 def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
             cases: list[str], kv_cache_dtype: str = "auto", profile: bool = False,
             trace_dir: str | None = None, events: bool = False) -> dict[str, dict]:
-    """One engine's rows by case name: "decode1", "decode64" (CASES), "prefill" (1 x 2,048) and "long"
-    (LONG_CONTEXT), each tagged with the weights, the KV cache dtype and the KV capacity in tokens."""
+    """One engine's rows by case name: "prefill" (1 x 2,048) or a decode case (decode_case), each tagged with the
+    weights, the KV cache dtype and the KV capacity in tokens. The engine takes the largest decode batch asked for
+    (64 at least)."""
+    batches = [decode_case(name)[0] for name in cases if name != "prefill"]
     bench = Bench(folder, bandwidth, flops, kv_bytes, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
                   profile=profile, trace_dir=trace_dir, events=events,
-                  trace_tag=f"{'fp8' if fp8 else 'bf16'}-kv{kv_cache_dtype}")
+                  trace_tag=f"{'fp8' if fp8 else 'bf16'}-kv{kv_cache_dtype}", max_num_seqs=max([64, *batches]))
     try:
         tag = engine_tag(bench, folder, fp8, kv_cache_dtype)
         rows = {}
@@ -117,8 +131,7 @@ def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: in
             if name == "prefill":
                 rows[name] = bench.prefill([2048]) | tag
             else:
-                batch, context = {"decode1": CASES[0], "decode64": CASES[1], "long": LONG_CONTEXT}[name]
-                rows[name] = bench.decode(batch, context) | tag
+                rows[name] = bench.decode(*decode_case(name)) | tag
             print(json.dumps(rows[name]), flush=True)
         return rows
     finally:

@@ -1,7 +1,7 @@
 """The decode step with engine constants changed, against the engine as it is, in one process (issue 42):
 `python benchmarks/step_ab.py --bf16 DIR --fp8 DIR --set engine.kernels.fp8_quant.SPLIT_ROWS=64 [--set ...]`
-(`bash benchmarks/gpu_run.sh stepab`, STEPAB_ARGS="--set ... [--only fp8]"; each --set is one variant: several
-names in one --set, apart by ";", change together).
+(`bash benchmarks/gpu_run.sh stepab`, STEPAB_ARGS="--set ... [--only fp8] [--cases decode64,128x1024]"; each --set
+is one variant: several names in one --set, apart by ";", change together).
 
 Both engines (bf16; FP8 weights + fp8 KV) run the decode cases of benchmarks/fp8_gpu.py as they are, then once per
 variant in a new engine built and timed with the constants patched (benchmarks/attention_stages.against_the_engine),
@@ -19,8 +19,8 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.attention_stages import against_the_engine  # noqa: E402
-from benchmarks.fp8_gpu import checkpoint_args  # noqa: E402
+from benchmarks.attention_stages import CASES, against_the_engine  # noqa: E402
+from benchmarks.fp8_gpu import checkpoint_args, decode_case  # noqa: E402
 
 
 def parse_setting(text: str) -> list[tuple[str, object]]:
@@ -45,17 +45,32 @@ def parse_setting(text: str) -> list[tuple[str, object]]:
     return settings
 
 
+def parse_cases(text: str) -> tuple[str, ...]:
+    """"decode64,128x1024" -> ("decode64", "128x1024"): benchmarks/fp8_gpu.decode_case's names, or an argparse
+    error naming the one it refuses."""
+    names = tuple(part.strip() for part in text.split(","))
+    for name in names:
+        try:
+            decode_case(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     checkpoint_args(parser)
     parser.add_argument("--set", dest="variants", type=parse_setting, action="append", required=True,
                         help="engine.MODULE.NAME=VALUE[;...]: one variant (repeat for more)")
     parser.add_argument("--only", choices=("bf16", "fp8"), default=None, help="one engine (default: both)")
+    parser.add_argument("--cases", type=parse_cases, default=CASES,
+                        help="decode cases: decode1, decode64, long or BATCHxCONTEXT, comma-separated (default: "
+                             f"{','.join(CASES)}; the engine takes the largest batch)")
     args = parser.parse_args()
     variants = [(", ".join(f"{target}={value!r}" for target, value in settings) + " vs as it is",
                  lambda settings=settings: [mock.patch(target, value) for target, value in settings])
                 for settings in args.variants]
-    against_the_engine(args, variants, args.only)
+    against_the_engine(args, variants, args.only, args.cases)
 
 
 if __name__ == "__main__":

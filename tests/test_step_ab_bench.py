@@ -76,3 +76,25 @@ def test_only_one_engine_is_built_when_asked(monkeypatch):
                                       "engine.kernels.fp8_quant.SPLIT_ROWS=64"])
     step_ab.main()
     assert seen == [True, True]
+
+
+def test_cases_are_named_or_batch_by_context_and_reach_the_engines(monkeypatch):
+    assert step_ab.parse_cases("decode64, 128x1024") == ("decode64", "128x1024")
+    for bad in ("128x", "x1024", "0x1024", "decode32", "128*1024"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected decode1, decode64, long or BATCHxCONTEXT"):
+            step_ab.parse_cases(bad)
+    seen = []
+    monkeypatch.setattr(attention_stages, "measure", lambda folder, fp8, bw, fl, kv, lf, cases, **k: seen.append(
+        list(cases)) or {name: {"case": name, "step_ms": 1.0} for name in cases})
+    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(sys, "argv", ["step_ab.py", "--bf16", "b", "--fp8", "f", "--only", "bf16", "--cases",
+                                      "128x1024", "--set", "engine.kernels.fp8_quant.SPLIT_ROWS=128"])
+    step_ab.main()
+    assert seen == [["128x1024"], ["128x1024"]]
+
+
+def test_a_decode_case_by_its_size_sizes_the_engine():
+    from benchmarks.fp8_gpu import CASES, LONG_CONTEXT, decode_case
+    assert decode_case("decode1") == CASES[0] and decode_case("long") == LONG_CONTEXT
+    assert decode_case("256x512") == (256, 512)
