@@ -19,20 +19,16 @@ fp8 cache (batch 64 / 2k 7.27 ms against 6.92 on an H200).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.engine_bench_gpu import ceilings  # noqa: E402
-from benchmarks.fp8_gpu import check_inputs, checkpoint_args, compare, measure  # noqa: E402
+from benchmarks.fp8_gpu import checkpoint_args  # noqa: E402
+from benchmarks.step_ab import against_the_engine  # noqa: E402
 from engine.kernels import decode_launch  # noqa: E402
 from engine.kernels.decode_launch import SPLIT_CHOICES, AttentionLaunch  # noqa: E402
-
-CASES = ("decode1", "decode64", "long")  # fp8_gpu.measure's names: batch 1 / 1k, 64 / 2k, 16 / 8k
 
 
 def parse_stages(text: str) -> dict[str, int]:
@@ -92,26 +88,18 @@ def main() -> None:
     if args.max_splits:
         capped_splits(args)
         return
-    stages = parse_stages(args.stages)
-    check_inputs(args.bf16, args.fp8)
-    bandwidth, flops = ceilings()
-    print(json.dumps({"case": "ceilings", "copy_gb_per_s": round(bandwidth / 1e9, 1),
-                      "matmul_tflops": round(flops / 1e12, 1)}), flush=True)
-    kv_bytes = int(args.kv_gib * (1 << 30))
-    for cache, count in stages.items():
-        fp8 = cache == "fp8"
-        folder, kv = (args.fp8, "fp8") if fp8 else (args.bf16, "auto")
-        cases = list(CASES)
-        base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        changed = with_stages(decode_launch.launch_config, cache, count)
-        # decode_attention picks its launch through its own import of launch_config, warm-up's launch_choices
-        # through decode_launch's: both see the change while the second engine is built and timed
-        with mock.patch("engine.kernels.decode_launch.launch_config", changed), \
-                mock.patch("engine.kernels.decode_attention.launch_config", changed):
-            new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        for name in cases:
-            compare(f"{cache} cache, attention on {count} stages vs the engine's launches, {base[name]['case']}",
-                    base[name], new[name])
+    original = decode_launch.launch_config
+    for cache, count in parse_stages(args.stages).items():
+        changed = with_stages(original, cache, count)
+        against_the_engine(args, [(f"attention on {count} stages vs the engine's launches",
+                                   lambda changed=changed: launch_config_patches(changed))], only=cache)
+
+
+def launch_config_patches(changed: Callable[..., AttentionLaunch]) -> list:
+    """Patches putting `changed` in launch_config's place: decode_attention picks its launch through its own import
+    of it, warm-up's launch_choices through decode_launch's; both see the change while an engine is built and timed."""
+    return [mock.patch("engine.kernels.decode_launch.launch_config", changed),
+            mock.patch("engine.kernels.decode_attention.launch_config", changed)]
 
 
 def early_kv_off(args: argparse.Namespace) -> None:
@@ -129,9 +117,7 @@ def lazy_softmax(args: argparse.Namespace) -> None:
     def lazy(dtype, head_dim, fp8_cache, pairs) -> AttentionLaunch:
         return original(dtype, head_dim, fp8_cache, pairs)._replace(lazy=True)
     original = decode_launch.launch_config
-    against_the_engine(args, [("the lazy softmax vs the exact one",
-                               lambda: [mock.patch("engine.kernels.decode_launch.launch_config", lazy),
-                                        mock.patch("engine.kernels.decode_attention.launch_config", lazy)])])
+    against_the_engine(args, [("the lazy softmax vs the exact one", lambda: launch_config_patches(lazy))])
 
 
 def capped_splits(args: argparse.Namespace) -> None:
@@ -147,27 +133,6 @@ def capped_splits(args: argparse.Namespace) -> None:
                 mock.patch("engine.runner.warmup.num_splits_for", capped)]
     against_the_engine(args, [(f"at most {most} splits vs the engine's count", lambda most=most: patches(most))
                               for most in args.max_splits])
-
-
-def against_the_engine(args: argparse.Namespace, variants: list[tuple[str, Callable[[], list]]],
-                       only: str | None = None, cases: tuple[str, ...] = CASES) -> None:
-    """Both engines (bf16; FP8 weights + fp8 KV), or the one `only` names ("bf16", "fp8"), run the decode `cases`
-    (fp8_gpu.decode_case's names) as they are, then, for each (label, patches) of `variants`, again in a new engine
-    built and timed inside those patches; prints every row and each ratio."""
-    check_inputs(args.bf16, args.fp8)
-    bandwidth, flops = ceilings()
-    kv_bytes = int(args.kv_gib * (1 << 30))
-    engines = ((args.bf16, False, "auto"), (args.fp8, True, "fp8"))
-    cases = list(cases)
-    for folder, fp8, kv in (e for e in engines if only is None or (only == "fp8") == e[1]):
-        base = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-        for label, make_patches in variants:
-            with contextlib.ExitStack() as stack:
-                for patch in make_patches():
-                    stack.enter_context(patch)
-                new = measure(folder, fp8, bandwidth, flops, kv_bytes, args.load_format, cases, kv_cache_dtype=kv)
-            for name in cases:
-                compare(f"{'fp8' if fp8 else 'bf16'} cache, {label}, {base[name]['case']}", base[name], new[name])
 
 
 if __name__ == "__main__":

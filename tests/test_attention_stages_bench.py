@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 import torch
 
-from benchmarks import attention_stages
+from benchmarks import attention_stages, step_ab
 from benchmarks.attention_bench import parse_launches
 from benchmarks.attention_stages import parse_split_caps, parse_stages, with_max_splits, with_stages
 from engine.kernels import decode_attention, decode_launch
@@ -110,11 +110,11 @@ def test_each_variant_engine_is_built_and_timed_inside_its_patches_and_compared(
     def fake_measure(folder, fp8, *args, **kwargs):
         seen.append((fp8, decode_attention.EARLY_KV, decode_launch.num_splits_for(1, 8, 512, 132)))
         return {name: {"case": name, "step_ms": 2.0 if seen[-1][1] else 1.0, "x_floor": 1.0}
-                for name in attention_stages.CASES}
+                for name in step_ab.CASES}
 
-    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1.0, 1.0))
-    monkeypatch.setattr(attention_stages, "measure", fake_measure)
+    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(step_ab, "ceilings", lambda: (1.0, 1.0))
+    monkeypatch.setattr(step_ab, "measure", fake_measure)
     args = argparse.Namespace(bf16="b", fp8="f", kv_gib=1.0, load_format="dummy", max_splits=(16, 4))
     attention_stages.capped_splits(args)
     assert seen == [(fp8, True, cap) for fp8 in (False, True) for cap in (64, 16, 4)]
@@ -136,11 +136,28 @@ def test_the_lazy_softmax_variant_reaches_both_launch_config_names(monkeypatch, 
     def fake_measure(folder, fp8, *args, **kwargs):
         seen.append((fp8, decode_launch.launch_config(torch.bfloat16, 128, fp8, 512).lazy,
                      decode_attention.launch_config(torch.bfloat16, 128, fp8, 512).lazy))
-        return {name: {"case": name, "step_ms": 1.0} for name in attention_stages.CASES}
+        return {name: {"case": name, "step_ms": 1.0} for name in step_ab.CASES}
 
-    monkeypatch.setattr(attention_stages, "measure", fake_measure)
-    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(step_ab, "measure", fake_measure)
+    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
     attention_stages.lazy_softmax(argparse.Namespace(bf16="b", fp8="f", kv_gib=1.0, load_format="dummy"))
     assert seen == [(False, False, False), (False, True, True), (True, False, False), (True, True, True)]
     assert not decode_launch.launch_config(torch.bfloat16, 128, True, 512).lazy  # undone on leaving
+
+
+def test_the_stages_mode_builds_only_the_named_caches_engines_with_the_stage_count_patched(monkeypatch):
+    seen = []
+
+    def fake_measure(folder, fp8, *args, **kwargs):
+        seen.append((fp8, decode_attention.launch_config(torch.bfloat16, 128, fp8, 512).num_stages,
+                     decode_launch.launch_config(torch.bfloat16, 128, fp8, 512).num_stages))
+        return {name: {"case": name, "step_ms": 1.0} for name in step_ab.CASES}
+
+    monkeypatch.setattr(step_ab, "measure", fake_measure)
+    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(sys, "argv", ["attention_stages.py", "--bf16", "b", "--fp8", "f", "--stages", "fp8:5"])
+    default = decode_launch.launch_config(torch.bfloat16, 128, True, 512).num_stages
+    attention_stages.main()
+    assert seen == [(True, default, default), (True, 5, 5)]

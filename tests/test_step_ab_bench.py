@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import attention_stages, step_ab
+from benchmarks import step_ab
 from engine.kernels import fp8_gemm, fp8_quant
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_ab.py"
@@ -49,11 +49,11 @@ def test_each_variant_engine_sees_its_constants_and_the_engine_as_it_is_none(mon
 
     def fake_measure(folder, fp8, *args, **kwargs):
         seen.append((fp8, fp8_quant.SPLIT_ROWS, fp8_gemm.WIDE_MIN_BLOCK_M))
-        return {name: {"case": name, "step_ms": 1.0} for name in attention_stages.CASES}
+        return {name: {"case": name, "step_ms": 1.0} for name in step_ab.CASES}
 
-    monkeypatch.setattr(attention_stages, "measure", fake_measure)
-    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(step_ab, "measure", fake_measure)
+    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
     rows, wide = fp8_quant.SPLIT_ROWS, fp8_gemm.WIDE_MIN_BLOCK_M
     monkeypatch.setattr(sys, "argv", ["step_ab.py", "--bf16", "b", "--fp8", "f", "--set",
                                       "engine.kernels.fp8_quant.SPLIT_ROWS=64", "--set",
@@ -68,10 +68,10 @@ def test_each_variant_engine_sees_its_constants_and_the_engine_as_it_is_none(mon
 
 def test_only_one_engine_is_built_when_asked(monkeypatch):
     seen = []
-    monkeypatch.setattr(attention_stages, "measure", lambda folder, fp8, *a, **k: seen.append(fp8) or {
-        name: {"case": name, "step_ms": 1.0} for name in attention_stages.CASES})
-    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(step_ab, "measure", lambda folder, fp8, *a, **k: seen.append(fp8) or {
+        name: {"case": name, "step_ms": 1.0} for name in step_ab.CASES})
+    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
     monkeypatch.setattr(sys, "argv", ["step_ab.py", "--bf16", "b", "--fp8", "f", "--only", "fp8", "--set",
                                       "engine.kernels.fp8_quant.SPLIT_ROWS=64"])
     step_ab.main()
@@ -84,10 +84,10 @@ def test_cases_are_named_or_batch_by_context_and_reach_the_engines(monkeypatch):
         with pytest.raises(argparse.ArgumentTypeError, match="expected decode1, decode64, long or BATCHxCONTEXT"):
             step_ab.parse_cases(bad)
     seen = []
-    monkeypatch.setattr(attention_stages, "measure", lambda folder, fp8, bw, fl, kv, lf, cases, **k: seen.append(
+    monkeypatch.setattr(step_ab, "measure", lambda folder, fp8, bw, fl, kv, lf, cases, **k: seen.append(
         list(cases)) or {name: {"case": name, "step_ms": 1.0} for name in cases})
-    monkeypatch.setattr(attention_stages, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(attention_stages, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
     monkeypatch.setattr(sys, "argv", ["step_ab.py", "--bf16", "b", "--fp8", "f", "--only", "bf16", "--cases",
                                       "128x1024", "--set", "engine.kernels.fp8_quant.SPLIT_ROWS=128"])
     step_ab.main()
