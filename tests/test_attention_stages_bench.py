@@ -128,35 +128,33 @@ def test_each_variant_engine_is_built_and_timed_inside_its_patches_and_compared(
     assert lines[-1]["speedup"] == 2.0
 
 
-def test_the_lazy_softmax_variant_reaches_both_launch_config_names(monkeypatch, capsys):
-    """--lazy on: the second engine's every decode attention launch (decode_attention's name and warm-up's) has the
-    lazy softmax; the engine as it is keeps the exact one."""
+def engines_seeing(monkeypatch, field: str) -> list:
+    """step_ab's GPU-only pieces replaced by a recorder: each engine "measured" appends (fp8, the launch field as
+    decode_launch's launch_config gives it, as decode_attention's does)."""
     seen = []
 
     def fake_measure(folder, fp8, *args, **kwargs):
-        seen.append((fp8, decode_launch.launch_config(torch.bfloat16, 128, fp8, 512).lazy,
-                     decode_attention.launch_config(torch.bfloat16, 128, fp8, 512).lazy))
+        seen.append((fp8, getattr(decode_launch.launch_config(torch.bfloat16, 128, fp8, 512), field),
+                     getattr(decode_attention.launch_config(torch.bfloat16, 128, fp8, 512), field)))
         return {name: {"case": name, "step_ms": 1.0} for name in step_ab.CASES}
 
     monkeypatch.setattr(step_ab, "measure", fake_measure)
     monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
     monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
+    return seen
+
+
+def test_the_lazy_softmax_variant_reaches_both_launch_config_names(monkeypatch):
+    """--lazy on: the second engine's every decode attention launch (decode_attention's name and warm-up's) has the
+    lazy softmax; the engine as it is keeps the exact one."""
+    seen = engines_seeing(monkeypatch, "lazy")
     attention_stages.lazy_softmax(argparse.Namespace(bf16="b", fp8="f", kv_gib=1.0, load_format="dummy"))
     assert seen == [(False, False, False), (False, True, True), (True, False, False), (True, True, True)]
     assert not decode_launch.launch_config(torch.bfloat16, 128, True, 512).lazy  # undone on leaving
 
 
 def test_the_stages_mode_builds_only_the_named_caches_engines_with_the_stage_count_patched(monkeypatch):
-    seen = []
-
-    def fake_measure(folder, fp8, *args, **kwargs):
-        seen.append((fp8, decode_attention.launch_config(torch.bfloat16, 128, fp8, 512).num_stages,
-                     decode_launch.launch_config(torch.bfloat16, 128, fp8, 512).num_stages))
-        return {name: {"case": name, "step_ms": 1.0} for name in step_ab.CASES}
-
-    monkeypatch.setattr(step_ab, "measure", fake_measure)
-    monkeypatch.setattr(step_ab, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(step_ab, "ceilings", lambda: (1e12, 1e15))
+    seen = engines_seeing(monkeypatch, "num_stages")
     monkeypatch.setattr(sys, "argv", ["attention_stages.py", "--bf16", "b", "--fp8", "f", "--stages", "fp8:5"])
     default = decode_launch.launch_config(torch.bfloat16, 128, True, 512).num_stages
     attention_stages.main()
