@@ -328,12 +328,13 @@ def _export_trace(fn, path: str, calls: int = 6) -> None:
 HOST_GAP_US = 300.0  # device idle longer than this in a trace of steps: the host between two calls, not a kernel's
 
 
-def kernel_front(path: str, calls: int, top: int = 16) -> list[dict]:
+def kernel_front(path: str, calls: int, top: int = 24) -> list[dict]:
     """Each kernel's (and copy's) share of a chrome trace of _export_trace, counted as how far it moves the device's
     completion front: its end past the latest end before it. A kernel launched early under programmatic dependent
     launch (engine.kernels.pdl) overlaps the one before and is charged only what it adds; device idle before a
     kernel is charged to it, except a gap over HOST_GAP_US (the kernel after it is charged its own duration). Per
-    call of the traced function (`calls`), by name."""
+    call of the traced function (`calls`), by name and launch grid (the trace's "grid": one GEMM kernel serving
+    q/k/v, o, gate_up and down shows per projection where their grids differ)."""
     import gzip
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         events = [e for e in json.load(f)["traceEvents"]
@@ -345,7 +346,8 @@ def kernel_front(path: str, calls: int, top: int = 16) -> list[dict]:
         end = e["ts"] + e["dur"]
         # from the front, or from its own start after a host gap (or as the trace's first)
         since = e["ts"] if front is None or e["ts"] - front > HOST_GAP_US else front
-        entry = charged.setdefault(e["name"][:60], [0, 0.0])
+        grid = (e.get("args") or {}).get("grid")  # one kernel run as several GEMMs: apart by their grids
+        entry = charged.setdefault(e["name"][:60] + (f" grid={grid}" if grid else ""), [0, 0.0])
         entry[0] += 1
         entry[1] += max(end - since, 0.0)
         front = end if front is None else max(front, end)

@@ -114,6 +114,20 @@ def decode_case(name: str) -> tuple[int, int]:
     raise ValueError(f"decode case {name!r}: expected decode1, decode64, long or BATCHxCONTEXT (e.g. 128x1024)")
 
 
+def case_names(text: str, prefill: bool = True) -> tuple[str, ...]:
+    """"decode1,4x1024,prefill" -> its names, each one decode_case takes (or "prefill" where `prefill`); an
+    argparse error names the one it refuses."""
+    names = tuple(part.strip() for part in text.split(","))
+    for name in names:
+        if prefill and name == "prefill":
+            continue
+        try:
+            decode_case(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def measure(folder: str, fp8: bool, bandwidth: float, flops: float, kv_bytes: int, load_format: str,
             cases: list[str], kv_cache_dtype: str = "auto", profile: bool = False,
             trace_dir: str | None = None, events: bool = False) -> dict[str, dict]:
@@ -145,6 +159,8 @@ def compare(label: str, base: dict, new: dict, key: str = "step_ms") -> None:
 
 
 def decode(args: argparse.Namespace) -> None:
+    if not args.only and (args.cases or args.only_kv != "auto"):
+        raise SystemExit("--cases and --only-kv choose what one engine runs: give --only bf16|fp8 with them")
     check_inputs(args.bf16, args.fp8)
     bandwidth, flops = ceilings()
     print(json.dumps({"case": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_per_s":
@@ -155,8 +171,8 @@ def decode(args: argparse.Namespace) -> None:
     if args.only:
         fp8 = args.only == "fp8"
         measure(args.fp8 if fp8 else args.bf16, fp8, bandwidth, flops, kv_bytes, args.load_format,
-                ["decode1", "decode64", "prefill"], profile=args.profile, trace_dir=args.trace_dir,
-                events=args.events)
+                list(args.cases or ("decode1", "decode64", "prefill")), kv_cache_dtype=args.only_kv,
+                profile=args.profile, trace_dir=args.trace_dir, events=args.events)
         return
     if args.kv_rows:  # what the fp8 cache's attention changes: bf16, FP8 + fp8 KV, fp8 KV at 16 / 8k
         bf16 = measure(args.bf16, False, bandwidth, flops, kv_bytes, args.load_format, ["decode1", "decode64", "long"])
@@ -229,6 +245,11 @@ def main() -> None:
     p.add_argument("--events", action="store_true", help="time live decode steps with CUDA events too")
     p.add_argument("--only", choices=("bf16", "fp8"), help="measure one engine's decode and prefill only")
     p.add_argument("--kv-rows", action="store_true", help="only bf16, FP8 + fp8 KV and fp8 KV at 16 / 8k (decode)")
+    p.add_argument("--cases", type=case_names, default=None,
+                   help="with --only: these cases (decode1, decode64, long, BATCHxCONTEXT, prefill; comma-separated) "
+                        "instead of decode1,decode64,prefill")
+    p.add_argument("--only-kv", default="auto", choices=("auto", "fp8"),
+                   help="with --only: the engine's kv_cache_dtype (default auto: the weights' dtype)")
     p.set_defaults(run=decode)
     p = commands.add_parser("pdl", help="decode steps with programmatic dependent launch against without")
     checkpoint_args(p)

@@ -13,6 +13,9 @@
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_gpu.py decode).
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts (TPOT vs its weight floor;
 #   benchmarks/serve_load.py smoke).
+# fp8_70b_layers (1 GPU, issue 42): FP8_70B_LAYERS (20) of the 70B shape's layers in FP8 (an 80 GB card holds them):
+#   decode at FP8_70B_CASES (1x1024,4x1024) against the floor, traced: each kernel's share of a step by grid
+#   (benchmarks/fp8_gpu.py decode --only fp8 --cases; the whole 70B's step is fp8_70b's).
 # pdl (1 GPU): the 8B decode steps (bf16; FP8 weights + fp8 KV) with programmatic dependent launch vs without.
 # attnstages (1 GPU, issue 42): the 8B decode steps (FP8 weights + fp8 KV; STAGES_ARGS="--stages fp8:5,bf16:5" adds
 #   bf16) with the decode attention's launches on more pipeline stages against the engine's own, one process
@@ -153,6 +156,16 @@ for step in "$@"; do
       timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
         --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
+    fp8_70b_layers)  # issue 42: the 70B shape's layers, fewer of them, in FP8: decode steps traced by kernel
+      layers=${FP8_70B_LAYERS:-20}
+      for kind in bf16 fp8; do
+        [ -d /tmp/l70b-$layers-$kind ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b \
+          /tmp/l70b-$layers-$kind --no-weights --layers "$layers" $([ $kind = fp8 ] && echo --fp8 channel)
+      done
+      timeout ${FP8_70B_LAYERS_TIMEOUT:-300} python3 benchmarks/fp8_gpu.py decode --bf16 /tmp/l70b-$layers-bf16 \
+        --fp8 /tmp/l70b-$layers-fp8 --load-format dummy --kv-gib 8 --skip-attention --only fp8 \
+        --cases ${FP8_70B_CASES:-1x1024,4x1024} --trace-dir "$OUT/traces70b" 2>&1 | tee "$OUT/fp8_70b_layers.log" \
+        | grep "^{" | grep -v static_context | cut -c1-400 ;;
     peer)
       timeout 90 python3 benchmarks/design_choices.py peer-copy 2>&1 | tee "$OUT/peer.log"
       timeout 120 python3 benchmarks/design_choices.py peer-copy --ipc 2>&1 | tee -a "$OUT/peer.log" ;;

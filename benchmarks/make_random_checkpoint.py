@@ -9,7 +9,8 @@ are its. Only shapes matter for speed; no weights can be downloaded here. Tensor
 `SHARD_BYTES` (with model.safetensors.index.json) as they are drawn, so memory holds one shard, not the model.
 `--fp8 tensor|channel` writes the decoder's linears as FP8 in the compressed-tensors layout (e4m3 weights, float32
 scales per tensor or per output channel, dynamic per-token activations; embedding, norms and lm_head stay bfloat16),
-as an FP8 checkpoint such as RedHatAI's Llama-3.1-8B-Instruct-FP8 is.
+as an FP8 checkpoint such as RedHatAI's Llama-3.1-8B-Instruct-FP8 is. `--layers N` keeps the preset's shape with N
+decoder layers: a 70B layer's kernels timed on a card the whole 70B does not fit.
 
 FP8 (what llm-compressor's FP8_DYNAMIC scheme stores and vLLM reads): `quantize_weight(w, strategy)` -> (e4m3 weight,
 scale) with w ~= weight * scale (round to nearest e4m3 of w / scale); `quantization_config(strategy)` is the
@@ -51,6 +52,15 @@ DTYPE_BYTES = 2  # bfloat16
 FP8_MAX = 448.0
 STRATEGIES = ("tensor", "channel")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def preset_shape(preset: str, layers: int | None = None) -> dict[str, Any]:
+    """PRESETS[preset], with `layers` decoder layers instead of its own when given (a ValueError if not positive)."""
+    if layers is None:
+        return dict(PRESETS[preset])
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    return {**PRESETS[preset], "num_hidden_layers": layers}
 
 
 def quantization_config(strategy: str) -> dict[str, Any]:
@@ -197,12 +207,16 @@ def main() -> None:
                         help="FP8 linears (compressed-tensors) with per-tensor or per-channel weight scales")
     parser.add_argument("--no-weights", action="store_true",
                         help="config and tokenizer only, for load_format: dummy (a 70B shape without 141 GB of disk)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="this many decoder layers instead of the preset's: a big shape's per-layer kernels on a "
+                             "card its whole depth does not fit (e.g. llama-3-70b's layers on an 80 GB GPU)")
     args = parser.parse_args()
     try:
-        write_checkpoint(args.folder, PRESETS[args.preset], args.device, weights=not args.no_weights, fp8=args.fp8)
-    except FileExistsError as e:
+        shape = preset_shape(args.preset, args.layers)
+        write_checkpoint(args.folder, shape, args.device, weights=not args.no_weights, fp8=args.fp8)
+    except (ValueError, FileExistsError) as e:
         parser.error(str(e))
-    print(f"wrote {args.preset} to {args.folder}")
+    print(f"wrote {args.preset} ({shape['num_hidden_layers']} layers) to {args.folder}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_bench_gpu import ceilings  # noqa: E402
-from benchmarks.fp8_gpu import check_inputs, checkpoint_args, compare, decode_case, measure  # noqa: E402
+from benchmarks.fp8_gpu import case_names, check_inputs, checkpoint_args, compare, measure  # noqa: E402
 
 CASES = ("decode1", "decode64", "long")  # fp8_gpu.decode_case's names: batch 1 / 1k, 64 / 2k, 16 / 8k
 
@@ -72,15 +72,9 @@ def parse_setting(text: str) -> list[tuple[str, object]]:
 
 
 def parse_cases(text: str) -> tuple[str, ...]:
-    """"decode64,128x1024" -> ("decode64", "128x1024"): benchmarks/fp8_gpu.decode_case's names, or an argparse
-    error naming the one it refuses."""
-    names = tuple(part.strip() for part in text.split(","))
-    for name in names:
-        try:
-            decode_case(name)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return names
+    """"decode64,128x1024" -> ("decode64", "128x1024"): decode cases only (a step's ratio; no prefill), or an
+    argparse error naming the one it refuses."""
+    return case_names(text, prefill=False)
 
 
 def main() -> None:

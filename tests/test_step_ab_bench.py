@@ -98,3 +98,26 @@ def test_a_decode_case_by_its_size_sizes_the_engine():
     from benchmarks.fp8_gpu import CASES, LONG_CONTEXT, decode_case
     assert decode_case("decode1") == CASES[0] and decode_case("long") == LONG_CONTEXT
     assert decode_case("256x512") == (256, 512)
+
+
+def test_fp8_gpu_decode_runs_the_cases_given_with_only_and_refuses_them_without(monkeypatch):
+    """fp8_gpu.py decode --only fp8 --cases 4x1024 --only-kv fp8: one engine, those cases, that cache; --cases or
+    --only-kv without --only would be ignored by the full comparison, so they are refused."""
+    from benchmarks import fp8_gpu
+    seen = []
+    monkeypatch.setattr(fp8_gpu, "measure", lambda folder, fp8, bw, fl, kv, lf, cases, **k: seen.append(
+        (folder, fp8, list(cases), k["kv_cache_dtype"])))
+    monkeypatch.setattr(fp8_gpu, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(fp8_gpu, "ceilings", lambda: (1e12, 1e15))
+    monkeypatch.setattr(fp8_gpu.torch.cuda, "get_device_name", lambda: "no device: measure is recorded")
+    monkeypatch.setattr(sys, "argv", ["fp8_gpu.py", "decode", "--bf16", "b", "--fp8", "f", "--skip-attention",
+                                      "--only", "fp8", "--cases", "4x1024,prefill", "--only-kv", "fp8"])
+    fp8_gpu.main()
+    assert seen == [("f", True, ["4x1024", "prefill"], "fp8")]
+    monkeypatch.setattr(sys, "argv", ["fp8_gpu.py", "decode", "--bf16", "b", "--fp8", "f", "--cases", "4x1024"])
+    with pytest.raises(SystemExit, match="give --only"):
+        fp8_gpu.main()
+    with pytest.raises(argparse.ArgumentTypeError, match="decode case 'prefil'"):
+        fp8_gpu.case_names("decode1,prefil")
+    with pytest.raises(argparse.ArgumentTypeError, match="decode case 'prefill'"):
+        step_ab.parse_cases("prefill")

@@ -32,3 +32,17 @@ def test_overlapping_kernels_are_charged_what_each_adds(tmp_path):
     assert by["norm"]["us_per_call"] == 2.0 and by["norm"]["per_call"] == 1.0
     assert by["attn"]["us_per_call"] == 8.0  # 3 idle + its 5
     assert by["gemv"]["us_each"] == 10.0  # its own duration: the host's gap before call 2 is nobody's
+
+
+def test_one_kernel_name_is_charged_per_launch_grid(tmp_path):
+    """fp8_mm runs q/k/v, o, gate_up and down: the trace's grid tells them apart (a kernel without one keeps its
+    bare name)."""
+    path = str(tmp_path / "t.json.gz")
+    events = [{"ph": "X", "cat": "kernel", "name": "mm", "ts": 0.0, "dur": 4.0, "args": {"grid": [160, 1, 1]}},
+              {"ph": "X", "cat": "kernel", "name": "mm", "ts": 4.0, "dur": 6.0, "args": {"grid": [896, 1, 1]}},
+              {"ph": "X", "cat": "kernel", "name": "norm", "ts": 10.0, "dur": 1.0}]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    by = {r["front"]: r for r in kernel_front(path, calls=1)}
+    assert by["mm grid=[160, 1, 1]"]["us_each"] == 4.0 and by["mm grid=[896, 1, 1]"]["us_each"] == 6.0
+    assert by["norm"]["us_each"] == 1.0 and by["summary"]["us_per_call"] == 11.0

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +21,7 @@ from tokenizers import Tokenizer as Backend
 from transformers import AutoTokenizer
 
 from benchclient.workload import WORDS
-from benchmarks.make_random_checkpoint import PRESETS, tensor_shapes, write_checkpoint
+from benchmarks.make_random_checkpoint import PRESETS, preset_shape, tensor_shapes, write_checkpoint
 from benchmarks.vocab_tokenizer import build_tokenizer, special_ids
 from engine import LLM, SamplingParams
 from engine.sampling.grammar import GrammarManager
@@ -173,3 +175,20 @@ def test_make_random_checkpoint_refuses_a_folder_with_weights(folder):
 def test_presets_have_the_published_parameter_counts(preset, params):
     total = sum(math.prod(dims) for _, dims in tensor_shapes(PRESETS[preset]))
     assert abs(total - params) / params < 1e-3
+
+
+def test_layers_option_keeps_the_shape_with_fewer_layers(tmp_path):
+    """`--layers N`: the preset's every width with N decoder layers (a 70B layer on a card the 70B does not fit);
+    a count below 1 is refused by name."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "make_random_checkpoint.py"
+    run = subprocess.run([sys.executable, str(script), "llama-3-70b", str(tmp_path / "l70b"), "--no-weights",
+                          "--fp8", "channel", "--layers", "3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    config = json.loads((tmp_path / "l70b" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3
+    assert {k: config[k] for k in PRESETS["llama-3-70b"] if k != "num_hidden_layers"} == {
+        k: v for k, v in PRESETS["llama-3-70b"].items() if k != "num_hidden_layers"}
+    assert config["quantization_config"]["config_groups"]
+    assert preset_shape("llama-3-70b") == PRESETS["llama-3-70b"]
+    with pytest.raises(ValueError, match="--layers must be at least 1"):
+        preset_shape("llama-3-70b", 0)
