@@ -1,5 +1,6 @@
 """Compiles the decode step's Triton kernels for an H100/H200 (sm_90) on any machine, with and without
-programmatic dependent launch, and prints one JSON line per variant. Run in a process of its own without
+programmatic dependent launch (its trigger right after the wait, or late: engine.kernels.pdl), and prints one JSON
+line per variant. Run in a process of its own without
 TRITON_INTERPRET (tests/test_kernels_compile_hopper.py): the CPU interpreter accepts code the compiler refuses.
 
 The variants are the ones the engine launches on an 8B-shaped model (bf16 and fp8 caches, FP8 weights); their
@@ -85,18 +86,21 @@ def variants():
                                                          MIN=1e-12), {"amax_ptr": F32, **QUANT}, 4, 3)
 
 
-def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: int, pdl: bool) -> dict:
+def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: int, pdl: bool,
+                late: bool = False) -> dict:
     signature, values = {}, {}
     for p in kernel.params:
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             # EARLY_KV (decode attention's first tile before the wait) goes with PDL, as the launch sets it
-            values[p.name] = pdl if p.name in ("PDL", "EARLY_KV") else constexprs[p.name]
+            # PDL_LATE (the trigger after the main loop: engine.kernels.pdl) only with PDL
+            values[p.name] = (pdl if p.name in ("PDL", "EARLY_KV") else late if p.name == "PDL_LATE"
+                              else constexprs[p.name])
         elif p.name.endswith("_ptr"):
             signature[p.name] = pointers.get(p.name, "*bf16")
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
-    row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl,
+    row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl, "late": late,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED",
                                                                           "V_WORDS")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
@@ -134,5 +138,5 @@ def machine_code(cubin: bytes) -> str | None:
 
 if __name__ == "__main__":
     for kernel, constexprs, pointers, warps, stages in variants():
-        for pdl in (False, True):
-            print(json.dumps(compile_one(kernel, constexprs, pointers, warps, stages, pdl)), flush=True)
+        for pdl, late in ((False, False), (True, False), (True, True)):
+            print(json.dumps(compile_one(kernel, constexprs, pointers, warps, stages, pdl, late)), flush=True)

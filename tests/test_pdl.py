@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.make_random_checkpoint import quantize_folder
 from engine import LLM, SamplingParams
+from engine.kernels import pdl
 from engine.kernels.decode_attention import decode_attention
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
 from engine.kernels.fp8_quant import rms_norm_quant, silu_mul_quant
@@ -29,10 +31,31 @@ FP8 = torch.float8_e4m3fn
 
 def test_pdl_is_off_off_the_gpu_and_when_turned_off(monkeypatch):
     assert pdl_launch(torch.device("cpu")) is False
-    assert pdl_args(torch.device("cpu"), 1) == {"PDL": False, "launch_pdl": False}
+    assert pdl_args(torch.device("cpu"), 1) == {"PDL": False, "PDL_LATE": False, "launch_pdl": False}
     assert pdl_launch(torch.device("cuda", 0), MAX_ROWS + 1) is False  # a large step: decided before any CUDA call
     monkeypatch.setenv("PDSERVE_PDL", "0")
     assert pdl_launch(torch.device("cuda", 0)) is False
+
+
+def test_fp8_kernels_past_max_rows_launch_late_up_to_late_max_rows(monkeypatch):
+    """Early triggers up to MAX_ROWS; past it only a kernel that may (the FP8 linears': `late`) launches with PDL,
+    its trigger after each program's main loop, up to LATE_MAX_ROWS; none beyond. The device check (asked once per
+    device) is stood in for, so this runs anywhere."""
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    monkeypatch.setenv("PDSERVE_PDL", "1")
+    dev = torch.device("cuda", 0)
+    off = {"PDL": False, "PDL_LATE": False, "launch_pdl": False}
+    monkeypatch.setattr(pdl, "LATE_MAX_ROWS", 64)
+    for late in (False, True):
+        assert pdl_args(dev, MAX_ROWS, late) == {"PDL": True, "PDL_LATE": False, "launch_pdl": True}
+    assert pdl_args(dev, MAX_ROWS + 1) == off
+    assert pdl_args(dev, MAX_ROWS + 1, late=True) == {"PDL": True, "PDL_LATE": True, "launch_pdl": True}
+    assert pdl_args(dev, 64, late=True)["PDL_LATE"] and pdl_args(dev, 65, late=True) == off
+    monkeypatch.setattr(pdl, "LATE_MAX_ROWS", MAX_ROWS)  # late launches turned off
+    assert pdl_args(dev, MAX_ROWS + 1, late=True) == off
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    assert pdl_args(dev, 1) == off
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -84,8 +107,11 @@ def graph_of(fn, x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
 
 @needs_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8,rows", [(False, 1), (False, 2), (True, 1), (True, 8), (True, 16)])
+@pytest.mark.parametrize("fp8,rows", [(False, 1), (False, 2), (True, 1), (True, 8), (True, 16), (True, 32),
+                                      (True, 64)])
 def test_a_graph_of_pdl_launches_gives_the_ordinary_launches_bits(monkeypatch, fp8, rows):
+    """Rows past MAX_ROWS: late triggers (LATE_MAX_ROWS raised for the test)."""
+    monkeypatch.setattr(pdl, "LATE_MAX_ROWS", 64)
     w = weights(seed=rows)
     x = (torch.randn(rows, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
          ).to(torch.bfloat16)
@@ -133,9 +159,15 @@ def test_decode_attention_reads_the_kv_its_predecessor_just_wrote(monkeypatch):
 
 @needs_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_an_engine_decodes_the_same_bits_with_and_without_pdl(monkeypatch, checkpoints, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,fp8", [("auto", False), ("fp8", False), ("auto", True), ("fp8", True)])
+def test_an_engine_decodes_the_same_bits_with_and_without_pdl(monkeypatch, checkpoints, tmp_path, kv_cache_dtype,
+                                                              fp8):
+    """FP8 weights with MAX_ROWS lowered to 1: the FP8 linears' kernels of every step of 2-64 rows (the 3 rows'
+    decode steps, the prompts' prefill) launch with late triggers, beside the other kernels' ordinary launches."""
     folder = checkpoints.get("LlamaForCausalLM")
+    if fp8:
+        monkeypatch.setattr(pdl, "MAX_ROWS", 1)
+        folder = quantize_folder(checkpoints.get("LlamaForCausalLM", dtype="bfloat16"), tmp_path / "fp8", "channel")
     prompts = random_prompts((7, 30, 61), vocab_size_of(folder), seed=5)
     results = []
     for flag in ("0", "1"):

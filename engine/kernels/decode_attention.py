@@ -19,10 +19,10 @@ from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 from engine.kernels.decode_launch import AttentionLaunch, default_num_splits, launch_config, shuns_pdl
 from engine.kernels.decode_tiles import attend_kv, attend_tile, merge_splits, tile_kv
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
-NO_PDL = {"PDL": False, "launch_pdl": False}
+NO_PDL = {"PDL": False, "PDL_LATE": False, "launch_pdl": False}
 # Under PDL, each slice's first tile is requested before the kernel waits for the one before (the kernel's EARLY_KV).
 # An fp8 cache's batch-1 step 1.8-2.0% faster with it, bf16's within 1% either way (H100 / H200, 2026-12-06:
 # benchmarks/attention_stages.py --early-kv off).
@@ -61,12 +61,13 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
     WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False, LAZY: tl.constexpr = False,
+    PDL_LATE: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     if not EARLY_KV:
-        wait_for_inputs(PDL)
+        wait_for_inputs(PDL, PDL_LATE)
 
     ctx = tl.load(lens_ptr + b)
     first_tok = 0
@@ -88,7 +89,7 @@ def _decode_split_kernel(
         k_early, v_early = tile_kv(kv_ptr, table_row, head_off, start, end, stride_kv_blk, stride_kv_kv,
                                    stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, V_WORDS, True,
                                    early)
-        wait_for_inputs(PDL)
+        wait_for_inputs(PDL, PDL_LATE)
 
     if NUM_SPLITS == 1 or split < busy_splits:  # an empty slice has nothing to read, write or count
         offs_g = tl.arange(0, BLOCK_G)
@@ -129,6 +130,7 @@ def _decode_split_kernel(
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
                                             BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY)
 
+        dependents_may_start(PDL, PDL_LATE)  # the slice is read: the output and the splits' merge are left
         has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros

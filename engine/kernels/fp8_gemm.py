@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.skinny_gemm import gated_outputs, gemv_rows, gemv_store, gemv_tile
 
 FP8 = torch.float8_e4m3fn
@@ -40,13 +40,15 @@ MAX_SPLIT_K = 4
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, HAS_XS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
+                     PDL_LATE: tl.constexpr = False):
     # Grid (cdiv(N, BLOCK_N),), or (cdiv(2N, BLOCK_N),) GATED: engine.kernels.skinny_gemm's program over an e4m3
     # weight (upcast in registers) and e4m3 x with per-row scales, or 16-bit x (HAS_XS false: weight-only)
     offs_m = tl.arange(0, BLOCK_M)
     rows, n_mask, out_n, out_mask = gemv_rows(N, BLOCK_N, GATED)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL)  # [BLOCK_M, BLOCK_N]
+    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
+                    PDL_LATE)  # [BLOCK_M, BLOCK_N]
     acc = acc * tl.load(ws_ptr + rows, mask=n_mask, other=0.0)[None, :]
     if HAS_XS:
         acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
@@ -59,7 +61,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, str
 def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_SPLIT, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                   W_TMA: tl.constexpr = False):
+                   W_TMA: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T
     # tile [BLOCK_K, BLOCK_M] over this split's K_SPLIT columns of K (a multiple of BLOCK_K). x^T's tile is
     # K-contiguous per token: the K-major B operand FP8 MMAs take. With SPLIT_K > 1 (an N too narrow to give every
@@ -68,7 +70,7 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
     # (engine.kernels.decode_attention merges its splits the same way: no second launch).
     # W_TMA: w_ptr is a host tensor descriptor of the weight ([BLOCK_N, BLOCK_K] boxes) and its tiles come by the
     # Hopper tensor-memory accelerator (one bulk copy a tile, zero-filled past N and K) instead of per-thread loads.
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,6 +97,7 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
         else:  # each tile's MMA sum added in float32: Hopper's FP8 MMAs accumulate with fewer bits (module doc)
             acc += tl.dot(w, xt)
         x_ptrs += BLOCK_K
+    dependents_may_start(PDL, PDL_LATE)
     if SPLIT_K == 1:
         _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
     else:
@@ -261,5 +264,5 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
             x, x_scales, w_arg, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
             BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-            num_stages=stages, W_TMA=w_tma, **pdl_args(x.device, m))
+            num_stages=stages, W_TMA=w_tma, **pdl_args(x.device, m, late=True))
     return out

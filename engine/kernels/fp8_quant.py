@@ -22,7 +22,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.e4m3 import FP8_MAX, to_e4m3
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.rms_norm import DTYPES, MAX_N, check_norm_args, rms_norm_row
 
 FP8 = torch.float8_e4m3fn
@@ -47,9 +47,11 @@ def _row_scale(amax, static_ptr, STATIC: tl.constexpr, MIN: tl.constexpr):
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, N: tl.constexpr,
-                       BLOCK_N: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr,
+                       PDL_LATE: tl.constexpr = False):
     # Grid (T,): one program per row, the row one tile (N <= MAX_N)
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -62,9 +64,11 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, N: t
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q, eps,
                            N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                           STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr):
+                           STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr,
+                           PDL_LATE: tl.constexpr = False):
     # Grid (T,): engine.kernels.rms_norm's row (the same rounding steps), then quantized in registers
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     y, mask = rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps, N, BLOCK_N, HAS_RESIDUAL)
     y = y.to(tl.float32)  # the normed row as the bf16 model has it
@@ -82,10 +86,11 @@ def _silu(g, u, DTYPE: tl.constexpr):
 
 @triton.jit
 def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, stride_gu, stride_q, INTER: tl.constexpr,
-                           CHUNK: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr):
+                           CHUNK: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr,
+                           PDL_LATE: tl.constexpr = False):
     # Grid (T,): one program per row in two sweeps of CHUNK columns: the row's amax, then the quantized values (the
     # second sweep re-reads the row from L2: a row is 2 x INTER values, tens of KiB)
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
     DTYPE = gu_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     base = gu_ptr + row * stride_gu
@@ -98,6 +103,7 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, stride_gu, stride_q
             u = tl.load(base + INTER + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(_silu(g, u, DTYPE)), axis=0))
     scale = _row_scale(amax, static_ptr, STATIC, MIN)
+    dependents_may_start(PDL, PDL_LATE)  # the first sweep read the row from HBM; the second finds it in L2
     for c0 in range(0, INTER, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         mask = cols < INTER
@@ -120,10 +126,11 @@ def _silu_chunk(gu_ptr, row, stride_gu, c0, INTER: tl.constexpr, CHUNK: tl.const
 
 @triton.jit
 def _silu_mul_amax_kernel(gu_ptr, amax_ptr, stride_gu, INTER: tl.constexpr, CHUNK: tl.constexpr,
-                          CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                          CHUNKS: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr = False):
     # Grid (T, CHUNKS): a few rows (a decode step) leave most SMs idle with one program a row; here each program
     # finds its chunk's max |silu(g) * u| (masked columns give silu(0) * 0 = 0), the quantizing launch the row's
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     h, cols, mask = _silu_chunk(gu_ptr, row, stride_gu, chunk * CHUNK, INTER, CHUNK, gu_ptr.dtype.element_ty)
@@ -133,9 +140,11 @@ def _silu_mul_amax_kernel(gu_ptr, amax_ptr, stride_gu, INTER: tl.constexpr, CHUN
 @triton.jit
 def _silu_mul_quant_split_kernel(gu_ptr, amax_ptr, q_ptr, s_ptr, static_ptr, stride_gu, stride_q,
                                  INTER: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                                 BLOCK_C: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr):
+                                 BLOCK_C: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr,
+                                 PDL_LATE: tl.constexpr = False):
     # Grid (T, CHUNKS): the row's scale from its chunks' maxima, then this chunk quantized (SwiGLU recomputed)
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     amax = 0.0
@@ -176,7 +185,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
         block = triton.next_power_of_2(k)
         _quant_rows_kernel[(t,)](x, q, scales, static, x.stride(0), q.stride(0), N=k, BLOCK_N=block,
                                  STATIC=input_scale is not None, MIN=MIN_SCALE, num_warps=_warps(block),
-                                 **pdl_args(x.device, t))
+                                 **pdl_args(x.device, t, late=True))
     return q, scales
 
 
@@ -192,7 +201,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
         _rms_norm_quant_kernel[(t,)](x, r, weight, q, scales, static, x.stride(0), r.stride(0), q.stride(0),
                                      float(eps), N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
                                      STATIC=input_scale is not None, MIN=MIN_SCALE, num_warps=_warps(block),
-                                     **pdl_args(x.device, t))
+                                     **pdl_args(x.device, t, late=True))
     return q, scales
 
 
@@ -211,14 +220,15 @@ def silu_mul_quant(gate_up: torch.Tensor, input_scale: torch.Tensor | None = Non
         amax = torch.empty((t, chunks), dtype=torch.float32, device=gate_up.device)
         if input_scale is None:
             _silu_mul_amax_kernel[(t, chunks)](gate_up, amax, gate_up.stride(0), INTER=inter, CHUNK=chunk,
-                                               CHUNKS=chunks, num_warps=_warps(chunk), **pdl_args(gate_up.device, t))
+                                               CHUNKS=chunks, num_warps=_warps(chunk),
+                                               **pdl_args(gate_up.device, t, late=True))
         _silu_mul_quant_split_kernel[(t, chunks)](
             gate_up, amax, q, scales, static, gate_up.stride(0), q.stride(0), INTER=inter, CHUNK=chunk,
             CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), STATIC=input_scale is not None, MIN=MIN_SCALE,
-            num_warps=_warps(chunk), **pdl_args(gate_up.device, t))
+            num_warps=_warps(chunk), **pdl_args(gate_up.device, t, late=True))
     elif t > 0 and inter > 0:
         chunk = min(CHUNK, triton.next_power_of_2(inter))
         _silu_mul_quant_kernel[(t,)](gate_up, q, scales, static, gate_up.stride(0), q.stride(0), INTER=inter,
                                      CHUNK=chunk, STATIC=input_scale is not None, MIN=MIN_SCALE,
-                                     num_warps=_warps(chunk), **pdl_args(gate_up.device, t))
+                                     num_warps=_warps(chunk), **pdl_args(gate_up.device, t, late=True))
     return q, scales

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.e4m3 import to_e4m3
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations' (k and v)
 CACHE_DTYPES = (*KV_DTYPES, torch.float8_e4m3fn)  # a cache's: the activations' or fp8
@@ -41,12 +41,13 @@ def _store_kv_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     BS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PDL_LATE: tl.constexpr = False,
 ):
     # Grid (T,): one program per token moves its whole [KVH, D] K row and V row (a few KiB: one tile, no loop).
     # A negative slot folds into the store mask (no branch); the block offset is computed in int64 because the
     # block stride spans all layers and block_id * stride overflows int32 on large caches.
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     block = slot // BS

@@ -36,6 +36,7 @@ def _qkv_rope_store_kernel(
     M, K, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs, stride_ch,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, HAS_XS: tl.constexpr, PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr = False,
 ):
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     head = tl.program_id(0) // HALF
@@ -52,7 +53,7 @@ def _qkv_rope_store_kernel(
     pair = tl.arange(0, 2)
     cols = head * 2 * HALF + j + pair * HALF  # [2]: columns j and j + HALF of this head
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K, PDL)  # [BLOCK_M, 2]
+    acc = gemv_tile(x_ptr, w_rows, pair < 2, M, K, stride_xm, BLOCK_M, 2, BLOCK_K, PDL, PDL_LATE)  # [BLOCK_M, 2]
     if SCALED:  # an FP8 weight: W ~= w_q * w_scale (per output column); e4m3 x ~= x_q * x_scale (per row)
         acc = acc * tl.load(ws_ptr + cols)[None, :]
     if HAS_XS:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_N = 65536  # one row is one register tile; wider rows would spill (models use N <= 8192)
@@ -46,10 +46,11 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr,
     stride_x, stride_r, stride_o, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PDL_LATE: tl.constexpr = False,
 ):
     # Grid (T,): one program per row (rms_norm_row)
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     y, mask = rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps, N, BLOCK_N, HAS_RESIDUAL)
     tl.store(out_ptr + row * stride_o + tl.arange(0, BLOCK_N), y, mask=mask)

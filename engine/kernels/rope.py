@@ -17,7 +17,7 @@ import triton.language as tl
 
 from engine.kernels import check
 from engine.kernels.kv_store import KV_DTYPES, check_kv_args, check_scales, to_cache
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 POS_DTYPES = (torch.int64, torch.int32)
 
@@ -76,11 +76,12 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_p,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PDL_LATE: tl.constexpr = False,
 ):
     # Grid (T,): one program per token rotates all its q heads and k heads (each a [heads, D/2] x 2 tile), so the
     # cos/sin row is loaded once per token and the whole step is one launch.
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     t = tl.program_id(0)
     c1, s1, c2, s2 = _load_tables(cos_ptr, sin_ptr, pos_ptr, t, stride_p, HALF, BLOCK_HALF,
                                   q_ptr.dtype.element_ty)
@@ -95,11 +96,12 @@ def _rope_store_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     BS: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PDL_LATE: tl.constexpr = False,
 ):
     # Grid (T,): as _rope_kernel, then the same program stores its rotated k (still in registers) and its v row
     # into the cache slot; a negative slot folds into the store mask. One launch per layer instead of two.
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
+    dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     CACHE: tl.constexpr = kv_ptr.dtype.element_ty  # DTYPE, or fp8 (stores k / k_scale, v / v_scale)
     t = tl.program_id(0)

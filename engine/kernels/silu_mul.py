@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 1024  # elements of one row per program: 8 per thread at 4 warps, 16-byte vectors in bf16
@@ -21,16 +21,17 @@ BLOCK = 1024  # elements of one row per program: 8 per thread at 4 warps, 16-byt
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, PDL_LATE: tl.constexpr = False):
     # Grid (T, cdiv(INTER, BLOCK)): each program reads BLOCK gate values and the BLOCK up values INTER columns later
     # in the same row and writes BLOCK outputs; purely bandwidth-bound, so the tile only has to be wide and contiguous.
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, PDL_LATE)
     DTYPE = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    dependents_may_start(PDL, PDL_LATE)
     tl.store(out_ptr + row * stride_o + cols, swiglu(g, u, DTYPE), mask=mask)
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
-from engine.kernels.pdl import pdl_args, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.silu_mul import swiglu
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,7 +30,8 @@ MAX_M = 16
 # cuBLAS's tensor-core kernels win (the model switches at engine.model.kernel_linears.SKINNY_ROWS).
 @triton.jit
 def gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+              PDL_LATE: tl.constexpr = False):
     # [BLOCK_M, BLOCK_N] fp32: rows 0..M-1 of x times the weight rows at `w_rows` ([BLOCK_N, 1] pointers, masked by
     # n_mask [BLOCK_N]) over K. Waits for the previous kernel (engine.kernels.pdl) itself: under PDL the first weight
     # tile is requested before the wait, so the weight stream starts while the kernel before still runs; callers
@@ -41,7 +42,7 @@ def gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm,
     if PDL:
         w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
                           eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-        wait_for_inputs(PDL)
+        wait_for_inputs(PDL, PDL_LATE)
         acc = _gemv_add(acc, x_ptr, w_first.to(tl.float32), offs_k, M, K, stride_xm, BLOCK_M)
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
@@ -49,6 +50,7 @@ def gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm,
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0,
                     eviction_policy="evict_first").to(tl.float32)  # [BLOCK_N, BLOCK_K]
         acc = _gemv_add(acc, x_ptr, w, ks, M, K, stride_xm, BLOCK_M)
+    dependents_may_start(PDL, PDL_LATE)
     return acc
 
 
@@ -100,11 +102,11 @@ def gemv_store(acc, y_ptr, out_n, out_mask, M, stride_ym, BLOCK_M: tl.constexpr,
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
 ):
     rows, n_mask, out_n, out_mask = gemv_rows(N, BLOCK_N, GATED)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
+    acc = gemv_tile(x_ptr, w_rows, n_mask, M, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, PDL, PDL_LATE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     gemv_store(acc, y_ptr, out_n, out_mask, M, stride_ym, BLOCK_M, BLOCK_N, GATED)
