@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 # naming CUDA, or importing another test module's device choice (CUDA, DEV, DEVICE)
 NAMES_CUDA = re.compile(r"torch\.cuda\.is_available\(\)|device_count\(\)|device=\"cuda\"|\.cuda\(\)"
@@ -31,3 +33,21 @@ def test_tests_needing_more_devices_are_skipped_by_name(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 skipped" in run.stdout and "test_two.py::test_needs_many: needs 64 CUDA device(s)" in run.stdout
+
+
+def test_the_gpu_run_lists_every_marked_module_once_and_its_parts_partition_it():
+    """tests/gpu_test_files.py (what `gpu_run.sh tests` collects): every marked module, the FP8 ones first; the parts
+    of TESTS_PART=I/N together are the whole list, each file in one part; a bad part is refused by name."""
+    from tests.gpu_test_files import gpu_test_files, part
+    files = gpu_test_files()
+    marked = {f"tests/{p.name}" for p in TESTS.glob("test_*.py") if MARKED.search(p.read_text())}
+    assert len(files) == len(set(files)) and set(files) >= marked
+    fp8 = [f for f in files if f.startswith(("tests/test_fp8_", "tests/test_kv_fp8_"))]
+    assert files[:len(fp8)] == fp8 and "tests/test_pdl.py" in files
+    for n in (1, 2, 3):
+        parts = [part(files, f"{i}/{n}") for i in range(1, n + 1)]
+        assert sorted(f for p in parts for f in p) == sorted(files)
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    for bad in ("0/2", "3/2", "1/0", "half", "1/2/3"):
+        with pytest.raises(ValueError, match="expected I/N"):
+            part(files, bad)
