@@ -8,7 +8,10 @@ shifting-load report (`shift`: docs/sweeps/gpu-4x-llama3-8b-adaptive-shift, `bas
 - `smoke --model /tmp/l1b --requests 64`: send concurrent streaming requests (all at once, after one warm-up), print
   one JSON line of figures: TTFT and time-per-output-token percentiles, gaps between SSE chunks, output tokens/s,
   and the KV-transfer counters from /metrics. A functional check of a deployment, not a tuned benchmark (that is
-  `pdserve bench`).
+  `pdserve bench`). It first waits (up to `--graphs-timeout-s`) until no worker has CUDA graphs left to capture: a
+  worker captures most of them while it serves (EngineConfig.graph_capture "deferred"), between steps, and those
+  captures would fall in the measured streams (a steady-state figure; the first seconds after a start are
+  benchmarks/start.py's).
 - `shift --set k=v ... --phase NAME:RATE:INPUT:OUTPUT:SECONDS ... --out DIR`: a load that changes during the run,
   served in mode adaptive: does the layout follow it? Launches `pdserve serve` (CONFIG with the `--set` overrides;
   mode adaptive, or a static layout to compare), then sends the phases one after the other without a gap (Poisson
@@ -36,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -95,6 +99,28 @@ async def drive(url: str, model: str, args: argparse.Namespace) -> dict:
             "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1)}
 
 
+GRAPHS_PENDING = "pdserve_worker_engine_graphs_pending"  # EngineLoad.graphs_pending, per worker
+
+
+def wait_for_graphs(url: str, timeout_s: float, poll_s: float = 0.5, absent_s: float = 3.0,
+                    values: Callable[[str, str], dict] = metric_values) -> dict:
+    """Poll /metrics until every worker reports no CUDA graph left to capture, or `timeout_s` passes; a server
+    whose workers export no such gauge for `absent_s` (no graphs to defer) counts as ready. Returns the figures
+    that say what the measured load met: {"graphs_pending_at_start", "graphs_wait_s", "graphs_ready"}."""
+    start = time.perf_counter()
+    first = None
+    while True:
+        seen = values(url, GRAPHS_PENDING)
+        elapsed = time.perf_counter() - start
+        pending = int(sum(seen.values()))
+        if seen and first is None:
+            first = pending
+        ready = pending == 0 and (bool(seen) or elapsed >= absent_s)
+        if ready or elapsed >= timeout_s:
+            return {"graphs_pending_at_start": first or 0, "graphs_wait_s": round(elapsed, 2), "graphs_ready": ready}
+        time.sleep(poll_s)
+
+
 def smoke(args: argparse.Namespace) -> None:
     config = yaml.safe_load(Path(args.config).read_text())
     config.pop("ray_address", None)
@@ -102,7 +128,8 @@ def smoke(args: argparse.Namespace) -> None:
     set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
         url = server.url
-        figures = asyncio.run(drive(url, config["model"], args))
+        graphs = wait_for_graphs(url, args.graphs_timeout_s) if args.graphs_timeout_s > 0 else {}
+        figures = asyncio.run(drive(url, config["model"], args)) | graphs
         figures["mode"] = config.get("mode", "disaggregated")
         time.sleep(2.5)  # the backend refreshes transfer counters every second
         for name in ("bytes_total", "failures_total", "read_count", "read_bytes", "read_seconds_sum",
@@ -264,6 +291,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--graphs-timeout-s", type=float, default=300,
+                   help="wait at most this long for the workers' deferred CUDA graphs before the load (0: not at all)")
     p.set_defaults(run=smoke)
     p = commands.add_parser("shift", help="phases of load one after the other: goodput and roles over time")
     p.add_argument("config")
