@@ -154,9 +154,9 @@ for step in "$@"; do
     fp8_70b)  # the Llama-3-70B shape in FP8 (per-channel, dummy weights) served collocated on one GPU, 4 streams
       [ -d /tmp/l70b-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b /tmp/l70b-fp8 --no-weights \
         --fp8 channel
-      timeout ${FP8_70B_TIMEOUT:-300} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
+      timeout ${FP8_70B_TIMEOUT:-400} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
-        --prompt-len 1024 --max-tokens 128 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
+        --prompt-len 1024 --max-tokens 128 --graphs-timeout-s 180 2>&1 | tee "$OUT/fp8_70b.log" | grep "^{" ;;
     fp8_70b_layers)  # issue 42: the 70B shape's layers, fewer of them, in FP8: decode steps traced by kernel
       layers=${FP8_70B_LAYERS:-20}
       for kind in bf16 fp8; do
