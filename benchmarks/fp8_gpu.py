@@ -21,7 +21,8 @@ benchmarks/gpu_run.sh fp8`; S: `gemm-sweep`, `bash benchmarks/gpu_run.sh fp8swee
   the decode attention kernel alone on both caches, per launch configuration (--skip-attention: not).
   It refuses to print a figure that would describe something else: a GPU without FP8 tensor cores (compute
   capability below 8.9), two folders of different shapes, an "FP8" engine that built no FP8 linear, or a bf16 one
-  that did.
+  that did. `--only fp8 --cases 1x1024,4x1024 [--only-kv fp8] [--trace-dir DIR]`: one engine's cases alone (`bash
+  benchmarks/gpu_run.sh fp8_70b_layers` times the 70B shape's layers this way, traced kernel by kernel).
 - `gemm-sweep [--shape llama-3-8b] [--out sweep.json]`: one decoder layer's GEMMs (and the LM head) at each
   decode/prefill size M, every way pdserve can run them, against the weight-read floor measured in the same run;
   picks engine.kernels.fp8_gemm's launch table. Per (GEMM, M): bfloat16 (cuBLAS; the skinny GEMV for M <= 16), FP8
