@@ -118,11 +118,21 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
     sass = machine_code(compiled.asm["cubin"])
     return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
                   "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
+                  "trigger_after_mma": trigger_after_mma(ptx),
                   # stores to thread-local memory: registers spilled
                   "local_stores": None if sass is None else sass.count(" STL"),
                   # one-byte shared-memory loads: an e4m3 tile transposed for tl.dot byte by byte
                   # (engine.kernels.e4m3.widen_e4m3_words)
                   "byte_shared_loads": None if sass is None else sass.count("LDS.U8")}
+
+
+def trigger_after_mma(ptx: str) -> bool | None:
+    """Whether the PTX's griddepcontrol.launch_dependents comes after its last MMA (a late trigger: after the main
+    loop, engine.kernels.pdl); None for a kernel without both."""
+    lines = ptx.splitlines()
+    mma = [i for i, line in enumerate(lines) if "mma.sync" in line or "wgmma.mma_async" in line]
+    trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+    return trigger[0] > mma[-1] if mma and trigger else None
 
 
 def machine_code(cubin: bytes) -> str | None:
