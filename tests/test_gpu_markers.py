@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu_test_files import MARKED, gpu_test_files, part
+
 TESTS = Path(__file__).resolve().parent
 # naming CUDA, or importing another test module's device choice (CUDA, DEV, DEVICE)
 NAMES_CUDA = re.compile(r"torch\.cuda\.is_available\(\)|device_count\(\)|device=\"cuda\"|\.cuda\(\)"
                         r"|^\s+(CUDA|DEV|DEVICE),$", re.M)
-MARKED = re.compile(r"pytest\.mark\.gpus?\b")
 
 
 def test_every_module_that_can_use_cuda_is_marked():
@@ -38,7 +39,6 @@ def test_tests_needing_more_devices_are_skipped_by_name(tmp_path):
 def test_the_gpu_run_lists_every_marked_module_once_and_its_parts_partition_it():
     """tests/gpu_test_files.py (what `gpu_run.sh tests` collects): every marked module, the FP8 ones first; the parts
     of TESTS_PART=I/N together are the whole list, each file in one part; a bad part is refused by name."""
-    from tests.gpu_test_files import gpu_test_files, part
     files = gpu_test_files()
     marked = {f"tests/{p.name}" for p in TESTS.glob("test_*.py") if MARKED.search(p.read_text())}
     assert len(files) == len(set(files)) and set(files) >= marked
