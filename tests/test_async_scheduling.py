@@ -201,17 +201,20 @@ def test_a_joining_row_takes_its_own_token_when_the_step_before_sampled_fork_row
     import torch
 
     from engine.core.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
+    from engine.runner.step_inputs import build_step_inputs
 
     def chunk(rid, token):
         return ScheduledChunk(rid, [token], 10, [0], True, 1)
     after = SimpleNamespace(sampling=[chunk("r0", PENDING_TOKEN), chunk("g", PENDING_TOKEN)],
                             sampled=SimpleNamespace(tokens=torch.tensor([11, 22, 33, 44])))  # r0, g, g's 2 forks
-    runner = SimpleNamespace(device=torch.device("cpu"))
     sched = SchedulerOutput([chunk("r0", PENDING_TOKEN), chunk("j", 99),
                              ScheduledChunk("p", [5, 6, 7], 0, [1], True, 0)])  # a prompt joins too
-    own = torch.tensor([PENDING_TOKEN, 99, 5, 6, 7], dtype=torch.int32)  # the step's ids: decode rows first
-    ids = ModelRunner._ids_after(runner, after, sched, own)
+    take = ModelRunner._take(after, sched)
+    assert take == [0, -1]  # r0 takes row 0 of the step before; the joiner its own token
+    step = build_step_inputs(sched, 16, torch.device("cpu"), None, take)
+    ids = ModelRunner._ids_after(None, step, after.sampled.tokens)
     assert ids.tolist() == [11, 99, 5, 6, 7] and ids.dtype == torch.int32
+    assert ModelRunner._take(after, SchedulerOutput([chunk("j", 99)])) is None  # no row waits: nothing to gather
 
 
 def test_a_request_joining_while_a_group_prefill_is_in_flight_equals_step_by_step(checkpoints):

@@ -15,7 +15,8 @@ import torch
 
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
-from engine.sampling.sampler import Sampler, argmax_rows, chunked_argmax, exp_noise, step_seed
+from engine.kernels.argmax import CHUNK, row_argmax
+from engine.sampling.sampler import Sampler, argmax_rows, exp_noise, step_seed
 
 pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
 
@@ -151,20 +152,32 @@ def test_greedy_is_argmax(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("vocab", [128256, 1000, 997, 1])
+@pytest.mark.parametrize("vocab", [128256, 2 * CHUNK, CHUNK + 1, 997, 1])
 def test_argmax_rows_is_argmax_with_ties_across_and_within_chunks(device, vocab):
-    """The chunked argmax (64 chunks of 2004 at Llama 3's vocabulary; 50 of 20; a prime size: plain argmax)."""
+    """The two-launch kernel (32 chunks of 4,096 at Llama 3's vocabulary; a last chunk of one entry) against torch's
+    argmax, on the CPU under Triton's interpreter too: ties across and within chunks, NaN (larger than any number:
+    the first NaN wins), -inf rows, a strided row view."""
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(5, vocab, generator=gen)
-    if vocab > 1000:
-        logits[0, [4000, 2005, 130]] = 9.0  # tie across chunks: 130 wins
+    logits = torch.randn(7, vocab, generator=gen)
+    if vocab > 2 * CHUNK:
+        logits[0, [9000, CHUNK + 5, 130]] = 9.0  # tie across chunks: 130 wins
         logits[1, [2010, 2008]] = 9.0  # tie within a chunk: 2008 wins
         logits[2, -1] = 9.0  # the very last id
+        logits[3, [CHUNK * 3 + 1, CHUNK + 7]] = float("nan")  # the first NaN, past a larger number
+        logits[3, 5] = float("inf")
+    logits[4] = float("-inf")  # every id -inf: 0
+    logits[5, -1] = float("nan")
     logits = logits.to(device)
-    for argmax in (argmax_rows, chunked_argmax):  # the CPU's argmax_rows is one pass: chunked_argmax is tested here
-        assert argmax(logits).tolist() == logits.argmax(-1).tolist()
-        if vocab > 1000:
-            assert argmax(logits)[:3].tolist() == [130, 2008, vocab - 1]
+    expected = logits.argmax(-1).tolist()
+    assert argmax_rows(logits).tolist() == expected
+    if vocab > 2 * CHUNK:
+        assert expected[:4] == [130, 2008, vocab - 1, CHUNK + 7]
+    if device == "cpu" and torch.cuda.is_available():
+        return  # the kernel runs on CPU tensors only under the interpreter (CPU CI)
+    assert row_argmax(logits).tolist() == expected
+    assert row_argmax(logits[1::2]).tolist() == expected[1::2]  # rows two apart
+    with pytest.raises(ValueError, match="logits"):
+        row_argmax(logits.double())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,9 +2,10 @@
 
 A decode step of a large model is hundreds of small kernels; launched one by one from Python the GPU idles between
 them. Each bucket's graph is captured once over static input buffers; a step copies its inputs into the first rows
-of those buffers, pads the rest (context length 0 and slot -1: the kernels then neither attend nor store) and
-replays the smallest bucket that fits. Owns the static buffers and the graphs; the KV cache is the engine's. Launch
-parameters of every kernel depend on shapes only, so a graph stays valid for any contents.
+of those buffers, pads the rest (context length 0 and slot -1: the kernels then neither attend nor store), in one
+launch (engine.kernels.stage_inputs), and replays the smallest bucket that fits. Owns the static buffers and the
+graphs; the KV cache is the engine's. Launch parameters of every kernel depend on shapes only, so a graph stays
+valid for any contents.
 With `first_buckets` set (EngineConfig.graph_capture "deferred"), only the buckets up to it are captured at start;
 a larger one is captured the first time a step needs it (`ensure`), or earlier between steps (`capture_pending`,
 engine.runner.deferred_graphs). Before such a capture every row is made padding again: the capture's warm-up run
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.stage_inputs import stage_decode_inputs
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.decoder import CausalLM
 from engine.runner.graph_capture import DeferredCaptures, capture_graph
@@ -70,9 +72,11 @@ class DecodeGraphs:
         return True
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            take: torch.Tensor | None = None, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """A decode-only step of B <= max_batch rows -> float32 logits [B, vocab] (a view valid until the next
-        replay). input_ids, positions [B] and meta are the step's device tensors."""
+        replay). input_ids, positions [B] and meta are the step's device tensors; take [B] int32 / prev_tokens
+        (int64, the step before's samples): a row with take >= 0 takes prev_tokens[take] as its input instead."""
         b = input_ids.shape[0]
         bucket = self.bucket_for(b)
         if bucket not in self.graphs:
@@ -81,14 +85,9 @@ class DecodeGraphs:
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a decode row has {width} blocks; the graphs were captured for at most "
                              f"{self.block_tables.shape[1]}")
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slots[:b].copy_(meta.slots)
-        self.context_lens[:b].copy_(meta.decode_context_lens)
-        self.block_tables[:b, :width].copy_(meta.decode_block_tables)
-        if bucket > b:  # rows of an earlier, larger step: make them padding again
-            self.slots[b:bucket].fill_(-1)
-            self.context_lens[b:bucket].zero_()
+        stage_decode_inputs(input_ids, positions, meta.slots, meta.decode_context_lens, meta.decode_block_tables,
+                            take, prev_tokens, self.input_ids, self.positions, self.slots, self.context_lens,
+                            self.block_tables, bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()
         self.replays += 1

@@ -53,6 +53,10 @@ class LaunchedStep:
 
 
 class ModelRunner:
+    # whether decode graphs gather a step's pending input tokens while staging its inputs (one launch); a
+    # tensor-parallel leader gathers them first instead, to broadcast them to its followers
+    stages_pending_tokens = True
+
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler | None,
                  graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None,
                  mixed_graphs: MixedGraphs | None = None) -> None:
@@ -83,14 +87,19 @@ class ModelRunner:
         runner's (the decode lane's: engine.runner.prefill_lane)."""
         if not sched.chunks:
             return LaunchedStep(sched, [], None)
-        step = build_step_inputs(sched, self.block_size, self.device, self.model.config.sliding_window)
-        input_ids = step.input_ids if after is None else self._ids_after(after, sched, step.input_ids)  # [T]
+        take = self._take(after, sched) if after is not None else None
+        step = build_step_inputs(sched, self.block_size, self.device, self.model.config.sliding_window, take)
+        prev = after.sampled.tokens if step.take is not None else None  # [S'] int64, the step before's samples
         prompt = {}
         graphs = graphs or self.graphs
-        if not extras and self._graph_fits(graphs, input_ids.shape[0], step.decode_only, len(step.sampling),
+        if not extras and self._graph_fits(graphs, step.input_ids.shape[0], step.decode_only, len(step.sampling),
                                            on_layer_done):
-            logits = graphs.run(input_ids, step.positions, step.meta)  # [B, V], every row samples
+            if prev is not None and not self.stages_pending_tokens:
+                logits = graphs.run(self._ids_after(step, prev), step.positions, step.meta)  # [B, V]
+            else:  # the pending tokens gathered by the graphs' input staging
+                logits = graphs.run(step.input_ids, step.positions, step.meta, step.take, prev)  # [B, V]
         else:
+            input_ids = step.input_ids if prev is None else self._ids_after(step, prev)  # [T]
             hidden = self.forward(input_ids, step, on_layer_done, eager=bool(extras))  # [T, h]
             if extras and extras.prompt:
                 prompt = compute_prompt_logprobs(self.model, hidden, sched, extras.prompt)
@@ -136,26 +145,31 @@ class ModelRunner:
         for a, b in pairs:
             self.kv_cache[b].copy_(self.kv_cache[a])  # [L, 2, bs, KVH, D]
 
-    def _ids_after(self, after: LaunchedStep, sched: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] int32 input ids of a step queued after `after`: `input_ids` (the step's own, on the device) with
-        each decode row whose input is PENDING_TOKEN given the token `after` samples for its request, gathered on
-        the device (a joining row's known token, and every prompt chunk's, are the step's own)."""
+    @staticmethod
+    def _take(after: LaunchedStep, sched: SchedulerOutput) -> list[int] | None:
+        """Per decode row of `sched` (queued after `after`, whose tokens are not yet read): the row of `after`'s
+        samples whose token is its input (-1: the row's own; a joining row's known token, every prompt chunk's);
+        None when no row waits for one."""
         row = {c.request_id: i for i, c in enumerate(after.sampling)}  # `after`'s tokens: [S + F], forks last
-        at, rows = [], []
-        for i, c in enumerate(decode_rows(sched)):  # row i is token i (engine.runner.step_inputs)
-            if c.token_ids[0] == PENDING_TOKEN:
-                if after.sampled is None or c.request_id not in row:
-                    raise ValueError(f"request {c.request_id!r} waits for a token the step before does not sample")
-                at.append(i)
-                rows.append(row[c.request_id])
-        if not at:
-            return input_ids
-        host = torch.tensor(at + rows, dtype=torch.int64)  # [2P]: where, then which of `after`'s rows
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        both = host.to(self.device, non_blocking=True)
-        taken = after.sampled.tokens.index_select(0, both[len(at):]).to(input_ids.dtype)  # [P]
-        return input_ids.index_copy(0, both[:len(at)], taken)
+        take = []
+        for c in decode_rows(sched):  # row i is token i (engine.runner.step_inputs)
+            if c.token_ids[0] != PENDING_TOKEN:
+                take.append(-1)
+            elif after.sampled is None or c.request_id not in row:
+                raise ValueError(f"request {c.request_id!r} waits for a token the step before does not sample")
+            else:
+                take.append(row[c.request_id])
+        return take if any(t >= 0 for t in take) else None
+
+    def _ids_after(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
+        """[T] int32 input ids: the step's own, with each decode row that has step.take >= 0 given prev[take]
+        (prev [S'] int64: the step before's samples, still on the device), for the steps that do not stage their
+        inputs into decode graphs (eager and mixed steps; a tensor-parallel leader, which broadcasts the result)."""
+        take = step.take  # [D] int32
+        taken = prev.index_select(0, take.clamp(min=0)).to(torch.int32)  # [D]
+        ids = step.input_ids.clone()
+        ids[:take.shape[0]] = torch.where(take >= 0, taken, ids[:take.shape[0]])
+        return ids
 
     @staticmethod
     def _graph_fits(graphs: DecodeGraphs | None, num_tokens: int, decode_only: bool, num_sampling: int,

@@ -26,6 +26,8 @@ class StepInputs:
     meta: AttentionMetadata
     sample_index: torch.Tensor    # [S] int32, the token whose hidden state samples, per sampling chunk
     sampling: list[ScheduledChunk]  # the sampling chunks, in sample_index order
+    take: torch.Tensor | None = None  # [num_decode] int32: the row of the step before whose token a decode row
+    # takes as input (-1: its own); None when no row waits for one
 
     @property
     def decode_only(self) -> bool:
@@ -33,8 +35,12 @@ class StepInputs:
 
 
 def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
-                      sliding_window: int | None) -> StepInputs:
+                      sliding_window: int | None, take: list[int] | None = None) -> StepInputs:
+    """`take`: per decode row, the row of the step before whose sampled token is its input (-1: its own token);
+    it rides in the same copy (StepInputs.take)."""
     decodes = decode_rows(sched)
+    if take is not None and len(take) != len(decodes):
+        raise ValueError(f"take has {len(take)} entries for {len(decodes)} decode rows")
     prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
     ordered = decodes + prefills
     ids: list[int] = []
@@ -61,7 +67,8 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.dev
         q_start.append(q_start[-1] + n)
     nd, npf = len(decodes), len(prefills)
     d_width, p_width = _width(d_tables), _width(p_tables)
-    parts = [ids, pos, slots, [c.start_pos + 1 for c in decodes], q_start, [ctx for _, ctx in p_lens], sample_index]
+    parts = [ids, pos, slots, [c.start_pos + 1 for c in decodes], q_start, [ctx for _, ctx in p_lens], sample_index,
+             take or []]
     sizes = [len(p) for p in parts] + [nd * d_width, npf * p_width]
     spans = [-(-n // ALIGN) * ALIGN for n in sizes]  # each part starts 16-byte aligned
     host = np.zeros(sum(spans), dtype=np.int32)  # table padding stays 0
@@ -74,7 +81,7 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.dev
     flat = torch.from_numpy(host)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    ids_t, pos_t, slots_t, d_lens, q_start_t, p_ctx, sample_t, d_tab, p_tab = (
+    ids_t, pos_t, slots_t, d_lens, q_start_t, p_ctx, sample_t, take_t, d_tab, p_tab = (
         t[:n] for t, n in zip(flat.split(spans), sizes, strict=True))
     meta = AttentionMetadata(
         slots=slots_t,
@@ -88,7 +95,7 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.dev
         sliding_window=sliding_window,
     )
     sampling = [c for c in ordered if c.sample]
-    return StepInputs(ids_t, pos_t, meta, sample_t, sampling)
+    return StepInputs(ids_t, pos_t, meta, sample_t, sampling, None if take is None else take_t)
 
 
 def decode_rows(sched: SchedulerOutput) -> list[ScheduledChunk]:

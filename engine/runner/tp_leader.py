@@ -29,6 +29,7 @@ from engine.model.parallel import TPGroup
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.rank_service import RankCalls, RankServiceFactory
 from engine.runner.step_extras import StepExtras
+from engine.runner.step_inputs import StepInputs
 from engine.runner.tp_follower import (
     COLLECTIVE_TIMEOUT_S,
     LAUNCHES,
@@ -161,6 +162,8 @@ class _GuardedEvent:
 class TPModelRunner(ModelRunner):
     """Rank 0's ModelRunner: sends each step's plan to the followers, then runs its own shard of it."""
 
+    stages_pending_tokens = False  # the pending input tokens are gathered first, and broadcast (_ids_after)
+
     def __init__(self, *args, followers: TPFollowers, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.followers = followers
@@ -170,7 +173,8 @@ class TPModelRunner(ModelRunner):
         if sched.chunks:
             prompt = {rid: len(t.targets) for rid, t in extras.prompt.items() if t.targets} if extras else {}
             eager = bool(extras) or on_layer_done is not None
-            self.followers.send(("step", StepPlan(sched, after is not None, eager, prompt)))
+            pending = after is not None and self._take(after, sched) is not None  # then _ids_after broadcasts
+            self.followers.send(("step", StepPlan(sched, pending, eager, prompt)))
         try:
             launched = super().launch(sched, params, after=after, on_layer_done=on_layer_done, extras=extras)
         except RuntimeError:
@@ -184,8 +188,8 @@ class TPModelRunner(ModelRunner):
         self.followers.send(("copy", pairs))
         super().copy_blocks(pairs)
 
-    def _ids_after(self, after: LaunchedStep, sched, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.followers.tp.broadcast(super()._ids_after(after, sched, input_ids))
+    def _ids_after(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
+        return self.followers.tp.broadcast(super()._ids_after(step, prev))
 
 
 def _pending_error(conn) -> str | None:

@@ -245,21 +245,11 @@ def _filters(p: SamplingParams, vocab: int) -> bool:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [S, V] -> [S] int64: each row's first maximal index, exactly as argmax(dim=-1). On CUDA by
-    chunked_argmax: torch reduces one row of a 128k vocabulary in a single CUDA block (28 us on an H200, as long as
-    a whole layer of a batch-1 decode step). On the CPU in one pass (the chunks' extra ops were ~2% of a `tiny`
-    decode step)."""
-    return logits.argmax(dim=-1) if logits.device.type == "cpu" else chunked_argmax(logits)
-
-
-def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax(dim=-1) of logits [S, V] in two passes over C column chunks (C the largest divisor of V up to 64): the
-    chunked max runs S x C blocks in parallel."""
-    rows, vocab = logits.shape
-    chunks = next(c for c in range(min(64, vocab), 0, -1) if vocab % c == 0)
-    if chunks == 1:
+    """logits [S, V] float32 -> [S] int64: each row's first maximal index, exactly as argmax(dim=-1). On CUDA by
+    engine.kernels.argmax (two launches; torch reduces one row of a 128k vocabulary in a single CUDA block: 28 us on
+    an H200, as long as a whole layer of a batch-1 decode step). On the CPU in one pass."""
+    if logits.device.type == "cpu":
         return logits.argmax(dim=-1)
-    width = vocab // chunks
-    values, index = logits.view(rows, chunks, width).max(dim=-1)  # [S, C] each; ties: the first index
-    best = values.argmax(dim=-1, keepdim=True)  # [S, 1]: the first chunk holding the row's maximum
-    return (best * width + index.gather(1, best)).squeeze(1)
+    from engine.kernels.argmax import row_argmax  # Triton: imported where a GPU samples
+
+    return row_argmax(logits)
