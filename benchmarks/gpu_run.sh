@@ -95,10 +95,25 @@
 # smsplittable (1 GPU, issue 43): the same load, chunked prefill against the lane whose split follows the decode
 #   batch (decode.sm_split_decode_sms: {32: 32, 128: 64}, and {12: 0, 32: 32, 128: 64}: chunked beside few rows;
 #   configs/sweeps/gpu-1x-llama3-8b-sm-split-table.yaml; 350 s on an H100 at 463d3a7: a call of its own).
+# treeab (1 GPU): this tree's decode steps against another commit's, engine by engine in turns (base, new, new, base):
+#   `bash benchmarks/gpu_run.sh base-tree REF` first, on the development machine (writes REF's engine and benchmarks
+#   to .base, which .git/info/exclude should list), then carry .base; TREEAB_ONLY="fp8 bf16" (FP8 weights + fp8 KV,
+#   bf16), TREEAB_CASES=decode1,decode64 (benchmarks/fp8_gpu.py decode --only ... --cases).
+# base-tree REF (alone, on the development machine): REF's engine, kvtransfer, coordinator, benchmarks and configs
+#   into .base, for treeab.
 # extra-bundle (alone, on the development machine, not a lent one; from the project root): writes
 #   .devbundle/extra.tar.xz, wheels for the lent GPU machines' CPython 3.12 that ../shared/device/make-bundle.sh
 #   does not fetch (httptools, prometheus-client, grpcio) or cannot (llguidance is manylinux_2_31 only, beyond its
 #   platform list); every later step unpacks it next to the shared bundle.
+if [ "${1:-}" = base-tree ]; then  # on the development machine (see the header): treeab's reference tree
+  set -euo pipefail
+  rev=$(git rev-parse --short "${2:?base-tree needs a commit}")
+  rm -rf .base && mkdir .base
+  git archive "$rev" engine kvtransfer coordinator benchmarks configs | tar x -C .base
+  echo "$rev" > .base/COMMIT
+  echo "wrote $rev's tree to .base ($(du -sh .base | cut -f1)); carry it: \"carry\": [\".devbundle\", \".base\"]"
+  exit 0
+fi
 if [ "${1:-}" = extra-bundle ]; then  # on the development machine (see the header), before a lent one's set-up
   set -euo pipefail
   work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -334,6 +349,21 @@ for step in "$@"; do
       timeout 590 python3 benchmarks/recovery.py kill configs/gpu-1p1d-llama3-70b-tp2.yaml --model /tmp/l70b \
         --set load_format=dummy --kill decode-0:1 --recovery-timeout-s 400 2>&1 | tee "$OUT/recovery70b.log" \
         | grep -v "^(" | tail -10 ;;
+    treeab)  # this tree against .base (base-tree REF), each engine's decode steps in turns: base, new, new, base
+      checkpoint8b
+      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+      [ -f .base/COMMIT ] || { echo "treeab: no .base (bash benchmarks/gpu_run.sh base-tree REF, then carry .base)"; continue; }
+      echo "treeab: this tree against $(cat .base/COMMIT)"
+      for only in ${TREEAB_ONLY:-fp8 bf16}; do
+        for tree in base new new base; do
+          dir=$PWD; [ $tree = base ] && dir=$PWD/.base
+          (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH#*:} timeout ${TREEAB_TIMEOUT:-150} python3 benchmarks/fp8_gpu.py \
+            decode --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 --load-format dummy --skip-attention --only "$only" \
+            --cases "${TREEAB_CASES:-decode1,decode64}" $([ "$only" = fp8 ] && echo --only-kv fp8)) 2>&1 \
+            | tee -a "$OUT/treeab-$tree-$only.log" | python3 benchmarks/tree_ab.py row "$tree $only"
+        done
+      done
+      python3 benchmarks/tree_ab.py summary "$OUT" ;;
     fp8)
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
