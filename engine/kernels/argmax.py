@@ -32,7 +32,7 @@ def _first_max(x, idx, NONE: tl.constexpr):
     return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_l", "CHUNKS"])  # one variant whatever the rows' layout
 def _chunk_argmax_kernel(logits_ptr, vals_ptr, idx_ptr, V, stride_l, CHUNKS, CHUNK: tl.constexpr,
                          NONE: tl.constexpr):
     # Grid (S, CHUNKS): program (r, c) writes chunk c's (value, index) of row r to vals / idx [S, CHUNKS]
@@ -46,7 +46,7 @@ def _chunk_argmax_kernel(logits_ptr, vals_ptr, idx_ptr, V, stride_l, CHUNKS, CHU
     tl.store(idx_ptr + r * CHUNKS + c, index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CHUNKS"])
 def _pick_kernel(vals_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr, NONE: tl.constexpr):
     # Grid (S,): row r's argmax from its chunks' (value, index); chunk c's indices all precede chunk c + 1's, so
     # the first chunk holding the maximum (or a NaN) holds the first such index

@@ -20,7 +20,7 @@ from engine.kernels import check
 BLOCK_W = 128  # block-table entries a loop iteration copies
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "width", "stride_dst_t"])  # one variant a HAS_TAKE (engine.runner.warmup)
 def _stage_kernel(ids_ptr, pos_ptr, slots_ptr, lens_ptr, tables_ptr, take_ptr, prev_ptr, dst_ids_ptr, dst_pos_ptr,
                   dst_slots_ptr, dst_lens_ptr, dst_tables_ptr, rows, width, stride_dst_t,
                   HAS_TAKE: tl.constexpr, BLOCK_W: tl.constexpr):

@@ -49,6 +49,7 @@ class DecodeGraphs:
         now = [b for b in self.buckets if first_buckets is None or b <= first_buckets]
         self.deferred = DeferredCaptures([b for b in self.buckets if b not in now])  # smallest first
         self._capture(now)
+        self._warm_staging()
 
     def bucket_for(self, batch: int) -> int | None:
         """The bucket a step of `batch` rows replays (captured or still pending; None: above them all)."""
@@ -92,6 +93,17 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return logits[:b]
+
+    @torch.inference_mode()
+    def _warm_staging(self) -> None:
+        """Compile both variants of the input staging (with and without pending tokens) now rather than in the
+        first steps that need them: one row staged each way, then made padding again."""
+        one = torch.zeros(1, dtype=torch.int32, device=self.input_ids.device)
+        for take, prev in ((None, None), (one, torch.zeros(1, dtype=torch.int64, device=one.device))):
+            stage_decode_inputs(one, one, one, one, one.view(1, 1), take, prev, self.input_ids, self.positions,
+                                self.slots, self.context_lens, self.block_tables, 1)
+        self.slots[:1].fill_(-1)
+        self.context_lens[:1].zero_()
 
     def _meta(self, b: int) -> AttentionMetadata:
         dev = self.kv_cache.device

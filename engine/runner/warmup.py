@@ -8,7 +8,8 @@ between steps is bounded to a few values, and this module runs each of them once
 - step metadata pointers: engine.runner.step_inputs aligns every part to 16 bytes (one variant);
 - block-table row stride: not specialised (the attention kernels' `do_not_specialize`);
 - decode splits, a constexpr of the eager decode kernel: a power of two (SPLIT_CHOICES), each run here directly;
-- decode-only steps of graph buckets: compiled when DecodeGraphs captures them; prefill-only steps of its buckets
+- decode-only steps of graph buckets: compiled when DecodeGraphs captures them (and its input staging, both ways,
+  right after: its integers are not specialised); prefill-only steps of its buckets
   likewise when PrefillGraphs does; the pieces of steps with prompt chunks when MixedGraphs does (their attention
   runs eagerly: the prefill and decode kernels below);
 - prefill and mixed steps, rms_norm with and without residual, the fused decode GEMVs, the sampler's options
