@@ -104,6 +104,7 @@ class DecodeGraphs:
                                 self.slots, self.context_lens, self.block_tables, 1)
         self.slots[:1].fill_(-1)
         self.context_lens[:1].zero_()
+        torch.cuda.synchronize(self.input_ids.device)  # before any other stream (a lane's) replays or captures
 
     def _meta(self, b: int) -> AttentionMetadata:
         dev = self.kv_cache.device
