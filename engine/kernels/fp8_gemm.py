@@ -72,12 +72,29 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
     # Hopper tensor-memory accelerator (one bulk copy a tile, zero-filled past N and K) instead of per-thread loads.
     wait_for_inputs(PDL, PDL_LATE)
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    acc = mm_accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, K_SPLIT, stride_xm, stride_wn,
+                        pid_n * BLOCK_N, BLOCK_N, BLOCK_M, BLOCK_K, DOT_F32, W_TMA)
+    dependents_may_start(PDL, PDL_LATE)
+    if SPLIT_K == 1:
+        _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
+    else:
+        total, last = meet_splits(acc, part_ptr, sem_ptr, SPLIT_K, BLOCK_N, BLOCK_M)
+        if last:
+            _mm_epilogue(total, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym,
+                         HAS_BIAS)
+
+
+@triton.jit
+def mm_accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, K_SPLIT, stride_xm, stride_wn, tma_row,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                  W_TMA: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_M] = the weight rows offs_n [BLOCK_N] times the tokens offs_m [BLOCK_M] over this split's
+    # K_SPLIT columns of K (program_id(2)); W_TMA: tiles of the descriptor w_ptr from row tma_row (rows contiguous)
+    offs_k = tl.arange(0, BLOCK_K)
     k_start = tl.program_id(2) * K_SPLIT
     k_end = tl.minimum(K, k_start + K_SPLIT)
     if not W_TMA:
@@ -87,7 +104,7 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = (k0 + offs_k) < k_end
         if W_TMA:  # a split's tiles end at its k_end (K_SPLIT is whole tiles), the last split's at K (zero-filled)
-            w = w_ptr.load([pid_n * BLOCK_N, k0])
+            w = w_ptr.load([tma_row, k0])
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
             w_ptrs += BLOCK_K
@@ -97,22 +114,28 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
         else:  # each tile's MMA sum added in float32: Hopper's FP8 MMAs accumulate with fewer bits (module doc)
             acc += tl.dot(w, xt)
         x_ptrs += BLOCK_K
-    dependents_may_start(PDL, PDL_LATE)
-    if SPLIT_K == 1:
-        _mm_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
-    else:
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCK_N, BLOCK_M]
-        tl.store(part_ptr + (tl.program_id(2) * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + in_tile, acc)
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        if tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for split in range(SPLIT_K):  # in split order: the sum does not depend on who arrived last
-                total += tl.load(part_ptr + (split * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + in_tile,
-                                 cache_modifier=".cg")
-            _mm_epilogue(total, xs_ptr, ws_ptr, bias_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
-            tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return acc
+
+
+@triton.jit
+def meet_splits(acc, part_ptr, sem_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    # A split's sum acc [BLOCK_N, BLOCK_M] written to `part`, counted in on its tile's semaphore -> (the tile's sum
+    # over every split, in split order so that it does not depend on who arrived last; whether this program is the
+    # last to arrive, the one that holds it). The last sets the semaphore back to 0 for the next call.
+    tiles = tl.num_programs(0) * tl.num_programs(1)
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCK_N, BLOCK_M]
+    tl.store(part_ptr + (tl.program_id(2) * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + in_tile, acc)
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    last = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for split in range(SPLIT_K):
+            total += tl.load(part_ptr + (split * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + in_tile,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return total, last
 
 
 @triton.jit
@@ -151,17 +174,18 @@ def gemv_config(m: int, k: int) -> tuple[int, int, int]:
     return 4, min(triton.next_power_of_2(k), 2048), 4
 
 
-def mm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
+def mm_config(m: int, n: int, k: int, sms: int, wide: bool = True) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT_K) of fp8_mm for M tokens of an [N, K] weight on a
     device of `sms` SMs. K is split when the tiles would leave SMs idle: an N = 4,096 projection has 64 tiles of 64
     rows for an H200's 132 SMs, and 2 splits took o_proj from 0.0094 to 0.0089 ms and down_proj from 0.0252 to 0.0203
-    at M = 64 (0.0219 -> 0.0183 at 16), into at most MAX_SPLIT_K slices of at least 2 K tiles each."""
+    at M = 64 (0.0219 -> 0.0183 at 16), into at most MAX_SPLIT_K slices of at least 2 K tiles each. `wide` False:
+    never WIDE_CONFIG (engine.kernels.fp8_mm_rope keeps its tiles within a head)."""
     if interpreting():
         return 16, 16, 32, 4, 1, 1
     for bound, block_n, block_m, block_k, warps, stages in FP8_MM_CONFIGS:
         if m <= bound:
             m_tiles = triton.cdiv(m, block_m)
-            if block_m >= WIDE_MIN_BLOCK_M and triton.cdiv(n, block_n) * m_tiles >= 2 * sms:
+            if wide and block_m >= WIDE_MIN_BLOCK_M and triton.cdiv(n, block_n) * m_tiles >= 2 * sms:
                 wide_n, wide_k, wide_warps, wide_stages = WIDE_CONFIG
                 return wide_n, block_m, wide_k, wide_warps, wide_stages, 1
             tiles = triton.cdiv(n, block_n) * m_tiles
@@ -170,7 +194,7 @@ def mm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int
     raise AssertionError("FP8_MM_CONFIGS' last row covers every M")
 
 
-def _check(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
+def check_mm_args(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
            bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, int, int]:
     check("x", x, 2, (FP8,) if x_scales is not None else (FP8, *OUT_DTYPES), inner_contiguous=True)
     if x.dtype == FP8 and x_scales is None:
@@ -206,7 +230,7 @@ def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tenso
     with x_scales [M, 1], or 16-bit with x_scales None (weight-only). `config` (BLOCK_N, BLOCK_K, num_warps)
     overrides gemv_config (the sweep times several). `gated`: weight is a fused [gate; up] and the result
     silu(gate) * up, [M, N / 2] (engine.kernels.skinny_gemm's gated GEMV)."""
-    m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
+    m, n, k = check_mm_args(x, x_scales, weight, w_scales, bias, out_dtype)
     if m > GEMV_MAX_M:
         raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_M} rows, got {m}")
     n_out = gated_outputs(n) if gated else n
@@ -236,7 +260,7 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
     2026-12-06), so nothing uses it."""
     if x_scales is None:
         raise ValueError("fp8_mm takes e4m3 x with its x_scales")
-    m, n, k = _check(x, x_scales, weight, w_scales, bias, out_dtype)
+    m, n, k = check_mm_args(x, x_scales, weight, w_scales, bias, out_dtype)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m and n:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4

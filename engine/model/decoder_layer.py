@@ -17,10 +17,11 @@ With a TPGroup (engine.model.parallel) a layer is built from the rank's local co
 intermediate size) and o/down all-reduce; without one (TP=1) no collective or extra op runs.
 
 FP8 checkpoints (ModelConfig.fp8): the quantized linears are engine.model.fp8_linear.Fp8Linear (swapped in before
-the weights are allocated), which run their own FP8 matmul on both paths; the skinny GEMV and the fused
-qkv-RoPE kernel read 16-bit weights and are skipped for them. On the kernel path the RMSNorm before q/k/v and
-gate/up and the SiLU-and-mul before down hand their FP8 linear its activations already quantized (Fp8Rows), in
-the same pass (engine.kernels.fp8_quant).
+the weights are allocated), which run their own FP8 matmul on both paths. On the kernel path the RMSNorm before
+q/k/v and gate/up and the SiLU-and-mul before down hand their FP8 linear its activations already quantized (Fp8Rows),
+in the same pass (engine.kernels.fp8_quant), and the FP8 qkv projection takes RoPE and the KV store in with it: in
+its GEMV at one row (engine.kernels.qkv_rope), in its tensor-core GEMM's epilogue up to fp8_linear.MM_ROWS
+(engine.kernels.fp8_mm_rope).
 """
 
 from __future__ import annotations
@@ -30,14 +31,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.kernels import interpreting
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.fp8_linear import GEMV_ROWS, Fp8Linear, Fp8Rows
+from engine.model.fp8_linear import GEMV_ROWS, MM_ROWS, Fp8Linear, Fp8Rows
 from engine.model.kernel_linears import SKINNY_ROWS, fuse_linears, gated_linear, kernel_linear
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
 from engine.model.rope import apply_rope, rotate
 from engine.model.torch_attention import write_kv
+
+# FP8 qkv steps of GEMV_ROWS < rows <= this take RoPE and the KV store into their tensor-core GEMM's epilogue
+# (engine.kernels.fp8_mm_rope); benchmarks/step_ab.py --set engine.model.decoder_layer.ROPE_IN_MM_MAX_ROWS=1 times
+# the two launches it replaces.
+ROPE_IN_MM_MAX_ROWS = MM_ROWS
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,14 @@ class Attention(nn.Module):
             qkv = qkv_rope_store(x.q if isinstance(x, Fp8Rows) else x, proj.weight, proj.bias, h, kvh,
                                  rope.positions, rope.cos, rope.sin, kv_layer, slots, *scales, **fp8)  # [T, (H+2KVH)D]
             return qkv[:, : h * d].view(t, h, d)
+        if use_kernels and not self.qk_norm and self._fuses_rope_in_mm(x):
+            # FP8 tensor cores, RoPE and the KV store in the GEMM's epilogue (engine.kernels.fp8_mm_rope)
+            from engine.kernels.fp8_mm_rope import fp8_mm_rope_store
+            proj = self.qkv_proj
+            qkv = fp8_mm_rope_store(x.q, x.scales, proj.weight, proj.scale_row, proj.bias, h, kvh, rope.positions,
+                                    rope.cos, rope.sin, kv_layer, slots, *scales, out_dtype=proj.out_dtype,
+                                    semaphores=proj.split_semaphores)  # [T, (H + 2 KVH) D]
+            return qkv[:, : h * d].view(t, h, d)
         # bfloat16 on the CPU: RoPE and the store in one C pass (a bfloat16 cache only: an fp8 one takes torch's)
         if self.cpu_fused and not self.qk_norm and kv_layer.dtype == torch.bfloat16:
             from engine.cpu_kernels.elementwise import rope_store
@@ -160,6 +175,18 @@ class Attention(nn.Module):
         if type(self.qkv_proj) is nn.Linear:
             return x.shape[0] <= SKINNY_ROWS
         return isinstance(self.qkv_proj, Fp8Linear) and x.shape[0] <= GEMV_ROWS
+
+    def _fuses_rope_in_mm(self, x: torch.Tensor | Fp8Rows) -> bool:
+        """Whether an FP8 projection's tensor-core step (more than GEMV_ROWS rows, at most MM_ROWS) takes RoPE and
+        the store into its epilogue: quantized rows, on CUDA or the interpreter, a tile that divides the head."""
+        if not isinstance(self.qkv_proj, Fp8Linear) or not isinstance(x, Fp8Rows):
+            return False
+        m, k = x.q.shape
+        if not GEMV_ROWS < m <= min(MM_ROWS, ROPE_IN_MM_MAX_ROWS) or not (x.q.is_cuda or interpreting()):
+            return False
+        from engine.kernels.fp8_mm_rope import rope_launch
+        sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count if x.q.is_cuda else 4
+        return rope_launch(self.head_dim, m, self.qkv_proj.out_features, k, sms) is not None
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The part after attention: o [T, H, D] -> [T, hidden] (o_proj, then the all-reduce under TP)."""
