@@ -25,6 +25,7 @@
 #   STAGES_ARGS="--lazy on": both engines' steps with the lazy online softmax against the exact one (the default).
 # stepab (1 GPU, issue 42): the 8B decode steps (bf16; FP8 weights + fp8 KV) with engine module constants changed
 #   against as they are, one process (benchmarks/step_ab.py; STEPAB_ARGS="--set engine.kernels.fp8_quant.SPLIT_ROWS=64").
+#   STEPAB_70B_LAYERS=20: that many of the 70B shape's layers instead (an 80 GB card holds 20 in FP8).
 # attnncu (1 GPU, issue 42): Nsight Compute over the decode attention's launches (benchmarks/attention_counters.py;
 #   ATTNNCU_ARGS="--cases 64x2048 --launches fp8:32x1x5 --splits 2"): each launch's duration, DRAM throughput,
 #   occupancy and warp stalls, the raw counters in $OUT/attn_ncu_raw.csv.
@@ -380,10 +381,19 @@ for step in "$@"; do
       timeout ${STAGES_TIMEOUT:-400} python3 benchmarks/attention_stages.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${STAGES_ARGS:-} 2>&1 | tee "$OUT/attention_stages.log" | grep "^{" | grep -v static_context ;;
     stepab)  # issue 42: the decode steps with engine constants changed vs as they are (step_ab.py, STEPAB_ARGS)
-      checkpoint8b
-      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
-      timeout ${STEPAB_TIMEOUT:-400} python3 benchmarks/step_ab.py --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
-        --load-format dummy ${STEPAB_ARGS:-} 2>&1 | tee "$OUT/step_ab.log" | grep "^{" | grep -v static_context ;;
+      if [ -n "${STEPAB_70B_LAYERS:-}" ]; then  # that many of the 70B shape's layers instead of the 8B shape
+        dirs=(/tmp/l70b-$STEPAB_70B_LAYERS-bf16 /tmp/l70b-$STEPAB_70B_LAYERS-fp8) kv=(--kv-gib 8)
+        for dir in "${dirs[@]}"; do
+          [ -d "$dir" ] || python3 benchmarks/make_random_checkpoint.py llama-3-70b "$dir" --no-weights \
+            --layers "$STEPAB_70B_LAYERS" $([ "${dir##*-}" = fp8 ] && echo --fp8 channel)
+        done
+      else
+        checkpoint8b
+        [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+        dirs=(/tmp/l8bd /tmp/l8bd-fp8) kv=()
+      fi
+      timeout ${STEPAB_TIMEOUT:-400} python3 benchmarks/step_ab.py --bf16 "${dirs[0]}" --fp8 "${dirs[1]}" \
+        --load-format dummy "${kv[@]}" ${STEPAB_ARGS:-} 2>&1 | tee "$OUT/step_ab.log" | grep "^{" | grep -v static_context ;;
     attnncu)  # issue 42: Nsight Compute's counters of the decode attention's launches (attention_counters.py)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       [ -n "$ncu" ] || { echo "attnncu: no ncu on this machine"; continue; }
