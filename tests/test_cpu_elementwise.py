@@ -9,7 +9,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu_kernels import elementwise
-from engine.model.decoder_layer import MLP, RMSNorm
+from engine.model.decoder_layer import RMSNorm
+from engine.model.mlp import MLP
 from engine.model.rope import RotaryEmbedding, rotate
 from engine.model.torch_attention import write_kv
 

@@ -37,7 +37,7 @@ SPLIT_CHUNK = 1024  # ... of this many elements each
 
 
 @triton.jit
-def _row_scale(amax, static_ptr, STATIC: tl.constexpr, MIN: tl.constexpr):
+def row_scale(amax, static_ptr, STATIC: tl.constexpr, MIN: tl.constexpr):
     # the row's scale: the stored per-tensor one (static), or amax / 448 (dynamic), never below MIN
     if STATIC:
         return tl.load(static_ptr).to(tl.float32)
@@ -56,7 +56,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, N: t
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = _row_scale(tl.max(tl.abs(x), axis=0), static_ptr, STATIC, MIN)
+    scale = row_scale(tl.max(tl.abs(x), axis=0), static_ptr, STATIC, MIN)
     tl.store(q_ptr + row * stride_q + cols, to_e4m3(x / scale), mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -72,13 +72,13 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, static_ptr, stride
     row = tl.program_id(0).to(tl.int64)
     y, mask = rms_norm_row(x_ptr, r_ptr, w_ptr, row, stride_x, stride_r, eps, N, BLOCK_N, HAS_RESIDUAL)
     y = y.to(tl.float32)  # the normed row as the bf16 model has it
-    scale = _row_scale(tl.max(tl.abs(y), axis=0), static_ptr, STATIC, MIN)
+    scale = row_scale(tl.max(tl.abs(y), axis=0), static_ptr, STATIC, MIN)
     tl.store(q_ptr + row * stride_q + tl.arange(0, BLOCK_N), to_e4m3(y / scale), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
 @triton.jit
-def _silu(g, u, DTYPE: tl.constexpr):
+def swiglu(g, u, DTYPE: tl.constexpr):
     # engine.kernels.silu_mul's numerics: silu in fp32 rounded to the dtype, times up, rounded again
     s = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
     return (s * u).to(DTYPE).to(tl.float32)
@@ -101,15 +101,15 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, stride_gu, stride_q
             mask = cols < INTER
             g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(base + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(_silu(g, u, DTYPE)), axis=0))
-    scale = _row_scale(amax, static_ptr, STATIC, MIN)
+            amax = tl.maximum(amax, tl.max(tl.abs(swiglu(g, u, DTYPE)), axis=0))
+    scale = row_scale(amax, static_ptr, STATIC, MIN)
     dependents_may_start(PDL, PDL_LATE)  # the first sweep read the row from HBM; the second finds it in L2
     for c0 in range(0, INTER, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         mask = cols < INTER
         g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(base + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + cols, to_e4m3(_silu(g, u, DTYPE) / scale), mask=mask)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(swiglu(g, u, DTYPE) / scale), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -121,7 +121,7 @@ def _silu_chunk(gu_ptr, row, stride_gu, c0, INTER: tl.constexpr, CHUNK: tl.const
     base = gu_ptr + row * stride_gu
     g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    return _silu(g, u, DTYPE), cols, mask
+    return swiglu(g, u, DTYPE), cols, mask
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def _silu_mul_quant_split_kernel(gu_ptr, amax_ptr, q_ptr, s_ptr, static_ptr, str
     if not STATIC:
         parts = tl.arange(0, BLOCK_C)
         amax = tl.max(tl.load(amax_ptr + row * CHUNKS + parts, mask=parts < CHUNKS, other=0.0), axis=0)
-    scale = _row_scale(amax, static_ptr, STATIC, MIN)
+    scale = row_scale(amax, static_ptr, STATIC, MIN)
     h, cols, mask = _silu_chunk(gu_ptr, row, stride_gu, chunk * CHUNK, INTER, CHUNK, gu_ptr.dtype.element_ty)
     tl.store(q_ptr + row * stride_q + cols, to_e4m3(h / scale), mask=mask)
     if chunk == 0:

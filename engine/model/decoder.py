@@ -14,8 +14,9 @@ from torch import nn
 from engine.kv_quant import KVScales
 from engine.model import torch_attention
 from engine.model.attention_metadata import AttentionMetadata
-from engine.model.decoder_layer import MLP, Attention, DecoderLayer, RMSNorm, RopeInputs
+from engine.model.decoder_layer import Attention, DecoderLayer, RMSNorm, RopeInputs
 from engine.model.fp8_linear import Fp8Linear
+from engine.model.mlp import MLP
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup, VocabParallelEmbedding
 from engine.model.rope import RotaryEmbedding

@@ -1,5 +1,5 @@
-"""One Llama-family decoder layer over a paged KV cache: its RMSNorms, attention and MLP (engine.model.decoder stacks
-them into the model).
+"""One Llama-family decoder layer over a paged KV cache: its RMSNorms and attention, around the MLP of engine.model.mlp
+(engine.model.decoder stacks the layers into the model).
 
 Module and parameter names are exactly the Hugging Face ones, so `engine.model.weights.load_weights` maps checkpoint
 tensors one to one. Differences between the architectures are config flags: q/k/v bias (Qwen2), q/k RMSNorm
@@ -35,7 +35,8 @@ from engine.kernels import interpreting
 from engine.model.attention import attend
 from engine.model.attention_metadata import AttentionMetadata
 from engine.model.fp8_linear import GEMV_ROWS, MM_ROWS, Fp8Linear, Fp8Rows
-from engine.model.kernel_linears import SKINNY_ROWS, fuse_linears, gated_linear, kernel_linear
+from engine.model.kernel_linears import SKINNY_ROWS, fuse_linears, kernel_linear
+from engine.model.mlp import MLP
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import TPGroup
 from engine.model.rope import apply_rope, rotate
@@ -202,43 +203,6 @@ class Attention(nn.Module):
         qkv = kernel_linear(self.qkv_proj, x) if self.use_kernels else self.qkv_proj(x)
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         return q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
-        super().__init__()
-        self.tp = tp
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up_proj: nn.Linear | None = None  # set by fuse(): gate and up in one GEMM
-        self.use_kernels = False
-        self.cpu_fused = False  # SiLU-and-mul by engine.cpu_kernels.elementwise (use_cpu_elementwise)
-
-    def fuse(self) -> None:
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = gated_linear(self.gate_up_proj, x) if self.use_kernels else None  # a few rows: from the GEMV itself
-        if act is None:
-            act = self._activation(x)  # [T, I]
-        return self.down_proj(act) if self.tp is None else self.tp.row_parallel(self.down_proj, act)
-
-    def _activation(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
-        if self.use_kernels and isinstance(self.down_proj, Fp8Linear) and x.shape[0] > GEMV_ROWS:
-            from engine.kernels.fp8_quant import silu_mul_quant
-            return Fp8Rows(*silu_mul_quant(kernel_linear(self.gate_up_proj, x), self.down_proj.input_scale))
-        if self.use_kernels:
-            from engine.kernels.silu_mul import silu_and_mul
-            return silu_and_mul(kernel_linear(self.gate_up_proj, x))  # [T, 2I] -> [T, I]
-        if self.cpu_fused:
-            from engine.cpu_kernels.elementwise import silu_mul
-            return silu_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-            return nn.functional.silu(gate) * up
-        return nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 class DecoderLayer(nn.Module):
