@@ -223,6 +223,24 @@ def check_mm_args(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.
     return m, n, k
 
 
+def split_k_args(k: int, grid: tuple[int, int, int], block_n: int, block_m: int, block_k: int,
+                 semaphores: torch.Tensor | None, unused: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(K_SPLIT, partials, semaphores) of a launch over `grid` (N tiles, M tiles, SPLIT_K) of the kernels that sum
+    with mm_accumulate: each split's whole K tiles, float32 partials [SPLIT_K x tiles x BLOCK_N x BLOCK_M], and the
+    caller's `semaphores` (int32, zero, one a tile) when they suffice, else zeroed ones. With one split the two
+    tensors are `unused` (pointers the kernel never reads)."""
+    split_k = grid[2]
+    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    if split_k == 1:
+        return k_split, unused, unused
+    tiles = grid[0] * grid[1]
+    part = torch.empty((split_k * tiles * block_n * block_m,), dtype=torch.float32, device=unused.device)
+    sems = semaphores
+    if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != unused.device:
+        sems = torch.zeros((tiles,), dtype=torch.int32, device=unused.device)
+    return k_split, part, sems
+
+
 def fp8_gemv(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              config: tuple[int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
@@ -269,14 +287,7 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
         if not isinstance(split_k, int) or split_k < 1:
             raise ValueError(f"SPLIT_K must be a positive int, got {split_k!r}")
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
-        k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-        part = sems = out  # unused pointers with one split
-        if split_k > 1:
-            tiles = grid[0] * grid[1]
-            part = torch.empty((split_k * tiles * block_n * block_m,), dtype=torch.float32, device=x.device)
-            sems = semaphores
-            if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != x.device:
-                sems = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+        k_split, part, sems = split_k_args(k, grid, block_n, block_m, block_k, semaphores, out)
         w_arg = weight
         if w_tma:  # a tensor descriptor needs a 16-byte aligned base and row stride
             if weight.data_ptr() % 16 or weight.stride(0) % 16:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import interpreting
-from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config
+from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config, split_k_args
 from engine.kernels.kv_store import check_kv_args, check_scales, to_cache
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.rope import check_rope_args, rotate_halves, round_to
@@ -139,14 +139,7 @@ def fp8_mm_rope_store(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Ten
         return out
     block_n, block_m, block_k, warps, stages, split_k = config
     grid = (n // block_n, triton.cdiv(m, block_m), split_k)
-    k_split = triton.cdiv(triton.cdiv(hidden, split_k), block_k) * block_k
-    part = sems = out  # unused pointers with one split
-    if split_k > 1:
-        tiles = grid[0] * grid[1]
-        part = torch.empty((split_k * tiles * block_n * block_m,), dtype=torch.float32, device=x.device)
-        sems = semaphores
-        if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != x.device:
-            sems = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+    k_split, part, sems = split_k_args(hidden, grid, block_n, block_m, block_k, semaphores, out)
     _fp8_mm_rope_store_kernel[grid](
         x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, part, sems, positions, cos, sin,
         kv_layer, slots, float(k_scale), float(v_scale), m, hidden, k_split, x.stride(0), weight.stride(0),

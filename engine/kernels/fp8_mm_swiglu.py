@@ -17,7 +17,7 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.e4m3 import to_e4m3
-from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config
+from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config, split_k_args
 from engine.kernels.fp8_quant import MIN_SCALE, SPLIT_CHUNK, row_scale, swiglu
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
@@ -124,14 +124,7 @@ def fp8_mm_swiglu_quant(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.T
     h = torch.empty((m, inter), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(inter, block_n // 2), triton.cdiv(m, block_m), split_k)
     amax = torch.empty((m, grid[0]), dtype=torch.float32, device=x.device)
-    k_split = triton.cdiv(triton.cdiv(hidden, split_k), block_k) * block_k
-    part = sems = h  # unused pointers with one split
-    if split_k > 1:
-        tiles = grid[0] * grid[1]
-        part = torch.empty((split_k * tiles * block_n * block_m,), dtype=torch.float32, device=x.device)
-        sems = semaphores
-        if sems is None or sems.numel() < tiles or sems.dtype != torch.int32 or sems.device != x.device:
-            sems = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+    k_split, part, sems = split_k_args(hidden, grid, block_n, block_m, block_k, semaphores, h)
     _fp8_mm_swiglu_kernel[grid](
         x, x_scales, weight, w_scales, bias if bias is not None else w_scales, h, amax, part, sems, m, hidden,
         k_split, inter, x.stride(0), weight.stride(0), h.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
