@@ -16,6 +16,8 @@ Two kernels for the sizes a decode step has (engine.model.fp8_linear picks per M
   walks K; the weight is read once per BLOCK_M tokens. Each BLOCK_K tile's MMA result is added to a float32
   accumulator outside the MMA ("promotion"): Hopper's FP8 MMAs keep about 14 bits while they accumulate (DeepSeek-V3's
   report), which over K = 4096 left 3.5e-3 of the largest output as error on an H200; torch._scaled_mm promotes too.
+fp8_mm's main loop (`mm_accumulate`) and its split-K meeting (`meet_splits`, `split_k_args`) are shared with the
+kernels that put more into its epilogue: engine.kernels.fp8_mm_rope (RoPE and the KV store) and fp8_mm_swiglu.
 Launch parameters come from shapes alone (CUDA-graph safe), from the table `FP8_MM_CONFIGS` measured on an H200
 (benchmarks/fp8_gpu.py gemm-sweep). Under TRITON_INTERPRET=1 (CPU CI) the dot upcasts its operands to float32: the
 interpreter's tl.dot on narrow floats is not exact.
@@ -195,7 +197,7 @@ def mm_config(m: int, n: int, k: int, sms: int, wide: bool = True) -> tuple[int,
 
 
 def check_mm_args(x: torch.Tensor, x_scales: torch.Tensor | None, weight: torch.Tensor, w_scales: torch.Tensor,
-           bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, int, int]:
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, int, int]:
     check("x", x, 2, (FP8,) if x_scales is not None else (FP8, *OUT_DTYPES), inner_contiguous=True)
     if x.dtype == FP8 and x_scales is None:
         raise ValueError("e4m3 x needs its x_scales (only 16-bit x goes without: weight-only)")
