@@ -92,6 +92,22 @@ def test_fused_projection_is_fp8_mm_then_rope_and_store(m, kv_dtype, bias, pad):
     assert not (stored.float() == original[:, 1].permute(0, 2, 1, 3, 4)[written].float()).all(dim=(1, 2, 3)).any()
 
 
+def test_a_tile_that_holds_a_whole_head():
+    """D equal to the tile (Llama-3.2-1B's D = 64 on a GPU, 16 in the interpreter): one program a head, its pairs
+    the head's two halves whole."""
+    h, kvh, _, hidden = SHAPE
+    d = 64 if DEVICE == "cuda" else 16
+    args, cache = case(5, FP8, True, 1, seed=90, shape=(h, kvh, d, hidden))
+    expected = cache.clone()
+    fused = fp8_mm_rope_store(**args, kv_layer=cache[:, 1], k_scale=0.5, v_scale=2.0)
+    ref = unfused(args, expected[:, 1], 0.5, 2.0)
+    if DEVICE == "cpu":
+        assert same_bits(fused, ref) and same_bits(cache, expected)
+    else:
+        assert ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= 2 ** -7
+        assert ((cache.float() - expected.float()).abs().max() / expected.float().abs().max()).item() <= 2 ** -3
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_split_k_meets_on_the_callers_semaphores_and_leaves_them_zero(split_k):
     args, cache = case(16, FP8, True, 2, seed=70 + split_k)
