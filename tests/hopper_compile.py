@@ -21,6 +21,8 @@ from triton.compiler import ASTSource
 from engine.kernels import (
     decode_attention,
     fp8_gemm,
+    fp8_mm_rope,
+    fp8_mm_swiglu,
     fp8_quant,
     kv_store,
     qkv_rope,
@@ -54,6 +56,18 @@ def variants():
                                                   SPLIT_K=split, DOT_F32=False, W_TMA=tma),
                    {"x_ptr": F8, "w_ptr": weight, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32},
                    warps, 4)
+    mm = {"x_ptr": F8, "w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32}
+    for block_m, split in ((64, 1), (16, 2)):  # the qkv GEMM with RoPE and the KV store in its epilogue
+        yield (fp8_mm_rope._fp8_mm_rope_store_kernel, dict(H=32, KVH=8, D=128, BS=16, HAS_BIAS=False, BLOCK_N=64,
+                                                            BLOCK_M=block_m, BLOCK_K=256, SPLIT_K=split,
+                                                            DOT_F32=False), {**mm, "kv_ptr": F8, **ROPE}, 4, 4)
+    for block_n, block_m, block_k, warps, split in ((*fp8_gemm.WIDE_CONFIG[:1], 64, fp8_gemm.WIDE_CONFIG[1],
+                                                     fp8_gemm.WIDE_CONFIG[2], 1), (64, 16, 256, 4, 2)):
+        yield (fp8_mm_swiglu._fp8_mm_swiglu_kernel, dict(HAS_BIAS=False, BLOCK_N=block_n, BLOCK_M=block_m,
+                                                         BLOCK_K=block_k, SPLIT_K=split, DOT_F32=False),
+               {**mm, "amax_ptr": F32}, warps, 4)
+    yield (fp8_mm_swiglu._quant_by_maxima_kernel, dict(CHUNK=1024, BLOCK_P=128, STATIC=False, MIN=1e-12),
+           {"amax_ptr": F32, **QUANT}, 2, 3)
     yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
                                                   BLOCK_K=1024, SCALED=True, HAS_XS=False),
            {"w_ptr": F8, "kv_ptr": F8, "xs_ptr": F32, "ws_ptr": F32, **ROPE}, 2, 3)

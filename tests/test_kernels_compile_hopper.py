@@ -24,7 +24,7 @@ def test_decode_kernels_compile_for_hopper_with_their_pdl_wait():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) >= 54, out.stdout
+    assert len(rows) >= 69, out.stdout
     assert all(any(r["late"] and r["kernel"] == k for r in rows) for k in {r["kernel"] for r in rows})
     failed = [r for r in rows if "error" in r]
     assert not failed, json.dumps(failed, indent=1)
