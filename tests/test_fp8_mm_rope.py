@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.make_random_checkpoint import quantize_weight
 from engine.kernels.fp8_gemm import fp8_mm
-from engine.kernels.fp8_mm_rope import fp8_mm_rope_store, rope_launch
+from engine.kernels.fp8_mm_rope import fits_head, fp8_mm_rope_store, rope_launch
 from engine.kernels.rope import rope_and_store
 from engine.model.fp8_linear import FP8
 from engine.model.fp8_linear import quantize_rows as torch_quantize_rows
@@ -125,6 +125,9 @@ def test_split_k_meets_on_the_callers_semaphores_and_leaves_them_zero(split_k):
 def test_launch_keeps_its_tiles_inside_a_head_and_refuses_what_does_not_fit():
     if DEVICE == "cuda":  # the interpreter's launch is one small tile whatever the shape
         assert rope_launch(128, 64, 28672, 4096, 132)[0] == 64  # not the wide 128-row tiles this N would take
+        assert fits_head(128) and fits_head(64) and not fits_head(96)
+    else:
+        assert fits_head(32) and fits_head(16) and not fits_head(24)
     args, cache = case(2, torch.bfloat16, False, 0, seed=5)
     with pytest.raises(ValueError, match="head_dim"):
         fp8_mm_rope_store(**args, kv_layer=cache[:, 1], config=(24, 16, 32, 4, 1, 1))  # 24 does not divide D

@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels import interpreting
-from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config, split_k_args
+from engine.kernels.fp8_gemm import (
+    FP8_MM_CONFIGS,
+    check_mm_args,
+    meet_splits,
+    mm_accumulate,
+    mm_config,
+    split_k_args,
+)
 from engine.kernels.kv_store import check_kv_args, check_scales, to_cache
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.rope import check_rope_args, rotate_halves, round_to
@@ -102,9 +109,16 @@ def _rope_store_epilogue(acc, xs_ptr, ws_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr,
 
 def rope_launch(head_dim: int, m: int, n: int, k: int, sms: int) -> tuple[int, ...] | None:
     """fp8_mm's launch for these shapes (fp8_gemm.mm_config, never its wide tiles), or None where its tile does not
-    divide the head into pairs: then the projection and RoPE stay two launches (engine.model.decoder_layer)."""
+    divide the head into pairs."""
     config = mm_config(m, n, k, sms, wide=False)
     return config if head_dim % config[0] == 0 and config[0] % 2 == 0 else None
+
+
+def fits_head(head_dim: int) -> bool:
+    """Whether every launch rope_launch may pick divides a head of `head_dim` into pairs (the tiles depend on M
+    alone without wide ones); otherwise the projection and RoPE stay two launches (engine.model.decoder_layer)."""
+    tiles = [16] if interpreting() else [row[1] for row in FP8_MM_CONFIGS]
+    return all(head_dim % tile == 0 and tile % 2 == 0 for tile in tiles)
 
 
 def fp8_mm_rope_store(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,

@@ -182,12 +182,10 @@ class Attention(nn.Module):
         the store into its epilogue: quantized rows, on CUDA or the interpreter, a tile that divides the head."""
         if not isinstance(self.qkv_proj, Fp8Linear) or not isinstance(x, Fp8Rows):
             return False
-        m, k = x.q.shape
-        if not GEMV_ROWS < m <= min(MM_ROWS, ROPE_IN_MM_MAX_ROWS) or not (x.q.is_cuda or interpreting()):
+        if not GEMV_ROWS < x.q.shape[0] <= min(MM_ROWS, ROPE_IN_MM_MAX_ROWS) or not (x.q.is_cuda or interpreting()):
             return False
-        from engine.kernels.fp8_mm_rope import rope_launch
-        sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count if x.q.is_cuda else 4
-        return rope_launch(self.head_dim, m, self.qkv_proj.out_features, k, sms) is not None
+        from engine.kernels.fp8_mm_rope import fits_head
+        return fits_head(self.head_dim)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The part after attention: o [T, H, D] -> [T, hidden] (o_proj, then the all-reduce under TP)."""
