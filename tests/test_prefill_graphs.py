@@ -12,7 +12,12 @@ from engine.runner.rank_setup import blocks_for
 from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
-pytestmark = pytest.mark.gpu  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+# A padded step's padding tokens belong to no sequence: attention leaves their output rows unwritten (whatever the
+# buffer held), and numpy may overflow on them in the interpreter's kernels (squares, sums, inf * 0). Every row's
+# math is its own (activation quantization too is per row), so the real rows, which these tests check, are untouched.
+pytestmark = [pytest.mark.gpu,  # runs its GPU path on a CUDA device when there is one (tests/conftest.py)
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                         "ignore:invalid value encountered:RuntimeWarning")]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = (5, 17, 20, 3, 11)
@@ -48,11 +53,6 @@ def _llm(folder, graphs_tokens: int, **kw) -> LLM:
     return llm
 
 
-# A padded step's padding tokens belong to no sequence: attention leaves their output rows unwritten (whatever the
-# buffer held), and numpy may overflow on them in the interpreter's kernels (squares, sums, inf * 0). Every row's
-# math is its own (activation quantization too is per row), so the real rows, which this test checks, are untouched.
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                            "ignore:invalid value encountered:RuntimeWarning")
 def test_padded_prefill_steps_match_transformers(checkpoints):
     """First pass, all prompts at once: one step of 56 tokens in 5 chunks, replayed as bucket (64, 8): padding of
     both kinds (it fails if either padding write is left out). Second pass, one prompt at a time, first token only:
