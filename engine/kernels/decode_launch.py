@@ -35,13 +35,12 @@ class AttentionLaunch(NamedTuple):
 
 
 FEW_PAIRS = 64  # (sequence, KV head) pairs below which an fp8 cache takes the 4-warp launch
-# (tokens a tile, warps, stages) of launch_config's launches on a GPU (its docstring says why each), and whether they
-# load each tile's block ids a tile ahead (AttentionLaunch.blocks_ahead); module constants so that
-# benchmarks/step_ab.py can time a decode step with others (--set "engine.kernels.decode_launch.FP8_LAUNCH=(32,1,3)")
+# launch_config's launches on a GPU (its docstring says why each) as AttentionLaunch's fields from the first
+# (tokens a tile, warps, stages, ...): module constants, so that benchmarks/step_ab.py can time a decode step with
+# others (--set "engine.kernels.decode_launch.FP8_LAUNCH=(32,1,3,True,True,False,True)": blocks_ahead on)
 BF16_LAUNCH = (64, 4, 3)
 FP8_FEW_PAIRS_LAUNCH = (64, 4, 4)
 FP8_LAUNCH = (32, 1, 4)
-BLOCKS_AHEAD = False
 
 
 def launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool, pairs: int) -> AttentionLaunch:
@@ -60,8 +59,8 @@ def launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool, pairs: int
     if dtype == torch.float32 or head_dim > 128:
         return AttentionLaunch(32, 8, 2)
     if fp8_cache:
-        return AttentionLaunch(*(FP8_FEW_PAIRS_LAUNCH if pairs < FEW_PAIRS else FP8_LAUNCH), blocks_ahead=BLOCKS_AHEAD)
-    return AttentionLaunch(*BF16_LAUNCH, blocks_ahead=BLOCKS_AHEAD)
+        return AttentionLaunch(*(FP8_FEW_PAIRS_LAUNCH if pairs < FEW_PAIRS else FP8_LAUNCH))
+    return AttentionLaunch(*BF16_LAUNCH)
 
 
 def launch_choices(dtype: torch.dtype, head_dim: int, fp8_cache: bool) -> tuple[AttentionLaunch, ...]:
