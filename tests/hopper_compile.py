@@ -81,8 +81,7 @@ def variants():
                dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                     BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=merge,
                     WINDOW=0, DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, WHOLE_TILES=True,
-                    LAZY=AttentionLaunch._field_defaults["lazy"],
-                    BLOCKS_AHEAD=AttentionLaunch._field_defaults["blocks_ahead"]),
+                    LAZY=AttentionLaunch._field_defaults["lazy"]),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, warps, stages)
     yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3

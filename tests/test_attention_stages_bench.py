@@ -56,8 +56,6 @@ def test_attention_launches_are_parsed_or_refused_by_name(text):
     assert parse_launches("bf16:64x4x5,32x2x3") == {"bf16": (AttentionLaunch(64, 4, 5), AttentionLaunch(32, 2, 3))}
     assert parse_launches("fp8:32x1x5;bf16:64x4x4") == {"fp8": (AttentionLaunch(32, 1, 5),),
                                                         "bf16": (AttentionLaunch(64, 4, 4),)}
-    assert parse_launches("fp8:32x1x3a,32x1x4") == {"fp8": (AttentionLaunch(32, 1, 3, blocks_ahead=True),
-                                                            AttentionLaunch(32, 1, 4))}
 
 
 def test_the_split_cap_reaches_the_kernels_default_and_warm_up_only_above_the_cap():

@@ -110,10 +110,10 @@ def test_decode_attention_reads_an_fp8_cache(splits):
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_attention_whole_tiles_and_v_words_change_no_result(cache, splits):
-    """The kernel's faster paths (AttentionLaunch: whole tiles without masks, an fp8 V widened from int32 words,
-    each tile's block ids loaded a tile ahead) give what the kernel without them gives: contexts of whole 32-token
-    tiles, a partial last tile, one token, a sliding window starting inside a block. Equal bits in the interpreter;
-    on a GPU the builds differ and agree to float rounding."""
+    """The kernel's two faster paths (AttentionLaunch: whole tiles without masks, an fp8 V widened from int32
+    words) give what the kernel without them gives: contexts of whole 32-token tiles, a partial last tile, one
+    token, a sliding window starting inside a block. Equal bits in the interpreter; on a GPU the builds differ and
+    agree to float rounding."""
     gen = torch.Generator().manual_seed(5)
     bs, kvh, h, d, nb = 8, 2, 8, 32, 64
     contexts = [1, 32, 64, 100, 45]
@@ -128,10 +128,8 @@ def test_decode_attention_whole_tiles_and_v_words_change_no_result(cache, splits
     for window in (None, 27):
         outs = [decode_attention(q, kv, tables, lens, d ** -0.5, sliding_window=window, num_splits=splits,
                                  k_scale=K_SCALE, v_scale=V_SCALE,
-                                 launch=AttentionLaunch(32, 4, stages, whole_tiles=whole, v_words=words,
-                                                        blocks_ahead=ahead))
-                for whole in (False, True) for words in (False, True) for ahead in ((False, True) if whole else
-                                                                                    (False,))]
+                                 launch=AttentionLaunch(32, 4, stages, whole_tiles=whole, v_words=words))
+                for whole in (False, True) for words in (False, True)]
         for out in outs[1:]:
             if DEV.type == "cpu":
                 assert torch.equal(out, outs[0])

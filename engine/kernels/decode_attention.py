@@ -18,7 +18,7 @@ import triton.language as tl
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 from engine.kernels.decode_launch import AttentionLaunch, default_num_splits, launch_config, shuns_pdl
-from engine.kernels.decode_tiles import attend_kv, attend_tile, blocks_kv, merge_splits, tile_blocks, tile_kv
+from engine.kernels.decode_tiles import attend_kv, attend_tile, merge_splits, tile_kv
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -61,7 +61,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
     WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False, LAZY: tl.constexpr = False,
-    PDL_LATE: tl.constexpr = False, BLOCKS_AHEAD: tl.constexpr = False,
+    PDL_LATE: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -115,24 +115,10 @@ def _decode_split_kernel(
                     m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
                                               BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
                     first = start + BLOCK_N
-            if BLOCKS_AHEAD:  # each tile's block ids loaded one tile ahead: its K / V loads wait on no load of theirs
-                offs_n = tl.arange(0, BLOCK_N)
-                blk = tile_blocks(table_row, first, first + offs_n < end, BLOCK_SIZE, BLOCK_N, True)
-                for tile in range(first, whole_end, BLOCK_N):
-                    nxt = tile_blocks(table_row, tile + BLOCK_N, tile + BLOCK_N + offs_n < end, BLOCK_SIZE, BLOCK_N,
-                                      True)
-                    k, v = blocks_kv(kv_ptr, blk, head_off, tile, offs_n < BLOCK_N, stride_kv_blk, stride_kv_kv,
-                                     stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D,
-                                     V_WORDS)
-                    m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N,
-                                              HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
-                    blk = nxt
-            else:
-                for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
-                    m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
-                                                stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM,
-                                                BLOCK_D, BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS,
-                                                LAZY)
+            for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
+                m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
+                                            stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
+                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
             # the last, partial tile: an `if`, as a second loop would be pipelined too (one warp: 233 -> 255 registers)
             if whole_end < end:
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
@@ -205,7 +191,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     launch = AttentionLaunch(*(launch or launch_config(q.dtype, head_dim, fp8_cache, batch * num_kv_heads)))
-    block_n, num_warps, num_stages, whole_tiles, v_words, lazy, blocks_ahead = launch
+    block_n, num_warps, num_stages, whole_tiles, v_words, lazy = launch
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache,
                                               max(1, block_n // block_size))
     if splits > 1:
@@ -237,7 +223,6 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles,
         EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv), LAZY=lazy,
-        BLOCKS_AHEAD=whole_tiles and blocks_ahead,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     return out

@@ -20,24 +20,19 @@ class AttentionLaunch(NamedTuple):
     before tl.dot (engine.kernels.e4m3.widen_e4m3_words). Both are on in every launch the engine makes; with both
     off the kernel is the one before them, which benchmarks/fp8_gpu.py times as the reference. `lazy`: the online
     softmax's running max lags by up to 2^8 and acc is rescaled only when it moves that far (online_softmax); off:
-    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy on).
-    `blocks_ahead` (whole tiles only): each tile's block ids are loaded in the iteration before it, so its K / V
-    loads wait on no load of the same iteration and Triton's pipeliner gives them its stages of lead (sm_90 build of
-    the one-warp fp8 launch at 3 stages: `async_wait num = 2`, where the ids -> K / V chain leaves `num = 0` at 3 or
-    4 stages: no K / V read in flight while a tile computes)."""
+    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy on)."""
     block_n: int
     num_warps: int
     num_stages: int
     whole_tiles: bool = True
     v_words: bool = True
     lazy: bool = False
-    blocks_ahead: bool = False
 
 
 FEW_PAIRS = 64  # (sequence, KV head) pairs below which an fp8 cache takes the 4-warp launch
 # launch_config's launches on a GPU (its docstring says why each) as AttentionLaunch's fields from the first
 # (tokens a tile, warps, stages, ...): module constants, so that benchmarks/step_ab.py can time a decode step with
-# others (--set "engine.kernels.decode_launch.FP8_LAUNCH=(32,1,3,True,True,False,True)": blocks_ahead on)
+# others (--set "engine.kernels.decode_launch.FP8_LAUNCH=(32,1,3)")
 BF16_LAUNCH = (64, 4, 3)
 FP8_FEW_PAIRS_LAUNCH = (64, 4, 4)
 FP8_LAUNCH = (32, 1, 4)

@@ -34,43 +34,30 @@ def tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
     # The tile's block ids, then K [BLOCK_N, BLOCK_D] and V as stored (an fp8 cache's V as int32 words
     # [BLOCK_N, BLOCK_D / 4] with V_WORDS). GATED: every load also masked by the scalar `take` (none issued when it is
     # false; the kernel's early tile, loaded before its PDL wait).
-    t_mask = tile + tl.arange(0, BLOCK_N) < end
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    toks = tile + offs_n  # [BLOCK_N]
+    t_mask = toks < end
     if GATED:
         t_mask = t_mask & take
-    blk = tile_blocks(table_row, tile, t_mask, BLOCK_SIZE, BLOCK_N, MASKED or GATED)
-    return blocks_kv(kv_ptr, blk, head_off, tile, t_mask, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
-                     BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED or GATED, V_WORDS)
-
-
-@triton.jit
-def tile_blocks(table_row, tile, t_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    # [BLOCK_N] int64: the block id of each of the tile's tokens (0 where t_mask is false, with MASKED)
-    toks = tile + tl.arange(0, BLOCK_N)
-    if MASKED:
-        return tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    return tl.load(table_row + toks // BLOCK_SIZE).to(tl.int64)
-
-
-@triton.jit
-def blocks_kv(kv_ptr, blk, head_off, tile, t_mask, stride_kv_blk, stride_kv_kv, stride_kv_tok,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, V_WORDS: tl.constexpr):
-    # K and V (tile_kv's) of the tile's tokens, whose block ids `blk` [BLOCK_N] are known
-    offs_d = tl.arange(0, BLOCK_D)
-    row = blk * stride_kv_blk + ((tile + tl.arange(0, BLOCK_N)) % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
+    if MASKED or GATED:
+        blk = tl.load(table_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table_row + toks // BLOCK_SIZE).to(tl.int64)
+    row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
     kv_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if MASKED:
+    if MASKED or GATED:
         k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     else:
         k = tl.load(kv_ptr + row[:, None] + offs_d[None, :])
     if V_WORDS:  # an fp8 cache's V rows as int32 words, widened before tl.dot transposes them (e4m3.py)
         offs_w = tl.arange(0, BLOCK_D // 4)
         words_ptr = (kv_ptr + stride_kv_kv + row[:, None]).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
-        if MASKED:
+        if MASKED or GATED:
             v = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
         else:
             v = tl.load(words_ptr)
-    elif MASKED:
+    elif MASKED or GATED:
         v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
         v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :])
