@@ -12,6 +12,7 @@ import torch
 
 from benchmarks.make_random_checkpoint import quantize_folder, quantize_weight
 from engine import LLM, SamplingParams
+from engine.kernels import fp8_gemm
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
 from engine.kernels.fp8_quant import SPLIT_CHUNK, SPLIT_ROWS, quantize_rows, rms_norm_quant, silu_mul_quant
 from engine.kernels.rms_norm import rms_norm
@@ -247,6 +248,19 @@ def test_fused_fp8_qkv_rope_store_is_the_gemv_then_rope_and_store(kv_dtype):
 
 def test_thresholds_order_the_paths():
     assert 1 <= fp8_linear.GEMV_ROWS < fp8_linear.MM_ROWS
+
+
+def test_launch_rules_by_how_many_tiles_an_sm_gets(monkeypatch):
+    """fp8_mm's launch on a 132-SM GPU: K split where the tiles leave SMs idle, fewer stages where they are more
+    than one a SM but fewer than two, the table's own otherwise (the 70B and 8B projections at M = 4)."""
+    monkeypatch.setattr(fp8_gemm, "interpreting", lambda: False)
+    stages = fp8_gemm.FP8_MM_CONFIGS[0][5]
+    assert fp8_gemm.mm_config(4, 10240, 8192, 132) == (64, 16, 256, 4, fp8_gemm.OVER_ONE_WAVE_STAGES, 1)  # 160 tiles
+    assert fp8_gemm.mm_config(4, 8192, 8192, 132) == (64, 16, 256, 4, stages, 1)  # 128 tiles: one wave
+    assert fp8_gemm.mm_config(4, 57344, 8192, 132) == (64, 16, 256, 4, stages, 1)  # 896 tiles
+    assert fp8_gemm.mm_config(4, 4096, 4096, 132) == (64, 16, 256, 4, stages, 2)  # 64 tiles, K split
+    wide_n, wide_k, wide_warps, wide_stages = fp8_gemm.WIDE_CONFIG  # 8B gate_up at 64 rows: its own stages
+    assert fp8_gemm.mm_config(64, 28672, 4096, 132) == (wide_n, 64, wide_k, wide_warps, wide_stages, 1)
 
 
 @pytest.mark.parametrize("m", [5, 64])
