@@ -16,9 +16,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
-from engine.kernels.e4m3 import to_e4m3
 from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config, split_k_args
-from engine.kernels.fp8_quant import MIN_SCALE, SPLIT_CHUNK, row_scale, swiglu
+from engine.kernels.fp8_quant import MIN_SCALE, SPLIT_CHUNK, scale_from_maxima, store_quantized_chunk, swiglu
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 FP8 = torch.float8_e4m3fn
@@ -81,17 +80,11 @@ def _quant_by_maxima_kernel(h_ptr, amax_ptr, q_ptr, s_ptr, static_ptr, stride_h,
     dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    amax = 0.0
-    if not STATIC:
-        parts = tl.arange(0, BLOCK_P)
-        amax = tl.max(tl.load(amax_ptr + row * PARTS + parts, mask=parts < PARTS, other=0.0), axis=0)
-    scale = row_scale(amax, static_ptr, STATIC, MIN)
+    scale = scale_from_maxima(amax_ptr, row, PARTS, BLOCK_P, static_ptr, STATIC, MIN)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + row * stride_q + cols, to_e4m3(h / scale), mask=mask)
-    if chunk == 0:
-        tl.store(s_ptr + row, scale)
+    store_quantized_chunk(q_ptr, s_ptr, row, stride_q, cols, mask, h, scale, chunk)
 
 
 def fp8_mm_swiglu_quant(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,

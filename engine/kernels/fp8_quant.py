@@ -46,6 +46,25 @@ def row_scale(amax, static_ptr, STATIC: tl.constexpr, MIN: tl.constexpr):
 
 
 @triton.jit
+def scale_from_maxima(amax_ptr, row, PARTS, BLOCK_P: tl.constexpr, static_ptr, STATIC: tl.constexpr,
+                      MIN: tl.constexpr):
+    # a row's scale (row_scale) from its PARTS partial maxima amax [rows, PARTS], or the static one
+    amax = 0.0
+    if not STATIC:
+        parts = tl.arange(0, BLOCK_P)
+        amax = tl.max(tl.load(amax_ptr + row * PARTS + parts, mask=parts < PARTS, other=0.0), axis=0)
+    return row_scale(amax, static_ptr, STATIC, MIN)
+
+
+@triton.jit
+def store_quantized_chunk(q_ptr, s_ptr, row, stride_q, cols, mask, h, scale, chunk):
+    # h [CHUNK] float32 of the row's chunk at `cols` quantized by `scale`; chunk 0 also writes the scale
+    tl.store(q_ptr + row * stride_q + cols, to_e4m3(h / scale), mask=mask)
+    if chunk == 0:
+        tl.store(s_ptr + row, scale)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, N: tl.constexpr,
                        BLOCK_N: tl.constexpr, STATIC: tl.constexpr, MIN: tl.constexpr, PDL: tl.constexpr,
                        PDL_LATE: tl.constexpr = False):
@@ -147,15 +166,9 @@ def _silu_mul_quant_split_kernel(gu_ptr, amax_ptr, q_ptr, s_ptr, static_ptr, str
     dependents_may_start(PDL, PDL_LATE)  # one short pass: no loop to wait for
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    amax = 0.0
-    if not STATIC:
-        parts = tl.arange(0, BLOCK_C)
-        amax = tl.max(tl.load(amax_ptr + row * CHUNKS + parts, mask=parts < CHUNKS, other=0.0), axis=0)
-    scale = row_scale(amax, static_ptr, STATIC, MIN)
+    scale = scale_from_maxima(amax_ptr, row, CHUNKS, BLOCK_C, static_ptr, STATIC, MIN)
     h, cols, mask = _silu_chunk(gu_ptr, row, stride_gu, chunk * CHUNK, INTER, CHUNK, gu_ptr.dtype.element_ty)
-    tl.store(q_ptr + row * stride_q + cols, to_e4m3(h / scale), mask=mask)
-    if chunk == 0:
-        tl.store(s_ptr + row, scale)
+    store_quantized_chunk(q_ptr, s_ptr, row, stride_q, cols, mask, h, scale, chunk)
 
 
 def _outputs(t: int, k: int, device: torch.device, input_scale: torch.Tensor | None
