@@ -251,16 +251,17 @@ def test_thresholds_order_the_paths():
 
 
 def test_launch_rules_by_how_many_tiles_an_sm_gets(monkeypatch):
-    """fp8_mm's launch on a 132-SM GPU: K split where the tiles leave SMs idle, fewer stages where they are more
-    than one a SM but fewer than two, the table's own otherwise (the 70B and 8B projections at M = 4)."""
+    """fp8_mm's launch on a 132-SM GPU (the 70B and 8B projections): K split where the tiles leave SMs idle, wide
+    tiles for a wide weight at 32 rows and more, the table's own otherwise."""
     monkeypatch.setattr(fp8_gemm, "interpreting", lambda: False)
     stages = fp8_gemm.FP8_MM_CONFIGS[0][5]
-    assert fp8_gemm.mm_config(4, 10240, 8192, 132) == (64, 16, 256, 4, fp8_gemm.OVER_ONE_WAVE_STAGES, 1)  # 160 tiles
-    assert fp8_gemm.mm_config(4, 8192, 8192, 132) == (64, 16, 256, 4, stages, 1)  # 128 tiles: one wave
+    assert fp8_gemm.mm_config(4, 10240, 8192, 132) == (64, 16, 256, 4, stages, 1)  # 160 tiles
     assert fp8_gemm.mm_config(4, 57344, 8192, 132) == (64, 16, 256, 4, stages, 1)  # 896 tiles
-    assert fp8_gemm.mm_config(4, 4096, 4096, 132) == (64, 16, 256, 4, stages, 2)  # 64 tiles, K split
-    wide_n, wide_k, wide_warps, wide_stages = fp8_gemm.WIDE_CONFIG  # 8B gate_up at 64 rows: its own stages
+    assert fp8_gemm.mm_config(4, 4096, 4096, 132) == (64, 16, 256, 4, stages, 2)  # 64 tiles: K split
+    assert fp8_gemm.mm_config(16, 4096, 14336, 132) == (64, 16, 256, 4, stages, 2)
+    wide_n, wide_k, wide_warps, wide_stages = fp8_gemm.WIDE_CONFIG  # 8B gate_up at 64 rows
     assert fp8_gemm.mm_config(64, 28672, 4096, 132) == (wide_n, 64, wide_k, wide_warps, wide_stages, 1)
+    assert fp8_gemm.mm_config(16, 28672, 4096, 132)[:2] == (64, 16)  # narrow tiles below WIDE_MIN_BLOCK_M
 
 
 @pytest.mark.parametrize("m", [5, 64])

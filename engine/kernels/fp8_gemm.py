@@ -166,12 +166,6 @@ FP8_MM_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
 )
 WIDE_CONFIG = (128, 128, 8, 4)  # BLOCK_N, BLOCK_K, num_warps, num_stages; BLOCK_M as FP8_MM_CONFIGS'
 WIDE_MIN_BLOCK_M = 32
-# Pipeline stages of an unsplit launch whose tiles are more than one per SM but fewer than two (Llama-3-70B's q/k/v,
-# N = 10,240: 160 tiles of 64 rows for 132 SMs). H100, 70B shape, M = 4 (`SWEEP_ARGS="--shape llama-3-70b --ms 4"
-# bash benchmarks/gpu_run.sh fp8sweep`, 3c4ecbe): q/k/v 0.0303 ms on 3 stages against 0.0344 on 4 (floor 0.0276);
-# o, gate_up and down, which have one tile a SM or fewer or two and more, were slower on 3 (0.0249 / 0.154 / 0.0819
-# against 0.0240 / 0.152 / 0.0776).
-OVER_ONE_WAVE_STAGES = 3
 
 
 def gemv_config(m: int, k: int) -> tuple[int, int, int]:
@@ -198,8 +192,6 @@ def mm_config(m: int, n: int, k: int, sms: int, wide: bool = True) -> tuple[int,
                 return wide_n, block_m, wide_k, wide_warps, wide_stages, 1
             tiles = triton.cdiv(n, block_n) * m_tiles
             split = max(1, min(MAX_SPLIT_K, sms // tiles, k // (2 * block_k)))
-            if split == 1 and sms < tiles < 2 * sms:
-                stages = OVER_ONE_WAVE_STAGES
             return block_n, block_m, block_k, warps, stages, split
     raise AssertionError("FP8_MM_CONFIGS' last row covers every M")
 
