@@ -11,7 +11,9 @@ each one pass over the activations, so quantizing costs no extra trip through de
 - `silu_mul_quant`: engine.kernels.silu_mul's SwiGLU, quantized (before down_proj); for a decode step's few rows
   a row is spread over many programs in two launches (its chunks' maxima, then the quantized chunks), since one
   program a row left the GPU nearly idle (8.4 us a layer at one row on an H200).
-Each returns (x_q [T, K] float8_e4m3fn, scales [T, 1] float32).
+Each returns (x_q [T, K] float8_e4m3fn, scales [T, 1] float32). The device functions of a row's scale and of the
+SwiGLU (row_scale, scale_from_maxima, swiglu, store_quantized_chunk) are shared with engine.kernels.fp8_mm_swiglu,
+whose second launch quantizes like silu_mul_quant's.
 """
 
 from __future__ import annotations
