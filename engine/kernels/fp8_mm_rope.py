@@ -111,14 +111,19 @@ def rope_launch(head_dim: int, m: int, n: int, k: int, sms: int) -> tuple[int, .
     """fp8_mm's launch for these shapes (fp8_gemm.mm_config, never its wide tiles), or None where its tile does not
     divide the head into pairs."""
     config = mm_config(m, n, k, sms, wide=False)
-    return config if head_dim % config[0] == 0 and config[0] % 2 == 0 else None
+    return config if _pairs_in_head(head_dim, config[0]) else None
 
 
 def fits_head(head_dim: int) -> bool:
     """Whether every launch rope_launch may pick divides a head of `head_dim` into pairs (the tiles depend on M
     alone without wide ones); otherwise the projection and RoPE stay two launches (engine.model.decoder_layer)."""
     tiles = [16] if interpreting() else [row[1] for row in FP8_MM_CONFIGS]
-    return all(head_dim % tile == 0 and tile % 2 == 0 for tile in tiles)
+    return all(_pairs_in_head(head_dim, tile) for tile in tiles)
+
+
+def _pairs_in_head(head_dim: int, block_n: int) -> bool:
+    # a tile of block_n weight rows holds whole pairs (j, j + D/2) of one head: an even divisor of D
+    return head_dim % block_n == 0 and block_n % 2 == 0
 
 
 def fp8_mm_rope_store(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
