@@ -127,20 +127,22 @@ def attention_variants(bandwidth: float, batch: int = 16, context: int = 8000, r
 
 
 def parse_launches(text: str) -> dict[str, tuple[AttentionLaunch, ...]]:
-    """--launches "fp8:32x1x4,16x2x4;bf16:64x4x5" (tokens a tile x warps x stages, caches apart by ";") ->
-    {"fp8": launches, "bf16": launches}; anything else refused, a cache named twice too."""
+    """--launches "fp8:32x1x4,32x1x4s;bf16:64x4x5" (tokens a tile x warps x stages, an `s` after the stages for
+    the swapped form (AttentionLaunch.swapped), caches apart by ";") -> {"fp8": launches, "bf16": launches};
+    anything else refused, a cache named twice too."""
     parsed: dict[str, tuple[AttentionLaunch, ...]] = {}
     for group in text.split(";"):
         cache, _, launches = group.partition(":")
         found = []
         for launch in launches.split(","):
-            values = launch.split("x")
+            swapped = launch.endswith("s")
+            values = launch.removesuffix("s").split("x")
             if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values):
                 found = []
                 break
-            found.append(AttentionLaunch(*(int(v) for v in values)))
+            found.append(AttentionLaunch(*(int(v) for v in values), swapped=swapped))
         if cache not in ("bf16", "fp8") or not found or cache in parsed:
-            raise SystemExit(f"--launches: {group!r} of {text!r} is not CACHE:NxWxS,... with CACHE bf16 or fp8 "
+            raise SystemExit(f"--launches: {group!r} of {text!r} is not CACHE:NxWxS[s],... with CACHE bf16 or fp8 "
                              "(each once) and positive numbers")
         parsed[cache] = tuple(found)
     return parsed

@@ -75,10 +75,14 @@ def variants():
                                                   BLOCK_K=4096, SCALED=False, HAS_XS=False),
            {"xs_ptr": "*bf16", "ws_ptr": "*bf16", **ROPE}, 8, 3)
     # launch_config's launches; the one-warp launch merges at most 4 splits at a time (decode_attention.MERGE_TILE)
-    for cache, block_n, warps, stages, splits, merge in (("*bf16", 64, 4, 3, 4, 4), (F8, 64, 4, 4, 16, 16),
-                                                         (F8, 32, 1, 4, 16, 4)):
+    # and the one-warp launch swapped (AttentionLaunch.swapped: 8 columns of heads)
+    for cache, block_n, warps, stages, splits, merge, swapped in (("*bf16", 64, 4, 3, 4, 4, False),
+                                                                  (F8, 64, 4, 4, 16, 16, False),
+                                                                  (F8, 32, 1, 4, 16, 4, False),
+                                                                  (F8, 32, 1, 4, 16, 4, True)):
         yield (decode_attention._decode_split_kernel,
-               dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
+               dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=8 if swapped else 16, HEAD_DIM=128, BLOCK_D=128,
+                    BLOCK_SIZE=16, SWAPPED=swapped,
                     BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=block_n // 16, MERGE_G=4, MERGE_S=merge,
                     WINDOW=0, DOT_F32=False, WIDEN_F16=cache == F8, V_WORDS=cache == F8, WHOLE_TILES=True,
                     LAZY=AttentionLaunch._field_defaults["lazy"]),
@@ -116,7 +120,7 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl, "late": late,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED",
-                                                                          "V_WORDS")}}
+                                                                          "V_WORDS", "SWAPPED")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)

@@ -49,13 +49,15 @@ def test_a_bad_stages_argument_is_refused_by_name(text):
 
 
 @pytest.mark.parametrize("text", ["fp9:32x1x4", "fp8:32x1", "fp8:", "fp8:32x0x4", "fp8:32x1x4,",
-                                  "fp8:32x1x4;fp8:32x1x5", "fp8:32x1x4;"])
+                                  "fp8:32x1x4;fp8:32x1x5", "fp8:32x1x4;", "fp8:32x1x4ss", "fp8:32sx1x4"])
 def test_attention_launches_are_parsed_or_refused_by_name(text):
     with pytest.raises(SystemExit, match="--launches"):
         parse_launches(text)
     assert parse_launches("bf16:64x4x5,32x2x3") == {"bf16": (AttentionLaunch(64, 4, 5), AttentionLaunch(32, 2, 3))}
     assert parse_launches("fp8:32x1x5;bf16:64x4x4") == {"fp8": (AttentionLaunch(32, 1, 5),),
                                                         "bf16": (AttentionLaunch(64, 4, 4),)}
+    assert parse_launches("fp8:32x1x4s,32x1x4") == {"fp8": (AttentionLaunch(32, 1, 4, swapped=True),
+                                                            AttentionLaunch(32, 1, 4))}
 
 
 def test_the_split_cap_reaches_the_kernels_default_and_warm_up_only_above_the_cap():

@@ -136,6 +136,36 @@ def test_decode_attention_whole_tiles_and_v_words_change_no_result(cache, splits
             else:
                 torch.testing.assert_close(out, outs[0], atol=2e-3, rtol=2e-2)
 
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_attention_swapped_tiles_equal_the_unswapped(cache, group):
+    """The swapped launch (AttentionLaunch.swapped: K . q^T and V^T . P^T) computes what the usual one does, with
+    the exact and the lazy softmax, one split and three, a sliding window, the early first tile; GQA groups of 1, 4
+    and 8 heads (padded to the MMA's 8 columns or filling them). Both within float rounding of the reference over the
+    dequantized cache."""
+    gen = torch.Generator().manual_seed(7 + group)
+    bs, kvh, d, nb = 8, 2, 32, 64
+    contexts = [1, 32, 64, 100, 45]
+    tables = make_tables(gen, contexts, bs, 14, nb)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    if cache == "fp8":
+        kv, deq = _fp8_cache(gen, nb, bs, kvh, d)
+        scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    else:
+        kv = deq = torch.randn(nb, 2, bs, kvh, d, generator=gen).to(torch.bfloat16).to(DEV)
+        scales = {}
+    q = torch.randn(len(contexts), group * kvh, d, generator=gen).to(torch.bfloat16).to(DEV)
+    stages = 1 if DEV.type == "cpu" else 3
+    for window, splits, lazy, early in ((None, 1, False, False), (27, 3, False, True), (None, 3, True, False)):
+        outs = [decode_attention(q, kv, tables, lens, d ** -0.5, sliding_window=window, num_splits=splits,
+                                 launch=AttentionLaunch(32, 1, stages, lazy=lazy, swapped=swapped), early_kv=early,
+                                 **scales) for swapped in (False, True)]
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-2)
+        for i, ctx in enumerate(contexts):
+            want = reference(q[i:i + 1], deq, tables[i], ctx, d ** -0.5, window)[0]
+            assert (outs[1][i].double() - want).abs().max() < 2e-2
+
+
 def test_prefill_attention_reads_an_fp8_cache():
     gen = torch.Generator().manual_seed(3)
     bs, kvh, h, d, nb = 8, 2, 4, 32, 24

@@ -61,7 +61,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
     WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False, LAZY: tl.constexpr = False,
-    PDL_LATE: tl.constexpr = False,
+    PDL_LATE: tl.constexpr = False, SWAPPED: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
@@ -97,8 +97,12 @@ def _decode_split_kernel(
         heads = kvh * GROUP + offs_g  # [BLOCK_G]
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        if SWAPPED:  # q^T: the MMAs' 16-row side is the tile's tokens (online_softmax)
+            q = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + offs_d[:, None],
+                        mask=g_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_G]
+        else:
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
         if DOT_F32:
             q = q.to(tl.float32)
         elif WIDEN_F16:  # an fp8 cache: e4m3 widens to float16 in one instruction (bfloat16 takes several)
@@ -106,31 +110,34 @@ def _decode_split_kernel(
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_D, BLOCK_G] if SWAPPED else [BLOCK_G, BLOCK_D], tl.float32)
         if WHOLE_TILES:
             whole_end = start + (end - start) // BLOCK_N * BLOCK_N
             first = start
             if EARLY_KV:
                 if early:  # the loop's first tile, from the registers it was loaded into
                     m_i, l_i, acc = attend_kv(q, m_i, l_i, acc, k_early, v_early, start, end, qk_scale, BLOCK_D,
-                                              BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
+                                              BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY, SWAPPED)
                     first = start + BLOCK_N
             for tile in range(first, whole_end, BLOCK_N):  # whole tiles, no masks (when the head fills BLOCK_D)
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY)
+                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY,
+                                            SWAPPED)
             # the last, partial tile: an `if`, as a second loop would be pipelined too (one warp: 233 -> 255 registers)
             if whole_end < end:
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY)
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY, SWAPPED)
         else:  # every tile masked (the kernel before whole tiles: benchmarks time it as the reference)
             for tile in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY)
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY, SWAPPED)
 
         dependents_may_start(PDL, PDL_LATE)  # the slice is read: the output and the splits' merge are left
+        if SWAPPED:
+            acc = tl.trans(acc)  # [BLOCK_G, BLOCK_D], once a program
         has = l_i > 0  # false only for context 0 with one split
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]  # acc is 0 where empty -> zeros
@@ -191,7 +198,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     launch = AttentionLaunch(*(launch or launch_config(q.dtype, head_dim, fp8_cache, batch * num_kv_heads)))
-    block_n, num_warps, num_stages, whole_tiles, v_words, lazy = launch
+    block_n, num_warps, num_stages, whole_tiles, v_words, lazy, swapped = launch
     splits = num_splits or default_num_splits(batch, num_kv_heads, block_tables.shape[1], dev, fp8_cache,
                                               max(1, block_n // block_size))
     if splits > 1:
@@ -215,13 +222,15 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * k_scale * LOG2E, v_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, merge_g),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        # the MMA's rows (16) or, swapped, its columns (8): a group of fewer heads is padded with masked ones
+        BLOCK_G=max(8 if swapped else 16, merge_g),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=splits, MIN_SPLIT_BLOCKS=max(1, block_n // block_size), MERGE_G=merge_g,
         MERGE_S=max(1, min(triton.next_power_of_2(splits), MERGE_TILE * num_warps // 4 // (merge_g * block_d))),
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
-        WHOLE_TILES=whole_tiles,
+        WHOLE_TILES=whole_tiles, SWAPPED=swapped,
         EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv), LAZY=lazy,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )

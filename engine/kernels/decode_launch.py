@@ -20,13 +20,16 @@ class AttentionLaunch(NamedTuple):
     before tl.dot (engine.kernels.e4m3.widen_e4m3_words). Both are on in every launch the engine makes; with both
     off the kernel is the one before them, which benchmarks/fp8_gpu.py times as the reference. `lazy`: the online
     softmax's running max lags by up to 2^8 and acc is rescaled only when it moves that far (online_softmax); off:
-    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy on)."""
+    on an H100 it made the fp8 cache's batch-64 step 1% slower (benchmarks/attention_stages.py --lazy on).
+    `swapped`: each tile's scores and the output are computed transposed (K . q^T, V^T . P^T: online_softmax), so the
+    MMAs' 16-row side is the tile's tokens rather than a GQA group of 4-8 heads padded to 16."""
     block_n: int
     num_warps: int
     num_stages: int
     whole_tiles: bool = True
     v_words: bool = True
     lazy: bool = False
+    swapped: bool = False
 
 
 FEW_PAIRS = 64  # (sequence, KV head) pairs below which an fp8 cache takes the 4-warp launch
@@ -36,6 +39,8 @@ FEW_PAIRS = 64  # (sequence, KV head) pairs below which an fp8 cache takes the 4
 BF16_LAUNCH = (64, 4, 3)
 FP8_FEW_PAIRS_LAUNCH = (64, 4, 4)
 FP8_LAUNCH = (32, 1, 4)
+# the programs an fp8 cache's split count aims for per SM (programs_per_sm), as a constant for step_ab.py too
+FP8_PROGRAMS_PER_SM = 8
 
 
 def launch_config(dtype: torch.dtype, head_dim: int, fp8_cache: bool, pairs: int) -> AttentionLaunch:
@@ -81,7 +86,7 @@ def programs_per_sm(fp8_cache: bool) -> int:
     0.137 ms against 0.149 with 4; 16 / 8k 4 splits, 0.140 against 0.150 with 16). An fp8 cache: ~8, what its
     one-warp programs fit a SM (efc6d46, graphs: 64 / 2k 2 splits 0.0932 ms, 4 splits 0.0991, 8 0.1029; 16 / 8k
     8 splits 0.0909, 16 0.1027); at batch 1 the tile count caps it (64-token tiles at 1 / 1k: 16 splits)."""
-    return 8 if fp8_cache else 2
+    return FP8_PROGRAMS_PER_SM if fp8_cache else 2
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, sms: int, fp8_cache: bool = False,

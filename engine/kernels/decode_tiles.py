@@ -17,14 +17,16 @@ from engine.kernels.online_softmax import softmax_step, tile_scores
 def attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
                 stride_kv_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr,
-                LAZY: tl.constexpr):
+                LAZY: tl.constexpr, SWAPPED: tl.constexpr):
     # One tile of BLOCK_N tokens from `tile` on: the online softmax's state (m_i, l_i [BLOCK_G], acc [BLOCK_G,
-    # BLOCK_D]) updated with its keys and values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
+    # BLOCK_D]; SWAPPED: q [BLOCK_D, BLOCK_G] and acc [BLOCK_D, BLOCK_G], online_softmax) updated with its keys and
+    # values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
     # are masked; a whole tile skips every mask and select (the sm_90 build's loop: 1,083 -> 898 instructions on an
     # fp8 cache, 444 -> 383 on bf16).
     k, v = tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
                    BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
-    return attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS, LAZY)
+    return attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS, LAZY,
+                     SWAPPED)
 
 
 @triton.jit
@@ -66,16 +68,19 @@ def tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
 
 @triton.jit
 def attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr, LAZY: tl.constexpr):
-    # attend_tile's arithmetic on a tile's loaded K / V (tile_kv); LAZY: online_softmax's lagging max
+              MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr, LAZY: tl.constexpr,
+              SWAPPED: tl.constexpr):
+    # attend_tile's arithmetic on a tile's loaded K / V (tile_kv); LAZY: online_softmax's lagging max; SWAPPED: the
+    # transposed step (q, acc and the scores transposed: online_softmax)
     if V_WORDS:
         v = widen_e4m3_words(v, BLOCK_N, BLOCK_D, not DOT_F32)  # [BLOCK_N, BLOCK_D] float16
     k = k.to(q.dtype)  # no-ops unless the cache is fp8 or q float32 (fp8 scales folded into qk_scale, v_scale)
     v = v.to(q.dtype)
-    s = tile_scores(q, k, qk_scale, DOT_F32)  # [BLOCK_G, BLOCK_N]
+    s = tile_scores(q, k, qk_scale, DOT_F32, SWAPPED)  # [BLOCK_G, BLOCK_N] ([BLOCK_N, BLOCK_G] SWAPPED)
     if MASKED:
-        s = tl.where((tile + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
-    return softmax_step(s, v, m_i, l_i, acc, DOT_F32, LAZY)  # m_i finite after: a tile holds >= 1 valid token
+        seen = tile + tl.arange(0, BLOCK_N) < end
+        s = tl.where(seen[:, None] if SWAPPED else seen[None, :], s, float("-inf"))
+    return softmax_step(s, v, m_i, l_i, acc, DOT_F32, LAZY, SWAPPED)  # m_i finite: a tile holds >= 1 valid token
 
 
 @triton.jit
