@@ -32,20 +32,20 @@ EARLY_KV = True
 MERGE_TILE = 8192
 
 
-# Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one program owns
-# one KV head and all GROUP = H/KVH query heads that share it (rows of a [BLOCK_G >= 16, D] Q tile, padded and
-# masked, so tl.dot applies), and streams one contiguous slice of the context. Slices are whole paged blocks,
-# cdiv(blocks, NUM_SPLITS) each but at least MIN_SPLIT_BLOCKS (one tile), computed from context_lens[b] on the
-# device: NUM_SPLITS comes from shapes (a CUDA graph sizes it for the longest context), and a short context keeps
-# only as many splits busy as it has tiles; the others find an empty slice and exit at once. A tile is BLOCK_N
-# tokens spanning several paged blocks: each token's block id is read from the table, and its K row (D contiguous
-# elements) is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages ahead) keep HBM
-# busy. The KV head is the fastest grid axis: programs running side by side read the interleaved heads of the same
-# blocks, so together they sweep each block's contiguous [bs, KVH, D] span. Online softmax in fp32 with base-2
-# exponentials (log2(e) folded into the scale). With one split the program normalises and writes the output itself.
-# Otherwise each busy split writes its normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S], then
-# counts itself in on the (b, kvh) semaphore (release); the busy program that arrives last (acquire) merges the
-# busy splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
+# Grid (KVH, NUM_SPLITS, B). Decode is memory-bound: every K/V byte of the context is read once, so one program owns one
+# KV head and all GROUP = H/KVH query heads that share it (rows of a [BLOCK_G >= 16, D] Q tile, padded and masked, so
+# tl.dot applies; columns of a [D, BLOCK_G >= 8] one when the launch is swapped), and streams one contiguous slice of
+# the context. Slices are whole paged blocks, cdiv(blocks, NUM_SPLITS) each but at least MIN_SPLIT_BLOCKS (one tile),
+# computed from context_lens[b] on the device: NUM_SPLITS comes from shapes (a CUDA graph sizes it for the longest
+# context), and a short context keeps only as many splits busy as it has tiles; the others find an empty slice and exit
+# at once. A tile is BLOCK_N tokens spanning several paged blocks: each token's block id is read from the table, and its
+# K row (D contiguous elements) is one coalesced load; BLOCK_N rows of K and V in flight per iteration (and num_stages
+# ahead) keep HBM busy. The KV head is the fastest grid axis: programs running side by side read the interleaved heads
+# of the same blocks, so together they sweep each block's contiguous [bs, KVH, D] span. Online softmax in fp32 with
+# base-2 exponentials (log2(e) folded into the scale). With one split the program normalises and writes the output
+# itself. Otherwise each busy split writes its normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S], then
+# counts itself in on the (b, kvh) semaphore (release); the busy program that arrives last (acquire) merges the busy
+# splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
 # replay) finds it zeroed. That saves a second launch, which at batch 1 costs more than the merge itself.
 # the block-table row stride varies with every step's widest table: specialising on it would compile new
 # variants while serving (engine.runner.warmup)
