@@ -75,11 +75,12 @@ def variants():
                                                   BLOCK_K=4096, SCALED=False, HAS_XS=False),
            {"xs_ptr": "*bf16", "ws_ptr": "*bf16", **ROPE}, 8, 3)
     # launch_config's launches; the one-warp launch merges at most 4 splits at a time (decode_attention.MERGE_TILE)
-    # and the one-warp launch swapped (AttentionLaunch.swapped: 8 columns of heads)
+    # and the one-warp launch swapped (AttentionLaunch.swapped: 8 columns of heads), on 4 and 5 stages
     for cache, block_n, warps, stages, splits, merge, swapped in (("*bf16", 64, 4, 3, 4, 4, False),
                                                                   (F8, 64, 4, 4, 16, 16, False),
                                                                   (F8, 32, 1, 4, 16, 4, False),
-                                                                  (F8, 32, 1, 4, 16, 4, True)):
+                                                                  (F8, 32, 1, 4, 16, 4, True),
+                                                                  (F8, 32, 1, 5, 16, 4, True)):
         yield (decode_attention._decode_split_kernel,
                dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=8 if swapped else 16, HEAD_DIM=128, BLOCK_D=128,
                     BLOCK_SIZE=16, SWAPPED=swapped,
