@@ -19,10 +19,9 @@ def attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr,
                 LAZY: tl.constexpr, SWAPPED: tl.constexpr):
     # One tile of BLOCK_N tokens from `tile` on: the online softmax's state (m_i, l_i [BLOCK_G], acc [BLOCK_G,
-    # BLOCK_D]; SWAPPED: q [BLOCK_D, BLOCK_G] and acc [BLOCK_D, BLOCK_G], online_softmax) updated with its keys and
-    # values. MASKED: tokens at `end` and beyond (and head dims beyond HEAD_DIM)
-    # are masked; a whole tile skips every mask and select (the sm_90 build's loop: 1,083 -> 898 instructions on an
-    # fp8 cache, 444 -> 383 on bf16).
+    # BLOCK_D]; SWAPPED: q and acc [BLOCK_D, BLOCK_G], online_softmax) updated with its keys and values. MASKED:
+    # tokens at `end` and beyond (and head dims beyond HEAD_DIM) are masked; a whole tile skips every mask and select
+    # (the sm_90 build's loop: 1,083 -> 898 instructions on an fp8 cache, 444 -> 383 on bf16).
     k, v = tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
                    BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
     return attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS, LAZY,
