@@ -6,9 +6,10 @@ running max may lag the true one by up to 2^LAZY_TAU: the state is rescaled only
 passes it by more than that, so most tiles skip the [M, D] rescale of acc (the result differs from the exact one
 only by float rounding).
 
-SWAPPED (the decode kernel's AttentionLaunch.swapped, engine.kernels.decode_launch; off by default): the same step on
-the transposed tile, scores [N, M] = K . q^T and output acc [D, M] += V^T . P^T, so that the MMA's 16-row side is the
-tile's tokens, not a GQA group of 4-8 query heads padded to 16 (half the MMAs, half acc's registers)."""
+SWAPPED (the decode kernel's AttentionLaunch.swapped, engine.kernels.decode_launch: its fp8 cache's one-warp launch):
+the same step on the transposed tile, scores [N, M] = K . q^T and output acc [D, M] += V^T . P^T, so that the MMA's
+16-row side is the tile's tokens, not a GQA group of 4-8 query heads padded to 16 (half the MMAs, half acc's
+registers)."""
 
 from __future__ import annotations
 
