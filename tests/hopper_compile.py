@@ -74,8 +74,9 @@ def variants():
     yield (qkv_rope._qkv_rope_store_kernel, dict(H=32, KVH=8, HALF=64, BS=16, HAS_BIAS=False, BLOCK_M=1,
                                                   BLOCK_K=4096, SCALED=False, HAS_XS=False),
            {"xs_ptr": "*bf16", "ws_ptr": "*bf16", **ROPE}, 8, 3)
-    # launch_config's launches; the one-warp launch merges at most 4 splits at a time (decode_attention.MERGE_TILE)
-    # and the one-warp launch swapped (AttentionLaunch.swapped: 8 columns of heads), on 4 and 5 stages
+    # launch_config's launches (the one-warp one swapped, AttentionLaunch.swapped: 8 columns of heads, on 5 stages),
+    # the one-warp tile unswapped and swapped on 4 stages too; the one-warp launch merges at most 4 splits at a time
+    # (decode_attention.MERGE_TILE)
     for cache, block_n, warps, stages, splits, merge, swapped in (("*bf16", 64, 4, 3, 4, 4, False),
                                                                   (F8, 64, 4, 4, 16, 16, False),
                                                                   (F8, 32, 1, 4, 16, 4, False),
