@@ -6,8 +6,10 @@ shifting-load report (`shift`: docs/sweeps/gpu-4x-llama3-8b-adaptive-shift, `bas
 `python benchmarks/serve_load.py COMMAND CONFIG [options]`:
 
 - `smoke --model /tmp/l1b --requests 64`: send concurrent streaming requests (all at once, after one warm-up), print
-  one JSON line of figures: TTFT and time-per-output-token percentiles, gaps between SSE chunks, output tokens/s,
-  and the KV-transfer counters from /metrics. A functional check of a deployment, not a tuned benchmark (that is
+  one JSON line of figures per `--rounds` (the first cold, later ones warm): TTFT and time-per-output-token
+  percentiles, gaps between SSE chunks, output tokens/s, the KV-transfer counters from /metrics and, with `--floor`,
+  TPOT and the median chunk gap over the decode floor measured before the server starts (benchmarks/read_floor.py:
+  the step's weight and KV bytes over the copy rate). A functional check of a deployment, not a tuned benchmark (that is
   `pdserve bench`). It first waits (up to `--graphs-timeout-s`) until no worker has CUDA graphs left to capture: a
   worker captures most of them while it serves (EngineConfig.graph_capture "deferred"), between steps, and those
   captures would fall in the measured streams (a steady-state figure; the first seconds after a start are
@@ -36,6 +38,7 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,23 +124,45 @@ def wait_for_graphs(url: str, timeout_s: float, poll_s: float = 0.5, absent_s: f
         time.sleep(poll_s)
 
 
+def read_floor(config: dict, args: argparse.Namespace) -> dict:
+    """benchmarks/read_floor.py in a process of its own (its CUDA context gone before the server starts): the bytes
+    a decode step of all `--requests` streams reads at their mean context, over the copy rate measured now."""
+    kv_dtype = config.get("decode", {}).get("kv_cache_dtype") or config.get("kv_cache_dtype") or "auto"
+    kv_tokens = args.requests * (args.prompt_len + args.max_tokens // 2)
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("read_floor.py")), config["model"],
+                           "--kv-tokens", str(kv_tokens), "--kv-cache-dtype", kv_dtype],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def against_floor(figures: dict, floor: dict) -> dict:
+    """A round's per-token figures over the floor: TPOT (prefills of the other streams fall in it) and the median
+    gap between chunks (the steady decode step as served)."""
+    return {"tpot_x_floor": round(figures["tpot_ms_p50"] / floor["floor_ms"], 3),
+            "chunk_gap_x_floor": round(figures["chunk_gap_ms_p50"] / floor["floor_ms"], 3)}
+
+
 def smoke(args: argparse.Namespace) -> None:
     config = yaml.safe_load(Path(args.config).read_text())
     config.pop("ray_address", None)
     config |= {k: v for k, v in (("model", args.model), ("mode", args.mode)) if v}
     set_dotted(config, {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
+    floor = read_floor(config, args) if args.floor else {}
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), config) as server:
         url = server.url
         graphs = wait_for_graphs(url, args.graphs_timeout_s) if args.graphs_timeout_s > 0 else {}
-        figures = asyncio.run(drive(url, config["model"], args)) | graphs
-        figures["mode"] = config.get("mode", "disaggregated")
-        time.sleep(2.5)  # the backend refreshes transfer counters every second
-        for name in ("bytes_total", "failures_total", "read_count", "read_bytes", "read_seconds_sum",
-                     "read_seconds_max"):
-            values = metric_values(url, f"pdserve_transfer_{name}")
-            if values:
-                figures[f"transfer_{name}"] = sum(values.values())
-    print(json.dumps(figures), flush=True)
+        for round_ in range(1, args.rounds + 1):  # round 1 meets kernels and buckets the warm-up did not
+            figures = {"round": round_} | asyncio.run(drive(url, config["model"], args)) | graphs
+            figures["mode"] = config.get("mode", "disaggregated")
+            if floor:
+                figures |= {f"floor_{k}": v for k, v in floor.items()} | against_floor(figures, floor)
+            time.sleep(2.5)  # the backend refreshes transfer counters every second
+            for name in ("bytes_total", "failures_total", "read_count", "read_bytes", "read_seconds_sum",
+                         "read_seconds_max"):
+                values = metric_values(url, f"pdserve_transfer_{name}")
+                if values:
+                    figures[f"transfer_{name}"] = sum(values.values())
+            print(json.dumps(figures), flush=True)
 
 
 BIN_S = 3.0
@@ -293,6 +318,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--graphs-timeout-s", type=float, default=300,
                    help="wait at most this long for the workers' deferred CUDA graphs before the load (0: not at all)")
+    p.add_argument("--rounds", type=int, default=1, help="drive the load this many times on the one server "
+                   "(a JSON line each: the first cold, the later ones warm)")
+    p.add_argument("--floor", action="store_true", help="measure the decode floor first (benchmarks/read_floor.py, "
+                   "needs CUDA) and give each round's TPOT and chunk gap over it")
     p.set_defaults(run=smoke)
     p = commands.add_parser("shift", help="phases of load one after the other: goodput and roles over time")
     p.add_argument("config")
