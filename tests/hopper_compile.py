@@ -3,8 +3,10 @@ programmatic dependent launch (its trigger right after the wait, or late: engine
 line per variant. Run in a process of its own without
 TRITON_INTERPRET (tests/test_kernels_compile_hopper.py): the CPU interpreter accepts code the compiler refuses.
 
-The variants are the ones the engine launches on an 8B-shaped model (bf16 and fp8 caches, FP8 weights); their
-signatures follow each kernel's parameters: pointers default to bf16, a few named ones are given below.
+The variants are the ones the engine launches on an 8B-shaped model (bf16 and fp8 caches, FP8 weights), the fp8
+cache's decode attention also at GQA groups of 8 and 16 (the 70B shape's, 128 heads on 8); each with PDL only where
+the engine launches it so. Their signatures follow each kernel's parameters: pointers default to bf16, a few named
+ones are given below.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from engine.kernels import (
     decode_attention,
+    decode_launch,
     fp8_gemm,
     fp8_mm_rope,
     fp8_mm_swiglu,
@@ -90,6 +94,20 @@ def variants():
                     LAZY=AttentionLaunch._field_defaults["lazy"]),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, warps, stages)
+    # an fp8 cache's launch for many pairs, as launch_config picks it, at wider GQA groups (the 70B shape's 8; 16:
+    # 128 query heads on 8 KV heads) with the merge tile decode_attention gives them (MERGE_S 2 and 1 on one warp)
+    for group in (8, 16):
+        launch = decode_launch.launch_config(torch.bfloat16, 128, True, decode_launch.FEW_PAIRS)
+        block_g = max(8 if launch.swapped else 16, group)
+        yield (decode_attention._decode_split_kernel,
+               dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP=group, BLOCK_G=block_g, HEAD_DIM=128, BLOCK_D=128,
+                    BLOCK_SIZE=16, SWAPPED=launch.swapped, BLOCK_N=launch.block_n, NUM_SPLITS=16,
+                    MIN_SPLIT_BLOCKS=launch.block_n // 16, MERGE_G=group,
+                    MERGE_S=max(1, min(16, decode_attention.MERGE_TILE * launch.num_warps // 4 // (group * 128))),
+                    WINDOW=0, DOT_F32=False, WIDEN_F16=True, V_WORDS=launch.v_words, WHOLE_TILES=launch.whole_tiles,
+                    LAZY=launch.lazy),
+               {"kv_ptr": F8, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
+                "sem_ptr": I32}, launch.num_warps, launch.num_stages)
     yield rms_norm._rms_norm_kernel, dict(N=4096, BLOCK_N=4096, HAS_RESIDUAL=True), {}, 8, 3
     yield silu_mul._silu_mul_kernel, dict(INTER=14336, BLOCK=1024), {}, 4, 3
     yield (rope._rope_store_kernel, dict(BS=16, H=32, KVH=8, HALF=64, BLOCK_H=32, BLOCK_KVH=8, BLOCK_HALF=64),
@@ -122,7 +140,7 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl, "late": late,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED",
-                                                                          "V_WORDS", "SWAPPED")}}
+                                                                          "GROUP", "V_WORDS", "SWAPPED")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
@@ -166,7 +184,16 @@ def machine_code(cubin: bytes) -> str | None:
         return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def pdl_modes(kernel, constexprs: dict, warps: int, stages: int) -> tuple[tuple[bool, bool], ...]:
+    """(pdl, late) pairs a variant is built with: all three, but the decode attention launches the engine makes
+    without PDL (decode_launch.shuns_pdl: the one-warp and 5-stage ones) only as they run."""
+    if kernel is decode_attention._decode_split_kernel and decode_launch.shuns_pdl(
+            AttentionLaunch(constexprs["BLOCK_N"], warps, stages)):
+        return ((False, False),)
+    return ((False, False), (True, False), (True, True))
+
+
 if __name__ == "__main__":
     for kernel, constexprs, pointers, warps, stages in variants():
-        for pdl, late in ((False, False), (True, False), (True, True)):
+        for pdl, late in pdl_modes(kernel, constexprs, warps, stages):
             print(json.dumps(compile_one(kernel, constexprs, pointers, warps, stages, pdl, late)), flush=True)
