@@ -131,7 +131,9 @@ def read_floor(config: dict, args: argparse.Namespace) -> dict:
     kv_tokens = args.requests * (args.prompt_len + args.max_tokens // 2)
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("read_floor.py")), config["model"],
                            "--kv-tokens", str(kv_tokens), "--kv-cache-dtype", kv_dtype],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"--floor: benchmarks/read_floor.py failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -50,3 +50,14 @@ def test_kv_token_bytes_follow_the_cache_dtype(bf16):
     per_layer = 2 * cfg["num_key_value_heads"] * head_dim  # K and V
     assert kv_token_bytes(bf16, "auto") == cfg["num_hidden_layers"] * per_layer * 2
     assert kv_token_bytes(bf16, "fp8") == cfg["num_hidden_layers"] * per_layer
+
+
+def test_smoke_floor_without_cuda_is_a_clear_error_and_ratios_divide_by_it(bf16):
+    from argparse import Namespace
+
+    from benchmarks.serve_load import against_floor, read_floor
+    args = Namespace(requests=4, prompt_len=64, max_tokens=8)
+    with pytest.raises(SystemExit, match="read_floor.py failed: .*no.*CUDA|none is visible"):
+        read_floor({"model": str(bf16)}, args)
+    got = against_floor({"tpot_ms_p50": 22.0, "chunk_gap_ms_p50": 20.0}, {"floor_ms": 16.0})
+    assert got == {"tpot_x_floor": 1.375, "chunk_gap_x_floor": 1.25}
