@@ -356,9 +356,18 @@ def test_streams_cut_off_while_prompts_are_on_the_lane_leak_nothing(llama, refer
                                   SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     with running_server(tmp_path, config) as server:
         async def run():
+            # every prompt but stream 1's arrives once stream 1 decodes, so that the lane takes them beside its
+            # decode steps (sent all at once, on a busy machine they could all be prefilled before any decoding)
+            decoding = asyncio.Event()
+
+            async def arrive(i):
+                if i != 1:
+                    await decoding.wait()
+                await asyncio.sleep(0.03 * i)
+
             async with httpx.AsyncClient(timeout=120) as client:
                 async def cut(i, p):  # leaves after a few chunks (or before any, for some)
-                    await asyncio.sleep(0.03 * i)
+                    await arrive(i)
                     body = {"model": str(llama), "prompt": p, "max_tokens": 150, "ignore_eos": True,
                             "stream": True}
                     async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
@@ -369,10 +378,11 @@ def test_streams_cut_off_while_prompts_are_on_the_lane_leak_nothing(llama, refer
                                 break
 
                 async def keep(i, p):
-                    await asyncio.sleep(0.03 * i)
+                    await arrive(i)
                     return await complete(client, server.url, {"model": str(llama), "prompt": p,
                                                                "max_tokens": 120, "temperature": 0,
-                                                               "ignore_eos": True, "stream": True})
+                                                               "ignore_eos": True, "stream": True},
+                                          on_chunk=lambda _: decoding.set())
                 return await asyncio.gather(*[(keep if i in kept else cut)(i, p) for i, p in enumerate(prompts)])
         results = asyncio.run(run())
         assert [results[i]["text"] for i in kept] == [e.text for e in expected]
