@@ -47,19 +47,11 @@ def kv_token_bytes(folder: str | Path, kv_cache_dtype: str) -> int:
     return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * element
 
 
-def copy_rate() -> float:
-    """Device copy rate in bytes/s, read + written (2 GiB of bfloat16, median of triton's do_bench)."""
-    from triton.testing import do_bench
-    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # [2^30] bf16: 2 GiB
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
-    return 2 * src.numel() * src.element_size() / (ms / 1e3)
-
-
 def floor(folder: str | Path, kv_tokens: int, kv_cache_dtype: str) -> dict:
     weights = weight_read_bytes(folder)
     kv = kv_tokens * kv_token_bytes(folder, kv_cache_dtype)
-    rate = copy_rate()
+    from benchmarks.engine_bench_gpu import copy_bandwidth  # the kernel benchmarks' floor rate, same measure
+    rate = copy_bandwidth()
     return {"weight_bytes": weights, "kv_bytes": kv, "copy_gbs": round(rate / 1e9, 1),
             "floor_ms": round((weights + kv) / rate * 1e3, 3)}
 
