@@ -11,8 +11,16 @@ runs every `gpu` test; the summary names each test skipped for want of devices (
 import gc
 import os
 
-import pytest
-import torch
+# Several test processes (pytest-xdist; CI runs two on two cores): each computes on one thread, and so do the servers
+# and programs it starts (they inherit this). With the libraries' default of a thread per core, torch's OpenMP and
+# numpy's OpenBLAS threads spin-wait while the other process computes: beside two busy processes a host-tier test took
+# 69 s on two threads, 7.8 s on one. Set before torch or numpy is imported; an explicit setting is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(threads, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # before anything imports triton (transformers does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
