@@ -7,6 +7,10 @@ start servers; `cores_busy` near the core count says a start is CPU-bound, so mo
 Run it on an otherwise idle machine (it counts every process):
 
     python benchmarks/server_start_cpu.py --layout 1p1d --repeats 3
+
+`--by-process` adds, once the server answers, the CPU seconds each of its live descendants has used so far (its own
+and its reaped children's, /proc/PID/stat), summed by what the process is (Ray's processes by name, the server, each
+worker actor): where a start's CPU time goes.
 """
 
 from __future__ import annotations
@@ -36,12 +40,51 @@ def busy_cpu_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def one_server(layout: str, requests: int, warm_processes: int) -> dict:
+def process_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, with reaped children's) of `root_pid` and its live descendants, summed by label."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu, label = {}, {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = sum(int(v) for v in fields[11:15]) / tick  # utime stime cutime cstime
+        label[pid] = _label(stat[stat.index("(") + 1:stat.rindex(")")], [a.decode(errors="replace") for a in args])
+    totals: dict[str, float] = {}
+    for pid in cpu:
+        up = pid
+        while up not in (root_pid, 0, 1) and up in parent:
+            up = parent[up]
+        if up == root_pid:
+            totals[label[pid]] = round(totals.get(label[pid], 0.0) + cpu[pid], 2)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _label(comm: str, args: list[str]) -> str:
+    """What a process is: Ray's worker title (ray::Worker, ray::IDLE), a Ray daemon's script or binary name, or comm."""
+    if args and args[0].startswith("ray::"):
+        return args[0].split()[0]
+    for arg in args[:3]:
+        name = Path(arg).name
+        if name.endswith(".py") or name in ("raylet", "gcs_server", "pdserve"):
+            return name
+    return comm
+
+
+def one_server(layout: str, requests: int, warm_processes: int, by_process: bool = False) -> dict:
     config = {"model": "tiny", **LAYOUTS[layout], "recovery": {"warm_processes": warm_processes},
               "server": {"host": "127.0.0.1", "port": None}}
     marks = [(busy_cpu_s(), time.monotonic())]
     with tempfile.TemporaryDirectory() as workdir, launched_server(config, Path(workdir), 300, 90) as server:
         marks.append((busy_cpu_s(), time.monotonic()))
+        started_by_process = process_cpu_s(server.pid) if by_process else None
         for i in range(requests):
             r = httpx.post(f"{server.url}/v1/completions", timeout=120,
                            json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16})
@@ -53,6 +96,8 @@ def one_server(layout: str, requests: int, warm_processes: int) -> dict:
     for name, (c0, t0), (c1, t1) in zip(("start", "requests", "stop"), marks[:-1], marks[1:], strict=True):
         row |= {f"{name}_wall_s": round(t1 - t0, 2), f"{name}_cpu_s": round(c1 - c0, 2),
                 f"{name}_cores_busy": round((c1 - c0) / (t1 - t0), 2)}
+    if started_by_process is not None:
+        row["start_cpu_s_by_process"] = started_by_process
     return row
 
 
@@ -62,9 +107,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--warm-processes", type=int, default=1, help="recovery.warm_processes (the default 1)")
+    ap.add_argument("--by-process", action="store_true", help="the start's CPU seconds by process, once it answers")
     args = ap.parse_args()
     for _ in range(args.repeats):
-        print(json.dumps(one_server(args.layout, args.requests, args.warm_processes)), flush=True)
+        print(json.dumps(one_server(args.layout, args.requests, args.warm_processes, args.by_process)), flush=True)
 
 
 if __name__ == "__main__":
