@@ -9,8 +9,9 @@ Run it on an otherwise idle machine (it counts every process):
     python benchmarks/server_start_cpu.py --layout 1p1d --repeats 3
 
 `--by-process` adds, once the server answers, the CPU seconds each of its live descendants has used so far (its own
-and its reaped children's, /proc/PID/stat), summed by what the process is (Ray's processes by name, the server, each
-worker actor): where a start's CPU time goes.
+and its reaped children's, /proc/PID/stat), summed by what the process is (Ray's daemons by name, the worker actors
+together as ray::Worker, the spare processes as ray::IDLE, the server's own Python processes as python): where a
+start's CPU time goes.
 """
 
 from __future__ import annotations
