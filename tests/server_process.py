@@ -323,7 +323,17 @@ def assert_nothing_booked(url: str) -> dict:
         assert counts["in_use"] == 0 and counts["pinned"] == 0, (name, counts)
     booked = metric_values(url, "pdserve_worker_booked_kv_blocks")
     assert booked and all(v == 0 for v in booked.values()), booked
+    held = poll(lambda: [v for v in requests_in_flight(url) if v] == [] or None, IDLE_TIMEOUT_S)
+    assert held, f"requests still counted in flight (drain tickets, tenants' charges): {requests_in_flight(url)}"
     return integrity
+
+
+def requests_in_flight(url: str) -> list[float]:
+    """What the HTTP side counts in flight: the drain's admitted requests, then every tenant's (a request that ended
+    and still counts holds a stop for its drain timeout and a place in its tenant's limits)."""
+    text = scrape(url)
+    return [*values_in(text, "pdserve_requests_in_flight").values(),
+            *values_in(text, "pdserve_tenant_in_flight").values()]
 
 
 def streamed_chunks(url: str, body: dict, key: str | None = None) -> tuple[list[int], str]:

@@ -9,7 +9,14 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server_process import HALF_CPU, assert_nothing_booked, metric_values, running_server
+from tests.server_process import (
+    HALF_CPU,
+    assert_nothing_booked,
+    metric_values,
+    poll,
+    requests_in_flight,
+    running_server,
+)
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The lighthouse keeper counted the ships"
@@ -149,6 +156,19 @@ def test_metrics_count_a_request_of_n_choices_once(server, client):
     assert after[0] - before[0] == 1
     assert after[1] - before[1] == out.usage.prompt_tokens
     assert after[2] - before[2] == out.usage.completion_tokens == 3 * SEEDED["max_tokens"]
+
+
+def test_clients_that_leave_at_the_last_event_leave_nothing_in_flight(server):
+    """The openai client closes a stream's connection once it reads [DONE], which can cancel the stream's cleanup
+    while it closes the choices: the drain ticket (a server held it 30 s at stop) and the tenant's charge (its
+    in-flight limit) must still be given back."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True, **SEEDED, **EXTRA}
+    for _ in range(20):
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            assert any(line == "data: [DONE]" for line in r.iter_lines())  # then the connection is dropped
+
+    assert poll(lambda: not any(requests_in_flight(server.url)), 10), requests_in_flight(server.url)
 
 
 def test_nothing_stays_booked(server, client):

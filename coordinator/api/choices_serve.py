@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -36,10 +37,16 @@ async def serve_choices(app: Any, request: Request, req: Any, tenant: Any, arriv
         raise
 
     async def close(outcome: str) -> None:
-        await asyncio.gather(*[c.gen.close(outcome) for c in choices])
-        ticket.release()
-        if grant is not None:
-            grant.settle(usage(choices)[1], outcome, prompt_processed=True)
+        # A client that drops the connection at [DONE] (the openai client does) cancels the stream while this
+        # runs: the choices' closes are shielded (each bounds its own wait) and the ticket and the tenant's charge
+        # are given back whatever happens, or a drain waits out its timeout and the tenant's in-flight count leaks.
+        try:
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*[c.gen.close(outcome) for c in choices])
+        finally:
+            ticket.release()
+            if grant is not None:
+                grant.settle(usage(choices)[1], outcome, prompt_processed=True)
 
     want_lp = (req.num_logprobs if chat else req.logprobs) is not None
     echo_lp = not chat and req.echo and want_lp

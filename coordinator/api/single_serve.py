@@ -106,8 +106,10 @@ async def _events(gen: Generation, fmt: Formatter, first: Any, want_lp: bool, ti
         yield event(errors.internal(errors.INTERNAL_MESSAGE).body())
         yield DONE
     finally:
-        await gen.close(outcome)
-        ticket.release()
+        try:
+            await gen.close(outcome)  # shielded inside: a disconnect at [DONE] cannot cut it short
+        finally:
+            ticket.release()
 
 
 def _chunks(fmt: Formatter, tools: ToolStream | None, piece: Any, lp: bool, gen: Generation,
