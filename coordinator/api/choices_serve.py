@@ -169,5 +169,8 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
     finally:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close(outcome)
+        try:
+            with anyio.CancelScope(shield=True):  # the pumps end at once when cancelled (they catch it)
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await close(outcome)
