@@ -162,11 +162,13 @@ def test_clients_that_leave_at_the_last_event_leave_nothing_in_flight(server):
     """The openai client closes a stream's connection once it reads [DONE], which can cancel the stream's cleanup
     while it closes the choices: the drain ticket (a server held it 30 s at stop) and the tenant's charge (its
     in-flight limit) must still be given back."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True, **SEEDED, **EXTRA}
-    for _ in range(20):
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            assert any(line == "data: [DONE]" for line in r.iter_lines())  # then the connection is dropped
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, **SEEDED, **EXTRA}
+    text = {"model": "tiny", "prompt": PROMPT, "n": 3, "stream": True, **SEEDED, **EXTRA}
+    for path, body in (("chat/completions", {**chat, "n": 2}), ("chat/completions", chat), ("completions", text)):
+        for _ in range(12):
+            with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                assert any(line == "data: [DONE]" for line in r.iter_lines())  # then the connection is dropped
 
     assert poll(lambda: not any(requests_in_flight(server.url)), 10), requests_in_flight(server.url)
 
