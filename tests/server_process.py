@@ -323,8 +323,8 @@ def assert_nothing_booked(url: str) -> dict:
         assert counts["in_use"] == 0 and counts["pinned"] == 0, (name, counts)
     booked = metric_values(url, "pdserve_worker_booked_kv_blocks")
     assert booked and all(v == 0 for v in booked.values()), booked
-    held = poll(lambda: [v for v in requests_in_flight(url) if v] == [] or None, IDLE_TIMEOUT_S)
-    assert held, f"requests still counted in flight (drain tickets, tenants' charges): {requests_in_flight(url)}"
+    assert poll(lambda: not any(requests_in_flight(url)), IDLE_TIMEOUT_S), \
+        f"requests still counted in flight (drain tickets, tenants' charges): {requests_in_flight(url)}"
     return integrity
 
 
