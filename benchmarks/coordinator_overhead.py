@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from benchclient.client import Target  # noqa: E402
 from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec  # noqa: E402
+from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from coordinator.backend.held_queue import HeldQueue  # noqa: E402
 from coordinator.backend.output_intake import coalesced as _coalesced  # noqa: E402
 from coordinator.contract import GenerateRequest, TokenDelta  # noqa: E402
@@ -116,11 +116,6 @@ def serve(port: int, tick_s: float, stream_interval: int, hold: bool, tenants: b
     uvicorn.Server(uvicorn_config(app, settings, log_config=None, log_level="warning")).run()
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 TENANTS = [{"name": "interactive", "api_keys": ["k-probe"], "priority": "high"},
            {"name": "bulk", "api_keys": ["k-flood"], "priority": "low"}]
 
@@ -146,9 +141,9 @@ async def window(url: str, pid: int, args: argparse.Namespace, flood: int, flood
                    args.duration, args.tenants)
         runs.append(run_load(low) if flood_client is None else
                     asyncio.get_running_loop().run_in_executor(flood_client, _load_in_process, low))
-    cpu, started = _cpu_s(pid), time.monotonic()
+    cpu, started = process_cpu_s(pid), time.monotonic()
     results = await asyncio.gather(*runs)
-    cpu_per_s = (_cpu_s(pid) - cpu) / (time.monotonic() - started)
+    cpu_per_s = (process_cpu_s(pid) - cpu) / (time.monotonic() - started)
     probe = summarize(results[0], SLO())
     out = {"flood": flood, "probe_ttft_p50_ms": round(probe["ttft_p50_ms"], 1),
            "probe_ttft_p99_ms": round(probe["ttft_p99_ms"], 1), "probe_failed": probe["failed"],

@@ -19,53 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from benchclient.launcher import launched_server
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchclient.launcher import launched_server  # noqa: E402
+from benchmarks.proc_cpu import busy_cpu_s, tree_cpu_s  # noqa: E402
 
 HALF_CPU = {"num_cpus": 0.5, "kv_cache_memory_bytes": 64 << 20}  # as tests/server_process.HALF_CPU
 LAYOUTS = {
     "1p1d": {"mode": "disaggregated", "prefill": HALF_CPU, "decode": HALF_CPU},
     "collocated": {"mode": "collocated", "decode": {"kv_cache_memory_bytes": 64 << 20}},
 }
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent outside idle and iowait since boot."""
-    with open("/proc/stat", encoding="ascii") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system, with reaped children's) of `root_pid` and its live descendants, summed by label."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent, cpu, label = {}, {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # exited meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        pid = int(entry.name)
-        parent[pid] = int(fields[1])
-        cpu[pid] = sum(int(v) for v in fields[11:15]) / tick  # utime stime cutime cstime
-        label[pid] = _label(stat[stat.index("(") + 1:stat.rindex(")")], [a.decode(errors="replace") for a in args])
-    totals: dict[str, float] = {}
-    for pid in cpu:
-        up = pid
-        while up not in (root_pid, 0, 1) and up in parent:
-            up = parent[up]
-        if up == root_pid:
-            totals[label[pid]] = round(totals.get(label[pid], 0.0) + cpu[pid], 2)
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def _label(comm: str, args: list[str]) -> str:
@@ -85,7 +54,7 @@ def one_server(layout: str, requests: int, warm_processes: int, by_process: bool
     marks = [(busy_cpu_s(), time.monotonic())]
     with tempfile.TemporaryDirectory() as workdir, launched_server(config, Path(workdir), 300, 90) as server:
         marks.append((busy_cpu_s(), time.monotonic()))
-        started_by_process = process_cpu_s(server.pid) if by_process else None
+        started_by_process = tree_cpu_s(server.pid, _label) if by_process else None
         for i in range(requests):
             r = httpx.post(f"{server.url}/v1/completions", timeout=120,
                            json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16})

@@ -57,6 +57,7 @@ from benchclient.launcher import _stop, _wait_healthy, free_port  # noqa: E402
 from benchclient.run import RunConfig, run_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
+from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from coordinator.config.serve_config import load_serve_config, set_dotted  # noqa: E402
 from tests.server_process import frontend_pids, metric_values, running_server, worker_pids  # noqa: E402
 
@@ -85,12 +86,6 @@ def _seed(repeat: int) -> int:
 def _workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
     return WorkloadSpec(kind="fixed", input_len=args.input_len, output_len=args.output_len, prompt_format="ids",
                         seed=seed)
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Profiler:
@@ -218,13 +213,13 @@ def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, i
         _measure(url, args, 1, args.concurrency, clients)  # warm-up, discarded
         rows = []
         for repeat in range(args.repeats):
-            before = {k: _cpu_s(p) for k, p in pids.items()}
+            before = {k: process_cpu_s(p) for k, p in pids.items()}
             counts = _engine_counts(url) if name == "pdserve" else None
             spies = [profiler.start(f"{name}_{k}", p) for k, p in pids.items()] if profiler else []
             summary = _measure(url, args, _seed(repeat), args.num_prompts, clients)
             for spy in spies:
                 Profiler.stop(spy)
-            rows.append(_served_row(name, summary, args, {k: _cpu_s(p) - before[k] for k, p in pids.items()}))
+            rows.append(_served_row(name, summary, args, {k: process_cpu_s(p) - before[k] for k, p in pids.items()}))
             if counts is not None:
                 (steps, sampled, step_s), (steps0, sampled0, step_s0) = _engine_counts(url), counts
                 rows[-1]["tok_per_step"] = (sampled - sampled0) / max(1, steps - steps0)

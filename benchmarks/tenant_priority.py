@@ -30,10 +30,10 @@ import asyncio
 import copy
 import gc
 import json
-import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -42,15 +42,17 @@ from pathlib import Path
 
 import yaml
 
-from benchclient.arrivals import ArrivalSpec
-from benchclient.client import Target
-from benchclient.phase_table import phase_summary
-from benchclient.run import RunConfig, run_load
-from benchclient.stats import SLO, summarize
-from benchclient.workload import WorkloadSpec
-from coordinator.config.serve_config import set_dotted
-from engine.gc_pauses import GcPauses
-from tests.server_process import frontend_pids, metric_values, running_server, scrape, values_in
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchclient.arrivals import ArrivalSpec  # noqa: E402
+from benchclient.client import Target  # noqa: E402
+from benchclient.phase_table import phase_summary  # noqa: E402
+from benchclient.run import RunConfig, run_load  # noqa: E402
+from benchclient.stats import SLO, summarize  # noqa: E402
+from benchclient.workload import WorkloadSpec  # noqa: E402
+from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
+from coordinator.config.serve_config import set_dotted  # noqa: E402
+from engine.gc_pauses import GcPauses  # noqa: E402
+from tests.server_process import frontend_pids, metric_values, running_server, scrape, values_in  # noqa: E402
 
 TENANTS = [{"name": "interactive", "api_keys": ["k-high"], "priority": "high"},
            {"name": "bulk", "api_keys": ["k-low"], "priority": "low"}]
@@ -63,15 +65,9 @@ def _load(url: str, key: str, arrival: ArrivalSpec, args, output_len: int, durat
                      arrival, SLO(), duration_s=duration, warmup_s=0.0, timeout_s=600)
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _server_cpu_s(pid: int, frontends: list[int]) -> tuple[float, float]:
     """(the core process's CPU seconds, its HTTP frontends' together); one process serves both without frontends."""
-    return _cpu_s(pid), sum(_cpu_s(f) for f in frontends)
+    return process_cpu_s(pid), sum(process_cpu_s(f) for f in frontends)
 
 
 def _slowest(results: list, n: int) -> list[dict]:
