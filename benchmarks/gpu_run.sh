@@ -13,6 +13,8 @@
 #   prefill; the fp8 KV cache's capacity and 8k-context decode vs bf16 KV (benchmarks/fp8_gpu.py decode).
 # fp8_70b (1 GPU): the 70B shape in FP8 served collocated on one GPU, 4 x 1k prompts, a cold round then a warm one:
 #   TPOT and the median chunk gap against the decode floor measured first (benchmarks/serve_load.py smoke --floor).
+#   FP8_70B_ARGS adds serve_load.py arguments (an 80 GB card: "--set decode.kv_cache_memory_bytes=4000000000",
+#   room for the 4 streams' KV beside ~67.7 GiB of weights where 0.9 of the card leaves too little).
 # fp8_70b_layers (1 GPU, issue 42): FP8_70B_LAYERS (20) of the 70B shape's layers in FP8 (an 80 GB card holds them):
 #   decode at FP8_70B_CASES (1x1024,4x1024) against the floor, traced: each kernel's share of a step by grid
 #   (benchmarks/fp8_gpu.py decode --only fp8 --cases; the whole 70B's step is fp8_70b's).
@@ -172,7 +174,8 @@ for step in "$@"; do
         --fp8 channel
       timeout ${FP8_70B_TIMEOUT:-400} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
         --model /tmp/l70b-fp8 --mode collocated --set load_format=dummy --set decode.max_num_seqs=16 --requests 4 \
-        --prompt-len 1024 --max-tokens 128 --graphs-timeout-s 180 --rounds 2 --floor 2>&1 | tee "$OUT/fp8_70b.log" \
+        --prompt-len 1024 --max-tokens 128 --graphs-timeout-s 180 --rounds 2 --floor ${FP8_70B_ARGS:-} 2>&1 \
+        | tee "$OUT/fp8_70b.log" \
         | grep "^{" ;;
     fp8_70b_layers)  # issue 42: the 70B shape's layers, fewer of them, in FP8: decode steps traced by kernel
       layers=${FP8_70B_LAYERS:-20}
