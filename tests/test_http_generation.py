@@ -298,8 +298,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     plain = stream(client, "/v1/completions", {**body, "stream_options": {"include_usage": True,
                                                                           "continuous_usage_stats": False}})
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6
-    r = client.post("/v1/completions", json={**body, "stream": True, "n": 2})  # single choices only
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    r = client.post("/v1/completions", json={**body, "stream": True, "n": 2,
+                                              "stream_options": {"include_usage": True, "include_phases": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_phases"  # single only
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -4,6 +4,8 @@ echo logprobs equal the engine's prompt logprobs, streamed equals whole, and not
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -90,6 +92,43 @@ def test_prompt_lists_index_across_prompts_with_one_usage(client):
     ids = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
     assert out.usage.completion_tokens == 32
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("completions", {"n": 2}), ("completions", {"prompt": [PROMPT, "Five bells rang"]}),
+    ("completions", {"echo": True, "n": 3}), ("chat/completions", {"n": 2})])
+def test_continuous_usage_stats_with_several_choices_count_each_choice(server, path, extra):
+    """As vLLM does with n > 1: every chunk carries its own choice's usage so far (its prompt's tokens, the tokens its
+    chunks have carried); the closing usage chunk counts each prompt once and every choice's tokens."""
+    body = {**SEEDED, "model": "tiny", "max_tokens": 6, "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    extra = dict(extra)
+    prompts = extra.pop("prompt", [PROMPT])
+    n = extra.get("n", 1)
+    if path == "chat/completions":
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+        lengths = [len(httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": body["messages"]},
+                                  timeout=30).json()["tokens"])]
+    else:
+        body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
+        lengths = [len(httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": p}, timeout=30)
+                       .json()["tokens"]) for p in prompts]
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, **extra}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    *chunks, last = events
+    sent: dict[int, int] = {}
+    for e in chunks:
+        (choice,) = e["choices"]
+        i, usage = choice["index"], e["usage"]
+        sent[i] = sent.get(i, 0) + len(choice.get("token_ids") or [])
+        assert usage["prompt_tokens"] == lengths[i // n], (i, usage)
+        assert usage["completion_tokens"] == sent[i], (i, usage, sent)  # this choice's tokens sent so far
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert sorted(sent) == list(range(n * len(lengths))) and set(sent.values()) == {6}
+    assert last["choices"] == [] and last["usage"]["prompt_tokens"] == sum(lengths)
+    assert last["usage"]["completion_tokens"] == 6 * n * len(lengths)
 
 
 def test_echo_logprobs_equal_the_engines_prompt_logprobs(client, engine):

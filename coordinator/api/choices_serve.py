@@ -121,6 +121,7 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
 
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
     outcome, started, left = "aborted", set(), len(choices)
+    sent = dict.fromkeys((c.index for c in choices), 0)  # each choice's tokens that reached a chunk (usage's count)
     try:
         while left:
             c, piece = await queue.get()
@@ -129,6 +130,7 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
             first = c.index not in started
             started.add(c.index)
             left -= piece.finish_reason is not None
+            sent[c.index] += len(piece.token_ids)
             if not (first or piece.text or piece.tokens or piece.finish_reason or piece.reasoning
                     or (fmt.return_token_ids and piece.token_ids)):
                 continue
@@ -142,11 +144,14 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
                 else:
                     body["prompt_logprobs"] = _prompt_lps(c)
             fmt.add_token_ids(extra, body, piece.token_ids, c.prompt_ids if first else None)
+            chunk = fmt.body([body], True, **extra)
+            if req.continuous_usage:  # vLLM's, with several choices: each chunk its own choice's usage so far
+                chunk["usage"] = fmt.usage(len(c.prompt_ids), sent[c.index], cached_tokens=c.gen.cached_tokens)
             stream = tools.get(c.index)
             if stream is None:
-                yield event(fmt.body([body], True, **extra))
+                yield event(chunk)
                 continue
-            chunks = tool_chunks(fmt.body([body], True, **extra), stream, piece.text, piece.finish_reason, first)
+            chunks = tool_chunks(chunk, stream, piece.text, piece.finish_reason, first)
             if piece.finish_reason is not None:  # the reason the client gets (tool_calls) is the one counted
                 c.gen.client_finish = chunks[-1]["choices"][0]["finish_reason"]
             for chunk in chunks:

@@ -72,12 +72,10 @@ async def parse_request(app: FastAPI, request: Request, chat: bool) -> InternalR
     if req.user is not None or req.metadata:  # accepted only to be logged (protocol's docstring); the record has the id
         REQUEST_LOG.info("user=%r metadata=%r", req.user, req.metadata)
     if choices.wanted(req):
-        options = (("include_phases", req.include_phases), ("continuous_usage_stats", req.continuous_usage))
-        for option, wanted in options:
-            if wanted:
-                raise errors.invalid_request(f"stream_options.{option}: only for single-choice requests (not with "
-                                             "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
-                                             f"stream_options.{option}")
+        if req.include_phases:
+            raise errors.invalid_request("stream_options.include_phases: only for single-choice requests (not with "
+                                         "n > 1, best_of, echo, prompt lists or prompt_logprobs)",
+                                         "stream_options.include_phases")
         return InternalRequest(req, chat, tenant, request_id, arrival)
     args = (req, app.state.tokenizer, backend.vocab_size, settings.allow_special_tokens_in_content)
     if engine_inputs.tokenize_inline(req):  # cheaper here than a hop to a thread
