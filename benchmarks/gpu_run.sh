@@ -18,6 +18,8 @@
 # fp8_70b_layers (1 GPU, issue 42): FP8_70B_LAYERS (20) of the 70B shape's layers in FP8 (an 80 GB card holds them):
 #   decode at FP8_70B_CASES (1x1024,4x1024) against the floor, traced: each kernel's share of a step by grid
 #   (benchmarks/fp8_gpu.py decode --only fp8 --cases; the whole 70B's step is fp8_70b's).
+# fp8serve (1 GPU, issue 42): the 8B shape served collocated, bf16 then FP8 weights + fp8 KV (one server each):
+#   64 x 1k prompts, 256 tokens, cold and warm rounds; TPOT over each floor, FP8's TPOT and tokens/s over bf16's.
 # pdl (1 GPU): the 8B decode steps (bf16; FP8 weights + fp8 KV) with programmatic dependent launch vs without.
 # attnstages (1 GPU, issue 42): the 8B decode steps (FP8 weights + fp8 KV; STAGES_ARGS="--stages fp8:5,bf16:5" adds
 #   bf16) with the decode attention's launches on more pipeline stages against the engine's own, one process
@@ -374,6 +376,30 @@ for step in "$@"; do
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       timeout ${FP8_TIMEOUT:-420} python3 benchmarks/fp8_gpu.py decode --bf16 /tmp/l8bd --fp8 /tmp/l8bd-fp8 \
         --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
+    fp8serve)  # issue 42: the 8B shape served collocated as users run it, bf16 then FP8 weights + fp8 KV, one server
+      # each: FP8SERVE_REQUESTS (64) streams of 1k prompts and 256 tokens at once, a cold round then a warm one,
+      # TPOT over each model's own floor, and the FP8 server's figures over bf16's (benchmarks/serve_load.py smoke)
+      checkpoint8b
+      [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
+      for kind in bf16 fp8; do
+        model=/tmp/l8bd; kv=auto; [ $kind = fp8 ] && { model=/tmp/l8bd-fp8; kv=fp8; }
+        timeout ${FP8SERVE_TIMEOUT:-240} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
+          --model $model --mode collocated --set load_format=dummy --set kv_cache_dtype=$kv \
+          --requests ${FP8SERVE_REQUESTS:-64} --prompt-len 1024 --max-tokens 256 --graphs-timeout-s 180 --rounds 2 \
+          --floor 2>&1 | tee "$OUT/fp8serve_$kind.log" | grep "^{" | cut -c1-900
+      done
+      python3 - "$OUT" <<'PY'
+import json, sys
+rows = {k: [json.loads(l) for l in open(f"{sys.argv[1]}/fp8serve_{k}.log") if l.startswith("{")] for k in ("bf16", "fp8")}
+for b, f in zip(rows["bf16"], rows["fp8"]):
+    print(json.dumps({"round": b["round"], "tpot_ms_p50": [b["tpot_ms_p50"], f["tpot_ms_p50"]],
+                      "fp8_tpot_speedup": round(b["tpot_ms_p50"] / f["tpot_ms_p50"], 3),
+                      "output_tokens_per_s": [b["output_tokens_per_s"], f["output_tokens_per_s"]],
+                      "fp8_throughput_ratio": round(f["output_tokens_per_s"] / b["output_tokens_per_s"], 3),
+                      "ttft_ms_p50": [b["ttft_ms_p50"], f["ttft_ms_p50"]],
+                      "tpot_x_floor": [b.get("tpot_x_floor"), f.get("tpot_x_floor")]}))
+PY
+      ;;
     pdl)  # decode steps with programmatic dependent launch against ordinary launches (fp8_gpu.py pdl)
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
