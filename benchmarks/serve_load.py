@@ -1,19 +1,20 @@
 """`pdserve serve` started from a config (with overrides) and driven by a load, figures as JSON lines. Produces
 docs/benchmarks.md's served 70B rows (`smoke`: "70B FP8 collocated on one GPU" of the FP8 table, Q = `bash
-benchmarks/gpu_run.sh fp8_70b`; "70B served collocated at TP=2" of the tensor-parallelism table, `tp70b`) and the
-shifting-load report (`shift`: docs/sweeps/gpu-4x-llama3-8b-adaptive-shift, `bash benchmarks/gpu_run.sh shift4`).
+benchmarks/gpu_run.sh fp8_70b`; "70B served collocated at TP=2" of the tensor-parallelism table, `tp70b`), the served
+8B FP8 against bf16 rows (`bash benchmarks/gpu_run.sh fp8serve`) and the shifting-load report (`shift`:
+docs/sweeps/gpu-4x-llama3-8b-adaptive-shift, `bash benchmarks/gpu_run.sh shift4`).
 
 `python benchmarks/serve_load.py COMMAND CONFIG [options]`:
 
 - `smoke --model /tmp/l1b --requests 64`: send concurrent streaming requests (all at once, after one warm-up), print
-  one JSON line of figures per `--rounds` (the first cold, later ones warm): TTFT and time-per-output-token
-  percentiles, gaps between SSE chunks, output tokens/s, the KV-transfer counters from /metrics and, with `--floor`,
-  TPOT and the median chunk gap over the decode floor measured before the server starts (benchmarks/read_floor.py:
-  the step's weight and KV bytes over the copy rate). A functional check of a deployment, not a tuned benchmark (that is
-  `pdserve bench`). It first waits (up to `--graphs-timeout-s`) until no worker has CUDA graphs left to capture: a
-  worker captures most of them while it serves (EngineConfig.graph_capture "deferred"), between steps, and those
-  captures would fall in the measured streams (a steady-state figure; the first seconds after a start are
-  benchmarks/start.py's).
+  one JSON line of figures per `--rounds` (the first cold, later ones warm: the same prompts again, so prefix-cache
+  hits): TTFT and time-per-output-token percentiles, gaps between SSE chunks, output tokens/s, the KV-transfer
+  counters from /metrics and, with `--floor`, TPOT and the median chunk gap over the decode floor measured before the
+  server starts (benchmarks/read_floor.py: the step's weight and KV bytes over the copy rate). A functional check of
+  a deployment, not a tuned benchmark (that is `pdserve bench`). It first waits (up to `--graphs-timeout-s`) until no
+  worker has CUDA graphs left to capture: a worker captures most of them while it serves (EngineConfig.graph_capture
+  "deferred"), between steps, and those captures would fall in the measured streams (a steady-state figure; the
+  first seconds after a start are benchmarks/start.py's).
 - `shift --set k=v ... --phase NAME:RATE:INPUT:OUTPUT:SECONDS ... --out DIR`: a load that changes during the run,
   served in mode adaptive: does the layout follow it? Launches `pdserve serve` (CONFIG with the `--set` overrides;
   mode adaptive, or a static layout to compare), then sends the phases one after the other without a gap (Poisson
