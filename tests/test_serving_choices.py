@@ -113,7 +113,6 @@ def test_continuous_usage_stats_with_several_choices_count_each_choice(server, p
         body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
         lengths = [len(httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": p}, timeout=30)
                        .json()["tokens"]) for p in prompts]
-    events = []
     with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, **extra}, timeout=60) as r:
         assert r.status_code == 200, r.read()
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
