@@ -154,8 +154,8 @@ async def _events(choices: list[Choice], fmt: Formatter, req: Any, chat: bool, w
             chunks = tool_chunks(chunk, stream, piece.text, piece.finish_reason, first)
             if piece.finish_reason is not None:  # the reason the client gets (tool_calls) is the one counted
                 c.gen.client_finish = chunks[-1]["choices"][0]["finish_reason"]
-            for chunk in chunks:
-                yield event(chunk)
+            for part in chunks:
+                yield event(part)
         if fmt.include_usage:
             yield event(fmt.usage_chunk(*usage(choices)[:2], reasoning_tokens=(usage(choices, True)[2]
                                                                                if fmt.reasoning else None),
