@@ -57,20 +57,18 @@ def variants():
         for tma in (False, True):  # the weight by pointers, or by a tensor descriptor (fp8_mm's w_tma)
             weight = f"tensordesc<fp8e4nv[{block_n}, {block_k}]>" if tma else F8
             yield (fp8_gemm._fp8_mm_kernel, dict(HAS_BIAS=False, BLOCK_N=block_n, BLOCK_M=64, BLOCK_K=block_k,
-                                                  SPLIT_K=split, DOT_F32=False, W_TMA=tma, W_PREFETCH=0 if tma else 2),
+                                                  SPLIT_K=split, DOT_F32=False, W_TMA=tma),
                    {"x_ptr": F8, "w_ptr": weight, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32},
                    warps, 4)
     mm = {"x_ptr": F8, "w_ptr": F8, "ws_ptr": F32, "xs_ptr": F32, "part_ptr": F32, "sem_ptr": I32}
     for block_m, split in ((64, 1), (16, 2)):  # the qkv GEMM with RoPE and the KV store in its epilogue
         yield (fp8_mm_rope._fp8_mm_rope_store_kernel, dict(H=32, KVH=8, D=128, BS=16, HAS_BIAS=False, BLOCK_N=64,
                                                             BLOCK_M=block_m, BLOCK_K=256, SPLIT_K=split,
-                                                            DOT_F32=False, W_PREFETCH=2),
-               {**mm, "kv_ptr": F8, **ROPE}, 4, 4)
+                                                            DOT_F32=False), {**mm, "kv_ptr": F8, **ROPE}, 4, 4)
     for block_n, block_m, block_k, warps, split in ((*fp8_gemm.WIDE_CONFIG[:1], 64, fp8_gemm.WIDE_CONFIG[1],
                                                      fp8_gemm.WIDE_CONFIG[2], 1), (64, 16, 256, 4, 2)):
         yield (fp8_mm_swiglu._fp8_mm_swiglu_kernel, dict(HAS_BIAS=False, BLOCK_N=block_n, BLOCK_M=block_m,
-                                                         BLOCK_K=block_k, SPLIT_K=split, DOT_F32=False,
-                                                         W_PREFETCH=2),
+                                                         BLOCK_K=block_k, SPLIT_K=split, DOT_F32=False),
                {**mm, "amax_ptr": F32}, warps, 4)
     yield (fp8_mm_swiglu._quant_by_maxima_kernel, dict(CHUNK=1024, BLOCK_P=128, STATIC=False, MIN=1e-12),
            {"amax_ptr": F32, **QUANT}, 2, 3)
@@ -134,17 +132,15 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
             signature[p.name] = "constexpr"
             # EARLY_KV (decode attention's first tile before the wait) goes with PDL, as the launch sets it
             # PDL_LATE (the trigger after the main loop: engine.kernels.pdl) only with PDL
-            # a constexpr the variant does not name takes its default (W_PREFETCH: none)
             values[p.name] = (pdl if p.name in ("PDL", "EARLY_KV") else late if p.name == "PDL_LATE"
-                              else constexprs.get(p.name, p.default))
+                              else constexprs[p.name])
         elif p.name.endswith("_ptr"):
             signature[p.name] = pointers.get(p.name, "*bf16")
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl, "late": late,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED",
-                                                                          "GROUP", "V_WORDS", "SWAPPED",
-                                                                          "W_PREFETCH")}}
+                                                                          "GROUP", "V_WORDS", "SWAPPED")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
@@ -161,8 +157,6 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
     return row | {"cubin_bytes": len(compiled.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
                   "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
                   "trigger_after_mma": trigger_after_mma(ptx),
-                  # the weight asked into L2 before the PDL wait (engine.kernels.l2_prefetch)
-                  "l2_prefetch_before_wait": prefetch_before_wait(ptx),
                   # stores to thread-local memory: registers spilled
                   "local_stores": None if sass is None else sass.count(" STL"),
                   # one-byte shared-memory loads: an e4m3 tile transposed for tl.dot byte by byte
@@ -177,14 +171,6 @@ def trigger_after_mma(ptx: str) -> bool | None:
     mma = [i for i, line in enumerate(lines) if "mma.sync" in line or "wgmma.mma_async" in line]
     trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
     return trigger[0] > mma[-1] if mma and trigger else None
-
-
-def prefetch_before_wait(ptx: str) -> bool | None:
-    """Whether the PTX asks for an L2 prefetch before its griddepcontrol.wait; None if it asks for none."""
-    lines = ptx.splitlines()
-    prefetch = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
-    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
-    return (bool(wait) and prefetch[-1] < wait[0]) if prefetch else None
 
 
 def machine_code(cubin: bytes) -> str | None:

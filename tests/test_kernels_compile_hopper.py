@@ -2,10 +2,9 @@
 CI included: the interpreter CPU tests run accepts code the compiler refuses (how `kv_cache_dtype: fp8` once passed
 every CPU test and failed on an H200), and under programmatic dependent launch each kernel carries its wait and its
 trigger (engine.kernels.pdl), and neither without it (a late trigger after the main loop's MMAs, an early one
-before them), and the FP8 GEMMs their weight's L2 prefetch before the wait (engine.kernels.l2_prefetch); none
-spills registers to local memory, and the fp8-cache decode attention reads no shared memory a byte at a time
-(compiled with the divisibility a launch on the 8B shape specialises on: without it the FP8 GEMM's build spilled
-2.7 KB a thread).
+before them); none spills registers to local memory, and the fp8-cache
+decode attention reads no shared memory a byte at a time (compiled with the
+divisibility a launch on the 8B shape specialises on: without it the FP8 GEMM's build spilled 2.7 KB a thread).
 Compiled by Triton's own ptxas in a process of its own, without TRITON_INTERPRET (tests/hopper_compile.py)."""
 
 from __future__ import annotations
@@ -35,7 +34,5 @@ def test_decode_kernels_compile_for_hopper_with_their_pdl_wait():
         if r["trigger_after_mma"] is not None:  # a late trigger after the main loop's MMAs, an early one before
             assert r["trigger_after_mma"] == r["late"], r
         assert r["local_stores"] in (0, None), r
-        if r["constexprs"].get("W_PREFETCH"):  # the weight's L2 prefetch before the wait, only under PDL
-            assert r["l2_prefetch_before_wait"] is (True if r["pdl"] else None), r
         if r["constexprs"].get("V_WORDS"):  # the fp8 cache's V widened before its transpose, not byte by byte
             assert r["byte_shared_loads"] in (0, None), r

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 from benchmarks.make_random_checkpoint import quantize_folder
 from engine import LLM, SamplingParams
-from engine.kernels import l2_prefetch, pdl
+from engine.kernels import pdl
 from engine.kernels.decode_attention import decode_attention
-from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm, mm_config
+from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
 from engine.kernels.fp8_quant import rms_norm_quant, silu_mul_quant
 from engine.kernels.pdl import MAX_ROWS, pdl_args, pdl_launch
 from engine.kernels.rms_norm import rms_norm
@@ -53,14 +52,8 @@ def test_fp8_kernels_past_max_rows_launch_late_up_to_late_max_rows(monkeypatch):
     assert pdl_args(dev, MAX_ROWS + 1) == off
     assert pdl_args(dev, MAX_ROWS + 1, late=True) == {"PDL": True, "PDL_LATE": True, "launch_pdl": True}
     assert pdl_args(dev, 64, late=True)["PDL_LATE"] and pdl_args(dev, 65, late=True) == off
-    short = {"PDL": True, "PDL_LATE": False, "launch_pdl": True}  # a short kernel's early trigger past MAX_ROWS
-    assert pdl_args(dev, 64, late=True, short=True)["PDL_LATE"]  # SHORT_EARLY_MAX_ROWS = MAX_ROWS: as the others
-    monkeypatch.setattr(pdl, "SHORT_EARLY_MAX_ROWS", 64)
-    assert pdl_args(dev, 64, late=True, short=True) == short and pdl_args(dev, 64, late=True)["PDL_LATE"]
-    assert pdl_args(dev, 65, late=True, short=True) == off
     monkeypatch.setattr(pdl, "LATE_MAX_ROWS", MAX_ROWS)  # late launches turned off
     assert pdl_args(dev, MAX_ROWS + 1, late=True) == off
-    assert pdl_args(dev, MAX_ROWS + 1, late=True, short=True) == off
     monkeypatch.setenv("PDSERVE_PDL", "0")
     assert pdl_args(dev, 1) == off
 
@@ -114,17 +107,11 @@ def graph_of(fn, x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
 
 @needs_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8,rows,ahead", [(False, 1, False), (False, 2, False), (True, 1, False), (True, 8, False),
-                                            (True, 16, False), (True, 32, False), (True, 64, False), (True, 8, True),
-                                            (True, 32, True), (True, 64, True)])
-def test_a_graph_of_pdl_launches_gives_the_ordinary_launches_bits(monkeypatch, fp8, rows, ahead):
-    """Rows past MAX_ROWS: late triggers (LATE_MAX_ROWS raised for the test). `ahead`: the FP8 GEMMs ask their
-    weights into L2 before their wait (engine.kernels.l2_prefetch) and the quantizing kernels before them trigger
-    early at every row count (pdl.SHORT_EARLY_MAX_ROWS), so the GEMMs' programs sit beside them for longer."""
+@pytest.mark.parametrize("fp8,rows", [(False, 1), (False, 2), (True, 1), (True, 8), (True, 16), (True, 32),
+                                      (True, 64)])
+def test_a_graph_of_pdl_launches_gives_the_ordinary_launches_bits(monkeypatch, fp8, rows):
+    """Rows past MAX_ROWS: late triggers (LATE_MAX_ROWS raised for the test)."""
     monkeypatch.setattr(pdl, "LATE_MAX_ROWS", 64)
-    if ahead:
-        monkeypatch.setattr(pdl, "SHORT_EARLY_MAX_ROWS", 64)
-        monkeypatch.setattr(l2_prefetch, "BUDGET_BYTES", 32 << 20)
     w = weights(seed=rows)
     x = (torch.randn(rows, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
          ).to(torch.bfloat16)
@@ -132,11 +119,6 @@ def test_a_graph_of_pdl_launches_gives_the_ordinary_launches_bits(monkeypatch, f
     plain = mlp_chain(x, w, fp8).clone()
     monkeypatch.setenv("PDSERVE_PDL", "1")
     assert pdl_launch(x.device, rows, late=fp8)  # past MAX_ROWS only the FP8 linears' kernels (late triggers)
-    if ahead and rows > 1:  # the gate/up GEMM's programs do ask for weight tiles
-        block_n, _, block_k, _, _, split = mm_config(rows, 2 * INTER, HIDDEN, torch.cuda.get_device_properties(
-            0).multi_processor_count)
-        grid = (triton.cdiv(2 * INTER, block_n), 1, split)
-        assert l2_prefetch.prefetch_tiles(w["up8"], grid, block_n, block_k, HIDDEN // split, True) > 0
     eager = mlp_chain(x, w, fp8)
     graph, out = graph_of(lambda t: mlp_chain(t, w, fp8), x)
     for _ in range(20):  # replays back to back: any early read would have many chances to show

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels import check, interpreting
-from engine.kernels.l2_prefetch import prefetch_tiles, prefetch_weight_rows
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.skinny_gemm import gated_outputs, gemv_rows, gemv_store, gemv_tile
 
@@ -64,7 +63,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, str
 def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_SPLIT, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                   W_TMA: tl.constexpr = False, PDL_LATE: tl.constexpr = False, W_PREFETCH: tl.constexpr = 0):
+                   W_TMA: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): acc [BLOCK_N, BLOCK_M] = w tile [BLOCK_N, BLOCK_K] @ x^T
     # tile [BLOCK_K, BLOCK_M] over this split's K_SPLIT columns of K (a multiple of BLOCK_K). x^T's tile is
     # K-contiguous per token: the K-major B operand FP8 MMAs take. With SPLIT_K > 1 (an N too narrow to give every
@@ -73,12 +72,9 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, sem_
     # (engine.kernels.decode_attention merges its splits the same way: no second launch).
     # W_TMA: w_ptr is a host tensor descriptor of the weight ([BLOCK_N, BLOCK_K] boxes) and its tiles come by the
     # Hopper tensor-memory accelerator (one bulk copy a tile, zero-filled past N and K) instead of per-thread loads.
-    # W_PREFETCH: under PDL, that many of the program's first weight tiles asked into L2 before the wait.
+    wait_for_inputs(PDL, PDL_LATE)
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL and W_PREFETCH > 0:  # weights: written by no kernel of the step (engine.kernels.l2_prefetch)
-        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, K, K_SPLIT, W_PREFETCH * BLOCK_K)
-    wait_for_inputs(PDL, PDL_LATE)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -301,11 +297,9 @@ def fp8_mm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scal
                                  f"base address % 16 = {weight.data_ptr() % 16})")
             from triton.tools.tensor_descriptor import TensorDescriptor
             w_arg = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
-        pdl = pdl_args(x.device, m, late=True)
         _fp8_mm_kernel[grid](
             x, x_scales, w_arg, w_scales, bias if bias is not None else w_scales, out, part, sems, m, n, k, k_split,
             x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
             BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-            num_stages=stages, W_TMA=w_tma,
-            W_PREFETCH=0 if w_tma else prefetch_tiles(weight, grid, block_n, block_k, k_split, pdl["PDL"]), **pdl)
+            num_stages=stages, W_TMA=w_tma, **pdl_args(x.device, m, late=True))
     return out

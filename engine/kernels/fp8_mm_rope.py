@@ -28,7 +28,6 @@ from engine.kernels.fp8_gemm import (
     split_k_args,
 )
 from engine.kernels.kv_store import check_kv_args, check_scales, to_cache
-from engine.kernels.l2_prefetch import prefetch_tiles, prefetch_weight_rows
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 from engine.kernels.rope import check_rope_args, rotate_halves, round_to
 
@@ -39,20 +38,18 @@ def _fp8_mm_rope_store_kernel(
     k_scale, v_scale, M, K, K_SPLIT, stride_xm, stride_wn, stride_ym, stride_p, stride_cb, stride_ckv, stride_cs,
     stride_ch, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr = False, W_PREFETCH: tl.constexpr = 0,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr = False,
 ):
     # Grid ((H + 2 KVH) * D / BLOCK_N, cdiv(M, BLOCK_M), SPLIT_K): program (p, t, s) sums, for tokens t's tile, the
     # weight rows of head p // (D / BLOCK_N): its columns j (j from (p % (D / BLOCK_N)) * BLOCK_N / 2, BLOCK_N / 2 of
     # them) and j + D / 2, as engine.kernels.fp8_gemm's fp8_mm sums a tile (split K meets the same way).
+    wait_for_inputs(PDL, PDL_LATE)
     PAIRS: tl.constexpr = BLOCK_N // 2
     HALF: tl.constexpr = D // 2
     head = tl.program_id(0) // (D // BLOCK_N)
     first = (tl.program_id(0) % (D // BLOCK_N)) * PAIRS
     r = tl.arange(0, BLOCK_N)
     offs_n = head * D + (r // PAIRS) * HALF + first + r % PAIRS  # [BLOCK_N]: the pairs' first halves, then seconds
-    if PDL and W_PREFETCH > 0:  # weights: written by no kernel of the step (engine.kernels.l2_prefetch)
-        prefetch_weight_rows(w_ptr, offs_n, (H + 2 * KVH) * D, stride_wn, K, K_SPLIT, W_PREFETCH * BLOCK_K)
-    wait_for_inputs(PDL, PDL_LATE)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = mm_accumulate(x_ptr, w_ptr, offs_n, r < BLOCK_N, offs_m, m_mask, K, K_SPLIT, stride_xm, stride_wn, 0,
@@ -162,12 +159,11 @@ def fp8_mm_rope_store(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Ten
     block_n, block_m, block_k, warps, stages, split_k = config
     grid = (n // block_n, triton.cdiv(m, block_m), split_k)
     k_split, part, sems = split_k_args(hidden, grid, block_n, block_m, block_k, semaphores, out)
-    pdl = pdl_args(x.device, m, late=True)
     _fp8_mm_rope_store_kernel[grid](
         x, x_scales, weight, w_scales, bias if bias is not None else w_scales, out, part, sems, positions, cos, sin,
         kv_layer, slots, float(k_scale), float(v_scale), m, hidden, k_split, x.stride(0), weight.stride(0),
         out.stride(0), cos.stride(0), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         H=num_heads, KVH=num_kv_heads, D=d, BS=kv_layer.shape[2], HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-        num_stages=stages, W_PREFETCH=prefetch_tiles(weight, grid, block_n, block_k, k_split, pdl["PDL"]), **pdl)
+        num_stages=stages, **pdl_args(x.device, m, late=True))
     return out

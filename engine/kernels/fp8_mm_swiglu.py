@@ -18,7 +18,6 @@ import triton.language as tl
 from engine.kernels import check, interpreting
 from engine.kernels.fp8_gemm import check_mm_args, meet_splits, mm_accumulate, mm_config, split_k_args
 from engine.kernels.fp8_quant import MIN_SCALE, SPLIT_CHUNK, scale_from_maxima, store_quantized_chunk, swiglu
-from engine.kernels.l2_prefetch import prefetch_tiles, prefetch_weight_rows
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 FP8 = torch.float8_e4m3fn
@@ -28,19 +27,16 @@ FP8 = torch.float8_e4m3fn
 def _fp8_mm_swiglu_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, h_ptr, amax_ptr, part_ptr, sem_ptr, M, K, K_SPLIT,
                           INTER, stride_xm, stride_wn, stride_hm, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                          DOT_F32: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr = False,
-                          W_PREFETCH: tl.constexpr = 0):
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr = False):
     # Grid (cdiv(I, BLOCK_N / 2), cdiv(M, BLOCK_M), SPLIT_K): program (p, t, s) sums gate rows p * BLOCK_N / 2 on
     # (BLOCK_N / 2 of them) and the up rows I further, for tokens t's tile, as fp8_mm sums a tile (split K alike)
+    wait_for_inputs(PDL, PDL_LATE)
     PAIRS: tl.constexpr = BLOCK_N // 2
     first = tl.program_id(0) * PAIRS
     r = tl.arange(0, BLOCK_N)
     cols = first + r % PAIRS  # [BLOCK_N]: the output columns of the tile's gate rows, then of its up rows
     offs_n = (r // PAIRS) * INTER + cols
     n_mask = cols < INTER
-    if PDL and W_PREFETCH > 0:  # weights: written by no kernel of the step (engine.kernels.l2_prefetch)
-        prefetch_weight_rows(w_ptr, offs_n, 2 * INTER, stride_wn, K, K_SPLIT, W_PREFETCH * BLOCK_K)
-    wait_for_inputs(PDL, PDL_LATE)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = mm_accumulate(x_ptr, w_ptr, offs_n, n_mask, offs_m, m_mask, K, K_SPLIT, stride_xm, stride_wn, 0,
@@ -122,15 +118,14 @@ def fp8_mm_swiglu_quant(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.T
     grid = (triton.cdiv(inter, block_n // 2), triton.cdiv(m, block_m), split_k)
     amax = torch.empty((m, grid[0]), dtype=torch.float32, device=x.device)
     k_split, part, sems = split_k_args(hidden, grid, block_n, block_m, block_k, semaphores, h)
-    pdl = pdl_args(x.device, m, late=True)
     _fp8_mm_swiglu_kernel[grid](
         x, x_scales, weight, w_scales, bias if bias is not None else w_scales, h, amax, part, sems, m, hidden,
         k_split, inter, x.stride(0), weight.stride(0), h.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=interpreting(), num_warps=warps,
-        num_stages=stages, W_PREFETCH=prefetch_tiles(weight, grid, block_n, block_k, k_split, pdl["PDL"]), **pdl)
+        num_stages=stages, **pdl_args(x.device, m, late=True))
     chunk = min(SPLIT_CHUNK, triton.next_power_of_2(inter))
     _quant_by_maxima_kernel[(m, triton.cdiv(inter, chunk))](
         h, amax, q, scales, input_scale if input_scale is not None else scales, h.stride(0), q.stride(0), inter,
         grid[0], CHUNK=chunk, BLOCK_P=triton.next_power_of_2(grid[0]), STATIC=input_scale is not None,
-        MIN=MIN_SCALE, num_warps=min(16, max(1, chunk // 512)), **pdl_args(x.device, m, late=True, short=True))
+        MIN=MIN_SCALE, num_warps=min(16, max(1, chunk // 512)), **pdl_args(x.device, m, late=True))
     return q, scales

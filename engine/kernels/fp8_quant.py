@@ -200,7 +200,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
         block = triton.next_power_of_2(k)
         _quant_rows_kernel[(t,)](x, q, scales, static, x.stride(0), q.stride(0), N=k, BLOCK_N=block,
                                  STATIC=input_scale is not None, MIN=MIN_SCALE, num_warps=_warps(block),
-                                 **pdl_args(x.device, t, late=True, short=True))
+                                 **pdl_args(x.device, t, late=True))
     return q, scales
 
 
@@ -216,7 +216,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
         _rms_norm_quant_kernel[(t,)](x, r, weight, q, scales, static, x.stride(0), r.stride(0), q.stride(0),
                                      float(eps), N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
                                      STATIC=input_scale is not None, MIN=MIN_SCALE, num_warps=_warps(block),
-                                     **pdl_args(x.device, t, late=True, short=True))
+                                     **pdl_args(x.device, t, late=True))
     return q, scales
 
 
@@ -236,14 +236,14 @@ def silu_mul_quant(gate_up: torch.Tensor, input_scale: torch.Tensor | None = Non
         if input_scale is None:
             _silu_mul_amax_kernel[(t, chunks)](gate_up, amax, gate_up.stride(0), INTER=inter, CHUNK=chunk,
                                                CHUNKS=chunks, num_warps=_warps(chunk),
-                                               **pdl_args(gate_up.device, t, late=True, short=True))
+                                               **pdl_args(gate_up.device, t, late=True))
         _silu_mul_quant_split_kernel[(t, chunks)](
             gate_up, amax, q, scales, static, gate_up.stride(0), q.stride(0), INTER=inter, CHUNK=chunk,
             CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), STATIC=input_scale is not None, MIN=MIN_SCALE,
-            num_warps=_warps(chunk), **pdl_args(gate_up.device, t, late=True, short=True))
+            num_warps=_warps(chunk), **pdl_args(gate_up.device, t, late=True))
     elif t > 0 and inter > 0:
         chunk = min(CHUNK, triton.next_power_of_2(inter))
         _silu_mul_quant_kernel[(t,)](gate_up, q, scales, static, gate_up.stride(0), q.stride(0), INTER=inter,
                                      CHUNK=chunk, STATIC=input_scale is not None, MIN=MIN_SCALE,
-                                     num_warps=_warps(chunk), **pdl_args(gate_up.device, t, late=True, short=True))
+                                     num_warps=_warps(chunk), **pdl_args(gate_up.device, t, late=True))
     return q, scales

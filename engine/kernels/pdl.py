@@ -41,10 +41,6 @@ MAX_ROWS = 16
 # triggers there: 1.006 / 1.017x); bf16 weights (cuBLAS GEMMs between the Triton kernels) 0.993 / 0.994x, hence
 # only the FP8 linears' kernels; FP8 at batch 128 (cuBLAS's FP8 GEMMs) 0.992x, hence 64.
 LATE_MAX_ROWS = 64
-# Short kernels (`short`: the quantizing ones before an FP8 linear, one program a row) trigger early up to this many
-# rows, past MAX_ROWS too: their grids leave room for the next kernel's programs, which then ask for their weights
-# while these run (engine.kernels.l2_prefetch). MAX_ROWS: as every other kernel.
-SHORT_EARLY_MAX_ROWS = MAX_ROWS
 
 
 def pdl_launch(device: torch.device, rows: int = 1, late: bool = False) -> bool:
@@ -85,10 +81,9 @@ def dependents_may_start(PDL: tl.constexpr, LATE: tl.constexpr):
             tl.extra.cuda.gdc_launch_dependents()
 
 
-def pdl_args(device: torch.device, rows: int, late: bool = False, short: bool = False) -> dict[str, bool]:
+def pdl_args(device: torch.device, rows: int, late: bool = False) -> dict[str, bool]:
     """The launch's keyword arguments: a kernel's `PDL` constexpr and Triton's `launch_pdl`, both pdl_launch, and its
-    `PDL_LATE` constexpr (a PDL launch of more than MAX_ROWS rows, or SHORT_EARLY_MAX_ROWS for a `short` kernel: its
-    trigger after the main loop). `late`: the kernel is one of the FP8 linears' (module docstring)."""
+    `PDL_LATE` constexpr (a PDL launch of more than MAX_ROWS rows: its trigger after the main loop). `late`: the
+    kernel is one of the FP8 linears' (module docstring)."""
     on = pdl_launch(device, rows, late)
-    return {"PDL": on, "PDL_LATE": on and rows > (max(MAX_ROWS, SHORT_EARLY_MAX_ROWS) if short else MAX_ROWS),
-            "launch_pdl": on}
+    return {"PDL": on, "PDL_LATE": on and rows > MAX_ROWS, "launch_pdl": on}
