@@ -8,7 +8,8 @@ docs/sweeps/gpu-4x-llama3-8b-adaptive-shift, `bash benchmarks/gpu_run.sh shift4`
 
 - `smoke --model /tmp/l1b --requests 64`: send concurrent streaming requests (all at once, after one warm-up), print
   one JSON line of figures per `--rounds` (the first cold, later ones warm: the same prompts again, so prefix-cache
-  hits): TTFT and time-per-output-token percentiles, gaps between SSE chunks, output tokens/s, the KV-transfer
+  hits): TTFT and time-per-output-token percentiles, gaps between SSE chunks and tokens per chunk, output tokens/s,
+  this client's CPU seconds per second (a one-process client near 1 may pace what it measures), the KV-transfer
   counters from /metrics and, with `--floor`, TPOT and the median chunk gap over the decode floor measured before the
   server starts (benchmarks/read_floor.py: the step's weight and KV bytes over the copy rate). A functional check of
   a deployment, not a tuned benchmark (that is `pdserve bench`). It first waits (up to `--graphs-timeout-s`) until no
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -56,6 +58,7 @@ from benchclient.launcher import launched_server, serving_config  # noqa: E402
 from benchclient.run import RunConfig, json_safe, result_record, run_load  # noqa: E402
 from benchclient.stats import SLO  # noqa: E402
 from benchclient.workload import WorkloadSpec  # noqa: E402
+from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from coordinator.config.serve_config import set_dotted  # noqa: E402
 from tests.server_process import metric_values, running_server  # noqa: E402
 
@@ -75,7 +78,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: li
             if chunk.get("choices"):
                 stamps.append(time.perf_counter())  # chunks may merge tokens held back for UTF-8
     return {"ttft": stamps[0] - start, "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-            "tokens": tokens, "e2e": stamps[-1] - start}
+            "tokens": tokens, "chunks": len(stamps), "e2e": stamps[-1] - start}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -88,9 +91,16 @@ async def drive(url: str, model: str, args: argparse.Namespace) -> dict:
     prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
         await stream_one(client, url, model, prompts[0][:16], 4)  # warm-up
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), process_cpu_s(os.getpid())
         results = await asyncio.gather(*[stream_one(client, url, model, p, args.max_tokens) for p in prompts])
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, process_cpu_s(os.getpid()) - cpu
+    return round_figures(results, wall, cpu, args)
+
+
+def round_figures(results: list[dict], wall: float, client_cpu_s: float, args: argparse.Namespace) -> dict:
+    """A round's figures from its streams' stamps (stream_one's dicts), its wall time and the CPU seconds this client
+    spent in it. Chunk gaps are what a client saw; `tokens_per_chunk` over 1 says the server merged tokens into
+    chunks, `client_cpu_s_per_s` near 1 that this one-process client, not the server, may have set the pace."""
     itl = [x for r in results for x in r["itl"]]  # gaps between SSE chunks (a chunk may carry several tokens)
     tpot = [(r["e2e"] - r["ttft"]) / max(1, r["tokens"] - 1) for r in results]  # time per output token
     return {"requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -100,7 +110,10 @@ async def drive(url: str, model: str, args: argparse.Namespace) -> dict:
             "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p90": pct(tpot, 0.9),
             "chunk_gap_ms_p50": pct(itl, 0.5), "chunk_gap_ms_p99": pct(itl, 0.99),
             "e2e_s_mean": round(statistics.mean(r["e2e"] for r in results), 3),
-            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1)}
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
+            "tokens_per_chunk": round(sum(r["tokens"] for r in results) / max(1, sum(r["chunks"] for r in results)),
+                                      3),
+            "client_cpu_s_per_s": round(client_cpu_s / wall, 3)}
 
 
 GRAPHS_PENDING = "pdserve_worker_engine_graphs_pending"  # EngineLoad.graphs_pending, per worker
