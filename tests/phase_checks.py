@@ -44,9 +44,15 @@ async def stream_with_phases(client: httpx.AsyncClient, url: str, body: dict, on
     return out
 
 
-def assert_partition(result: dict, expected: set[str], unseen_s: float = 0.0) -> None:
-    """The request has exactly the expected phases, none negative, summing to the client's e2e within 5% (plus
-    `unseen_s` the client may wait outside the server's window: before its handler runs, after its last byte)."""
+# What a client's e2e holds outside the server's window on a loaded 2-core CI machine: its own event loop's lag and
+# the request's bytes before the handler runs, the usage chunk and [DONE] after the phases are read (a 656 ms stream
+# once measured 37 ms more than its phases, 0.656 * 5% = 33 ms, while the other test process served beside it)
+CLIENT_SIDE_S = 0.05
+
+
+def assert_partition(result: dict, expected: set[str], unseen_s: float = CLIENT_SIDE_S) -> None:
+    """The request has exactly the expected phases, none negative, summing to the client's e2e within 5% plus
+    `unseen_s` the client may wait outside the server's window (before its handler runs, after its last byte)."""
     phases = result["phases"]
     assert phases is not None and set(phases) == expected, phases
     assert all(v >= 0 for v in phases.values()), phases
