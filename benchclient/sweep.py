@@ -24,7 +24,7 @@ from typing import Any
 from benchclient.cache_tiers import read_tier_counters, tier_shares
 from benchclient.client import Target, first_model
 from benchclient.launcher import LaunchError, launched_server, serving_config
-from benchclient.run import RunConfig, json_safe, run_load, run_report, save_json
+from benchclient.run import RunConfig, json_safe, measured_load, run_report, save_json
 from benchclient.stats import summarize
 from benchclient.sweep_config import Cell, SweepConfig
 
@@ -98,10 +98,12 @@ def _run_group(config: SweepConfig, cells: list[Cell], out: Path, progress: bool
 def _run_cell(config: SweepConfig, cell: Cell, url: str, model: str, out: Path, progress: bool) -> dict:
     target = Target(url=url, model=model, endpoint=config.endpoint, ignore_eos=config.ignore_eos, phases=True)
     run = RunConfig(target=target, workload=cell.workload, arrival=cell.arrival, slo=config.slo,
-                    duration_s=config.duration_s, warmup_s=config.warmup_s, timeout_s=config.timeout_s)
+                    duration_s=config.duration_s, warmup_s=config.warmup_s, timeout_s=config.timeout_s,
+                    client_processes=min(config.client_processes, cell.arrival.concurrency or config.client_processes))
     before = read_tier_counters(url)
-    results = asyncio.run(run_load(run, progress=progress))
-    doc = run_report(run, results)
+    measured = asyncio.run(measured_load(run, progress=progress))
+    results = measured.results
+    doc = run_report(run, results, measured.client)
     doc["summary"].update(tier_shares(before, read_tier_counters(url)))  # the server's own, warm-up included
     doc["cell"] = {"key": cell.key, "layout": cell.layout.name, "serve_overrides": cell.layout.serve_overrides()}
     extra = {s.goodput_key: summarize(results, s)["goodput"] for s in config.extra_slos}

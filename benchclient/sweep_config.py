@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from benchclient.arrivals import ArrivalSpec
+from benchclient.run import MAX_CLIENT_PROCESSES
 from benchclient.stats import SLO
 from benchclient.workload import build_requests
 from benchclient.workload_spec import WorkloadSpec
@@ -24,7 +25,7 @@ from engine.config_error import ConfigError
 KEYS = {"description", "base_config", "output_dir", "ray_address", "overrides", "layouts", "workloads", "loads", "slo",
         "extra_slos",
         "warmup_s", "duration_s", "timeout_s", "start_timeout_s", "endpoint", "ignore_eos", "restart_per_cell",
-        "seed"}
+        "seed", "client_processes"}
 REQUIRED = ("base_config", "layouts", "workloads", "loads")
 LAYOUT_KEYS = {"name", "mode", "prefill", "decode", "workers", "set"}
 LOAD_KEYS = {"arrival", "rates", "concurrencies", "burstiness"}
@@ -84,6 +85,7 @@ class SweepConfig:
     ignore_eos: bool = True
     restart_per_cell: bool = True    # a fresh system per cell; False: one server per layout serves its cells
     seed: int = 0
+    client_processes: int = 1        # OS processes sending each cell's load (benchclient.client_processes)
     description: str = ""            # shown at the top of the report
 
     def cells(self) -> list[Cell]:
@@ -118,6 +120,9 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
                       ("seed", int), ("output_dir", str), ("description", str)):
         if key in raw and not isinstance(raw[key], kind):
             raise fail(key, f"must be a {kind.__name__}, got {raw[key]!r}")
+    processes = raw.get("client_processes", 1)
+    if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= MAX_CLIENT_PROCESSES:
+        raise fail("client_processes", f"must be an integer in [1, {MAX_CLIENT_PROCESSES}], got {processes!r}")
     if raw.get("endpoint", "completions") not in ("completions", "chat"):
         raise fail("endpoint", f"must be 'completions' or 'chat', got {raw['endpoint']!r}")
     slo_raw = _mapping(raw.get("slo", {}), "slo", fail)
@@ -140,8 +145,8 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     layouts = _layouts(raw["layouts"], fail)
     for i, lay in enumerate(layouts):
         _check_serving(base, {**overrides, **lay.serve_overrides()}, f"layouts[{i}]", fail)
-    plain = {k: raw[k] for k in ("ray_address", "endpoint", "ignore_eos", "restart_per_cell", "seed", "description")
-             if k in raw}
+    plain = {k: raw[k] for k in ("ray_address", "endpoint", "ignore_eos", "restart_per_cell", "seed", "description",
+                                 "client_processes") if k in raw}
     return SweepConfig(
         path=path, base_config=base, output_dir=Path(raw.get("output_dir", f"sweeps/{path.stem}")), layouts=layouts,
         workloads=_workloads(raw["workloads"], seed, path, fail), loads=_loads(raw["loads"], seed, fail),

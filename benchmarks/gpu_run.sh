@@ -378,7 +378,8 @@ for step in "$@"; do
         --load-format dummy ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | grep "^{" | grep -v static_context ;;
     fp8serve)  # issue 42: the 8B shape served collocated as users run it, bf16 then FP8 weights + fp8 KV, one server
       # each: FP8SERVE_REQUESTS (64) streams of 1k prompts and 256 tokens at once, a cold round then a warm one,
-      # TPOT over each model's own floor, and the FP8 server's figures over bf16's (benchmarks/serve_load.py smoke)
+      # TPOT over each model's own floor, and the FP8 server's figures over bf16's (benchmarks/serve_load.py smoke);
+      # the streams from FP8SERVE_CLIENTS (2) client processes: one parses ~10,000 chunks/s (benchmarks/client_ceiling.py)
       checkpoint8b
       [ -d /tmp/l8bd-fp8 ] || python3 benchmarks/make_random_checkpoint.py llama-3-8b /tmp/l8bd-fp8 --no-weights --fp8 channel
       for kind in bf16 fp8; do
@@ -386,7 +387,7 @@ for step in "$@"; do
         timeout ${FP8SERVE_TIMEOUT:-240} python3 benchmarks/serve_load.py smoke configs/gpu-1p1d-llama3-8b.yaml \
           --model $model --mode collocated --set load_format=dummy --set kv_cache_dtype=$kv \
           --requests ${FP8SERVE_REQUESTS:-64} --prompt-len 1024 --max-tokens 256 --graphs-timeout-s 180 --rounds 2 \
-          --floor 2>&1 | tee "$OUT/fp8serve_$kind.log" | grep "^{" | cut -c1-900
+          --client-processes ${FP8SERVE_CLIENTS:-2} --floor 2>&1 | tee "$OUT/fp8serve_$kind.log" | grep "^{" | cut -c1-900
       done
       python3 - "$OUT" <<'PY'
 import json, sys

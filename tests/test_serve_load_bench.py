@@ -50,7 +50,7 @@ def stream(start: float, stamps: list[float], tokens: int) -> dict:
 def test_a_rounds_figures_say_how_tokens_came_and_what_the_client_spent():
     """Two streams of 4 tokens: one a chunk a token every 10 ms, one in 3 chunks (its last three tokens as a pair and
     a single): TPOT from the first chunk to the last, gaps per chunk, 8 tokens in 7 chunks."""
-    args = argparse.Namespace(requests=2, prompt_len=16, max_tokens=4)
+    args = argparse.Namespace(requests=2, prompt_len=16, max_tokens=4, client_processes=1)
     results = [stream(0.0, [0.100, 0.110, 0.120, 0.130], 4), stream(0.0, [0.200, 0.220, 0.240], 4)]
     got = round_figures(results, wall=0.5, client_cpu_s=0.25, args=args)
     assert got["all_tokens_received"] and got["ttft_ms_p50"] == 200.0 and got["ttft_ms_p90"] == 200.0
