@@ -1,11 +1,11 @@
 """A load sent from several OS processes, and what sending it cost this machine's CPUs.
 
 One asyncio process parsing server-sent events spends ~50-120 us of CPU a chunk (httpx; 2-core machine, one event a
-read): near 9,000 chunks/s it is busy all the time, chunks wait in its socket buffers and the gaps it records are its
-own (two chunks "arriving" together). A served 8B model on one H200 streams 11,000 chunks/s. So a load may be split
-over `count` processes, each sending a `Share` of it (every count-th request, conversation or closed-loop lane) from
-one common start instant, and every process reports its CPU seconds per second of the run (`ClientUsage`), so a
-report can say when its client, not the server, set the pace.
+read): near 12,000 chunks/s it is busy all the time, chunks wait in its socket buffers and the gaps it records are
+its own (two chunks "arriving" together: benchmarks/client_ceiling.py). A served 8B model on one H200 streams 11,000
+chunks/s. So a load may be split over `count` processes, each sending a `Share` of it (every count-th request,
+conversation or closed-loop lane) from one common start instant, and every process reports its CPU seconds per
+second of the run (`ClientUsage`), so a report can say when its client, not the server, set the pace.
 
 Owns `Share`, `ClientUsage` and `fan_out`, which runs an async function once per share in spawned processes and
 returns what each returned. The function must be a module-level one (the processes are spawned, not forked: a

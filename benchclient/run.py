@@ -8,6 +8,7 @@ benchclient.sender's. With `client_processes` > 1 the load goes out from that ma
 seeded load from one common start. The saved document adds the server's per-request phases when it sent them
 (benchclient.phase_table) and the client's CPU figures. `pdserve bench` is `main` in benchclient/cli.py.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -360,8 +360,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="drive the load this many times on the one server "
                    "(a JSON line each: the first cold, the later ones warm)")
     p.add_argument("--client-processes", type=int, default=1,
-                   help="stream the requests from this many processes (each every n-th): one process parses ~9,000 "
-                        "chunks/s on a 2-core machine; client_cpu_s_per_s near 1 says it was the limit")
+                   help="stream the requests from this many processes (each every n-th): one process is busy all the "
+                        "time near 12,000 chunks/s on a 2-core machine; client_cpu_s_per_s near 1 says it was")
     p.add_argument("--floor", action="store_true", help="measure the decode floor first (benchmarks/read_floor.py, "
                    "needs CUDA) and give each round's TPOT and chunk gap over it")
     p.set_defaults(run=smoke)
