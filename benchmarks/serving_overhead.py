@@ -12,8 +12,9 @@ batches the closed loop keeps in flight: the served/offline ratio is what the HT
 Its TPOT comes from the engine's step timestamps (every step is timed; generation itself is LLM.generate's).
 Each server gets a discarded warm-up of `--concurrency` requests (another seed, so no prefix-cache hit) first.
 The load client is Python too, and near a core at GPU token rates it becomes the limit: `client_cpu` (seconds of
-CPU per second, every client process) shows it, and `--client-processes N` shares the closed loop out over N
-processes (each with its own prompts of the same shape).
+CPU per second, every client process) shows it, and `--client-processes N` sends the closed loop from N processes
+(benchclient.client_processes: every n-th request of the one seeded load; 1623a33's GPU rows drew each process's
+prompts from a seed of its own, the same shape).
 
 Printed, one row per measured run (`--repeats` runs of each, back to back, to show the spread on a shared machine):
 output tok/s, TPOT p50, TTFT p50 (served only), tokens sampled per engine step() call and host milliseconds per
@@ -44,8 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import yaml
@@ -54,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchclient.arrivals import ArrivalSpec  # noqa: E402
 from benchclient.client import Target, first_model  # noqa: E402
 from benchclient.launcher import _stop, _wait_healthy, free_port  # noqa: E402
-from benchclient.run import RunConfig, run_load  # noqa: E402
+from benchclient.run import RunConfig, measured_load  # noqa: E402
 from benchclient.stats import SLO, summarize  # noqa: E402
 from benchclient.workload import WorkloadSpec, build_requests  # noqa: E402
 from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
@@ -167,26 +166,16 @@ def _offline_tpot(stamps: list) -> float:
     return statistics.median((last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1)
 
 
-def _client_load(cfg: RunConfig) -> tuple[list, float]:
-    """One client process's share of the load: its results and the CPU seconds it used."""
-    cpu = time.process_time()
-    results = asyncio.run(run_load(cfg))
-    return results, time.process_time() - cpu
-
-
-def _measure(url: str, args: argparse.Namespace, seed: int, num: int, clients: ProcessPoolExecutor | None) -> dict:
-    """The closed loop's summary, with the load client's CPU use (seconds per second, every client process): split
-    over `clients` (num and concurrency shared out, each process its own prompts' seed) when given."""
+def _measure(url: str, args: argparse.Namespace, seed: int, num: int) -> dict:
+    """The closed loop's summary, with the load client's CPU use (seconds per second, summed over its
+    `--client-processes`, each every n-th request of the one seeded load: benchclient.client_processes)."""
     target = Target(url, first_model(url), ignore_eos=True, temperature=0.0)
-    parts = 1 if clients is None else args.client_processes
-    cfgs = [RunConfig(target, _workload(args, seed if parts == 1 else 1000 * (seed + 1) + i),
-                      ArrivalSpec(kind="concurrency", concurrency=len(range(i, args.concurrency, parts))), SLO(),
-                      warmup_s=0.0, num_requests=len(range(i, num, parts)), timeout_s=args.timeout)
-            for i in range(parts)]
-    start = time.perf_counter()
-    shares = [_client_load(cfgs[0])] if clients is None else list(clients.map(_client_load, cfgs))
-    summary = summarize([r for results, _ in shares for r in results], SLO())
-    summary["client_cpu"] = sum(cpu for _, cpu in shares) / (time.perf_counter() - start)
+    cfg = RunConfig(target, _workload(args, seed), ArrivalSpec(kind="concurrency", concurrency=args.concurrency),
+                    SLO(), warmup_s=0.0, num_requests=num, timeout_s=args.timeout,
+                    client_processes=args.client_processes)
+    run = asyncio.run(measured_load(cfg))
+    summary = summarize(run.results, SLO())
+    summary["client_cpu"] = sum(run.client.cpu_s_per_s)
     return summary
 
 
@@ -205,29 +194,21 @@ def _served_row(name: str, summary: dict, args: argparse.Namespace, cpu: dict[st
 
 def served_runs(name: str, url: str, args: argparse.Namespace, pids: dict[str, int],
                 profiler: Profiler | None = None) -> list[dict]:
-    clients = None
-    if args.client_processes > 1:
-        clients = ProcessPoolExecutor(args.client_processes, mp_context=get_context("spawn"))
-        list(clients.map(int, range(args.client_processes)))  # started before the clock runs
-    try:
-        _measure(url, args, 1, args.concurrency, clients)  # warm-up, discarded
-        rows = []
-        for repeat in range(args.repeats):
-            before = {k: process_cpu_s(p) for k, p in pids.items()}
-            counts = _engine_counts(url) if name == "pdserve" else None
-            spies = [profiler.start(f"{name}_{k}", p) for k, p in pids.items()] if profiler else []
-            summary = _measure(url, args, _seed(repeat), args.num_prompts, clients)
-            for spy in spies:
-                Profiler.stop(spy)
-            rows.append(_served_row(name, summary, args, {k: process_cpu_s(p) - before[k] for k, p in pids.items()}))
-            if counts is not None:
-                (steps, sampled, step_s), (steps0, sampled0, step_s0) = _engine_counts(url), counts
-                rows[-1]["tok_per_step"] = (sampled - sampled0) / max(1, steps - steps0)
-                rows[-1]["step_ms"] = (step_s - step_s0) * 1000 / max(1, steps - steps0)
-        return rows
-    finally:
-        if clients is not None:
-            clients.shutdown()
+    _measure(url, args, 1, args.concurrency)  # warm-up, discarded
+    rows = []
+    for repeat in range(args.repeats):
+        before = {k: process_cpu_s(p) for k, p in pids.items()}
+        counts = _engine_counts(url) if name == "pdserve" else None
+        spies = [profiler.start(f"{name}_{k}", p) for k, p in pids.items()] if profiler else []
+        summary = _measure(url, args, _seed(repeat), args.num_prompts)
+        for spy in spies:
+            Profiler.stop(spy)
+        rows.append(_served_row(name, summary, args, {k: process_cpu_s(p) - before[k] for k, p in pids.items()}))
+        if counts is not None:
+            (steps, sampled, step_s), (steps0, sampled0, step_s0) = _engine_counts(url), counts
+            rows[-1]["tok_per_step"] = (sampled - sampled0) / max(1, steps - steps0)
+            rows[-1]["step_ms"] = (step_s - step_s0) * 1000 / max(1, steps - steps0)
+    return rows
 
 
 def _engine_counts(url: str) -> tuple[float, float, float]:
