@@ -146,6 +146,13 @@ def _check_alive(procs: list, finished: set[int]) -> None:
 def _child(fn: Callable[..., Any], share: Share, args: tuple, ready: Any, go: Any, start: Any, counts: Any,
            out: Any) -> None:
     import asyncio
+    import os
+    import threading
+
+    def orphaned() -> None:  # a load generator whose parent was killed (SIGKILL: no clean-up) stops, too
+        mp.parent_process().join()
+        os._exit(1)
+    threading.Thread(target=orphaned, name="parent-watch", daemon=True).start()
     try:
         ready.put(share.index)
         if not go.wait(READY_TIMEOUT_S + 60):

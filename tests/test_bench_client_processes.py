@@ -5,6 +5,10 @@ against tests/test_bench_client.py's scripted HTTP server."""
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +120,35 @@ def test_pdserve_bench_with_client_processes_saves_the_clients_cpu(scripted_url,
     doc = json.loads(out.read_text())
     assert doc["summary"]["completed"] == 6 and doc["settings"]["client_processes"] == 2
     assert doc["client"]["processes"] == 2 and len(doc["client"]["cpu_s_per_s"]) == 2
+
+
+async def _sleeps(share: Share, t0: float, counts, folder: str) -> None:
+    (Path(folder) / f"{os.getpid()}.pid").write_text("")
+    await asyncio.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has stopped: only its exit status is left
+
+
+def test_client_processes_stop_when_their_parent_is_killed(tmp_path):
+    """A parent killed with SIGKILL cleans nothing up: its client processes must notice and stop, not go on loading
+    a server. The poll below only bounds the wait for that to happen."""
+    code = ("from benchclient.client_processes import fan_out; from tests.test_bench_client_processes import _sleeps; "
+            f"fan_out(_sleeps, ({str(tmp_path)!r},), 2, 300)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline and parent.poll() is None:
+        time.sleep(0.1)
+    pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in pids)
