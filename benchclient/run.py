@@ -1,12 +1,12 @@
 """One load run: send a workload at an arrival process, collect every result, summarize, save.
 
-Owns `RunConfig`, `run_load` / `measured_load` (the results, and with them what the client's CPUs spent: a client
-busy all the time measures itself) and the saved document (`run_report`). How a load is sent (warm-up marking,
-open and closed loops, multi-turn conversations, the end of sending and the wait for requests in flight) is
-benchclient.sender's. With `client_processes` > 1 the load goes out from that many processes
-(benchclient.client_processes, `run_share` each), every n-th request, conversation or closed-loop lane of the same
-seeded load from one common start. The saved document adds the server's per-request phases when it sent them
-(benchclient.phase_table) and the client's CPU figures. `pdserve bench` is `main` in benchclient/cli.py.
+Owns `run_load` / `measured_load` (the results, and with them what the client's CPUs spent: a client busy all the
+time measures itself) and the saved document (`run_report`). How a load is sent (warm-up marking, open and closed
+loops, multi-turn conversations, the end of sending and the wait for requests in flight) is benchclient.sender's,
+the settings (`RunConfig`) benchclient.run_config's. With `client_processes` > 1 the load goes out from that many
+processes (benchclient.client_processes, `run_share` each), every n-th request, conversation or closed-loop lane of
+the same seeded load from one common start. The saved document adds the server's per-request phases when it sent
+them (benchclient.phase_table) and the client's CPU figures. `pdserve bench` is `main` in benchclient/cli.py.
 """
 
 from __future__ import annotations
@@ -20,48 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchclient.arrivals import ArrivalSpec
-from benchclient.client import RequestResult, Target
+from benchclient.client import RequestResult
 from benchclient.client_processes import ClientUsage, Share, fan_out
 from benchclient.phase_table import phase_summary
 from benchclient.progress import Progress
+from benchclient.run_config import RunConfig
 from benchclient.sender import send_share
-from benchclient.stats import SLO, summarize
-from benchclient.workload_spec import WorkloadSpec
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    target: Target
-    workload: WorkloadSpec = WorkloadSpec()
-    arrival: ArrivalSpec = ArrivalSpec(rate=1.0)
-    slo: SLO = SLO()
-    duration_s: float = 60.0
-    warmup_s: float = 5.0
-    num_requests: int | None = None   # measured requests; when set, the run sends this many instead of a duration
-    timeout_s: float = 600.0          # per request, from send to [DONE]
-    client_processes: int = 1         # OS processes sending the load (module docstring)
-
-    def __post_init__(self) -> None:
-        if not self.duration_s > 0 or self.warmup_s < 0 or not self.timeout_s > 0:
-            raise ValueError("duration_s and timeout_s must be positive and warmup_s not negative")
-        if self.num_requests is not None and self.num_requests < 1:
-            raise ValueError(f"num_requests must be positive, got {self.num_requests}")
-        n = self.client_processes
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CLIENT_PROCESSES:
-            raise ValueError(f"client_processes must be an integer in [1, {MAX_CLIENT_PROCESSES}], got {n!r}")
-        if not self.arrival.open_loop and n > self.arrival.concurrency:
-            raise ValueError(f"client_processes ({n}) must not exceed the concurrency ({self.arrival.concurrency}): "
-                             "each process keeps at least one request in flight")
+from benchclient.stats import summarize
 
 
 @dataclass(frozen=True)
 class LoadRun:
     results: list[RequestResult]  # every request's, warm-up ones included (marked)
     client: ClientUsage           # what sending cost the client processes' CPUs
-
-
-MAX_CLIENT_PROCESSES = 64
 
 
 async def run_load(cfg: RunConfig, progress: bool = False) -> list[RequestResult]:

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import math
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 
@@ -22,10 +21,8 @@ from benchclient.client import RequestResult, stream_request
 from benchclient.client_processes import Share
 from benchclient.conversations import Conversation, build_conversations, turn_prompt
 from benchclient.progress import Progress
+from benchclient.run_config import RunConfig
 from benchclient.workload import BenchRequest, iter_requests
-
-if TYPE_CHECKING:
-    from benchclient.run import RunConfig
 
 KEEPALIVE_EXPIRY_S = 2.0
 

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from benchclient.arrivals import ArrivalSpec
-from benchclient.run import MAX_CLIENT_PROCESSES
+from benchclient.run_config import MAX_CLIENT_PROCESSES
 from benchclient.stats import SLO
 from benchclient.workload import build_requests
 from benchclient.workload_spec import WorkloadSpec
