@@ -1,13 +1,18 @@
 """Tensor parallelism on the CPU (gloo, real follower processes): greedy output and per-step logits equal
 transformers' at TP=2 and TP=4 (TP=4 over 2 KV heads replicates them), logits and seeded sampling equal TP=1's,
-prompt logprobs and overlapped decode steps work across ranks, and a killed follower fails the engine."""
+prompt logprobs and overlapped decode steps work across ranks, a killed follower fails the engine, and one lost
+while it starts fails the start at once, named."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.runner.tp_leader import TPError
 from tests.engine_helpers import LogitsRecorder, hf_greedy, random_prompts
 from tests.test_model_exactness import vocab_size_of
@@ -113,6 +118,31 @@ def test_killed_follower_fails_the_engine(checkpoints):
     finally:
         llm.engine.close()
     assert not follower.is_alive()
+
+
+class _LostStarting:
+    """A rank service (engine.runner.rank_service) whose prepare() ends its follower before it joins the group:
+    `exit` as a process lost starting (os._exit), else as one whose start raised."""
+
+    def __init__(self, exit: bool) -> None:
+        self.exit = exit
+
+    def prepare(self, device: str) -> str:
+        if self.exit:
+            os._exit(7)
+        raise KeyError("no such device")
+
+    def start(self, *args):
+        raise AssertionError("a follower lost starting starts nothing")
+
+
+@pytest.mark.timeout(120)  # rank 0 once waited out the group's rendezvous (300 s) for such a rank
+@pytest.mark.parametrize("exit, error", [(True, r"rank 1 \(pid \d+\) exited with code 7"),
+                                         (False, r"rank 1 failed:\n(.|\n)*KeyError: 'no such device'")])
+def test_a_follower_lost_before_it_joins_fails_the_start_naming_it(checkpoints, exit, error):
+    config = EngineConfig(model=str(checkpoints.get("LlamaForCausalLM")), tensor_parallel_size=2)
+    with pytest.raises(TPError, match=error):
+        LLMEngine(config, rank_service=_LostStarting(exit))
 
 
 def test_close_stops_the_followers(llama_tp2):

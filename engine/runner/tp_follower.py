@@ -156,6 +156,7 @@ def follower_main(rank: int, size: int, address: GroupAddress, device: str, conf
             torch.cuda.set_device(dev)
         else:  # ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        conn.send(("joining", None))  # rank 0 opens its side only then: a rank lost before this one is named
         tp = open_group(address, rank, size, dev, config)
 
         def agree(blocks: int) -> int:

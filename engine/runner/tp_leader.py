@@ -7,8 +7,9 @@ every follower before running it, so every rank runs the same plan over the same
 the block tables is rank 0's; followers never schedule). Logits are gathered on every rank; only rank 0 samples,
 so seeded (and greedy) sampling is exactly TP=1's given the same logits. A decode step queued after one in flight
 takes its input ids from rank 0's sampled tokens, broadcast on the device.
-Failure: a follower that dies or raises fails the engine with TPError naming the rank (checked before every step,
-while waiting for a step's tokens, and when a collective errors); every wait is bounded (COLLECTIVE_TIMEOUT_S).
+Failure: a follower that dies or raises fails the engine with TPError naming the rank (checked while it starts,
+before rank 0 joins the group's rendezvous, before every step, while waiting for a step's tokens, and when a
+collective errors); every wait is bounded (COLLECTIVE_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class TPFollowers:
         self.calls = RankCalls(call_conns) if service is not None else None  # the followers' services
         groups: list[TPGroup] = []  # rank 0's group once open, torn down with the followers
         self._finalizer = weakref.finalize(self, _stop, list(self.procs), list(self.conns), call_conns, groups)
+        # every follower says it is joining before rank 0 waits in the group's rendezvous, which would otherwise
+        # sit out COLLECTIVE_TIMEOUT_S for a rank that died starting (an import, its device) and then not name it
+        self._receive_all("joining")
         self.tp = open_group(address, 0, size, devices[0], config, store)
         groups.append(self.tp)
 
@@ -136,7 +140,13 @@ class TPFollowers:
                 self.check(read_pipes=False)
                 if time.monotonic() > deadline:
                     raise TPError(f"tensor-parallel rank {rank} sent no {kind!r} within {COLLECTIVE_TIMEOUT_S} s")
-            got, value = conn.recv()
+            try:
+                got, value = conn.recv()
+            except (EOFError, OSError):  # its end closed: the process is gone or going
+                self.procs[rank - 1].join(STOP_TIMEOUT_S)
+                self.check(read_pipes=False)
+                self.failure = f"tensor-parallel rank {rank} closed its pipe; the engine cannot continue"
+                raise TPError(self.failure) from None
             if got == "config_error":  # the refusal rank 0 gives for its own slice (engine.model.checkpoint_checks)
                 self.failure = f"tensor-parallel rank {rank} failed: {value}"
                 raise ConfigError(value)
