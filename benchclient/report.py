@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from benchclient.client_processes import CLIENT_BUSY
 from benchclient.sweep_config import SweepConfig
 
 
@@ -97,6 +98,7 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     if loads:
         lines += ["", f"Host 1-minute load average at the end of each cell: {min(loads):.1f} to {max(loads):.1f} "
                   f"on {os.cpu_count()} CPUs (`loadavg_1m` in the table); other processes skew the figures."]
+    lines += _client_note(rows)
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "## Failed cells", ""] + [f"- `{r['cell']}`: {(r['error'] or '')[:300]!r}" for r in failed]
@@ -104,6 +106,17 @@ def write_report(config: SweepConfig, rows: list[dict], plots: list[Path], out: 
     path = Path(out) / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def _client_note(rows: list[dict]) -> list[str]:
+    """The load client's own CPU: cells where one of its processes was busy nearly all the time measured it too."""
+    busy = [(r["cell"], r["client_busiest_cpu_s_per_s"]) for r in rows
+            if (r.get("client_busiest_cpu_s_per_s") or 0) >= CLIENT_BUSY]
+    if not busy:
+        return []
+    return ["", f"Load client: in {len(busy)} cell(s) a client process was busy {CLIENT_BUSY:.0%} or more of the "
+            "time, so their chunk gaps and TTFT may be the client's own (`client_processes` in the sweep sends "
+            "from more): " + ", ".join(f"`{cell}` ({cpu:.0%})" for cell, cpu in busy) + "."]
 
 
 def _slo_pairs(config) -> list:

@@ -36,7 +36,8 @@ SUMMARY_COLUMNS = ("requests", "completed", "failed", "duration_s", "goodput", "
                    "itl_mean_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
                    "e2e_mean_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms",
                    "prompt_tokens_mean", "completion_tokens_mean", "cached_prompt_tokens_ratio",
-                   "ttft_later_turns_p50_ms", "ttft_later_turns_p99_ms", "cache_share_device", "cache_share_host")
+                   "ttft_later_turns_p50_ms", "ttft_later_turns_p99_ms", "cache_share_device", "cache_share_host",
+                   "client_busiest_cpu_s_per_s")
 COLUMNS = ("cell", "status", "layout", "mode", "prefill_workers", "decode_workers", "workers", "workload",
            "load", "load_kind", "load_value") + SUMMARY_COLUMNS + (
     "errors", "error", "finished_at", "loadavg_1m")
@@ -104,6 +105,7 @@ def _run_cell(config: SweepConfig, cell: Cell, url: str, model: str, out: Path, 
     measured = asyncio.run(measured_load(run, progress=progress))
     results = measured.results
     doc = run_report(run, results, measured.client)
+    doc["summary"]["client_busiest_cpu_s_per_s"] = round(measured.client.busiest, 3)  # the report flags >= 0.85
     doc["summary"].update(tier_shares(before, read_tier_counters(url)))  # the server's own, warm-up included
     doc["cell"] = {"key": cell.key, "layout": cell.layout.name, "serve_overrides": cell.layout.serve_overrides()}
     extra = {s.goodput_key: summarize(results, s)["goodput"] for s in config.extra_slos}

@@ -25,7 +25,8 @@ def _earlier_row(cell):
     """A row as an interrupted earlier sweep left it (figures from known timestamps)."""
     results = [RequestResult(start=t, input_len=256, max_tokens=32, chunk_times=[t + 0.1, t + 0.5], end=t + 0.5,
                              prompt_tokens=256, completion_tokens=32, tokens_from_usage=True) for t in range(8)]
-    return cell_row(cell, summarize(results, SLO(250, 40)), "ok", None)
+    # its load client was busy all the time (the report names such cells)
+    return cell_row(cell, summarize(results, SLO(250, 40)) | {"client_busiest_cpu_s_per_s": 0.97}, "ok", None)
 
 
 @pytest.mark.timeout(420)
@@ -48,6 +49,7 @@ def test_cpu_smoke_sweep_writes_table_plots_and_report_and_resumes(tmp_path):
         assert float(row["completion_tokens_mean"]) == 32 and float(row["prompt_tokens_mean"]) == 256
         assert float(row["goodput"]) <= float(row["request_throughput"])
         assert 0 < float(row["ttft_p50_ms"]) <= float(row["ttft_p99_ms"])
+        assert 0 < float(row["client_busiest_cpu_s_per_s"]) < 2, row  # its one client process's CPU
         # the server's own counters, read around the cell: its first cell found no prefix; a later one on the same
         # server sends the same seeded prompts again (its device caches hold some: none went to the host tiers)
         first = row["cell"] == cells[0].key
@@ -64,6 +66,7 @@ def test_cpu_smoke_sweep_writes_table_plots_and_report_and_resumes(tmp_path):
     assert "| short-chat | rate | **" in report and "Cells: 4 of 4 ok" in report and "## Prompt caching" in report
     for layout in config.layouts:
         assert f"| {layout.name} | rate=3 |" in report
+    assert f"`{cells[-1].key}` (97%)" in report.split("Load client:")[1]  # the earlier row's busy client, named
 
     # Everything done: a second run (through the CLI) launches nothing and rewrites the outputs.
     (tmp_path / "report.md").unlink()
