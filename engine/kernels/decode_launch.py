@@ -115,7 +115,8 @@ def shuns_pdl(launch: AttentionLaunch) -> bool:
 # A launch of at least this many (sequence, KV head) pairs asks the weight the step reads next (the layer's o_proj)
 # into L2 from its programs' start, its K / V loads evict-first (engine.kernels.l2_prefetch); 0: never. Off until a
 # GPU times it (`STEPAB_ARGS="--only fp8 --cases decode64,32x2048,long --set
-# engine.kernels.decode_launch.PREFETCH_MIN_PAIRS=64 --set engine.kernels.decode_launch.KV_EVICT=evict_first"`).
+# engine.kernels.decode_launch.KV_EVICT='evict_first' --set engine.kernels.decode_launch.PREFETCH_MIN_PAIRS=64"`:
+# evict-first alone, then with the prefetch; step_ab.py takes Python literals, hence the quotes).
 PREFETCH_MIN_PAIRS = 0
 KV_EVICT = ""  # the K / V loads' L2 eviction hint in launches that do not prefetch ("" none, or "evict_first")
 
