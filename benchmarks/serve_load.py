@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -60,7 +59,6 @@ from benchclient.launcher import launched_server, serving_config  # noqa: E402
 from benchclient.run import RunConfig, json_safe, result_record, run_load  # noqa: E402
 from benchclient.stats import SLO  # noqa: E402
 from benchclient.workload import WorkloadSpec  # noqa: E402
-from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from coordinator.config.serve_config import set_dotted  # noqa: E402
 from tests.server_process import metric_values, running_server  # noqa: E402
 
@@ -94,9 +92,9 @@ async def drive(url: str, model: str, args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         await stream_one(client, url, model, prompts[0][:16], 4)  # warm-up
     if args.client_processes == 1:
-        start, cpu = time.perf_counter(), process_cpu_s(os.getpid())
+        start, cpu = time.perf_counter(), time.process_time()  # as each fan_out process counts its own
         results, wall = await drive_share(Share(), start, None, url, model, prompts, args.max_tokens)
-        return round_figures(results, wall, process_cpu_s(os.getpid()) - cpu, args)
+        return round_figures(results, wall, time.process_time() - cpu, args)
     shares = await asyncio.to_thread(fan_out, drive_share, (url, model, prompts, args.max_tokens),
                                      args.client_processes, 1200)
     results = [r for (part, _), _ in shares for r in part]
