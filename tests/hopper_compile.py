@@ -140,12 +140,9 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
     for p in kernel.params:
         if p.is_constexpr:
             signature[p.name] = "constexpr"
-            # EARLY_KV (decode attention's first tile before the wait) goes with PDL, as the launch sets it (not in
-            # the launches that otherwise shun PDL)
+            # EARLY_KV (decode attention's first tile before the wait) goes with PDL, as the launch sets it
             # PDL_LATE (the trigger after the main loop: engine.kernels.pdl) only with PDL
-            values[p.name] = (pdl if p.name == "PDL" else late if p.name == "PDL_LATE"
-                              else pdl and not shunning_attention(kernel, constexprs, warps, stages)
-                              if p.name == "EARLY_KV"
+            values[p.name] = (pdl if p.name in ("PDL", "EARLY_KV") else late if p.name == "PDL_LATE"
                               else constexprs[p.name] if p.name in constexprs or p.default is inspect.Parameter.empty
                               else p.default)
         elif p.name.endswith("_ptr"):
@@ -201,19 +198,12 @@ def machine_code(cubin: bytes) -> str | None:
         return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def shunning_attention(kernel, constexprs: dict, warps: int, stages: int) -> bool:
-    """Whether a variant is a decode attention launch that goes without PDL unless decode_launch.ATTN_PDL says
-    otherwise, and then without its early tile (EARLY_KV)."""
-    return kernel is decode_attention._decode_split_kernel and decode_launch.shuns_pdl(
-        AttentionLaunch(constexprs["BLOCK_N"], warps, stages))
-
-
 def pdl_modes(kernel, constexprs: dict, warps: int, stages: int) -> tuple[tuple[bool, bool], ...]:
     """(pdl, late) pairs a variant is built with: all three, but the decode attention launches the engine makes
-    without PDL (decode_launch.shuns_pdl: the one-warp and 5-stage ones) without it, or late, as decode_launch.ATTN_PDL
-    may launch them past MAX_ROWS."""
-    if shunning_attention(kernel, constexprs, warps, stages):
-        return ((False, False), (True, True))
+    without PDL (decode_launch.shuns_pdl: the one-warp and 5-stage ones) only as they run."""
+    if kernel is decode_attention._decode_split_kernel and decode_launch.shuns_pdl(
+            AttentionLaunch(constexprs["BLOCK_N"], warps, stages)):
+        return ((False, False),)
     return ((False, False), (True, False), (True, True))
 
 

@@ -11,16 +11,14 @@ import torch
 
 from benchmarks.make_random_checkpoint import quantize_folder
 from engine import LLM, SamplingParams
-from engine.kernels import decode_launch, pdl
+from engine.kernels import pdl
 from engine.kernels.decode_attention import decode_attention
-from engine.kernels.decode_launch import AttentionLaunch, attention_pdl
 from engine.kernels.fp8_gemm import fp8_gemv, fp8_mm
 from engine.kernels.fp8_quant import rms_norm_quant, silu_mul_quant
 from engine.kernels.pdl import MAX_ROWS, pdl_args, pdl_launch
 from engine.kernels.rms_norm import rms_norm
 from engine.kernels.silu_mul import silu_and_mul
 from engine.kernels.skinny_gemm import skinny_linear
-from engine.runner import warmup
 from tests.engine_helpers import LogitsRecorder, random_prompts
 from tests.test_model_exactness import vocab_size_of
 
@@ -58,34 +56,6 @@ def test_fp8_kernels_past_max_rows_launch_late_up_to_late_max_rows(monkeypatch):
     assert pdl_args(dev, MAX_ROWS + 1, late=True) == off
     monkeypatch.setenv("PDSERVE_PDL", "0")
     assert pdl_args(dev, 1) == off
-
-
-def test_attention_launches_that_shun_pdl_take_attn_pdl_past_max_rows(monkeypatch):
-    """decode_launch.attention_pdl: a launch that shuns PDL (the fp8 cache's one-warp one) goes without it, or with
-    ATTN_PDL's mode ("trigger": a late trigger only; "late": launched with PDL too) past MAX_ROWS and up to
-    LATE_MAX_ROWS, where the FP8 linears' kernels around it trigger late; other launches take pdl_args'."""
-    monkeypatch.setattr(pdl, "interpreting", lambda: False)
-    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
-    monkeypatch.setenv("PDSERVE_PDL", "1")
-    dev = torch.device("cuda", 0)
-    off = {"PDL": False, "PDL_LATE": False, "launch_pdl": False}
-    one_warp, four_warps = AttentionLaunch(*decode_launch.FP8_LAUNCH), AttentionLaunch(*decode_launch.BF16_LAUNCH)
-    assert decode_launch.shuns_pdl(one_warp) and not decode_launch.shuns_pdl(four_warps)
-    assert decode_launch.ATTN_PDL == ""  # off until a GPU times it
-    assert attention_pdl(one_warp, dev, 1) == attention_pdl(one_warp, dev, 64) == off
-    assert attention_pdl(four_warps, dev, 1) == pdl_args(dev, 1)
-    monkeypatch.setattr(decode_launch, "ATTN_PDL", "trigger")
-    assert attention_pdl(one_warp, dev, MAX_ROWS) == off  # the kernels around it trigger early there
-    assert attention_pdl(one_warp, dev, MAX_ROWS + 1) == {"PDL": True, "PDL_LATE": True, "launch_pdl": False}
-    assert attention_pdl(one_warp, dev, pdl.LATE_MAX_ROWS + 1) == off
-    assert attention_pdl(four_warps, dev, 64) == pdl_args(dev, 64) == off
-    monkeypatch.setattr(decode_launch, "ATTN_PDL", "late")
-    assert attention_pdl(one_warp, dev, 64) == {"PDL": True, "PDL_LATE": True, "launch_pdl": True}
-    monkeypatch.setenv("PDSERVE_PDL", "0")
-    assert attention_pdl(one_warp, dev, 64) == off
-    monkeypatch.setattr(decode_launch, "ATTN_PDL", "early")
-    with pytest.raises(ValueError, match="ATTN_PDL must be one of"):
-        attention_pdl(one_warp, dev, 64)
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -198,27 +168,6 @@ def test_an_engine_decodes_the_same_bits_with_and_without_pdl(monkeypatch, check
     if fp8:
         monkeypatch.setattr(pdl, "MAX_ROWS", 1)
         folder = quantize_folder(checkpoints.get("LlamaForCausalLM", dtype="bfloat16"), tmp_path / "fp8", "channel")
-    same_bits_with_and_without_pdl(monkeypatch, folder, kv_cache_dtype)
-
-
-@needs_hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["trigger", "late"])
-def test_the_attention_pdl_modes_decode_the_same_bits(monkeypatch, checkpoints, tmp_path, mode):
-    """decode_launch.ATTN_PDL's modes: the fp8 cache's one-warp attention (FEW_PAIRS lowered so that 3 rows take
-    it) between the FP8 linears' late launches (MAX_ROWS lowered to 1), against every kernel launched the ordinary
-    way."""
-    monkeypatch.setattr(pdl, "MAX_ROWS", 1)
-    monkeypatch.setattr(decode_launch, "FEW_PAIRS", 1)
-    monkeypatch.setattr(decode_launch, "ATTN_PDL", mode)
-    folder = quantize_folder(checkpoints.get("LlamaForCausalLM", dtype="bfloat16"), tmp_path / "fp8", "channel")
-    assert decode_launch.attention_pdl(decode_launch.launch_config(torch.bfloat16, 128, True, 3),
-                                       torch.device("cuda", 0), 3)["launch_pdl"] == (mode == "late")
-    same_bits_with_and_without_pdl(monkeypatch, folder, "fp8")
-
-
-def same_bits_with_and_without_pdl(monkeypatch, folder, kv_cache_dtype: str) -> None:
-    """Three prompts' greedy decode (CUDA graphs replayed) with PDSERVE_PDL=0 and =1: the same tokens and logits."""
     prompts = random_prompts((7, 30, 61), vocab_size_of(folder), seed=5)
     results = []
     for flag in ("0", "1"):
@@ -235,29 +184,3 @@ def same_bits_with_and_without_pdl(monkeypatch, folder, kv_cache_dtype: str) -> 
     assert tokens0 == tokens1
     for a, b in zip(logits0, logits1, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("mode", ["", "trigger"])
-def test_warm_up_launches_the_attention_past_max_rows_only_where_attn_pdl_is_set(monkeypatch, mode):
-    """Start-up's decode_variants (engine.runner.warmup) launches each attention launch on one row, and with
-    decode_launch.ATTN_PDL set on MAX_ROWS + 1 rows too, whose launch differs there, so that no step compiles it while
-    serving; the real kernels (the interpreter here) run on the tiny model's cache."""
-    llm = LLM("tiny")
-    engine = llm.engine
-    monkeypatch.setattr(decode_launch, "ATTN_PDL", mode)
-    rows_seen = []
-    real = warmup.decode_attention
-
-    def recorded(q, *args, **kwargs):
-        rows_seen.append(q.shape[0])
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(warmup, "decode_attention", recorded)
-    warmup.decode_variants(engine.model, engine.kv_cache, MAX_ROWS + 1, 2)
-    launches = len(warmup.launch_choices(engine.model.model.embed_tokens.weight.dtype, engine.model.config.head_dim,
-                                         False)) * len(warmup.plan(MAX_ROWS + 1, 2, False).decode_splits)
-    assert sorted(rows_seen) == [1] * launches + ([MAX_ROWS + 1] * launches if mode else [])
-    rows_seen.clear()
-    warmup.decode_variants(engine.model, engine.kv_cache, MAX_ROWS, 2)  # no step has more rows: nothing more
-    assert rows_seen == [1] * launches
-    engine.close()

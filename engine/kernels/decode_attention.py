@@ -6,8 +6,7 @@ straight from the paged cache through the block table, without gathering K/V. An
 widened to q's dtype as it is loaded, k_scale folded into the score scale and v_scale into the output. How it is
 launched (tile, warps, stages, splits) is engine.kernels.decode_launch's. Under programmatic dependent launch each
 slice's first tile is loaded before the kernel waits for the one before it, when all its tokens are older than the
-row's new one (EARLY_KV; not in the launches that otherwise shun PDL, decode_launch.ATTN_PDL: the 70B shape's
-one-warp build spilled with it).
+row's new one (EARLY_KV).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
 from engine.kernels.decode_launch import (
     AttentionLaunch,
-    attention_pdl,
     default_num_splits,
     kv_evict,
     launch_config,
@@ -29,9 +27,10 @@ from engine.kernels.decode_launch import (
 )
 from engine.kernels.decode_tiles import attend_kv, attend_tile, merge_splits, tile_kv
 from engine.kernels.l2_prefetch import prefetch_share
-from engine.kernels.pdl import dependents_may_start, wait_for_inputs
+from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
+NO_PDL = {"PDL": False, "PDL_LATE": False, "launch_pdl": False}
 # Under PDL, each slice's first tile is requested before the kernel waits for the one before (the kernel's EARLY_KV).
 # An fp8 cache's batch-1 step 1.8-2.0% faster with it, bf16's within 1% either way (H100 / H200, 2026-12-06:
 # benchmarks/attention_stages.py --early-kv off).
@@ -233,7 +232,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         part_out = part_lse = semaphores = out
     merge_g = triton.next_power_of_2(group)
     dot_f32 = interpreting() or q.dtype == torch.float32
-    pdl = attention_pdl(launch, dev, batch)
+    pdl = NO_PDL if shuns_pdl(launch) else pdl_args(dev, batch)
     pf_share = prefetch_share_bytes(prefetch, batch * num_kv_heads if prefetch_pairs is None else prefetch_pairs,
                                     num_kv_heads * splits * batch, dev)
     _decode_split_kernel[(num_kv_heads, splits, batch)](
@@ -252,8 +251,7 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WINDOW=sliding_window or 0, DOT_F32=dot_f32,
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles, SWAPPED=swapped,
-        EARLY_KV=whole_tiles and (EARLY_KV and pdl["launch_pdl"] and not shuns_pdl(launch) if early_kv is None
-                                  else early_kv), LAZY=lazy,
+        EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv), LAZY=lazy,
         PREFETCH=pf_share > 0, KV_EVICT=kv_evict(pf_share > 0),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )

@@ -1,7 +1,6 @@
 """How engine.kernels.decode_attention's kernel is launched, from shapes alone (CUDA-graph safe): tokens a tile,
 warps and pipeline stages (`AttentionLaunch`, `launch_config`), how many splits each sequence's context is cut into
-(`default_num_splits`, `num_splits_for`), whether programmatic dependent launch is used (`shuns_pdl`,
-`attention_pdl`), and whether
+(`default_num_splits`, `num_splits_for`), whether programmatic dependent launch is used (`shuns_pdl`), and whether
 its programs ask the weight read next into L2 (`prefetch_share_bytes`, `kv_evict`: engine.kernels.l2_prefetch). Each
 choice is from timings on an H200 or H100, named where it is made (docs/benchmark-log.md)."""
 
@@ -14,7 +13,6 @@ import torch
 import triton
 
 from engine.kernels import interpreting
-from engine.kernels import pdl as pdl_rules
 from engine.kernels.l2_prefetch import share_bytes
 
 
@@ -112,29 +110,6 @@ def shuns_pdl(launch: AttentionLaunch) -> bool:
     decode step of FP8 weights and fp8 KV at batch 16 / 8k context from 6.04 to 7.01 ms on an H200 (`gpu_run.sh
     pdl`, 6caf790); the one-warp launch fits ~8 programs a SM, ~170 KiB together, so it goes without it too."""
     return launch.num_stages >= 5 or launch.num_warps == 1
-
-
-# What a launch that shuns PDL does in a step of MAX_ROWS < rows <= LATE_MAX_ROWS (engine.kernels.pdl), where the
-# kernels before and after it are the FP8 linears' late-triggering ones: "" an ordinary launch; "trigger": still an
-# ordinary launch, but each program lets the next kernel be scheduled once its K / V loop is done, so that kernel's
-# launch overlaps this one's tail (the splits' merges); "late": that, and launched with PDL too (its programs may be
-# scheduled under the kernel before's tail: that one triggers late, after its main loop). Off until a GPU times it
-# (`STEPAB_ARGS="--only fp8 --cases decode64,32x2048 --set engine.kernels.decode_launch.ATTN_PDL='trigger' --set
-# engine.kernels.decode_launch.ATTN_PDL='late'"`).
-ATTN_PDL = ""
-ATTN_PDL_MODES = ("", "trigger", "late")
-
-
-def attention_pdl(launch: AttentionLaunch, dev: torch.device, rows: int) -> dict[str, bool]:
-    """The decode attention's PDL arguments (engine.kernels.pdl.pdl_args' keys) for a step of `rows` sequences: a
-    launch that does not shun PDL takes pdl_args'; one that does, none, or ATTN_PDL's mode past MAX_ROWS."""
-    if not shuns_pdl(launch):
-        return pdl_rules.pdl_args(dev, rows)
-    if ATTN_PDL not in ATTN_PDL_MODES:
-        raise ValueError(f"decode_launch.ATTN_PDL must be one of {ATTN_PDL_MODES}, got {ATTN_PDL!r}")
-    if ATTN_PDL and rows > pdl_rules.MAX_ROWS and pdl_rules.pdl_launch(dev, rows, late=True):
-        return {"PDL": True, "PDL_LATE": True, "launch_pdl": ATTN_PDL == "late"}
-    return {"PDL": False, "PDL_LATE": False, "launch_pdl": False}
 
 
 # A launch of at least this many (sequence, KV head) pairs asks the weight the step reads next (the layer's o_proj)

@@ -29,7 +29,7 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
-from engine.kernels import decode_launch, pdl
+from engine.kernels import decode_launch
 from engine.kernels.decode_attention import decode_attention
 from engine.kernels.decode_launch import SPLIT_CHOICES, launch_choices, num_splits_for
 from engine.runner.cuda_graphs import bucket_sizes
@@ -109,37 +109,25 @@ def warm_up(engine) -> float:
 @torch.inference_mode()
 def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks_per_seq: int) -> None:
     """One eager decode-attention launch per split count and launch choice (decode_launch.launch_choices: an fp8
-    cache has one for few sequences and one for many), one of more than pdl.MAX_ROWS rows where decode_launch.ATTN_PDL
-    is set, and one that prefetches where decode_launch.PREFETCH_MIN_PAIRS is set, on block 0 of layer 0 (its
-    contents are not read back).
+    cache has one for few sequences and one for many), and one that prefetches where decode_launch.PREFETCH_MIN_PAIRS
+    is set, on block 0 of layer 0 (its contents are not read back).
     Every tensor-parallel rank runs it on its own shard (`model.config` holds the rank's local heads)."""
     kv_layer = kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
     bs, kvh, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
     heads = model.config.num_heads
     dtype = model.model.embed_tokens.weight.dtype  # the activations' (an fp8 cache's is not q's)
-    # rows of one step; and past pdl.MAX_ROWS where decode_launch.ATTN_PDL launches differently there
-    row_counts = (1, pdl.MAX_ROWS + 1) if decode_launch.ATTN_PDL and max_num_seqs > pdl.MAX_ROWS else (1,)
-    qkv = torch.zeros(max(row_counts), (heads + 2 * kvh) * d, dtype=dtype, device=kv_cache.device)
+    qkv = torch.zeros(1, (heads + 2 * kvh) * d, dtype=dtype, device=kv_cache.device)
+    q = qkv[:, :heads * d].view(1, heads, d)  # a view of the qkv projection, as in the model
     for launch in launch_choices(dtype, d, kv_layer.dtype == torch.float8_e4m3fn):
         for splits in plan(max_num_seqs, max_blocks_per_seq, False).decode_splits:
-            for rows in row_counts:
-                q, tables, lens = _attention_inputs(qkv, rows, heads, d, splits, bs)
-                decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits,
-                                 launch=launch)
+            tables = torch.zeros(1, splits, dtype=torch.int32, device=kv_cache.device)
+            lens = torch.full((1,), splits * bs, dtype=torch.int32, device=kv_cache.device)
+            decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits,
+                             launch=launch)
             if decode_launch.PREFETCH_MIN_PAIRS:  # the variant that asks o_proj's weight into L2 (l2_prefetch)
-                q, tables, lens = _attention_inputs(qkv, 1, heads, d, splits, bs)
                 decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits,
                                  launch=launch, prefetch=model.model.layers[0].self_attn.o_proj.weight,
                                  prefetch_pairs=decode_launch.PREFETCH_MIN_PAIRS)
-
-
-def _attention_inputs(qkv: torch.Tensor, rows: int, heads: int, d: int, splits: int, block_size: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One warm-up launch's q [rows, heads, d] (a view of the qkv projection's rows, as in the model), block
-    tables [rows, splits] (all block 0) and context lengths [rows] (`splits` blocks each)."""
-    q = qkv[:rows, :heads * d].view(rows, heads, d)
-    tables = torch.zeros(rows, splits, dtype=torch.int32, device=qkv.device)
-    return q, tables, torch.full((rows,), splits * block_size, dtype=torch.int32, device=qkv.device)
 
 
 def _requests(engine) -> None:
