@@ -11,7 +11,6 @@ ones are given below.
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 import tempfile
@@ -95,15 +94,6 @@ def variants():
                     LAZY=AttentionLaunch._field_defaults["lazy"]),
                {"kv_ptr": cache, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32,
                 "sem_ptr": I32}, warps, stages)
-    # the many-pairs launch asking o_proj's weight into L2 at its start, its K / V loads evict-first
-    # (engine.kernels.l2_prefetch; off by default: decode_launch.PREFETCH_MIN_PAIRS)
-    yield (decode_attention._decode_split_kernel,
-           dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, BLOCK_G=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
-                SWAPPED=True, BLOCK_N=32, NUM_SPLITS=2, MIN_SPLIT_BLOCKS=2, MERGE_G=4, MERGE_S=2, WINDOW=0,
-                DOT_F32=False, WIDEN_F16=True, V_WORDS=True, WHOLE_TILES=True, LAZY=False, PREFETCH=True,
-                KV_EVICT="evict_first"),
-           {"kv_ptr": F8, "tables_ptr": I32, "lens_ptr": I32, "part_out_ptr": F32, "part_lse_ptr": F32, "sem_ptr": I32,
-            "pf_ptr": F8}, 1, 5)
     # an fp8 cache's launch for many pairs, as launch_config picks it, at wider GQA groups (the 70B shape's 8; 16:
     # 128 query heads on 8 KV heads) with the merge tile decode_attention gives them (MERGE_S 2 and 1 on one warp)
     for group in (8, 16):
@@ -143,15 +133,14 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
             # EARLY_KV (decode attention's first tile before the wait) goes with PDL, as the launch sets it
             # PDL_LATE (the trigger after the main loop: engine.kernels.pdl) only with PDL
             values[p.name] = (pdl if p.name in ("PDL", "EARLY_KV") else late if p.name == "PDL_LATE"
-                              else constexprs[p.name] if p.name in constexprs or p.default is inspect.Parameter.empty
-                              else p.default)
+                              else constexprs[p.name])
         elif p.name.endswith("_ptr"):
             signature[p.name] = pointers.get(p.name, "*bf16")
         else:
             signature[p.name] = "fp32" if p.name in FLOAT_ARGS else "i32"
     row = {"kernel": f"{kernel.fn.__module__}.{kernel.fn.__name__}", "pdl": pdl, "late": late,
            "constexprs": {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "SCALED", "WIDEN_F16", "GATED",
-                                                                          "GROUP", "V_WORDS", "SWAPPED", "PREFETCH")}}
+                                                                          "GROUP", "V_WORDS", "SWAPPED")}}
     # what a launch on the 8B shape specialises on: 16-byte aligned pointers, sizes and strides divisible by 16
     # (except what a kernel marks do_not_specialize), so the code compiled here is the code that runs there
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
@@ -172,10 +161,7 @@ def compile_one(kernel, constexprs: dict, pointers: dict, warps: int, stages: in
                   "local_stores": None if sass is None else sass.count(" STL"),
                   # one-byte shared-memory loads: an e4m3 tile transposed for tl.dot byte by byte
                   # (engine.kernels.e4m3.widen_e4m3_words)
-                  "byte_shared_loads": None if sass is None else sass.count("LDS.U8"),
-                  # engine.kernels.l2_prefetch: bulk prefetches, and loads that carry an L2 eviction hint
-                  "l2_prefetches": ptx.count("cp.async.bulk.prefetch.L2"),
-                  "evict_first_loads": ptx.count(".L2::cache_hint") if "L2::evict_first" in ptx else 0}
+                  "byte_shared_loads": None if sass is None else sass.count("LDS.U8")}
 
 
 def trigger_after_mma(ptx: str) -> bool | None:

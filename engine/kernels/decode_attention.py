@@ -17,16 +17,8 @@ import triton.language as tl
 
 from engine.kernels import check, interpreting
 from engine.kernels.attention_args import check_kv_scales, check_paged_attention
-from engine.kernels.decode_launch import (
-    AttentionLaunch,
-    default_num_splits,
-    kv_evict,
-    launch_config,
-    prefetch_share_bytes,
-    shuns_pdl,
-)
+from engine.kernels.decode_launch import AttentionLaunch, default_num_splits, launch_config, shuns_pdl
 from engine.kernels.decode_tiles import attend_kv, attend_tile, merge_splits, tile_kv
-from engine.kernels.l2_prefetch import prefetch_share
 from engine.kernels.pdl import dependents_may_start, pdl_args, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -54,15 +46,13 @@ MERGE_TILE = 8192
 # itself. Otherwise each busy split writes its normalised partial output [B, H, S, D] and log2-sum-exp [B, H, S], then
 # counts itself in on the (b, kvh) semaphore (release); the busy program that arrives last (acquire) merges the busy
 # splits' partials for its GROUP heads and sets the semaphore back to 0, so the next call (next layer, next graph
-# replay) finds it zeroed. That saves a second launch, which at batch 1 costs more than the merge itself. PREFETCH: each
-# program first asks its share of the weight read next (o_proj's) into L2, its K / V loads evict-first
-# (engine.kernels.l2_prefetch, decode_launch.prefetch_share_bytes).
+# replay) finds it zeroed. That saves a second launch, which at batch 1 costs more than the merge itself.
 # the block-table row stride varies with every step's widest table: specialising on it would compile new
 # variants while serving (engine.runner.warmup)
 @triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(
-    q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, sem_ptr, out_ptr, pf_ptr, pf_share_bytes,
-    pf_total_bytes, stride_qb, stride_qh,
+    q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, sem_ptr, out_ptr,
+    stride_qb, stride_qh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_tb, stride_ob, stride_oh,
     qk_scale, v_scale,
@@ -71,12 +61,8 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     WINDOW: tl.constexpr, DOT_F32: tl.constexpr, WIDEN_F16: tl.constexpr, V_WORDS: tl.constexpr,
     WHOLE_TILES: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False, LAZY: tl.constexpr = False,
-    PDL_LATE: tl.constexpr = False, SWAPPED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    KV_EVICT: tl.constexpr = "",
+    PDL_LATE: tl.constexpr = False, SWAPPED: tl.constexpr = False,
 ):
-    if PREFETCH:  # this program's share of the weight read next, asked into L2 while the KV stream runs
-        prefetch_share(pf_ptr, (tl.program_id(2) * NUM_SPLITS + tl.program_id(1)) * NUM_KV_HEADS + tl.program_id(0),
-                       pf_share_bytes, pf_total_bytes)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -102,7 +88,7 @@ def _decode_split_kernel(
         early = ((NUM_SPLITS == 1) | (split < busy_splits)) & (start + BLOCK_N <= end) & (start + BLOCK_N < ctx)
         k_early, v_early = tile_kv(kv_ptr, table_row, head_off, start, end, stride_kv_blk, stride_kv_kv,
                                    stride_kv_tok, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, V_WORDS, True,
-                                   early, KV_EVICT)
+                                   early)
         wait_for_inputs(PDL, PDL_LATE)
 
     if NUM_SPLITS == 1 or split < busy_splits:  # an empty slice has nothing to read, write or count
@@ -137,17 +123,17 @@ def _decode_split_kernel(
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
                                             BLOCK_SIZE, BLOCK_N, HEAD_DIM != BLOCK_D, DOT_F32, V_WORDS, LAZY,
-                                            SWAPPED, KV_EVICT)
+                                            SWAPPED)
             # the last, partial tile: an `if`, as a second loop would be pipelined too (one warp: 233 -> 255 registers)
             if whole_end < end:
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, whole_end, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY, SWAPPED, KV_EVICT)
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY, SWAPPED)
         else:  # every tile masked (the kernel before whole tiles: benchmarks time it as the reference)
             for tile in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end,
                                             stride_kv_blk, stride_kv_kv, stride_kv_tok, qk_scale, HEAD_DIM, BLOCK_D,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY, SWAPPED, KV_EVICT)
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_F32, V_WORDS, LAZY, SWAPPED)
 
         dependents_may_start(PDL, PDL_LATE)  # the slice is read: the output and the splits' merge are left
         if SWAPPED:
@@ -188,16 +174,13 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      semaphores: torch.Tensor | None = None, k_scale: float = 1.0,
                      v_scale: float = 1.0, launch: AttentionLaunch | None = None,
-                     early_kv: bool | None = None, prefetch: torch.Tensor | None = None,
-                     prefetch_pairs: int | None = None) -> torch.Tensor:  # [B, H, D]
+                     early_kv: bool | None = None) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one new token (already in the cache) over its context; q's dtype out.
     `semaphores` [>= B, KVH] int32, all zero, is the splits' meeting point; the kernel leaves it zero again, so a
     caller can keep one (a CUDA graph's static buffer) instead of a fresh zeroed one per call. kv_layer holds q's
     dtype, or fp8 K / k_scale and V / v_scale (other caches ignore the scales). `launch` overrides
     launch_config (benchmarks time several). `early_kv` None: EARLY_KV under PDL (whole tiles only); True / False
-    force the early first tile on or off (tests run it without PDL, where the wait is a no-op). `prefetch`: a
-    weight the step reads next, asked into L2 where decode_launch.prefetch_share_bytes says so (`prefetch_pairs`
-    stands in for the step's pairs: start-up compiles the variant with a one-row step); results are the same."""
+    force the early first tile on or off (tests run it without PDL, where the wait is a no-op)."""
     out = check_paged_attention(q, kv_layer, block_tables, q.shape[0], sliding_window, out)
     k_scale, v_scale = check_kv_scales(kv_layer, k_scale, v_scale)
     dev = q.device
@@ -233,11 +216,8 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
     merge_g = triton.next_power_of_2(group)
     dot_f32 = interpreting() or q.dtype == torch.float32
     pdl = NO_PDL if shuns_pdl(launch) else pdl_args(dev, batch)
-    pf_share = prefetch_share_bytes(prefetch, batch * num_kv_heads if prefetch_pairs is None else prefetch_pairs,
-                                    num_kv_heads * splits * batch, dev)
     _decode_split_kernel[(num_kv_heads, splits, batch)](
         q, kv_layer, block_tables, context_lens, part_out, part_lse, semaphores, out,
-        prefetch if pf_share else out, pf_share, prefetch.numel() * prefetch.element_size() if pf_share else 0,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -252,7 +232,6 @@ def decode_attention(q: torch.Tensor,             # [B, H, D]
         WIDEN_F16=not dot_f32 and fp8_cache, V_WORDS=v_words and fp8_cache and _whole_words(kv_layer),
         WHOLE_TILES=whole_tiles, SWAPPED=swapped,
         EARLY_KV=whole_tiles and (EARLY_KV and pdl["PDL"] if early_kv is None else early_kv), LAZY=lazy,
-        PREFETCH=pf_share > 0, KV_EVICT=kv_evict(pf_share > 0),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     return out

@@ -1,7 +1,6 @@
 """How engine.kernels.decode_attention's kernel is launched, from shapes alone (CUDA-graph safe): tokens a tile,
 warps and pipeline stages (`AttentionLaunch`, `launch_config`), how many splits each sequence's context is cut into
-(`default_num_splits`, `num_splits_for`), whether programmatic dependent launch is used (`shuns_pdl`), and whether
-its programs ask the weight read next into L2 (`prefetch_share_bytes`, `kv_evict`: engine.kernels.l2_prefetch). Each
+(`default_num_splits`, `num_splits_for`), and whether programmatic dependent launch is used (`shuns_pdl`). Each
 choice is from timings on an H200 or H100, named where it is made (docs/benchmark-log.md)."""
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import torch
 import triton
 
 from engine.kernels import interpreting
-from engine.kernels.l2_prefetch import share_bytes
 
 
 class AttentionLaunch(NamedTuple):
@@ -110,28 +108,3 @@ def shuns_pdl(launch: AttentionLaunch) -> bool:
     decode step of FP8 weights and fp8 KV at batch 16 / 8k context from 6.04 to 7.01 ms on an H200 (`gpu_run.sh
     pdl`, 6caf790); the one-warp launch fits ~8 programs a SM, ~170 KiB together, so it goes without it too."""
     return launch.num_stages >= 5 or launch.num_warps == 1
-
-
-# A launch of at least this many (sequence, KV head) pairs asks the weight the step reads next (the layer's o_proj)
-# into L2 from its programs' start, its K / V loads evict-first (engine.kernels.l2_prefetch); 0: never. Off until a
-# GPU times it (`STEPAB_ARGS="--only fp8 --cases decode64,32x2048,long --set
-# engine.kernels.decode_launch.KV_EVICT='evict_first' --set engine.kernels.decode_launch.PREFETCH_MIN_PAIRS=64"`:
-# evict-first alone, then with the prefetch; step_ab.py takes Python literals, hence the quotes).
-PREFETCH_MIN_PAIRS = 0
-KV_EVICT = ""  # the K / V loads' L2 eviction hint in launches that do not prefetch ("" none, or "evict_first")
-
-
-def prefetch_share_bytes(prefetch: torch.Tensor | None, pairs: int, programs: int, dev: torch.device) -> int:
-    """Bytes each of a launch's programs asks into L2 (engine.kernels.l2_prefetch.share_bytes), 0 for none: no
-    weight given, fewer `pairs` than PREFETCH_MIN_PAIRS (or it 0), or the interpreter (which has no bulk prefetch)."""
-    if prefetch is None or not PREFETCH_MIN_PAIRS or pairs < PREFETCH_MIN_PAIRS or interpreting():
-        return 0
-    if prefetch.device != dev:
-        raise ValueError(f"prefetch must be on q's device {dev}, got {prefetch.device}")
-    return share_bytes(prefetch, programs)
-
-
-def kv_evict(prefetching: bool) -> str:
-    """The K / V loads' eviction hint: evict-first where the launch prefetches (so that the weight outlives the KV
-    stream in L2), else KV_EVICT."""
-    return "evict_first" if prefetching else KV_EVICT

@@ -17,13 +17,13 @@ from engine.kernels.online_softmax import softmax_step, tile_scores
 def attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
                 stride_kv_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, V_WORDS: tl.constexpr,
-                LAZY: tl.constexpr, SWAPPED: tl.constexpr, EVICT: tl.constexpr = ""):
+                LAZY: tl.constexpr, SWAPPED: tl.constexpr):
     # One tile of BLOCK_N tokens from `tile` on: the online softmax's state (m_i, l_i [BLOCK_G], acc [BLOCK_G,
     # BLOCK_D]; SWAPPED: q and acc [BLOCK_D, BLOCK_G], online_softmax) updated with its keys and values. MASKED:
     # tokens at `end` and beyond (and head dims beyond HEAD_DIM) are masked; a whole tile skips every mask and select
     # (the sm_90 build's loop: 1,083 -> 898 instructions on an fp8 cache, 444 -> 383 on bf16).
     k, v = tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok, HEAD_DIM,
-                   BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True, EVICT)
+                   BLOCK_D, BLOCK_SIZE, BLOCK_N, MASKED, V_WORDS, False, True)
     return attend_kv(q, m_i, l_i, acc, k, v, tile, end, qk_scale, BLOCK_D, BLOCK_N, MASKED, DOT_F32, V_WORDS, LAZY,
                      SWAPPED)
 
@@ -31,11 +31,10 @@ def attend_tile(q, m_i, l_i, acc, kv_ptr, table_row, head_off, tile, end, stride
 @triton.jit
 def tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv, stride_kv_tok,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, V_WORDS: tl.constexpr, GATED: tl.constexpr, take, EVICT: tl.constexpr = ""):
+            MASKED: tl.constexpr, V_WORDS: tl.constexpr, GATED: tl.constexpr, take):
     # The tile's block ids, then K [BLOCK_N, BLOCK_D] and V as stored (an fp8 cache's V as int32 words
     # [BLOCK_N, BLOCK_D / 4] with V_WORDS). GATED: every load also masked by the scalar `take` (none issued when it is
-    # false; the kernel's early tile, loaded before its PDL wait). EVICT: the K / V loads' L2 eviction hint ("" or
-    # "evict_first": read once, so that what engine.kernels.l2_prefetch asked into L2 outlives them).
+    # false; the kernel's early tile, loaded before its PDL wait).
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     toks = tile + offs_n  # [BLOCK_N]
@@ -49,23 +48,20 @@ def tile_kv(kv_ptr, table_row, head_off, tile, end, stride_kv_blk, stride_kv_kv,
     row = blk * stride_kv_blk + (toks % BLOCK_SIZE) * stride_kv_tok + head_off  # [BLOCK_N]
     kv_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     if MASKED or GATED:
-        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
-                    eviction_policy=EVICT)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     else:
-        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], eviction_policy=EVICT)
+        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :])
     if V_WORDS:  # an fp8 cache's V rows as int32 words, widened before tl.dot transposes them (e4m3.py)
         offs_w = tl.arange(0, BLOCK_D // 4)
         words_ptr = (kv_ptr + stride_kv_kv + row[:, None]).to(tl.pointer_type(tl.int32)) + offs_w[None, :]
         if MASKED or GATED:
-            v = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0,
-                        eviction_policy=EVICT)
+            v = tl.load(words_ptr, mask=t_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
         else:
-            v = tl.load(words_ptr, eviction_policy=EVICT)
+            v = tl.load(words_ptr)
     elif MASKED or GATED:
-        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0,
-                    eviction_policy=EVICT)
+        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
-        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], eviction_policy=EVICT)
+        v = tl.load(kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :])
     return k, v
 
 

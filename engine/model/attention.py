@@ -16,10 +16,9 @@ from engine.model.attention_metadata import AttentionMetadata
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
            use_kernels: bool, out: torch.Tensor | None = None, k_scale: float = 1.0,
-           v_scale: float = 1.0, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+           v_scale: float = 1.0) -> torch.Tensor:
     """q [T, H, D]; kv_layer [NB, 2, bs, KVH, D] already holding the new tokens' K/V -> output [T, H, D] (into
-    `out` where given: the kernel path only). `k_scale`, `v_scale`: an fp8 cache's (engine.kv_quant). `prefetch`:
-    the weight read next (o_proj's), which the decode kernel may ask into L2 (engine.kernels.l2_prefetch)."""
+    `out` where given: the kernel path only). `k_scale`, `v_scale`: an fp8 cache's (engine.kv_quant)."""
     if not use_kernels:
         return torch_attention.paged_attention(q, kv_layer, meta, scale, k_scale, v_scale)
     from engine.kernels.decode_attention import decode_attention
@@ -29,7 +28,7 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, sca
     if nd:
         decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
                          meta.sliding_window, out=out[:nd], semaphores=meta.decode_semaphores, k_scale=k_scale,
-                         v_scale=v_scale, prefetch=prefetch)
+                         v_scale=v_scale)
     if meta.prefill_lens:
         prefill_attention(q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start,
                           meta.prefill_context_lens, meta.max_query_len, scale, meta.sliding_window, out=out[nd:],

@@ -123,10 +123,8 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, D] over kv_layer [NB, 2, bs, KVH, D] (the new K/V stored) -> [T, H, D] (engine.model.attention;
-        o_proj's weight is the one read next, which the decode kernel may ask into L2)."""
-        return attend(q, kv_layer, meta, self.head_dim ** -0.5, self.use_kernels, out, self.k_scale, self.v_scale,
-                      self.o_proj.weight if self.use_kernels else None)
+        """q [T, H, D] over kv_layer [NB, 2, bs, KVH, D] (the new K/V stored) -> [T, H, D] (engine.model.attention)."""
+        return attend(q, kv_layer, meta, self.head_dim ** -0.5, self.use_kernels, out, self.k_scale, self.v_scale)
 
     def project(self, x: torch.Tensor, rope: RopeInputs, kv_layer: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:

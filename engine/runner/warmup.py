@@ -29,7 +29,6 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
-from engine.kernels import decode_launch
 from engine.kernels.decode_attention import decode_attention
 from engine.kernels.decode_launch import SPLIT_CHOICES, launch_choices, num_splits_for
 from engine.runner.cuda_graphs import bucket_sizes
@@ -109,8 +108,7 @@ def warm_up(engine) -> float:
 @torch.inference_mode()
 def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks_per_seq: int) -> None:
     """One eager decode-attention launch per split count and launch choice (decode_launch.launch_choices: an fp8
-    cache has one for few sequences and one for many), and one that prefetches where decode_launch.PREFETCH_MIN_PAIRS
-    is set, on block 0 of layer 0 (its contents are not read back).
+    cache has one for few sequences and one for many), on block 0 of layer 0 (its contents are not read back).
     Every tensor-parallel rank runs it on its own shard (`model.config` holds the rank's local heads)."""
     kv_layer = kv_cache[:, 0]  # [NB, 2, bs, KVH, D]
     bs, kvh, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
@@ -124,10 +122,6 @@ def decode_variants(model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks
             lens = torch.full((1,), splits * bs, dtype=torch.int32, device=kv_cache.device)
             decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits,
                              launch=launch)
-            if decode_launch.PREFETCH_MIN_PAIRS:  # the variant that asks o_proj's weight into L2 (l2_prefetch)
-                decode_attention(q, kv_layer, tables, lens, 1.0, model.config.sliding_window, num_splits=splits,
-                                 launch=launch, prefetch=model.model.layers[0].self_attn.o_proj.weight,
-                                 prefetch_pairs=decode_launch.PREFETCH_MIN_PAIRS)
 
 
 def _requests(engine) -> None:
